@@ -1,0 +1,1 @@
+"""The per-host mlfabric daemon: local API, data plane and control stream."""

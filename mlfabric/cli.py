@@ -1,0 +1,67 @@
+"""The ``mlfabric`` console command.
+
+Each subcommand lives in its own module, which provides ``configure(parser)`` (add the
+subcommand's arguments) and ``run(args) -> int`` (do the work, return the exit code).
+Modules import their heavy dependencies inside ``run`` so that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+#: subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "scheduler": ("mlfabric.scheduler.cli", "run the central scheduler service (one per cluster)"),
+    "daemon": ("mlfabric.daemon.cli", "run a host daemon (one per host)"),
+    "demo": ("mlfabric.demo", "train on an emulated cluster on this machine, stf vs fair"),
+    "simulate": ("mlfabric.scheduler.simcli", "simulate policies on large clusters (fluid, discrete-event)"),
+    "plan": ("mlfabric.scheduler.plancli", "plan an instance offline: ILP, STF, fair, and their gaps"),
+    "testbed": ("mlfabric.testbed.cli", "build an emulated cluster of network namespaces (root)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand's arguments."""
+    from mlfabric import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="mlfabric",
+        description="MLfabric: network-aware scheduling of distributed-training transfers.",
+    )
+    parser.add_argument("--version", action="version", version=f"mlfabric {__version__}")
+    parser.add_argument(
+        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        doc = (module.__doc__ or help_text).strip()
+        p = sub.add_parser(
+            name, help=help_text, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        module.configure(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mlfabric`` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

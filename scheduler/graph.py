@@ -1,0 +1,250 @@
+"""The bandwidth graph: hosts, switches and links with capacities (DESIGN §2, paper §5).
+
+A bandwidth graph is a :class:`networkx.DiGraph`. Nodes carry ``kind`` (``"host"`` or
+``"switch"``); every directed edge ``(u, v)`` is one direction of a link and carries
+``capacity`` (bytes per second) and ``latency`` (seconds). A full-duplex link is two
+edges, one each way, each with the link's rate.
+
+Topology files are TOML::
+
+    # hosts are end points (one daemon each); switches only forward
+    hosts = ["ps", "w0", "w1"]
+    switches = ["tor"]
+
+    [[links]]
+    a = "ps"
+    b = "tor"
+    gbps = 1.0          # rate each way; or `mbps = 100`
+
+    [[links]]
+    a = "w0"
+    b = "tor"
+    mbps = 200
+    mbps_ba = 50        # optional: a different rate from b to a
+    latency_ms = 0.1    # optional
+
+Hosts and switches may also be tables (``[[hosts]]`` with ``name = "w0"``) so that later
+fields can be attached to them.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+__all__ = [
+    "TopologyError",
+    "bottleneck",
+    "hosts",
+    "load_topology",
+    "parse_topology",
+    "path_links",
+    "shortest_path",
+    "star",
+]
+
+BITS_PER_BYTE = 8
+
+
+class TopologyError(ValueError):
+    """A topology file or dict is malformed; the message names the host, link or field."""
+
+
+def _rate_bytes(link: Mapping[str, Any], where: str, suffix: str = "") -> float | None:
+    gbps = link.get("gbps" + suffix)
+    mbps = link.get("mbps" + suffix)
+    if gbps is not None and mbps is not None:
+        raise TopologyError(f"{where}: give gbps{suffix} or mbps{suffix}, not both")
+    value = gbps * 1e9 if gbps is not None else (mbps * 1e6 if mbps is not None else None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise TopologyError(f"{where}: rate{suffix} must be a positive number, got {gbps or mbps!r}")
+    return float(value) / BITS_PER_BYTE
+
+
+def _names(items: Any, field: str) -> list[str]:
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise TopologyError(f"'{field}' must be a list, got {type(items).__name__}")
+    names = []
+    for i, item in enumerate(items):
+        name = item.get("name") if isinstance(item, Mapping) else item
+        if not isinstance(name, str) or not name:
+            raise TopologyError(f"{field}[{i}]: expected a non-empty name, got {item!r}")
+        names.append(name)
+    return names
+
+
+def parse_topology(data: Mapping[str, Any]) -> nx.DiGraph:
+    """Build a bandwidth graph from a topology mapping (the parsed TOML or JSON).
+
+    Parameters
+    ----------
+    data : mapping
+        With ``hosts`` and optional ``switches`` (lists of names or of tables with
+        ``name``) and ``links`` (tables with ``a``, ``b``, ``gbps`` or ``mbps``, optional
+        ``gbps_ba``/``mbps_ba`` for the reverse direction and ``latency_ms``).
+
+    Returns
+    -------
+    networkx.DiGraph
+        Nodes with ``kind``; each direction of a link an edge with ``capacity`` in
+        bytes/s and ``latency`` in seconds.
+
+    Raises
+    ------
+    TopologyError
+        Naming the offending host, switch, link or field.
+
+    Examples
+    --------
+    >>> g = parse_topology({"hosts": ["a", "b"], "links": [{"a": "a", "b": "b", "gbps": 8}]})
+    >>> g["a"]["b"]["capacity"]
+    1000000000.0
+    """
+    if not isinstance(data, Mapping):
+        raise TopologyError(f"a topology must be a table, got {type(data).__name__}")
+    unknown = set(data) - {"hosts", "switches", "links", "name", "description"}
+    if unknown:
+        raise TopologyError(f"unknown topology field(s): {', '.join(sorted(unknown))}")
+    host_names = _names(data.get("hosts"), "hosts")
+    switch_names = _names(data.get("switches"), "switches")
+    if not host_names:
+        raise TopologyError("a topology needs at least one host")
+    g = nx.DiGraph()
+    for kind, names in (("host", host_names), ("switch", switch_names)):
+        for name in names:
+            if name in g:
+                raise TopologyError(f"{kind} '{name}' is declared twice")
+            g.add_node(name, kind=kind)
+    links = data.get("links", [])
+    if not isinstance(links, list):
+        raise TopologyError("'links' must be a list of tables")
+    for i, link in enumerate(links):
+        if not isinstance(link, Mapping):
+            raise TopologyError(f"links[{i}]: expected a table, got {link!r}")
+        a, b = link.get("a"), link.get("b")
+        where = f"links[{i}] ({a}-{b})"
+        extra = set(link) - {"a", "b", "gbps", "mbps", "gbps_ba", "mbps_ba", "latency_ms"}
+        if extra:
+            raise TopologyError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+        for end in (a, b):
+            if end not in g:
+                raise TopologyError(f"{where}: '{end}' is not a declared host or switch")
+        if a == b:
+            raise TopologyError(f"{where}: a link cannot join '{a}' to itself")
+        if g.has_edge(a, b):
+            raise TopologyError(f"{where}: duplicate link between '{a}' and '{b}'")
+        rate = _rate_bytes(link, where)
+        if rate is None:
+            raise TopologyError(f"{where}: missing rate (gbps or mbps)")
+        rate_ba = _rate_bytes(link, where, "_ba") or rate
+        latency = link.get("latency_ms", 0.0)
+        if not isinstance(latency, int | float) or latency < 0:
+            raise TopologyError(f"{where}: latency_ms must be a number >= 0, got {latency!r}")
+        g.add_edge(a, b, capacity=rate, latency=latency / 1e3)
+        g.add_edge(b, a, capacity=rate_ba, latency=latency / 1e3)
+    for h in host_names:
+        if g.degree(h) == 0 and len(host_names) > 1:
+            raise TopologyError(f"host '{h}' has no link")
+    return g
+
+
+def load_topology(path: str | Path) -> nx.DiGraph:
+    """Load a TOML topology file (see the module docstring for the format).
+
+    Raises
+    ------
+    TopologyError
+        If the file is missing, is not TOML, or describes an invalid topology; the
+        message starts with the file name.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise TopologyError(f"{path}: no such topology file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TopologyError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return parse_topology(data)
+    except TopologyError as exc:
+        raise TopologyError(f"{path}: {exc}") from None
+
+
+def star(n: int | Iterable[str], nic_bps: float | Mapping[str, float], switch: str = "sw") -> nx.DiGraph:
+    """A star: hosts around one switch, each with one full-duplex NIC link.
+
+    Parameters
+    ----------
+    n : int or iterable of str
+        Number of hosts (named ``h0..h{n-1}``) or their names.
+    nic_bps : float or mapping
+        NIC rate in bits/s for every host, or per host name (heterogeneous NICs).
+    switch : str
+        Name of the central switch.
+
+    Examples
+    --------
+    >>> g = star(3, 8e9)
+    >>> sorted(hosts(g)), g["h0"]["sw"]["capacity"]
+    (['h0', 'h1', 'h2'], 1000000000.0)
+    """
+    names = [f"h{i}" for i in range(n)] if isinstance(n, int) else list(n)
+    g = nx.DiGraph()
+    g.add_node(switch, kind="switch")
+    for name in names:
+        rate = nic_bps[name] if isinstance(nic_bps, Mapping) else nic_bps
+        if rate <= 0:
+            raise TopologyError(f"host '{name}': NIC rate must be positive, got {rate}")
+        g.add_node(name, kind="host")
+        g.add_edge(name, switch, capacity=rate / BITS_PER_BYTE, latency=0.0)
+        g.add_edge(switch, name, capacity=rate / BITS_PER_BYTE, latency=0.0)
+    return g
+
+
+def hosts(g: nx.DiGraph) -> list[str]:
+    """The host nodes of ``g``, in insertion order."""
+    return [v for v, kind in g.nodes(data="kind") if kind == "host"]
+
+
+def shortest_path(g: nx.DiGraph, src: str, dst: str) -> list[str]:
+    """Hop-count shortest path from ``src`` to ``dst`` (deterministic).
+
+    Raises
+    ------
+    TopologyError
+        If either end is not in the graph or no path joins them.
+    """
+    for end in (src, dst):
+        if end not in g:
+            raise TopologyError(f"'{end}' is not a host of the bandwidth graph")
+    try:
+        return list(nx.shortest_path(g, src, dst))
+    except nx.NetworkXNoPath:
+        raise TopologyError(f"no path from '{src}' to '{dst}'") from None
+
+
+def path_links(path: list[str]) -> list[tuple[str, str]]:
+    """The directed links ``(u, v)`` along a node path."""
+    return list(zip(path, path[1:], strict=False))
+
+
+def bottleneck(g: nx.DiGraph, path: list[str]) -> tuple[tuple[str, str] | None, float]:
+    """The lowest-capacity link of ``path`` and its capacity (bytes/s).
+
+    A path of one node (same host) has no links: ``(None, inf)``.
+    """
+    best: tuple[str, str] | None = None
+    rate = float("inf")
+    for link in path_links(path):
+        cap = g.edges[link]["capacity"]
+        if cap < rate:
+            best, rate = link, cap
+    return best, rate
