@@ -39,7 +39,7 @@ class TensorLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("kind", "update_id", "job", "server", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "payload_crc32c", "outcome", "delay", "version", "reason", "src_host")
+    __slots__ = ("kind", "update_id", "job", "server", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "payload_crc32", "outcome", "delay", "version", "reason", "src_host")
     KIND_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -50,7 +50,7 @@ class FrameHeader(_message.Message):
     NUM_UPDATES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     DELAY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -66,10 +66,10 @@ class FrameHeader(_message.Message):
     num_updates: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorLayout]
     payload_bytes: int
-    payload_crc32c: int
+    payload_crc32: int
     outcome: _control_pb2.Outcome
     delay: int
     version: int
     reason: str
     src_host: str
-    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32c: _Optional[int] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., src_host: _Optional[str] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., src_host: _Optional[str] = ...) -> None: ...
