@@ -1,0 +1,1 @@
+"""Emulated cluster testbed on Linux network namespaces (DESIGN §6)."""
