@@ -29,6 +29,7 @@ fields can be attached to them.
 
 from __future__ import annotations
 
+import itertools
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -37,14 +38,17 @@ from typing import Any
 import networkx as nx
 
 __all__ = [
+    "PathCache",
     "TopologyError",
     "bottleneck",
+    "fat_tree",
     "hosts",
     "load_topology",
     "parse_topology",
     "path_links",
     "shortest_path",
     "star",
+    "two_tier",
 ]
 
 BITS_PER_BYTE = 8
@@ -233,7 +237,7 @@ def shortest_path(g: nx.DiGraph, src: str, dst: str) -> list[str]:
 
 def path_links(path: list[str]) -> list[tuple[str, str]]:
     """The directed links ``(u, v)`` along a node path."""
-    return list(zip(path, path[1:], strict=False))
+    return list(itertools.pairwise(path))
 
 
 def bottleneck(g: nx.DiGraph, path: list[str]) -> tuple[tuple[str, str] | None, float]:
@@ -248,3 +252,215 @@ def bottleneck(g: nx.DiGraph, path: list[str]) -> tuple[tuple[str, str] | None, 
         if cap < rate:
             best, rate = link, cap
     return best, rate
+
+
+def _nic_rate(nic_bps: float | Mapping[str, float], name: str) -> float:
+    rate = nic_bps[name] if isinstance(nic_bps, Mapping) else nic_bps
+    if rate <= 0:
+        raise TopologyError(f"host '{name}': NIC rate must be positive, got {rate}")
+    return float(rate) / BITS_PER_BYTE
+
+
+def _link(g: nx.DiGraph, a: str, b: str, rate: float) -> None:
+    g.add_edge(a, b, capacity=rate, latency=0.0)
+    g.add_edge(b, a, capacity=rate, latency=0.0)
+
+
+def two_tier(
+    racks: int,
+    hosts_per_rack: int,
+    nic_bps: float | Mapping[str, float],
+    oversubscription: float = 1.0,
+) -> nx.DiGraph:
+    """Racks of hosts under top-of-rack switches joined by one core switch.
+
+    Each rack's uplink (both directions) runs at ``hosts_per_rack * nominal NIC rate /
+    oversubscription``; with ``oversubscription > 1`` the uplinks are the bottlenecks the
+    paper's network settings emulate (§7, NS1-NS3).
+
+    Parameters
+    ----------
+    racks, hosts_per_rack : int
+        Hosts are ``h0 .. h{racks*hosts_per_rack-1}``, rack ``r`` holding ``h{r*hosts_per_rack}``
+        onwards, under switch ``tor{r}``; the core switch is ``core``.
+    nic_bps : float or mapping
+        NIC rate in bits/s, for every host or per host name (heterogeneous NICs; the uplink
+        uses the mean of the rack's NICs).
+    oversubscription : float
+        Ratio of a rack's total NIC rate to its uplink rate (>= 1 usually).
+
+    Returns
+    -------
+    networkx.DiGraph
+
+    Examples
+    --------
+    >>> g = two_tier(2, 4, 8e9, oversubscription=2.0)
+    >>> len(hosts(g)), g["tor0"]["core"]["capacity"] / g["h0"]["tor0"]["capacity"]
+    (8, 2.0)
+    """
+    if racks < 1 or hosts_per_rack < 1:
+        raise TopologyError(
+            f"two_tier needs racks >= 1 and hosts_per_rack >= 1, got {racks}, {hosts_per_rack}"
+        )
+    if oversubscription <= 0:
+        raise TopologyError(f"oversubscription must be positive, got {oversubscription}")
+    g = nx.DiGraph()
+    g.add_node("core", kind="switch")
+    for r in range(racks):
+        tor = f"tor{r}"
+        g.add_node(tor, kind="switch")
+        total = 0.0
+        for j in range(hosts_per_rack):
+            name = f"h{r * hosts_per_rack + j}"
+            rate = _nic_rate(nic_bps, name)
+            total += rate
+            g.add_node(name, kind="host")
+            _link(g, name, tor, rate)
+        if racks > 1:
+            _link(g, tor, "core", total / oversubscription)
+    if racks == 1:
+        g.remove_node("core")
+    return g
+
+
+def fat_tree(k: int, link_bps: float) -> nx.DiGraph:
+    """A k-ary fat-tree (Al-Fares et al.): k pods, (k/2)^2 core switches, k^3/4 hosts.
+
+    Parameters
+    ----------
+    k : int
+        Even number of ports per switch.
+    link_bps : float
+        Rate of every link in bits/s.
+
+    Returns
+    -------
+    networkx.DiGraph
+        Hosts ``h0..``; edge switches ``e{pod}_{i}``, aggregation switches ``a{pod}_{i}``,
+        core switches ``c{i}_{j}``.
+
+    Examples
+    --------
+    >>> g = fat_tree(4, 8e9)
+    >>> len(hosts(g)), g.number_of_nodes() - len(hosts(g))
+    (16, 20)
+    """
+    if k < 2 or k % 2:
+        raise TopologyError(f"fat_tree needs an even k >= 2, got {k}")
+    rate = link_bps / BITS_PER_BYTE
+    if rate <= 0:
+        raise TopologyError(f"link rate must be positive, got {link_bps}")
+    half = k // 2
+    g = nx.DiGraph()
+    host = 0
+    for pod in range(k):
+        for i in range(half):
+            g.add_node(f"e{pod}_{i}", kind="switch")
+            g.add_node(f"a{pod}_{i}", kind="switch")
+        for i in range(half):
+            for _ in range(half):
+                g.add_node(f"h{host}", kind="host")
+                _link(g, f"h{host}", f"e{pod}_{i}", rate)
+                host += 1
+            for j in range(half):
+                _link(g, f"e{pod}_{i}", f"a{pod}_{j}", rate)
+        for i in range(half):
+            for j in range(half):
+                core = f"c{i}_{j}"
+                if core not in g:
+                    g.add_node(core, kind="switch")
+                _link(g, f"a{pod}_{i}", core, rate)
+    return g
+
+
+class PathCache:
+    """Cached hop-count shortest paths of one bandwidth graph (deterministic).
+
+    One breadth-first search per destination yields the path from every source; paths are
+    kept until the cache is dropped. Paths depend only on the topology, so a cache can be
+    reused for a graph whose capacities changed (see :meth:`same_topology`).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The bandwidth graph (read only).
+
+    Examples
+    --------
+    >>> pc = PathCache(star(3, 8e9))
+    >>> pc.path("h0", "h2"), pc.links("h0", "h2")
+    (('h0', 'sw', 'h2'), (('h0', 'sw'), ('sw', 'h2')))
+    """
+
+    __slots__ = ("_graph", "_links", "_trees")
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        self._graph = graph
+        self._trees: dict[str, dict[str, str]] = {}
+        self._links: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The graph the paths belong to."""
+        return self._graph
+
+    def same_topology(self, other: nx.DiGraph) -> bool:
+        """Whether ``other`` has the same nodes and links (capacities may differ)."""
+        g = self._graph
+        if other is g:
+            return True
+        return (
+            other.number_of_nodes() == g.number_of_nodes()
+            and other.number_of_edges() == g.number_of_edges()
+            and all(other.has_edge(u, v) for u, v in g.edges)
+        )
+
+    def _tree(self, dst: str) -> dict[str, str]:
+        tree = self._trees.get(dst)
+        if tree is None:
+            if dst not in self._graph:
+                raise TopologyError(f"'{dst}' is not a host of the bandwidth graph")
+            tree = {dst: dst}
+            frontier = [dst]
+            pred = self._graph.pred
+            while frontier:
+                nxt = []
+                for v in frontier:
+                    for u in pred[v]:
+                        if u not in tree:
+                            tree[u] = v
+                            nxt.append(u)
+                frontier = nxt
+            self._trees[dst] = tree
+        return tree
+
+    def path(self, src: str, dst: str) -> tuple[str, ...]:
+        """Node path from ``src`` to ``dst``.
+
+        Raises
+        ------
+        TopologyError
+            If an end is unknown or no path joins them.
+        """
+        tree = self._tree(dst)
+        if src not in tree:
+            where = (
+                "is not a host of the bandwidth graph"
+                if src not in self._graph
+                else f"has no path to '{dst}'"
+            )
+            raise TopologyError(f"'{src}' {where}")
+        path = [src]
+        while path[-1] != dst:
+            path.append(tree[path[-1]])
+        return tuple(path)
+
+    def links(self, src: str, dst: str) -> tuple[tuple[str, str], ...]:
+        """Directed links of the path from ``src`` to ``dst`` (cached)."""
+        key = (src, dst)
+        links = self._links.get(key)
+        if links is None:
+            links = tuple(itertools.pairwise(self.path(src, dst)))
+            self._links[key] = links
+        return links

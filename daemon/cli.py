@@ -1,0 +1,137 @@
+"""Run a host daemon (one per host): the local API for training processes, the data plane
+for peer daemons and the control stream to the scheduler (DESIGN.md §3).
+
+Once the scheduler has welcomed it, the daemon writes ``--ready-file`` (JSON
+``{"pid", "socket", "data_address", "host"}``, atomically). SIGTERM or SIGINT stops it
+cleanly (exit 0); pushes not yet resolved resolve DROPPED with the reason.
+
+Example::
+
+    mlfabric daemon --host w0 --scheduler 127.0.0.1:7000 --socket /tmp/w0.sock \\
+        --data-listen 127.0.0.1:0 --ready-file /tmp/w0.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+__all__ = ["configure", "host_nic_rates", "run", "write_ready_file"]
+
+_LOG = logging.getLogger("mlfabric.daemon")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``mlfabric daemon`` arguments to ``parser``."""
+    from mlfabric.localclient import DEFAULT_SOCKET
+
+    parser.add_argument("--host", required=True, help="this host's name in the scheduler's bandwidth graph")
+    parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
+    parser.add_argument(
+        "--socket", default=DEFAULT_SOCKET, metavar="PATH", help=f"local API Unix socket (default {DEFAULT_SOCKET})"
+    )
+    parser.add_argument(
+        "--data-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="data-plane listen address (port 0: any)"
+    )
+    parser.add_argument("--topology", metavar="FILE", help="topology TOML (for --enforce-nic-rates)")
+    parser.add_argument(
+        "--enforce-nic-rates",
+        action="store_true",
+        help="shape this daemon's data-plane traffic to its host's NIC rates in --topology (token buckets)",
+    )
+    parser.add_argument("--ready-file", metavar="FILE", help="write JSON {pid, socket, data_address} here once registered")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=30.0, help="seconds to wait for the scheduler's welcome (default 30)"
+    )
+    parser.add_argument("--send-attempts", type=int, default=3, help="tries per transfer before DROPPED (default 3)")
+
+
+def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
+    """The host's egress and ingress rates in bytes per second, from a topology file.
+
+    Parameters
+    ----------
+    topology_path : str
+        Topology TOML (see :mod:`mlfabric.scheduler.graph`).
+    host : str
+        A host of the topology.
+
+    Returns
+    -------
+    egress, ingress : float
+        Sum of the capacities of the host's outgoing and incoming links.
+
+    Raises
+    ------
+    ValueError
+        The host is not in the topology or has no links.
+    """
+    from mlfabric.scheduler.graph import load_topology
+
+    graph = load_topology(topology_path)
+    if host not in graph:
+        raise ValueError(f"host {host!r} is not in topology {topology_path}")
+    egress = sum(float(d["capacity"]) for _, _, d in graph.out_edges(host, data=True))
+    ingress = sum(float(d["capacity"]) for _, _, d in graph.in_edges(host, data=True))
+    if egress <= 0 or ingress <= 0:
+        raise ValueError(f"host {host!r} has no links in topology {topology_path}")
+    return egress, ingress
+
+
+def write_ready_file(path: str, content: dict[str, Any]) -> None:
+    """Write ``content`` as JSON to ``path`` atomically (temp file + rename)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(content, f)
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
+    from mlfabric.daemon.daemon import Daemon, DaemonConfig
+
+    egress = ingress = None
+    if args.enforce_nic_rates:
+        if not args.topology:
+            _LOG.error("--enforce-nic-rates needs --topology")
+            return 2
+        try:
+            egress, ingress = host_nic_rates(args.topology, args.host)
+        except (OSError, ValueError) as exc:
+            _LOG.error("cannot read NIC rates: %s", exc)
+            return 2
+    config = DaemonConfig(
+        host=args.host,
+        scheduler=args.scheduler,
+        socket_path=args.socket,
+        data_listen=args.data_listen,
+        egress_rate=egress,
+        ingress_rate=ingress,
+        send_attempts=args.send_attempts,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    daemon = Daemon(config)
+    try:
+        daemon.start(timeout=args.connect_timeout)
+    except (TimeoutError, OSError) as exc:
+        _LOG.error("daemon of host %r could not start: %s", args.host, exc)
+        return 1
+    try:
+        if args.ready_file:
+            write_ready_file(
+                args.ready_file,
+                {"pid": os.getpid(), "socket": args.socket, "data_address": daemon.data_address, "host": args.host},
+            )
+        _LOG.info("daemon %s: socket %s, data plane %s", args.host, args.socket, daemon.data_address)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        daemon.stop()
+    return 0

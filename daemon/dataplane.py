@@ -1,0 +1,530 @@
+"""Data-plane framing: daemon <-> daemon bulk transfer of updates and models (issue 2, "Data plane").
+
+A frame on the wire (see ``proto/mlfabric/v1/dataplane.proto``)::
+
+    b"MLF1" | 4-byte big-endian header length | FrameHeader | payload (header.payload_bytes)
+
+The payload is the update's (or aggregate's, or model's) tensors concatenated as the header's
+``tensors`` layout lists them, protected by a CRC-32 (``zlib.crc32``) carried in the header. The
+bytes move over plain TCP sockets, not gRPC, so that one transfer runs at link speed (MLfabric §4:
+the daemons, not the training processes, move the bytes; the scheduler only sees reports).
+
+Sending takes the payload either as a buffer (``sendall``) or as a :class:`FileSpan` of a memfd
+(``os.sendfile``, no copy through user space). Receiving goes into a buffer the caller allocates
+(``alloc(nbytes)``; the daemon hands out memfd-backed mmaps so it can pass the fd on to the server
+process), ``recv_into`` in large chunks, with the CRC computed chunk by chunk while the data is hot.
+
+Every rule a frame can break raises :class:`FrameError` naming the problem. Functions here are
+blocking and thread-safe as long as each socket is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from google.protobuf.message import DecodeError
+
+from mlfabric.daemon.ratelimit import TokenBucket
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "MAGIC",
+    "Alloc",
+    "FileSpan",
+    "Frame",
+    "FrameError",
+    "FrameHeader",
+    "FrameLimits",
+    "Payload",
+    "TransferStats",
+    "check_header",
+    "error_header",
+    "payload_crc32",
+    "payload_length",
+    "recv_frame",
+    "send_frame",
+]
+
+FrameHeader = dataplane_pb2.FrameHeader
+
+#: The four bytes every frame starts with.
+MAGIC = b"MLF1"
+_PREFIX = struct.Struct(">4sI")
+
+#: Bytes per element of the dtypes a tensor layout may name (issue 2, "Tensors").
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint16": 2,
+}
+
+#: Bytes moved per ``send``/``recv_into``/``sendfile`` call (and per token-bucket reservation).
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What a receiver accepts.
+
+    Parameters
+    ----------
+    max_header_bytes : int
+        Largest serialized :class:`FrameHeader` (the 4-byte length field is checked against it
+        before any header byte is read).
+    max_payload_bytes : int
+        Largest ``payload_bytes`` (checked before the payload buffer is allocated).
+
+    Examples
+    --------
+    >>> FrameLimits(max_header_bytes=4096, max_payload_bytes=1 << 20).max_payload_bytes
+    1048576
+    """
+
+    max_header_bytes: int = 1 << 20
+    max_payload_bytes: int = 4 << 30
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """A payload that sits in a file (a memfd): ``length`` bytes of ``fd`` from ``offset``.
+
+    The fd stays owned by the caller; the data plane only reads it (``os.sendfile``).
+
+    Examples
+    --------
+    >>> FileSpan(fd=3, offset=0, length=16).length
+    16
+    """
+
+    fd: int
+    offset: int
+    length: int
+
+
+#: A payload to send: any contiguous buffer, or a span of a file descriptor.
+Payload: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap | FileSpan"
+#: ``alloc(nbytes)`` returns a writable buffer of at least ``nbytes`` bytes.
+Alloc: TypeAlias = Callable[[int], Any]
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """Measurement of one frame's byte movement (reported to the scheduler, MLfabric §4).
+
+    Parameters
+    ----------
+    bytes : int
+        Payload bytes moved (the header is not counted).
+    start, end : float
+        Wall-clock (``time.time()``) instants the frame's first byte went / last byte arrived.
+
+    Examples
+    --------
+    >>> TransferStats(bytes=2_000_000, start=10.0, end=10.5).throughput
+    4000000.0
+    """
+
+    bytes: int
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        """Duration of the byte movement in seconds."""
+        return max(0.0, self.end - self.start)
+
+    @property
+    def throughput(self) -> float:
+        """Payload bytes per second (0.0 when nothing moved or no time elapsed)."""
+        secs = self.seconds
+        return self.bytes / secs if secs > 0 and self.bytes > 0 else 0.0
+
+
+@dataclass
+class Frame:
+    """A received frame.
+
+    Parameters
+    ----------
+    header : FrameHeader
+        The parsed and checked header.
+    payload : memoryview
+        Exactly ``header.payload_bytes`` bytes (a view of ``buffer``; empty when there is none).
+    buffer : object or None
+        What ``alloc`` returned (None for an empty payload, for which ``alloc`` is not called).
+    stats : TransferStats
+        When the frame started and finished arriving.
+    """
+
+    header: Any
+    payload: memoryview
+    buffer: Any
+    stats: TransferStats
+
+
+class FrameError(Exception):
+    """A frame broke a rule of the data plane; the message names the problem.
+
+    Parameters
+    ----------
+    reason : str
+        What was wrong (``"bad magic b'GET '"``, ``"CRC-32 mismatch ..."``, ...).
+    reply_possible : bool
+        True when the peer speaks the protocol and the stream is still in step, so an ERROR
+        frame can be sent back before closing; False (bad magic, peer gone) otherwise.
+
+    Examples
+    --------
+    >>> str(FrameError("payload of 10 bytes exceeds the limit of 4"))
+    'payload of 10 bytes exceeds the limit of 4'
+    """
+
+    def __init__(self, reason: str, *, reply_possible: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.reply_possible = reply_possible
+
+
+def payload_length(payload: Payload | None) -> int:
+    """Number of bytes in ``payload`` (0 for None).
+
+    Examples
+    --------
+    >>> payload_length(b"abc"), payload_length(None), payload_length(FileSpan(3, 8, 100))
+    (3, 0, 100)
+    """
+    if payload is None:
+        return 0
+    if isinstance(payload, FileSpan):
+        return payload.length
+    return memoryview(payload).nbytes
+
+
+def payload_crc32(payload: Payload | None) -> int:
+    """CRC-32 (``zlib.crc32``) of the payload's bytes; a :class:`FileSpan` is read through mmap.
+
+    Examples
+    --------
+    >>> payload_crc32(b"hello") == zlib.crc32(b"hello")
+    True
+    """
+    if payload is None:
+        return 0
+    if not isinstance(payload, FileSpan):
+        return zlib.crc32(memoryview(payload).cast("B"))
+    if payload.length == 0:
+        return 0
+    start = payload.offset - payload.offset % mmap.ALLOCATIONGRANULARITY
+    skip = payload.offset - start
+    with mmap.mmap(payload.fd, skip + payload.length, mmap.MAP_SHARED, mmap.PROT_READ, offset=start) as mm:
+        view = memoryview(mm)
+        try:
+            return zlib.crc32(view[skip : skip + payload.length])
+        finally:
+            view.release()
+
+
+def error_header(reason: str, *, update_id: str = "", src_host: str = "") -> Any:
+    """An ERROR frame header carrying ``reason``.
+
+    Examples
+    --------
+    >>> error_header("unknown job 'x'").reason
+    "unknown job 'x'"
+    """
+    return FrameHeader(
+        kind=dataplane_pb2.FRAME_KIND_ERROR,
+        reason=reason,
+        update_id=update_id,
+        src_host=src_host,
+        outcome=control_pb2.OUTCOME_UNSPECIFIED,
+    )
+
+
+def check_header(header: Any, limits: FrameLimits) -> None:
+    """Check a header's kind, payload size and tensor layout; raise :class:`FrameError` if broken.
+
+    The layout rules: every tensor has a known dtype, non-negative dims and
+    ``nbytes == prod(shape) * itemsize``; tensors lie inside the payload, do not overlap, and
+    together cover exactly ``payload_bytes`` (a non-empty payload must be described).
+
+    Parameters
+    ----------
+    header : FrameHeader
+        The header to check.
+    limits : FrameLimits
+        The receiver's limits.
+
+    Examples
+    --------
+    >>> h = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, payload_bytes=8)
+    >>> _ = h.tensors.add(name="w", dtype="float32", shape=[2], offset=0, nbytes=8)
+    >>> check_header(h, FrameLimits())
+    >>> h.payload_bytes = 12
+    >>> try:
+    ...     check_header(h, FrameLimits())
+    ... except FrameError as exc:
+    ...     print(exc)
+    tensor layout covers 8 bytes but payload_bytes is 12
+    """
+    if header.kind not in dataplane_pb2.FrameKind.values() or header.kind == 0:
+        raise FrameError(f"unknown frame kind {header.kind}")
+    size = header.payload_bytes
+    if size > limits.max_payload_bytes:
+        raise FrameError(f"payload of {size} bytes exceeds the limit of {limits.max_payload_bytes}")
+    spans: list[tuple[int, int, str]] = []
+    for t in header.tensors:
+        itemsize = DTYPE_ITEMSIZE.get(t.dtype)
+        if itemsize is None:
+            raise FrameError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
+        count = 1
+        for dim in t.shape:
+            if dim < 0:
+                raise FrameError(f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}")
+            count *= dim
+        if count * itemsize != t.nbytes:
+            raise FrameError(
+                f"tensor {t.name!r}: nbytes {t.nbytes} != {count} elements x {itemsize} bytes "
+                f"({t.dtype}, shape {list(t.shape)})"
+            )
+        if t.offset + t.nbytes > size:
+            raise FrameError(
+                f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) out of range "
+                f"of a {size}-byte payload"
+            )
+        spans.append((t.offset, t.nbytes, t.name))
+    spans.sort()
+    for (off_a, len_a, name_a), (off_b, _len_b, name_b) in itertools.pairwise(spans):
+        if off_a + len_a > off_b:
+            raise FrameError(f"tensors {name_a!r} and {name_b!r} overlap")
+    covered = sum(n for _, n, _ in spans)
+    if covered != size:
+        raise FrameError(f"tensor layout covers {covered} bytes but payload_bytes is {size}")
+
+
+def send_frame(
+    sock: socket.socket,
+    header: Any,
+    payload: Payload | None = None,
+    *,
+    crc32: int | None = None,
+    bucket: TokenBucket | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> TransferStats:
+    """Send one frame; block until every byte is handed to the kernel.
+
+    ``payload_bytes`` and ``payload_crc32`` are filled in on a copy of ``header`` (the caller's
+    message is not modified). The header is checked with :func:`check_header` against unbounded
+    limits first, so a bad layout fails here and not at the peer.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A connected stream socket (blocking, or with a timeout).
+    header : FrameHeader
+        The header; its ``kind`` and ``tensors`` describe the payload.
+    payload : bytes-like or FileSpan, optional
+        The payload; a :class:`FileSpan` goes with ``os.sendfile`` (zero copy from a memfd).
+    crc32 : int, optional
+        The payload's CRC-32 when the caller already has it (e.g. computed by the pushing
+        process), so the bytes are not read twice.
+    bucket : TokenBucket, optional
+        Egress rate limit, consumed per chunk before the chunk is written.
+    chunk_bytes : int
+        Bytes per write call and per token reservation.
+
+    Returns
+    -------
+    TransferStats
+        Payload bytes and the wall-clock start and end of the send.
+
+    Raises
+    ------
+    FrameError
+        The header's layout does not describe the payload.
+    OSError
+        The socket failed (peer gone: ``BrokenPipeError``/``ConnectionResetError``; ``TimeoutError``).
+
+    Examples
+    --------
+    >>> a, b = socket.socketpair()
+    >>> h = FrameHeader(kind=dataplane_pb2.FRAME_KIND_GET, job="j", server="s")
+    >>> send_frame(a, h).bytes
+    0
+    >>> recv_frame(b, FrameLimits()).header.job
+    'j'
+    """
+    size = payload_length(payload)
+    out = FrameHeader()
+    out.CopyFrom(header)
+    out.payload_bytes = size
+    out.payload_crc32 = payload_crc32(payload) if crc32 is None else crc32
+    check_header(out, FrameLimits(max_header_bytes=1 << 32, max_payload_bytes=1 << 62))
+    raw = out.SerializeToString()
+    prefix = _PREFIX.pack(MAGIC, len(raw)) + raw
+    start = time.time()
+    if payload is None or size == 0:
+        sock.sendall(prefix)
+    elif isinstance(payload, FileSpan):
+        sock.sendall(prefix)
+        _sendfile(sock, payload, bucket, chunk_bytes)
+    else:
+        view = memoryview(payload).cast("B")
+        if size <= 64 * 1024 and (bucket is None or not bucket.enabled):
+            sock.sendall(prefix + view)  # one segment for small frames
+        else:
+            sock.sendall(prefix)
+            for pos in range(0, size, chunk_bytes):
+                chunk = view[pos : pos + chunk_bytes]
+                if bucket is not None:
+                    bucket.consume(len(chunk))
+                sock.sendall(chunk)
+    return TransferStats(bytes=size, start=start, end=time.time())
+
+
+def _sendfile(sock: socket.socket, span: FileSpan, bucket: TokenBucket | None, chunk_bytes: int) -> None:
+    """Write ``span`` to ``sock`` with ``os.sendfile``, honouring the socket's timeout."""
+    fd = sock.fileno()
+    timeout = sock.gettimeout()
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    offset, end = span.offset, span.offset + span.length
+    while offset < end:
+        n = min(chunk_bytes, end - offset)
+        if bucket is not None:
+            bucket.consume(n)
+        stop = offset + n
+        while offset < stop:
+            try:
+                sent = os.sendfile(fd, span.fd, offset, stop - offset)
+            except BlockingIOError:
+                if not poller.poll(None if timeout is None else timeout * 1000):
+                    raise TimeoutError(f"sendfile: no progress within {timeout} s") from None
+                continue
+            if sent == 0:
+                raise EOFError(f"sendfile: fd {span.fd} ended at offset {offset}, before {end}")
+            offset += sent
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str, *, at_boundary: bool = False) -> bytes | None:
+    """Read exactly ``n`` bytes; None on EOF before the first byte when ``at_boundary``."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0 and at_boundary:
+                return None
+            raise FrameError(f"peer closed mid-frame ({what}: {got} of {n} bytes)", reply_possible=False)
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(
+    sock: socket.socket,
+    limits: FrameLimits,
+    alloc: Alloc = bytearray,
+    *,
+    bucket: TokenBucket | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Frame | None:
+    """Receive one frame, checking every rule; None when the peer closed between frames.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A connected stream socket (blocking, or with a timeout).
+    limits : FrameLimits
+        Header and payload size limits, checked before anything is allocated.
+    alloc : callable
+        ``alloc(nbytes)`` returns a writable buffer of at least ``nbytes`` bytes for the payload
+        (default ``bytearray``; the daemon passes memfd-backed mmaps). Not called for 0 bytes.
+    bucket : TokenBucket, optional
+        Ingress rate limit, consumed per chunk after the chunk is read.
+    chunk_bytes : int
+        Bytes per ``recv_into`` call at most.
+
+    Returns
+    -------
+    Frame or None
+        The frame, or None on a clean close before its first byte.
+
+    Raises
+    ------
+    FrameError
+        Bad magic, header too long or unparsable, payload too large, layout broken, CRC
+        mismatch, or the peer closed mid-frame.
+    OSError
+        The socket failed (``ConnectionResetError``, ``TimeoutError``).
+
+    Examples
+    --------
+    >>> a, b = socket.socketpair()
+    >>> h = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, update_id="u1")
+    >>> _ = h.tensors.add(name="w", dtype="uint8", shape=[3], offset=0, nbytes=3)
+    >>> _ = send_frame(a, h, b"abc")
+    >>> f = recv_frame(b, FrameLimits())
+    >>> f.header.update_id, bytes(f.payload)
+    ('u1', b'abc')
+    """
+    head = _recv_exact(sock, _PREFIX.size, "prefix", at_boundary=True)
+    if head is None:
+        return None
+    start = time.time()
+    magic, hlen = _PREFIX.unpack(head)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r} (expected {MAGIC!r})", reply_possible=False)
+    if hlen > limits.max_header_bytes:
+        raise FrameError(f"header of {hlen} bytes exceeds the limit of {limits.max_header_bytes}")
+    raw = _recv_exact(sock, hlen, "header")
+    header = FrameHeader()
+    try:
+        header.ParseFromString(raw)
+    except DecodeError as exc:
+        raise FrameError(f"header does not parse: {exc}") from exc
+    check_header(header, limits)
+    size = header.payload_bytes
+    if size == 0:
+        if header.payload_crc32 != 0:
+            raise FrameError(f"CRC-32 mismatch: header says {header.payload_crc32:#010x}, empty payload")
+        return Frame(header, memoryview(b""), None, TransferStats(0, start, time.time()))
+    buffer = alloc(size)
+    payload = memoryview(buffer).cast("B")[:size]
+    if payload.nbytes < size or payload.readonly:
+        raise ValueError(f"alloc({size}) returned {payload.nbytes} bytes (readonly={payload.readonly})")
+    crc = 0
+    got = 0
+    while got < size:
+        k = sock.recv_into(payload[got : got + chunk_bytes])
+        if k == 0:
+            raise FrameError(f"peer closed mid-frame (payload: {got} of {size} bytes)", reply_possible=False)
+        crc = zlib.crc32(payload[got : got + k], crc)
+        got += k
+        if bucket is not None:
+            bucket.consume(k)
+    end = time.time()
+    if crc != header.payload_crc32:
+        raise FrameError(
+            f"CRC-32 mismatch on update {header.update_id!r}: header says {header.payload_crc32:#010x}, "
+            f"payload has {crc:#010x}"
+        )
+    return Frame(header, payload, buffer, TransferStats(size, start, end))

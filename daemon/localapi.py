@@ -1,0 +1,211 @@
+"""The daemon's local API server: a Unix stream socket for the training processes on its host.
+
+Each connection carries one process's role (worker or server of one job). Messages are
+length-prefixed ``LocalRequest``/``LocalEvent`` protobufs with tensor memfds passed as
+SCM_RIGHTS (see :mod:`mlfabric.localclient`, which holds the framing both ends share).
+One reader thread per connection calls the daemon's ``on_request(conn, request, fd)``;
+replies go out through :meth:`LocalConnection.send`, which any thread may call.
+
+A message that does not parse is answered with a ``bad_request`` error and the connection
+carries on; a message that breaks the framing (longer than the limit, a payload without a
+descriptor) is answered and the connection closed. The daemon keeps running either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from mlfabric.localclient import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, send_message
+from mlfabric.proto.v1 import local_pb2
+
+__all__ = ["LocalApiServer", "LocalConnection"]
+
+_LOG = logging.getLogger("mlfabric.daemon.localapi")
+
+_PAYLOAD_KINDS = ("push", "publish")
+
+
+class LocalConnection:
+    """One training process's connection; holds its role once registered.
+
+    Attributes
+    ----------
+    conn_id : int
+        Unique per daemon.
+    role : str
+        ``""``, ``"worker"`` or ``"server"``.
+    job, name : str
+        The role's job and name.
+    """
+
+    def __init__(self, conn_id: int, sock: socket.socket) -> None:
+        self.conn_id = conn_id
+        self._sock = sock
+        self._write_lock = threading.Lock()
+        self.role = ""
+        self.job = ""
+        self.name = ""
+        self.closed = False
+
+    def send(self, event: Any, fd: int | None = None) -> bool:
+        """Send a ``LocalEvent`` (with ``fd`` passed if given); False if the process is gone."""
+        if self.closed:
+            return False
+        try:
+            with self._write_lock:
+                send_message(self._sock, event, fd)
+        except OSError as exc:
+            _LOG.info("local connection %d: send failed: %r", self.conn_id, exc)
+            return False
+        return True
+
+    def error(self, request_id: int, code: str, message: str) -> bool:
+        """Answer ``request_id`` with a ``LocalError``."""
+        return self.send(
+            local_pb2.LocalEvent(request_id=request_id, error=local_pb2.LocalError(code=code, message=message))
+        )
+
+    def close(self) -> None:
+        """Shut the socket down (the reader thread then ends)."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+
+RequestHandler = Callable[[LocalConnection, Any, "int | None"], None]
+
+
+class LocalApiServer:
+    """Accepts training processes on a Unix socket; one thread per connection.
+
+    Parameters
+    ----------
+    path : str
+        The socket path (its directory is created; a stale socket file is replaced).
+    on_request : callable
+        ``on_request(conn, request, fd)``: a parsed ``LocalRequest``; ``fd`` is the memfd passed
+        with it (the handler owns it) or None.
+    on_close : callable
+        ``on_close(conn)``: the process disconnected.
+    max_message : int
+        Longest accepted message.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        on_request: RequestHandler,
+        on_close: Callable[[LocalConnection], None],
+        max_message: int = MAX_LOCAL_MESSAGE,
+    ) -> None:
+        self.path = path
+        self._on_request = on_request
+        self._on_close = on_close
+        self._max = max_message
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._conns: dict[int, tuple[LocalConnection, threading.Thread]] = {}
+        self._server: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        """Bind the socket and start accepting."""
+        directory = os.path.dirname(self.path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(self.path)
+        server.listen(64)
+        self._server = server
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="local-accept", daemon=True)
+        self._accept_thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close every connection, remove the socket file."""
+        self._stopping.set()
+        server, self._server = self._server, None
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
+            server.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn, _ in conns:
+            conn.close()
+        for _, thread in conns:
+            thread.join(timeout)
+
+    def _accept_loop(self) -> None:
+        server = self._server
+        assert server is not None
+        while not self._stopping.is_set():
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                raise
+            conn = LocalConnection(next(self._ids), sock)
+            thread = threading.Thread(target=self._serve, args=(conn, sock), name=f"local-{conn.conn_id}", daemon=True)
+            with self._lock:
+                self._conns[conn.conn_id] = (conn, thread)
+            thread.start()
+
+    def _serve(self, conn: LocalConnection, sock: socket.socket) -> None:
+        reader = MessageReader(sock, self._max)
+        try:
+            self._read_requests(conn, reader)
+        except OSError as exc:
+            if not self._stopping.is_set():
+                _LOG.info("local connection %d failed: %r", conn.conn_id, exc)
+        finally:
+            conn.closed = True
+            reader.close()
+            with self._lock:
+                self._conns.pop(conn.conn_id, None)
+            try:
+                self._on_close(conn)
+            finally:
+                sock.close()
+
+    def _read_requests(self, conn: LocalConnection, reader: MessageReader) -> None:
+        while not self._stopping.is_set():
+            try:
+                body = reader.read()
+            except ProtocolError as exc:
+                _LOG.warning("local connection %d: %s; closing it", conn.conn_id, exc)
+                conn.error(0, "bad_request", f"{exc}; closing the connection")
+                return
+            if body is None:
+                return
+            try:
+                request = local_pb2.LocalRequest.FromString(body)
+            except DecodeError as exc:
+                _LOG.warning("local connection %d: malformed message (%s)", conn.conn_id, exc)
+                conn.error(0, "bad_request", f"malformed local message ({len(body)} bytes): {exc}")
+                continue
+            kind = request.WhichOneof("kind")
+            fd = None
+            if kind in _PAYLOAD_KINDS and getattr(request, kind).has_payload:
+                try:
+                    fd = reader.take_fd()
+                except ProtocolError as exc:
+                    conn.error(request.request_id, "bad_request", f"{kind}: {exc}; closing the connection")
+                    return
+            self._on_request(conn, request, fd)

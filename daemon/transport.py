@@ -1,0 +1,584 @@
+"""Data-plane transport: the listener for peer daemons and the pool of connections to them.
+
+A small "Van"-style interface (connect, send, receive) over blocking TCP sockets and threads, so a
+daemon can move an update to its next hop (a peer daemon: the server's, or an aggregator's,
+MLfabric §4) with one call::
+
+    reply = pool.request("127.0.0.1:7001", header, FileSpan(fd, 0, n), crc32=crc)
+
+Request/reply pairs: UPDATE -> ACK, GET -> MODEL (either may be answered with ERROR).
+
+:class:`DataPlaneListener` accepts peers, one thread per connection, receives each frame into a
+buffer from ``alloc``, calls the daemon's handler and sends its :class:`Response`. A connection
+whose frame breaks a rule (:class:`~mlfabric.daemon.dataplane.FrameError`) is logged with the
+reason, answered with an ERROR frame when the stream is still in step, and closed; every other
+connection carries on.
+
+:class:`PeerPool` reuses one idle connection per request to the same address, connects with a
+timeout, and raises :class:`PeerUnavailable` naming the address and the cause when a peer cannot
+be reached or vanishes mid-transfer. It never resends a frame by itself (a resend could apply an
+update twice); the daemon decides whether to retry or to resolve the push DROPPED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from mlfabric.daemon.dataplane import (
+    Alloc,
+    Frame,
+    FrameError,
+    FrameLimits,
+    Payload,
+    TransferStats,
+    error_header,
+    recv_frame,
+    send_frame,
+)
+from mlfabric.daemon.ratelimit import TokenBucket
+
+__all__ = [
+    "Connection",
+    "DataPlaneListener",
+    "Handler",
+    "PeerPool",
+    "PeerUnavailable",
+    "Reply",
+    "Response",
+    "format_address",
+    "parse_address",
+]
+
+_LOG = logging.getLogger("mlfabric.daemon.transport")
+
+#: Socket buffer size asked for on data-plane sockets (the kernel may cap it).
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+class PeerUnavailable(ConnectionError):
+    """A peer daemon could not be reached, or went away during a transfer.
+
+    Parameters
+    ----------
+    address : str
+        The peer's ``"ip:port"``.
+    reason : str
+        What happened (``"connect: [Errno 111] Connection refused"``, ``"peer closed mid-frame"``...).
+    sent : bool
+        True if the request frame may have reached the peer completely (so it may have been
+        applied; a resend must be idempotent on the receiving side).
+
+    Examples
+    --------
+    >>> str(PeerUnavailable("127.0.0.1:9", "connect: refused"))
+    'peer 127.0.0.1:9 unavailable: connect: refused'
+    """
+
+    def __init__(self, address: str, reason: str, *, sent: bool = False) -> None:
+        super().__init__(f"peer {address} unavailable: {reason}")
+        self.address = address
+        self.reason = reason
+        self.sent = sent
+
+
+@dataclass
+class Response:
+    """What a listener handler returns: the reply frame to send back.
+
+    Parameters
+    ----------
+    header : FrameHeader
+        ACK, MODEL or ERROR header.
+    payload : bytes-like or FileSpan, optional
+        The reply's payload (the model, for MODEL).
+    crc32 : int, optional
+        The payload's CRC-32 if already known.
+    """
+
+    header: Any
+    payload: Payload | None = None
+    crc32: int | None = None
+
+
+#: ``handler(frame) -> Response``: the daemon's answer to one received frame. The frame's payload
+#: buffer (from the listener's ``alloc``) belongs to the handler from then on. The handler may
+#: raise; the listener then logs the exception, answers ERROR and closes that connection.
+Handler: TypeAlias = Callable[[Frame], Response]
+
+
+@dataclass
+class Reply:
+    """The peer's answer to :meth:`Connection.request`.
+
+    Parameters
+    ----------
+    header : FrameHeader
+        ACK, MODEL or ERROR header.
+    payload : memoryview
+        The reply's payload (empty for ACK / ERROR).
+    buffer : object or None
+        What ``alloc`` returned for the payload (None when empty).
+    sent : TransferStats
+        The request's payload bytes, start and end (the transfer to report, MLfabric §4).
+    received : TransferStats
+        The reply's payload bytes, start and end.
+    """
+
+    header: Any
+    payload: memoryview
+    buffer: Any
+    sent: TransferStats
+    received: TransferStats
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``"ip:port"`` (``"[v6]:port"`` too) into host and port.
+
+    Examples
+    --------
+    >>> parse_address("127.0.0.1:7001")
+    ('127.0.0.1', 7001)
+    >>> parse_address("[::1]:80")
+    ('::1', 80)
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"bad address {address!r}, expected 'ip:port'")
+    return host.strip("[]"), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """Join host and port into ``"ip:port"`` (``"[v6]:port"`` for IPv6).
+
+    Examples
+    --------
+    >>> format_address("127.0.0.1", 7001)
+    '127.0.0.1:7001'
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _tune(sock: socket.socket) -> None:
+    """Data-plane socket options: no Nagle delay on headers, large buffers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Connection:
+    """One TCP connection to a peer daemon, used by one thread at a time.
+
+    Parameters
+    ----------
+    address : str
+        The peer's ``"ip:port"`` (for error messages).
+    sock : socket.socket
+        The connected socket; the connection owns it from now on.
+    limits : FrameLimits
+        Limits applied to replies.
+    egress_bucket, ingress_bucket : TokenBucket, optional
+        Rate limits shared with the daemon's other connections.
+
+    Examples
+    --------
+    >>> pool = PeerPool(FrameLimits())
+    >>> conn = pool.connect("127.0.0.1:1")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        address: str,
+        sock: socket.socket,
+        limits: FrameLimits,
+        egress_bucket: TokenBucket | None = None,
+        ingress_bucket: TokenBucket | None = None,
+    ) -> None:
+        self.address = address
+        self._sock = sock
+        self._limits = limits
+        self._egress = egress_bucket
+        self._ingress = ingress_bucket
+        self.closed = False
+
+    def send(self, header: Any, payload: Payload | None = None, *, crc32: int | None = None) -> TransferStats:
+        """Send one frame (see :func:`~mlfabric.daemon.dataplane.send_frame`).
+
+        Raises
+        ------
+        PeerUnavailable
+            The socket failed; the connection is closed.
+        """
+        try:
+            return send_frame(self._sock, header, payload, crc32=crc32, bucket=self._egress)
+        except OSError as exc:
+            self.close()
+            raise PeerUnavailable(self.address, f"send failed: {exc!r}") from exc
+
+    def receive(self, alloc: Alloc = bytearray) -> Frame:
+        """Receive one frame (see :func:`~mlfabric.daemon.dataplane.recv_frame`).
+
+        Raises
+        ------
+        PeerUnavailable
+            The peer closed, the socket failed or the frame was malformed; the connection is
+            closed.
+        """
+        try:
+            frame = recv_frame(self._sock, self._limits, alloc, bucket=self._ingress)
+        except (OSError, FrameError) as exc:
+            self.close()
+            raise PeerUnavailable(self.address, f"receive failed: {exc}", sent=True) from exc
+        if frame is None:
+            self.close()
+            raise PeerUnavailable(self.address, "peer closed the connection before replying", sent=True)
+        return frame
+
+    def request(
+        self,
+        header: Any,
+        payload: Payload | None = None,
+        *,
+        crc32: int | None = None,
+        alloc: Alloc = bytearray,
+    ) -> Reply:
+        """Send a frame and wait for the peer's reply (UPDATE -> ACK, GET -> MODEL, or ERROR).
+
+        Returns
+        -------
+        Reply
+            The reply frame and the measurements of both directions.
+
+        Raises
+        ------
+        PeerUnavailable
+            The peer could not be reached or vanished; ``sent`` says whether the request got out.
+        """
+        sent = self.send(header, payload, crc32=crc32)
+        frame = self.receive(alloc)
+        return Reply(frame.header, frame.payload, frame.buffer, sent, frame.stats)
+
+    def is_stale(self) -> bool:
+        """Whether the peer closed this idle connection (or sent something unasked)."""
+        if self.closed:
+            return True
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        del data  # EOF, or bytes nobody asked for: either way the connection is not reusable
+        return True
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+
+
+class PeerPool:
+    """Connections to peer daemons by ``"ip:port"``, reused between requests.
+
+    Parameters
+    ----------
+    limits : FrameLimits
+        Limits applied to replies.
+    egress_bucket, ingress_bucket : TokenBucket, optional
+        The daemon's shared rate limits (None: unlimited).
+    connect_timeout : float
+        Seconds to wait for a TCP connect.
+    io_timeout : float or None
+        Seconds any single send/receive call may block (None: forever).
+    max_idle_per_peer : int
+        Idle connections kept per address.
+
+    Examples
+    --------
+    >>> pool = PeerPool(FrameLimits(), connect_timeout=1.0)
+    >>> pool.request("127.0.0.1:1", error_header("x"))  # doctest: +SKIP
+    Traceback (most recent call last):
+    PeerUnavailable: peer 127.0.0.1:1 unavailable: connect: ...
+    >>> pool.close()
+    """
+
+    def __init__(
+        self,
+        limits: FrameLimits,
+        egress_bucket: TokenBucket | None = None,
+        ingress_bucket: TokenBucket | None = None,
+        *,
+        connect_timeout: float = 5.0,
+        io_timeout: float | None = 60.0,
+        max_idle_per_peer: int = 4,
+    ) -> None:
+        self._limits = limits
+        self._egress = egress_bucket
+        self._ingress = ingress_bucket
+        self._connect_timeout = connect_timeout
+        self._io_timeout = io_timeout
+        self._max_idle = max_idle_per_peer
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[Connection]] = {}
+        self._closed = False
+
+    def connect(self, address: str) -> Connection:
+        """Open a new connection to ``address`` (not pooled; the caller closes it).
+
+        Raises
+        ------
+        PeerUnavailable
+            Connection refused, unreachable or timed out.
+        """
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+        except OSError as exc:
+            raise PeerUnavailable(address, f"connect: {exc}") from exc
+        _tune(sock)
+        sock.settimeout(self._io_timeout)
+        return Connection(address, sock, self._limits, self._egress, self._ingress)
+
+    def acquire(self, address: str) -> Connection:
+        """An idle live connection to ``address``, or a new one."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("PeerPool is closed")
+            idle = self._idle.get(address, [])
+            while idle:
+                conn = idle.pop()
+                if not conn.is_stale():
+                    return conn
+                conn.close()
+        return self.connect(address)
+
+    def release(self, conn: Connection) -> None:
+        """Give a healthy connection back for reuse (a closed one is dropped)."""
+        if conn.closed:
+            return
+        with self._lock:
+            idle = self._idle.setdefault(conn.address, [])
+            if not self._closed and len(idle) < self._max_idle:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def request(
+        self,
+        address: str,
+        header: Any,
+        payload: Payload | None = None,
+        *,
+        crc32: int | None = None,
+        alloc: Alloc = bytearray,
+    ) -> Reply:
+        """Send one frame to the daemon at ``address`` and return its reply.
+
+        Parameters
+        ----------
+        address : str
+            The peer daemon's data-plane ``"ip:port"``.
+        header : FrameHeader
+            UPDATE or GET header (``payload_bytes``/``payload_crc32`` are filled in).
+        payload : bytes-like or FileSpan, optional
+            The update's tensors; a :class:`~mlfabric.daemon.dataplane.FileSpan` goes by
+            ``sendfile``.
+        crc32 : int, optional
+            The payload's CRC-32 if already known.
+        alloc : callable
+            Allocator for the reply's payload (MODEL).
+
+        Returns
+        -------
+        Reply
+            Reply header/payload and the measured :class:`TransferStats` of both directions.
+
+        Raises
+        ------
+        PeerUnavailable
+            The peer is unreachable or vanished mid-transfer (``sent`` tells whether the request
+            may have arrived). No automatic resend.
+        """
+        conn = self.acquire(address)
+        try:
+            reply = conn.request(header, payload, crc32=crc32, alloc=alloc)
+        except BaseException:
+            conn.close()
+            raise
+        self.release(conn)
+        return reply
+
+    def close(self) -> None:
+        """Close every idle connection; later requests fail."""
+        with self._lock:
+            self._closed = True
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()
+
+
+class DataPlaneListener:
+    """The daemon's TCP listener for peer daemons: one thread per connection.
+
+    Parameters
+    ----------
+    bind_address : str
+        ``"ip:port"`` to listen on (port 0: any free port; :meth:`start` returns the real one).
+    handler : Handler
+        ``handler(frame) -> Response``, called on the connection's thread.
+    limits : FrameLimits
+        What incoming frames may be.
+    ingress_bucket, egress_bucket : TokenBucket, optional
+        The daemon's shared rate limits for received frames and sent replies.
+    alloc : callable
+        Allocator for incoming payloads (the daemon passes memfd-backed mmaps).
+    io_timeout : float or None
+        Seconds a single receive/send may block before the connection is dropped
+        (None: idle peers may stay connected forever).
+    logger : logging.Logger, optional
+        Where rejected frames and failures are logged.
+
+    Examples
+    --------
+    >>> listener = DataPlaneListener("127.0.0.1:0", lambda f: Response(error_header("no")), FrameLimits())
+    >>> address = listener.start()   # doctest: +SKIP
+    >>> listener.stop()
+    """
+
+    def __init__(
+        self,
+        bind_address: str,
+        handler: Handler,
+        limits: FrameLimits,
+        ingress_bucket: TokenBucket | None = None,
+        egress_bucket: TokenBucket | None = None,
+        *,
+        alloc: Alloc = bytearray,
+        io_timeout: float | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self._bind = parse_address(bind_address)
+        self._handler = handler
+        self._limits = limits
+        self._ingress = ingress_bucket
+        self._egress = egress_bucket
+        self._alloc = alloc
+        self._io_timeout = io_timeout
+        self._log = logger or _LOG
+        self._lock = threading.Lock()
+        self._server: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._stopping = threading.Event()
+        self.address: str | None = None
+        #: Number of connections closed because of a bad frame (for tests and metrics).
+        self.rejected = 0
+
+    def start(self) -> str:
+        """Bind, listen and start accepting; return the bound ``"ip:port"``."""
+        host, port = self._bind
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, port))
+        server.listen(128)
+        self._server = server
+        bound = server.getsockname()
+        self.address = format_address(bound[0], bound[1])
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"dataplane-accept-{self.address}", daemon=True
+        )
+        self._accept_thread.start()
+        return self.address
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close every connection and join the threads (idempotent)."""
+        self._stopping.set()
+        server, self._server = self._server, None
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
+            server.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+        with self._lock:
+            conns = list(self._conns.items())
+        for sock, _thread in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for _sock, thread in conns:
+            thread.join(timeout)
+
+    def _accept_loop(self) -> None:
+        server = self._server
+        assert server is not None
+        while not self._stopping.is_set():
+            try:
+                sock, peer = server.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                raise
+            _tune(sock)
+            sock.settimeout(self._io_timeout)
+            thread = threading.Thread(
+                target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"), name="dataplane-conn", daemon=True
+            )
+            with self._lock:
+                if self._stopping.is_set():
+                    sock.close()
+                    return
+                self._conns[sock] = thread
+            thread.start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        try:
+            self._serve_frames(sock, peer)
+        finally:
+            with self._lock:
+                self._conns.pop(sock, None)
+            sock.close()
+
+    def _serve_frames(self, sock: socket.socket, peer: str) -> None:
+        while not self._stopping.is_set():
+            try:
+                frame = recv_frame(sock, self._limits, self._alloc, bucket=self._ingress)
+            except FrameError as exc:
+                self.rejected += 1
+                self._log.warning("data plane: rejected frame from %s: %s; closing", peer, exc.reason)
+                if exc.reply_possible:
+                    self._reply_error(sock, peer, exc.reason)
+                return
+            except OSError as exc:
+                if not self._stopping.is_set():
+                    self._log.warning("data plane: connection from %s failed: %r", peer, exc)
+                return
+            if frame is None:
+                return
+            try:
+                response = self._handler(frame)
+            except Exception as exc:
+                logger = self._log
+                logger.exception("data plane: handler failed on a frame from %s", peer)
+                self._reply_error(sock, peer, f"internal error: {exc!r}", frame.header.update_id)
+                return
+            try:
+                send_frame(sock, response.header, response.payload, crc32=response.crc32, bucket=self._egress)
+            except OSError as exc:
+                self._log.warning(
+                    "data plane: reply to %s (update %r) failed: %r", peer, frame.header.update_id, exc
+                )
+                return
+
+    def _reply_error(self, sock: socket.socket, peer: str, reason: str, update_id: str = "") -> None:
+        try:
+            send_frame(sock, error_header(reason, update_id=update_id))
+        except OSError as exc:
+            self._log.info("data plane: could not send ERROR to %s: %r", peer, exc)

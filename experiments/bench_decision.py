@@ -1,0 +1,121 @@
+"""Decision latency of the ``stf`` policy (issue 3 measurements; DESIGN §5 "scheduler").
+
+Times :meth:`STFPolicy.decide` for batches of 100, 1,000 and 10,000 ready updates on a
+1,024-host two-tier graph (32 racks x 32 hosts, 4:1 oversubscribed uplinks), with a few
+transfers in flight, and prints median and p99 per batch size. Target: <= 20 ms at 1,000.
+
+Scenarios
+---------
+``homogeneous``
+    10 Gb/s NICs, 4 servers (shards), every update the same size per shard.
+``heterogeneous``
+    NICs drawn from {1, 10, 25} Gb/s, 4 servers, sizes varying +-10 %.
+
+Run::
+
+    python experiments/bench_decision.py            # all sizes, both scenarios
+    python experiments/bench_decision.py --sizes 1000 --repeat 30
+    python experiments/bench_decision.py --profile  # cProfile of one 1,000-update decision
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import time
+from collections.abc import Sequence
+
+from mlfabric.scheduler.graph import hosts, two_tier
+from mlfabric.scheduler.policy import InFlight, PendingUpdate, Snapshot
+from mlfabric.scheduler.stf import STFPolicy
+
+RACKS, PER_RACK, OVERSUB = 32, 32, 4.0
+SERVERS = ("h0", "h33", "h66", "h99")
+SHARD_BYTES = 25e6
+
+
+def scenario(name: str, n: int, seed: int) -> tuple[Snapshot, list[PendingUpdate]]:
+    """A snapshot with 8 transfers in flight and ``n`` pending updates."""
+    rng = random.Random(seed)
+    names = [f"h{i}" for i in range(RACKS * PER_RACK)]
+    if name == "homogeneous":
+        nic: float | dict[str, float] = 10e9
+    else:
+        nic = {h: rng.choice((1e9, 10e9, 25e9)) for h in names}
+    graph = two_tier(RACKS, PER_RACK, nic, oversubscription=OVERSUB)
+    workers = [h for h in hosts(graph) if h not in SERVERS]
+    pending = []
+    for i in range(n):
+        k = i % len(SERVERS)
+        size = SHARD_BYTES if name == "homogeneous" else SHARD_BYTES * rng.uniform(0.9, 1.1)
+        w = rng.choice(workers)
+        pending.append(
+            PendingUpdate(f"u{i}", "job", f"s{k}", w, w, SERVERS[k], int(size), 1.0, rng.randint(0, 5), 0.0)
+        )
+    in_flight = tuple(
+        InFlight(f"f{j}", "job", f"s{j % 4}", (f"h{500 + j}", f"tor{(500 + j) // PER_RACK}", "core",
+                 f"tor{int(SERVERS[j % 4][1:]) // PER_RACK}", SERVERS[j % 4]),
+                 int(SHARD_BYTES), 0.0, 0.05 + 0.01 * j)
+        for j in range(8)
+    )  # fmt: skip
+    snap = Snapshot(
+        now=0.01,
+        graph=graph,
+        in_flight=in_flight,
+        server_versions={("job", f"s{k}"): 5 for k in range(len(SERVERS))},
+        tau_max={"job": -1},
+    )
+    return snap, pending
+
+
+def measure(name: str, n: int, repeat: int) -> list[float]:
+    """Wall-clock seconds of ``repeat`` decisions (after one warm-up that fills the path cache)."""
+    snap, pending = scenario(name, n, seed=n)
+    policy = STFPolicy()
+    policy.decide(snap, pending)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        policy.decide(snap, pending)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def p99(xs: Sequence[float]) -> float:
+    """Nearest-rank 99th percentile."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(0.99 * len(s) + 0.5) - 1))]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the table (or a profile)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
+    ap.add_argument("--repeat", type=int, default=0, help="decisions per size (default: 30/20/5)")
+    ap.add_argument("--scenario", choices=["homogeneous", "heterogeneous", "both"], default="both")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    if args.profile:
+        snap, pending = scenario("heterogeneous", 1000, seed=1000)
+        policy = STFPolicy()
+        policy.decide(snap, pending)
+        prof = cProfile.Profile()
+        prof.runcall(policy.decide, snap, pending)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+        return
+    names = ["homogeneous", "heterogeneous"] if args.scenario == "both" else [args.scenario]
+    print(f"STFPolicy.decide on two_tier({RACKS}x{PER_RACK}, oversubscription {OVERSUB:g}), {len(SERVERS)} servers")
+    print(f"{'scenario':<14} {'ready':>7} {'runs':>5} {'median ms':>10} {'p99 ms':>9} {'us/update':>10}")
+    for name in names:
+        for n in args.sizes:
+            repeat = args.repeat or (30 if n <= 100 else 20 if n <= 1000 else 5)
+            ts = measure(name, n, repeat)
+            med = statistics.median(ts)
+            print(f"{name:<14} {n:>7} {repeat:>5} {med * 1e3:>10.2f} {p99(ts) * 1e3:>9.2f} {med / n * 1e6:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,623 @@
+"""The Python API of mlfabric: the paper's Table 1 (MLfabric §5), Pythonic.
+
+Training code talks only to its host's daemon, over the local API (a Unix socket; the
+tensors go in a memfd, see :mod:`mlfabric.localclient`)::
+
+    import mlfabric
+
+    worker = mlfabric.register_as_worker("job1")
+    version, model = worker.get("ps0")
+    handle = worker.push("ps0", {"w": grad})          # norm defaults to the L2 norm
+    result = handle.wait(timeout=30)                   # APPLIED (delay, version) or DROPPED (reason)
+
+    server = mlfabric.register_as_server("job1", "ps0", {"w": w0}, mlfabric.Params(tau_max=8))
+
+    @server.on_update
+    def apply(update, meta):                           # meta: worker, base_version, delay, ...
+        server.model["w"] -= 0.1 * update["w"]
+
+    server.serve()
+
+The daemon's socket: the ``daemon`` argument, else the ``MLFABRIC_DAEMON`` environment
+variable, else :data:`mlfabric.localclient.DEFAULT_SOCKET`
+(``$TMPDIR/mlfabric-<uid>/daemon.sock``).
+
+Tensors are dicts of name -> numpy array or torch tensor, dtype float32, float16, bfloat16
+or float64 (numpy bfloat16: raw ``uint16`` words). Torch is optional.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mlfabric import tensors as tcodec
+from mlfabric.localclient import LocalClient, MlfabricError, default_socket_path, raise_for_error
+from mlfabric.proto.v1 import control_pb2, local_pb2
+
+__all__ = [
+    "APPLIED",
+    "DROPPED",
+    "MlfabricError",
+    "Params",
+    "PushHandle",
+    "PushResult",
+    "Server",
+    "UpdateMeta",
+    "Worker",
+    "register_as_server",
+    "register_as_worker",
+]
+
+#: A push whose update the server applied.
+APPLIED = "APPLIED"
+#: A push whose update was not applied (``PushResult.reason`` says why).
+DROPPED = "DROPPED"
+
+_OUTCOME_NAMES = {control_pb2.OUTCOME_APPLIED: APPLIED, control_pb2.OUTCOME_DROPPED: DROPPED}
+
+Tensors = Mapping[str, Any]
+UpdateFn = Callable[[dict[str, Any], "UpdateMeta"], "Mapping[str, Any] | None"]
+RequestFn = Callable[[], "Mapping[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class Params:
+    """A job's bounds (paper Table 1, ``params``; DESIGN.md §4).
+
+    Parameters
+    ----------
+    tau_max : int or None
+        No update whose delay (server version at apply time minus its base version) exceeds
+        ``tau_max`` is ever applied. None: unbounded.
+    div_max : float or None
+        Bound on the sum of norms applied at a server and not yet at its replica. None: unbounded.
+
+    Examples
+    --------
+    >>> Params(tau_max=4).to_pb().tau_max
+    4
+    >>> Params().to_pb().tau_max
+    -1
+    """
+
+    tau_max: int | None = None
+    div_max: float | None = None
+
+    def to_pb(self) -> Any:
+        """The ``JobParams`` message (``-1`` / ``0`` for unbounded)."""
+        return control_pb2.JobParams(
+            tau_max=-1 if self.tau_max is None else int(self.tau_max),
+            div_max=0.0 if self.div_max is None else float(self.div_max),
+        )
+
+    @classmethod
+    def from_pb(cls, message: Any) -> Params:
+        """Params from a ``JobParams`` message."""
+        return cls(
+            tau_max=None if message.tau_max < 0 else int(message.tau_max),
+            div_max=None if message.div_max <= 0 else float(message.div_max),
+        )
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """How a push ended.
+
+    Attributes
+    ----------
+    status : str
+        :data:`APPLIED` or :data:`DROPPED`.
+    delay : int
+        The update's delay at the server (version at apply time minus base version).
+    version : int
+        The server's model version after the update (applied) or when it was dropped.
+    reason : str
+        Why it was dropped ("" when applied).
+    update_id : str
+        ``"<host>/<sequence>"``.
+    """
+
+    status: str
+    delay: int
+    version: int
+    reason: str
+    update_id: str
+
+    @property
+    def applied(self) -> bool:
+        """True when the server applied the update."""
+        return self.status == APPLIED
+
+
+class PushHandle:
+    """A push in flight; :meth:`wait` gives its :class:`PushResult`."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.update_id = ""
+        self._done = threading.Event()
+        self._result: PushResult | None = None
+        self._error: MlfabricError | None = None
+
+    def done(self) -> bool:
+        """True once the push is resolved (or failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> PushResult:
+        """Block until the push resolves.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; None waits for ever.
+
+        Returns
+        -------
+        PushResult
+
+        Raises
+        ------
+        TimeoutError
+            The push did not resolve in time (it is still in flight).
+        MlfabricError
+            The daemon refused the push (bad tensor, unknown server) or the connection broke.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"push {self.update_id or '(not yet accepted)'} to {self.server!r} unresolved")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def _on_event(self, event: Any, fd: int | None) -> bool:
+        """Handle an event for this push; True when it is final."""
+        if fd is not None:
+            os.close(fd)
+        kind = event.WhichOneof("kind")
+        if kind == "push_accepted":
+            self.update_id = event.push_accepted.update_id
+            return False
+        if kind == "push_result":
+            r = event.push_result
+            status = _OUTCOME_NAMES.get(r.outcome, DROPPED)
+            self._result = PushResult(status, int(r.delay), int(r.version), r.reason, r.update_id)
+        else:
+            code, message = (event.error.code, event.error.message) if kind == "error" else ("bad_reply", kind)
+            self._error = MlfabricError(message, code=code)
+        self._done.set()
+        return True
+
+
+def _connect(daemon: str | None) -> LocalClient:
+    client = LocalClient(default_socket_path(daemon))
+    client.connect()
+    return client
+
+
+def _decode_reply(body: Any, fd: int | None, as_torch: bool) -> dict[str, Any]:
+    layouts = tcodec.layouts_from_pb(body.tensors)
+    if fd is None:
+        return tcodec.decode(b"", layouts, as_torch=as_torch)
+    try:
+        return tcodec.read_memfd(fd, layouts, as_torch=as_torch)
+    finally:
+        os.close(fd)
+
+
+class Worker:
+    """A worker of a job (paper Table 1, ``register_as_worker``). Create with :func:`register_as_worker`.
+
+    Attributes
+    ----------
+    job, name : str
+    params : Params
+        The job's bounds, as the scheduler reports them.
+    servers : dict
+        Server name -> ``{"host", "version", "model"}`` where ``model`` maps tensor name to
+        ``(dtype, shape)``.
+    """
+
+    def __init__(self, client: LocalClient, job: str, name: str, reply: Any) -> None:
+        self._client = client
+        self.job = job
+        self.name = name
+        self.params = Params.from_pb(reply.params)
+        self.servers = {
+            s.name: {
+                "host": s.host,
+                "version": int(s.version),
+                "model": {t.name: (t.dtype, tuple(t.shape)) for t in s.model},
+            }
+            for s in reply.servers
+        }
+        self._base_versions: dict[str, int] = {}
+
+    def push(
+        self, server: str, update: Tensors, norm: float | None = None, *, base_version: int | None = None
+    ) -> PushHandle:
+        """Push an update to ``server`` (asynchronous; paper Table 1, ``push``).
+
+        Parameters
+        ----------
+        server : str
+            The server's name.
+        update : dict
+            name -> numpy array or torch tensor; names, shapes and dtypes must match the
+            server's model (the daemon refuses the push otherwise, naming the tensor).
+        norm : float, optional
+            The update's norm (for divergence bounds); default its L2 norm.
+        base_version : int, optional
+            The model version the update was computed from; default the version of the
+            last :meth:`get` from this server (0 before any).
+
+        Returns
+        -------
+        PushHandle
+            ``wait()`` gives APPLIED (delay, version) or DROPPED (reason).
+        """
+        if norm is None:
+            norm = tcodec.l2_norm(update)
+        base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
+        fd, layouts, total = tcodec.to_memfd(update, name="mlfabric-update")
+        handle = PushHandle(server)
+        request = local_pb2.LocalRequest(
+            push=local_pb2.PushRequest(
+                server=server,
+                norm=float(norm),
+                base_version=base,
+                tensors=tcodec.layouts_to_pb(layouts),
+                payload_bytes=total,
+                has_payload=True,
+            )
+        )
+        ids: list[int] = []
+
+        def on_event(event: Any, event_fd: int | None) -> None:
+            if handle._on_event(event, event_fd) and ids:
+                self._client.forget(ids[0])
+
+        try:
+            ids.append(self._client.submit(request, on_event, fd))
+        finally:
+            os.close(fd)
+        if handle.done():
+            self._client.forget(ids[0])
+        return handle
+
+    def get(self, server: str, *, as_torch: bool = False, timeout: float | None = 60.0) -> tuple[int, dict]:
+        """The server's current model (paper Table 1, ``get``).
+
+        Parameters
+        ----------
+        server : str
+            The server's name.
+        as_torch : bool
+            Return torch tensors instead of numpy arrays.
+        timeout : float, optional
+            Seconds to wait for the model.
+
+        Returns
+        -------
+        version : int
+            The model version; later pushes use it as their base version.
+        model : dict
+            name -> tensor.
+        """
+        request = local_pb2.LocalRequest(get=local_pb2.GetRequest(server=server))
+        event, fd = self._client.call(request, timeout=timeout)
+        model = _decode_reply(event.model, fd, as_torch)
+        self._base_versions[server] = int(event.model.version)
+        return int(event.model.version), model
+
+    def close(self) -> None:
+        """Give up the worker role and close the connection."""
+        self._client.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def register_as_worker(
+    job: str,
+    params: Params | None = None,
+    *,
+    name: str | None = None,
+    daemon: str | None = None,
+    wait: float = 30.0,
+) -> Worker:
+    """Join ``job`` as a worker (paper Table 1, ``register_as_worker``).
+
+    Parameters
+    ----------
+    job : str
+        The job's name.
+    params : Params, optional
+        Unused by workers (the servers set the job's bounds); accepted for symmetry with the paper.
+    name : str, optional
+        The worker's name (default ``"<hostname>-<pid>"``).
+    daemon : str, optional
+        The daemon's socket; default ``$MLFABRIC_DAEMON``, else the default socket path.
+    wait : float
+        Seconds to wait for the job's servers to register (0: fail at once).
+
+    Returns
+    -------
+    Worker
+
+    Raises
+    ------
+    MlfabricError
+        No daemon at the socket, or the job has no servers after ``wait`` seconds.
+    """
+    del params
+    client = _connect(daemon)
+    worker_name = name or f"{os.uname().nodename}-{os.getpid()}"
+    request = local_pb2.LocalRequest(
+        register_worker=local_pb2.RegisterWorkerRequest(job=job, name=worker_name, wait_seconds=wait)
+    )
+    try:
+        event, _ = client.call(request, timeout=wait + 30.0)
+    except BaseException:
+        client.close()
+        raise
+    return Worker(client, job, worker_name, event.registered)
+
+
+@dataclass(frozen=True)
+class UpdateMeta:
+    """What a server's ``on_update`` callback learns about an update besides its tensors.
+
+    Attributes
+    ----------
+    update_id : str
+    worker : str
+        The pushing worker ("" for an aggregate of several workers).
+    base_version : int
+        The model version the update was computed from.
+    delay : int
+        Server version now minus ``base_version`` (at most ``tau_max``).
+    num_updates : int
+        Worker updates summed in it (1 for a plain update, more for an aggregate).
+    norm : float
+    """
+
+    update_id: str
+    worker: str
+    base_version: int
+    delay: int
+    num_updates: int
+    norm: float
+
+
+class Server:
+    """A parameter server of a job (paper Table 1, ``register_as_server``). Create with
+    :func:`register_as_server`.
+
+    The daemon delivers each update routed to this server; :meth:`serve` applies them one
+    at a time: it refuses (DROPPED, naming the numbers) an update whose delay exceeds
+    ``tau_max``, else calls the ``on_update`` callback, bumps :attr:`version`, publishes the
+    model to the daemon (which answers every ``get`` from it) and sends the verdict.
+
+    Attributes
+    ----------
+    job, name : str
+    params : Params
+    model : dict
+        name -> tensor; ``on_update`` changes it in place or returns a replacement.
+    version : int
+        +1 per applied update (or aggregate).
+    """
+
+    def __init__(self, client: LocalClient, job: str, name: str, model: dict, params: Params, version: int) -> None:
+        self._client = client
+        self.job = job
+        self.name = name
+        self.model = model
+        self.params = params
+        self.version = version
+        self.applied = 0
+        self.dropped = 0
+        self._as_torch = any(tcodec._is_torch(v) for v in model.values())
+        self._update_fn: UpdateFn | None = None
+        self._request_fn: RequestFn | None = None
+        self._inbox: queue.Queue[tuple[Any, int | None]] = queue.Queue()
+        self._stop = threading.Event()
+
+    def on_update(self, fn: UpdateFn) -> UpdateFn:
+        """Register the update callback ``fn(update, meta)`` (usable as a decorator).
+
+        ``fn`` applies ``update`` (dict of tensors) to :attr:`model` in place, or returns the new
+        model. The default subtracts the update: ``model[k] -= update[k]``.
+        """
+        self._update_fn = fn
+        return fn
+
+    def on_request(self, fn: RequestFn) -> RequestFn:
+        """Register ``fn()`` giving the tensors a ``get`` returns (default: :attr:`model`).
+
+        It is called each time the server publishes its model to the daemon (after every
+        applied update); returning None publishes :attr:`model`.
+        """
+        self._request_fn = fn
+        return fn
+
+    def publish(self) -> None:
+        """Hand the current model (or ``on_request``'s tensors) to the daemon for ``get``."""
+        tensors = self._request_fn() if self._request_fn is not None else None
+        fd, layouts, total = tcodec.to_memfd(self.model if tensors is None else tensors, name="mlfabric-model")
+        try:
+            publish = local_pb2.PublishModel(
+                version=self.version, tensors=tcodec.layouts_to_pb(layouts), payload_bytes=total, has_payload=True
+            )
+            self._client.send(local_pb2.LocalRequest(publish=publish), fd)
+        finally:
+            os.close(fd)
+
+    def serve(
+        self, max_updates: int | None = None, until: threading.Event | None = None, timeout: float | None = None
+    ) -> int:
+        """Apply delivered updates until :meth:`stop`, ``max_updates`` handled, ``until`` set or ``timeout``.
+
+        Parameters
+        ----------
+        max_updates : int, optional
+            Return after this many updates were handled (applied or dropped).
+        until : threading.Event, optional
+            Return once it is set.
+        timeout : float, optional
+            Return after this many seconds.
+
+        Returns
+        -------
+        int
+            Updates handled by this call.
+
+        Raises
+        ------
+        MlfabricError
+            The daemon connection broke.
+        """
+        handled = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._stop.is_set() and (until is None or not until.is_set()):
+            if max_updates is not None and handled >= max_updates:
+                break
+            wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                event, fd = self._inbox.get(timeout=wait)
+            except queue.Empty:
+                continue
+            raise_for_error(event, fd)
+            if event.WhichOneof("kind") == "deliver":
+                self._handle(event.deliver, fd)
+                handled += 1
+            elif fd is not None:
+                os.close(fd)
+        return handled
+
+    def stop(self) -> None:
+        """Make :meth:`serve` return (thread-safe)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop serving and give up the server role."""
+        self.stop()
+        self._client.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _handle(self, deliver: Any, fd: int | None) -> None:
+        delay = self.version - int(deliver.base_version)
+        tau_max = self.params.tau_max
+        verdict = local_pb2.UpdateVerdict(update_id=deliver.update_id, delay=delay)
+        if tau_max is not None and delay > tau_max:
+            if fd is not None:
+                os.close(fd)
+            verdict.outcome = control_pb2.OUTCOME_DROPPED
+            verdict.version = self.version
+            verdict.reason = (
+                f"delay {delay} exceeds tau_max {tau_max} (server {self.name!r} at version {self.version}, "
+                f"update base version {deliver.base_version})"
+            )
+            self.dropped += 1
+        else:
+            update = _decode_reply(deliver, fd, self._as_torch)
+            meta = UpdateMeta(
+                deliver.update_id,
+                deliver.worker,
+                int(deliver.base_version),
+                delay,
+                int(deliver.num_updates or 1),
+                float(deliver.norm),
+            )
+            replaced = None
+            if self._update_fn is None:
+                _subtract_update(self.model, update)
+            else:
+                replaced = self._update_fn(update, meta)
+            if replaced is not None:
+                self.model = dict(replaced)
+            self.version += 1
+            self.applied += 1
+            verdict.outcome = control_pb2.OUTCOME_APPLIED
+            verdict.version = self.version
+            self.publish()
+        self._client.send(local_pb2.LocalRequest(verdict=verdict))
+
+
+def _subtract_update(model: dict[str, Any], update: Mapping[str, Any]) -> None:
+    """The default ``on_update``: ``model[k] -= update[k]``."""
+    for key, value in update.items():
+        model[key] -= value
+
+
+def register_as_server(
+    job: str,
+    name: str,
+    model: Tensors,
+    params: Params | None = None,
+    *,
+    daemon: str | None = None,
+    version: int = 0,
+) -> Server:
+    """Serve (part of) ``job``'s model as server ``name`` (paper Table 1, ``register_as_server``).
+
+    Parameters
+    ----------
+    job : str
+        The job's name.
+    name : str
+        The server's name (workers push to it by this name).
+    model : dict
+        name -> numpy array or torch tensor; defines the model spec pushes are checked against.
+    params : Params, optional
+        ``tau_max`` and ``div_max``; default unbounded.
+    daemon : str, optional
+        The daemon's socket; default ``$MLFABRIC_DAEMON``, else the default socket path.
+    version : int
+        The version the model starts at.
+
+    Returns
+    -------
+    Server
+        Register ``on_update``/``on_request`` callbacks, then call :meth:`Server.serve`.
+
+    Raises
+    ------
+    MlfabricError
+        No daemon at the socket, or the scheduler refused the registration (e.g. duplicate name).
+    """
+    params = params or Params()
+    model_dict = dict(model)
+    layouts, _ = tcodec.plan_layout(model_dict)
+    client = _connect(daemon)
+    spec = [control_pb2.TensorSpec(name=x.name, dtype=x.dtype, shape=list(x.shape)) for x in layouts]
+    request = local_pb2.LocalRequest(
+        register_server=local_pb2.RegisterServerRequest(
+            job=job, name=name, model=spec, params=params.to_pb(), version=version
+        )
+    )
+    server = Server(client, job, name, model_dict, params, version)
+    client.set_unsolicited(lambda event, fd: server._inbox.put((event, fd)))
+    try:
+        client.call(request, timeout=60.0)
+        server.publish()
+    except BaseException:
+        client.close()
+        raise
+    return server

@@ -1,0 +1,245 @@
+"""Launch a whole mlfabric cluster as real processes on this machine (loopback).
+
+:class:`LocalCluster` starts one ``mlfabric scheduler`` and one ``mlfabric daemon`` per host
+of a topology, each a real process speaking real gRPC and TCP on 127.0.0.1 with ports
+chosen by the kernel (port 0, learned from each process's ready file), and runs training
+processes next to a host's daemon. It is what ``mlfabric demo`` and the integration tests
+use; the namespace testbed (:mod:`mlfabric.testbed`) is the same thing on a real kernel
+network.
+
+Examples
+--------
+>>> from mlfabric.cluster import LocalCluster
+>>> with LocalCluster("topology.toml", policy="stf", workdir="/tmp/run") as cluster:  # doctest: +SKIP
+...     server = cluster.spawn("ps", ["python", "train.py", "server"])
+...     cluster.wait(server, timeout=60)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+__all__ = ["ClusterError", "LocalCluster", "ManagedProcess", "wait_for_ready_file"]
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or died; the message quotes its log."""
+
+
+@dataclass
+class ManagedProcess:
+    """A child process of the cluster with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the process's output."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for_ready_file(path: Path, proc: ManagedProcess, timeout: float) -> dict[str, Any]:
+    """Wait until ``proc`` writes its JSON ready file; raise :class:`ClusterError` if it dies first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return dict(json.loads(path.read_text()))
+        if proc.popen.poll() is not None:
+            raise ClusterError(
+                f"{proc.name} exited with code {proc.popen.returncode} before it was ready; "
+                f"its log ({proc.log_path}):\n{proc.log_tail()}"
+            )
+        time.sleep(0.02)
+    raise ClusterError(
+        f"{proc.name} not ready after {timeout:.0f}s; its log ({proc.log_path}):\n{proc.log_tail()}"
+    )
+
+
+class LocalCluster:
+    """A scheduler and one daemon per host, as child processes on loopback.
+
+    Parameters
+    ----------
+    topology : str or Path
+        A topology TOML file (see :mod:`mlfabric.scheduler.graph`); its hosts get daemons.
+    policy : str
+        The scheduler's policy (``"fair"`` or ``"stf"``).
+    workdir : str or Path
+        Where sockets, ready files and logs go (one run's private directory).
+    hosts : sequence of str, optional
+        The hosts to start daemons on (default: every host of the topology).
+    enforce_nic_rates : bool
+        Daemons enforce their host's NIC rates from the topology (token buckets), so that
+        loopback has the topology's bottlenecks.
+    python : str
+        The interpreter for the child processes.
+    extra_scheduler_args : sequence of str
+        More arguments for ``mlfabric scheduler``.
+
+    Notes
+    -----
+    The constructor does no I/O; :meth:`start` launches, :meth:`stop` terminates every
+    child (SIGTERM, then SIGKILL after a grace period) and reaps it.
+    """
+
+    def __init__(
+        self,
+        topology: str | Path,
+        *,
+        policy: str,
+        workdir: str | Path,
+        hosts: Sequence[str] | None = None,
+        enforce_nic_rates: bool = False,
+        python: str = sys.executable,
+        extra_scheduler_args: Sequence[str] = (),
+        ready_timeout: float = 30.0,
+    ) -> None:
+        self.topology = Path(topology)
+        self.policy = policy
+        self.workdir = Path(workdir)
+        self._hosts = list(hosts) if hosts is not None else None
+        self.enforce_nic_rates = enforce_nic_rates
+        self.python = python
+        self.extra_scheduler_args = list(extra_scheduler_args)
+        self.ready_timeout = ready_timeout
+        self.scheduler_address: str | None = None
+        self.daemons: dict[str, dict[str, Any]] = {}
+        self._procs: list[ManagedProcess] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def hosts(self) -> list[str]:
+        """The hosts that have (or will have) a daemon."""
+        if self._hosts is None:
+            from mlfabric.scheduler.graph import hosts, load_topology
+
+            self._hosts = hosts(load_topology(self.topology))
+        return list(self._hosts)
+
+    def start(self) -> LocalCluster:
+        """Start the scheduler, then every daemon; return when all are ready."""
+        for sub in ("logs", "ready", "sockets"):
+            (self.workdir / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            ready = self.workdir / "ready" / "scheduler.json"
+            sched = self._launch(
+                "scheduler",
+                [
+                    "scheduler",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--topology",
+                    str(self.topology),
+                    "--policy",
+                    self.policy,
+                    "--ready-file",
+                    str(ready),
+                    *self.extra_scheduler_args,
+                ],
+            )
+            self.scheduler_address = str(wait_for_ready_file(ready, sched, self.ready_timeout)["address"])
+            pending = []
+            for host in self.hosts:
+                ready = self.workdir / "ready" / f"daemon-{host}.json"
+                argv = [
+                    "daemon",
+                    "--host",
+                    host,
+                    "--scheduler",
+                    self.scheduler_address,
+                    "--socket",
+                    self.socket(host),
+                    "--data-listen",
+                    "127.0.0.1:0",
+                    "--ready-file",
+                    str(ready),
+                ]
+                if self.enforce_nic_rates:
+                    argv += ["--topology", str(self.topology), "--enforce-nic-rates"]
+                pending.append((host, ready, self._launch(f"daemon-{host}", argv)))
+            for host, ready, proc in pending:
+                self.daemons[host] = wait_for_ready_file(ready, proc, self.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Terminate every child (training processes first, scheduler last) and reap it."""
+        procs, self._procs = self._procs, []
+        for proc in reversed(procs):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in reversed(procs):
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+            if proc._log is not None:
+                proc._log.close()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ processes
+    def socket(self, host: str) -> str:
+        """The Unix socket path of ``host``'s daemon."""
+        return str(self.workdir / "sockets" / f"{host}.sock")
+
+    def spawn(
+        self, host: str, argv: Sequence[str], *, name: str | None = None, env: Mapping[str, str] | None = None
+    ) -> ManagedProcess:
+        """Run a training process on ``host``: ``MLFABRIC_DAEMON`` points it at that host's daemon."""
+        if host not in self.hosts:
+            raise ClusterError(f"unknown host '{host}' (hosts: {', '.join(self.hosts)})")
+        child_env = {**os.environ, **(env or {}), "MLFABRIC_DAEMON": self.socket(host)}
+        return self._start_process(name or f"{host}-{len(self._procs)}", list(argv), child_env)
+
+    def processes(self) -> list[ManagedProcess]:
+        """Every child process started so far (and not yet stopped)."""
+        return list(self._procs)
+
+    def check_alive(self) -> None:
+        """Raise :class:`ClusterError` if the scheduler or a daemon has died."""
+        for proc in self._procs:
+            if proc.name.startswith(("scheduler", "daemon-")) and proc.popen.poll() is not None:
+                raise ClusterError(
+                    f"{proc.name} died with code {proc.popen.returncode}; its log:\n{proc.log_tail()}"
+                )
+
+    def _launch(self, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
+        argv = [self.python, "-m", "mlfabric", "--log-level", "INFO", *mlfabric_argv]
+        return self._start_process(name, argv, dict(os.environ))
+
+    def _start_process(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        popen = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        proc = ManagedProcess(name, popen, log_path, log)
+        self._procs.append(proc)
+        return proc

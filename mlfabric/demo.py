@@ -1,0 +1,248 @@
+"""Train on an emulated cluster on this machine, once per policy, and compare.
+
+Starts, on loopback and in a temporary directory (no root, no set-up), a scheduler, one
+daemon per emulated host, a parameter server and several workers running asynchronous
+SGD on the digits MLP (:mod:`mlfabric.examples.digits`); trains to a target accuracy with
+each policy (``stf`` and ``fair`` by default); prints progress while it runs and then a
+table per policy: wall time to the target, updates applied and dropped, mean and max
+delay, final accuracy.
+
+The emulated cluster is a star whose server ingress is the bottleneck and whose workers
+have unequal uplinks. The daemons enforce these NIC rates themselves (a token bucket per
+direction shared by all of a daemon's connections), so loopback has a real bottleneck;
+what it does not emulate is switch queues, propagation delay and the kernel's own
+congestion control between hosts — ``mlfabric testbed`` runs on network namespaces for
+that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PolicyResult", "configure", "run", "run_policy", "write_topology"]
+
+#: The demo's star: server ingress is the bottleneck; unequal worker uplinks (Mbit/s).
+SERVER_INGRESS_MBPS = 40
+SERVER_EGRESS_MBPS = 400
+WORKER_UPLINKS_MBPS = (160, 100, 60, 30, 20, 15, 10, 8)
+
+
+def write_topology(path: Path, workers: int) -> list[str]:
+    """Write the demo topology (TOML) for ``workers`` workers; return the worker host names."""
+    names = [f"w{i}" for i in range(workers)]
+    lines = [
+        "# mlfabric demo: the server's ingress is the bottleneck; workers' uplinks differ.",
+        f"hosts = {json.dumps(['ps', *names])}",
+        'switches = ["sw"]',
+        "",
+        "[[links]]",
+        'a = "ps"',
+        'b = "sw"',
+        f"mbps = {SERVER_EGRESS_MBPS}      # ps -> switch",
+        f"mbps_ba = {SERVER_INGRESS_MBPS}    # switch -> ps: the server's ingress",
+    ]
+    for i, name in enumerate(names):
+        rate = WORKER_UPLINKS_MBPS[i % len(WORKER_UPLINKS_MBPS)]
+        lines += [
+            "",
+            "[[links]]",
+            f'a = "{name}"',
+            'b = "sw"',
+            f"mbps = {rate}",
+            f"mbps_ba = {SERVER_EGRESS_MBPS}",
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return names
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """One policy's run of the demo."""
+
+    policy: str
+    wall_time: float | None
+    applied: int
+    dropped: int
+    mean_delay: float
+    max_delay: int
+    accuracy: float
+    pushes: int
+    unresolved: int
+
+    def row(self) -> list[str]:
+        """The table row."""
+        wall = f"{self.wall_time:.1f}" if self.wall_time is not None else "not reached"
+        return [
+            self.policy,
+            wall,
+            str(self.applied),
+            str(self.dropped),
+            f"{self.mean_delay:.2f}",
+            str(self.max_delay),
+            f"{self.accuracy:.3f}",
+        ]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def _progress(policy: str, status: dict[str, Any], started: float, target: float) -> str:
+    return (
+        f"  [{policy}] {time.monotonic() - started:5.1f}s  version {status['version']:4d}  "
+        f"applied {status['applied']:4d}  dropped {status['dropped']:3d}  "
+        f"accuracy {status['accuracy']:.3f} (target {target})"
+    )
+
+
+def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyResult:
+    """Run the whole training once with ``policy`` in ``workdir``; every process is reaped."""
+    from mlfabric.cluster import ClusterError, LocalCluster
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    topology = workdir / "topology.toml"
+    worker_hosts = write_topology(topology, args.workers)
+    status_path, stop_file = workdir / "server-status.json", workdir / "stop"
+    example = [
+        sys.executable,
+        "-m",
+        "mlfabric.examples.digits",
+        "--hidden",
+        str(args.hidden),
+        "--job",
+        "demo",
+    ]
+    tty = sys.stdout.isatty()
+    with LocalCluster(topology, policy=policy, workdir=workdir, enforce_nic_rates=True) as cluster:
+        server_argv = [*example, "server", "--status-file", str(status_path)]
+        server_argv += ["--target-accuracy", str(args.target_accuracy)]
+        if args.tau_max is not None:
+            server_argv += ["--tau-max", str(args.tau_max)]
+        server = cluster.spawn("ps", server_argv, name="server")
+        deadline = time.monotonic() + 60
+        while _read_json(status_path) is None:
+            if server.popen.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"the server did not start; its log:\n{server.log_tail()}")
+            time.sleep(0.05)
+        started_unix, started = time.time(), time.monotonic()
+        workers = [
+            cluster.spawn(
+                host,
+                [
+                    *example,
+                    "worker",
+                    "--rank",
+                    str(rank),
+                    "--world",
+                    str(args.workers),
+                    "--lr",
+                    str(args.lr),
+                    "--stop-file",
+                    str(stop_file),
+                    "--stats-file",
+                    str(workdir / f"worker{rank}.json"),
+                ],
+                name=f"worker{rank}",
+            )
+            for rank, host in enumerate(worker_hosts)
+        ]
+        status: dict[str, Any] = {}
+        last_print = 0.0
+        while time.monotonic() - started < args.time_limit:
+            cluster.check_alive()
+            status = _read_json(status_path) or status
+            if status and time.monotonic() - last_print >= (0.5 if tty else 2.0):
+                line = _progress(policy, status, started, args.target_accuracy)
+                print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+                last_print = time.monotonic()
+            if status.get("reached_at") is not None or all(w.popen.poll() is not None for w in workers):
+                break
+            time.sleep(0.1)
+        if tty:
+            print()
+        stop_file.touch()
+        for w in workers:
+            try:
+                w.popen.wait(timeout=args.push_timeout + 30)
+            except subprocess.TimeoutExpired:  # cluster.stop() below terminates and reaps it
+                print(f"  [{policy}] {w.name} did not stop in time; terminating it", file=sys.stderr)
+        server.popen.terminate()
+        server.popen.wait(timeout=30)
+    final = _read_json(status_path) or status
+    pushes = [
+        p
+        for rank in range(args.workers)
+        for p in (_read_json(workdir / f"worker{rank}.json") or {}).get("pushes", [])
+    ]
+    unresolved = sum(1 for p in pushes if p["status"] not in ("APPLIED", "DROPPED"))
+    reached = final.get("reached_at")
+    return PolicyResult(
+        policy=policy,
+        wall_time=(reached - started_unix) if reached is not None else None,
+        applied=int(final.get("applied", 0)),
+        dropped=sum(1 for p in pushes if p["status"] == "DROPPED"),
+        mean_delay=float(final.get("mean_delay", 0.0)),
+        max_delay=int(final.get("max_delay", 0)),
+        accuracy=float(final.get("accuracy", 0.0)),
+        pushes=len(pushes),
+        unresolved=unresolved,
+    )
+
+
+def format_table(results: list[PolicyResult]) -> str:
+    """A plain-text table of the results."""
+    header = ["policy", "wall time (s)", "applied", "dropped", "mean delay", "max delay", "final accuracy"]
+    rows = [header, *(r.row() for r in results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``mlfabric demo``."""
+    parser.add_argument("--policies", default="stf,fair", help="comma-separated policies to compare")
+    parser.add_argument("--workers", type=int, default=4, help="number of workers (one host each)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden units of the MLP (update size)")
+    parser.add_argument(
+        "--target-accuracy", type=float, default=0.95, help="stop when the test accuracy reaches it"
+    )
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    parser.add_argument("--tau-max", type=int, default=None, help="delay bound (default: unbounded)")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per policy at most")
+    parser.add_argument("--push-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--workdir", type=Path, help="keep sockets, logs and results here (default: a temp dir)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; exit code 0 when every policy ran and every push resolved."""
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    print(
+        f"mlfabric demo: {args.workers} workers, MLP with {args.hidden} hidden units, "
+        f"server ingress {SERVER_INGRESS_MBPS} Mbit/s, target accuracy {args.target_accuracy}"
+    )
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mlfabric-demo-") as tmp:
+        root = args.workdir or Path(tmp)
+        for policy in policies:
+            print(f"policy {policy}: starting scheduler, {args.workers + 1} daemons, server, workers")
+            results.append(run_policy(policy, args, root / policy))
+    print()
+    print(format_table(results))
+    problems = [r for r in results if r.unresolved]
+    for r in problems:
+        print(f"error: {r.unresolved} of {r.pushes} pushes under {r.policy} did not resolve", file=sys.stderr)
+    return 1 if problems else 0

@@ -1,0 +1,1 @@
+"""Examples that use only the public mlfabric API."""

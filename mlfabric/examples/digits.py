@@ -1,0 +1,243 @@
+"""Asynchronous SGD with a parameter server: an MLP on scikit-learn's bundled digits.
+
+Uses only the public API (:func:`mlfabric.register_as_server`,
+:func:`mlfabric.register_as_worker`) and PyTorch. The data set ships inside
+scikit-learn (``load_digits``); nothing is downloaded.
+
+Run a server and N workers, each next to its host's daemon (``MLFABRIC_DAEMON`` or
+``--daemon`` names the daemon's socket)::
+
+    python -m mlfabric.examples.digits server --job digits --name ps0 --status-file /tmp/ps.json
+    python -m mlfabric.examples.digits worker --rank 0 --world 4 --stop-file /tmp/stop
+    ...
+
+The server applies each update (the worker already scaled its gradient by the learning
+rate), refuses any whose delay exceeds ``--tau-max``, evaluates test accuracy every few
+updates and writes its progress to ``--status-file``. A worker loops *get the model,
+compute a gradient on a mini-batch of its shard, push it, wait for the verdict* until
+``--stop-file`` exists or ``--max-pushes`` is reached, then writes its push results to
+``--stats-file``. ``mlfabric demo`` runs exactly this on an emulated cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["accuracy", "init_model", "load_data", "main", "run_server", "run_worker"]
+
+#: Tensor names of the MLP, in order: 64 -> hidden -> 10.
+NAMES = ("w1", "b1", "w2", "b2")
+
+
+def load_data(seed: int = 0, test_size: int = 360) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Digits (8x8 images scaled to [0, 1]) split into train and test, deterministically.
+
+    Examples
+    --------
+    >>> x_train, y_train, x_test, y_test = load_data()
+    >>> x_train.shape[1], len(x_test)
+    (64, 360)
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(x))
+    test, train = order[:test_size], order[test_size:]
+    return x[train], y[train], x[test], y[test]
+
+
+def init_model(hidden: int, seed: int = 0) -> dict[str, Any]:
+    """A freshly initialised MLP as a dict of float32 torch tensors (He initialisation)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w1": torch.randn(hidden, 64, generator=gen) * (2.0 / 64) ** 0.5,
+        "b1": torch.zeros(hidden),
+        "w2": torch.randn(10, hidden, generator=gen) * (1.0 / hidden) ** 0.5,
+        "b2": torch.zeros(10),
+    }
+
+
+def _logits(model: dict[str, Any], x: Any) -> Any:
+    import torch
+
+    return torch.relu(x @ model["w1"].T + model["b1"]) @ model["w2"].T + model["b2"]
+
+
+def accuracy(model: dict[str, Any], x: np.ndarray, y: np.ndarray) -> float:
+    """Fraction of ``x`` classified as ``y`` by ``model``."""
+    import torch
+
+    with torch.no_grad():
+        predicted = _logits(model, torch.from_numpy(x)).argmax(dim=1).numpy()
+    return float((predicted == y).mean())
+
+
+def gradient_step(model: dict[str, Any], x: np.ndarray, y: np.ndarray, lr: float) -> dict[str, Any]:
+    """``lr`` times the cross-entropy gradient of ``model`` on the batch ``(x, y)``."""
+    import torch
+
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in model.items()}
+    loss = torch.nn.functional.cross_entropy(_logits(params, torch.from_numpy(x)), torch.from_numpy(y))
+    loss.backward()
+    return {k: (lr * p.grad).detach() for k, p in params.items()}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve the model until SIGTERM/SIGINT, recording progress in ``--status-file``."""
+    import mlfabric
+
+    stop = _stop_on_signals()
+    _, _, x_test, y_test = load_data(args.seed)
+    server = mlfabric.register_as_server(
+        args.job,
+        args.name,
+        init_model(args.hidden, args.seed),
+        mlfabric.Params(tau_max=args.tau_max),
+        daemon=args.daemon,
+    )
+    status_path = Path(args.status_file) if args.status_file else None
+    started = time.monotonic()
+    delays: list[int] = []
+    state: dict[str, Any] = {"accuracy": accuracy(server.model, x_test, y_test), "reached_at": None}
+
+    @server.on_update
+    def apply(update: dict[str, Any], meta: Any) -> None:
+        for key, value in update.items():
+            server.model[key] -= value
+        delays.append(meta.delay)
+        if len(delays) % args.eval_every == 0:
+            state["accuracy"] = accuracy(server.model, x_test, y_test)
+            if state["reached_at"] is None and state["accuracy"] >= args.target_accuracy:
+                state["reached_at"] = time.time()
+
+    def write_status(final: bool) -> None:
+        if status_path is None:
+            return
+        _write_json(
+            status_path,
+            {
+                "version": server.version,
+                "applied": server.applied,
+                "dropped": server.dropped,
+                "accuracy": state["accuracy"],
+                "reached_at": state["reached_at"],  # unix time the target was reached
+                "elapsed": time.monotonic() - started,
+                "mean_delay": float(np.mean(delays)) if delays else 0.0,
+                "max_delay": max(delays, default=0),
+                "final": final,
+            },
+        )
+
+    with server:
+        write_status(final=False)
+        while not stop.is_set():
+            server.serve(timeout=0.25)
+            write_status(final=False)
+        state["accuracy"] = accuracy(server.model, x_test, y_test)
+        write_status(final=True)
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Get, compute, push, wait — until the stop file appears or ``--max-pushes`` are done."""
+    import mlfabric
+
+    stop = _stop_on_signals()
+    x_train, y_train, _, _ = load_data(args.seed)
+    shard = np.arange(len(x_train))[args.rank :: args.world]
+    rng = np.random.default_rng(1000 + args.rank)
+    worker = mlfabric.register_as_worker(args.job, name=f"worker{args.rank}", daemon=args.daemon, wait=60.0)
+    stop_file = Path(args.stop_file) if args.stop_file else None
+    results: list[dict[str, Any]] = []
+    with worker:
+        while not stop.is_set() and (stop_file is None or not stop_file.exists()):
+            if args.max_pushes is not None and len(results) >= args.max_pushes:
+                break
+            version, model = worker.get(args.server, as_torch=True)
+            batch = rng.choice(shard, size=args.batch_size)
+            update = gradient_step(model, x_train[batch], y_train[batch], args.lr)
+            if args.compute_delay > 0:
+                time.sleep(args.compute_delay)
+            pushed = time.monotonic()
+            result = worker.push(args.server, update).wait(timeout=args.push_timeout)
+            results.append(
+                {
+                    "status": result.status,
+                    "delay": result.delay,
+                    "version": result.version,
+                    "reason": result.reason,
+                    "base_version": version,
+                    "seconds": time.monotonic() - pushed,
+                }
+            )
+    if args.stats_file:
+        _write_json(Path(args.stats_file), {"rank": args.rank, "pushes": results})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The example's command line (``server`` and ``worker`` subcommands)."""
+    parser = argparse.ArgumentParser(prog="python -m mlfabric.examples.digits", description=__doc__)
+    parser.add_argument("--daemon", help="the daemon's Unix socket (default: $MLFABRIC_DAEMON)")
+    parser.add_argument("--job", default="digits")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden units of the MLP")
+    parser.add_argument("--seed", type=int, default=0)
+    sub = parser.add_subparsers(dest="role", required=True)
+    server = sub.add_parser("server", help="serve the model")
+    server.add_argument("--name", default="ps0")
+    server.add_argument("--tau-max", type=int, default=None, help="delay bound (default: unbounded)")
+    server.add_argument("--target-accuracy", type=float, default=0.95)
+    server.add_argument("--eval-every", type=int, default=5, help="evaluate every N applied updates")
+    server.add_argument("--status-file", help="JSON progress file, rewritten as training goes")
+    server.set_defaults(run=run_server)
+    worker = sub.add_parser("worker", help="compute and push updates")
+    worker.add_argument("--server", default="ps0")
+    worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--world", type=int, required=True, help="number of workers (for sharding)")
+    worker.add_argument("--lr", type=float, default=0.05)
+    worker.add_argument("--batch-size", type=int, default=32)
+    worker.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds per step (straggler)")
+    worker.add_argument("--max-pushes", type=int, default=None)
+    worker.add_argument("--push-timeout", type=float, default=120.0)
+    worker.add_argument("--stop-file", help="stop once this file exists")
+    worker.add_argument("--stats-file", help="write the push results here as JSON")
+    worker.set_defaults(run=run_worker)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m mlfabric.examples.digits server|worker ...``."""
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

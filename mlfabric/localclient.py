@@ -1,0 +1,359 @@
+"""The local API's wire: a training process's connection to its host's daemon (DESIGN.md §3).
+
+Messages travel over a Unix stream socket as a 4-byte big-endian length followed by a
+serialized ``LocalRequest`` (process -> daemon) or ``LocalEvent`` (daemon -> process),
+``proto/mlfabric/v1/local.proto``. Tensor bytes never travel in a message: they sit in
+a memfd whose descriptor rides on the same ``sendmsg`` as SCM_RIGHTS ancillary data,
+and the message says so with ``has_payload``. The kernel hands ancillary data out with
+the first byte of the write that carried it, so descriptors arrive in message order;
+:class:`MessageReader` queues them and each payload-carrying message takes the next.
+
+The framing helpers here are shared by both ends (the daemon's :mod:`mlfabric.daemon.localapi`
+imports them); :class:`LocalClient` is the training-process end.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from mlfabric.proto.v1 import local_pb2
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "MAX_LOCAL_MESSAGE",
+    "ENV_DAEMON",
+    "LocalClient",
+    "MessageReader",
+    "MlfabricError",
+    "ProtocolError",
+    "default_socket_path",
+    "send_message",
+]
+
+#: Environment variable naming the daemon's socket.
+ENV_DAEMON = "MLFABRIC_DAEMON"
+
+#: The socket path used when neither an argument nor ``MLFABRIC_DAEMON`` names one.
+DEFAULT_SOCKET = os.path.join(tempfile.gettempdir(), f"mlfabric-{os.getuid()}", "daemon.sock")
+
+#: Largest local message (the protobuf, not the tensors, which go in a memfd).
+MAX_LOCAL_MESSAGE = 16 << 20
+
+_LEN = struct.Struct(">I")
+_MAX_FDS = 16
+
+
+class MlfabricError(RuntimeError):
+    """An error reported by mlfabric: the daemon refused a request or cannot be reached.
+
+    Attributes
+    ----------
+    code : str
+        Machine-readable: ``unknown_job``, ``unknown_server``, ``bad_tensor``, ``bad_request``,
+        ``unavailable``, ``no_daemon``, ``disconnected``, ...
+    """
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ProtocolError(ValueError):
+    """A local message that breaks the framing (too long, or a payload without a descriptor)."""
+
+
+def default_socket_path(explicit: str | None = None) -> str:
+    """The daemon socket to use: ``explicit``, else ``$MLFABRIC_DAEMON``, else :data:`DEFAULT_SOCKET`.
+
+    Parameters
+    ----------
+    explicit : str, optional
+        A path given by the caller.
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> default_socket_path("/tmp/x.sock")
+    '/tmp/x.sock'
+    """
+    return explicit or os.environ.get(ENV_DAEMON) or DEFAULT_SOCKET
+
+
+def send_message(sock: socket.socket, message: Any, fd: int | None = None) -> None:
+    """Write one length-prefixed message, with ``fd`` (if any) as SCM_RIGHTS on the same write.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A connected Unix stream socket. Callers serialise writes (one writer at a time).
+    message : LocalRequest or LocalEvent
+        The protobuf message.
+    fd : int, optional
+        A descriptor to pass (the receiver gets its own copy; the caller still owns ``fd``).
+    """
+    body = message.SerializeToString()
+    data = _LEN.pack(len(body)) + body
+    if fd is None:
+        sock.sendall(data)
+        return
+    sent = socket.send_fds(sock, [data], [fd])
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+class MessageReader:
+    """Reads length-prefixed messages and the descriptors passed with them from one socket.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A connected Unix stream socket.
+    max_message : int
+        Messages longer than this raise :class:`ProtocolError`.
+    """
+
+    def __init__(self, sock: socket.socket, max_message: int = MAX_LOCAL_MESSAGE) -> None:
+        self._sock = sock
+        self._max = max_message
+        self._buf = bytearray()
+        self._fds: collections.deque[int] = collections.deque()
+
+    def read(self) -> bytes | None:
+        """The next message's bytes, or None at end of stream.
+
+        Raises
+        ------
+        ProtocolError
+            When the length prefix exceeds the limit.
+        OSError
+            When the socket fails.
+        """
+        while True:
+            if len(self._buf) >= _LEN.size:
+                (length,) = _LEN.unpack_from(self._buf)
+                if length > self._max:
+                    raise ProtocolError(f"local message of {length} bytes exceeds the {self._max}-byte limit")
+                if len(self._buf) >= _LEN.size + length:
+                    body = bytes(self._buf[_LEN.size : _LEN.size + length])
+                    del self._buf[: _LEN.size + length]
+                    return body
+            data, fds, _flags, _addr = socket.recv_fds(self._sock, 1 << 16, _MAX_FDS)
+            self._fds.extend(fds)
+            if not data:
+                return None
+            self._buf += data
+
+    def take_fd(self) -> int:
+        """The descriptor passed with the message just read (the caller owns it).
+
+        Raises
+        ------
+        ProtocolError
+            When no descriptor came with the message.
+        """
+        if not self._fds:
+            raise ProtocolError("message says has_payload but no file descriptor came with it")
+        return self._fds.popleft()
+
+    def close(self) -> None:
+        """Close descriptors received but never taken."""
+        while self._fds:
+            os.close(self._fds.popleft())
+
+
+EventHandler = Callable[[Any, int | None], None]
+
+
+class LocalClient:
+    """A training process's connection to its daemon (one role per connection).
+
+    Parameters
+    ----------
+    path : str
+        The daemon's Unix socket.
+
+    Notes
+    -----
+    :meth:`connect` opens the socket and starts a reader thread. Replies are routed by
+    ``request_id`` to the handler registered by :meth:`submit` (or to :meth:`call`'s
+    waiter); unsolicited events (``request_id`` 0, e.g. ``DeliverUpdate``) go to the
+    handler given to :meth:`set_unsolicited`. Handlers run on the reader thread and get
+    ``(event, fd)`` where ``fd`` is the passed descriptor (the handler owns it) or None.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._write_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._handlers: dict[int, EventHandler] = {}
+        self._unsolicited: EventHandler | None = None
+        self._ids = itertools.count(1)
+        self._reader: threading.Thread | None = None
+        self._closed_reason: str | None = None
+
+    def connect(self) -> None:
+        """Connect to the daemon.
+
+        Raises
+        ------
+        MlfabricError
+            ``no_daemon`` when nothing listens at the socket; the message says how to start one.
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise MlfabricError(
+                f"no mlfabric daemon at {self.path} ({exc.strerror or exc}); start one with "
+                f"`mlfabric daemon --host NAME --scheduler HOST:PORT --socket {self.path} "
+                "--data-listen 127.0.0.1:0`, or point MLFABRIC_DAEMON at a running daemon's socket",
+                code="no_daemon",
+            ) from exc
+        self._sock = sock
+        self._reader = threading.Thread(target=self._read_loop, name="mlfabric-local-reader", daemon=True)
+        self._reader.start()
+
+    def set_unsolicited(self, handler: EventHandler) -> None:
+        """Route events that answer no request (``DeliverUpdate``) to ``handler``."""
+        self._unsolicited = handler
+
+    def submit(self, request: Any, handler: EventHandler, fd: int | None = None) -> int:
+        """Send ``request`` (a ``LocalRequest``); events answering it go to ``handler``.
+
+        The handler stays registered until :meth:`forget` is called for the id.
+
+        Returns
+        -------
+        int
+            The request id.
+        """
+        request_id = next(self._ids)
+        request.request_id = request_id
+        with self._lock:
+            if self._closed_reason is not None:
+                raise MlfabricError(self._closed_reason, code="disconnected")
+            self._handlers[request_id] = handler
+        self.send(request, fd)
+        return request_id
+
+    def forget(self, request_id: int) -> None:
+        """Stop routing events for ``request_id``."""
+        with self._lock:
+            self._handlers.pop(request_id, None)
+
+    def send(self, request: Any, fd: int | None = None) -> None:
+        """Send a request that expects no reply (a verdict, a published model)."""
+        if self._sock is None:
+            raise MlfabricError("not connected to a daemon", code="disconnected")
+        try:
+            with self._write_lock:
+                send_message(self._sock, request, fd)
+        except OSError as exc:
+            raise MlfabricError(f"daemon at {self.path} connection failed: {exc}", code="disconnected") from exc
+
+    def call(self, request: Any, fd: int | None = None, timeout: float | None = None) -> tuple[Any, int | None]:
+        """Send ``request`` and wait for the first event answering it.
+
+        Returns
+        -------
+        event : LocalEvent
+        fd : int or None
+            A descriptor passed with the event (the caller owns it).
+
+        Raises
+        ------
+        MlfabricError
+            With the daemon's error code and message when it answers ``LocalError``.
+        TimeoutError
+            When no answer comes within ``timeout`` seconds.
+        """
+        done = threading.Event()
+        box: list[tuple[Any, int | None]] = []
+
+        def handler(event: Any, event_fd: int | None) -> None:
+            box.append((event, event_fd))
+            done.set()
+
+        request_id = self.submit(request, handler, fd)
+        try:
+            if not done.wait(timeout):
+                raise TimeoutError(f"no answer from the daemon at {self.path} within {timeout} s")
+        finally:
+            self.forget(request_id)
+        event, event_fd = box[0]
+        raise_for_error(event, event_fd)
+        return event, event_fd
+
+    def close(self) -> None:
+        """Close the connection (the daemon drops this connection's role)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already disconnected
+            sock.close()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+
+    def _read_loop(self) -> None:
+        assert self._sock is not None
+        reader = MessageReader(self._sock)
+        reason = f"the daemon at {self.path} closed the connection"
+        try:
+            while True:
+                body = reader.read()
+                if body is None:
+                    break
+                event = local_pb2.LocalEvent.FromString(body)
+                kind = event.WhichOneof("kind")
+                carries = kind in ("model", "deliver") and getattr(event, kind).has_payload
+                fd = reader.take_fd() if carries else None
+                self._dispatch(event, fd)
+        except (OSError, ProtocolError, ValueError) as exc:
+            reason = f"connection to the daemon at {self.path} failed: {exc}"
+        finally:
+            reader.close()
+            self._fail_all(reason)
+
+    def _dispatch(self, event: Any, fd: int | None) -> None:
+        with self._lock:
+            handler = self._handlers.get(event.request_id) if event.request_id else self._unsolicited
+        if handler is None:
+            if fd is not None:
+                os.close(fd)
+            return
+        handler(event, fd)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            self._closed_reason = reason
+            handlers = list(self._handlers.values())
+            self._handlers.clear()
+            unsolicited = self._unsolicited
+        event = local_pb2.LocalEvent(error=local_pb2.LocalError(code="disconnected", message=reason))
+        for handler in handlers:
+            handler(event, None)
+        if unsolicited is not None:
+            unsolicited(event, None)
+
+
+def raise_for_error(event: Any, fd: int | None = None) -> None:
+    """Raise :class:`MlfabricError` if ``event`` is a ``LocalError`` (closing ``fd``)."""
+    if event.WhichOneof("kind") == "error":
+        if fd is not None:
+            os.close(fd)
+        raise MlfabricError(event.error.message, code=event.error.code)

@@ -1,0 +1,389 @@
+"""The tensor codec: named tensors <-> a flat payload in a memfd (DESIGN.md §3).
+
+An update or a model is a dict of name -> tensor (numpy array or torch tensor) with
+dtype ``float32``, ``float16``, ``bfloat16`` or ``float64``. On its way between a
+training process, its daemon and peer daemons it travels as one flat payload: the
+tensors' bytes concatenated back to back (the data plane's frame check wants the
+layout to cover the payload exactly, so there is no padding) plus a layout
+(name, dtype, shape, offset, nbytes per tensor, the ``TensorLayout`` message of
+``dataplane.proto``).
+
+Numpy has no bfloat16: a bfloat16 tensor is a numpy ``uint16`` array of the raw
+2-byte words (the top half of the float32 bit pattern); with torch it round-trips
+to ``torch.bfloat16``. Torch is optional: nothing here imports it unless the
+caller passes torch tensors or asks for them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DTYPES",
+    "Layout",
+    "TensorError",
+    "decode",
+    "dtype_name",
+    "encode_into",
+    "l2_norm",
+    "layouts_from_pb",
+    "layouts_to_pb",
+    "plan_layout",
+    "read_memfd",
+    "to_memfd",
+]
+
+#: dtype name -> numpy dtype the bytes are viewed as (bfloat16: raw uint16 words).
+DTYPES: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float64": np.dtype("<f8"),
+}
+
+_NUMPY_NAMES = {"float32": "float32", "float16": "float16", "uint16": "bfloat16", "float64": "float64"}
+
+
+class TensorError(ValueError):
+    """A tensor the codec cannot carry (unsupported dtype, not an array, bad layout)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one tensor sits in a payload (mirrors ``TensorLayout`` in ``dataplane.proto``)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _is_torch(value: object) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def dtype_name(value: object) -> str:
+    """The mlfabric dtype name of a numpy array or torch tensor.
+
+    Parameters
+    ----------
+    value : numpy.ndarray or torch.Tensor
+        The tensor. A numpy ``uint16`` array is taken as raw bfloat16 words.
+
+    Returns
+    -------
+    str
+        One of ``float32``, ``float16``, ``bfloat16``, ``float64``.
+
+    Raises
+    ------
+    TensorError
+        For any other dtype or a value that is not a tensor.
+
+    Examples
+    --------
+    >>> dtype_name(np.zeros(2, dtype=np.float16))
+    'float16'
+    """
+    if _is_torch(value):
+        name = str(value.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+        if name in DTYPES:
+            return name
+        raise TensorError(f"unsupported torch dtype {value.dtype}; use one of {sorted(DTYPES)}")  # type: ignore[attr-defined]
+    if isinstance(value, np.ndarray):
+        found = _NUMPY_NAMES.get(value.dtype.name)
+        if found is None:
+            raise TensorError(
+                f"unsupported numpy dtype {value.dtype}; use float32, float16, float64 "
+                "or uint16 (raw bfloat16 words)"
+            )
+        return found
+    raise TensorError(f"expected a numpy array or torch tensor, got {type(value).__name__}")
+
+
+def _as_numpy(value: object) -> np.ndarray:
+    """A C-contiguous little-endian numpy view (or copy) of a tensor's bytes."""
+    if _is_torch(value):
+        import torch
+
+        tensor = value.detach().cpu().contiguous()  # type: ignore[attr-defined]
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)
+            return np.ascontiguousarray(tensor.numpy().view(np.uint16))
+        return np.ascontiguousarray(tensor.numpy())
+    arr = np.asarray(value)
+    return np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
+
+
+def plan_layout(tensors: Mapping[str, object]) -> tuple[list[Layout], int]:
+    """Lay the tensors out in one payload, back to back in the dict's order.
+
+    Parameters
+    ----------
+    tensors : Mapping[str, numpy.ndarray or torch.Tensor]
+        The update or model.
+
+    Returns
+    -------
+    layouts : list of Layout
+        One per tensor.
+    total : int
+        Payload size in bytes.
+
+    Examples
+    --------
+    >>> layouts, total = plan_layout({"a": np.zeros(3, np.float32), "b": np.zeros(1)})
+    >>> [(x.name, x.offset, x.nbytes) for x in layouts], total
+    ([('a', 0, 12), ('b', 12, 8)], 20)
+    """
+    layouts: list[Layout] = []
+    offset = 0
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise TensorError(f"tensor names must be non-empty strings, got {name!r}")
+        dtype = dtype_name(value)
+        shape = tuple(int(d) for d in value.shape)  # type: ignore[attr-defined]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        layouts.append(Layout(name, dtype, shape, offset, nbytes))
+        offset += nbytes
+    return layouts, offset
+
+
+def encode_into(buf: memoryview | mmap.mmap, tensors: Mapping[str, object], layouts: Sequence[Layout]) -> None:
+    """Copy the tensors' bytes into ``buf`` at the offsets of ``layouts``.
+
+    Parameters
+    ----------
+    buf : writable buffer
+        At least as large as the payload.
+    tensors : Mapping[str, numpy.ndarray or torch.Tensor]
+        The tensors, as given to :func:`plan_layout`.
+    layouts : sequence of Layout
+        From :func:`plan_layout`.
+
+    Examples
+    --------
+    >>> t = {"a": np.arange(2, dtype=np.float32)}
+    >>> layouts, n = plan_layout(t)
+    >>> b = bytearray(n); encode_into(memoryview(b), t, layouts)
+    >>> decode(b, layouts)["a"].tolist()
+    [0.0, 1.0]
+    """
+    view = memoryview(buf).cast("B")
+    for layout in layouts:
+        arr = _as_numpy(tensors[layout.name])
+        view[layout.offset : layout.offset + layout.nbytes] = arr.reshape(-1).view(np.uint8)
+
+
+def decode(
+    buf: bytes | bytearray | memoryview | mmap.mmap,
+    layouts: Sequence[Layout],
+    *,
+    as_torch: bool = False,
+    copy: bool = True,
+) -> dict[str, Any]:
+    """Named tensors from a payload.
+
+    Parameters
+    ----------
+    buf : buffer
+        The payload.
+    layouts : sequence of Layout
+        Where each tensor sits.
+    as_torch : bool
+        Return torch tensors (bfloat16 as ``torch.bfloat16``) instead of numpy arrays.
+    copy : bool
+        Copy out of ``buf`` (default) so the result outlives the buffer.
+
+    Returns
+    -------
+    dict
+        name -> numpy array (bfloat16 as ``uint16`` words) or torch tensor.
+
+    Raises
+    ------
+    TensorError
+        When a layout does not fit the buffer or names an unknown dtype.
+
+    Examples
+    --------
+    >>> layouts, n = plan_layout({"x": np.ones((2, 2))})
+    >>> decode(bytes(n), layouts)["x"].shape
+    (2, 2)
+    """
+    view = memoryview(buf).cast("B")
+    out: dict[str, Any] = {}
+    for layout in layouts:
+        dtype = DTYPES.get(layout.dtype)
+        if dtype is None:
+            raise TensorError(f"tensor {layout.name!r}: unknown dtype {layout.dtype!r}")
+        count = int(np.prod(layout.shape, dtype=np.int64))
+        if count * dtype.itemsize != layout.nbytes or layout.offset + layout.nbytes > len(view):
+            raise TensorError(
+                f"tensor {layout.name!r}: layout {layout.shape} {layout.dtype} at offset {layout.offset} "
+                f"({layout.nbytes} bytes) does not fit a {len(view)}-byte payload"
+            )
+        arr = np.frombuffer(view, dtype=dtype, count=count, offset=layout.offset).reshape(layout.shape)
+        if copy:
+            arr = arr.copy()
+        if as_torch:
+            import torch
+
+            tensor = torch.from_numpy(arr.view(np.int16) if layout.dtype == "bfloat16" else arr)
+            out[layout.name] = tensor.view(torch.bfloat16) if layout.dtype == "bfloat16" else tensor
+        else:
+            out[layout.name] = arr
+    return out
+
+
+def l2_norm(tensors: Mapping[str, object]) -> float:
+    """The L2 norm of an update over all its tensors (the default ``norm`` of a push).
+
+    Parameters
+    ----------
+    tensors : Mapping[str, numpy.ndarray or torch.Tensor]
+        The update.
+
+    Returns
+    -------
+    float
+        sqrt(sum of squares of every element), computed in float64.
+
+    Examples
+    --------
+    >>> l2_norm({"a": np.array([3.0]), "b": np.array([4.0], dtype=np.float32)})
+    5.0
+    """
+    total = 0.0
+    for value in tensors.values():
+        dtype = dtype_name(value)
+        arr = _as_numpy(value)
+        if dtype == "bfloat16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        flat = arr.reshape(-1).astype(np.float64)
+        total += float(np.dot(flat, flat))
+    return float(np.sqrt(total))
+
+
+def to_memfd(tensors: Mapping[str, object], name: str = "mlfabric-tensors") -> tuple[int, list[Layout], int]:
+    """Write the tensors into a new memfd (one copy) for passing to a daemon.
+
+    Parameters
+    ----------
+    tensors : Mapping[str, numpy.ndarray or torch.Tensor]
+        The update or model.
+    name : str
+        The memfd's name (shows in ``/proc/PID/fd``).
+
+    Returns
+    -------
+    fd : int
+        The memfd; the caller owns it and closes it.
+    layouts : list of Layout
+        Where each tensor sits.
+    total : int
+        Payload size in bytes.
+
+    Examples
+    --------
+    >>> fd, layouts, n = to_memfd({"w": np.ones(4, np.float32)})
+    >>> read_memfd(fd, layouts)["w"].sum()
+    np.float32(4.0)
+    >>> os.close(fd)
+    """
+    layouts, total = plan_layout(tensors)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        if total:
+            os.ftruncate(fd, total)
+            with mmap.mmap(fd, total) as mem:
+                encode_into(mem, tensors, layouts)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, layouts, total
+
+
+def read_memfd(fd: int, layouts: Sequence[Layout], *, as_torch: bool = False) -> dict[str, Any]:
+    """Named tensors copied out of a memfd (or any mappable fd) laid out by ``layouts``.
+
+    Parameters
+    ----------
+    fd : int
+        The file descriptor (not closed here).
+    layouts : sequence of Layout
+        Where each tensor sits.
+    as_torch : bool
+        Return torch tensors.
+
+    Returns
+    -------
+    dict
+        name -> tensor, see :func:`decode`.
+
+    Examples
+    --------
+    >>> fd, layouts, _ = to_memfd({"w": np.zeros(2)})
+    >>> list(read_memfd(fd, layouts))
+    ['w']
+    >>> os.close(fd)
+    """
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return decode(b"", layouts, as_torch=as_torch)
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mem:
+        return decode(mem, layouts, as_torch=as_torch)
+
+
+def layouts_to_pb(layouts: Sequence[Layout]) -> list[Any]:
+    """``TensorLayout`` messages (``dataplane.proto``) for the layouts.
+
+    Parameters
+    ----------
+    layouts : sequence of Layout
+        Where each tensor sits.
+
+    Returns
+    -------
+    list of mlfabric.proto.v1.dataplane_pb2.TensorLayout
+
+    Examples
+    --------
+    >>> layouts_to_pb([Layout("w", "float32", (2,), 0, 8)])[0].nbytes
+    8
+    """
+    from mlfabric.proto.v1 import dataplane_pb2
+
+    return [
+        dataplane_pb2.TensorLayout(
+            name=x.name, dtype=x.dtype, shape=list(x.shape), offset=x.offset, nbytes=x.nbytes
+        )
+        for x in layouts
+    ]
+
+
+def layouts_from_pb(messages: Sequence[Any]) -> list[Layout]:
+    """Layouts from ``TensorLayout`` messages.
+
+    Parameters
+    ----------
+    messages : sequence of TensorLayout
+        As carried by a push, a frame header or a model reply.
+
+    Returns
+    -------
+    list of Layout
+
+    Examples
+    --------
+    >>> layouts_from_pb(layouts_to_pb([Layout("w", "float64", (1,), 0, 8)]))[0].dtype
+    'float64'
+    """
+    return [Layout(m.name, m.dtype, tuple(int(d) for d in m.shape), int(m.offset), int(m.nbytes)) for m in messages]

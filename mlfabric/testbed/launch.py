@@ -1,0 +1,191 @@
+"""Run mlfabric on a testbed: the scheduler, one daemon per host, training processes (DESIGN §3, §6).
+
+:class:`TestbedCluster` is :class:`mlfabric.cluster.LocalCluster` on a real kernel network:
+the scheduler runs in the testbed's control namespace (reachable from every host over the
+unshaped control network), each host's daemon runs in the host's namespace with its data
+plane on the host's shaped NIC, and training processes run next to their daemon. Ports are
+chosen by the kernel (port 0) and learned from ready files, per the CLI contract in
+DEVELOPERS.md.
+
+Examples
+--------
+With root and a testbed that is up::
+
+    with TestbedCluster(testbed, "cluster.toml", policy="stf", workdir=tmp) as cluster:
+        server = cluster.spawn("ps", [sys.executable, "train.py", "server"])
+        workers = [cluster.spawn(w, [sys.executable, "train.py", "worker"]) for w in ("w0", "w1")]
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from mlfabric.cluster import ClusterError, ManagedProcess, wait_for_ready_file
+from mlfabric.testbed.cluster import CONTROL, Testbed
+
+__all__ = ["TestbedCluster"]
+
+#: Runs one ``mlfabric`` subcommand (``argv[1]``) the way ``mlfabric SUBCOMMAND ...`` does,
+#: importing only that subcommand's module, so a launch does not depend on every other
+#: subcommand of the console command being importable.
+_SUBCOMMAND = """
+import argparse, importlib, logging, sys
+from mlfabric.cli import SUBCOMMANDS
+module = importlib.import_module(SUBCOMMANDS[sys.argv[1]][0])
+parser = argparse.ArgumentParser(prog="mlfabric " + sys.argv[1])
+module.configure(parser)
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+sys.exit(module.run(parser.parse_args(sys.argv[2:])))
+"""
+
+
+class TestbedCluster:
+    """A scheduler and one daemon per host, as processes inside a testbed's namespaces.
+
+    Parameters
+    ----------
+    testbed : Testbed
+        A testbed that is up.
+    topology : str or Path
+        The topology file the testbed was built from (the scheduler reads it too).
+    policy : str
+        ``"fair"`` or ``"stf"``.
+    workdir : str or Path
+        Sockets, ready files and logs of this run.
+    hosts : sequence of str, optional
+        Hosts that get a daemon (default: all).
+    python : str
+        Interpreter of the child processes.
+    extra_scheduler_args : sequence of str
+        More ``mlfabric scheduler`` arguments.
+
+    Notes
+    -----
+    The constructor does no I/O; :meth:`start` launches and waits for every ready file,
+    :meth:`stop` sends SIGTERM (SIGKILL after a grace period) and reaps every child.
+    """
+
+    __test__ = False
+
+    def __init__(
+        self,
+        testbed: Testbed,
+        topology: str | Path,
+        *,
+        policy: str,
+        workdir: str | Path,
+        hosts: Sequence[str] | None = None,
+        python: str = sys.executable,
+        extra_scheduler_args: Sequence[str] = (),
+        ready_timeout: float = 60.0,
+    ) -> None:
+        self.testbed = testbed
+        self.topology = Path(topology)
+        self.policy = policy
+        self.workdir = Path(workdir)
+        self.hosts = list(hosts) if hosts is not None else testbed.hosts
+        self.python = python
+        self.extra_scheduler_args = list(extra_scheduler_args)
+        self.ready_timeout = ready_timeout
+        self.scheduler_address: str | None = None
+        self.daemons: dict[str, dict[str, Any]] = {}
+        self._procs: list[ManagedProcess] = []
+
+    def start(self) -> TestbedCluster:
+        """Start the scheduler in the control namespace, then every daemon; wait until ready."""
+        for sub in ("logs", "ready", "sockets"):
+            (self.workdir / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            ready = self.workdir / "ready" / "scheduler.json"
+            sched = self._launch(
+                CONTROL,
+                "scheduler",
+                ["scheduler", "--listen", f"{self.testbed.control_address()}:0", "--topology", str(self.topology)]
+                + ["--policy", self.policy, "--ready-file", str(ready), *self.extra_scheduler_args],
+            )
+            self.scheduler_address = str(wait_for_ready_file(ready, sched, self.ready_timeout)["address"])
+            pending = []
+            for host in self.hosts:
+                ready = self.workdir / "ready" / f"daemon-{host}.json"
+                argv = ["daemon", "--host", host, "--scheduler", self.scheduler_address, "--socket", self.socket(host)]
+                argv += ["--data-listen", f"{self.testbed.address(host)}:0", "--ready-file", str(ready)]
+                pending.append((host, ready, self._launch(host, f"daemon-{host}", argv)))
+            for host, ready, proc in pending:
+                self.daemons[host] = wait_for_ready_file(ready, proc, self.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Terminate every child (training processes first, scheduler last) and reap it."""
+        procs, self._procs = self._procs, []
+        for proc in reversed(procs):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in reversed(procs):
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+            if proc._log is not None:
+                proc._log.close()
+
+    def __enter__(self) -> TestbedCluster:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def socket(self, host: str) -> str:
+        """The Unix socket of ``host``'s daemon (namespaces share the file system)."""
+        return str(self.workdir / "sockets" / f"{host}.sock")
+
+    def spawn(
+        self, host: str, argv: Sequence[str], *, name: str | None = None, env: Mapping[str, str] | None = None
+    ) -> ManagedProcess:
+        """Run a training process inside ``host``; ``MLFABRIC_DAEMON`` points it at that host's daemon."""
+        if host not in self.hosts:
+            raise ClusterError(f"unknown host '{host}' (hosts with a daemon: {', '.join(self.hosts)})")
+        child_env = {**os.environ, **(env or {}), "MLFABRIC_DAEMON": self.socket(host)}
+        return self._start(host, name or f"{host}-{len(self._procs)}", list(argv), child_env)
+
+    def wait(self, proc: ManagedProcess, timeout: float) -> int:
+        """Wait for a spawned process to exit; raise :class:`ClusterError` (with its log) if it fails."""
+        try:
+            code = proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"{proc.name} still running after {timeout:.0f}s; log:\n{proc.log_tail()}") from None
+        if code != 0:
+            raise ClusterError(f"{proc.name} exited with code {code}; log:\n{proc.log_tail()}")
+        return code
+
+    def check_alive(self) -> None:
+        """Raise :class:`ClusterError` if the scheduler or a daemon has died."""
+        for proc in self._procs:
+            if proc.name.startswith(("scheduler", "daemon-")) and proc.popen.poll() is not None:
+                raise ClusterError(f"{proc.name} died with code {proc.popen.returncode}; log:\n{proc.log_tail()}")
+
+    def _launch(self, host: str, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
+        argv = [self.python, "-c", _SUBCOMMAND, *mlfabric_argv]
+        return self._start(host, name, argv, dict(os.environ))
+
+    def _start(self, host: str, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        popen = self.testbed.popen(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = ManagedProcess(name, popen, log_path, log)
+        self._procs.append(proc)
+        return proc

@@ -1,0 +1,234 @@
+"""Run the central scheduler service (one per cluster).
+
+Daemons connect to it over gRPC (one ``Session`` stream each), register their roles and
+announce ready updates; the scheduler batches the announcements, runs the policy on the
+bandwidth graph and streams back send/drop directives.
+
+The bandwidth graph comes from a TOML topology file (``--topology``, format in the
+README) or from a star preset (``--star N --nic-gbps G``: hosts h0..h{N-1} around one
+switch). Daemons must say hello with one of its host names.
+
+Examples:
+
+  mlfabric scheduler --star 4 --nic-gbps 10 --policy stf
+  mlfabric scheduler --listen 127.0.0.1:0 --topology cluster.toml --policy fair \\
+      --ready-file /tmp/sched.json --metrics-port 9100
+
+Exits 0 on SIGTERM/SIGINT, 2 on bad arguments or a bad topology file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["configure", "main", "run", "write_ready_file"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:7077"
+#: hosts of the star used when neither --topology nor --star is given
+DEFAULT_STAR = 4
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``mlfabric scheduler`` arguments to ``parser``."""
+    parser.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"gRPC address to serve on; port 0 picks a free port (default {DEFAULT_LISTEN})",
+    )
+    graph = parser.add_mutually_exclusive_group()
+    graph.add_argument("--topology", metavar="FILE", help="TOML topology file: hosts, switches, links")
+    graph.add_argument(
+        "--star",
+        type=int,
+        metavar="N",
+        help=f"preset: N hosts h0..h{{N-1}} around one switch (the default, with N={DEFAULT_STAR})",
+    )
+    parser.add_argument(
+        "--nic-gbps",
+        type=float,
+        default=10.0,
+        metavar="G",
+        help="NIC rate of every host of the star, Gbit/s (default 10)",
+    )
+    parser.add_argument(
+        "--policy",
+        default="fair",
+        help="scheduling policy: fair (send at once, TCP shares) or stf (shortest transfer "
+        "first with network time-sharing) (default fair)",
+    )
+    parser.add_argument(
+        "--batch-window-us",
+        type=float,
+        default=300.0,
+        metavar="N",
+        help="keep batching ready notifications while another arrives within N microseconds "
+        "(default 300; a batch never waits more than --batch-max-wait-us)",
+    )
+    parser.add_argument(
+        "--batch-max-wait-us",
+        type=float,
+        default=5000.0,
+        metavar="N",
+        help="longest wait of a batch after its first notification, microseconds (default 5000)",
+    )
+    parser.add_argument(
+        "--release-margin-us",
+        type=float,
+        default=2000.0,
+        metavar="N",
+        help="release a transfer N microseconds before the one it waits for is expected to end, "
+        "so the bottleneck never idles on control latency (default 2000)",
+    )
+    parser.add_argument(
+        "--ready-file",
+        metavar="F",
+        help='once serving, write {"pid", "address", ...} as JSON to F (atomically)',
+    )
+    parser.add_argument("--metrics-port", type=int, metavar="P", help="expose Prometheus metrics on port P")
+
+
+def write_ready_file(path: str | Path, info: dict[str, Any]) -> None:
+    """Write ``info`` as JSON to ``path`` atomically (temp file in the same directory, rename).
+
+    Examples
+    --------
+    >>> import tempfile, json, pathlib
+    >>> d = tempfile.mkdtemp(); p = pathlib.Path(d, "ready.json")
+    >>> write_ready_file(p, {"pid": 1}); json.loads(p.read_text())
+    {'pid': 1}
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fail(message: str) -> int:
+    print(f"mlfabric scheduler: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the scheduler until SIGTERM/SIGINT; returns the exit code."""
+    from mlfabric.scheduler.graph import TopologyError, load_topology, star
+    from mlfabric.scheduler.policy import make_policy
+
+    try:
+        if args.topology:
+            graph = load_topology(args.topology)
+        else:
+            graph = star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
+        policy = make_policy(args.policy)
+    except (TopologyError, ValueError) as exc:
+        return _fail(str(exc))
+    except ImportError as exc:
+        return _fail(f"policy '{args.policy}' is not available: {exc}")
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        return _fail(f"--listen must be HOST:PORT, got '{args.listen}'")
+    if args.batch_window_us < 0 or args.batch_max_wait_us < 0 or args.release_margin_us < 0:
+        return _fail("--batch-window-us, --batch-max-wait-us and --release-margin-us must be >= 0")
+    return asyncio.run(_serve(args, graph, policy))
+
+
+def _make_estimator(graph: Any) -> Any:
+    """The bandwidth estimator fed by transfer reports (static capacities if none is available)."""
+    from mlfabric.scheduler.service import StaticEstimator
+
+    try:
+        from mlfabric.scheduler.estimation import BandwidthEstimator
+    except ImportError:
+        return StaticEstimator(graph)
+    return BandwidthEstimator(graph)
+
+
+async def _serve(args: argparse.Namespace, graph: Any, policy: Any) -> int:
+    from prometheus_client import start_http_server
+
+    from mlfabric.scheduler.batching import AdaptiveBatcher
+    from mlfabric.scheduler.dispatch import Dispatcher
+    from mlfabric.scheduler.service import Metrics, SchedulerCore, start_server
+    from mlfabric.scheduler.state import SchedulerState
+
+    metrics = Metrics()
+    core = SchedulerCore(
+        SchedulerState(graph),
+        policy,
+        dispatcher=Dispatcher(margin=args.release_margin_us * 1e-6),
+        batcher=AdaptiveBatcher(window=args.batch_window_us * 1e-6, max_wait=args.batch_max_wait_us * 1e-6),
+        estimator=_make_estimator(graph),
+        metrics=metrics,
+    )
+    try:
+        server, port = await start_server(core, args.listen)
+    except RuntimeError as exc:
+        return _fail(f"cannot listen on {args.listen}: {exc}")
+    host = args.listen.rpartition(":")[0]
+    address = f"{host}:{port}"
+    metrics_server = None
+    if args.metrics_port is not None:
+        try:
+            metrics_server, _ = start_http_server(
+                args.metrics_port, addr=host.strip("[]"), registry=metrics.registry
+            )
+        except OSError as exc:
+            await server.stop(None)
+            return _fail(f"cannot serve metrics on port {args.metrics_port}: {exc}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    core_task = asyncio.create_task(core.run())
+    if args.ready_file:
+        info: dict[str, Any] = {"pid": os.getpid(), "address": address, "policy": policy.name}
+        if metrics_server is not None:
+            info["metrics_port"] = metrics_server.server_port
+        write_ready_file(args.ready_file, info)
+    print(f"mlfabric scheduler: serving on {address} (policy {policy.name})", file=sys.stderr, flush=True)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({core_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    failed = core_task.done()  # the core's loops only end by failing
+    core_task.cancel()
+    stopper.cancel()
+    await server.stop(grace=1.0)
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    if failed:
+        log.error("scheduler core failed", exc_info=core_task.exception())
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as ``python -m mlfabric.scheduler.cli`` (same arguments as ``mlfabric scheduler``)."""
+    parser = argparse.ArgumentParser(
+        prog="mlfabric scheduler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    configure(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Releasing a policy's sends at the right moment (network time-sharing, paper §3.1.1).
+
+A policy's :class:`~mlfabric.scheduler.policy.Decision` is a plan: each
+:class:`~mlfabric.scheduler.policy.Send` may wait for the transfers in its ``after``.
+:class:`Dispatcher` holds the sends not yet released and, given the clock and the
+transfers in flight, says which go now. A send is released when every transfer in its
+``after`` is done — reported, dropped, or otherwise no longer known — or *nearly* done:
+``now >= expected_end - margin``. Releasing a little early keeps the bottleneck busy
+while the report and the next directive cross the control plane; the overlap is at most
+``margin`` of shared bandwidth.
+
+Re-planning: when new updates arrive the service calls the policy again with *every*
+update not yet released (the dispatcher's unreleased sends are still pending in the
+state), then :meth:`Dispatcher.adopt` replaces the plan. Released sends are never
+revisited.
+
+Pure: no I/O, the clock is an argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from mlfabric.scheduler.policy import Decision, InFlight, Send
+
+__all__ = ["DEFAULT_MARGIN", "Dispatcher", "Release"]
+
+#: seconds before a predecessor's expected end at which its successor may be released
+DEFAULT_MARGIN = 0.002
+
+
+@dataclass(frozen=True)
+class Release:
+    """A send released at ``started_at``, expected to end at ``expected_end``.
+
+    The expected end keeps the planned duration (``send.expected_end -
+    send.expected_start``) but starts it at the actual release time.
+    """
+
+    send: Send
+    started_at: float
+    expected_end: float
+
+
+class Dispatcher:
+    """The unreleased part of the current plan, released as predecessors (nearly) finish.
+
+    Parameters
+    ----------
+    margin : float
+        Seconds before a predecessor's expected end at which a successor may go.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.policy import Decision, Send
+    >>> d = Dispatcher(margin=0.001)
+    >>> d.adopt(Decision(sends=(Send("a", "h0", ("h1", "h0"), (), 0.0, 1.0),
+    ...                         Send("b", "h0", ("h2", "h0"), ("a",), 1.0, 2.0))))
+    >>> [r.send.update_id for r in d.release(now=0.0, in_flight={})]
+    ['a']
+    >>> inflight = {"a": InFlight("a", "j", "ps", ("h1", "h0"), 10, 0.0, 1.0)}
+    >>> d.release(now=0.5, in_flight=inflight), d.next_wakeup(inflight)
+    ([], 0.999)
+    >>> [r.send.update_id for r in d.release(now=0.999, in_flight=inflight)]
+    ['b']
+    """
+
+    def __init__(self, margin: float = DEFAULT_MARGIN) -> None:
+        if margin < 0:
+            raise ValueError(f"margin must be >= 0 seconds, got {margin}")
+        self.margin = margin
+        self._planned: dict[str, Send] = {}
+
+    @property
+    def planned(self) -> tuple[Send, ...]:
+        """The sends not yet released, in the policy's order."""
+        return tuple(self._planned.values())
+
+    def adopt(self, decision: Decision) -> None:
+        """Make ``decision``'s sends the plan, replacing the unreleased sends of the last one.
+
+        Parameters
+        ----------
+        decision : Decision
+            The policy's answer for every pending update; its drops are the caller's.
+        """
+        self._planned = {s.update_id: s for s in decision.sends}
+
+    def forget(self, update_ids: Iterable[str]) -> None:
+        """Remove sends from the plan (their updates were dropped or their daemon left)."""
+        for uid in update_ids:
+            self._planned.pop(uid, None)
+
+    def release(self, now: float, in_flight: Mapping[str, InFlight]) -> list[Release]:
+        """Take out of the plan, in order, every send whose predecessors are (nearly) done.
+
+        A predecessor is *done* when it is neither planned nor in flight; an in-flight
+        predecessor is *nearly done* when ``now >= expected_end - margin``. A send
+        released by this call counts as in flight for the sends after it, so a chain of
+        short transfers can go in one call.
+
+        Parameters
+        ----------
+        now : float
+            The current time, on the clock the expected times use.
+        in_flight : mapping
+            update id -> :class:`InFlight`, the transfers released and not yet reported.
+
+        Returns
+        -------
+        list of Release
+            The sends to execute now, in the plan's order.
+        """
+        released: list[Release] = []
+        ends = {uid: f.expected_end for uid, f in in_flight.items()}
+        progress = True
+        while progress and self._planned:
+            progress = False
+            for uid, send in list(self._planned.items()):
+                if self._blocked(send, now, ends):
+                    continue
+                duration = max(0.0, send.expected_end - send.expected_start)
+                r = Release(send, now, now + duration)
+                released.append(r)
+                ends[uid] = r.expected_end
+                del self._planned[uid]
+                progress = True
+        return released
+
+    def next_wakeup(self, in_flight: Mapping[str, InFlight]) -> float | None:
+        """The earliest time a planned send may become releasable by the clock alone.
+
+        ``None`` when every planned send waits for a send that is itself still planned
+        (it will be reconsidered when that one is released) or nothing is planned.
+        """
+        best: float | None = None
+        for send in self._planned.values():
+            if any(a in self._planned for a in send.after):
+                continue
+            ends = [in_flight[a].expected_end for a in send.after if a in in_flight]
+            at = max(ends, default=float("-inf")) - self.margin
+            best = at if best is None else min(best, at)
+        return best
+
+    def _blocked(self, send: Send, now: float, ends: Mapping[str, float]) -> bool:
+        for a in send.after:
+            if a in self._planned:
+                return True
+            end = ends.get(a)
+            if end is not None and now < end - self.margin:
+                return True
+        return False

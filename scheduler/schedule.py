@@ -1,0 +1,294 @@
+"""Plain-data transfer plans: what every planner produces and the checker verifies.
+
+A :class:`Schedule` is the output of every offline planner (STF, fair, aggregation groups,
+the ILP, brute force) and the input of :func:`mlfabric.scheduler.checker.check_schedule`.
+It says, for a set of :class:`Update` s, which are dropped (paper §5, Fig. 5), which are
+summed into an :class:`Aggregate` at an aggregator hop (Fig. 6), and for every payload
+that moves, one :class:`Transfer`: its path and the rate it reserves on each link of the
+path over time (network time-sharing, §3.1.1; the blue region of Fig. 4b).
+
+Everything here is a frozen dataclass or a tuple: plans are values, never mutated.
+
+Conventions
+-----------
+* A *link* is a directed edge ``(u, v)`` of the bandwidth graph; rates are bytes/s.
+* A *payload* is an update (``payload_id == update_id``) or an aggregate
+  (``payload_id == aggregate_id``). Payload ids are unique across both.
+* A payload's *next hop* is the aggregator of the aggregate containing it, or else its
+  server host (``Update.dst``; for an aggregate, ``Aggregate.dst``).
+* Transfers with ``replica=True`` copy a payload to a replica (Fig. 3); they use links
+  (capacity is checked) but do not count as the payload's delivery.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+__all__ = [
+    "Aggregate",
+    "Link",
+    "Reservation",
+    "Schedule",
+    "Transfer",
+    "Update",
+]
+
+Link = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Update:
+    """One worker's push to one server (DESIGN §2).
+
+    Parameters
+    ----------
+    update_id : str
+        Unique id (also its payload id).
+    src : str
+        The worker's host, where the update is ready.
+    dst : str
+        The server's host.
+    bytes : float
+        Size of the update.
+    ready_at : float
+        Time (s) at which the update is ready to leave ``src``.
+    norm : float
+        Norm of the update (for the replication divergence, Fig. 3).
+    base_version : int
+        Model version the update was computed from (its delay is measured against it).
+    server : str
+        Key of the server (shard) whose version counter it advances; defaults to ``dst``.
+
+    Examples
+    --------
+    >>> Update("u1", "w1", "ps", 30e6).server
+    'ps'
+    """
+
+    update_id: str
+    src: str
+    dst: str
+    bytes: float
+    ready_at: float = 0.0
+    norm: float = 0.0
+    base_version: int = 0
+    server: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.server:
+            object.__setattr__(self, "server", self.dst)
+
+
+class Reservation(NamedTuple):
+    """``rate`` bytes/s reserved on ``link`` over ``[start, end)``."""
+
+    link: Link
+    start: float
+    end: float
+    rate: float
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One movement of a payload from ``src`` to ``dst`` over ``path``.
+
+    Parameters
+    ----------
+    payload_id : str
+        An update id or an aggregate id.
+    src, dst : str
+        First and last node of ``path``.
+    path : tuple of str
+        Node path; its links are ``zip(path, path[1:])``.
+    start, end : float
+        When the first byte leaves and the last byte arrives.
+    bytes : float
+        Bytes moved.
+    reservations : tuple of Reservation
+        The rate reserved on each link of the path over time. On every link of the path
+        the reserved rate integrates to ``bytes``.
+    replica : bool
+        A copy to a replica (paper Fig. 3), not the payload's delivery.
+
+    Examples
+    --------
+    >>> t = Transfer.at_rate("u1", ("w1", "sw", "ps"), start=0.0, bytes=10.0, rate=5.0)
+    >>> t.end, len(t.reservations)
+    (2.0, 2)
+    """
+
+    payload_id: str
+    src: str
+    dst: str
+    path: tuple[str, ...]
+    start: float
+    end: float
+    bytes: float
+    reservations: tuple[Reservation, ...] = ()
+    replica: bool = False
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """The directed links of :attr:`path`."""
+        return tuple(itertools.pairwise(self.path))
+
+    @classmethod
+    def at_rate(
+        cls,
+        payload_id: str,
+        path: Sequence[str],
+        *,
+        start: float,
+        bytes: float,
+        rate: float,
+        replica: bool = False,
+    ) -> Transfer:
+        """A transfer at a constant ``rate`` on every link of ``path`` from ``start``.
+
+        Parameters
+        ----------
+        payload_id : str
+            Update or aggregate id.
+        path : sequence of str
+            Node path, at least two nodes.
+        start : float
+            Start time (s).
+        bytes : float
+            Bytes to move.
+        rate : float
+            Bytes/s, > 0.
+        replica : bool
+            Whether this is a copy to a replica.
+
+        Returns
+        -------
+        Transfer
+            Ending at ``start + bytes / rate``.
+
+        Examples
+        --------
+        >>> Transfer.at_rate("g", ("a", "b"), start=1.0, bytes=4.0, rate=2.0).end
+        3.0
+        """
+        if rate <= 0:
+            raise ValueError(f"transfer {payload_id}: rate must be > 0, got {rate}")
+        path = tuple(path)
+        end = start + bytes / rate
+        links = tuple(itertools.pairwise(path))
+        return cls(
+            payload_id=payload_id,
+            src=path[0],
+            dst=path[-1],
+            path=path,
+            start=start,
+            end=end,
+            bytes=bytes,
+            reservations=tuple(Reservation(link, start, end, rate) for link in links),
+            replica=replica,
+        )
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The sum of several payloads made at ``aggregator`` and forwarded to ``dst`` (Fig. 6).
+
+    Parameters
+    ----------
+    aggregate_id : str
+        Unique payload id of the aggregate.
+    aggregator : str
+        Host where the members are summed.
+    members : tuple of str
+        Payload ids summed (updates, or aggregates for a deeper tree).
+    bytes : float
+        Size of the aggregate: one update's size.
+    dst : str
+        Server host the aggregate goes to; ``""`` means the members' server host.
+
+    Examples
+    --------
+    >>> Aggregate("a1", "w9", ("u4", "u5"), 30e6).members
+    ('u4', 'u5')
+    """
+
+    aggregate_id: str
+    aggregator: str
+    members: tuple[str, ...]
+    bytes: float
+    dst: str = ""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete plan for a set of updates.
+
+    Parameters
+    ----------
+    transfers : tuple of Transfer
+        Every movement of every payload (and replica copies).
+    drops : mapping of str to str
+        Update id -> reason it is not sent (Fig. 5 preemptive dropping).
+    aggregates : tuple of Aggregate
+        Aggregates made at aggregator hops (Fig. 6).
+    arrivals : tuple of str
+        Payload ids in the order they are applied at their servers (optional; the
+        checker derives it from transfer end times when empty and otherwise verifies it).
+
+    Examples
+    --------
+    >>> s = Schedule(transfers=(Transfer.at_rate("u", ("w", "ps"), start=0, bytes=1, rate=1),))
+    >>> s.completion_times()
+    {'u': 1.0}
+    """
+
+    transfers: tuple[Transfer, ...] = ()
+    drops: Mapping[str, str] = field(default_factory=dict)
+    aggregates: tuple[Aggregate, ...] = ()
+    arrivals: tuple[str, ...] = ()
+
+    def delivery(self, payload_id: str) -> Transfer | None:
+        """The (non-replica) transfer of ``payload_id``, or ``None``."""
+        for t in self.transfers:
+            if t.payload_id == payload_id and not t.replica:
+                return t
+        return None
+
+    def completion_times(self) -> dict[str, float]:
+        """Payload id -> end of its (non-replica) transfer(s), the latest if several."""
+        out: dict[str, float] = {}
+        for t in self.transfers:
+            if not t.replica:
+                out[t.payload_id] = max(out.get(t.payload_id, t.end), t.end)
+        return out
+
+    def update_completion_times(self, updates: Sequence[Update]) -> dict[str, float]:
+        """Update id -> time its content reaches its server, directly or inside an aggregate.
+
+        Dropped updates are left out.
+
+        Examples
+        --------
+        >>> u = Update("u", "w", "ps", 1.0)
+        >>> s = Schedule(transfers=(Transfer.at_rate("u", ("w", "ps"), start=0, bytes=1, rate=2),))
+        >>> s.update_completion_times([u])
+        {'u': 0.5}
+        """
+        done = self.completion_times()
+        parent = {m: a.aggregate_id for a in self.aggregates for m in a.members}
+        out: dict[str, float] = {}
+        for u in updates:
+            if u.update_id in self.drops:
+                continue
+            pid = u.update_id
+            while pid in parent:
+                pid = parent[pid]
+            if pid in done:
+                out[u.update_id] = done[pid]
+        return out
+
+    def makespan(self) -> float:
+        """Latest end of any non-replica transfer (0 for an empty schedule)."""
+        return max((t.end for t in self.transfers if not t.replica), default=0.0)

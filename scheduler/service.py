@@ -1,0 +1,557 @@
+"""The scheduler service: one grpc.aio server, one ``Session`` stream per daemon (DESIGN §3).
+
+Message sequence on a daemon's ``Scheduler.Session`` stream (``control.proto``)::
+
+    daemon                                   scheduler
+    Hello{host, data_address}         ->
+                                      <-     Welcome{policy}
+        (or the stream is aborted: INVALID_ARGUMENT when the first message is not
+         Hello or the host is not in the bandwidth graph; ALREADY_EXISTS when the
+         host already has a connected daemon)
+    RegisterRole{request_id, ROLE_SERVER, job, name, model, params, version}
+                                      ->
+                                      <-     RoleAck{request_id, ok, params, servers}
+                                      <-     JobUpdate{job, servers}   (to every daemon
+                                             with a worker of the job, incl. this one)
+    RegisterRole{request_id, ROLE_WORKER, job, name}
+                                      ->
+                                      <-     RoleAck{ok, params, servers} — or
+                                             ok=false, error naming the unknown job
+    UpdateReady{update_id, job, server, worker, bytes, norm, base_version}
+                                      ->     (batched: collected while others arrive
+                                              within --batch-window-us, then the policy)
+                                      <-     SendDirective{update_id, next_hop_host,
+                                             next_hop_address, dst_host}  — or
+                                      <-     DropDirective{update_id, reason}
+                                             (also at once for an update naming an
+                                              unknown job/server/worker)
+    TransferReport{update_id, ok, start, end, bytes, outcome, delay, server_version}
+                                      ->     (frees the transfers released after it;
+                                              feeds the bandwidth estimates; tracks
+                                              the server's version)
+    UpdateResolved{update_id, outcome, reason}
+                                      ->     (the daemon resolved a push itself)
+    UnregisterRole{job, role, name}   ->     (no reply; a server's pending updates
+                                              are dropped, its workers get JobUpdate)
+
+Directives about an update go to the daemon where the update is (its source).
+When a stream ends, the daemon's roles are removed; its pending updates are dropped;
+pending updates of other daemons bound for its servers are dropped with a
+``DropDirective`` naming the server; transfers it sent or was receiving are forgotten;
+daemons with workers of a job that lost a server get a ``JobUpdate``.
+
+Clients should open their channel with :data:`CLIENT_CHANNEL_OPTIONS` (keepalive pings
+every 10 s, allowed without calls) so idle streams survive middleboxes and a dead
+scheduler is noticed; the server accepts pings that often.
+
+Servicer methods only unpack messages, call :class:`~mlfabric.scheduler.state.SchedulerState`,
+:class:`~mlfabric.scheduler.dispatch.Dispatcher` and the policy, and build replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import networkx as nx
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
+from mlfabric.scheduler.batching import AdaptiveBatcher
+from mlfabric.scheduler.dispatch import Dispatcher, Release
+from mlfabric.scheduler.policy import Decision, Policy
+from mlfabric.scheduler.state import (
+    Cleanup,
+    DuplicateUpdate,
+    HostAlreadyConnected,
+    JobParams,
+    OutcomeKind,
+    SchedulerError,
+    SchedulerState,
+    ServerRole,
+    TensorSpec,
+    TransferResult,
+    UnknownUpdate,
+)
+
+__all__ = [
+    "CLIENT_CHANNEL_OPTIONS",
+    "SERVER_OPTIONS",
+    "DaemonSession",
+    "Estimator",
+    "Metrics",
+    "SchedulerCore",
+    "SchedulerServicer",
+    "StaticEstimator",
+    "start_server",
+]
+
+log = logging.getLogger(__name__)
+
+#: gRPC server options: keepalive pings to idle daemons, and tolerance of theirs
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+#: options for a daemon's channel to the scheduler (``grpc.insecure_channel(addr, options=...)``)
+CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class Estimator(Protocol):
+    """Bandwidth estimation as the service uses it (``scheduler/estimation.py``)."""
+
+    def observe(self, path: Sequence[str], nbytes: int, duration: float, now: float) -> None:
+        """Account for ``nbytes`` moved along ``path`` in ``duration`` seconds."""
+        ...
+
+    def estimated_graph(self) -> nx.DiGraph:
+        """The bandwidth graph with the current capacity estimates."""
+        ...
+
+
+class StaticEstimator:
+    """An estimator that trusts the configured capacities (ignores measurements)."""
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        self._graph = graph
+
+    def observe(self, path: Sequence[str], nbytes: int, duration: float, now: float) -> None:
+        """Ignore the measurement."""
+
+    def estimated_graph(self) -> nx.DiGraph:
+        """The configured graph."""
+        return self._graph
+
+
+class Metrics:
+    """Prometheus counters of the service, in their own registry (exposed by ``--metrics-port``)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        r = self.registry
+        self.updates_ready = Counter("mlfabric_updates_ready", "update-ready notifications", registry=r)
+        self.updates_applied = Counter("mlfabric_updates_applied", "updates applied at servers", registry=r)
+        self.updates_dropped = Counter("mlfabric_updates_dropped", "updates dropped", registry=r)
+        self.transfers_released = Counter("mlfabric_transfers_released", "send directives", registry=r)
+        self.decision_seconds = Histogram(
+            "mlfabric_decision_seconds",
+            "time of one policy decision",
+            buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0),
+            registry=r,
+        )
+
+
+@dataclass(eq=False)
+class DaemonSession:
+    """One daemon's stream: its host and the queue of directives to write to it."""
+
+    host: str
+    queue: asyncio.Queue[pb.Directive | None] = field(default_factory=asyncio.Queue)
+
+    def send(self, directive: pb.Directive) -> None:
+        """Queue ``directive`` for this daemon."""
+        self.queue.put_nowait(directive)
+
+    def close(self) -> None:
+        """End the stream after the directives already queued."""
+        self.queue.put_nowait(None)
+
+
+# ------------------------------------------------------------------ wire <-> plain data
+
+_OUTCOMES = {pb.OUTCOME_APPLIED: OutcomeKind.APPLIED, pb.OUTCOME_DROPPED: OutcomeKind.DROPPED}
+
+
+def _params(p: pb.JobParams) -> JobParams:
+    return JobParams(tau_max=p.tau_max, div_max=p.div_max)
+
+
+def _params_pb(p: JobParams) -> pb.JobParams:
+    return pb.JobParams(tau_max=p.tau_max, div_max=p.div_max)
+
+
+def _server_info(s: ServerRole, address: str) -> pb.ServerInfo:
+    model = [pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in s.model]
+    return pb.ServerInfo(name=s.name, host=s.host, data_address=address, model=model, version=s.version)
+
+
+def _result(host: str, m: pb.TransferReport) -> TransferResult:
+    return TransferResult(
+        update_id=m.update_id,
+        src_host=m.src_host or host,
+        dst_host=m.dst_host,
+        bytes=m.bytes,
+        start=m.start,
+        end=m.end,
+        ok=m.ok,
+        error=m.error,
+        outcome=_OUTCOMES.get(m.outcome),
+        delay=m.delay,
+        server_version=m.server_version,
+        reason=m.reason,
+    )
+
+
+def _drop(update_id: str, reason: str) -> pb.Directive:
+    return pb.Directive(drop=pb.DropDirective(update_id=update_id, reason=reason))
+
+
+# ------------------------------------------------------------------------------ core
+
+
+class SchedulerCore:
+    """The service's logic on one asyncio loop: sessions, batching, deciding, releasing.
+
+    Parameters
+    ----------
+    state : SchedulerState
+        Graph, daemons, roles, pending and in-flight updates.
+    policy : Policy
+        Decides on every pending update after each batch (``fair``, ``stf``, ...).
+    dispatcher : Dispatcher
+        Releases the policy's sends as their predecessors (nearly) finish.
+    batcher : AdaptiveBatcher
+        Groups update-ready notifications.
+    estimator : Estimator
+        Fed with every successful transfer; its graph goes to the policy.
+    metrics : Metrics
+    clock : callable
+        Monotonic seconds, the time base of pending/in-flight times and of the plan.
+    """
+
+    def __init__(
+        self,
+        state: SchedulerState,
+        policy: Policy,
+        *,
+        dispatcher: Dispatcher,
+        batcher: AdaptiveBatcher,
+        estimator: Estimator,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state = state
+        self.policy = policy
+        self.dispatcher = dispatcher
+        self.batcher = batcher
+        self.estimator = estimator
+        self.metrics = metrics
+        self.clock = clock
+        self.sessions: dict[str, DaemonSession] = {}
+        self._wake = asyncio.Event()
+
+    # -------------------------------------------------------------- sessions
+
+    def hello(self, m: pb.Hello) -> DaemonSession:
+        """Open the session of ``m.host``; raises :class:`SchedulerError` naming the problem."""
+        self.state.connect(m.host, m.data_address, m.version)
+        session = self.sessions[m.host] = DaemonSession(m.host)
+        log.info("daemon of host %s connected (data plane %s)", m.host, m.data_address)
+        return session
+
+    def goodbye(self, session: DaemonSession) -> None:
+        """The stream of ``session`` ended: forget its daemon, tell the others what changed."""
+        if self.sessions.get(session.host) is not session:
+            return
+        del self.sessions[session.host]
+        self._apply_cleanup(self.state.disconnect(session.host))
+        log.info("daemon of host %s disconnected", session.host)
+
+    def welcome(self) -> pb.Directive:
+        """The first directive of every session."""
+        return pb.Directive(welcome=pb.Welcome(policy=self.policy.name))
+
+    def on_message(self, session: DaemonSession, m: pb.DaemonMessage) -> None:
+        """Handle one message of an open session."""
+        kind = m.WhichOneof("kind")
+        host = session.host
+        if kind == "register_role":
+            self._register_role(session, m.register_role)
+        elif kind == "unregister_role":
+            self._unregister_role(host, m.unregister_role)
+        elif kind == "update_ready":
+            self._update_ready(session, m.update_ready)
+        elif kind == "transfer_report":
+            self._transfer_report(host, m.transfer_report)
+        elif kind == "update_resolved":
+            r = m.update_resolved
+            kind_ = _OUTCOMES.get(r.outcome, OutcomeKind.DROPPED)
+            try:
+                self.state.resolve(host, r.update_id, kind_, r.reason)
+            except UnknownUpdate as exc:
+                log.warning("host %s: %s", host, exc)
+                return
+            self.dispatcher.forget([r.update_id])
+            self._count(kind_)
+        elif kind == "hello":
+            log.warning("host %s: a second Hello on an open session is ignored", host)
+        else:
+            log.warning("host %s: empty DaemonMessage ignored", host)
+
+    # ----------------------------------------------------------------- roles
+
+    def _register_role(self, session: DaemonSession, m: pb.RegisterRole) -> None:
+        ack = pb.RoleAck(request_id=m.request_id, ok=True)
+        try:
+            if m.role == pb.ROLE_SERVER:
+                model = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in m.model)
+                job = self.state.register_server(
+                    session.host, m.job, m.name, model, _params(m.params), m.version
+                )
+            elif m.role == pb.ROLE_WORKER:
+                job = self.state.register_worker(session.host, m.job, m.name)
+            else:
+                raise SchedulerError(f"role {pb.Role.Name(m.role)} is not supported by this scheduler")
+        except SchedulerError as exc:
+            session.send(pb.Directive(role_ack=pb.RoleAck(request_id=m.request_id, ok=False, error=str(exc))))
+            return
+        ack.params.CopyFrom(_params_pb(job.params))
+        ack.servers.extend(self._server_infos(m.job))
+        session.send(pb.Directive(role_ack=ack))
+        if m.role == pb.ROLE_SERVER:
+            self._announce(m.job)
+
+    def _unregister_role(self, host: str, m: pb.UnregisterRole) -> None:
+        try:
+            if m.role == pb.ROLE_SERVER:
+                self._apply_cleanup(self.state.unregister_server(host, m.job, m.name))
+            elif m.role == pb.ROLE_WORKER:
+                self.state.unregister_worker(host, m.job, m.name)
+        except SchedulerError as exc:
+            log.warning("host %s: cannot unregister: %s", host, exc)
+
+    def _server_infos(self, job: str) -> list[pb.ServerInfo]:
+        return [_server_info(s, self.state.address(s.host)) for s in self.state.servers(job)]
+
+    def _announce(self, job: str) -> None:
+        """Send the job's current servers to every daemon with a worker of it."""
+        servers = self._server_infos(job)
+        for host in sorted(self.state.worker_hosts(job)):
+            session = self.sessions.get(host)
+            if session is not None:
+                session.send(pb.Directive(job_update=pb.JobUpdate(job=job, servers=servers)))
+
+    def _apply_cleanup(self, cleanup: Cleanup) -> None:
+        self.dispatcher.forget(u.update_id for u, _ in cleanup.dropped)
+        for u, reason in cleanup.dropped:
+            self.metrics.updates_dropped.inc()
+            self._send_to(u.src_host, _drop(u.update_id, reason))
+        for job in cleanup.jobs_changed:
+            self._announce(job)
+        self._wake.set()
+
+    # --------------------------------------------------------------- updates
+
+    def _update_ready(self, session: DaemonSession, m: pb.UpdateReady) -> None:
+        self.metrics.updates_ready.inc()
+        try:
+            self.state.add_update(
+                session.host,
+                m.update_id,
+                m.job,
+                m.server,
+                m.worker,
+                m.bytes,
+                m.norm,
+                m.base_version,
+                now=self.clock(),
+            )
+        except DuplicateUpdate as exc:
+            log.warning("host %s: %s; ignored", session.host, exc)
+            return
+        except SchedulerError as exc:
+            self.metrics.updates_dropped.inc()
+            session.send(_drop(m.update_id, str(exc)))
+            return
+        self.batcher.notify()
+
+    def _transfer_report(self, host: str, m: pb.TransferReport) -> None:
+        result = _result(host, m)
+        try:
+            f = self.state.report(result)
+        except UnknownUpdate as exc:
+            log.debug("host %s: report ignored: %s", host, exc)
+            return
+        if result.ok and result.end > result.start:
+            self.estimator.observe(f.path, result.bytes, result.end - result.start, self.clock())
+        elif not result.ok:
+            log.info("host %s: transfer of %s failed: %s", host, result.update_id, result.error)
+        if result.ok and result.outcome is not None:
+            self._count(result.outcome)
+        self.release()
+
+    def _count(self, kind: OutcomeKind) -> None:
+        counter = (
+            self.metrics.updates_applied if kind is OutcomeKind.APPLIED else self.metrics.updates_dropped
+        )
+        counter.inc()
+
+    # ------------------------------------------------------- deciding/releasing
+
+    def decide(self) -> Decision:
+        """Run the policy on every pending update, execute its drops, adopt its plan."""
+        pending = list(self.state.pending.values())
+        now = self.clock()
+        snapshot = self.state.snapshot(now, self.estimator.estimated_graph())
+        t0 = time.perf_counter()
+        decision = self.policy.decide(snapshot, pending) if pending else Decision()
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        for d in decision.drops:
+            src = self.state.source_host(d.update_id)
+            self.state.drop(d.update_id, d.reason)
+            self.metrics.updates_dropped.inc()
+            self._send_to(src, _drop(d.update_id, d.reason))
+        self.dispatcher.adopt(decision)
+        self.release()
+        return decision
+
+    def release(self) -> list[Release]:
+        """Send every planned transfer whose predecessors are (nearly) done."""
+        released = self.dispatcher.release(self.clock(), self.state.in_flight)
+        for r in released:
+            s = r.send
+            src = self.state.source_host(s.update_id)
+            dst = self.state.pending[s.update_id].dst_host
+            try:
+                address = self.state.address(s.next_hop)
+            except SchedulerError as exc:
+                self.state.drop(s.update_id, str(exc))
+                self.metrics.updates_dropped.inc()
+                self._send_to(src, _drop(s.update_id, str(exc)))
+                continue
+            self.state.release(s.update_id, s.path, r.started_at, r.expected_end)
+            self.metrics.transfers_released.inc()
+            directive = pb.SendDirective(
+                update_id=s.update_id, next_hop_host=s.next_hop, next_hop_address=address, dst_host=dst
+            )
+            self._send_to(src, pb.Directive(send=directive))
+        if released:
+            self._wake.set()
+        return released
+
+    def _send_to(self, host: str, directive: pb.Directive) -> None:
+        session = self.sessions.get(host)
+        if session is None:
+            log.debug("no session for host %s; directive dropped", host)
+            return
+        session.send(directive)
+
+    async def run(self) -> None:
+        """Run the decision loop (per batch) and the release timer until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._decide_loop())
+            tg.create_task(self._release_loop())
+
+    async def _decide_loop(self) -> None:
+        while True:
+            await self.batcher.next_batch()
+            self.decide()
+
+    async def _release_loop(self) -> None:
+        while True:
+            wake = self.dispatcher.next_wakeup(self.state.in_flight)
+            timeout = None if wake is None else max(0.0, wake - self.clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self.release()
+
+
+# --------------------------------------------------------------------------- servicer
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    """``Scheduler.Session``: unpack daemon messages into the core, stream its directives back."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.DaemonMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.Directive]:
+        """One daemon's stream; see the module docstring for the message sequence."""
+        requests = aiter(request_iterator)
+        try:
+            first = await anext(requests)
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "hello":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the first message of a session must be Hello, got {first.WhichOneof('kind')}",
+            )
+        try:
+            session = self.core.hello(first.hello)
+        except HostAlreadyConnected as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except SchedulerError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        reader = asyncio.create_task(self._read(requests, session))
+        try:
+            yield self.core.welcome()
+            while (directive := await session.queue.get()) is not None:
+                yield directive
+        finally:
+            reader.cancel()
+            self.core.goodbye(session)
+        if not reader.cancelled() and reader.done() and reader.exception() is not None:
+            raise reader.exception()  # type: ignore[misc]
+
+    async def _read(self, requests: AsyncIterator[pb.DaemonMessage], session: DaemonSession) -> None:
+        try:
+            async for m in requests:
+                self.core.on_message(session, m)
+        finally:
+            session.close()
+
+
+async def start_server(
+    core: SchedulerCore, listen: str, *, options: Sequence[tuple[str, Any]] = SERVER_OPTIONS
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the scheduler and health services on ``listen``.
+
+    Parameters
+    ----------
+    core : SchedulerCore
+    listen : str
+        ``host:port``; port 0 picks a free port.
+    options : sequence
+        gRPC server options (keepalive, see :data:`SERVER_OPTIONS`).
+
+    Returns
+    -------
+    (grpc.aio.Server, int)
+        The started server and the port it is bound to. Its health service reports
+        ``SERVING`` for ``""`` and ``mlfabric.v1.Scheduler``.
+
+    Raises
+    ------
+    RuntimeError
+        If ``listen`` cannot be bound.
+    """
+    server = grpc.aio.server(options=list(options))
+    pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    await server.start()
+    for service in ("", "mlfabric.v1.Scheduler"):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, port

@@ -1,0 +1,514 @@
+"""The discrete-event loop: one scheduler, one server, many workers, a fluid network.
+
+:class:`Simulator` plays every role around a policy, with the same rules as the real
+system (DESIGN §3):
+
+* **the scheduler service**: ready updates are batched (all that become ready within
+  ``batch_window`` of the first), then ``policy.decide(snapshot, pending)`` is called with
+  *every* update not yet released; sends are released when every transfer in their
+  ``after`` is done (the dispatcher's rule); drops resolve the push as DROPPED.
+  A later decision replaces the plan of every update still pending;
+* **the network**: released transfers start at once and share links max-min fairly
+  (:class:`~mlfabric.scheduler.sim.fluid.FluidNetwork`); link capacities follow a
+  schedule of :class:`~mlfabric.scheduler.sim.workload.BandwidthChange`; a payload
+  arrives one path latency after its last byte leaves the bottleneck;
+* **aggregator hops** (paper Fig. 6): a send whose next hop is not the server carries
+  its update to the aggregator named by one of the decision's ``aggregates``; once all
+  members are in, the aggregate (one update's size) goes on to the server;
+* **the server**: applies payloads in arrival order; the model version goes up by one
+  per applied update or aggregate (or once per iteration, for synchronous SGD); an
+  update whose delay (version at apply - base version) exceeds ``tau_max`` is dropped
+  at the server (the safety net) — policies should have dropped it before.
+
+The workers' behaviour (when they compute and push) is an
+:class:`~mlfabric.scheduler.sim.iteration.IterationModel`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import ChainMap
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import networkx as nx
+
+from mlfabric.scheduler.batching import BatchWindow
+from mlfabric.scheduler.dispatch import Dispatcher
+from mlfabric.scheduler.graph import shortest_path
+from mlfabric.scheduler.policy import Decision, InFlight, PendingUpdate, Policy, Send, Snapshot
+from mlfabric.scheduler.sim.fluid import FluidNetwork
+from mlfabric.scheduler.sim.workload import BandwidthChange
+
+__all__ = ["FlowRecord", "IterationModel", "SimulationError", "Simulator", "UpdateRecord"]
+
+APPLIED = "applied"
+DROPPED = "dropped"
+
+
+class SimulationError(RuntimeError):
+    """A policy's decision cannot be executed (unknown update, path or aggregator)."""
+
+
+@dataclass
+class UpdateRecord:
+    """What happened to one update (for the report)."""
+
+    update_id: str
+    worker: str
+    base_version: int
+    ready_at: float
+    released_at: float = math.nan
+    arrived_at: float = math.nan
+    delay: int = -1
+    outcome: str = ""  # "" while unresolved, then APPLIED or DROPPED
+    reason: str = ""
+
+    @property
+    def completion_time(self) -> float:
+        """Ready to arrival at the server (NaN unless it arrived)."""
+        return self.arrived_at - self.ready_at
+
+
+@dataclass(frozen=True)
+class FlowRecord:
+    """One finished transfer: its links and its rate over time (for traces and checks)."""
+
+    flow_id: str
+    kind: str  # "update", "aggregate" or "model"
+    path: tuple[str, ...]
+    bytes: float
+    start: float
+    end: float
+    rates: tuple[tuple[float, float], ...]  # (from time, rate) steps
+
+
+class IterationModel(Protocol):
+    """How workers compute and push (see :mod:`mlfabric.scheduler.sim.iteration`)."""
+
+    #: True if the server applies one step per iteration (synchronous SGD)
+    accumulates: bool
+
+    def start(self, sim: Simulator) -> None:
+        """Schedule the first computations."""
+        ...
+
+    def resolved(self, sim: Simulator, record: UpdateRecord) -> None:
+        """``record``'s push resolved (applied or dropped)."""
+        ...
+
+
+@dataclass
+class _Aggregate:
+    aggregate_id: str
+    aggregator: str
+    members: tuple[str, ...]
+    bytes: float
+    dst: str
+    arrived: int = 0
+
+
+class Simulator:
+    """Discrete-event fluid simulation of one job under one policy (DESIGN §6).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The bandwidth graph (capacities in bytes/s).
+    policy : Policy
+        The scheduling policy, the same object the service would run.
+    iteration : IterationModel
+        Asynchronous or synchronous SGD workers.
+    server_host : str
+        Host of the parameter server.
+    workers : sequence of str
+        Worker hosts (a worker's name is its host).
+    update_bytes : float
+        Size of one update (and of one aggregate).
+    model_bytes : float
+        Size of the model sent back to a worker after each push resolves; 0 means the
+        model returns instantly (the model transfer is not simulated).
+    tau_max : int
+        Delay bound (< 0: unbounded).
+    batch_window, batch_max_wait : float
+        Adaptive batching (:class:`~mlfabric.scheduler.batching.BatchWindow`): a batch of
+        ready updates closes ``batch_window`` s after the latest arrival, at most
+        ``batch_max_wait`` s after the first. 0 and 0: updates ready at the same instant.
+    dispatch_margin : float
+        The dispatcher's margin (:class:`~mlfabric.scheduler.dispatch.Dispatcher`): a send
+        may go this long before its predecessors' expected end. 0 (the default) releases
+        exactly when they are done: the fluid network has no control latency to hide.
+    changes : iterable of BandwidthChange
+        Link capacity changes over time.
+    until : float
+        Stop at this simulated time.
+    record_flows : bool
+        Keep a :class:`FlowRecord` of every transfer (traces, schedule checks).
+    progress : callable, optional
+        Called as ``progress(sim_time, events)`` every ``progress_every`` events.
+    job, server : str
+        Names of the job and of the server.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.policy import FairPolicy
+    >>> from mlfabric.scheduler.sim.iteration import AsyncSGD
+    >>> from mlfabric.scheduler.sim.workload import ComputeModel
+    >>> g = star(["ps", "w0", "w1"], 8e6)  # 1 MB/s NICs
+    >>> it = AsyncSGD(ComputeModel({"w0": 0.0, "w1": 0.0}), iterations=1)
+    >>> sim = Simulator(g, FairPolicy(), it, server_host="ps", workers=["w0", "w1"], update_bytes=1e6)
+    >>> [round(r.arrived_at, 6) for r in sim.run()]
+    [2.0, 2.0]
+    """
+
+    def __init__(
+        self,
+        graph: nx.DiGraph,
+        policy: Policy,
+        iteration: IterationModel,
+        *,
+        server_host: str,
+        workers: Sequence[str],
+        update_bytes: float,
+        model_bytes: float = 0.0,
+        tau_max: int = -1,
+        batch_window: float = 0.0,
+        batch_max_wait: float = 0.0,
+        dispatch_margin: float = 0.0,
+        changes: Iterable[BandwidthChange] = (),
+        until: float = math.inf,
+        record_flows: bool = False,
+        progress: Callable[[float, int], None] | None = None,
+        progress_every: int = 2000,
+        job: str = "job",
+        server: str = "ps",
+    ) -> None:
+        self.graph = graph
+        self.policy = policy
+        self.iteration = iteration
+        self.server_host = server_host
+        self.workers = tuple(workers)
+        self.update_bytes = float(update_bytes)
+        self.model_bytes = float(model_bytes)
+        self.tau_max = tau_max
+        self.batch_window = batch_window
+        self.batch_max_wait = max(batch_max_wait, batch_window)
+        self.dispatch_margin = dispatch_margin
+        self.changes = sorted(changes, key=lambda c: c.at)
+        self.until = until
+        self.record_flows = record_flows
+        self.progress = progress
+        self.progress_every = progress_every
+        self.job = job
+        self.server = server
+        self.version = 0
+        self.records: list[UpdateRecord] = []
+        self.flows: list[FlowRecord] = []
+        self.events = 0
+        self.decisions = 0
+        self._reset()  # the run state; run() starts from a fresh one
+
+    # -- API for iteration models ----------------------------------------------------
+    @property
+    def now(self) -> float:
+        """Current simulated time (s)."""
+        return self._now
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        """Run ``action`` at simulated time ``t`` (>= now)."""
+        self._schedule(t, 0, action)
+
+    def push(self, worker: str, base_version: int) -> UpdateRecord:
+        """``worker``'s update computed from ``base_version`` is ready now.
+
+        Returns
+        -------
+        UpdateRecord
+            Filled in as the update moves and resolves.
+        """
+        # ids sort in push order: policies breaking ties by id then serve equals first-come
+        uid = f"u{len(self.records):07d}-{worker}"
+        rec = UpdateRecord(uid, worker, base_version, self._now)
+        self.records.append(rec)
+        self._rec[uid] = rec
+        self._pending[uid] = PendingUpdate(
+            update_id=uid,
+            job=self.job,
+            server=self.server,
+            worker=worker,
+            src_host=worker,
+            dst_host=self.server_host,
+            bytes=int(self.update_bytes),
+            norm=1.0,
+            base_version=base_version,
+            ready_at=self._now,
+        )
+        self._ready()
+        return rec
+
+    def send_model(self, worker: str, then: Callable[[int], None]) -> None:
+        """Send the current model to ``worker``; call ``then(version)`` when it is there."""
+        version = self.version
+        if self.model_bytes <= 0 or worker == self.server_host:
+            then(version)
+            return
+        self._model_seq += 1
+        fid = f"model:{worker}#{self._model_seq}"
+        self._start_flow(fid, "model", tuple(self._path(self.server_host, worker)), self.model_bytes)
+        self._model_cb[fid] = lambda: then(version)
+
+    def step(self) -> None:
+        """Advance the model version by one (synchronous SGD: one step per iteration)."""
+        self.version += 1
+
+    # -- the run ---------------------------------------------------------------------
+    def run(self) -> list[UpdateRecord]:
+        """Simulate until nothing is left to do or ``until``; returns every update's record."""
+        self._reset()
+        for change in self.changes:
+            self._schedule(change.at, 0, lambda c=change: self._change(c))  # type: ignore[misc]
+        self.iteration.start(self)
+        net, heap = self._net, self._heap
+        while True:
+            t_net = net.next_completion()
+            t_ev = heap[0][0] if heap else math.inf
+            t = min(t_net, t_ev)
+            if t > self.until or t == math.inf:
+                break
+            self._now = t
+            done = net.advance_to(t)
+            for fid in done:
+                self._flow_done(fid)
+            if done:
+                self._release()
+            if heap and heap[0][0] <= t:
+                _, _, _, action = heapq.heappop(heap)
+                action()
+            self.events += 1
+            if self.progress is not None and self.events % self.progress_every == 0:
+                self.progress(t, self.events)
+        self._now = min(self._now, self.until) if self.until < math.inf else self._now
+        return self.records
+
+    @property
+    def unresolved(self) -> int:
+        """Updates pushed but neither applied nor dropped when the run stopped."""
+        return sum(1 for r in self.records if not r.outcome)
+
+    # -- internals: state ------------------------------------------------------------
+    def _reset(self) -> None:
+        capacity = {(u, v): c for u, v, c in self.graph.edges(data="capacity")}
+        self._now = 0.0
+        on_rate = self._log_rate if self.record_flows else None
+        self._net: FluidNetwork = FluidNetwork(capacity, on_rate=on_rate)
+        self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
+        self._seq = 0
+        self._policy_graph = self.graph
+        self._pending: dict[str, PendingUpdate] = {}
+        self._dispatch = Dispatcher(self.dispatch_margin)
+        self._batch = BatchWindow(self.batch_window, self.batch_max_wait)
+        self._inflight: dict[str, tuple[str, tuple[str, ...], float, float]] = {}  # kind, path, bytes, t0
+        self._moving: dict[str, InFlight] = {}  # update and aggregate transfers, expected_end = inf
+        self._gathering: dict[str, InFlight] = {}  # aggregates waiting for members
+        self._rate_log: dict[str, list[tuple[float, float]]] = {}
+        self._aggs: dict[str, _Aggregate] = {}
+        self._member_of: dict[str, str] = {}
+        self._model_cb: dict[str, Callable[[], None]] = {}
+        self._model_seq = 0
+        self._rec: dict[str, UpdateRecord] = {}
+        self._paths: dict[tuple[str, str], list[str]] = {}
+        self._decide_scheduled = False
+        self.version = 0
+        self.records = []
+        self.flows = []
+        self.events = 0
+        self.decisions = 0
+
+    def _schedule(self, t: float, prio: int, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (max(t, self._now), prio, self._seq, action))
+
+    def _path(self, src: str, dst: str) -> list[str]:
+        key = (src, dst)
+        if key not in self._paths:
+            self._paths[key] = shortest_path(self.graph, src, dst)
+        return self._paths[key]
+
+    def _change(self, change: BandwidthChange) -> None:
+        self._net.set_capacity(change.link, change.capacity)
+        if self._policy_graph is self.graph:
+            self._policy_graph = self.graph.copy()
+        self._policy_graph.edges[change.link]["capacity"] = change.capacity
+
+    # -- internals: the scheduler service --------------------------------------------
+    def _snapshot(self) -> Snapshot:
+        net = self._net
+        in_flight = tuple(
+            InFlight(f.update_id, f.job, f.server, f.path, f.bytes, f.started_at, net.expected_end(fid))
+            for fid, f in self._moving.items()
+        )
+        return Snapshot(
+            now=self._now,
+            graph=self._policy_graph,
+            in_flight=in_flight,
+            server_versions={(self.job, self.server): self.version},
+            tau_max={self.job: self.tau_max},
+        )
+
+    def _ready(self) -> None:
+        """An update became ready: open or extend the batch (adaptive batching)."""
+        self._batch.arrive(self._now)
+        if not self._decide_scheduled:
+            self._decide_scheduled = True
+            self._schedule(self._batch.deadline() or self._now, 1, self._decide)
+
+    def _decide(self) -> None:
+        self._decide_scheduled = False
+        if not self._batch.due(self._now):
+            self._decide_scheduled = True
+            self._schedule(self._batch.deadline() or self._now, 1, self._decide)
+            return
+        self._batch.close()
+        if not self._pending:
+            return
+        self.decisions += 1
+        decision = self.policy.decide(self._snapshot(), list(self._pending.values()))
+        self._apply(decision)
+
+    def _apply(self, decision: Decision) -> None:
+        for agg in getattr(decision, "aggregates", ()):
+            self._add_aggregate(agg)
+        for send in decision.sends:
+            if send.update_id not in self._pending:
+                raise SimulationError(
+                    f"policy {self.policy.name!r} sent '{send.update_id}', which is not pending"
+                )
+        dropped = [d for d in decision.drops if d.update_id in self._pending]
+        self._dispatch.adopt(decision)
+        self._dispatch.forget(d.update_id for d in dropped)
+        for drop in dropped:
+            del self._pending[drop.update_id]
+            self._resolve(drop.update_id, DROPPED, f"policy: {drop.reason}")
+        self._release()
+
+    def _add_aggregate(self, agg: Any) -> None:
+        state = _Aggregate(
+            aggregate_id=agg.aggregate_id,
+            aggregator=agg.aggregator,
+            members=tuple(agg.members),
+            bytes=float(agg.bytes) if agg.bytes else self.update_bytes,
+            dst=agg.dst or self.server_host,
+        )
+        self._aggs[state.aggregate_id] = state
+        # not moving yet, but not done either: sends after it must wait
+        self._gathering[state.aggregate_id] = InFlight(
+            state.aggregate_id, self.job, self.server, (), int(state.bytes), math.inf, math.inf
+        )
+        for m in state.members:
+            self._member_of[m] = state.aggregate_id
+
+    def _release(self) -> None:
+        """Start every planned send whose ``after`` transfers are done (the dispatcher's rule)."""
+        if not self._dispatch.planned:
+            return
+        if self._dispatch.margin > 0:
+            net = self._net
+            moving: Mapping[str, InFlight] = {
+                fid: replace(f, expected_end=net.expected_end(fid)) for fid, f in self._moving.items()
+            }
+        else:
+            moving = self._moving  # expected_end = inf: released only when really done
+        for r in self._dispatch.release(self._now, ChainMap(dict(moving), self._gathering)):
+            self._start_update(r.send)
+        if self._dispatch.margin > 0:
+            wake = self._dispatch.next_wakeup(ChainMap(dict(moving), self._gathering))
+            if wake is not None and wake > self._now:
+                self._schedule(wake, 1, self._release)
+
+    def _start_update(self, send: Send) -> None:
+        uid = send.update_id
+        update = self._pending.pop(uid)
+        path = tuple(send.path) or tuple(self._path(update.src_host, send.next_hop))
+        if path[0] != update.src_host or path[-1] != send.next_hop:
+            raise SimulationError(
+                f"send of '{uid}': path {path} does not run {update.src_host}->{send.next_hop}"
+            )
+        if send.next_hop != update.dst_host and uid not in self._member_of:
+            raise SimulationError(
+                f"send of '{uid}' goes to '{send.next_hop}', which aggregates nothing for it"
+            )
+        self._rec[uid].released_at = self._now
+        self._start_flow(uid, "update", path, float(update.bytes))
+
+    def _start_flow(self, fid: str, kind: str, path: tuple[str, ...], nbytes: float) -> None:
+        links = list(itertools.pairwise(path))
+        for link in links:
+            if not self.graph.has_edge(*link):
+                raise SimulationError(f"transfer '{fid}': link {link} is not in the bandwidth graph")
+        self._inflight[fid] = (kind, path, nbytes, self._now)
+        if kind != "model":
+            self._moving[fid] = InFlight(fid, self.job, self.server, path, int(nbytes), self._now, math.inf)
+        self._net.add(fid, links, nbytes)
+        if self.record_flows:
+            self._rate_log[fid] = []
+
+    def _log_rate(self, fid: object, t: float, rate: float) -> None:
+        log = self._rate_log.get(str(fid))
+        if log is not None:
+            log.append((t, rate))
+
+    # -- internals: the network and the server ---------------------------------------
+    def _flow_done(self, fid: str) -> None:
+        kind, path, nbytes, t0 = self._inflight.pop(fid)
+        if self.record_flows:
+            self.flows.append(
+                FlowRecord(fid, kind, path, nbytes, t0, self._now, tuple(self._rate_log.pop(fid)))
+            )
+        latency = sum(self.graph.edges[link].get("latency", 0.0) for link in itertools.pairwise(path))
+        if kind == "model":
+            cb = self._model_cb.pop(fid)
+            self._schedule(self._now + latency, 0, cb)
+        elif path[-1] == self.server_host and fid not in self._member_of:
+            self._schedule(self._now + latency, 0, lambda: self._arrive(fid))
+        else:
+            self._schedule(self._now + latency, 0, lambda: self._at_aggregator(fid))
+        self._moving.pop(fid, None)
+
+    def _at_aggregator(self, fid: str) -> None:
+        agg = self._aggs[self._member_of[fid]]
+        agg.arrived += 1
+        if agg.arrived == len(agg.members):
+            path = tuple(self._path(agg.aggregator, agg.dst))
+            del self._gathering[agg.aggregate_id]
+            self._start_flow(agg.aggregate_id, "aggregate", path, agg.bytes)
+
+    def _updates_in(self, payload: str) -> list[str]:
+        agg = self._aggs.get(payload)
+        if agg is None:
+            return [payload]
+        return [u for m in agg.members for u in self._updates_in(m)]
+
+    def _arrive(self, payload: str) -> None:
+        """A payload reached the server: apply it (one step) or drop it (safety net)."""
+        uids = self._updates_in(payload)
+        delays = {u: self.version - self._rec[u].base_version for u in uids}
+        if not self.iteration.accumulates and 0 <= self.tau_max < max(delays.values()):
+            for u in uids:
+                self._rec[u].arrived_at = self._now
+                self._resolve(u, DROPPED, f"server: delay {delays[u]} > tau_max {self.tau_max}")
+            return
+        if not self.iteration.accumulates:
+            self.version += 1
+        for u in uids:
+            self._rec[u].arrived_at = self._now
+            self._rec[u].delay = delays[u]
+            self._resolve(u, APPLIED, "")
+
+    def _resolve(self, uid: str, outcome: str, reason: str) -> None:
+        rec = self._rec[uid]
+        rec.outcome, rec.reason = outcome, reason
+        self.iteration.resolved(self, rec)

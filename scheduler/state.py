@@ -1,0 +1,563 @@
+"""The scheduler service's state as plain data with pure methods (DESIGN §3, paper §4).
+
+:class:`SchedulerState` holds what the central scheduler knows: the bandwidth graph, the
+registered daemons (host -> data-plane address), the roles of every job (servers with
+their model spec, job params and model version; workers), the updates that are ready and
+not yet released (:class:`~mlfabric.scheduler.policy.PendingUpdate`), the transfers in
+flight (:class:`~mlfabric.scheduler.policy.InFlight`) and the outcome of each update.
+
+Nothing here does I/O or reads a clock: times are passed in. Every domain problem is an
+exception subclassing :class:`SchedulerError` whose message names the host, job, server,
+worker or update at fault; the service turns them into replies.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+
+from mlfabric.scheduler.graph import TopologyError, hosts, shortest_path
+from mlfabric.scheduler.policy import InFlight, PendingUpdate, Snapshot
+
+__all__ = [
+    "Cleanup",
+    "DaemonInfo",
+    "DuplicateServer",
+    "DuplicateUpdate",
+    "HostAlreadyConnected",
+    "Job",
+    "JobParams",
+    "NoPath",
+    "OutcomeKind",
+    "ParamsMismatch",
+    "SchedulerError",
+    "SchedulerState",
+    "ServerRole",
+    "TensorSpec",
+    "TransferResult",
+    "UnknownDaemon",
+    "UnknownHost",
+    "UnknownJob",
+    "UnknownServer",
+    "UnknownUpdate",
+    "UnknownWorker",
+    "UpdateOutcome",
+]
+
+#: outcomes kept for inspection (oldest forgotten first)
+MAX_OUTCOMES = 100_000
+
+
+class SchedulerError(Exception):
+    """A request the scheduler cannot honour; the message names the culprit."""
+
+
+class UnknownHost(SchedulerError):
+    """A daemon said hello with a host name that is not a host of the bandwidth graph."""
+
+
+class HostAlreadyConnected(SchedulerError):
+    """A second daemon said hello for a host that already has one."""
+
+
+class UnknownDaemon(SchedulerError):
+    """A message came for a host whose daemon is not (or no longer) connected."""
+
+
+class UnknownJob(SchedulerError):
+    """A worker or update names a job that has no server."""
+
+
+class UnknownServer(SchedulerError):
+    """An update names a server that its job does not have."""
+
+
+class UnknownWorker(SchedulerError):
+    """An update comes from a worker that did not register on that host."""
+
+
+class DuplicateServer(SchedulerError):
+    """A server registers with the name of a server its job already has."""
+
+
+class ParamsMismatch(SchedulerError):
+    """A server registers with job params different from its job's."""
+
+
+class DuplicateUpdate(SchedulerError):
+    """An update id is announced while the same id is still pending or in flight."""
+
+
+class UnknownUpdate(SchedulerError):
+    """An operation names an update that is neither pending nor in flight."""
+
+
+class NoPath(SchedulerError):
+    """The bandwidth graph has no path from a worker's host to its server's host."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a job's model."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class JobParams:
+    """Delay and divergence bounds of a job (paper Table 1 ``params``).
+
+    ``tau_max < 0`` and ``div_max <= 0`` mean unbounded.
+    """
+
+    tau_max: int = -1
+    div_max: float = 0.0
+
+
+@dataclass(frozen=True)
+class DaemonInfo:
+    """A connected daemon: its host and data-plane address ``ip:port``."""
+
+    host: str
+    data_address: str
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class ServerRole:
+    """A server of a job: where it runs, its model spec and its model version."""
+
+    job: str
+    name: str
+    host: str
+    model: tuple[TensorSpec, ...]
+    version: int
+
+
+@dataclass
+class Job:
+    """A training job: its params, its servers (by name) and its workers (name -> host)."""
+
+    name: str
+    params: JobParams
+    servers: dict[str, ServerRole] = field(default_factory=dict)
+    workers: dict[str, str] = field(default_factory=dict)
+
+
+class OutcomeKind(enum.Enum):
+    """How an update's push resolved."""
+
+    APPLIED = "applied"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """The resolution of one update (``delay``/``version`` only when the server reported them)."""
+
+    update_id: str
+    kind: OutcomeKind
+    reason: str = ""
+    delay: int | None = None
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A daemon's report on one transfer (wire ``TransferReport`` as plain data).
+
+    ``start``/``end`` are the sender's wall-clock seconds; ``outcome`` is set when the
+    next hop was the server and says what happened to the update there.
+    """
+
+    update_id: str
+    src_host: str
+    dst_host: str
+    bytes: int
+    start: float
+    end: float
+    ok: bool = True
+    error: str = ""
+    outcome: OutcomeKind | None = None
+    delay: int = 0
+    server_version: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    """What a departure (daemon or role) removed.
+
+    Attributes
+    ----------
+    dropped : tuple of (PendingUpdate, str)
+        Pending updates dropped, with the reason; their source daemons are to be told
+        (unless the source is the departed daemon).
+    in_flight : tuple of InFlight
+        Transfers forgotten because their sender or destination left.
+    jobs_changed : tuple of str
+        Jobs that lost a server (their workers' daemons get a new server list).
+    """
+
+    dropped: tuple[tuple[PendingUpdate, str], ...] = ()
+    in_flight: tuple[InFlight, ...] = ()
+    jobs_changed: tuple[str, ...] = ()
+
+
+class SchedulerState:
+    """Everything the scheduler knows, mutated only through methods that check their input.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The bandwidth graph (see :mod:`mlfabric.scheduler.graph`); daemons may only say
+        hello for its hosts.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.graph import star
+    >>> s = SchedulerState(star(2, 8e9))
+    >>> _ = s.connect("h0", "127.0.0.1:9000"); _ = s.connect("h1", "127.0.0.1:9001")
+    >>> _ = s.register_server("h0", "j", "ps", (), JobParams(tau_max=4), version=0)
+    >>> _ = s.register_worker("h1", "j", "w0")
+    >>> s.add_update("h1", "h1/1", "j", "ps", "w0", 1024, 1.0, 0, now=0.0).dst_host
+    'h0'
+    """
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        self.graph = graph
+        self._graph_hosts = frozenset(hosts(graph))
+        self.daemons: dict[str, DaemonInfo] = {}
+        self.jobs: dict[str, Job] = {}
+        self.pending: dict[str, PendingUpdate] = {}
+        self.in_flight: dict[str, InFlight] = {}
+        self.outcomes: OrderedDict[str, UpdateOutcome] = OrderedDict()
+        self._paths: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------ daemons
+
+    def connect(self, host: str, data_address: str, version: str = "") -> DaemonInfo:
+        """Register the daemon of ``host`` (a ``Hello``).
+
+        Raises
+        ------
+        UnknownHost
+            ``host`` is not a host of the bandwidth graph.
+        HostAlreadyConnected
+            ``host`` already has a connected daemon.
+        """
+        if host not in self._graph_hosts:
+            known = ", ".join(sorted(self._graph_hosts))
+            raise UnknownHost(f"host '{host}' is not a host of the bandwidth graph (hosts: {known})")
+        if host in self.daemons:
+            raise HostAlreadyConnected(f"host '{host}' already has a connected daemon")
+        if not data_address:
+            raise SchedulerError(f"host '{host}': hello without a data-plane address")
+        info = DaemonInfo(host, data_address, version)
+        self.daemons[host] = info
+        return info
+
+    def disconnect(self, host: str) -> Cleanup:
+        """Forget the daemon of ``host``: its roles, its pending updates and its transfers.
+
+        Pending updates of other hosts bound for a server on ``host`` are dropped too.
+        """
+        if host not in self.daemons:
+            raise UnknownDaemon(f"host '{host}' has no connected daemon")
+        del self.daemons[host]
+        dropped: list[tuple[PendingUpdate, str]] = []
+        changed: list[str] = []
+        for job in self.jobs.values():
+            gone = [s for s in job.servers.values() if s.host == host]
+            for server in gone:
+                dropped += self._drop_for_server(job.name, server.name, f"server '{server.name}' left")
+                del job.servers[server.name]
+            job.workers = {w: h for w, h in job.workers.items() if h != host}
+            if gone:
+                changed.append(job.name)
+        reason = f"the daemon of host '{host}' disconnected"
+        for u in [u for u in self.pending.values() if u.src_host == host]:
+            dropped.append((u, reason))
+            self._resolve(u.update_id, OutcomeKind.DROPPED, reason)
+            del self.pending[u.update_id]
+        lost = [f for f in self.in_flight.values() if host in (f.path[0], f.path[-1])]
+        for f in lost:
+            del self.in_flight[f.update_id]
+        self._forget_empty_jobs()
+        return Cleanup(tuple(dropped), tuple(lost), tuple(changed))
+
+    def address(self, host: str) -> str:
+        """The data-plane address of ``host``'s daemon."""
+        try:
+            return self.daemons[host].data_address
+        except KeyError:
+            raise UnknownDaemon(f"host '{host}' has no connected daemon") from None
+
+    # -------------------------------------------------------------------- roles
+
+    def register_server(
+        self,
+        host: str,
+        job: str,
+        name: str,
+        model: Iterable[TensorSpec],
+        params: JobParams,
+        version: int,
+    ) -> Job:
+        """Register server ``name`` of ``job`` on ``host``; the first server creates the job.
+
+        Raises
+        ------
+        DuplicateServer
+            The job already has a server called ``name``.
+        ParamsMismatch
+            ``params`` differ from the params the job's first server gave.
+        """
+        self._require_daemon(host)
+        if not name:
+            raise SchedulerError(f"job '{job}': a server needs a name")
+        record = self.jobs.get(job)
+        if record is None:
+            record = self.jobs[job] = Job(job, params)
+        elif not record.servers:
+            record.params = params  # the job's servers had all left: a fresh start
+        elif name in record.servers:
+            other = record.servers[name].host
+            raise DuplicateServer(f"job '{job}' already has a server '{name}' (on host '{other}')")
+        elif record.params != params:
+            raise ParamsMismatch(
+                f"job '{job}': server '{name}' gives {params}, but the job has {record.params}"
+            )
+        record.servers[name] = ServerRole(job, name, host, tuple(model), version)
+        return record
+
+    def register_worker(self, host: str, job: str, name: str) -> Job:
+        """Register worker ``name`` of ``job`` on ``host``; the job must have a server.
+
+        Raises
+        ------
+        UnknownJob
+            No server of ``job`` has registered.
+        """
+        self._require_daemon(host)
+        record = self._job(job)
+        record.workers[name] = host
+        return record
+
+    def unregister_server(self, host: str, job: str, name: str) -> Cleanup:
+        """Remove server ``name``; its pending updates are dropped with a reason."""
+        server = self._server(job, name)
+        if server.host != host:
+            raise UnknownServer(f"server '{name}' of job '{job}' is on host '{server.host}', not '{host}'")
+        dropped = self._drop_for_server(job, name, f"server '{name}' of job '{job}' unregistered")
+        del self.jobs[job].servers[name]
+        self._forget_empty_jobs()
+        return Cleanup(dropped=tuple(dropped), jobs_changed=(job,))
+
+    def unregister_worker(self, host: str, job: str, name: str) -> None:
+        """Remove worker ``name``; its updates already announced still go."""
+        record = self.jobs.get(job)
+        if record is None or record.workers.get(name) != host:
+            raise UnknownWorker(f"job '{job}' has no worker '{name}' on host '{host}'")
+        del record.workers[name]
+
+    def servers(self, job: str) -> tuple[ServerRole, ...]:
+        """The servers of ``job`` with their current versions, by name (none for an unknown job)."""
+        record = self.jobs.get(job)
+        if record is None:
+            return ()
+        return tuple(s for _, s in sorted(record.servers.items()))
+
+    def worker_hosts(self, job: str) -> frozenset[str]:
+        """Hosts with at least one worker of ``job`` (empty for an unknown job)."""
+        record = self.jobs.get(job)
+        return frozenset(record.workers.values()) if record else frozenset()
+
+    # ------------------------------------------------------------------ updates
+
+    def add_update(
+        self,
+        host: str,
+        update_id: str,
+        job: str,
+        server: str,
+        worker: str,
+        nbytes: int,
+        norm: float,
+        base_version: int,
+        now: float,
+    ) -> PendingUpdate:
+        """Record that ``update_id`` is ready at ``host`` (an ``UpdateReady``).
+
+        ``now`` is the scheduler's clock: daemon clocks are not comparable across hosts.
+
+        Raises
+        ------
+        UnknownJob, UnknownServer, UnknownWorker
+            The job, the server (of that job) or the worker (on that host) is unknown.
+        DuplicateUpdate
+            ``update_id`` is still pending or in flight.
+        NoPath
+            The graph has no path from ``host`` to the server's host.
+        """
+        self._require_daemon(host)
+        if update_id in self.pending or update_id in self.in_flight:
+            raise DuplicateUpdate(f"update '{update_id}' is already pending or in flight")
+        target = self._server(job, server)
+        if self.jobs[job].workers.get(worker) != host:
+            raise UnknownWorker(f"job '{job}' has no worker '{worker}' on host '{host}'")
+        self.path(host, target.host)
+        u = PendingUpdate(
+            update_id=update_id,
+            job=job,
+            server=server,
+            worker=worker,
+            src_host=host,
+            dst_host=target.host,
+            bytes=int(nbytes),
+            norm=float(norm),
+            base_version=int(base_version),
+            ready_at=now,
+        )
+        self.pending[update_id] = u
+        return u
+
+    def release(
+        self, update_id: str, path: tuple[str, ...], started_at: float, expected_end: float
+    ) -> InFlight:
+        """Move a pending update in flight along ``path`` (its transfer was released)."""
+        u = self.pending.pop(update_id, None)
+        if u is None:
+            raise UnknownUpdate(f"update '{update_id}' is not pending")
+        f = InFlight(u.update_id, u.job, u.server, tuple(path), u.bytes, started_at, expected_end)
+        self.in_flight[update_id] = f
+        return f
+
+    def drop(self, update_id: str, reason: str) -> PendingUpdate:
+        """Drop a pending update with ``reason`` (a policy's ``Drop``)."""
+        u = self.pending.pop(update_id, None)
+        if u is None:
+            raise UnknownUpdate(f"update '{update_id}' is not pending")
+        self._resolve(update_id, OutcomeKind.DROPPED, reason)
+        return u
+
+    def report(self, result: TransferResult) -> InFlight:
+        """Account for a finished (or failed) transfer and track the server's version.
+
+        Returns the in-flight entry the report closes. A failed transfer (``ok`` false)
+        is forgotten: its sender resolves the push (or re-announces the update).
+
+        Raises
+        ------
+        UnknownUpdate
+            The update is not in flight (e.g. its entry was cleaned up).
+        """
+        f = self.in_flight.pop(result.update_id, None)
+        if f is None:
+            raise UnknownUpdate(f"update '{result.update_id}' is not in flight")
+        if result.ok and result.outcome is not None:
+            reason = result.reason if result.outcome is OutcomeKind.DROPPED else ""
+            self._resolve(f.update_id, result.outcome, reason, result.delay, result.server_version)
+            server = self.jobs.get(f.job, Job(f.job, JobParams())).servers.get(f.server)
+            if server is not None and result.server_version > server.version:
+                self.jobs[f.job].servers[f.server] = replace(server, version=result.server_version)
+        return f
+
+    def resolve(self, host: str, update_id: str, kind: OutcomeKind, reason: str) -> PendingUpdate | None:
+        """A daemon resolved a push itself (``UpdateResolved``); forget the update if pending."""
+        u = self.pending.get(update_id)
+        if u is not None and u.src_host != host:
+            raise UnknownUpdate(f"update '{update_id}' was announced by host '{u.src_host}', not '{host}'")
+        self.pending.pop(update_id, None)
+        self._resolve(update_id, kind, reason)
+        return u
+
+    # ----------------------------------------------------------------- queries
+
+    def path(self, src: str, dst: str) -> tuple[str, ...]:
+        """Hop-count shortest path from ``src`` to ``dst`` (cached; ``NoPath`` if none)."""
+        key = (src, dst)
+        cached = self._paths.get(key)
+        if cached is None:
+            try:
+                cached = tuple(shortest_path(self.graph, src, dst))
+            except TopologyError as exc:
+                raise NoPath(str(exc)) from None
+            self._paths[key] = cached
+        return cached
+
+    def server_versions(self) -> dict[tuple[str, str], int]:
+        """(job, server) -> the server's model version as last reported."""
+        return {(j.name, s.name): s.version for j in self.jobs.values() for s in j.servers.values()}
+
+    def snapshot(self, now: float, graph: nx.DiGraph | None = None) -> Snapshot:
+        """What a policy sees at ``now``; ``graph`` (estimated capacities) defaults to the static one."""
+        return Snapshot(
+            now=now,
+            graph=self.graph if graph is None else graph,
+            in_flight=tuple(self.in_flight.values()),
+            server_versions=self.server_versions(),
+            tau_max={j.name: j.params.tau_max for j in self.jobs.values()},
+        )
+
+    def source_host(self, update_id: str) -> str:
+        """The host where a pending or in-flight update is (where directives about it go)."""
+        u = self.pending.get(update_id)
+        if u is not None:
+            return u.src_host
+        f = self.in_flight.get(update_id)
+        if f is not None:
+            return f.path[0]
+        raise UnknownUpdate(f"update '{update_id}' is neither pending nor in flight")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _require_daemon(self, host: str) -> None:
+        if host not in self.daemons:
+            raise UnknownDaemon(f"host '{host}' has no connected daemon")
+
+    def _job(self, job: str) -> Job:
+        record = self.jobs.get(job)
+        if record is None or not record.servers:
+            known = ", ".join(sorted(j.name for j in self.jobs.values() if j.servers)) or "none"
+            raise UnknownJob(f"unknown job '{job}': no server registered for it (jobs: {known})")
+        return record
+
+    def _server(self, job: str, name: str) -> ServerRole:
+        record = self._job(job)
+        server = record.servers.get(name)
+        if server is None:
+            others = [j.name for j in self.jobs.values() if name in j.servers]
+            hint = f" (it is a server of job '{others[0]}')" if others else ""
+            raise UnknownServer(f"job '{job}' has no server '{name}'{hint}")
+        return server
+
+    def _drop_for_server(self, job: str, server: str, reason: str) -> list[tuple[PendingUpdate, str]]:
+        dropped = [u for u in self.pending.values() if u.job == job and u.server == server]
+        for u in dropped:
+            del self.pending[u.update_id]
+            self._resolve(u.update_id, OutcomeKind.DROPPED, reason)
+        return [(u, reason) for u in dropped]
+
+    def _forget_empty_jobs(self) -> None:
+        for name in [n for n, j in self.jobs.items() if not j.servers and not j.workers]:
+            del self.jobs[name]
+
+    def _resolve(
+        self,
+        update_id: str,
+        kind: OutcomeKind,
+        reason: str,
+        delay: int | None = None,
+        version: int | None = None,
+    ) -> None:
+        self.outcomes[update_id] = UpdateOutcome(update_id, kind, reason, delay, version)
+        self.outcomes.move_to_end(update_id)
+        while len(self.outcomes) > MAX_OUTCOMES:
+            self.outcomes.popitem(last=False)

@@ -1,0 +1,331 @@
+"""Link timelines: residual bandwidth per link as a step function of time (paper §5, Fig. 4).
+
+Each directed link of the bandwidth graph has a :class:`LinkTimeline`: the bandwidth not yet
+reserved by scheduled transfers, piecewise constant in time. The residual bandwidth of a
+path at time ``t`` is the minimum over its links. :meth:`Timelines.ten` integrates that
+minimum from a transfer's ready time until its bytes are through — ``ten(g)`` of Fig. 4b —
+and :meth:`Timelines.reserve` subtracts the transfer's rate from every link of its path
+(Fig. 4c). Under network time-sharing (§3.1.1) a transfer takes *all* the residual of its
+bottleneck, which is exactly the path minimum.
+
+A :class:`Timelines` is mutable working state of one planning run; it never touches the
+graph it was built from.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping, Sequence
+
+import networkx as nx
+
+from mlfabric.scheduler.schedule import Link, Reservation
+
+__all__ = ["LinkTimeline", "Timelines"]
+
+INF = math.inf
+
+
+class LinkTimeline:
+    """Residual bandwidth of one link: ``residual[i]`` on ``[times[i], times[i+1])``.
+
+    The last piece extends to infinity; times before ``times[0]`` read the first piece.
+
+    Parameters
+    ----------
+    capacity : float
+        Capacity in bytes/s from ``start`` on.
+    start : float
+        Origin of the timeline.
+    profile : sequence of (float, float), optional
+        Capacity changes ``(time, capacity)`` after ``start`` (a link whose rate varies).
+    eps : float
+        Residual at or below ``eps * capacity`` counts as zero (rounding of reservations).
+
+    Examples
+    --------
+    >>> tl = LinkTimeline(10.0)
+    >>> tl.reserve(1.0, 3.0, 4.0)
+    >>> tl.at(0.5), tl.at(2.0), tl.at(3.0)
+    (10.0, 6.0, 10.0)
+    """
+
+    __slots__ = ("eps", "residual", "times")
+
+    def __init__(
+        self,
+        capacity: float,
+        start: float = 0.0,
+        profile: Sequence[tuple[float, float]] = (),
+        eps: float = 1e-9,
+    ) -> None:
+        self.times: list[float] = [start]
+        self.residual: list[float] = [float(capacity)]
+        self.eps = eps * max(float(capacity), *(c for _, c in profile)) if profile else eps * float(capacity)
+        for t, cap in sorted(profile):
+            if t <= start:
+                self.residual[0] = float(cap)
+            elif cap != self.residual[-1]:
+                self.times.append(float(t))
+                self.residual.append(float(cap))
+
+    def copy(self) -> LinkTimeline:
+        """An independent copy."""
+        new = LinkTimeline.__new__(LinkTimeline)
+        new.times = list(self.times)
+        new.residual = list(self.residual)
+        new.eps = self.eps
+        return new
+
+    def at(self, t: float) -> float:
+        """Residual bandwidth at time ``t``."""
+        return self.residual[max(0, bisect_right(self.times, t) - 1)]
+
+    def pieces(self, start: float = -INF, end: float = INF) -> list[tuple[float, float, float]]:
+        """The pieces ``(from, to, residual)`` overlapping ``[start, end)``, clipped to it."""
+        out = []
+        i = max(0, bisect_right(self.times, start) - 1)
+        while i < len(self.times) and self.times[i] < end:
+            lo = max(self.times[i], start)
+            hi = min(self.times[i + 1] if i + 1 < len(self.times) else INF, end)
+            if hi > lo:
+                out.append((lo, hi, self.residual[i]))
+            i += 1
+        return out
+
+    def _split(self, t: float) -> int:
+        """Make ``t`` a breakpoint; return its index."""
+        i = bisect_right(self.times, t) - 1
+        if i >= 0 and self.times[i] == t:
+            return i
+        if i < 0:  # before the origin: extend the first piece backwards
+            self.times.insert(0, t)
+            self.residual.insert(0, self.residual[0])
+            return 0
+        self.times.insert(i + 1, t)
+        self.residual.insert(i + 1, self.residual[i])
+        return i + 1
+
+    def reserve(self, start: float, end: float, rate: float, *, who: str = "") -> None:
+        """Subtract ``rate`` over ``[start, end)``.
+
+        Raises
+        ------
+        ValueError
+            If the residual would fall below zero (beyond rounding), naming ``who``.
+        """
+        if end <= start or rate <= 0:
+            return
+        i = self._split(start)
+        j = self._split(end)
+        for k in range(i, j):
+            left = self.residual[k] - rate
+            if left < -self.eps:
+                raise ValueError(
+                    f"reserving {rate:g} B/s for {who or 'a transfer'} at t={self.times[k]:g} "
+                    f"exceeds the residual {self.residual[k]:g} B/s"
+                )
+            self.residual[k] = max(left, 0.0)
+        self._coalesce(max(i - 1, 0), min(j + 1, len(self.times) - 1))
+
+    def _coalesce(self, lo: int, hi: int) -> None:
+        k = hi
+        while k > lo:
+            if k < len(self.times) and abs(self.residual[k] - self.residual[k - 1]) <= self.eps:
+                del self.times[k]
+                del self.residual[k]
+            k -= 1
+
+
+class Timelines:
+    """Residual bandwidth of every link of a bandwidth graph (paper §5, Fig. 4).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Links with ``capacity`` (bytes/s). Only read.
+    start : float
+        Origin of every timeline (e.g. the scheduler's "now").
+    profiles : mapping, optional
+        ``link -> [(time, capacity), ...]`` for links whose capacity changes over time.
+
+    Examples
+    --------
+    The paper's Fig. 4b: a 30 MB update ready at t=0 on a path whose residual bandwidth
+    is 2, 5, 3, then 10 MB/s for two seconds each ends at t = 7.
+
+    >>> g = nx.DiGraph()
+    >>> g.add_edge("w", "ps", capacity=10e6)
+    >>> tls = Timelines(g, profiles={("w", "ps"): [(0, 2e6), (2, 5e6), (4, 3e6), (6, 10e6)]})
+    >>> tls.ten([("w", "ps")], 30e6, ready=0.0)
+    (0.0, 7.0)
+    """
+
+    __slots__ = ("_graph", "_links", "_profiles", "_start")
+
+    def __init__(
+        self,
+        graph: nx.DiGraph,
+        start: float = 0.0,
+        profiles: Mapping[Link, Sequence[tuple[float, float]]] | None = None,
+    ) -> None:
+        self._graph = graph
+        self._start = start
+        self._profiles = profiles or {}
+        self._links: dict[Link, LinkTimeline] = {}
+
+    def link(self, link: Link) -> LinkTimeline:
+        """The timeline of ``link`` (created from the graph's capacity on first use)."""
+        tl = self._links.get(link)
+        if tl is None:
+            cap = self._graph.edges[link]["capacity"]
+            tl = LinkTimeline(cap, self._start, self._profiles.get(link, ()))
+            self._links[link] = tl
+        return tl
+
+    def copy(self) -> Timelines:
+        """An independent copy (for what-if planning)."""
+        new = Timelines(self._graph, self._start, self._profiles)
+        new._links = {k: v.copy() for k, v in self._links.items()}
+        return new
+
+    def residual(self, links: Iterable[Link], t: float) -> float:
+        """Path residual bandwidth at ``t``: the minimum over ``links`` (inf for no links)."""
+        return min((self.link(link).at(t) for link in links), default=INF)
+
+    def ten(self, links: Sequence[Link], nbytes: float, ready: float) -> tuple[float, float]:
+        """When a transfer of ``nbytes`` over ``links`` would start and end (Fig. 4b ``ten(g)``).
+
+        The transfer starts at the first time from ``ready`` on at which every link has
+        residual bandwidth, and then moves at the path residual until its bytes are through.
+
+        Parameters
+        ----------
+        links : sequence of Link
+            The path's links (empty: same host, done at ``ready``).
+        nbytes : float
+            Bytes to move.
+        ready : float
+            Earliest start.
+
+        Returns
+        -------
+        (float, float)
+            Start and end (``ten``).
+
+        Raises
+        ------
+        ValueError
+            If the path never has enough residual bandwidth.
+
+        Examples
+        --------
+        >>> g = nx.DiGraph()
+        >>> g.add_edge("a", "b", capacity=4.0)
+        >>> tls = Timelines(g)
+        >>> tls.reserve([("a", "b")], 8.0, ready=0.0)[:2]
+        (0.0, 2.0)
+        >>> tls.ten([("a", "b")], 4.0, ready=1.0)
+        (2.0, 3.0)
+        """
+        start, end, _ = self._walk(links, nbytes, ready, record=False)
+        return start, end
+
+    def reserve(
+        self, links: Sequence[Link], nbytes: float, ready: float, *, who: str = ""
+    ) -> tuple[float, float, tuple[Reservation, ...]]:
+        """Reserve the path residual for ``nbytes`` from ``ready`` on (Fig. 4c).
+
+        Returns
+        -------
+        (float, float, tuple of Reservation)
+            Start, end and the rate reserved on each link over each piece.
+        """
+        start, end, pieces = self._walk(links, nbytes, ready, record=True)
+        reservations = []
+        for link in links:
+            tl = self.link(link)
+            for lo, hi, rate in pieces:
+                tl.reserve(lo, hi, rate, who=who)
+                reservations.append(Reservation(link, lo, hi, rate))
+        return start, end, tuple(reservations)
+
+    def reserve_until(
+        self, links: Sequence[Link], start: float, end: float, *, who: str = ""
+    ) -> tuple[Reservation, ...]:
+        """Reserve the whole path residual over ``[start, end)`` (a transfer already in flight).
+
+        Examples
+        --------
+        >>> g = nx.DiGraph()
+        >>> g.add_edge("a", "b", capacity=4.0)
+        >>> tls = Timelines(g)
+        >>> len(tls.reserve_until([("a", "b")], 0.0, 1.0))
+        1
+        >>> tls.link(("a", "b")).at(0.5)
+        0.0
+        """
+        if not links or end <= start:
+            return ()
+        pieces = []
+        t = start
+        while t < end:
+            rate, nxt = self._rate_at(links, t)
+            hi = min(nxt, end)
+            if rate > 0:
+                pieces.append((t, hi, rate))
+            t = hi
+        out = []
+        for link in links:
+            tl = self.link(link)
+            for lo, hi, rate in pieces:
+                tl.reserve(lo, hi, rate, who=who)
+                out.append(Reservation(link, lo, hi, rate))
+        return tuple(out)
+
+    def _rate_at(self, links: Sequence[Link], t: float) -> tuple[float, float]:
+        rate = INF
+        nxt = INF
+        for link in links:
+            tl = self._links.get(link) or self.link(link)
+            times = tl.times
+            i = bisect_right(times, t) - 1
+            if i < 0:
+                i = 0
+            r = tl.residual[i]
+            if r <= tl.eps:
+                r = 0.0
+            if r < rate:
+                rate = r
+            if i + 1 < len(times) and times[i + 1] < nxt:
+                nxt = times[i + 1]
+        return rate, nxt
+
+    def _walk(
+        self, links: Sequence[Link], nbytes: float, ready: float, record: bool
+    ) -> tuple[float, float, list[tuple[float, float, float]]]:
+        pieces: list[tuple[float, float, float]] = []
+        if not links or nbytes <= 0:
+            return ready, ready, pieces
+        t = ready
+        remaining = float(nbytes)
+        start = -INF
+        while True:
+            rate, nxt = self._rate_at(links, t)
+            if rate <= 0.0:
+                if nxt == INF:
+                    raise ValueError(f"path {list(links)} never has residual bandwidth after t={t:g}")
+                t = nxt
+                continue
+            if start == -INF:
+                start = t
+            finish = t + remaining / rate
+            if finish <= nxt:
+                if record:
+                    pieces.append((t, finish, rate))
+                return start, finish, pieces
+            if record:
+                pieces.append((t, nxt, rate))
+            remaining -= rate * (nxt - t)
+            t = nxt

@@ -1,0 +1,197 @@
+"""SchedulerState: registration rules, domain errors naming the culprit, cleanup on departure."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlfabric.scheduler.graph import parse_topology, star
+from mlfabric.scheduler.state import (
+    DuplicateServer,
+    DuplicateUpdate,
+    HostAlreadyConnected,
+    JobParams,
+    NoPath,
+    OutcomeKind,
+    ParamsMismatch,
+    SchedulerState,
+    TensorSpec,
+    TransferResult,
+    UnknownDaemon,
+    UnknownHost,
+    UnknownJob,
+    UnknownServer,
+    UnknownUpdate,
+    UnknownWorker,
+)
+
+MODEL = (TensorSpec("w", "float32", (4, 4)),)
+
+
+def _state() -> SchedulerState:
+    s = SchedulerState(star(3, 8e9))
+    for i in range(3):
+        s.connect(f"h{i}", f"127.0.0.1:{9000 + i}")
+    s.register_server("h0", "j", "ps", MODEL, JobParams(tau_max=3), version=5)
+    s.register_worker("h1", "j", "w1")
+    s.register_worker("h2", "j", "w2")
+    return s
+
+
+def _ready(s: SchedulerState, uid: str, host: str = "h1", worker: str = "w1", now: float = 0.0):
+    return s.add_update(host, uid, "j", "ps", worker, 1000, 1.0, 5, now=now)
+
+
+def test_hello_with_unknown_host_names_it_and_the_known_hosts() -> None:
+    s = SchedulerState(star(2, 8e9))
+    with pytest.raises(UnknownHost, match=r"'nope'.*h0, h1"):
+        s.connect("nope", "127.0.0.1:1")
+    with pytest.raises(UnknownHost):
+        s.connect("sw", "127.0.0.1:1")  # a switch is not a host
+
+
+def test_second_daemon_for_a_host_is_refused() -> None:
+    s = SchedulerState(star(2, 8e9))
+    s.connect("h0", "127.0.0.1:1")
+    with pytest.raises(HostAlreadyConnected, match="h0"):
+        s.connect("h0", "127.0.0.1:2")
+
+
+def test_worker_of_unknown_job_is_refused_naming_the_job() -> None:
+    s = _state()
+    with pytest.raises(UnknownJob, match="'other'"):
+        s.register_worker("h1", "other", "w9")
+
+
+def test_duplicate_server_and_params_mismatch() -> None:
+    s = _state()
+    with pytest.raises(DuplicateServer, match=r"'ps'.*h0"):
+        s.register_server("h1", "j", "ps", MODEL, JobParams(tau_max=3), version=0)
+    with pytest.raises(ParamsMismatch, match="ps2"):
+        s.register_server("h1", "j", "ps2", MODEL, JobParams(tau_max=9), version=0)
+    s.register_server("h1", "j", "ps2", MODEL, JobParams(tau_max=3), version=0)
+    assert [x.name for x in s.servers("j")] == ["ps", "ps2"]
+
+
+def test_update_ready_resolves_destination_and_path() -> None:
+    s = _state()
+    u = _ready(s, "h1/1", now=2.5)
+    assert (u.src_host, u.dst_host, u.ready_at, u.bytes) == ("h1", "h0", 2.5, 1000)
+    assert s.path("h1", "h0") == ("h1", "sw", "h0")
+    with pytest.raises(DuplicateUpdate, match="h1/1"):
+        _ready(s, "h1/1")
+
+
+def test_update_errors_name_the_problem() -> None:
+    s = _state()
+    s.register_server("h2", "k", "ps_k", MODEL, JobParams(), version=0)
+    with pytest.raises(UnknownJob, match="'nojob'"):
+        s.add_update("h1", "u", "nojob", "ps", "w1", 1, 1.0, 0, now=0.0)
+    with pytest.raises(UnknownServer, match=r"job 'j' has no server 'ps_k'.*job 'k'"):
+        s.add_update("h1", "u", "j", "ps_k", "w1", 1, 1.0, 0, now=0.0)
+    with pytest.raises(UnknownWorker, match=r"'w2' on host 'h1'"):
+        s.add_update("h1", "u", "j", "ps", "w2", 1, 1.0, 0, now=0.0)
+    assert not s.pending
+
+
+def test_no_path_is_a_domain_error() -> None:
+    g = parse_topology(
+        {
+            "hosts": ["a", "b", "c", "d"],
+            "links": [{"a": "a", "b": "b", "gbps": 1}, {"a": "c", "b": "d", "gbps": 1}],
+        }
+    )
+    s = SchedulerState(g)
+    s.connect("a", "x:1")
+    s.connect("c", "x:2")
+    s.register_server("a", "j", "ps", MODEL, JobParams(), version=0)
+    s.register_worker("c", "j", "w")
+    with pytest.raises(NoPath, match="'c' to 'a'"):
+        s.add_update("c", "u", "j", "ps", "w", 1, 1.0, 0, now=0.0)
+
+
+def test_release_report_tracks_version_and_outcome() -> None:
+    s = _state()
+    _ready(s, "u1")
+    f = s.release("u1", ("h1", "sw", "h0"), started_at=1.0, expected_end=2.0)
+    assert "u1" not in s.pending and s.in_flight["u1"] == f
+    snap = s.snapshot(1.5)
+    assert snap.in_flight == (f,) and snap.server_versions == {("j", "ps"): 5} and snap.tau_max == {"j": 3}
+    res = TransferResult(
+        "u1", "h1", "h0", 1000, 10.0, 10.5, outcome=OutcomeKind.APPLIED, delay=1, server_version=6
+    )
+    assert s.report(res) == f
+    assert not s.in_flight
+    assert s.server_versions()[("j", "ps")] == 6
+    assert s.outcomes["u1"].kind is OutcomeKind.APPLIED and s.outcomes["u1"].delay == 1
+    with pytest.raises(UnknownUpdate):
+        s.report(res)
+
+
+def test_failed_transfer_is_forgotten_without_outcome() -> None:
+    s = _state()
+    _ready(s, "u1")
+    s.release("u1", ("h1", "sw", "h0"), 0.0, 1.0)
+    s.report(TransferResult("u1", "h1", "h0", 0, 0.0, 0.0, ok=False, error="peer gone"))
+    assert not s.in_flight and "u1" not in s.outcomes
+    _ready(s, "u1")  # the daemon may announce it again to retry
+
+
+def test_drop_records_reason() -> None:
+    s = _state()
+    _ready(s, "u1")
+    s.drop("u1", "too stale")
+    assert s.outcomes["u1"].kind is OutcomeKind.DROPPED and s.outcomes["u1"].reason == "too stale"
+    with pytest.raises(UnknownUpdate):
+        s.drop("u1", "again")
+
+
+def test_disconnect_of_a_worker_host_cleans_up_its_updates_and_roles() -> None:
+    s = _state()
+    _ready(s, "u1")
+    _ready(s, "u2")
+    s.release("u2", ("h1", "sw", "h0"), 0.0, 1.0)
+    _ready(s, "v1", host="h2", worker="w2")
+    cleanup = s.disconnect("h1")
+    assert [u.update_id for u, _ in cleanup.dropped] == ["u1"]
+    assert "disconnected" in cleanup.dropped[0][1]
+    assert [f.update_id for f in cleanup.in_flight] == ["u2"]
+    assert list(s.pending) == ["v1"] and not s.in_flight
+    assert s.worker_hosts("j") == {"h2"}
+    assert cleanup.jobs_changed == ()
+    with pytest.raises(UnknownDaemon):
+        _ready(s, "u3")
+
+
+def test_disconnect_of_the_server_host_drops_updates_bound_for_it() -> None:
+    s = _state()
+    _ready(s, "u1")
+    cleanup = s.disconnect("h0")
+    assert [(u.update_id, "server 'ps' left" in r) for u, r in cleanup.dropped] == [("u1", True)]
+    assert cleanup.jobs_changed == ("j",)
+    with pytest.raises(UnknownJob):
+        s.register_worker("h1", "j", "w3")
+    # the workers stay: a new server brings the job back, with fresh params
+    s.connect("h0", "127.0.0.1:9100")
+    s.register_server("h0", "j", "ps", MODEL, JobParams(tau_max=7), version=0)
+    assert _ready(s, "u5").dst_host == "h0"
+
+
+def test_unregister_server_and_worker() -> None:
+    s = _state()
+    _ready(s, "u1")
+    with pytest.raises(UnknownServer, match="h0"):
+        s.unregister_server("h1", "j", "ps")
+    cleanup = s.unregister_server("h0", "j", "ps")
+    assert [u.update_id for u, _ in cleanup.dropped] == ["u1"] and "unregistered" in cleanup.dropped[0][1]
+    s.unregister_worker("h1", "j", "w1")
+    with pytest.raises(UnknownWorker):
+        s.unregister_worker("h1", "j", "w1")
+
+
+def test_resolve_by_daemon_checks_the_source() -> None:
+    s = _state()
+    _ready(s, "u1")
+    with pytest.raises(UnknownUpdate, match="h1"):
+        s.resolve("h2", "u1", OutcomeKind.DROPPED, "x")
+    assert s.resolve("h1", "u1", OutcomeKind.DROPPED, "shape mismatch") is not None
+    assert not s.pending and s.outcomes["u1"].reason == "shape mismatch"

@@ -1,0 +1,160 @@
+"""The namespace testbed on this kernel (root): shaping, rate changes, CLI, cleanup, end to end.
+
+Skipped, with the reason, without root, ``ip`` or ``tc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from mlfabric.scheduler.graph import load_topology, parse_topology
+from mlfabric.testbed import cli
+from mlfabric.testbed.cluster import CONTROL, Testbed
+from mlfabric.testbed.linkcheck import measure_transfer
+from mlfabric.testbed.netns import CommandError, SubprocessRunner, list_namespaces
+
+pytestmark = pytest.mark.root
+
+RATE = 50e6 / 8  # bytes/s
+TOPOLOGY = """
+hosts = ["ps", "w0", "w1"]
+switches = ["tor"]
+
+[[links]]
+a = "ps"
+b = "tor"
+mbps = 50
+
+[[links]]
+a = "w0"
+b = "tor"
+mbps = 50
+
+[[links]]
+a = "w1"
+b = "tor"
+mbps = 50
+"""
+
+
+def _ours(prefix: str) -> list[str]:
+    return [n for n in list_namespaces(SubprocessRunner()) if n.startswith(prefix + "-")]
+
+
+@pytest.fixture
+def topology_file(tmp_path: Path) -> Path:
+    path = tmp_path / "three.toml"
+    path.write_text(TOPOLOGY)
+    return path
+
+
+def test_three_hosts_get_the_link_rate_and_leave_nothing(
+    make_testbed: Callable[[nx.DiGraph], Testbed], topology_file: Path
+) -> None:
+    testbed = make_testbed(load_topology(topology_file))
+    assert len(_ours(testbed.prefix)) == 5  # 3 hosts, 1 switch, control
+    out = testbed.exec("w0", ["ip", "-4", "-o", "addr", "show", "dev", "eth0"]).stdout
+    assert testbed.address("w0") in out
+    measured = measure_transfer(testbed, "w0", "ps", int(RATE * 1.5))
+    assert measured.bytes == int(RATE * 1.5)
+    assert 0.9 * RATE <= measured.throughput <= 1.1 * RATE, measured
+    # dynamic bandwidth: ps's ingress (the switch port's egress) drops to 20 Mbit/s
+    testbed.set_rate(("tor", "ps"), 20e6 / 8)
+    slower = measure_transfer(testbed, "w1", "ps", int(20e6 / 8 * 1.5))
+    assert 0.9 * 20e6 / 8 <= slower.throughput <= 1.1 * 20e6 / 8, slower
+    assert testbed.rate(("tor", "ps")) == 20e6 / 8
+    assert testbed.rate(("ps", "tor")) == RATE
+    testbed.down()
+    assert _ours(testbed.prefix) == []
+
+
+def test_a_failed_build_deletes_what_it_created(testbed_state_dir: Path) -> None:
+    class FailingRunner(SubprocessRunner):
+        def __call__(self, argv: Sequence[str], *, check: bool = True) -> str:
+            if argv[:1] == ["tc"]:
+                raise CommandError("injected tc failure")
+            return super().__call__(argv, check=check)
+
+    graph = parse_topology({"hosts": ["a", "b"], "links": [{"a": "a", "b": "b", "mbps": 10}]})
+    testbed = Testbed(graph, "mlf0fa11e", state_dir=testbed_state_dir, runner=FailingRunner())
+    with pytest.raises(CommandError, match="injected"):
+        testbed.up()
+    assert _ours("mlf0fa11e") == []
+    assert not (testbed_state_dir / "mlf0fa11e.json").exists()
+
+
+def _cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    return cli.run(parser.parse_args(list(argv)))
+
+
+def test_cli_up_status_exec_down(
+    testbed_state_dir: Path, topology_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = "mlf0c11e5"
+    try:
+        assert _cli("up", str(topology_file), "--prefix", prefix) == 0
+        assert "198.18.0.1" in capsys.readouterr().out
+        assert len(_ours(prefix)) == 5
+        assert _cli("status", "--prefix", prefix) == 0
+        assert "5/5 namespaces present, persistent" in capsys.readouterr().out
+        assert _cli("exec", "--prefix", prefix, "w1", "--", "ip", "-4", "-o", "addr", "show", "eth0") == 0
+        assert _cli("exec", "--prefix", prefix, "nope", "--", "true") == 2
+        assert _cli("exec", "--prefix", prefix, CONTROL, "--", "true") == 0
+    finally:
+        assert _cli("down", "--prefix", prefix) == 0
+    assert _ours(prefix) == []
+    assert _cli("down", "--prefix", prefix) == 1  # nothing left to delete
+
+
+# --------------------------------------------------------------- end to end (daemons)
+
+DAEMON_READY = all(importlib.util.find_spec(m) is not None for m in ("mlfabric.daemon.cli", "mlfabric.scheduler.cli"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DAEMON_READY, reason="mlfabric.daemon.cli / mlfabric.scheduler.cli do not exist yet")
+def test_pushes_end_to_end_through_scheduler_and_daemons(
+    make_testbed: Callable[[nx.DiGraph], Testbed], topology_file: Path, tmp_path: Path
+) -> None:
+    from mlfabric.testbed.launch import TestbedCluster
+
+    testbed = make_testbed(load_topology(topology_file))
+    update_bytes, pushes = 4_000_000, 3
+    roles = [sys.executable, "-m", "mlfabric.testbed.roles"]
+    common = ["--job", "j", "--update-bytes", str(update_bytes)]
+    with TestbedCluster(testbed, topology_file, policy="stf", workdir=tmp_path / "run") as cluster:
+        server = cluster.spawn("ps", [*roles, "server", *common, "--name", "ps", "--out", str(tmp_path / "ps.json")])
+        workers = [
+            cluster.spawn(
+                w,
+                [*roles, "worker", *common, "--name", w, "--server", "ps", "--pushes", str(pushes), "--no-get"]
+                + ["--out", str(tmp_path / f"{w}.csv")],
+            )
+            for w in ("w0", "w1")
+        ]
+        for proc in workers:
+            cluster.wait(proc, timeout=60)
+        server.popen.terminate()
+        cluster.wait(server, timeout=15)
+    rows = [r for w in ("w0", "w1") for r in csv.DictReader(open(tmp_path / f"{w}.csv"))]
+    assert len(rows) == 2 * pushes
+    assert all(r["status"] in ("APPLIED", "DROPPED") for r in rows)
+    summary = json.loads((tmp_path / "ps.json").read_text())
+    applied = sum(r["status"] == "APPLIED" for r in rows)
+    assert summary["version"] == applied == summary["applied"]
+    # one push at a time per worker, two workers sharing ps's 50 Mbit/s ingress: the
+    # bytes of all pushes over the span from the first start to the last end.
+    span = max(float(r["end"]) for r in rows) - min(float(r["start"]) for r in rows)
+    throughput = sum(int(r["bytes"]) for r in rows) / span
+    assert 0.9 * RATE <= throughput <= 1.1 * RATE, throughput
