@@ -33,10 +33,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", required=True, help="this host's name in the scheduler's bandwidth graph")
     parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
     parser.add_argument(
-        "--socket", default=DEFAULT_SOCKET, metavar="PATH", help=f"local API Unix socket (default {DEFAULT_SOCKET})"
+        "--socket",
+        default=DEFAULT_SOCKET,
+        metavar="PATH",
+        help=f"local API Unix socket (default {DEFAULT_SOCKET})",
     )
     parser.add_argument(
-        "--data-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="data-plane listen address (port 0: any)"
+        "--data-listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="data-plane listen address (port 0: any)",
     )
     parser.add_argument("--topology", metavar="FILE", help="topology TOML (for --enforce-nic-rates)")
     parser.add_argument(
@@ -44,11 +50,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="shape this daemon's data-plane traffic to its host's NIC rates in --topology (token buckets)",
     )
-    parser.add_argument("--ready-file", metavar="FILE", help="write JSON {pid, socket, data_address} here once registered")
     parser.add_argument(
-        "--connect-timeout", type=float, default=30.0, help="seconds to wait for the scheduler's welcome (default 30)"
+        "--ready-file", metavar="FILE", help="write JSON {pid, socket, data_address} here once registered"
     )
-    parser.add_argument("--send-attempts", type=int, default=3, help="tries per transfer before DROPPED (default 3)")
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the scheduler's welcome (default 30)",
+    )
+    parser.add_argument(
+        "--send-attempts", type=int, default=3, help="tries per transfer before DROPPED (default 3)"
+    )
 
 
 def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
@@ -127,7 +140,12 @@ def run(args: argparse.Namespace) -> int:
         if args.ready_file:
             write_ready_file(
                 args.ready_file,
-                {"pid": os.getpid(), "socket": args.socket, "data_address": daemon.data_address, "host": args.host},
+                {
+                    "pid": os.getpid(),
+                    "socket": args.socket,
+                    "data_address": daemon.data_address,
+                    "host": args.host,
+                },
             )
         _LOG.info("daemon %s: socket %s, data plane %s", args.host, args.socket, daemon.data_address)
         while not stop.wait(0.5):

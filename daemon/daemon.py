@@ -17,14 +17,12 @@ directive resolve DROPPED with the reason, and the daemon reconnects and re-regi
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import logging
-import mmap
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,25 +30,30 @@ from typing import Any
 
 from mlfabric import __version__
 from mlfabric.daemon.control import ControlStream
-from mlfabric.daemon.dataplane import FileSpan, Frame, FrameError, FrameHeader, FrameLimits, check_header, error_header
+from mlfabric.daemon.dataplane import (
+    FileSpan,
+    FrameError,
+    FrameHeader,
+    FrameLimits,
+    check_header,
+)
 from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.daemon.roles import (
     Directory,
-    ModelSnapshot,
     OutgoingPushes,
     PendingPush,
-    ServerHandoff,
     ServerLocation,
     Verdict,
     check_update,
     spec_from_pb,
 )
-from mlfabric.daemon.transport import DataPlaneListener, PeerPool, PeerUnavailable, Response
+from mlfabric.daemon.serving import MemfdBuffer, ServerRoles
+from mlfabric.daemon.transport import Connection, DataPlaneListener, PeerPool, PeerUnavailable, Reply
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb, layouts_to_pb
 
-__all__ = ["Daemon", "DaemonConfig", "MemfdBuffer"]
+__all__ = ["Daemon", "DaemonConfig"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
@@ -102,41 +105,6 @@ class DaemonConfig:
     max_payload_bytes: int = 4 << 30
 
 
-class MemfdBuffer(mmap.mmap):
-    """A writable mapping of a fresh memfd; ``fd`` can be passed on to a local process.
-
-    Examples
-    --------
-    >>> buf = MemfdBuffer.allocate(8)
-    >>> buf[:2] = b"hi"; os.pread(buf.fd, 2, 0)
-    b'hi'
-    >>> buf.release()
-    """
-
-    fd: int
-
-    @classmethod
-    def allocate(cls, size: int) -> MemfdBuffer:
-        """A buffer of ``size`` bytes (the data plane's ``alloc``)."""
-        fd = os.memfd_create("mlfabric-dataplane", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, max(size, 1))
-            buf = cls(fd, max(size, 1))
-        except BaseException:
-            os.close(fd)
-            raise
-        buf.fd = fd
-        return buf
-
-    def release(self) -> None:
-        """Close the fd and the mapping (the mapping lingers while views of it exist)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        with contextlib.suppress(BufferError):
-            self.close()
-
-
 def _error_code(message: str) -> str:
     lower = message.lower()
     if "unknown job" in lower or "no servers" in lower:
@@ -173,11 +141,21 @@ class Daemon:
         self._ingress = TokenBucket(config.ingress_rate)
         limits = FrameLimits(max_payload_bytes=config.max_payload_bytes)
         self._limits = limits
+        self.serving = ServerRoles(config.host, limits, config.verdict_timeout)
         self._listener = DataPlaneListener(
-            config.data_listen, self._on_frame, limits, self._ingress, self._egress, alloc=MemfdBuffer.allocate
+            config.data_listen,
+            self.serving.on_frame,
+            limits,
+            self._ingress,
+            self._egress,
+            alloc=MemfdBuffer.allocate,
         )
         self._pool = PeerPool(
-            limits, self._egress, self._ingress, connect_timeout=config.connect_timeout, io_timeout=config.io_timeout
+            limits,
+            self._egress,
+            self._ingress,
+            connect_timeout=config.connect_timeout,
+            io_timeout=config.io_timeout,
         )
         self._local = LocalApiServer(config.socket_path, self._on_request, self._on_close)
         self._control = ControlStream(
@@ -193,11 +171,11 @@ class Daemon:
         self._acks: dict[int, Callable[[Any], None]] = {}
         self._ack_ids = itertools.count(1)
         self._roles: dict[int, LocalConnection] = {}
-        self._servers: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
+        self._active: set[Connection] = set()
         self._stopping = threading.Event()
         self.directory = Directory()
         self.outgoing = OutgoingPushes(config.host)
-        self.data_address = ""
+        self.data_address: str = ""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -216,7 +194,9 @@ class Daemon:
         if not self._control.connected.wait(timeout):
             error = self._control.last_error or "no answer"
             self.stop()
-            raise TimeoutError(f"scheduler at {self.config.scheduler} did not welcome host {self.host!r}: {error}")
+            raise TimeoutError(
+                f"scheduler at {self.config.scheduler} did not welcome host {self.host!r}: {error}"
+            )
 
     def stop(self) -> None:
         """Stop everything; pushes not yet resolved resolve DROPPED."""
@@ -224,11 +204,14 @@ class Daemon:
         self._control.stop()
         self._local.stop()
         self._listener.stop()
+        with self._lock:
+            active = list(self._active)
+        for conn in active:  # transfers in flight fail now instead of at their I/O timeout
+            conn.close()
         self._tasks.shutdown(wait=True, cancel_futures=True)
         for push in self.outgoing.take_all():
             self._finish(push, Verdict.dropped(f"daemon of host {self.host!r} shut down"))
-        for handoff, _, _ in list(self._servers.values()):
-            handoff.close(f"daemon of host {self.host!r} shut down")
+        self.serving.close_all(f"daemon of host {self.host!r} shut down")
         self._pool.close()
 
     # ------------------------------------------------------------------ control stream
@@ -245,27 +228,21 @@ class Daemon:
             on_ack(None)
 
     def _on_connected(self, welcome: Any) -> None:
+        """A (re)welcomed session: re-register the roles of this host's processes."""
         with self._lock:
-            roles = list(self._roles.values())
-            servers = dict(self._servers)
-        for conn in roles:  # re-register after a reconnect
-            message = control_pb2.RegisterRole(job=conn.job, name=conn.name, role=control_pb2.ROLE_WORKER)
-            entry = servers.get((conn.job, conn.name)) if conn.role == "server" else None
-            if entry is not None:
-                handoff, _, params = entry
-                message.role = control_pb2.ROLE_SERVER
-                message.version = handoff.version
-                message.params.CopyFrom(params)
-                message.model.extend(
-                    control_pb2.TensorSpec(name=n, dtype=d, shape=list(s)) for n, (d, s) in handoff.spec.items()
-                )
-            self._register(message, lambda ack, c=conn: self._log_reregistration(c, ack))
+            workers = [c for c in self._roles.values() if c.role == "worker"]
+        messages = self.serving.registrations()
+        messages += [
+            control_pb2.RegisterRole(job=c.job, name=c.name, role=control_pb2.ROLE_WORKER) for c in workers
+        ]
+        for message in messages:
+            self._register(message, functools.partial(self._log_reregistration, message.job, message.name))
 
-    def _log_reregistration(self, conn: LocalConnection, ack: Any) -> None:
+    def _log_reregistration(self, job: str, name: str, ack: Any) -> None:
         if ack is None or not ack.ok:
-            _LOG.error("re-registering %s %r of job %r failed: %s", conn.role, conn.name, conn.job, ack and ack.error)
+            _LOG.error("re-registering %r of job %r failed: %s", name, job, ack and ack.error)
         elif ack.servers:
-            self.directory.update(conn.job, ack.servers)
+            self.directory.update(job, ack.servers)
 
     def _on_disconnected(self, reason: str) -> None:
         with self._lock:
@@ -274,7 +251,9 @@ class Daemon:
         for on_ack in acks:
             on_ack(None)
         for push in self.outgoing.take_waiting():
-            self._finish(push, Verdict.dropped(f"scheduler connection lost before {push.update_id} was sent: {reason}"))
+            self._finish(
+                push, Verdict.dropped(f"scheduler connection lost before {push.update_id} was sent: {reason}")
+            )
 
     def _on_directive(self, directive: Any) -> None:
         kind = directive.WhichOneof("kind")
@@ -305,8 +284,8 @@ class Daemon:
             "register_server": self._register_server,
             "push": self._push,
             "get": self._get,
-            "verdict": self._verdict,
-            "publish": self._publish,
+            "verdict": self.serving.verdict,
+            "publish": self.serving.publish,
         }.get(kind or "")
         if handler is None:
             conn.error(request.request_id, "bad_request", f"empty or unknown local request kind {kind!r}")
@@ -318,13 +297,8 @@ class Daemon:
     def _on_close(self, conn: LocalConnection) -> None:
         with self._lock:
             self._roles.pop(conn.conn_id, None)
-            entry = self._servers.get((conn.job, conn.name)) if conn.role == "server" else None
-            if entry is not None and entry[1] is conn:
-                del self._servers[(conn.job, conn.name)]
-            else:
-                entry = None
-        if entry is not None:
-            entry[0].close(f"server process {conn.name!r} of job {conn.job!r} on host {self.host!r} disconnected")
+        if conn.role == "server":
+            self.serving.remove(conn)
         if conn.role:
             role = control_pb2.ROLE_SERVER if conn.role == "server" else control_pb2.ROLE_WORKER
             self._control.send(
@@ -336,7 +310,9 @@ class Daemon:
     def _register_worker(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
         req, rid = request.register_worker, request.request_id
         if conn.role:
-            conn.error(rid, "bad_request", f"this connection is already registered as {conn.role} {conn.name!r}")
+            conn.error(
+                rid, "bad_request", f"this connection is already registered as {conn.role} {conn.name!r}"
+            )
             return fd
         deadline = self._clock() + max(0.0, req.wait_seconds)
 
@@ -350,21 +326,38 @@ class Daemon:
             elif self._clock() < deadline and not self._stopping.is_set():
                 self._tasks.submit(retry)
             else:
-                error = ack.error if ack is not None else f"scheduler at {self.config.scheduler} is not connected"
+                error = (
+                    ack.error if ack is not None else f"scheduler at {self.config.scheduler} is not connected"
+                )
                 conn.error(rid, "unavailable" if ack is None else _error_code(error), error)
 
         def retry() -> None:
             self._stopping.wait(0.2)
-            self._register(control_pb2.RegisterRole(job=req.job, name=req.name, role=control_pb2.ROLE_WORKER), on_ack)
+            self._register(
+                control_pb2.RegisterRole(job=req.job, name=req.name, role=control_pb2.ROLE_WORKER), on_ack
+            )
 
         def reply_when_servers(params: Any) -> None:
-            if not self.directory.wait_for_servers(req.job, max(0.0, deadline - self._clock())):
-                conn.error(rid, "unknown_job", f"unknown job {req.job!r}: no servers registered (waited {req.wait_seconds} s)")
+            while not self.directory.wait_for_servers(req.job, min(0.5, deadline - self._clock())):
+                if self._stopping.is_set() or self._clock() >= deadline:
+                    break
+            if not self.directory.servers(req.job):
+                conn.error(
+                    rid,
+                    "unknown_job",
+                    f"unknown job {req.job!r}: no servers registered (waited {req.wait_seconds} s)",
+                )
                 return
             servers = [self._server_info(req.job, name) for name in self.directory.servers(req.job)]
-            conn.send(local_pb2.LocalEvent(request_id=rid, registered=local_pb2.RegisterReply(params=params, servers=servers)))
+            conn.send(
+                local_pb2.LocalEvent(
+                    request_id=rid, registered=local_pb2.RegisterReply(params=params, servers=servers)
+                )
+            )
 
-        self._register(control_pb2.RegisterRole(job=req.job, name=req.name, role=control_pb2.ROLE_WORKER), on_ack)
+        self._register(
+            control_pb2.RegisterRole(job=req.job, name=req.name, role=control_pb2.ROLE_WORKER), on_ack
+        )
         return fd
 
     def _server_info(self, job: str, name: str) -> Any:
@@ -381,45 +374,37 @@ class Daemon:
     def _register_server(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
         req, rid = request.register_server, request.request_id
         if conn.role:
-            conn.error(rid, "bad_request", f"this connection is already registered as {conn.role} {conn.name!r}")
-            return fd
-        key = (req.job, req.name)
-        spec = spec_from_pb(req.model)
-        message = control_pb2.RegisterRole(
-            job=req.job, name=req.name, role=control_pb2.ROLE_SERVER, model=req.model, params=req.params, version=req.version
-        )
-
-        def deliver(update_id: str, header: Any, payload_fd: int) -> None:
-            event = local_pb2.LocalEvent(
-                deliver=local_pb2.DeliverUpdate(
-                    update_id=update_id,
-                    worker=header.worker,
-                    base_version=header.base_version,
-                    norm=header.norm,
-                    num_updates=header.num_updates or 1,
-                    tensors=header.tensors,
-                    payload_bytes=header.payload_bytes,
-                    has_payload=True,
-                )
+            conn.error(
+                rid, "bad_request", f"this connection is already registered as {conn.role} {conn.name!r}"
             )
-            if not conn.send(event, payload_fd):
-                raise ConnectionError(f"server process {req.name!r} disconnected")
+            return fd
+        message = control_pb2.RegisterRole(
+            job=req.job,
+            name=req.name,
+            role=control_pb2.ROLE_SERVER,
+            model=req.model,
+            params=req.params,
+            version=req.version,
+        )
 
         def on_ack(ack: Any) -> None:
             if ack is None or not ack.ok:
-                error = ack.error if ack is not None else f"scheduler at {self.config.scheduler} is not connected"
+                error = (
+                    ack.error if ack is not None else f"scheduler at {self.config.scheduler} is not connected"
+                )
                 conn.error(rid, "unavailable" if ack is None else _error_code(error), error)
                 return
+            taken = self.serving.add(conn, req)
+            if taken is not None:
+                conn.error(rid, "refused", taken)
+                return
             with self._lock:
-                if key in self._servers:
-                    conn.error(rid, "refused", f"server {req.name!r} of job {req.job!r} already runs on {self.host!r}")
-                    return
-                conn.role, conn.job, conn.name = "server", req.job, req.name
-                handoff = ServerHandoff(req.job, req.name, spec, req.version, deliver)
-                self._servers[key] = (handoff, conn, req.params)
                 self._roles[conn.conn_id] = conn
+            spec = spec_from_pb(req.model)
             self.directory.update(req.job, ack.servers)
-            self.directory.add(req.job, ServerLocation(req.name, self.host, self.data_address, spec, req.version))
+            self.directory.add(
+                req.job, ServerLocation(req.name, self.host, self.data_address, spec, req.version)
+            )
             reply = local_pb2.RegisterReply(params=req.params, servers=ack.servers)
             conn.send(local_pb2.LocalEvent(request_id=rid, registered=reply))
 
@@ -434,7 +419,9 @@ class Daemon:
         loc = self.directory.lookup(conn.job, req.server)
         if loc is None:
             known = self.directory.servers(conn.job)
-            conn.error(rid, "unknown_server", f"unknown server {req.server!r} in job {conn.job!r} (servers: {known})")
+            conn.error(
+                rid, "unknown_server", f"unknown server {req.server!r} in job {conn.job!r} (servers: {known})"
+            )
             return fd
         if fd is None:
             conn.error(rid, "bad_request", "push without a payload memfd")
@@ -466,7 +453,11 @@ class Daemon:
             owner=conn,
         )
         self.outgoing.add(push)
-        conn.send(local_pb2.LocalEvent(request_id=rid, push_accepted=local_pb2.PushAccepted(update_id=push.update_id)))
+        conn.send(
+            local_pb2.LocalEvent(
+                request_id=rid, push_accepted=local_pb2.PushAccepted(update_id=push.update_id)
+            )
+        )
         ready = control_pb2.UpdateReady(
             update_id=push.update_id,
             job=push.job,
@@ -480,7 +471,7 @@ class Daemon:
         if not self._control.send(control_pb2.DaemonMessage(update_ready=ready)):
             taken = self.outgoing.take(push.update_id)
             if taken is not None:
-                reason = f"scheduler at {self.config.scheduler} is not connected; {push.update_id} was not scheduled"
+                reason = f"scheduler at {self.config.scheduler} not connected; {push.update_id} not scheduled"
                 self._finish(taken, Verdict.dropped(reason))
         return None
 
@@ -513,7 +504,10 @@ class Daemon:
         span = FileSpan(push.fd, 0, push.payload_bytes)
         attempts = max(1, self.config.send_attempts)
         report = control_pb2.TransferReport(
-            update_id=push.update_id, src_host=self.host, dst_host=send.next_hop_host, bytes=push.payload_bytes
+            update_id=push.update_id,
+            src_host=self.host,
+            dst_host=send.next_hop_host,
+            bytes=push.payload_bytes,
         )
         errors: list[str] = []
         for attempt in range(attempts):
@@ -521,7 +515,7 @@ class Daemon:
                 errors.append("daemon shutting down")
                 break
             try:
-                reply = self._pool.request(send.next_hop_address, header, span)
+                reply = self._request(send.next_hop_address, header, span)
             except PeerUnavailable as exc:
                 _LOG.warning("transfer %s, attempt %d/%d: %s", push.update_id, attempt + 1, attempts, exc)
                 errors.append(str(exc))
@@ -532,13 +526,17 @@ class Daemon:
             else:
                 reason = f"daemon of host {send.next_hop_host!r} refused {push.update_id}: {h.reason}"
                 verdict = Verdict.dropped(reason, h.version)
-            report.start, report.end, report.throughput = reply.sent.start, reply.sent.end, reply.sent.throughput
+            report.start, report.end, report.throughput = (
+                reply.sent.start,
+                reply.sent.end,
+                reply.sent.throughput,
+            )
             report.ok = True
             break
         else:
             verdict = Verdict.dropped(
-                f"transfer of {push.update_id} to host {send.next_hop_host!r} ({send.next_hop_address}) failed "
-                f"after {attempts} attempts: {errors[-1] if errors else 'no attempt'}"
+                f"transfer of {push.update_id} to host {send.next_hop_host!r} ({send.next_hop_address}) "
+                f"failed after {attempts} attempts: {errors[-1] if errors else 'no attempt'}"
             )
             report.ok, report.error = False, verdict.reason
         report.outcome, report.delay, report.server_version = verdict.outcome, verdict.delay, verdict.version
@@ -548,6 +546,30 @@ class Daemon:
             self._finish(taken, verdict)
         self._control.send(control_pb2.DaemonMessage(transfer_report=report))
 
+    def _request(self, address: str, header: Any, payload: Any = None, alloc: Any = bytearray) -> Reply:
+        """One request/reply with a peer daemon over a pooled connection that :meth:`stop` can cut.
+
+        Raises
+        ------
+        PeerUnavailable
+            The peer cannot be reached or vanished (also when the daemon is stopping).
+        """
+        if self._stopping.is_set():
+            raise PeerUnavailable(address, f"daemon of host {self.host!r} is stopping")
+        conn = self._pool.acquire(address)
+        with self._lock:
+            self._active.add(conn)
+        try:
+            reply = conn.request(header, payload, alloc=alloc)
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            with self._lock:
+                self._active.discard(conn)
+        self._pool.release(conn)
+        return reply
+
     def _get(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
         server, rid = request.get.server, request.request_id
         job = conn.job
@@ -556,27 +578,16 @@ class Daemon:
             known = self.directory.servers(job)
             conn.error(rid, "unknown_server", f"unknown server {server!r} in job {job!r} (servers: {known})")
             return fd
-        with self._lock:
-            entry = self._servers.get((job, server))
-        if entry is not None:
-            entry[0].with_snapshot(lambda snap: self._send_model(conn, rid, snap, job, server))
+        if self.serving.hosts(job, server):
+            self.serving.send_model(conn, rid, job, server)
         else:
             self._tasks.submit(self._remote_get, conn, rid, job, server, loc.data_address)
         return fd
 
-    def _send_model(self, conn: LocalConnection, rid: int, snap: ModelSnapshot | None, job: str, server: str) -> None:
-        if snap is None:
-            conn.error(rid, "unavailable", f"server {server!r} of job {job!r} has not published a model yet")
-            return
-        reply = local_pb2.ModelReply(
-            version=snap.version, tensors=layouts_to_pb(snap.layouts), payload_bytes=snap.payload_bytes, has_payload=True
-        )
-        conn.send(local_pb2.LocalEvent(request_id=rid, model=reply), snap.fd)
-
     def _remote_get(self, conn: LocalConnection, rid: int, job: str, server: str, address: str) -> None:
         header = FrameHeader(kind=_GET, job=job, server=server, src_host=self.host)
         try:
-            reply = self._pool.request(address, header, alloc=MemfdBuffer.allocate)
+            reply = self._request(address, header, alloc=MemfdBuffer.allocate)
         except PeerUnavailable as exc:
             conn.error(rid, "unavailable", f"get from server {server!r} of job {job!r}: {exc}")
             return
@@ -584,7 +595,9 @@ class Daemon:
         reply.payload.release()
         try:
             if reply.header.kind != _MODEL:
-                conn.error(rid, "unavailable", f"get from server {server!r} of job {job!r}: {reply.header.reason}")
+                conn.error(
+                    rid, "unavailable", f"get from server {server!r} of job {job!r}: {reply.header.reason}"
+                )
                 return
             model = local_pb2.ModelReply(
                 version=reply.header.version,
@@ -595,91 +608,3 @@ class Daemon:
             conn.send(local_pb2.LocalEvent(request_id=rid, model=model), buffer.fd)
         finally:
             buffer.release()
-
-    def _verdict(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
-        v = request.verdict
-        with self._lock:
-            entry = self._servers.get((conn.job, conn.name)) if conn.role == "server" else None
-        if entry is None or entry[1] is not conn:
-            conn.error(request.request_id, "bad_request", "verdict from a connection that is not a registered server")
-            return fd
-        entry[0].resolve(v.update_id, Verdict(v.outcome, v.delay, v.version, v.reason))
-        return fd
-
-    def _publish(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
-        p, rid = request.publish, request.request_id
-        with self._lock:
-            entry = self._servers.get((conn.job, conn.name)) if conn.role == "server" else None
-        if entry is None or entry[1] is not conn or fd is None:
-            conn.error(rid, "bad_request", "publish needs a registered server connection and a model memfd")
-            return fd
-        try:
-            check_header(FrameHeader(kind=_MODEL, payload_bytes=p.payload_bytes, tensors=p.tensors), self._limits)
-        except FrameError as exc:
-            conn.error(rid, "bad_tensor", f"published model: {exc}")
-            return fd
-        if os.fstat(fd).st_size < p.payload_bytes:
-            conn.error(rid, "bad_tensor", f"published model memfd is shorter than {p.payload_bytes} bytes")
-            return fd
-        mapping = mmap.mmap(fd, p.payload_bytes, prot=mmap.PROT_READ) if p.payload_bytes else None
-        crc = zlib.crc32(mapping) if mapping is not None else 0
-        snapshot = ModelSnapshot(p.version, layouts_from_pb(p.tensors), p.payload_bytes, fd, mapping, crc)
-        entry[0].publish(snapshot)
-        return None
-
-    # ------------------------------------------------------------------ data plane (server side)
-
-    def _on_frame(self, frame: Frame) -> Response:
-        h = frame.header
-        try:
-            if h.kind == _UPDATE:
-                return self._on_update_frame(frame)
-            if h.kind == _GET:
-                return self._on_get_frame(h)
-            return Response(error_header(f"unexpected frame kind {h.kind}", update_id=h.update_id, src_host=self.host))
-        finally:
-            frame.payload.release()
-            if isinstance(frame.buffer, MemfdBuffer):
-                frame.buffer.release()
-
-    def _on_update_frame(self, frame: Frame) -> Response:
-        h = frame.header
-        with self._lock:
-            entry = self._servers.get((h.job, h.server))
-        if entry is None:
-            reason = f"no server {h.server!r} of job {h.job!r} on host {self.host!r}"
-            return Response(error_header(reason, update_id=h.update_id, src_host=self.host))
-        handoff = entry[0]
-        problem = check_update(handoff.spec, layouts_from_pb(h.tensors), f"server {h.server!r} of job {h.job!r}")
-        if problem is not None:
-            return Response(error_header(problem, update_id=h.update_id, src_host=self.host))
-        buffer = frame.buffer if isinstance(frame.buffer, MemfdBuffer) else MemfdBuffer.allocate(0)
-        try:
-            verdict = handoff.handle(h.update_id, h, buffer.fd, self.config.verdict_timeout)
-        finally:
-            if buffer is not frame.buffer:
-                buffer.release()
-        ack = FrameHeader(
-            kind=_ACK,
-            update_id=h.update_id,
-            job=h.job,
-            server=h.server,
-            outcome=verdict.outcome,
-            delay=verdict.delay,
-            version=verdict.version,
-            reason=verdict.reason,
-            src_host=self.host,
-        )
-        return Response(ack)
-
-    def _on_get_frame(self, h: Any) -> Response:
-        with self._lock:
-            entry = self._servers.get((h.job, h.server))
-        snap = entry[0].snapshot() if entry is not None else None
-        if snap is None:
-            reason = f"no model of server {h.server!r} of job {h.job!r} on host {self.host!r}"
-            return Response(error_header(reason, src_host=self.host))
-        header = FrameHeader(
-            kind=_MODEL, job=h.job, server=h.server, version=snap.version, tensors=layouts_to_pb(snap.layouts), src_host=self.host
-        )
-        return Response(header, snap.mapping, crc32=snap.crc32)

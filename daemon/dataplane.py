@@ -20,6 +20,7 @@ blocking and thread-safe as long as each socket is used by one thread at a time.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -28,7 +29,7 @@ import socket
 import struct
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -61,6 +62,7 @@ FrameHeader = dataplane_pb2.FrameHeader
 #: The four bytes every frame starts with.
 MAGIC = b"MLF1"
 _PREFIX = struct.Struct(">4sI")
+_CRC = struct.Struct(">I")
 
 #: Bytes per element of the dtypes a tensor layout may name (issue 2, "Tensors").
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -165,7 +167,8 @@ class Frame:
     Parameters
     ----------
     header : FrameHeader
-        The parsed and checked header.
+        The parsed and checked header; ``payload_crc32`` holds the verified CRC-32 (also when
+        it came as a trailer), so a daemon forwarding the payload can pass it on.
     payload : memoryview
         Exactly ``header.payload_bytes`` bytes (a view of ``buffer``; empty when there is none).
     buffer : object or None
@@ -232,14 +235,8 @@ def payload_crc32(payload: Payload | None) -> int:
         return zlib.crc32(memoryview(payload).cast("B"))
     if payload.length == 0:
         return 0
-    start = payload.offset - payload.offset % mmap.ALLOCATIONGRANULARITY
-    skip = payload.offset - start
-    with mmap.mmap(payload.fd, skip + payload.length, mmap.MAP_SHARED, mmap.PROT_READ, offset=start) as mm:
-        view = memoryview(mm)
-        try:
-            return zlib.crc32(view[skip : skip + payload.length])
-        finally:
-            view.release()
+    with _mapped(payload) as view:
+        return zlib.crc32(view)
 
 
 def error_header(reason: str, *, update_id: str = "", src_host: str = "") -> Any:
@@ -331,8 +328,10 @@ def send_frame(
 ) -> TransferStats:
     """Send one frame; block until every byte is handed to the kernel.
 
-    ``payload_bytes`` and ``payload_crc32`` are filled in on a copy of ``header`` (the caller's
-    message is not modified). The header is checked with :func:`check_header` against unbounded
+    ``payload_bytes``, ``payload_crc32`` and ``crc_trailer`` are set on a copy of ``header`` (the
+    caller's message is not modified). Without ``crc32`` the CRC is computed chunk by chunk while
+    the payload goes out and sent as a 4-byte trailer (``crc_trailer``), so no separate pass over
+    the payload delays the first byte. The header is checked with :func:`check_header` against unbounded
     limits first, so a bad layout fails here and not at the peer.
 
     Parameters
@@ -345,7 +344,8 @@ def send_frame(
         The payload; a :class:`FileSpan` goes with ``os.sendfile`` (zero copy from a memfd).
     crc32 : int, optional
         The payload's CRC-32 when the caller already has it (e.g. computed by the pushing
-        process), so the bytes are not read twice.
+        process): it goes in the header and a :class:`FileSpan` is sent without being read
+        in user space at all.
     bucket : TokenBucket, optional
         Egress rate limit, consumed per chunk before the chunk is written.
     chunk_bytes : int
@@ -376,51 +376,84 @@ def send_frame(
     out = FrameHeader()
     out.CopyFrom(header)
     out.payload_bytes = size
-    out.payload_crc32 = payload_crc32(payload) if crc32 is None else crc32
+    trailer = crc32 is None and size > 0  # compute the CRC while sending, append it
+    out.crc_trailer = trailer
+    out.payload_crc32 = 0 if crc32 is None else crc32
     check_header(out, FrameLimits(max_header_bytes=1 << 32, max_payload_bytes=1 << 62))
     raw = out.SerializeToString()
     prefix = _PREFIX.pack(MAGIC, len(raw)) + raw
     start = time.time()
     if payload is None or size == 0:
         sock.sendall(prefix)
-    elif isinstance(payload, FileSpan):
-        sock.sendall(prefix)
-        _sendfile(sock, payload, bucket, chunk_bytes)
-    else:
-        view = memoryview(payload).cast("B")
-        if size <= 64 * 1024 and (bucket is None or not bucket.enabled):
-            sock.sendall(prefix + view)  # one segment for small frames
+        return TransferStats(bytes=0, start=start, end=time.time())
+    if not isinstance(payload, FileSpan) and size <= 64 * 1024 and (bucket is None or not bucket.enabled):
+        small = memoryview(payload).cast("B")  # one segment
+        tail = _CRC.pack(zlib.crc32(small)) if trailer else b""
+        sock.sendall(b"".join((prefix, small, tail)))
+        return TransferStats(bytes=size, start=start, end=time.time())
+    sock.sendall(prefix)
+    with contextlib.ExitStack() as stack:
+        view: memoryview | None = None  # the payload's bytes, when they must be read here
+        writer: _SendfileWriter | None = None
+        if isinstance(payload, FileSpan):
+            writer = _SendfileWriter(sock, payload)
+            if trailer:
+                view = stack.enter_context(_mapped(payload))
         else:
-            sock.sendall(prefix)
-            for pos in range(0, size, chunk_bytes):
-                chunk = view[pos : pos + chunk_bytes]
-                if bucket is not None:
-                    bucket.consume(len(chunk))
-                sock.sendall(chunk)
+            view = memoryview(payload).cast("B")
+        crc = 0
+        for pos in range(0, size, chunk_bytes):
+            n = min(chunk_bytes, size - pos)
+            if bucket is not None:
+                bucket.consume(n)
+            if trailer and view is not None:
+                crc = zlib.crc32(view[pos : pos + n], crc)
+            if writer is not None:
+                writer.send(pos, n)
+            elif view is not None:
+                sock.sendall(view[pos : pos + n])
+        if trailer:
+            sock.sendall(_CRC.pack(crc))
     return TransferStats(bytes=size, start=start, end=time.time())
 
 
-def _sendfile(sock: socket.socket, span: FileSpan, bucket: TokenBucket | None, chunk_bytes: int) -> None:
-    """Write ``span`` to ``sock`` with ``os.sendfile``, honouring the socket's timeout."""
-    fd = sock.fileno()
-    timeout = sock.gettimeout()
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-    offset, end = span.offset, span.offset + span.length
-    while offset < end:
-        n = min(chunk_bytes, end - offset)
-        if bucket is not None:
-            bucket.consume(n)
-        stop = offset + n
+@contextlib.contextmanager
+def _mapped(span: FileSpan) -> Iterator[memoryview]:
+    """A read-only view of ``span``'s bytes, mapped in one go (``MAP_POPULATE``)."""
+    start = span.offset - span.offset % mmap.ALLOCATIONGRANULARITY
+    skip = span.offset - start
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with mmap.mmap(span.fd, skip + span.length, flags, mmap.PROT_READ, offset=start) as mm:
+        view = memoryview(mm)
+        try:
+            yield view[skip : skip + span.length]
+        finally:
+            view.release()
+
+
+class _SendfileWriter:
+    """Writes ranges of a :class:`FileSpan` to a socket with ``os.sendfile``, honouring its timeout."""
+
+    def __init__(self, sock: socket.socket, span: FileSpan) -> None:
+        self._fd = sock.fileno()
+        self._timeout = sock.gettimeout()
+        self._span = span
+        self._poller = select.poll()
+        self._poller.register(self._fd, select.POLLOUT)
+
+    def send(self, pos: int, n: int) -> None:
+        """Send bytes ``[pos, pos + n)`` of the span."""
+        offset, stop = self._span.offset + pos, self._span.offset + pos + n
+        timeout = self._timeout
         while offset < stop:
             try:
-                sent = os.sendfile(fd, span.fd, offset, stop - offset)
+                sent = os.sendfile(self._fd, self._span.fd, offset, stop - offset)
             except BlockingIOError:
-                if not poller.poll(None if timeout is None else timeout * 1000):
+                if not self._poller.poll(None if timeout is None else timeout * 1000):
                     raise TimeoutError(f"sendfile: no progress within {timeout} s") from None
                 continue
             if sent == 0:
-                raise EOFError(f"sendfile: fd {span.fd} ended at offset {offset}, before {end}")
+                raise EOFError(f"sendfile: fd {self._span.fd} ended at offset {offset}, before {stop}")
             offset += sent
 
 
@@ -521,10 +554,17 @@ def recv_frame(
         got += k
         if bucket is not None:
             bucket.consume(k)
+    if header.crc_trailer:
+        trailer = _recv_exact(sock, _CRC.size, "CRC-32 trailer")
+        assert trailer is not None
+        (expected,) = _CRC.unpack(trailer)
+    else:
+        expected = header.payload_crc32
     end = time.time()
-    if crc != header.payload_crc32:
+    if crc != expected:
         raise FrameError(
-            f"CRC-32 mismatch on update {header.update_id!r}: header says {header.payload_crc32:#010x}, "
+            f"CRC-32 mismatch on update {header.update_id!r}: sender says {expected:#010x}, "
             f"payload has {crc:#010x}"
         )
+    header.payload_crc32, header.crc_trailer = crc, False  # verified: forward it without re-reading
     return Frame(header, payload, buffer, TransferStats(size, start, end))

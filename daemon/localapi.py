@@ -71,7 +71,9 @@ class LocalConnection:
     def error(self, request_id: int, code: str, message: str) -> bool:
         """Answer ``request_id`` with a ``LocalError``."""
         return self.send(
-            local_pb2.LocalEvent(request_id=request_id, error=local_pb2.LocalError(code=code, message=message))
+            local_pb2.LocalEvent(
+                request_id=request_id, error=local_pb2.LocalError(code=code, message=message)
+            )
         )
 
     def close(self) -> None:
@@ -162,7 +164,9 @@ class LocalApiServer:
                     return
                 raise
             conn = LocalConnection(next(self._ids), sock)
-            thread = threading.Thread(target=self._serve, args=(conn, sock), name=f"local-{conn.conn_id}", daemon=True)
+            thread = threading.Thread(
+                target=self._serve, args=(conn, sock), name=f"local-{conn.conn_id}", daemon=True
+            )
             with self._lock:
                 self._conns[conn.conn_id] = (conn, thread)
             thread.start()

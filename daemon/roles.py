@@ -44,7 +44,9 @@ __all__ = [
 Spec = dict[str, tuple[str, tuple[int, ...]]]
 
 
-def check_update(spec: Mapping[str, tuple[str, tuple[int, ...]]], layouts: Sequence[Layout], where: str) -> str | None:
+def check_update(
+    spec: Mapping[str, tuple[str, tuple[int, ...]]], layouts: Sequence[Layout], where: str
+) -> str | None:
     """The first way an update's tensors differ from a model spec, or None when they match.
 
     Parameters
@@ -134,7 +136,9 @@ class Directory:
         with self._lock:
             known = {} if replace else dict(self._jobs.get(job, {}))
             for s in servers:
-                known[s.name] = ServerLocation(s.name, s.host, s.data_address, spec_from_pb(s.model), int(s.version))
+                known[s.name] = ServerLocation(
+                    s.name, s.host, s.data_address, spec_from_pb(s.model), int(s.version)
+                )
             self._jobs[job] = known
             self._changed.notify_all()
 
@@ -306,10 +310,11 @@ class ServerHandoff:
     Examples
     --------
     >>> sent = []
-    >>> h = ServerHandoff("j", "ps0", {}, 0, lambda uid, hdr, fd: sent.append(uid))
-    >>> import threading
-    >>> t = threading.Thread(target=lambda: h.resolve("u1", Verdict(1, 0, 1, "")))
-    >>> t.start(); h.handle("u1", None, -1, timeout=5).version; t.join()
+    >>> def deliver(update_id, header, fd):  # the process applies it and answers at once
+    ...     sent.append(update_id)
+    ...     h.resolve(update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
+    >>> h = ServerHandoff("j", "ps0", {}, 0, deliver)
+    >>> h.handle("u1", None, -1, timeout=5).version
     1
     >>> h.handle("u1", None, -1, timeout=5).version, sent      # a retry: stored verdict, not re-delivered
     (1, ['u1'])
@@ -358,7 +363,8 @@ class ServerHandoff:
                 self.resolve(update_id, Verdict.dropped(f"server process {self.name!r} unreachable: {exc}"))
         if not delivery.done.wait(timeout):
             return Verdict.dropped(
-                f"server process {self.name!r} gave no verdict on {update_id} within {timeout} s", self.version
+                f"server process {self.name!r} gave no verdict on {update_id} within {timeout} s",
+                self.version,
             )
         assert delivery.verdict is not None
         return delivery.verdict

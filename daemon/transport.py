@@ -1,5 +1,12 @@
 """Data-plane transport: the listener for peer daemons and the pool of connections to them.
 
+NOTE (changes after the API was published, 05:45 UTC): the signatures are unchanged. Fixed:
+``Connection.is_stale`` (hence ``PeerPool.acquire``/``request``) no longer blocks up to
+``io_timeout`` (it polls with a zero timeout), so ``PeerPool.request`` is safe to use for reuse.
+Changed: when the handler raises, the listener answers ERROR and keeps the connection (the stream
+is still in step); ``PeerPool.request`` closes a connection whose reply was ERROR instead of
+reusing it.
+
 A small "Van"-style interface (connect, send, receive) over blocking TCP sockets and threads, so a
 daemon can move an update to its next hop (a peer daemon: the server's, or an aggregator's,
 MLfabric §4) with one call::
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -42,6 +50,7 @@ from mlfabric.daemon.dataplane import (
     send_frame,
 )
 from mlfabric.daemon.ratelimit import TokenBucket
+from mlfabric.proto.v1 import dataplane_pb2
 
 __all__ = [
     "Connection",
@@ -108,7 +117,7 @@ class Response:
 
 #: ``handler(frame) -> Response``: the daemon's answer to one received frame. The frame's payload
 #: buffer (from the listener's ``alloc``) belongs to the handler from then on. The handler may
-#: raise; the listener then logs the exception, answers ERROR and closes that connection.
+#: raise; the listener then logs the exception with its traceback and answers ERROR.
 Handler: TypeAlias = Callable[[Frame], Response]
 
 
@@ -262,17 +271,16 @@ class Connection:
         return Reply(frame.header, frame.payload, frame.buffer, sent, frame.stats)
 
     def is_stale(self) -> bool:
-        """Whether the peer closed this idle connection (or sent something unasked)."""
+        """Whether the peer closed this idle connection (or sent something nobody asked for).
+
+        An idle connection has nothing to read; readable means EOF, RST or stray bytes, and in
+        every one of those cases the connection must not carry another request.
+        """
         if self.closed:
             return True
-        try:
-            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-        del data  # EOF, or bytes nobody asked for: either way the connection is not reusable
-        return True
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         """Close the socket (idempotent)."""
@@ -411,7 +419,10 @@ class PeerPool:
         except BaseException:
             conn.close()
             raise
-        self.release(conn)
+        if reply.header.kind == dataplane_pb2.FRAME_KIND_ERROR:
+            conn.close()  # the listener closes after rejecting a frame; do not race it
+        else:
+            self.release(conn)
         return reply
 
     def close(self) -> None:
@@ -555,6 +566,7 @@ class DataPlaneListener:
                 self._log.warning("data plane: rejected frame from %s: %s; closing", peer, exc.reason)
                 if exc.reply_possible:
                     self._reply_error(sock, peer, exc.reason)
+                    _lingering_close(sock)
                 return
             except OSError as exc:
                 if not self._stopping.is_set():
@@ -567,8 +579,9 @@ class DataPlaneListener:
             except Exception as exc:
                 logger = self._log
                 logger.exception("data plane: handler failed on a frame from %s", peer)
-                self._reply_error(sock, peer, f"internal error: {exc!r}", frame.header.update_id)
-                return
+                response = Response(
+                    error_header(f"internal error: {exc!r}", update_id=frame.header.update_id)
+                )
             try:
                 send_frame(sock, response.header, response.payload, crc32=response.crc32, bucket=self._egress)
             except OSError as exc:
@@ -582,3 +595,20 @@ class DataPlaneListener:
             send_frame(sock, error_header(reason, update_id=update_id))
         except OSError as exc:
             self._log.info("data plane: could not send ERROR to %s: %r", peer, exc)
+
+
+def _lingering_close(sock: socket.socket, seconds: float = 1.0, max_bytes: int = 1 << 20) -> None:
+    """Stop writing and discard what the peer still sends for a moment before closing.
+
+    Closing a socket with unread input makes the kernel send RST, which can destroy the ERROR
+    frame just written before the peer reads it.
+    """
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(seconds)
+        drained = 0
+        while drained < max_bytes:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            drained += len(chunk)

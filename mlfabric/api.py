@@ -188,7 +188,9 @@ class PushHandle:
             status = _OUTCOME_NAMES.get(r.outcome, DROPPED)
             self._result = PushResult(status, int(r.delay), int(r.version), r.reason, r.update_id)
         else:
-            code, message = (event.error.code, event.error.message) if kind == "error" else ("bad_reply", kind)
+            code, message = (
+                (event.error.code, event.error.message) if kind == "error" else ("bad_reply", kind)
+            )
             self._error = MlfabricError(message, code=code)
         self._done.set()
         return True
@@ -417,7 +419,9 @@ class Server:
         +1 per applied update (or aggregate).
     """
 
-    def __init__(self, client: LocalClient, job: str, name: str, model: dict, params: Params, version: int) -> None:
+    def __init__(
+        self, client: LocalClient, job: str, name: str, model: dict, params: Params, version: int
+    ) -> None:
         self._client = client
         self.job = job
         self.name = name
@@ -453,17 +457,25 @@ class Server:
     def publish(self) -> None:
         """Hand the current model (or ``on_request``'s tensors) to the daemon for ``get``."""
         tensors = self._request_fn() if self._request_fn is not None else None
-        fd, layouts, total = tcodec.to_memfd(self.model if tensors is None else tensors, name="mlfabric-model")
+        fd, layouts, total = tcodec.to_memfd(
+            self.model if tensors is None else tensors, name="mlfabric-model"
+        )
         try:
             publish = local_pb2.PublishModel(
-                version=self.version, tensors=tcodec.layouts_to_pb(layouts), payload_bytes=total, has_payload=True
+                version=self.version,
+                tensors=tcodec.layouts_to_pb(layouts),
+                payload_bytes=total,
+                has_payload=True,
             )
             self._client.send(local_pb2.LocalRequest(publish=publish), fd)
         finally:
             os.close(fd)
 
     def serve(
-        self, max_updates: int | None = None, until: threading.Event | None = None, timeout: float | None = None
+        self,
+        max_updates: int | None = None,
+        until: threading.Event | None = None,
+        timeout: float | None = None,
     ) -> int:
         """Apply delivered updates until :meth:`stop`, ``max_updates`` handled, ``until`` set or ``timeout``.
 
@@ -498,6 +510,8 @@ class Server:
                 event, fd = self._inbox.get(timeout=wait)
             except queue.Empty:
                 continue
+            if event.WhichOneof("kind") == "error" and self._stop.is_set():
+                break  # our own close() ended the connection
             raise_for_error(event, fd)
             if event.WhichOneof("kind") == "deliver":
                 self._handle(event.deliver, fd)

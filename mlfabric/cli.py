@@ -24,8 +24,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand's arguments."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser.
+
+    Only ``command``'s module is imported and asked for its arguments (so one subcommand
+    starts fast and does not depend on the others); the rest are listed with their help.
+    """
     from mlfabric import __version__
 
     parser = argparse.ArgumentParser(
@@ -38,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_text, description=help_text)
+            continue
         module = importlib.import_module(module_name)
         doc = (module.__doc__ or help_text).strip()
         p = sub.add_parser(
@@ -50,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mlfabric`` command."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -135,7 +135,7 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
             if server.popen.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"the server did not start; its log:\n{server.log_tail()}")
             time.sleep(0.05)
-        started_unix, started = time.time(), time.monotonic()
+        go_file = workdir / "go"
         workers = [
             cluster.spawn(
                 host,
@@ -152,11 +152,26 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
                     str(stop_file),
                     "--stats-file",
                     str(workdir / f"worker{rank}.json"),
+                    "--ready-file",
+                    str(workdir / f"worker{rank}.ready"),
+                    "--go-file",
+                    str(go_file),
                 ],
                 name=f"worker{rank}",
             )
             for rank, host in enumerate(worker_hosts)
         ]
+        deadline = time.monotonic() + 120
+        while not all((workdir / f"worker{rank}.ready").exists() for rank in range(len(workers))):
+            cluster.check_alive()
+            for w in workers:
+                if w.popen.poll() is not None:
+                    raise ClusterError(f"{w.name} exited during start-up; its log:\n{w.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ClusterError("workers did not register within 120 s")
+            time.sleep(0.05)
+        started_unix, started = time.time(), time.monotonic()
+        go_file.touch()
         status: dict[str, Any] = {}
         last_print = 0.0
         while time.monotonic() - started < args.time_limit:

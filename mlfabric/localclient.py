@@ -15,6 +15,7 @@ imports them); :class:`LocalClient` is the training-process end.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import socket
@@ -28,8 +29,8 @@ from mlfabric.proto.v1 import local_pb2
 
 __all__ = [
     "DEFAULT_SOCKET",
-    "MAX_LOCAL_MESSAGE",
     "ENV_DAEMON",
+    "MAX_LOCAL_MESSAGE",
     "LocalClient",
     "MessageReader",
     "MlfabricError",
@@ -262,9 +263,13 @@ class LocalClient:
             with self._write_lock:
                 send_message(self._sock, request, fd)
         except OSError as exc:
-            raise MlfabricError(f"daemon at {self.path} connection failed: {exc}", code="disconnected") from exc
+            raise MlfabricError(
+                f"daemon at {self.path} connection failed: {exc}", code="disconnected"
+            ) from exc
 
-    def call(self, request: Any, fd: int | None = None, timeout: float | None = None) -> tuple[Any, int | None]:
+    def call(
+        self, request: Any, fd: int | None = None, timeout: float | None = None
+    ) -> tuple[Any, int | None]:
         """Send ``request`` and wait for the first event answering it.
 
         Returns
@@ -301,10 +306,8 @@ class LocalClient:
         """Close the connection (the daemon drops this connection's role)."""
         sock, self._sock = self._sock, None
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):  # already disconnected
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already disconnected
             sock.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5)

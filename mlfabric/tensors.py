@@ -156,7 +156,9 @@ def plan_layout(tensors: Mapping[str, object]) -> tuple[list[Layout], int]:
     return layouts, offset
 
 
-def encode_into(buf: memoryview | mmap.mmap, tensors: Mapping[str, object], layouts: Sequence[Layout]) -> None:
+def encode_into(
+    buf: memoryview | mmap.mmap, tensors: Mapping[str, object], layouts: Sequence[Layout]
+) -> None:
     """Copy the tensors' bytes into ``buf`` at the offsets of ``layouts``.
 
     Parameters
@@ -179,7 +181,7 @@ def encode_into(buf: memoryview | mmap.mmap, tensors: Mapping[str, object], layo
     view = memoryview(buf).cast("B")
     for layout in layouts:
         arr = _as_numpy(tensors[layout.name])
-        view[layout.offset : layout.offset + layout.nbytes] = arr.reshape(-1).view(np.uint8)
+        view[layout.offset : layout.offset + layout.nbytes] = arr.reshape(-1).view(np.uint8).data
 
 
 def decode(
@@ -386,4 +388,7 @@ def layouts_from_pb(messages: Sequence[Any]) -> list[Layout]:
     >>> layouts_from_pb(layouts_to_pb([Layout("w", "float64", (1,), 0, 8)]))[0].dtype
     'float64'
     """
-    return [Layout(m.name, m.dtype, tuple(int(d) for d in m.shape), int(m.offset), int(m.nbytes)) for m in messages]
+    return [
+        Layout(m.name, m.dtype, tuple(int(d) for d in m.shape), int(m.offset), int(m.nbytes))
+        for m in messages
+    ]

@@ -11,7 +11,8 @@ fluid, time-shared model; on slot-aligned instances (every update a whole number
 on every link, ready at slot boundaries) it equals the ILP's optimum.
 
 :func:`fair_schedule` is the network-agnostic baseline ``fair``: every update goes at once,
-directly, and the links are shared max-min fairly (progressive filling), as TCP would.
+directly, and the links are shared max-min fairly (progressive filling, the simulator's
+:func:`~mlfabric.scheduler.sim.fluid.max_min_rates`), as TCP would.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mlfabric.scheduler.graph import path_links
 from mlfabric.scheduler.ilp import aggregate_id
 from mlfabric.scheduler.instance import Instance
 from mlfabric.scheduler.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.sim.fluid import max_min_rates
 from mlfabric.scheduler.timeline import Timelines
 
 __all__ = ["BruteForceResult", "brute_force", "fair_schedule"]
@@ -106,7 +108,9 @@ def _cost(search: _Search, ends: dict[str, float]) -> float:
     return total if makespan else total / len(search.instance.updates)
 
 
-def _dfs(search: _Search, tls: Timelines, order: list[str], transfers: list[Transfer], ends: dict[str, float]) -> None:
+def _dfs(
+    search: _Search, tls: Timelines, order: list[str], transfers: list[Transfer], ends: dict[str, float]
+) -> None:
     search.explored += 1
     if len(order) == len(search.payloads):
         cost = _cost(search, ends)
@@ -186,25 +190,6 @@ def brute_force(instance: Instance, *, max_updates: int = 7) -> BruteForceResult
     return BruteForceResult(schedule, best.best, best.routes, order, explored)
 
 
-def _max_min_rates(flows: dict[str, list[Link]], capacity: dict[Link, float]) -> dict[str, float]:
-    """Max-min fair rates of ``flows`` (id -> links) by progressive filling."""
-    rates: dict[str, float] = {}
-    left = dict(capacity)
-    active = {f: set(links) for f, links in flows.items()}
-    while active:
-        users: dict[Link, int] = {}
-        for links in active.values():
-            for e in links:
-                users[e] = users.get(e, 0) + 1
-        link = min(users, key=lambda e: left[e] / users[e])
-        share = left[link] / users[link]
-        for f in [f for f, links in active.items() if link in links]:
-            rates[f] = share
-            for e in active.pop(f):
-                left[e] = max(0.0, left[e] - share)
-    return rates
-
-
 def fair_schedule(instance: Instance, updates: Sequence[str] | None = None) -> Schedule:
     """The ``fair`` baseline: every update direct, as soon as ready, max-min fair sharing.
 
@@ -244,7 +229,7 @@ def fair_schedule(instance: Instance, updates: Sequence[str] | None = None) -> S
     while waiting or active:
         while waiting and waiting[0].ready_at <= now + 1e-12:
             active.add(waiting.pop(0).update_id)
-        rates = _max_min_rates({f: links[f] for f in active}, capacity)
+        rates = max_min_rates({f: links[f] for f in active}, capacity)
         step = min((remaining[f] / rates[f] for f in active), default=math.inf)
         if waiting:
             step = min(step, waiting[0].ready_at - now)
@@ -259,5 +244,7 @@ def fair_schedule(instance: Instance, updates: Sequence[str] | None = None) -> S
         path = instance.direct_path(u.update_id)
         ps = pieces[u.update_id]
         res = tuple(Reservation(e, lo, hi, rate) for lo, hi, rate in ps for e in links[u.update_id])
-        transfers.append(Transfer(u.update_id, u.src, instance.server, path, ps[0][0], ps[-1][1], u.bytes, res))
+        transfers.append(
+            Transfer(u.update_id, u.src, instance.server, path, ps[0][0], ps[-1][1], u.bytes, res)
+        )
     return Schedule(transfers=tuple(transfers))

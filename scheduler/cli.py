@@ -1,11 +1,11 @@
 """Run the central scheduler service (one per cluster).
 
-Daemons connect to it over gRPC (one ``Session`` stream each), register their roles and
+Daemons connect to it over gRPC (one Session stream each), register their roles and
 announce ready updates; the scheduler batches the announcements, runs the policy on the
 bandwidth graph and streams back send/drop directives.
 
-The bandwidth graph comes from a TOML topology file (``--topology``, format in the
-README) or from a star preset (``--star N --nic-gbps G``: hosts h0..h{N-1} around one
+The bandwidth graph comes from a TOML topology file (--topology, format in the
+README) or from a star preset (--star N --nic-gbps G: hosts h0..h{N-1} around one
 switch). Daemons must say hello with one of its host names.
 
 Examples:
@@ -154,7 +154,10 @@ def _make_estimator(graph: Any) -> Any:
 
     try:
         from mlfabric.scheduler.estimation import BandwidthEstimator
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name != "mlfabric.scheduler.estimation":
+            raise
+        log.warning("no bandwidth estimator (mlfabric.scheduler.estimation): using the static capacities")
         return StaticEstimator(graph)
     return BandwidthEstimator(graph)
 

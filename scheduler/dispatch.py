@@ -35,7 +35,9 @@ class Release:
     """A send released at ``started_at``, expected to end at ``expected_end``.
 
     The expected end keeps the planned duration (``send.expected_end -
-    send.expected_start``) but starts it at the actual release time.
+    send.expected_start``) counted from the release or, when released early (within the
+    margin), from the expected end of its last predecessor: a chain released early stays
+    a chain, so no more than about ``margin`` of transfers overlap on a bottleneck.
     """
 
     send: Send
@@ -121,7 +123,8 @@ class Dispatcher:
                 if self._blocked(send, now, ends):
                     continue
                 duration = max(0.0, send.expected_end - send.expected_start)
-                r = Release(send, now, now + duration)
+                start = max([now, *(ends[a] for a in send.after if a in ends)])
+                r = Release(send, now, start + duration)
                 released.append(r)
                 ends[uid] = r.expected_end
                 del self._planned[uid]

@@ -14,7 +14,7 @@ length. Variables, per update ``u``, route ``r`` (direct, or via aggregator ``a`
   one update's size (``B[a] >= bytes(u) · y[u,a]``) and moves in slot ``t`` only if every
   member's first leg was complete by the end of slot ``t-1`` (store and forward).
 * ``d[u,t]`` (binary): ``u``'s content is at S by the end of slot ``t`` (its own transfer
-  when direct, its aggregate's when aggregated); completion ``C_u = Δ·(T - Σ_t d[u,t])``.
+  when direct, its aggregate's when aggregated); completion ``C_u = Δ·(T + 1 - Σ_t d[u,t])``.
 
 Capacity: on every directed link and slot, the bytes of all first legs and aggregates whose
 path crosses the link are at most ``capacity · Δ`` (the fluid, time-shared model of §3.1.1:
@@ -118,7 +118,8 @@ def objective_of(instance: Instance, schedule: Schedule) -> float:
     >>> from mlfabric.scheduler.instance import parse_instance
     >>> inst = parse_instance({"topology": {"hosts": ["s", "w"], "links": [{"a": "w", "b": "s", "mbps": 8}]},
     ...                        "server": "s", "updates": [{"id": "u", "worker": "w", "bytes": 10}]})
-    >>> objective_of(inst, Schedule(transfers=(Transfer.at_rate("u", ("w", "s"), start=0, bytes=10, rate=5),)))
+    >>> plan = Schedule(transfers=(Transfer.at_rate("u", ("w", "s"), start=0, bytes=10, rate=5),))
+    >>> objective_of(inst, plan)
     2.0
     """
     done = schedule.update_completion_times(list(instance.updates))
@@ -153,7 +154,9 @@ class _CpSat:
     def hint(self, var: Any, value: int) -> None:
         self.model.add_hint(var, value)
 
-    def solve(self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]) -> str:
+    def solve(
+        self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
+    ) -> str:
         p = self.solver.parameters
         p.max_time_in_seconds = time_limit
         p.random_seed = seed
@@ -199,7 +202,9 @@ class _Mip:
     def hint(self, var: Any, value: int) -> None:
         self.model.add_hint(var, value)
 
-    def solve(self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]) -> str:
+    def solve(
+        self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
+    ) -> str:
         self.solver.set_time_limit_in_seconds(time_limit)
         status = self.solver.solve(self.model)
         names = {
@@ -235,7 +240,9 @@ def _quantum(instance: Instance, links: set[Link]) -> float:
 
 def _sequential_horizon(instance: Instance) -> float:
     latest = max(u.ready_at for u in instance.updates)
-    return latest + sum(u.bytes / instance.path_rate(instance.direct_path(u.update_id)) for u in instance.updates)
+    return latest + sum(
+        u.bytes / instance.path_rate(instance.direct_path(u.update_id)) for u in instance.updates
+    )
 
 
 def _slot_bytes(transfer: Transfer, slot: float, horizon: int) -> list[float]:
@@ -347,70 +354,89 @@ def solve_ilp(
     q = _quantum(instance, all_links)
     cap = {e: math.floor(instance.capacity(e) * slot / q + 1e-9) for e in all_links}
     size = {u.update_id: math.ceil(u.bytes / q - 1e-9) for u in instance.updates}
-    biggest = max(size.values())
     integer = engine == "cp-sat"
     m: _CpSat | _Mip = _CpSat() if engine == "cp-sat" else _Mip(engine)
 
     y: dict[tuple[str, Route], Any] = {}
     x: dict[tuple[str, Route, int], Any] = {}
-    z: dict[tuple[str, int], Any] = {}
+    z: dict[tuple[str, Route, int], Any] = {}  # first leg to the aggregator done by slot t
     d: dict[tuple[str, int], Any] = {}
     on_link: dict[tuple[Link, int], list[Any]] = {}
+    agg_rate = {a: min(cap[e] for e in agg_leg[a]) for a in used_aggs}
+    members: dict[str, list[str]] = {a: [] for a in used_aggs}
     for u in instance.updates:
         uid = u.update_id
         first = math.ceil(u.ready_at / slot - 1e-9)
+        earliest = T - 1
         for r in routes[uid]:
             y[uid, r] = m.bool(f"y[{uid},{r}]")
             ub = min(cap[e] for e in leg[uid, r])
-            last = T if r is None else T - 1
-            for t in range(first, last):
+            done_leg = first + math.ceil(size[uid] / ub) - 1
+            earliest = min(earliest, done_leg + (0 if r is None else math.ceil(size[uid] / agg_rate[r])))
+            moved: list[Any] = []
+            for t in range(first, T if r is None else T - 1):
                 x[uid, r, t] = v = m.var(0, ub, f"x[{uid},{r},{t}]", integer)
                 m.add(v <= ub * y[uid, r])
+                moved.append(v)
                 for e in leg[uid, r]:
                     on_link.setdefault((e, t), []).append(v)
-            m.add(m.total([x[uid, r, t] for t in range(first, last)]) == size[uid] * y[uid, r])
+                if r is not None and t >= done_leg:
+                    z[uid, r, t] = m.bool(f"z[{uid},{r},{t}]")
+                    m.add(m.total(moved) >= size[uid] * z[uid, r, t])
+                    m.add(z[uid, r, t] <= y[uid, r])
+                    if (uid, r, t - 1) in z:
+                        m.add(z[uid, r, t - 1] <= z[uid, r, t])
+            m.add(m.total(moved) == size[uid] * y[uid, r])
+            if r is not None:
+                members[r].append(uid)
         m.add(m.total([y[uid, r] for r in routes[uid]]) == 1)
-        moved: list[Any] = []
-        for t in range(T):
-            moved += [x[uid, r, t] for r in routes[uid] if (uid, r, t) in x]
-            z[uid, t] = m.bool(f"z[{uid},{t}]")
+        for t in range(min(max(0, earliest), T - 1), T):
             d[uid, t] = m.bool(f"d[{uid},{t}]")
-            m.add(m.total(moved) >= size[uid] * z[uid, t])
-            m.add(d[uid, t] <= z[uid, t] + 1 - y[uid, None])
-            if t:
-                m.add(z[uid, t - 1] <= z[uid, t])
+            if (uid, t - 1) in d:
                 m.add(d[uid, t - 1] <= d[uid, t])
-    agg_bytes: dict[str, Any] = {}
+    # w[u,a,t]: u's aggregate at a is at the server by slot t (the disaggregated form of
+    # "d <= aggregate done", much tighter in the LP relaxation than a big-M on the route).
+    w: dict[tuple[str, str, int], Any] = {}
     xa: dict[tuple[str, int], Any] = {}
+    agg_done: dict[tuple[str, int], Any] = {}
     for a in used_aggs:
-        members = [uid for uid, rs in routes.items() if a in rs]
-        agg_bytes[a] = b = m.var(0, biggest, f"B[{a}]", integer)
-        ub = min(cap[e] for e in agg_leg[a])
-        m.add(b <= biggest * m.total([y[uid, a] for uid in members]))
-        for uid in members:
-            m.add(b >= size[uid] * y[uid, a])
+        ub = agg_rate[a]
         sent: list[Any] = []
         for t in range(T):
             xa[a, t] = v = m.var(0, ub, f"xa[{a},{t}]", integer)
+            sent.append(v)
             for e in agg_leg[a]:
                 on_link.setdefault((e, t), []).append(v)
-            for uid in members:
-                before = z[uid, t - 1] if t else 0
-                m.add(v <= ub * (1 - y[uid, a] + before))
-            sent.append(v)
-            done = m.bool(f"A[{a},{t}]")
-            m.add(m.total(sent) >= b - biggest * (1 - done))
-            for uid in members:
-                m.add(d[uid, t] <= done + 1 - y[uid, a])
-        m.add(m.total(sent) == b)
+            done = None
+            for uid in members[a]:
+                arrived = z.get((uid, a, t - 1), 0)
+                m.add(v <= ub * (1 - y[uid, a] + arrived))
+                if (uid, t) not in d or isinstance(arrived, int):
+                    continue
+                if done is None:  # the aggregate (one update's size: its largest member) is in
+                    done = agg_done[a, t] = m.bool(f"A[{a},{t}]")
+                    for other in members[a]:
+                        m.add(m.total(sent) >= size[other] * (done + y[other, a] - 1))
+                w[uid, a, t] = f = m.var(0, 1, f"w[{uid},{a},{t}]", integer)
+                m.add(f <= arrived)
+                m.add(f <= done)
+                m.add(m.total(sent) >= size[uid] * f)
+    for u in instance.updates:
+        uid = u.update_id
+        for t in range(T):
+            if (uid, t) in d:
+                via = [w[uid, a, t] for a in routes[uid][1:] if (uid, a, t) in w]
+                reached = m.total([x[uid, None, k] for k in range(t + 1) if (uid, None, k) in x])
+                m.add(size[uid] * d[uid, t] <= reached + size[uid] * m.total(via))
     for (e, _t), vs in on_link.items():
         if len(vs) > 1:
             m.add(m.total(vs) <= cap[e])
-    slots_of = {uid: T - m.total([d[uid, t] for t in range(T)]) for uid in routes}
+    # u completes at the end of the first slot t with d[u,t] = 1: C_u / Δ = T + 1 - Σ_t d[u,t]
+    slots_of = {uid: T + 1 - m.total([d[uid, t] for t in range(T) if (uid, t) in d]) for uid in routes}
     for uid in routes:
         m.add(d[uid, T - 1] == 1)
     if instance.objective == "makespan":
-        span = m.var(0, T, "makespan", True)
+        span = m.var(0, T + 1, "makespan", True)
         for uid in routes:
             m.add(span >= slots_of[uid])
         m.minimize(span)
@@ -419,7 +445,7 @@ def solve_ilp(
         m.minimize(m.total(list(slots_of.values())))
         to_seconds = slot / n
     if hint is not None:
-        _add_hint(m, instance, hint, q, T, y, x, xa)
+        _add_hint(m, instance, hint, q, T, _Vars(y, x, z, d, w, agg_done, xa))
 
     def report(objective: float, bound: float) -> None:
         if progress is not None:
@@ -432,7 +458,7 @@ def solve_ilp(
     if status not in ("OPTIMAL", "FEASIBLE"):
         return IlpResult(None, None, bound, math.inf, status, wall, {}, engine, T)
     chosen = {uid: next(r for r in routes[uid] if m.value(y[uid, r]) > 0.5) for uid in routes}
-    schedule = _to_schedule(instance, m, chosen, leg, agg_leg, x, xa, q, T)
+    schedule = _to_schedule(instance, m, chosen, leg, agg_leg, x, xa, size, T)
     objective = objective_of(instance, schedule)
     bound = min(bound, objective)
     gap = (objective - bound) / objective if objective > 0 else 0.0
@@ -441,39 +467,59 @@ def solve_ilp(
     return IlpResult(schedule, objective, bound, gap, status, wall, chosen, engine, T)
 
 
-def _add_hint(
-    m: _CpSat | _Mip,
-    instance: Instance,
-    hint: Schedule,
-    q: float,
-    T: int,
-    y: dict[tuple[str, Route], Any],
-    x: dict[tuple[str, Route, int], Any],
-    xa: dict[tuple[str, int], Any],
-) -> None:
-    """Warm start: the hint plan's routes and per-slot bytes (rounded to quanta)."""
+@dataclass(frozen=True)
+class _Vars:
+    y: dict[tuple[str, Route], Any]
+    x: dict[tuple[str, Route, int], Any]
+    z: dict[tuple[str, Route, int], Any]
+    d: dict[tuple[str, int], Any]
+    w: dict[tuple[str, str, int], Any]
+    agg_done: dict[tuple[str, int], Any]
+    xa: dict[tuple[str, int], Any]
+
+
+def _add_hint(m: _CpSat | _Mip, instance: Instance, hint: Schedule, q: float, T: int, v: _Vars) -> None:
+    """Warm start: every variable's value in the hint plan (bytes rounded to quanta)."""
+    slot = instance.slot_seconds
     parent = {mem: a.aggregator for a in hint.aggregates for mem in a.members}
+    agg_of = {a.aggregator: a.aggregate_id for a in hint.aggregates}
+    if len(agg_of) < len(hint.aggregates):
+        return  # two aggregates at one aggregator: not a plan of this model
+    done_slot: dict[str, int] = {}  # payload -> slot in which it is complete
+    for t_ in hint.transfers:
+        if not t_.replica:
+            done_slot[t_.payload_id] = max(0, math.ceil(t_.end / slot - 1e-9) - 1)
     for u in instance.updates:
         uid = u.update_id
         route = parent.get(uid)
-        if (uid, route) not in y:
-            return
-        for r in instance.routes(uid):
-            m.hint(y[uid, r], int(r == route))
         delivery = hint.delivery(uid)
-        if delivery is None:
-            return
-        for t, amount in enumerate(_slot_bytes(delivery, instance.slot_seconds, T)):
+        if (uid, route) not in v.y or delivery is None:
+            return  # not a plan of this instance's routes: no hint
+        for r in instance.routes(uid):
+            m.hint(v.y[uid, r], int(r == route))
+        for t, amount in enumerate(_slot_bytes(delivery, slot, T)):
             for r in instance.routes(uid):
-                if (uid, r, t) in x:
-                    m.hint(x[uid, r, t], round(amount / q) if r == route else 0)
+                if (uid, r, t) in v.x:
+                    m.hint(v.x[uid, r, t], round(amount / q) if r == route else 0)
+        arrived = done_slot[uid]
+        complete = done_slot[agg_of[route]] if route is not None else arrived
+        for t in range(T):
+            for r in instance.routes(uid)[1:]:
+                if (uid, r, t) in v.z:
+                    m.hint(v.z[uid, r, t], int(r == route and t >= arrived))
+                if (uid, r, t) in v.w:
+                    m.hint(v.w[uid, r, t], int(r == route and t >= complete))
+            if (uid, t) in v.d:
+                m.hint(v.d[uid, t], int(t >= complete))
     for a in hint.aggregates:
         delivery = hint.delivery(a.aggregate_id)
         if delivery is None:
             continue
-        for t, amount in enumerate(_slot_bytes(delivery, instance.slot_seconds, T)):
-            if (a.aggregator, t) in xa:
-                m.hint(xa[a.aggregator, t], round(amount / q))
+        for t, amount in enumerate(_slot_bytes(delivery, slot, T)):
+            if (a.aggregator, t) in v.xa:
+                m.hint(v.xa[a.aggregator, t], round(amount / q))
+            if (a.aggregator, t) in v.agg_done:
+                m.hint(v.agg_done[a.aggregator, t], int(t >= done_slot[a.aggregate_id]))
 
 
 def _to_schedule(
@@ -484,7 +530,7 @@ def _to_schedule(
     agg_leg: dict[str, list[Link]],
     x: dict[tuple[str, Route, int], Any],
     xa: dict[tuple[str, int], Any],
-    q: float,
+    size_q: dict[str, int],
     T: int,
 ) -> Schedule:
     slot = instance.slot_seconds
@@ -501,7 +547,11 @@ def _to_schedule(
     aggregates = []
     for a, mem in sorted(members.items()):
         size = max(instance.update(uid).bytes for uid in mem)
-        amounts = {t: m.value(xa[a, t]) for t in range(T)}
+        amounts: dict[int, float] = {}
+        need, sent = max(size_q[uid] for uid in mem), 0.0
+        for t in range(T):  # anything the solver sends beyond the aggregate's size is waste
+            amounts[t] = min(m.value(xa[a, t]), max(0.0, need - sent))
+            sent += amounts[t]
         res, start, end = _reservations(agg_leg[a], amounts, slot, size)
         path = instance.path(a, instance.server)
         aid = aggregate_id(a)

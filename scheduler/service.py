@@ -12,7 +12,7 @@ Message sequence on a daemon's ``Scheduler.Session`` stream (``control.proto``):
                                       ->
                                       <-     RoleAck{request_id, ok, params, servers}
                                       <-     JobUpdate{job, servers}   (to every daemon
-                                             with a worker of the job, incl. this one)
+                                             with a worker of the job)
     RegisterRole{request_id, ROLE_WORKER, job, name}
                                       ->
                                       <-     RoleAck{ok, params, servers} — or
@@ -26,7 +26,7 @@ Message sequence on a daemon's ``Scheduler.Session`` stream (``control.proto``):
                                              (also at once for an update naming an
                                               unknown job/server/worker)
     TransferReport{update_id, ok, start, end, bytes, outcome, delay, server_version}
-                                      ->     (frees the transfers released after it;
+                                      ->     (frees the transfers planned after it;
                                               feeds the bandwidth estimates; tracks
                                               the server's version)
     UpdateResolved{update_id, outcome, reason}
@@ -96,13 +96,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: gRPC server options: keepalive pings to idle daemons, and tolerance of theirs
+#: gRPC server options: keepalive pings to idle daemons, and tolerance of theirs (daemons
+#: may ping every 5 s or slower without being sent GOAWAY)
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
+    # a second scheduler on the same port must fail, not share the port
+    ("grpc.so_reuseport", 0),
 ]
 
 #: options for a daemon's channel to the scheduler (``grpc.insecure_channel(addr, options=...)``)
@@ -117,8 +120,10 @@ CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
 class Estimator(Protocol):
     """Bandwidth estimation as the service uses it (``scheduler/estimation.py``)."""
 
-    def observe(self, path: Sequence[str], nbytes: int, duration: float, now: float) -> None:
-        """Account for ``nbytes`` moved along ``path`` in ``duration`` seconds."""
+    def observe(
+        self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
+    ) -> None:
+        """Account for ``nbytes`` moved along ``path`` in ``duration`` s, ``shared`` at once."""
         ...
 
     def estimated_graph(self) -> nx.DiGraph:
@@ -132,7 +137,9 @@ class StaticEstimator:
     def __init__(self, graph: nx.DiGraph) -> None:
         self._graph = graph
 
-    def observe(self, path: Sequence[str], nbytes: int, duration: float, now: float) -> None:
+    def observe(
+        self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
+    ) -> None:
         """Ignore the measurement."""
 
     def estimated_graph(self) -> nx.DiGraph:
@@ -234,6 +241,26 @@ class SchedulerCore:
     metrics : Metrics
     clock : callable
         Monotonic seconds, the time base of pending/in-flight times and of the plan.
+
+    Examples
+    --------
+    Without gRPC: two daemons, a server, a worker and one update under ``fair``.
+
+    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.policy import FairPolicy
+    >>> g = star(["ps", "a"], 8e9)
+    >>> core = SchedulerCore(SchedulerState(g), FairPolicy(), dispatcher=Dispatcher(),
+    ...                      batcher=AdaptiveBatcher(), estimator=StaticEstimator(g), metrics=Metrics())
+    >>> ps = core.hello(pb.Hello(host="ps", data_address="127.0.0.1:9000"))
+    >>> a = core.hello(pb.Hello(host="a", data_address="127.0.0.1:9001"))
+    >>> msg = pb.DaemonMessage
+    >>> core.on_message(ps, msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="ps")))
+    >>> core.on_message(a, msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name="w")))
+    >>> ready = pb.UpdateReady(update_id="a/1", job="j", server="ps", worker="w", bytes=8)
+    >>> core.on_message(a, msg(update_ready=ready))
+    >>> _ = core.decide()  # what the decision loop does once the batch closes
+    >>> [a.queue.get_nowait().WhichOneof("kind") for _ in range(a.queue.qsize())]
+    ['role_ack', 'send']
     """
 
     def __init__(
@@ -384,16 +411,19 @@ class SchedulerCore:
 
     def _transfer_report(self, host: str, m: pb.TransferReport) -> None:
         result = _result(host, m)
+        now = self.clock()
+        shared = self.state.sharing(result.update_id, now)
         try:
             f = self.state.report(result)
         except UnknownUpdate as exc:
             log.debug("host %s: report ignored: %s", host, exc)
             return
         if result.ok and result.end > result.start:
-            self.estimator.observe(f.path, result.bytes, result.end - result.start, self.clock())
+            # the one place measurements reach the bandwidth estimator (scheduler/estimation.py)
+            self.estimator.observe(f.path, result.bytes, result.end - result.start, now, shared=shared)
         elif not result.ok:
             log.info("host %s: transfer of %s failed: %s", host, result.update_id, result.error)
-        if result.ok and result.outcome is not None:
+        if result.outcome is not None:
             self._count(result.outcome)
         self.release()
 

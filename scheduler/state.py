@@ -451,7 +451,8 @@ class SchedulerState:
         """Account for a finished (or failed) transfer and track the server's version.
 
         Returns the in-flight entry the report closes. A failed transfer (``ok`` false)
-        is forgotten: its sender resolves the push (or re-announces the update).
+        is forgotten: its sender resolves the push (``outcome``, if set, says how) or
+        re-announces the update.
 
         Raises
         ------
@@ -461,9 +462,10 @@ class SchedulerState:
         f = self.in_flight.pop(result.update_id, None)
         if f is None:
             raise UnknownUpdate(f"update '{result.update_id}' is not in flight")
-        if result.ok and result.outcome is not None:
-            reason = result.reason if result.outcome is OutcomeKind.DROPPED else ""
+        if result.outcome is not None:
+            reason = (result.reason or result.error) if result.outcome is OutcomeKind.DROPPED else ""
             self._resolve(f.update_id, result.outcome, reason, result.delay, result.server_version)
+        if result.ok and result.outcome is not None:
             server = self.jobs.get(f.job, Job(f.job, JobParams())).servers.get(f.server)
             if server is not None and result.server_version > server.version:
                 self.jobs[f.job].servers[f.server] = replace(server, version=result.server_version)
@@ -491,6 +493,38 @@ class SchedulerState:
                 raise NoPath(str(exc)) from None
             self._paths[key] = cached
         return cached
+
+    def sharing(self, update_id: str, now: float) -> int:
+        """How many transfers, on average, shared the busiest link of ``update_id``'s path.
+
+        Each other in-flight transfer on a link counts with the fraction of this transfer's
+        time in flight (``started_at`` to ``now``) that it overlapped; the result is rounded
+        and at least 1. Under network time-sharing this is 1; under ``fair`` it is the
+        number of concurrent transfers on the bottleneck (the bandwidth estimator scales
+        the measured rate by it).
+
+        Examples
+        --------
+        >>> from mlfabric.scheduler.graph import star
+        >>> s = SchedulerState(star(3, 8e9))
+        >>> s.in_flight = {u: InFlight(u, "j", "ps", (h, "sw", "h0"), 10, 0.0, 1.0)
+        ...                for u, h in (("a", "h1"), ("b", "h2"))}
+        >>> s.sharing("a", now=1.0)
+        2
+        """
+        this = self.in_flight.get(update_id)
+        if this is None:
+            return 1
+        span = now - this.started_at
+        links = set(zip(this.path, this.path[1:], strict=False))
+        load: dict[tuple[str, str], float] = dict.fromkeys(links, 1.0)
+        for other in self.in_flight.values():
+            if other is this or span <= 0:
+                continue
+            overlap = (now - max(other.started_at, this.started_at)) / span
+            for link in links.intersection(zip(other.path, other.path[1:], strict=False)):
+                load[link] += min(1.0, max(0.0, overlap))
+        return max(1, round(max(load.values(), default=1.0)))
 
     def server_versions(self) -> dict[tuple[str, str], int]:
         """(job, server) -> the server's model version as last reported."""

@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from bisect import insort
+from bisect import bisect_right, insort
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import networkx as nx
 
 from mlfabric.scheduler.graph import PathCache, TopologyError
 from mlfabric.scheduler.policy import Decision, Drop, PendingUpdate, Send, Snapshot
 from mlfabric.scheduler.schedule import Link, Schedule, Transfer, Update
-from mlfabric.scheduler.timeline import Timelines
+from mlfabric.scheduler.timeline import INF, Timelines
 
 __all__ = ["STFPolicy", "drop_reason", "plan_stf", "server_key"]
 
@@ -77,6 +78,250 @@ def _bound(value: int | Mapping[str, int] | None, server: str, default: int | No
     if value is None or isinstance(value, int):
         return default if value is None else value
     return value.get(server, default)
+
+
+#: heap entry: (key, bytes, update id, sequence, kind, class index or gate link, stamp)
+_Entry = tuple[float, float, str, int, int, object, int]
+_EXACT, _GROUP = 0, 1
+
+
+class _Planner:
+    """One run of :func:`plan_stf`: update classes, gate groups and the lazy min-heap.
+
+    Heap keys are lower bounds of ``ten``. An *exact* entry holds a class head's ``ten``
+    computed at reservation stamp ``stamp``; it is accepted when popped if none of its links
+    was reserved since. A class whose path is fully booked until ``f`` on some *gate* link
+    sits in that link's group: ``ten >= f + bytes / peak`` (it cannot start before every
+    link has residual, nor move faster than the path's peak residual), so one heap entry
+    per gate, keyed by the group's smallest bound, stands for all of them. When a
+    reservation pushes a gate back, only that entry moves — no cascade of recomputations
+    over every update queued behind the same bottleneck.
+    """
+
+    def __init__(
+        self,
+        tls: Timelines,
+        now: float,
+        tau_max: int | Mapping[str, int] | None,
+        server_version: int | Mapping[str, int],
+        ahead: Mapping[str, int] | None,
+    ) -> None:
+        self.tls = tls
+        self.now = now
+        self.tau_max = tau_max
+        self.server_version = server_version
+        self.ahead: Counter[str] = Counter(ahead or {})
+        self.accepted: Counter[str] = Counter()
+        self.by_id: dict[str, Update] = {}
+        self.links_of: dict[str, tuple[Link, ...]] = {}
+        self.classes: list[_Class] = []
+        self.class_of_key: dict[tuple[object, ...], int] = {}
+        self.class_of: dict[str, int] = {}
+        self.gate_of: list[Link | None] = []
+        self.on_first_link: dict[Link, list[str]] = defaultdict(list)
+        self.gone: set[str] = set()
+        self.groups: dict[Link, list[tuple[float, float, str, int]]] = defaultdict(list)
+        self.group_live: dict[Link, int] = {}  # gate -> sequence number of its live heap entry
+        self.group_key: dict[Link, tuple[float, float, str]] = {}
+        self.heap: list[_Entry] = []
+        self.seq = itertools.count()
+        self.stamp = 0
+        self.modified: dict[Link, int] = {}
+        self.free_cache: dict[Link, float] = {}
+        self.peak_cache: dict[Link, float] = {}
+        self.transfers: list[Transfer] = []
+        self.drops: dict[str, str] = {}
+
+    # -- classes ---------------------------------------------------------------------
+    def add(self, uid: str, exact: bool) -> int:
+        """Put ``uid`` in its class (``exact``: by full path, else by NIC if untouched)."""
+        u = self.by_id[uid]
+        links = self.links_of[uid]
+        start = max(u.ready_at, self.now)
+        key: tuple[object, ...] = ("path", start, links)
+        if links and not exact:
+            first = self.tls.link(links[0])
+            if len(first.times) == 1:
+                key = ("nic", start, first.residual[0], links[1:])
+                self.on_first_link[links[0]].append(uid)
+        idx = self.class_of_key.get(key)
+        if idx is None:
+            idx = len(self.classes)
+            self.class_of_key[key] = idx
+            self.classes.append(_Class(start))
+            self.gate_of.append(None)
+        cls = self.classes[idx]
+        insort(cls.members, (float(u.bytes), uid), lo=cls.head)
+        self.class_of[uid] = idx
+        return idx
+
+    def head(self, idx: int) -> tuple[float, str] | None:
+        return self.classes[idx].current(idx, self.gone, self.class_of)
+
+    # -- bounds ----------------------------------------------------------------------
+    def free_from(self, link: Link) -> float:
+        """First time from ``now`` on at which ``link`` has residual bandwidth."""
+        t = self.free_cache.get(link)
+        if t is None:
+            tl = self.tls.link(link)
+            times, res = tl.times, tl.residual
+            i = max(bisect_right(times, self.now) - 1, 0)
+            while i < len(res) and res[i] <= tl.eps:
+                i += 1
+            t = INF if i == len(res) else max(times[i], self.now)
+            self.free_cache[link] = t
+        return t
+
+    def peak(self, link: Link) -> float:
+        """Largest residual of ``link`` from ``now`` on."""
+        p = self.peak_cache.get(link)
+        if p is None:
+            tl = self.tls.link(link)
+            i = max(bisect_right(tl.times, self.now) - 1, 0)
+            p = max(tl.residual[i:])
+            self.peak_cache[link] = p
+        return p
+
+    # -- heap ------------------------------------------------------------------------
+    def place(self, idx: int) -> None:
+        """Queue class ``idx``'s head: in its gate's group, or as an exact entry."""
+        h = self.head(idx)
+        self.gate_of[idx] = None
+        if h is None:
+            return
+        nbytes, uid = h
+        links = self.links_of[uid]
+        gate: Link | None = None
+        free = self.classes[idx].start
+        for link in links:
+            f = self.free_from(link)
+            if f > free:
+                gate, free = link, f
+        if gate is None or free == INF:
+            self.push_exact(idx, nbytes, uid)
+            return
+        d = nbytes / min(self.peak(link) for link in links)
+        self.gate_of[idx] = gate
+        heapq.heappush(self.groups[gate], (d, nbytes, uid, idx))
+        self.push_group(gate)
+
+    def push_exact(self, idx: int, nbytes: float, uid: str) -> None:
+        self.gate_of[idx] = None
+        try:
+            _, end = self.tls.ten(self.links_of[uid], nbytes, self.classes[idx].start)
+        except ValueError as exc:
+            self.gone.add(uid)
+            self.drops[uid] = f"no residual bandwidth: {exc}"
+            self.place(idx)
+            return
+        heapq.heappush(self.heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, self.stamp))
+
+    def group_top(self, gate: Link) -> tuple[float, float, str, int] | None:
+        grp = self.groups[gate]
+        while grp:
+            _, _, uid, idx = grp[0]
+            h = self.head(idx)
+            if self.gate_of[idx] == gate and h is not None and h[1] == uid:
+                return grp[0]
+            heapq.heappop(grp)
+        return None
+
+    def push_group(self, gate: Link) -> None:
+        """(Re)key the one live heap entry of ``gate``'s group; older entries die."""
+        top = self.group_top(gate)
+        if top is None:
+            self.group_live[gate] = -1
+            return
+        d, nbytes, uid, _ = top
+        entry = (self.free_from(gate) + d, nbytes, uid)
+        if self.group_live.get(gate, -1) >= 0 and self.group_key.get(gate) == entry:
+            return
+        seq = next(self.seq)
+        self.group_live[gate] = seq
+        self.group_key[gate] = entry
+        heapq.heappush(self.heap, (*entry, seq, _GROUP, gate, 0))
+
+    # -- the STF loop ----------------------------------------------------------------
+    def run(self) -> None:
+        """Pop, verify and accept until every update is planned or dropped (Fig. 4a)."""
+        for idx in range(len(self.classes)):
+            self.place(idx)
+        heap = self.heap
+        while heap:
+            key, nbytes, popped, seq, kind, ref, at = heapq.heappop(heap)
+            if kind == _EXACT:
+                assert isinstance(ref, int)
+                h = self.head(ref)
+                if h is None or h[1] != popped or self.gate_of[ref] is not None:
+                    continue
+                if any(self.modified.get(link, -1) > at for link in self.links_of[popped]):
+                    self.place(ref)
+                else:
+                    self.accept(ref, popped, nbytes)
+                continue
+            gate = cast(Link, ref)
+            if self.group_live.get(gate) != seq:
+                continue  # superseded by a newer entry of the same group
+            self.group_live[gate] = -1
+            top = self.group_top(gate)
+            if top is None:
+                continue
+            d, nbytes, uid, idx = top
+            free = self.free_from(gate)
+            if free + d != key or uid != popped:
+                self.push_group(gate)  # the gate moved or the group's head changed: re-key
+                continue
+            links = self.links_of[uid]
+            if any(self.free_from(link) > free for link in links):
+                heapq.heappop(self.groups[gate])  # another link now gates it
+                self.place(idx)
+                self.push_group(gate)
+                continue
+            try:
+                _, end = self.tls.ten(links, nbytes, self.classes[idx].start)
+            except ValueError:
+                heapq.heappop(self.groups[gate])
+                self.push_exact(idx, nbytes, uid)
+                self.push_group(gate)
+                continue
+            heapq.heappop(self.groups[gate])
+            if not heap or (end, nbytes, uid) <= heap[0][:3]:
+                self.accept(idx, uid, nbytes)
+            else:
+                self.gate_of[idx] = None
+                heapq.heappush(heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, self.stamp))
+            self.push_group(gate)
+
+    def accept(self, idx: int, uid: str, nbytes: float) -> None:
+        """Drop ``uid`` if its expected delay exceeds tau_max (Fig. 5), else reserve its path."""
+        u = self.by_id[uid]
+        self.gone.add(uid)
+        version = _bound(self.server_version, u.server, 0) or 0
+        bound = _bound(self.tau_max, u.server, None)
+        n_ahead = self.ahead[u.server] + self.accepted[u.server]
+        delay = version - u.base_version + n_ahead
+        if bound is not None and bound >= 0 and delay > bound:
+            self.drops[uid] = drop_reason(delay, bound, version, u.base_version, n_ahead)
+            self.place(idx)
+            return
+        links = self.links_of[uid]
+        start, end, reservations = self.tls.reserve(links, nbytes, self.classes[idx].start, who=uid)
+        self.stamp += 1
+        for link in links:
+            self.modified[link] = self.stamp
+            self.free_cache.pop(link, None)
+            self.peak_cache.pop(link, None)
+        path = (u.src, *(v for _, v in links))
+        self.transfers.append(Transfer(uid, u.src, u.dst, path, start, end, u.bytes, reservations))
+        self.accepted[u.server] += 1
+        moved = {idx}
+        for link in links:
+            for other in self.on_first_link.pop(link, ()):
+                if other not in self.gone:
+                    moved.add(self.class_of[other])
+                    moved.add(self.add(other, exact=True))
+        for m in sorted(moved):
+            self.place(m)
 
 
 def plan_stf(
@@ -128,102 +373,20 @@ def plan_stf(
     """
     tls = timelines if timelines is not None else Timelines(graph, start=now)
     pc = paths if paths is not None else PathCache(graph)
-    ahead_at: Counter[str] = Counter(ahead or {})
-    by_id: dict[str, Update] = {}
-    drops: dict[str, str] = {}
-    classes: list[_Class] = []
-    class_of_key: dict[tuple[object, ...], int] = {}
-    class_of: dict[str, int] = {}
-    on_first_link: dict[Link, list[str]] = defaultdict(list)
-    links_of: dict[str, tuple[Link, ...]] = {}
-    gone: set[str] = set()
-
-    def add(uid: str, exact: bool) -> int:
-        u = by_id[uid]
-        links = links_of[uid]
-        start = max(u.ready_at, now)
-        if links and not exact:
-            first = tls.link(links[0])
-            if len(first.times) == 1:
-                key: tuple[object, ...] = ("nic", start, first.residual[0], links[1:])
-                on_first_link[links[0]].append(uid)
-            else:
-                key = ("path", start, links)
-        else:
-            key = ("path", start, links)
-        idx = class_of_key.get(key)
-        if idx is None:
-            idx = len(classes)
-            class_of_key[key] = idx
-            classes.append(_Class(start))
-        cls = classes[idx]
-        insort(cls.members, (float(u.bytes), uid), lo=cls.head)
-        class_of[uid] = idx
-        return idx
-
+    planner = _Planner(tls, now, tau_max, server_version, ahead)
     for u in updates:
-        if u.update_id in by_id:
+        if u.update_id in planner.by_id:
             raise ValueError(f"update '{u.update_id}' is listed twice")
-        by_id[u.update_id] = u
+        planner.by_id[u.update_id] = u
         try:
-            links_of[u.update_id] = pc.links(u.src, u.dst)
+            planner.links_of[u.update_id] = pc.links(u.src, u.dst)
         except TopologyError as exc:
-            drops[u.update_id] = f"no route: {exc}"
+            planner.drops[u.update_id] = f"no route: {exc}"
             continue
-        add(u.update_id, exact=False)
-
-    stamp = 0
-    heap: list[tuple[float, float, str, int, int]] = []
-
-    def push(idx: int) -> None:
-        cls = classes[idx]
-        head = cls.current(idx, gone, class_of)
-        if head is None:
-            return
-        nbytes, uid = head
-        _, end = tls.ten(links_of[uid], nbytes, cls.start)
-        heapq.heappush(heap, (end, nbytes, uid, idx, stamp))
-
-    for idx in range(len(classes)):
-        push(idx)
-
-    transfers: list[Transfer] = []
-    arrivals: list[str] = []
-    accepted: Counter[str] = Counter()
-    while heap:
-        _, nbytes, uid, idx, at = heapq.heappop(heap)
-        head = classes[idx].current(idx, gone, class_of)
-        if head is None:
-            continue
-        if at != stamp or head[1] != uid:
-            push(idx)
-            continue
-        u = by_id[uid]
-        gone.add(uid)
-        version = _bound(server_version, u.server, 0) or 0
-        bound = _bound(tau_max, u.server, None)
-        n_ahead = ahead_at[u.server] + accepted[u.server]
-        delay = version - u.base_version + n_ahead
-        if bound is not None and bound >= 0 and delay > bound:
-            drops[uid] = drop_reason(delay, bound, version, u.base_version, n_ahead)
-            push(idx)
-            continue
-        links = links_of[uid]
-        cls = classes[idx]
-        start, end, reservations = tls.reserve(links, nbytes, cls.start, who=uid)
-        stamp += 1
-        path = (u.src, *(v for _, v in links))
-        transfers.append(Transfer(uid, u.src, u.dst, path, start, end, u.bytes, reservations))
-        arrivals.append(uid)
-        accepted[u.server] += 1
-        moved: set[int] = {idx}
-        for link in links:
-            for other in on_first_link.pop(link, ()):
-                if other not in gone:
-                    moved.add(add(other, exact=True))
-        for m in sorted(moved):
-            push(m)
-    return Schedule(transfers=tuple(transfers), drops=drops, arrivals=tuple(arrivals))
+        planner.add(u.update_id, exact=False)
+    planner.run()
+    transfers = tuple(planner.transfers)
+    return Schedule(transfers=transfers, drops=planner.drops, arrivals=tuple(t.payload_id for t in transfers))
 
 
 class STFPolicy:

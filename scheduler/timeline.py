@@ -302,30 +302,94 @@ class Timelines:
                 nxt = times[i + 1]
         return rate, nxt
 
+    def _free_from(self, links: Sequence[Link], t: float) -> float:
+        """The latest next-breakpoint among the links with no residual at ``t``."""
+        later = t
+        for link in links:
+            tl = self._links.get(link) or self.link(link)
+            times = tl.times
+            i = max(bisect_right(times, t) - 1, 0)
+            if tl.residual[i] <= tl.eps:
+                if i + 1 >= len(times):
+                    raise ValueError(f"path {list(links)} never has residual bandwidth after t={t:g}")
+                later = max(later, times[i + 1])
+        return later
+
     def _walk(
         self, links: Sequence[Link], nbytes: float, ready: float, record: bool
     ) -> tuple[float, float, list[tuple[float, float, float]]]:
+        """Integrate the path residual from ``ready`` until ``nbytes`` are through.
+
+        Links with one piece (never reserved) are folded into a constant cap; the others
+        are walked with one index each, advanced monotonically. With ``record``, the
+        pieces ``(from, to, rate)`` are returned, adjacent equal rates merged.
+        """
         pieces: list[tuple[float, float, float]] = []
         if not links or nbytes <= 0:
             return ready, ready, pieces
+        cap = INF
+        times_of: list[list[float]] = []
+        res_of: list[list[float]] = []
+        eps_of: list[float] = []
+        for link in links:
+            tl = self._links.get(link) or self.link(link)
+            if len(tl.times) == 1:
+                r = tl.residual[0]
+                if r <= tl.eps:
+                    raise ValueError(f"path {list(links)} never has residual bandwidth (link {link})")
+                cap = min(cap, r)
+            else:
+                times_of.append(tl.times)
+                res_of.append(tl.residual)
+                eps_of.append(tl.eps)
         t = ready
         remaining = float(nbytes)
+        if not times_of:
+            finish = t + remaining / cap
+            if record:
+                pieces.append((t, finish, cap))
+            return t, finish, pieces
+        n = len(times_of)
+        index = [max(bisect_right(times_of[k], t) - 1, 0) for k in range(n)]
         start = -INF
         while True:
-            rate, nxt = self._rate_at(links, t)
+            rate = cap
+            nxt = INF
+            blocked = -INF  # latest next breakpoint among links with no residual now
+            for k in range(n):
+                times = times_of[k]
+                i = index[k]
+                last = len(times) - 1
+                while i < last and times[i + 1] <= t:
+                    i += 1
+                index[k] = i
+                r = res_of[k][i]
+                following = times[i + 1] if i < last else INF
+                if r <= eps_of[k]:
+                    r = 0.0
+                    if following > blocked:
+                        blocked = following
+                if r < rate:
+                    rate = r
+                if following < nxt:
+                    nxt = following
             if rate <= 0.0:
-                if nxt == INF:
+                # nothing moves until every full link frees: skip the others' breakpoints
+                if blocked == INF:
                     raise ValueError(f"path {list(links)} never has residual bandwidth after t={t:g}")
-                t = nxt
+                t = blocked
                 continue
             if start == -INF:
                 start = t
             finish = t + remaining / rate
-            if finish <= nxt:
-                if record:
-                    pieces.append((t, finish, rate))
-                return start, finish, pieces
+            done = finish <= nxt
+            hi = finish if done else nxt
             if record:
-                pieces.append((t, nxt, rate))
+                if pieces and pieces[-1][2] == rate and pieces[-1][1] == t:
+                    pieces[-1] = (pieces[-1][0], hi, rate)
+                else:
+                    pieces.append((t, hi, rate))
+            if done:
+                return start, finish, pieces
             remaining -= rate * (nxt - t)
             t = nxt

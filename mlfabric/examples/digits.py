@@ -178,6 +178,12 @@ def run_worker(args: argparse.Namespace) -> int:
     stop_file = Path(args.stop_file) if args.stop_file else None
     results: list[dict[str, Any]] = []
     with worker:
+        worker.get(args.server)  # warm up (imports, connections) before the clock starts
+        if args.ready_file:
+            Path(args.ready_file).touch()
+        if args.go_file:
+            while not Path(args.go_file).exists() and not stop.is_set():
+                time.sleep(0.01)
         while not stop.is_set() and (stop_file is None or not stop_file.exists()):
             if args.max_pushes is not None and len(results) >= args.max_pushes:
                 break
@@ -228,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-pushes", type=int, default=None)
     worker.add_argument("--push-timeout", type=float, default=120.0)
     worker.add_argument("--stop-file", help="stop once this file exists")
+    worker.add_argument("--ready-file", help="create this file once registered and warmed up")
+    worker.add_argument("--go-file", help="start pushing only once this file exists")
     worker.add_argument("--stats-file", help="write the push results here as JSON")
     worker.set_defaults(run=run_worker)
     return parser

@@ -32,7 +32,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from mlfabric.testbed.netns import DEFAULT_STATE_DIR
 
     parser.add_argument(
-        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help=f"where live testbeds are recorded ({DEFAULT_STATE_DIR})"
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help=f"where live testbeds are recorded ({DEFAULT_STATE_DIR})",
     )
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     up = sub.add_parser("up", help="create a testbed from a topology file")

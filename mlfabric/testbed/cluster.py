@@ -165,8 +165,10 @@ class Testbed:
                 log.warning(self.notes[-1])
         for a, b in self.layout.pairs:
             run(
-                ["ip", "link", "add", a.ifname, "netns", a.namespace, "type", "veth"]
-                + ["peer", "name", b.ifname, "netns", b.namespace]
+                [
+                    *("ip", "link", "add", a.ifname, "netns", a.namespace, "type", "veth"),
+                    *("peer", "name", b.ifname, "netns", b.namespace),
+                ]
             )
             for end in (a, b):
                 self._configure_end(end)
@@ -261,7 +263,9 @@ class Testbed:
         for t in targets:
             end = self.layout.link_ends[t]
             parent = "1:1" if end.latency > 0 and self._netem else "root"
-            self._runner(["tc", "-n", end.namespace, *tc.tbf_args(end.ifname, rate, change=True, parent=parent)])
+            self._runner(
+                ["tc", "-n", end.namespace, *tc.tbf_args(end.ifname, rate, change=True, parent=parent)]
+            )
             self._rates[t] = rate
 
     def _argv(self, host: str, argv: Sequence[str]) -> list[str]:
@@ -277,9 +281,13 @@ class Testbed:
         CommandError
             If ``check`` and the command exits non-zero.
         """
-        proc = subprocess.run(self._argv(host, argv), capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(
+            self._argv(host, argv), capture_output=True, text=True, timeout=timeout, check=False
+        )
         if check and proc.returncode != 0:
-            raise CommandError(f"{host}: `{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+            raise CommandError(
+                f"{host}: `{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}"
+            )
         return proc
 
     def popen(

@@ -33,17 +33,18 @@ from mlfabric.testbed.cluster import CONTROL, Testbed
 
 __all__ = ["TestbedCluster"]
 
-#: Runs one ``mlfabric`` subcommand (``argv[1]``) the way ``mlfabric SUBCOMMAND ...`` does,
-#: importing only that subcommand's module, so a launch does not depend on every other
-#: subcommand of the console command being importable.
+#: Runs one ``mlfabric`` subcommand (``argv[2]``, after the log level) the way
+#: ``mlfabric SUBCOMMAND ...`` does, importing only that subcommand's module, so a launch
+#: does not depend on every other subcommand of the console command being importable.
 _SUBCOMMAND = """
 import argparse, importlib, logging, sys
 from mlfabric.cli import SUBCOMMANDS
-module = importlib.import_module(SUBCOMMANDS[sys.argv[1]][0])
-parser = argparse.ArgumentParser(prog="mlfabric " + sys.argv[1])
+level, name, *rest = sys.argv[1:]
+module = importlib.import_module(SUBCOMMANDS[name][0])
+parser = argparse.ArgumentParser(prog="mlfabric " + name)
 module.configure(parser)
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-sys.exit(module.run(parser.parse_args(sys.argv[2:])))
+logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+sys.exit(module.run(parser.parse_args(rest)))
 """
 
 
@@ -66,6 +67,10 @@ class TestbedCluster:
         Interpreter of the child processes.
     extra_scheduler_args : sequence of str
         More ``mlfabric scheduler`` arguments.
+    ready_timeout : float
+        Seconds to wait for each ready file.
+    log_level : str
+        Log level of the scheduler and the daemons (their logs go to ``workdir/logs``).
 
     Notes
     -----
@@ -86,6 +91,7 @@ class TestbedCluster:
         python: str = sys.executable,
         extra_scheduler_args: Sequence[str] = (),
         ready_timeout: float = 60.0,
+        log_level: str = "INFO",
     ) -> None:
         self.testbed = testbed
         self.topology = Path(topology)
@@ -95,6 +101,7 @@ class TestbedCluster:
         self.python = python
         self.extra_scheduler_args = list(extra_scheduler_args)
         self.ready_timeout = ready_timeout
+        self.log_level = log_level
         self.scheduler_address: str | None = None
         self.daemons: dict[str, dict[str, Any]] = {}
         self._procs: list[ManagedProcess] = []
@@ -108,14 +115,25 @@ class TestbedCluster:
             sched = self._launch(
                 CONTROL,
                 "scheduler",
-                ["scheduler", "--listen", f"{self.testbed.control_address()}:0", "--topology", str(self.topology)]
-                + ["--policy", self.policy, "--ready-file", str(ready), *self.extra_scheduler_args],
+                [
+                    *("scheduler", "--listen", f"{self.testbed.control_address()}:0"),
+                    *("--topology", str(self.topology), "--policy", self.policy, "--ready-file", str(ready)),
+                    *self.extra_scheduler_args,
+                ],
             )
             self.scheduler_address = str(wait_for_ready_file(ready, sched, self.ready_timeout)["address"])
             pending = []
             for host in self.hosts:
                 ready = self.workdir / "ready" / f"daemon-{host}.json"
-                argv = ["daemon", "--host", host, "--scheduler", self.scheduler_address, "--socket", self.socket(host)]
+                argv = [
+                    "daemon",
+                    "--host",
+                    host,
+                    "--scheduler",
+                    self.scheduler_address,
+                    "--socket",
+                    self.socket(host),
+                ]
                 argv += ["--data-listen", f"{self.testbed.address(host)}:0", "--ready-file", str(ready)]
                 pending.append((host, ready, self._launch(host, f"daemon-{host}", argv)))
             for host, ready, proc in pending:
@@ -167,7 +185,9 @@ class TestbedCluster:
         try:
             code = proc.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise ClusterError(f"{proc.name} still running after {timeout:.0f}s; log:\n{proc.log_tail()}") from None
+            raise ClusterError(
+                f"{proc.name} still running after {timeout:.0f}s; log:\n{proc.log_tail()}"
+            ) from None
         if code != 0:
             raise ClusterError(f"{proc.name} exited with code {code}; log:\n{proc.log_tail()}")
         return code
@@ -176,16 +196,20 @@ class TestbedCluster:
         """Raise :class:`ClusterError` if the scheduler or a daemon has died."""
         for proc in self._procs:
             if proc.name.startswith(("scheduler", "daemon-")) and proc.popen.poll() is not None:
-                raise ClusterError(f"{proc.name} died with code {proc.popen.returncode}; log:\n{proc.log_tail()}")
+                raise ClusterError(
+                    f"{proc.name} died with code {proc.popen.returncode}; log:\n{proc.log_tail()}"
+                )
 
     def _launch(self, host: str, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
-        argv = [self.python, "-c", _SUBCOMMAND, *mlfabric_argv]
+        argv = [self.python, "-c", _SUBCOMMAND, self.log_level, *mlfabric_argv]
         return self._start(host, name, argv, dict(os.environ))
 
     def _start(self, host: str, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
         log_path = self.workdir / "logs" / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        popen = self.testbed.popen(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        popen = self.testbed.popen(
+            host, argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         proc = ManagedProcess(name, popen, log_path, log)
         self._procs.append(proc)
         return proc

@@ -8,6 +8,7 @@ with :mod:`mlfabric.testbed.probe` and returns the throughput the receiver saw.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def plan_link_checks(graph: nx.DiGraph) -> list[LinkCheck]:
             except ValueError:
                 continue
             _, rate = bottleneck(graph, path)
-            for link in zip(path, path[1:], strict=False):
+            for link in itertools.pairwise(path):
                 current = best.get(link)
                 if current is None or rate > current.expected:
                     best[link] = LinkCheck(link, src, dst, rate)
@@ -134,10 +135,10 @@ def measure_transfer(
     with tempfile.TemporaryDirectory(prefix="mlfabric-probe-") as tmp:
         ready = Path(tmp) / "ready.json"
         probe = [sys.executable, "-m", "mlfabric.testbed.probe"]
+        listen = f"{testbed.address(dst)}:0"
         recv = testbed.popen(
             dst,
-            [*probe, "recv", "--listen", f"{testbed.address(dst)}:0", "--ready-file", str(ready)]
-            + ["--timeout", str(timeout)],
+            [*probe, "recv", "--listen", listen, "--ready-file", str(ready), "--timeout", str(timeout)],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -205,9 +205,8 @@ def stale_prefixes(
             continue
         prefix = match.group(1)
         marker = markers.get(prefix)
-        if marker is None:
-            stale.add(prefix)
-        elif not marker.get("persistent") and not alive(int(marker.get("pid", 0))):
+        owned = marker is not None and (marker.get("persistent") or alive(int(marker.get("pid", 0))))
+        if not owned:
             stale.add(prefix)
     return stale
 
@@ -223,7 +222,7 @@ def sweep_stale(runner: Runner, state_dir: Path = DEFAULT_STATE_DIR) -> list[str
     names = list_namespaces(runner)
     prefixes = {m.group(1) for n in names if (m := NAMESPACE_PATTERN.match(n))}
     dirs = [state_dir, DEFAULT_STATE_DIR]
-    markers = {p: next((m for d in dirs if (m := read_marker(d, p)) is not None), None) for p in prefixes}
+    markers = {p: next((mk for d in dirs if (mk := read_marker(d, p)) is not None), None) for p in prefixes}
     stale = stale_prefixes(names, markers)
     deleted = []
     for name in names:

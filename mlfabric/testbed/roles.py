@@ -87,7 +87,7 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = mlfabric.register_as_worker(args.job, name=args.name, wait=args.wait)
     update = _update(args.update_bytes, args.seed)
     nbytes = sum(int(v.nbytes) for v in update.values())
-    rows = []
+    rows: list[dict[str, object]] = []
     started = time.monotonic()
     with worker:
         while True:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -346,10 +345,10 @@ class Simulator:
 
     # -- internals: the scheduler service --------------------------------------------
     def _snapshot(self) -> Snapshot:
-        net = self._net
+        ends = self._net.expected_ends(list(self._moving)).tolist()
         in_flight = tuple(
-            InFlight(f.update_id, f.job, f.server, f.path, f.bytes, f.started_at, net.expected_end(fid))
-            for fid, f in self._moving.items()
+            InFlight(f.update_id, f.job, f.server, f.path, f.bytes, f.started_at, end)
+            for f, end in zip(self._moving.values(), ends, strict=True)
         )
         return Snapshot(
             now=self._now,
@@ -422,10 +421,10 @@ class Simulator:
             }
         else:
             moving = self._moving  # expected_end = inf: released only when really done
-        for r in self._dispatch.release(self._now, ChainMap(dict(moving), self._gathering)):
+        for r in self._dispatch.release(self._now, {**moving, **self._gathering}):
             self._start_update(r.send)
         if self._dispatch.margin > 0:
-            wake = self._dispatch.next_wakeup(ChainMap(dict(moving), self._gathering))
+            wake = self._dispatch.next_wakeup({**moving, **self._gathering})
             if wake is not None and wake > self._now:
                 self._schedule(wake, 1, self._release)
 

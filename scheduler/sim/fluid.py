@@ -5,16 +5,21 @@ the rates of concurrent flows are the max-min fair allocation over the links the
 (what long-lived TCP flows converge to; the ``fair`` baseline of DESIGN §4 relies on it).
 The allocation is computed by *progressive filling* (water-filling): raise every flow's
 rate together until some link is full; freeze the flows on it at that link's fair share;
-repeat on the rest.
+repeat on the rest. :func:`max_min_rates` is the plain reference; :class:`FluidNetwork`
+runs the same rounds on numpy arrays.
 
 Network time-sharing (paper §3.1.1) needs nothing special here: a policy that releases
 transfers one after another on a bottleneck simply leaves one flow on it at a time, which
 then gets the whole link.
 
 :class:`FluidNetwork` keeps the active flows, their remaining bytes and rates, and
-recomputes max-min rates incrementally: after a flow starts or ends or a link's capacity
-changes, only the connected component of flows and links around the change is refilled
-(the max-min allocation decomposes over connected components).
+recomputes max-min rates only when something changed (a flow started or ended, a
+capacity changed), once per instant however many changes it saw. The max-min allocation
+decomposes over connected components of flows and links, but with one parameter server
+every update crosses its ingress, so the active flows are one component: instead of
+restricting the refill to a component, each round of the filling is vectorized (numpy
+over flow-link incidences), and only the entries not yet frozen stay in later rounds, so
+a refill costs ``O(F·P)`` array work plus ``O(L)`` per distinct fair-share level.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+
+import numpy as np
 
 __all__ = ["FluidNetwork", "max_min_rates"]
 
@@ -102,20 +108,59 @@ def max_min_rates(
     return rates
 
 
-@dataclass
-class _Flow:
-    links: tuple[Link, ...]
-    remaining: float  # bytes left at time `since`
-    rate: float
-    since: float
-    version: int = 0
+def water_fill(capacity: np.ndarray, flow_of: np.ndarray, link_of: np.ndarray, n_flows: int) -> np.ndarray:
+    """Max-min fair rates by progressive filling, vectorized (the rounds of :func:`max_min_rates`).
 
-    def finish(self) -> float:
-        if self.remaining <= 0.0:
-            return self.since
-        if self.rate <= 0.0:
-            return math.inf
-        return self.since + self.remaining / self.rate
+    Parameters
+    ----------
+    capacity : numpy.ndarray
+        Capacity of every link (bytes/s), indexed by link number.
+    flow_of, link_of : numpy.ndarray
+        The flow-link incidences: entry ``i`` says flow ``flow_of[i]`` crosses link
+        ``link_of[i]``.
+    n_flows : int
+        Number of flows (flows without an incidence get ``inf``).
+
+    Returns
+    -------
+    numpy.ndarray
+        Rate of every flow.
+
+    Notes
+    -----
+    Each round takes the smallest fair share ``remaining / unfrozen`` over the links and
+    freezes, at that share, every flow crossing a link whose share equals it (to a
+    relative ``1e-12``), then drops the frozen flows' incidences.
+
+    Examples
+    --------
+    >>> r = water_fill(np.array([10.0, 4.0]), np.array([0, 1, 1, 2]), np.array([0, 0, 1, 1]), 3)
+    >>> r.tolist()
+    [8.0, 2.0, 2.0]
+    """
+    n_links = len(capacity)
+    rates = np.full(n_flows, np.inf)
+    remaining = capacity.astype(float).copy()
+    count = np.bincount(link_of, minlength=n_links).astype(float)
+    frozen = np.zeros(n_flows, dtype=bool)
+    f, lk = flow_of, link_of
+    while len(f):
+        used = count > 0
+        share = np.full(n_links, np.inf)
+        np.divide(remaining, count, out=share, where=used)
+        level = float(share.min())
+        full = share <= level * (1.0 + 1e-12)
+        newly = np.unique(f[full[lk]])
+        rates[newly] = level
+        frozen[newly] = True
+        gone = frozen[f]
+        links_gone = lk[gone]
+        remaining -= level * np.bincount(links_gone, minlength=n_links)
+        np.maximum(remaining, 0.0, out=remaining)
+        count -= np.bincount(links_gone, minlength=n_links)
+        keep = ~gone
+        f, lk = f[keep], lk[keep]
+    return rates
 
 
 class FluidNetwork:
@@ -139,7 +184,7 @@ class FluidNetwork:
     >>> net.add("a", ["l"], 10.0); net.add("b", ["l"], 10.0)
     >>> net.next_completion()
     20.0
-    >>> sorted(net.advance_to(20.0))
+    >>> net.advance_to(20.0)
     ['a', 'b']
     """
 
@@ -149,52 +194,67 @@ class FluidNetwork:
         now: float = 0.0,
         on_rate: Callable[[FlowId, float, float], None] | None = None,
     ) -> None:
-        self._capacity: dict[Link, float] = {link: float(c) for link, c in capacity.items()}
-        self._flows: dict[FlowId, _Flow] = {}
-        self._link_flows: dict[Link, dict[FlowId, None]] = {}
-        self._dirty: dict[Link, None] = {}
-        self._heap: list[tuple[float, int, int, FlowId]] = []
-        self._seq = 0
-        self.now = float(now)
+        self._link_index: dict[Link, int] = {link: i for i, link in enumerate(capacity)}
+        self._capacity = np.array([float(c) for c in capacity.values()], dtype=float)
         self._on_rate = on_rate
-        #: number of max-min recomputations and flows refilled (profiling counters)
+        self.now = float(now)
+        # per-slot flow state; a slot is reused once its flow has ended
+        size = 64
+        self._remaining = np.zeros(size)  # bytes left at time `since`
+        self._rate = np.zeros(size)
+        self._since = np.zeros(size)
+        self._order = np.zeros(size, dtype=np.int64)  # start sequence (completion tie-break)
+        self._active = np.zeros(size, dtype=bool)
+        self._slot_of: dict[FlowId, int] = {}
+        self._flow_at: list[FlowId | None] = [None] * size
+        self._links_at: list[tuple[int, ...]] = [()] * size
+        self._hops = np.full((size, 4), -1, dtype=np.int64)  # link numbers per slot, -1 padded
+        self._free: list[int] = list(range(size - 1, -1, -1))
+        self._started = 0
+        self._dirty = False
+        #: number of max-min recomputations and of flows they covered (profiling counters)
         self.refills = 0
         self.refilled_flows = 0
 
     # -- queries ---------------------------------------------------------------------
     def __contains__(self, flow: FlowId) -> bool:
-        return flow in self._flows
+        return flow in self._slot_of
 
     def __len__(self) -> int:
-        return len(self._flows)
+        return len(self._slot_of)
 
     def capacity(self, link: Link) -> float:
         """Current capacity of ``link`` (bytes/s)."""
-        return self._capacity[link]
+        return float(self._capacity[self._link_index[link]])
 
     def rate(self, flow: FlowId) -> float:
         """Current max-min rate of ``flow`` (bytes/s)."""
         self._refill()
-        return self._flows[flow].rate
+        return float(self._rate[self._slot_of[flow]])
 
     def remaining(self, flow: FlowId) -> float:
         """Bytes ``flow`` still has to move at :attr:`now`."""
-        f = self._flows[flow]
-        return max(0.0, f.remaining - f.rate * (self.now - f.since)) if f.rate > 0 else f.remaining
+        self._refill()
+        i = self._slot_of[flow]
+        if not math.isfinite(self._rate[i]):
+            return 0.0
+        return max(0.0, float(self._remaining[i] - self._rate[i] * (self.now - self._since[i])))
 
     def expected_end(self, flow: FlowId) -> float:
         """When ``flow`` ends if rates stay as they are now."""
         self._refill()
-        return self._flows[flow].finish()
+        return float(self._finish(np.array([self._slot_of[flow]]))[0])
+
+    def expected_ends(self, flows: Sequence[FlowId]) -> np.ndarray:
+        """:meth:`expected_end` of several flows at once."""
+        self._refill()
+        return self._finish(np.array([self._slot_of[f] for f in flows], dtype=np.int64))
 
     def link_load(self, link: Link) -> float:
         """Sum of the rates of the flows on ``link`` (bytes/s)."""
         self._refill()
-        return sum(self._flows[f].rate for f in self._link_flows.get(link, ()))
-
-    def flows_on(self, link: Link) -> list[FlowId]:
-        """Flows currently crossing ``link``, in the order they started."""
-        return list(self._link_flows.get(link, ()))
+        i = self._link_index[link]
+        return float(sum(self._rate[s] for s in self._slot_of.values() if i in self._links_at[s]))
 
     # -- changes -----------------------------------------------------------------------
     def add(self, flow: FlowId, links: Iterable[Link], nbytes: float) -> None:
@@ -205,47 +265,53 @@ class FluidNetwork:
         KeyError
             If a link has no capacity or the flow id is already active.
         """
-        if flow in self._flows:
+        if flow in self._slot_of:
             raise KeyError(f"flow {flow!r} is already active")
-        path = tuple(links)
-        for link in path:
-            if link not in self._capacity:
-                raise KeyError(f"flow {flow!r}: link {link!r} is not in the network")
-        f = _Flow(links=path, remaining=float(nbytes), rate=0.0 if path else math.inf, since=self.now)
-        self._flows[flow] = f
-        for link in path:
-            self._link_flows.setdefault(link, {})[flow] = None
-            self._dirty[link] = None
-        self._push(flow, f)
+        try:
+            path = tuple(self._link_index[link] for link in links)
+        except KeyError as exc:
+            raise KeyError(f"flow {flow!r}: link {exc.args[0]!r} is not in the network") from None
+        if not self._free:
+            self._grow()
+        i = self._free.pop()
+        self._slot_of[flow] = i
+        self._flow_at[i] = flow
+        self._links_at[i] = path
+        if len(path) > self._hops.shape[1]:
+            wider = np.full((len(self._hops), len(path)), -1, dtype=np.int64)
+            wider[:, : self._hops.shape[1]] = self._hops
+            self._hops = wider
+        self._hops[i] = -1
+        self._hops[i, : len(path)] = path
+        self._remaining[i] = float(nbytes)
+        self._rate[i] = 0.0 if path else math.inf
+        self._since[i] = self.now
+        self._order[i] = self._started
+        self._active[i] = True
+        self._started += 1
+        self._dirty = self._dirty or bool(path)
 
     def remove(self, flow: FlowId) -> float:
         """Stop ``flow`` now; returns the bytes it had left."""
         left = self.remaining(flow)
-        f = self._flows.pop(flow)
-        for link in f.links:
-            del self._link_flows[link][flow]
-            self._dirty[link] = None
+        self._release(self._slot_of[flow])
         return left
 
     def set_capacity(self, link: Link, capacity: float) -> None:
         """Change ``link``'s capacity from :attr:`now` on (a dynamic cluster)."""
         if capacity < 0:
             raise ValueError(f"link {link!r}: capacity must be >= 0, got {capacity}")
-        self._capacity[link] = float(capacity)
-        self._dirty[link] = None
+        self._capacity[self._link_index[link]] = float(capacity)
+        self._dirty = True
 
     # -- time --------------------------------------------------------------------------
     def next_completion(self) -> float:
         """Time of the next flow completion at current rates (``inf`` if none)."""
         self._refill()
-        heap = self._heap
-        while heap:
-            t, _, ver, flow = heap[0]
-            f = self._flows.get(flow)
-            if f is not None and f.version == ver:
-                return t
-            heapq.heappop(heap)
-        return math.inf
+        if not self._slot_of:
+            return math.inf
+        slots = np.flatnonzero(self._active)
+        return float(self._finish(slots).min())
 
     def advance_to(self, t: float) -> list[FlowId]:
         """Move time to ``t`` and end the flows whose last byte is through by then.
@@ -262,64 +328,79 @@ class FluidNetwork:
         if t < self.now:
             raise ValueError(f"cannot go back in time from {self.now} to {t}")
         self._refill()
-        horizon = t + TIME_RTOL * max(1.0, abs(t))
-        done: list[FlowId] = []
-        heap = self._heap
-        while heap and heap[0][0] <= horizon:
-            _, _, ver, flow = heapq.heappop(heap)
-            f = self._flows.get(flow)
-            if f is None or f.version != ver:
-                continue
-            done.append(flow)
         self.now = t
-        for flow in done:
-            f = self._flows.pop(flow)
-            for link in f.links:
-                del self._link_flows[link][flow]
-                self._dirty[link] = None
-        return done
+        if not self._slot_of:
+            return []
+        slots = np.flatnonzero(self._active)
+        finish = self._finish(slots)
+        horizon = t + TIME_RTOL * max(1.0, abs(t))
+        ending = finish <= horizon
+        if not ending.any():
+            return []
+        slots, finish = slots[ending], finish[ending]
+        done = slots[np.lexsort((self._order[slots], finish))]
+        flows: list[FlowId] = [self._flow_at[i] for i in done.tolist()]
+        for i in done.tolist():
+            self._release(i)
+        return flows
 
     # -- internals ---------------------------------------------------------------------
-    def _push(self, flow: FlowId, f: _Flow) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (f.finish(), self._seq, f.version, flow))
+    def _finish(self, slots: np.ndarray) -> np.ndarray:
+        rate = self._rate[slots]
+        rem = self._remaining[slots]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dt = np.where(rem <= 0.0, 0.0, np.where(rate > 0.0, rem / rate, np.inf))
+        return self._since[slots] + dt
 
-    def _component(self) -> tuple[dict[FlowId, None], dict[Link, None]]:
-        """Flows and links connected to a dirty link."""
-        links: dict[Link, None] = {}
-        flows: dict[FlowId, None] = {}
-        stack = list(self._dirty)
-        while stack:
-            link = stack.pop()
-            if link in links:
-                continue
-            links[link] = None
-            for flow in self._link_flows.get(link, ()):
-                if flow not in flows:
-                    flows[flow] = None
-                    stack.extend(x for x in self._flows[flow].links if x not in links)
-        return flows, links
+    def _release(self, i: int) -> None:
+        flow = self._flow_at[i]
+        del self._slot_of[flow]
+        self._flow_at[i] = None
+        self._active[i] = False
+        self._dirty = self._dirty or bool(self._links_at[i])
+        self._links_at[i] = ()
+        self._free.append(i)
+
+    def _grow(self) -> None:
+        old = len(self._active)
+        new = 2 * old
+        for name in ("_remaining", "_rate", "_since", "_order", "_active"):
+            arr = getattr(self, name)
+            grown = np.zeros(new, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        hops = np.full((new, self._hops.shape[1]), -1, dtype=np.int64)
+        hops[:old] = self._hops
+        self._hops = hops
+        self._flow_at.extend([None] * old)
+        self._links_at.extend([()] * old)
+        self._free.extend(range(new - 1, old - 1, -1))
 
     def _refill(self) -> None:
         if not self._dirty:
             return
-        flows, _ = self._component()
-        self._dirty.clear()
-        if not flows:
+        self._dirty = False
+        slots = np.flatnonzero(self._active)
+        hops = self._hops[slots]
+        slots, hops = slots[hops[:, 0] >= 0], hops[hops[:, 0] >= 0]
+        if not len(slots):
             return
         self.refills += 1
-        self.refilled_flows += len(flows)
-        rates = max_min_rates({f: self._flows[f].links for f in flows}, self._capacity)
+        self.refilled_flows += len(slots)
+        flow_of, col = np.nonzero(hops >= 0)
+        link_of = hops[flow_of, col]
+        new = water_fill(self._capacity, flow_of, link_of, len(slots))
+        idx = slots
+        old = self._rate[idx]
+        changed = new != old
+        if not changed.any():
+            return
+        idx, new, old = idx[changed], new[changed], old[changed]
         now = self.now
-        for flow, rate in rates.items():
-            f = self._flows[flow]
-            if rate == f.rate:
-                continue
-            if f.rate > 0 and math.isfinite(f.rate):
-                f.remaining = max(0.0, f.remaining - f.rate * (now - f.since))
-            f.since = now
-            f.rate = rate
-            f.version += 1
-            self._push(flow, f)
-            if self._on_rate is not None:
-                self._on_rate(flow, now, rate)
+        moved = np.where(np.isfinite(old) & (old > 0.0), old * (now - self._since[idx]), 0.0)
+        self._remaining[idx] = np.maximum(0.0, self._remaining[idx] - moved)
+        self._since[idx] = now
+        self._rate[idx] = new
+        if self._on_rate is not None:
+            for i, r in zip(idx.tolist(), new.tolist(), strict=True):
+                self._on_rate(self._flow_at[i], now, r)

@@ -73,7 +73,7 @@ class FakeScheduler(control_pb2_grpc.SchedulerServicer):
         )
         self.send(src, control_pb2.Directive(send=send))
 
-    def Session(self, request_iterator: Iterator[Any], context: Any) -> Iterator[Any]:  # noqa: N802
+    def Session(self, request_iterator: Iterator[Any], context: Any) -> Iterator[Any]:
         first = next(request_iterator)
         host, address = first.hello.host, first.hello.data_address
         out: queue.Queue[Any] = queue.Queue()
@@ -110,16 +110,22 @@ class FakeScheduler(control_pb2_grpc.SchedulerServicer):
                     others = [(h, out) for h, (out, _) in self.sessions.items() if h != host]
                     servers = list(self.servers[r.job].values())
                 for _, out in others:
-                    out.put(control_pb2.Directive(job_update=control_pb2.JobUpdate(job=r.job, servers=servers)))
+                    out.put(
+                        control_pb2.Directive(job_update=control_pb2.JobUpdate(job=r.job, servers=servers))
+                    )
                 ack = control_pb2.RoleAck(request_id=r.request_id, ok=True, params=r.params, servers=servers)
             else:
                 with self.lock:
                     servers = list(self.servers.get(r.job, {}).values())
                     params = self.params.get(r.job)
                 if not servers:
-                    ack = control_pb2.RoleAck(request_id=r.request_id, ok=False, error=f"unknown job {r.job!r}")
+                    ack = control_pb2.RoleAck(
+                        request_id=r.request_id, ok=False, error=f"unknown job {r.job!r}"
+                    )
                 else:
-                    ack = control_pb2.RoleAck(request_id=r.request_id, ok=True, params=params, servers=servers)
+                    ack = control_pb2.RoleAck(
+                        request_id=r.request_id, ok=True, params=params, servers=servers
+                    )
             self.send(host, control_pb2.Directive(role_ack=ack))
         elif kind == "update_ready":
             with self.lock:

@@ -16,13 +16,30 @@ from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.tensors import layouts_to_pb, plan_layout
 
 
+def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    done = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        done.wait(0.02)
+    raise AssertionError("condition not reached in time")
+
+
 @pytest.fixture
 def cluster(make_daemon: Any) -> Iterator[dict[str, Any]]:
     """Daemons "ps" (with server ps0 serving in a thread) and "w0"."""
     ps, w0 = make_daemon("ps"), make_daemon("w0")
-    model = {"w": np.arange(6, dtype=np.float64).reshape(2, 3), "b": np.zeros(4, dtype=np.float32)}
+    model: dict[str, np.ndarray] = {
+        "w": np.arange(6, dtype=np.float64).reshape(2, 3),
+        "b": np.zeros(4, dtype=np.float32),
+    }
     server = mlfabric.register_as_server(
-        "job", "ps0", {k: v.copy() for k, v in model.items()}, mlfabric.Params(tau_max=2), daemon=ps.config.socket_path
+        "job",
+        "ps0",
+        {k: v.copy() for k, v in model.items()},
+        mlfabric.Params(tau_max=2),
+        daemon=ps.config.socket_path,
     )
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
@@ -35,8 +52,10 @@ def cluster(make_daemon: Any) -> Iterator[dict[str, Any]]:
 
 
 def test_push_applies_with_exact_arithmetic(cluster: dict[str, Any], scheduler: Any) -> None:
-    worker, server, model = cluster["worker"], cluster["server"], cluster["model"]
-    updates = [{"w": np.full((2, 3), float(i + 1)), "b": np.full(4, float(i), dtype=np.float32)} for i in range(3)]
+    worker, model = cluster["worker"], cluster["model"]
+    updates = [
+        {"w": np.full((2, 3), float(i + 1)), "b": np.full(4, float(i), dtype=np.float32)} for i in range(3)
+    ]
     results = []
     for update in updates:
         version, _ = worker.get("ps0")
@@ -50,6 +69,7 @@ def test_push_applies_with_exact_arithmetic(cluster: dict[str, Any], scheduler: 
     np.testing.assert_array_equal(got["b"], model["b"] - sum(u["b"] for u in updates))
     assert got["b"].dtype == np.float32
     # every transfer was reported with its bytes, outcome and measured times
+    wait_until(lambda: len(scheduler.reports) == len(results))
     reports = {r.update_id: r for r in scheduler.reports}
     assert {r.update_id for r in results} == set(reports)
     for r in results:
@@ -61,7 +81,9 @@ def test_push_applies_with_exact_arithmetic(cluster: dict[str, Any], scheduler: 
 
 def test_update_ids_and_ready_notifications(cluster: dict[str, Any], scheduler: Any) -> None:
     worker = cluster["worker"]
-    handles = [worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}, norm=2.5) for _ in range(2)]
+    handles = [
+        worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}, norm=2.5) for _ in range(2)
+    ]
     results = [h.wait(10) for h in handles]
     assert [r.update_id for r in results] == ["w0/1", "w0/2"]
     ready = scheduler.ready
@@ -85,7 +107,7 @@ def test_tau_max_drop_names_the_numbers(cluster: dict[str, Any]) -> None:
     assert result.delay == 3 and result.version == 3
     assert "delay 3 exceeds tau_max 2" in result.reason
     assert cluster["server"].version == 3
-    version, model = worker.get("ps0")
+    _, model = worker.get("ps0")
     np.testing.assert_array_equal(model["w"], cluster["model"]["w"] - 3)
 
 
@@ -109,11 +131,12 @@ def test_retried_update_is_not_applied_twice(cluster: dict[str, Any]) -> None:
         tensors=layouts_to_pb(layouts),
     )
     pool = PeerPool(FrameLimits())
-    try:
-        first = pool.request(ps.data_address, header, bytes(payload))
-        second = pool.request(ps.data_address, header, bytes(payload))
-    finally:
-        pool.close()
+    replies = []
+    for _ in range(2):  # two connections, as a retry after a lost connection would
+        conn = pool.connect(ps.data_address)
+        replies.append(conn.request(header, bytes(payload)))
+        conn.close()
+    first, second = replies
     assert first.header.kind == dataplane_pb2.FRAME_KIND_ACK
     assert first.header.outcome == control_pb2.OUTCOME_APPLIED and first.header.version == 1
     assert (second.header.outcome, second.header.version) == (first.header.outcome, first.header.version)
@@ -125,10 +148,7 @@ def test_unreachable_peer_resolves_dropped_with_reason(cluster: dict[str, Any], 
     worker = cluster["worker"]
     scheduler.hold = True
     handle = worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)})
-    deadline = 50
-    while not scheduler.ready and deadline:
-        threading.Event().wait(0.05)
-        deadline -= 1
+    wait_until(lambda: scheduler.ready)
     ready = scheduler.ready[-1]
     dead = "127.0.0.1:1"
     send = control_pb2.SendDirective(
@@ -138,6 +158,7 @@ def test_unreachable_peer_resolves_dropped_with_reason(cluster: dict[str, Any], 
     result = handle.wait(10)
     assert result.status == mlfabric.DROPPED
     assert dead in result.reason and "3 attempts" in result.reason
+    wait_until(lambda: scheduler.reports)
     report = scheduler.reports[-1]
     assert not report.ok and dead in report.error and report.outcome == control_pb2.OUTCOME_DROPPED
 
@@ -146,11 +167,10 @@ def test_drop_directive_resolves_with_its_reason(cluster: dict[str, Any], schedu
     worker = cluster["worker"]
     scheduler.hold = True
     handle = worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)})
-    for _ in range(100):
-        if scheduler.ready:
-            break
-        threading.Event().wait(0.05)
-    drop = control_pb2.DropDirective(update_id=scheduler.ready[-1].update_id, reason="expected delay 9 > tau_max 2")
+    wait_until(lambda: scheduler.ready)
+    drop = control_pb2.DropDirective(
+        update_id=scheduler.ready[-1].update_id, reason="expected delay 9 > tau_max 2"
+    )
     scheduler.send("w0", control_pb2.Directive(drop=drop))
     result = handle.wait(10)
     assert (result.status, result.reason) == (mlfabric.DROPPED, "expected delay 9 > tau_max 2")
@@ -161,11 +181,29 @@ def test_scheduler_loss_resolves_waiting_pushes(cluster: dict[str, Any], schedul
     worker = cluster["worker"]
     scheduler.hold = True
     handle = worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)})
-    for _ in range(100):
-        if scheduler.ready:
-            break
-        threading.Event().wait(0.05)
+    wait_until(lambda: scheduler.ready)
     scheduler.stop()
     result = handle.wait(10)
     assert result.status == mlfabric.DROPPED
     assert "scheduler connection lost" in result.reason
+
+
+def test_daemons_reconnect_and_re_register_after_scheduler_restart(
+    cluster: dict[str, Any], scheduler: Any
+) -> None:
+    worker, server = cluster["worker"], cluster["server"]
+    update = {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}
+    assert worker.push("ps0", update).wait(10).applied
+    port = int(scheduler.address.rsplit(":", 1)[1])
+    scheduler.stop()
+    fresh = type(scheduler)()
+    fresh.start(port)
+    try:
+        # both daemons come back and re-register the server (at its current version) and the worker
+        wait_until(lambda: {"ps", "w0"} <= set(fresh.sessions), timeout=15)
+        wait_until(lambda: "ps0" in fresh.servers.get("job", {}), timeout=5)
+        assert fresh.servers["job"]["ps0"].version == 1
+        result = worker.push("ps0", update).wait(10)
+        assert result.applied and result.version == 2 and server.version == 2
+    finally:
+        fresh.stop()

@@ -77,7 +77,8 @@ def scheduler(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str,
 
 
 @pytest.mark.slow
-def test_scheduler_process_serves_and_exits_0_on_sigterm(scheduler) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_scheduler_process_serves_and_exits_0_on_signal(scheduler, sig: signal.Signals) -> None:
     proc, info = scheduler
     assert info["pid"] == proc.pid
     address = str(info["address"])
@@ -91,7 +92,7 @@ def test_scheduler_process_serves_and_exits_0_on_sigterm(scheduler) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=10) as r:
         text = r.read().decode()
     assert "mlfabric_updates_ready_total 0.0" in text and "mlfabric_decision_seconds_count" in text
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     assert proc.wait(timeout=10) == 0
 
 
@@ -109,3 +110,13 @@ def test_unknown_policy_names_the_known_ones(tmp_path: Path) -> None:
     out = subprocess.run(_scheduler("--policy", "nope"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "'nope'" in out.stderr and "fair" in out.stderr
+
+
+@pytest.mark.slow
+def test_port_in_use_is_a_clear_error(scheduler) -> None:
+    _, info = scheduler
+    out = subprocess.run(
+        _scheduler("--listen", str(info["address"])), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert f"cannot listen on {info['address']}" in out.stderr

@@ -35,8 +35,12 @@ def test_successor_waits_until_near_expected_end_of_in_flight_predecessor() -> N
     assert d.next_wakeup(in_flight) == pytest.approx(0.99)
     assert d.release(now=0.98, in_flight=in_flight) == []
     (r,) = d.release(now=0.99, in_flight=in_flight)
-    # the planned duration is kept, counted from the actual release
-    assert (r.send.update_id, r.started_at, r.expected_end) == ("b", 0.99, pytest.approx(2.99))
+    # released early: its planned duration counts from its predecessor's expected end
+    assert (r.send.update_id, r.started_at, r.expected_end) == ("b", 0.99, pytest.approx(3.0))
+    d.adopt(Decision(sends=(_send("c", after=("a",), start=1.0, end=3.0),)))
+    (late,) = d.release(now=1.5, in_flight=in_flight)
+    # released late: counted from the release
+    assert late.expected_end == pytest.approx(3.5)
 
 
 def test_report_of_predecessor_releases_successor_early() -> None:
@@ -60,10 +64,18 @@ def test_chain_behind_planned_predecessor_is_released_link_by_link() -> None:
     assert _ids(d.release(now=3.0, in_flight={"b": _flight("b", 3.0)})) == ["c"]
 
 
-def test_short_chain_goes_in_one_call_when_within_margin() -> None:
-    d = Dispatcher(margin=0.5)
-    d.adopt(Decision(sends=(_send("a", (), 0.0, 0.1), _send("b", ("a",), 0.1, 0.2))))
-    assert _ids(d.release(now=0.0, in_flight={})) == ["a", "b"]
+def test_short_chain_goes_in_one_call_only_as_far_as_the_margin_reaches() -> None:
+    d = Dispatcher(margin=0.25)
+    chain = [_send("a", (), 0.0, 0.1)]
+    for prev, uid in zip("abcd", "bcde", strict=True):
+        chain.append(_send(uid, (prev,), 0.0, 0.1))
+    d.adopt(Decision(sends=tuple(chain)))
+    released = d.release(now=0.0, in_flight={})
+    # a ends at 0.1, b at 0.2, c at 0.3 (each after the one before); d may start at 0.3 - 0.25
+    assert _ids(released) == ["a", "b", "c"]
+    assert [r.expected_end for r in released] == pytest.approx([0.1, 0.2, 0.3])
+    in_flight = {r.send.update_id: _flight(r.send.update_id, r.expected_end) for r in released}
+    assert d.next_wakeup(in_flight) == pytest.approx(0.05)
 
 
 def test_adopt_replaces_unreleased_sends_and_forget_removes() -> None:

@@ -134,6 +134,12 @@ def test_failed_transfer_is_forgotten_without_outcome() -> None:
     s.report(TransferResult("u1", "h1", "h0", 0, 0.0, 0.0, ok=False, error="peer gone"))
     assert not s.in_flight and "u1" not in s.outcomes
     _ready(s, "u1")  # the daemon may announce it again to retry
+    s.release("u1", ("h1", "sw", "h0"), 0.0, 1.0)
+    s.report(
+        TransferResult("u1", "h1", "h0", 0, 0.0, 0.0, ok=False, error="gone", outcome=OutcomeKind.DROPPED)
+    )
+    assert s.outcomes["u1"].kind is OutcomeKind.DROPPED and s.outcomes["u1"].reason == "gone"
+    assert s.server_versions()[("j", "ps")] == 5
 
 
 def test_drop_records_reason() -> None:
@@ -195,3 +201,15 @@ def test_resolve_by_daemon_checks_the_source() -> None:
         s.resolve("h2", "u1", OutcomeKind.DROPPED, "x")
     assert s.resolve("h1", "u1", OutcomeKind.DROPPED, "shape mismatch") is not None
     assert not s.pending and s.outcomes["u1"].reason == "shape mismatch"
+
+
+def test_sharing_weights_other_transfers_by_their_overlap() -> None:
+    s = _state()
+    _ready(s, "u1")
+    _ready(s, "v1", host="h2", worker="w2")
+    s.release("u1", ("h1", "sw", "h0"), started_at=0.0, expected_end=1.0)
+    assert s.sharing("u1", now=1.0) == 1  # alone
+    s.release("v1", ("h2", "sw", "h0"), started_at=0.75, expected_end=2.0)
+    assert s.sharing("u1", now=1.0) == 1  # v1 overlapped a quarter of u1's time on sw->h0
+    assert s.sharing("u1", now=3.0) == 2  # ... and three quarters here
+    assert s.sharing("unknown", now=1.0) == 1

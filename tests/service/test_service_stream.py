@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
+import networkx as nx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -70,8 +71,18 @@ class FakeDaemon:
         assert d.WhichOneof("kind") == "role_ack", d
         return d.role_ack
 
-    async def ready(self, uid: str, nbytes: int, worker: str, server: str = "ps", job: str = "j") -> None:
-        msg = pb.UpdateReady(update_id=uid, job=job, server=server, worker=worker, bytes=nbytes, norm=1.0)
+    async def ready(
+        self, uid: str, nbytes: int, worker: str, server: str = "ps", job: str = "j", base_version: int = 3
+    ) -> None:
+        msg = pb.UpdateReady(
+            update_id=uid,
+            job=job,
+            server=server,
+            worker=worker,
+            bytes=nbytes,
+            norm=1.0,
+            base_version=base_version,
+        )
         await self.send(update_ready=msg)
 
     async def report(self, uid: str, dst: str, version: int, nbytes: int = 1000) -> None:
@@ -108,6 +119,22 @@ class Cluster:
         raise AssertionError("condition not reached")
 
 
+class RecordingEstimator(StaticEstimator):
+    def __init__(self, graph: nx.DiGraph) -> None:
+        super().__init__(graph)
+        self.observed: list[tuple[tuple[str, ...], int, float, int]] = []
+        self.asked = 0
+
+    def observe(
+        self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
+    ) -> None:
+        self.observed.append((tuple(path), nbytes, duration, shared))
+
+    def estimated_graph(self) -> nx.DiGraph:
+        self.asked += 1
+        return super().estimated_graph()
+
+
 @contextlib.asynccontextmanager
 async def cluster(policy: str = "fair", window: float = 0.05) -> AsyncIterator[Cluster]:
     graph = star(["ps", "a", "b"], NIC_BPS)
@@ -116,7 +143,7 @@ async def cluster(policy: str = "fair", window: float = 0.05) -> AsyncIterator[C
         make_policy(policy),
         dispatcher=Dispatcher(margin=0.001),
         batcher=AdaptiveBatcher(window=window, max_wait=0.2),
-        estimator=StaticEstimator(graph),
+        estimator=RecordingEstimator(graph),
         metrics=Metrics(),
     )
     server, port = await start_server(core, "127.0.0.1:0")
@@ -220,8 +247,13 @@ def test_fair_sends_every_ready_update_at_once_to_its_source_daemon() -> None:
             sa, sb = (await a.recv()).send, (await b.recv()).send
             assert (sa.update_id, sa.next_hop_host, sa.dst_host) == ("a/1", "ps", "ps")
             assert (sb.update_id, sb.next_hop_address) == ("b/1", c.core.state.address("ps"))
+            await asyncio.sleep(0.1)  # both in flight together for (almost) all of a/1's time
             await a.report("a/1", "ps", version=4)
             await c.until(lambda: c.core.state.server_versions()[("j", "ps")] == 4)
+            estimator = c.core.estimator
+            assert isinstance(estimator, RecordingEstimator)
+            # b/1 was in flight to the same server the whole time: the link was shared by two
+            assert estimator.observed == [(("a", "sw", "ps"), 1000, 0.5, 2)] and estimator.asked >= 1
             assert c.core.metrics.updates_applied._value.get() == 1
 
     run(main())
@@ -300,5 +332,57 @@ def test_health_check_reports_serving() -> None:
             for service in ("", "mlfabric.v1.Scheduler"):
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(main())
+
+
+def test_stf_drops_an_update_too_stale_for_tau_max() -> None:
+    async def main() -> None:
+        async with cluster("stf") as c:
+            _, a, b = await _job(c)  # server version 3, tau_max 4
+            await a.ready("a/stale", 1000, "wa", base_version=-2)
+            await b.ready("b/fresh", 1000, "wb", base_version=3)
+            drop = (await a.recv()).drop
+            assert drop.update_id == "a/stale" and "tau_max 4" in drop.reason
+            assert (await b.recv()).send.update_id == "b/fresh"
+            assert c.core.metrics.updates_dropped._value.get() == 1
+
+    run(main())
+
+
+def test_update_resolved_and_unregister_server() -> None:
+    async def main() -> None:
+        async with cluster("stf") as c:
+            ps, a, b = await _job(c)
+            await a.ready("a/big", 3_000_000, "wa")
+            await b.ready("b/small", 1_000_000, "wb")
+            assert (await b.recv()).send.update_id == "b/small"
+            resolved = pb.UpdateResolved(update_id="a/big", outcome=pb.OUTCOME_DROPPED, reason="cancelled")
+            await a.send(update_resolved=resolved)
+            await c.until(lambda: not c.core.state.pending)
+            assert c.core.dispatcher.planned == ()
+            await b.ready("b/2", 1_000, "wb")
+            await ps.send(unregister_role=pb.UnregisterRole(job="j", role=pb.ROLE_SERVER, name="ps"))
+            # b/2 waits behind b/small on b's uplink, so it is still pending: dropped
+            drop = (await b.recv()).drop
+            assert drop.update_id == "b/2" and "unregistered" in drop.reason
+            assert list((await b.recv()).job_update.servers) == []
+            assert "j" not in {j for j, _ in c.core.state.server_versions()}
+
+    run(main())
+
+
+def test_stf_releases_the_next_transfer_by_the_clock_when_no_report_comes() -> None:
+    async def main() -> None:
+        async with cluster("stf") as c:
+            _, a, b = await _job(c)
+            await a.ready("a/big", 300_000, "wa")
+            await b.ready("b/small", 100_000, "wb")  # expected to take 0.1 s on ps's ingress
+            assert (await b.recv()).send.update_id == "b/small"
+            t0 = asyncio.get_running_loop().time()
+            assert (await a.recv(timeout=2.0)).send.update_id == "a/big"
+            waited = asyncio.get_running_loop().time() - t0
+            assert 0.05 < waited < 1.0, waited
+            assert set(c.core.state.in_flight) == {"a/big", "b/small"}
 
     run(main())

@@ -10,7 +10,13 @@ import networkx as nx
 import pytest
 
 from mlfabric.testbed.cluster import Testbed
-from mlfabric.testbed.netns import DEFAULT_STATE_DIR, SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale
+from mlfabric.testbed.netns import (
+    DEFAULT_STATE_DIR,
+    SubprocessRunner,
+    missing_prerequisites,
+    new_prefix,
+    sweep_stale,
+)
 
 
 @pytest.fixture(scope="session")

@@ -119,13 +119,16 @@ def test_cli_up_status_exec_down(
 
 # --------------------------------------------------------------- end to end (daemons)
 
-DAEMON_READY = all(importlib.util.find_spec(m) is not None for m in ("mlfabric.daemon.cli", "mlfabric.scheduler.cli"))
+DAEMON_READY = all(
+    importlib.util.find_spec(m) is not None for m in ("mlfabric.daemon.cli", "mlfabric.scheduler.cli")
+)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fair", "stf"])
 @pytest.mark.skipif(not DAEMON_READY, reason="mlfabric.daemon.cli / mlfabric.scheduler.cli do not exist yet")
 def test_pushes_end_to_end_through_scheduler_and_daemons(
-    make_testbed: Callable[[nx.DiGraph], Testbed], topology_file: Path, tmp_path: Path
+    make_testbed: Callable[[nx.DiGraph], Testbed], topology_file: Path, tmp_path: Path, policy: str
 ) -> None:
     from mlfabric.testbed.launch import TestbedCluster
 
@@ -133,21 +136,33 @@ def test_pushes_end_to_end_through_scheduler_and_daemons(
     update_bytes, pushes = 4_000_000, 3
     roles = [sys.executable, "-m", "mlfabric.testbed.roles"]
     common = ["--job", "j", "--update-bytes", str(update_bytes)]
-    with TestbedCluster(testbed, topology_file, policy="stf", workdir=tmp_path / "run") as cluster:
-        server = cluster.spawn("ps", [*roles, "server", *common, "--name", "ps", "--out", str(tmp_path / "ps.json")])
+    limits = ["--no-get", "--pushes", str(pushes), "--out"]
+    with TestbedCluster(testbed, topology_file, policy=policy, workdir=tmp_path / "run") as cluster:
+        server = cluster.spawn(
+            "ps", [*roles, "server", *common, "--name", "ps", "--out", str(tmp_path / "ps.json")]
+        )
         workers = [
             cluster.spawn(
                 w,
-                [*roles, "worker", *common, "--name", w, "--server", "ps", "--pushes", str(pushes), "--no-get"]
-                + ["--out", str(tmp_path / f"{w}.csv")],
+                [
+                    *roles,
+                    "worker",
+                    *common,
+                    "--name",
+                    w,
+                    "--server",
+                    "ps",
+                    *limits,
+                    str(tmp_path / f"{w}.csv"),
+                ],
             )
             for w in ("w0", "w1")
         ]
         for proc in workers:
-            cluster.wait(proc, timeout=60)
+            cluster.wait(proc, timeout=30)
         server.popen.terminate()
         cluster.wait(server, timeout=15)
-    rows = [r for w in ("w0", "w1") for r in csv.DictReader(open(tmp_path / f"{w}.csv"))]
+    rows = [r for w in ("w0", "w1") for r in csv.DictReader((tmp_path / f"{w}.csv").open())]
     assert len(rows) == 2 * pushes
     assert all(r["status"] in ("APPLIED", "DROPPED") for r in rows)
     summary = json.loads((tmp_path / "ps.json").read_text())

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import ipaddress
 import doctest
+import ipaddress
 import random
 import time
 from collections.abc import Sequence
@@ -55,7 +55,7 @@ def test_layout_shapes_each_direction_on_its_senders_egress() -> None:
         assert end.namespace == owner
     assert layout.link_ends[("w0", "tor0")].rate == 50e6 / 8
     assert layout.link_ends[("tor0", "w0")].rate == 20e6 / 8  # w0's ingress
-    assert len(layout.pairs) == len(TWO_TIER["links"]) + len(TWO_TIER["hosts"])
+    assert len(layout.pairs) == 6 + 4  # a pair per link and a control pair per host
 
 
 def test_layout_names_and_addresses_are_unique_and_in_range() -> None:
@@ -101,7 +101,11 @@ def test_layout_refuses_what_it_cannot_emulate() -> None:
     two_nics = {
         "hosts": ["a", "b"],
         "switches": ["s0", "s1"],
-        "links": [{"a": "a", "b": "s0", "mbps": 1}, {"a": "a", "b": "s1", "mbps": 1}, {"a": "b", "b": "s1", "mbps": 1}],
+        "links": [
+            {"a": "a", "b": "s0", "mbps": 1},
+            {"a": "a", "b": "s1", "mbps": 1},
+            {"a": "b", "b": "s1", "mbps": 1},
+        ],
     }
     with pytest.raises(LayoutError, match="host 'a' has 2 links"):
         plan_layout(parse_topology(two_nics), PREFIX)
@@ -169,7 +173,9 @@ def test_sweep_deletes_only_dead_runs_with_our_pattern(tmp_path: Path) -> None:
 
 
 def test_stale_prefixes_and_new_prefix() -> None:
-    assert stale_prefixes(["mlf123456-ctl"], {"mlf123456": {"pid": 7}}, alive=lambda pid: False) == {"mlf123456"}
+    assert stale_prefixes(["mlf123456-ctl"], {"mlf123456": {"pid": 7}}, alive=lambda pid: False) == {
+        "mlf123456"
+    }
     assert stale_prefixes(["mlf123456-ctl"], {"mlf123456": {"pid": 7}}, alive=lambda pid: True) == set()
     rng = random.Random(5)
     prefixes = {new_prefix(rng) for _ in range(50)}
@@ -208,13 +214,19 @@ def test_ns_schedule_and_compute_delays_are_seeded() -> None:
     assert one == two
     assert len(one) == 5 * len(links)
     assert {c.rate for c in one} <= {10e6, 5e6, 2.5e6}
-    delays = compute_delays(["w0", "w1", "w2", "w3"], base=0.2, stragglers=2, slowdown=4, rng=random.Random(1))
+    delays = compute_delays(
+        ["w0", "w1", "w2", "w3"], base=0.2, stragglers=2, slowdown=4, rng=random.Random(1)
+    )
     assert sorted(delays.values()) == [0.2, 0.2, 0.8, 0.8]
 
 
 def test_schedule_runner_applies_in_order_and_stops() -> None:
     applied: list[RateChange] = []
-    changes = [RateChange(0.05, ("a", "b"), 2.0), RateChange(0.0, ("a", "b"), 1.0), RateChange(60, ("a", "b"), 3.0)]
+    changes = [
+        RateChange(0.05, ("a", "b"), 2.0),
+        RateChange(0.0, ("a", "b"), 1.0),
+        RateChange(60, ("a", "b"), 3.0),
+    ]
     runner = ScheduleRunner(applied.append, changes)
     runner.start()
     deadline = time.monotonic() + 5

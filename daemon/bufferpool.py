@@ -1,0 +1,160 @@
+"""Recycled memfd-backed buffers for received payloads (issue 2, "Data plane", "Performance").
+
+A daemon receives every update into a memfd so that it can pass the fd on to the server process
+(DEVELOPERS.md, "shared memory"). Fresh memory is expensive: on loopback, receiving into new
+pages (the kernel allocates and zeroes each one on first touch) halves the data plane's rate
+compared with receiving into pages already mapped, which is what ``torch.distributed`` and a raw
+socket benchmark do when they reuse one tensor. :class:`MemfdPool` keeps released buffers,
+mapped and touched, and hands them out again for payloads of the same size class.
+
+Use it as the data plane's allocator::
+
+    pool = MemfdPool(max_idle_bytes=1 << 30)
+    listener = DataPlaneListener(addr, handler, limits, alloc=pool.allocate)
+    ...
+    frame.buffer.fd          # pass this to the server process (payload is the first nbytes)
+    frame.buffer.release()   # when nobody reads the payload any more: back to the pool
+
+A buffer's capacity is ``nbytes`` rounded up to a power of two (at least 64 KiB); its memfd has
+that size, and only the first ``nbytes`` bytes belong to the payload (use the tensor layout, not
+``fstat``). ``release`` must come after the last reader is done: the next payload overwrites it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+
+__all__ = ["MemfdPool", "PooledBuffer", "size_class"]
+
+#: Smallest capacity handed out.
+MIN_CLASS_BYTES = 64 * 1024
+
+
+def size_class(nbytes: int) -> int:
+    """The capacity of the buffer that serves a payload of ``nbytes`` bytes.
+
+    Examples
+    --------
+    >>> size_class(1), size_class(65536), size_class(65537), size_class(3 << 20)
+    (65536, 65536, 131072, 4194304)
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return max(MIN_CLASS_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+class PooledBuffer(mmap.mmap):
+    """A shared mapping of a memfd; ``fd`` is the memfd, ``release()`` gives it back to its pool.
+
+    Created by :meth:`MemfdPool.allocate`, not directly.
+    """
+
+    fd: int
+    capacity: int
+    _pool: MemfdPool | None
+
+    def release(self) -> None:
+        """Return the buffer to its pool (or free it when the pool is full or closed); idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._give_back(self)
+
+    def _free(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(BufferError):  # a view still exists: the mapping goes with it
+            self.close()
+
+
+class MemfdPool:
+    """A thread-safe pool of :class:`PooledBuffer` by size class.
+
+    Parameters
+    ----------
+    max_idle_bytes : int
+        Total capacity of released buffers kept for reuse; beyond it released buffers are freed.
+    name : str
+        Name of the memfds (shows in ``/proc/PID/fd``).
+
+    Examples
+    --------
+    >>> pool = MemfdPool(max_idle_bytes=1 << 20)
+    >>> buf = pool.allocate(1000)
+    >>> buf[:5] = b"hello"; os.pread(buf.fd, 5, 0)
+    b'hello'
+    >>> buf.release()
+    >>> pool.allocate(2000) is buf        # same size class: the same memfd, already mapped
+    True
+    >>> pool.close()
+    """
+
+    def __init__(self, max_idle_bytes: int = 1 << 30, name: str = "mlfabric-payload") -> None:
+        self._max_idle = max_idle_bytes
+        self._name = name
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[PooledBuffer]] = {}
+        self._idle_bytes = 0
+        self._closed = False
+        #: Allocations served from the pool / with a new memfd (for tests and metrics).
+        self.reused = 0
+        self.created = 0
+
+    @property
+    def idle_bytes(self) -> int:
+        """Total capacity of the buffers waiting for reuse."""
+        return self._idle_bytes
+
+    def allocate(self, nbytes: int) -> PooledBuffer:
+        """A buffer of at least ``nbytes`` bytes (the data plane's ``alloc``).
+
+        Parameters
+        ----------
+        nbytes : int
+            Payload size.
+
+        Returns
+        -------
+        PooledBuffer
+            A writable shared mapping with ``fd`` and ``release()``.
+        """
+        capacity = size_class(nbytes)
+        with self._lock:
+            idle = self._idle.get(capacity)
+            if idle:
+                buf = idle.pop()
+                self._idle_bytes -= capacity
+                self.reused += 1
+                buf._pool = self
+                return buf
+            self.created += 1
+        fd = os.memfd_create(self._name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, capacity)
+            buf = PooledBuffer(fd, capacity)
+        except BaseException:
+            os.close(fd)
+            raise
+        buf.fd, buf.capacity, buf._pool = fd, capacity, self
+        return buf
+
+    def _give_back(self, buf: PooledBuffer) -> None:
+        with self._lock:
+            if not self._closed and self._idle_bytes + buf.capacity <= self._max_idle:
+                self._idle.setdefault(buf.capacity, []).append(buf)
+                self._idle_bytes += buf.capacity
+                return
+        buf._free()
+
+    def close(self) -> None:
+        """Free every idle buffer; buffers released later are freed, not kept."""
+        with self._lock:
+            self._closed = True
+            bufs = [b for idle in self._idle.values() for b in idle]
+            self._idle.clear()
+            self._idle_bytes = 0
+        for buf in bufs:
+            buf._free()

@@ -1,0 +1,289 @@
+"""The server roles a daemon hosts: hand-off of arriving updates and the published model (DESIGN.md §3).
+
+On the server's host the daemon passes each update arriving on the data plane (its memfd,
+filled by the data plane's ``alloc``) to the server process as ``DeliverUpdate``, waits for
+the process's ``UpdateVerdict`` and answers the sender with an ACK frame carrying it. A
+retried update gets the stored verdict (:class:`~mlfabric.daemon.roles.ServerHandoff`
+de-duplicates by ``update_id``), so it is never applied twice. ``get`` — a GET frame from a
+peer daemon, or a local worker's request — is answered from the model the server process
+last published (``PublishModel``, a memfd kept mapped, its CRC-32 computed once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import zlib
+from typing import Any
+
+from mlfabric.daemon.dataplane import Frame, FrameError, FrameHeader, FrameLimits, check_header, error_header
+from mlfabric.daemon.localapi import LocalConnection
+from mlfabric.daemon.roles import ModelSnapshot, ServerHandoff, Verdict, check_update, spec_from_pb
+from mlfabric.daemon.transport import Response
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
+from mlfabric.tensors import layouts_from_pb, layouts_to_pb
+
+__all__ = ["MemfdBuffer", "ServerRoles"]
+
+_UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
+_ACK = dataplane_pb2.FRAME_KIND_ACK
+_GET = dataplane_pb2.FRAME_KIND_GET
+_MODEL = dataplane_pb2.FRAME_KIND_MODEL
+
+
+class MemfdBuffer(mmap.mmap):
+    """A writable mapping of a fresh memfd; ``fd`` can be passed on to a local process.
+
+    Examples
+    --------
+    >>> buf = MemfdBuffer.allocate(8)
+    >>> buf[:2] = b"hi"; os.pread(buf.fd, 2, 0)
+    b'hi'
+    >>> buf.release()
+    """
+
+    fd: int
+
+    @classmethod
+    def allocate(cls, size: int) -> MemfdBuffer:
+        """A buffer of ``size`` bytes (the data plane's ``alloc``)."""
+        fd = os.memfd_create("mlfabric-dataplane", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            buf = cls(fd, max(size, 1))
+        except BaseException:
+            os.close(fd)
+            raise
+        buf.fd = fd
+        return buf
+
+    def release(self) -> None:
+        """Close the fd and the mapping (the mapping lingers while views of it exist)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(BufferError):
+            self.close()
+
+
+class ServerRoles:
+    """The server roles on one host, keyed by (job, server name) (thread-safe).
+
+    Parameters
+    ----------
+    host : str
+        This host's name (in messages).
+    limits : FrameLimits
+        What a published model may be.
+    verdict_timeout : float
+        Seconds to wait for a server process's verdict.
+    """
+
+    def __init__(self, host: str, limits: FrameLimits, verdict_timeout: float) -> None:
+        self.host = host
+        self._limits = limits
+        self._verdict_timeout = verdict_timeout
+        self._lock = threading.Lock()
+        self._roles: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
+
+    def add(self, conn: LocalConnection, req: Any) -> str | None:
+        """Host server ``req`` (a ``RegisterServerRequest``) for ``conn``; an error message if taken."""
+        key = (req.job, req.name)
+
+        def deliver(update_id: str, header: Any, payload_fd: int) -> None:
+            event = local_pb2.LocalEvent(
+                deliver=local_pb2.DeliverUpdate(
+                    update_id=update_id,
+                    worker=header.worker,
+                    base_version=header.base_version,
+                    norm=header.norm,
+                    num_updates=header.num_updates or 1,
+                    tensors=header.tensors,
+                    payload_bytes=header.payload_bytes,
+                    has_payload=True,
+                )
+            )
+            if not conn.send(event, payload_fd):
+                raise ConnectionError(f"server process {req.name!r} disconnected")
+
+        with self._lock:
+            if key in self._roles:
+                return f"server {req.name!r} of job {req.job!r} already runs on host {self.host!r}"
+            conn.role, conn.job, conn.name = "server", req.job, req.name
+            handoff = ServerHandoff(req.job, req.name, spec_from_pb(req.model), req.version, deliver)
+            self._roles[key] = (handoff, conn, req.params)
+        return None
+
+    def remove(self, conn: LocalConnection) -> bool:
+        """The server process of ``conn`` went away: drop what waits for it. True if it had a role."""
+        with self._lock:
+            entry = self._roles.get((conn.job, conn.name))
+            if entry is None or entry[1] is not conn:
+                return False
+            del self._roles[(conn.job, conn.name)]
+        entry[0].close(f"server process {conn.name!r} of job {conn.job!r} on host {self.host!r} disconnected")
+        return True
+
+    def close_all(self, reason: str) -> None:
+        """Resolve every waiting hand-off DROPPED with ``reason`` (shutdown)."""
+        with self._lock:
+            entries = list(self._roles.values())
+            self._roles.clear()
+        for handoff, _, _ in entries:
+            handoff.close(reason)
+
+    def registrations(self) -> list[Any]:
+        """``RegisterRole`` messages re-registering every hosted server at its current version."""
+        with self._lock:
+            entries = list(self._roles.values())
+        messages = []
+        for handoff, _, params in entries:
+            messages.append(
+                control_pb2.RegisterRole(
+                    job=handoff.job,
+                    name=handoff.name,
+                    role=control_pb2.ROLE_SERVER,
+                    params=params,
+                    version=handoff.version,
+                    model=[
+                        control_pb2.TensorSpec(name=n, dtype=d, shape=list(s))
+                        for n, (d, s) in handoff.spec.items()
+                    ],
+                )
+            )
+        return messages
+
+    def hosts(self, job: str, server: str) -> bool:
+        """Whether server ``server`` of ``job`` runs on this host."""
+        with self._lock:
+            return (job, server) in self._roles
+
+    def _own(self, conn: LocalConnection) -> ServerHandoff | None:
+        with self._lock:
+            entry = self._roles.get((conn.job, conn.name)) if conn.role == "server" else None
+        return entry[0] if entry is not None and entry[1] is conn else None
+
+    # ------------------------------------------------------------------ from the server process
+
+    def verdict(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
+        """An ``UpdateVerdict`` from a server process: wake the senders waiting for it."""
+        handoff = self._own(conn)
+        if handoff is None:
+            conn.error(request.request_id, "bad_request", "verdict from a connection that is not a server")
+            return fd
+        v = request.verdict
+        handoff.resolve(v.update_id, Verdict(v.outcome, v.delay, v.version, v.reason))
+        return fd
+
+    def publish(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
+        """A ``PublishModel`` from a server process: ``get`` answers from it from now on."""
+        p, rid = request.publish, request.request_id
+        handoff = self._own(conn)
+        if handoff is None or fd is None:
+            conn.error(rid, "bad_request", "publish needs a registered server connection and a model memfd")
+            return fd
+        try:
+            header = FrameHeader(kind=_MODEL, payload_bytes=p.payload_bytes, tensors=p.tensors)
+            check_header(header, self._limits)
+        except FrameError as exc:
+            conn.error(rid, "bad_tensor", f"published model: {exc}")
+            return fd
+        if os.fstat(fd).st_size < p.payload_bytes:
+            conn.error(rid, "bad_tensor", f"published model memfd is shorter than {p.payload_bytes} bytes")
+            return fd
+        mapping = mmap.mmap(fd, p.payload_bytes, prot=mmap.PROT_READ) if p.payload_bytes else None
+        crc = zlib.crc32(mapping) if mapping is not None else 0
+        handoff.publish(
+            ModelSnapshot(p.version, layouts_from_pb(p.tensors), p.payload_bytes, fd, mapping, crc)
+        )
+        return None
+
+    def send_model(self, conn: LocalConnection, rid: int, job: str, server: str) -> None:
+        """Answer a local ``get`` for a server on this host (the memfd goes to the process)."""
+        with self._lock:
+            entry = self._roles.get((job, server))
+        if entry is None:
+            conn.error(rid, "unavailable", f"server {server!r} of job {job!r} is not on host {self.host!r}")
+            return
+
+        def send(snap: ModelSnapshot | None) -> None:
+            if snap is None:
+                conn.error(rid, "unavailable", f"server {server!r} of job {job!r} has not published a model")
+                return
+            reply = local_pb2.ModelReply(
+                version=snap.version,
+                tensors=layouts_to_pb(snap.layouts),
+                payload_bytes=snap.payload_bytes,
+                has_payload=True,
+            )
+            conn.send(local_pb2.LocalEvent(request_id=rid, model=reply), snap.fd)
+
+        entry[0].with_snapshot(send)
+
+    # ------------------------------------------------------------------ from the data plane
+
+    def on_frame(self, frame: Frame) -> Response:
+        """The data-plane handler: UPDATE -> ACK (the verdict), GET -> MODEL, else ERROR."""
+        h = frame.header
+        try:
+            if h.kind == _UPDATE:
+                return self._on_update(frame)
+            if h.kind == _GET:
+                return self._on_get(h)
+            return self._error(f"unexpected frame kind {h.kind}", h.update_id)
+        finally:
+            frame.payload.release()
+            if isinstance(frame.buffer, MemfdBuffer):
+                frame.buffer.release()
+
+    def _error(self, reason: str, update_id: str = "") -> Response:
+        return Response(error_header(reason, update_id=update_id, src_host=self.host))
+
+    def _on_update(self, frame: Frame) -> Response:
+        h = frame.header
+        with self._lock:
+            entry = self._roles.get((h.job, h.server))
+        if entry is None:
+            return self._error(f"no server {h.server!r} of job {h.job!r} on host {self.host!r}", h.update_id)
+        handoff = entry[0]
+        where = f"server {h.server!r} of job {h.job!r}"
+        problem = check_update(handoff.spec, layouts_from_pb(h.tensors), where)
+        if problem is not None:
+            return self._error(problem, h.update_id)
+        buffer = frame.buffer if isinstance(frame.buffer, MemfdBuffer) else MemfdBuffer.allocate(0)
+        try:
+            verdict = handoff.handle(h.update_id, h, buffer.fd, self._verdict_timeout)
+        finally:
+            if buffer is not frame.buffer:
+                buffer.release()
+        ack = FrameHeader(
+            kind=_ACK,
+            update_id=h.update_id,
+            job=h.job,
+            server=h.server,
+            outcome=verdict.outcome,
+            delay=verdict.delay,
+            version=verdict.version,
+            reason=verdict.reason,
+            src_host=self.host,
+        )
+        return Response(ack)
+
+    def _on_get(self, h: Any) -> Response:
+        with self._lock:
+            entry = self._roles.get((h.job, h.server))
+        snap = entry[0].snapshot() if entry is not None else None
+        if snap is None:
+            return self._error(f"no model of server {h.server!r} of job {h.job!r} on host {self.host!r}")
+        header = FrameHeader(
+            kind=_MODEL,
+            job=h.job,
+            server=h.server,
+            version=snap.version,
+            tensors=layouts_to_pb(snap.layouts),
+            src_host=self.host,
+        )
+        # The mapping (not the fd) backs the reply: a publish may close the fd meanwhile.
+        return Response(header, snap.mapping, crc32=snap.crc32)

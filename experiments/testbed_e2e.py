@@ -1,0 +1,524 @@
+"""End-to-end asynchronous SGD on the namespace testbed under changing bandwidth (issue 5, exp. 3).
+
+The digits MLP widened to 64-1024-1024-10 (4.5 MB of float32 per update) trains with an
+asynchronous parameter server until a target test accuracy, three ways, on the same
+testbed, the same changing-bandwidth schedule (an NS setting: every ``--period`` s the
+server's link takes 1, 1/2 or 1/4 of its rate and each worker uplink 1 or 1/2) and the same
+compute delays (a CS setting: one straggler computes ``--slowdown`` times longer):
+
+- ``stf``  — mlfabric, shortest transfer first with network time-sharing;
+- ``fair`` — mlfabric, every ready update sent at once (TCP shares the bottleneck);
+- ``gloo`` — a torch.distributed (gloo) parameter server written the straightforward way:
+  rank 0 keeps one ``irecv`` posted per worker, so all workers' gradients flow to it
+  concurrently; it applies whichever arrives and sends that worker the new model.
+
+Each worker: get the model, compute a minibatch gradient, wait its compute delay, push
+``lr * gradient``, wait. The server evaluates test accuracy as it goes; time to target is
+the wall time from the first update until the accuracy first reaches the target.
+
+    python experiments/testbed_e2e.py --quick     # 4 workers, target 0.90
+    python experiments/testbed_e2e.py             # 8 workers, target 0.95
+
+Writes experiments/results/testbed_e2e[_quick].{csv,png,md}. Needs root, ip, tc, torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SYSTEMS = ("stf", "fair", "gloo")
+HIDDEN = 1024
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def dataset(seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """Digits (bundled with scikit-learn), scaled to [0, 1], a fixed 80/20 split."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    idx = np.random.default_rng(seed).permutation(len(x))
+    train, test = idx[:1437], idx[1437:]
+    return (torch.tensor(x[train]), torch.tensor(y[train]), torch.tensor(x[test]), torch.tensor(y[test]))
+
+
+def make_model(seed: int = 0) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, 10),
+    )
+
+
+def accuracy(model: Any, x: Any, y: Any) -> float:
+    import torch
+
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
+def gradient(model: Any, x: Any, y: Any, batch: int, rng: np.random.Generator, lr: float) -> dict[str, Any]:
+    """``lr * grad`` of the loss on one minibatch, per parameter name (float32 numpy)."""
+    import torch
+
+    b = torch.as_tensor(rng.integers(0, len(x), size=batch))
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x[b]), y[b]).backward()
+    return {k: (lr * p.grad).numpy() for k, p in model.named_parameters()}
+
+
+def load_numpy(model: Any, tensors: dict[str, np.ndarray]) -> None:
+    import torch
+
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(torch.as_tensor(np.asarray(tensors[k])))
+
+
+class AccuracyLog:
+    """The server's progress: (seconds since the first update, version, accuracy) rows."""
+
+    def __init__(self, path: Path, target: float) -> None:
+        self.path, self.target = path, target
+        self.rows: list[dict[str, float]] = []
+        self.start: float | None = None
+        self.reached: float | None = None
+
+    def record(self, version: int, acc: float) -> None:
+        now = time.time()
+        self.start = self.start or now
+        self.rows.append({"t": now - self.start, "version": version, "accuracy": acc})
+        if self.reached is None and acc >= self.target:
+            self.reached = now - self.start
+
+    def save(self, extra: dict[str, Any]) -> None:
+        self.path.write_text(json.dumps({"rows": self.rows, "time_to_target": self.reached, **extra}))
+
+
+# --------------------------------------------------------------------- mlfabric roles
+
+
+def mlf_server(args: argparse.Namespace) -> int:
+    import mlfabric
+
+    _, _, xte, yte = dataset()
+    model = make_model()
+    tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
+    server = mlfabric.register_as_server("e2e", "ps", tensors, mlfabric.Params(tau_max=args.tau_max))
+    log = AccuracyLog(Path(args.out), args.target)
+    Path(args.ready_file).write_text("{}")
+    deadline = time.monotonic() + args.time_limit
+    delays: list[int] = []
+
+    @server.on_update
+    def apply(update: dict[str, np.ndarray], meta: Any) -> None:
+        delays.append(meta.delay)
+        for k, v in update.items():
+            server.model[k] -= v
+
+    log.start = None
+    last_eval = -1
+    with server:
+        while time.monotonic() < deadline and log.reached is None:
+            server.serve(timeout=0.25)
+            if server.version != last_eval and server.version > 0:
+                last_eval = server.version
+                load_numpy(model, server.model)
+                log.record(server.version, accuracy(model, xte, yte))
+        log.save({"applied": server.applied, "dropped": server.dropped, "delays": delays})
+    return 0
+
+
+def mlf_worker(args: argparse.Namespace) -> int:
+    import mlfabric
+
+    xtr, ytr, _, _ = dataset()
+    model = make_model()
+    rng = np.random.default_rng(args.seed)
+    worker = mlfabric.register_as_worker("e2e", name=args.name, wait=60)
+    with worker:
+        while True:
+            try:
+                _, tensors = worker.get("ps")
+            except mlfabric.MlfabricError:
+                return 0  # the server is gone: training is over
+            load_numpy(model, tensors)
+            update = gradient(model, xtr, ytr, args.batch, rng, args.lr)
+            time.sleep(args.compute_delay)
+            result = worker.push("ps", update).wait(timeout=300)
+            if not result.applied and "unregistered" in result.reason:
+                return 0
+
+
+# ------------------------------------------------------------------------ gloo roles
+
+
+def unflatten(flat: Any, names: list, shapes: list, sizes: list) -> dict[str, np.ndarray]:
+    """Split one flat tensor back into named parameter arrays."""
+    parts = flat.split(sizes)
+    return {k: parts[i].reshape(shapes[i]).numpy() for i, k in enumerate(names)}
+
+
+def gloo_role(args: argparse.Namespace) -> int:
+    """One rank of the gloo parameter server (rank 0 serves, the others work)."""
+    import torch
+    import torch.distributed as dist
+
+    host, port = args.store.rsplit(":", 1)
+    if args.rank == 0:
+        store = dist.TCPStore(host, 0, args.world, is_master=True, wait_for_workers=False)
+        Path(args.ready_file).write_text(json.dumps({"port": store.port}))
+    else:
+        store = dist.TCPStore(host, int(port), args.world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
+    model = make_model()
+    names = [k for k, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    sizes = [p.numel() for _, p in model.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
+    if args.rank == 0:
+        return gloo_server(args, model, flat, names, shapes, sizes)
+    xtr, ytr, _, _ = dataset()
+    rng = np.random.default_rng(args.seed)
+    buf = torch.empty_like(flat)
+    while True:
+        dist.recv(buf, src=0)
+        load_numpy(model, unflatten(buf, names, shapes, sizes))
+        update = gradient(model, xtr, ytr, args.batch, rng, args.lr)
+        time.sleep(args.compute_delay)
+        dist.send(torch.cat([torch.as_tensor(update[k]).reshape(-1) for k in names]), dst=0)
+
+
+def gloo_server(
+    args: argparse.Namespace, model: Any, flat: Any, names: list, shapes: list, sizes: list
+) -> int:
+    import torch
+    import torch.distributed as dist
+
+    _, _, xte, yte = dataset()
+    log = AccuracyLog(Path(args.out), args.target)
+    workers = range(1, args.world)
+    bufs = {r: torch.empty_like(flat) for r in workers}
+    sends: list[Any] = [dist.isend(flat.clone(), dst=r) for r in workers]
+    recvs: dict[int, Any] = {r: dist.irecv(bufs[r], src=r) for r in workers}
+    sent_version = dict.fromkeys(workers, 0)
+    version, delays, last_eval = 0, [], time.monotonic()
+    deadline = time.monotonic() + args.time_limit
+    while time.monotonic() < deadline and log.reached is None:
+        progressed = False
+        for r in workers:
+            if recvs[r].is_completed():
+                flat -= bufs[r]
+                delays.append(version - sent_version[r])
+                version += 1
+                sends.append(dist.isend(flat.clone(), dst=r))
+                sent_version[r] = version
+                recvs[r] = dist.irecv(bufs[r], src=r)
+                progressed = True
+        if version and time.monotonic() - last_eval >= 0.25:
+            last_eval = time.monotonic()
+            load_numpy(model, unflatten(flat, names, shapes, sizes))
+            log.record(version, accuracy(model, xte, yte))
+        sends = [s for s in sends if not s.is_completed()]
+        if not progressed:
+            time.sleep(0.002)
+    log.save({"applied": version, "dropped": 0, "delays": delays})
+    os._exit(0)  # workers are blocked in recv; the driver terminates them
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def run_system(
+    system: str,
+    testbed: Any,
+    topo: Path,
+    workers: list[str],
+    args: argparse.Namespace,
+    delays: dict[str, float],
+    changes: list,
+    workdir: Path,
+) -> dict[str, Any]:
+    from mlfabric.testbed.launch import TestbedCluster
+    from mlfabric.testbed.schedule import ScheduleRunner
+
+    workdir.mkdir(parents=True)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--lr", str(args.lr), "--batch", str(args.batch), "--target", str(args.target)]
+    common += ["--time-limit", str(args.time_limit)]
+    out, ready = workdir / "server.json", workdir / "server.ready"
+    for link in {c.link for c in changes}:  # every system starts from the configured rates
+        testbed.set_rate(link, testbed.graph.edges[link]["capacity"], "both")
+    rates = ScheduleRunner(lambda c: testbed.set_rate(c.link, c.rate, c.direction), changes)
+    if system == "gloo":
+        return run_gloo(testbed, workers, args, delays, rates, workdir, me, common)
+    with TestbedCluster(testbed, topo, policy=system, workdir=workdir / "run") as cluster:
+        sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
+        server = cluster.spawn("ps", [*sargv, "--tau-max", str(args.tau_max)])
+        wait_file(ready, server.popen, 120)
+        rates.start()
+        procs = []
+        for i, w in enumerate(workers):
+            argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(i)]
+            procs.append(cluster.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
+        cluster.wait(server, timeout=args.time_limit + 120)
+        rates.stop()
+        for p in procs:
+            p.popen.terminate()
+    return json.loads(out.read_text())
+
+
+def run_gloo(
+    testbed: Any,
+    workers: list[str],
+    args: argparse.Namespace,
+    delays: dict[str, float],
+    rates: Any,
+    workdir: Path,
+    me: list[str],
+    common: list[str],
+) -> dict[str, Any]:
+    out, ready = workdir / "server.json", workdir / "server.ready"
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+    world = len(workers) + 1
+    base = [*me, "--role", "gloo", *common, "--world", str(world)]
+    rank0_files = ["--out", str(out), "--ready-file", str(ready)]
+    procs = []
+    try:
+        with open(workdir / "rank0.log", "wb") as log0:
+            server = testbed.popen(
+                "ps",
+                [*base, "--rank", "0", "--store", f"{testbed.address('ps')}:0", *rank0_files],
+                env=env,
+                stdout=log0,
+                stderr=subprocess.STDOUT,
+            )
+            procs.append(server)
+            port = json.loads(wait_file(ready, server, 60))["port"]
+            rates.start()
+            for i, w in enumerate(workers):
+                argv = [*base, "--rank", str(i + 1), "--store", f"{testbed.address('ps')}:{port}"]
+                argv += ["--seed", str(i), "--compute-delay", str(delays[w]), "--out", "-"]
+                procs.append(testbed.popen(w, argv, env=env, stdout=log0, stderr=subprocess.STDOUT))
+            server.wait(timeout=args.time_limit + 120)
+            rates.stop()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # a rank stuck in gloo
+                p.kill()
+                p.wait()
+    return json.loads(out.read_text())
+
+
+def wait_file(path: Path, popen: Any, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{path.name} never appeared (process exit code {popen.poll()})")
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def ns_setting(graph: Any, workers: list[str], args: argparse.Namespace) -> list:
+    """The changing-bandwidth schedule: the server link and every worker uplink change each period."""
+    from mlfabric.testbed.schedule import ns_schedule
+
+    rng = random.Random(args.seed)
+    server = ns_schedule(
+        graph,
+        [("ps", "tor")],
+        levels=(1.0, 0.5, 0.25),
+        period=args.period,
+        duration=args.time_limit + 60,
+        rng=rng,
+    )
+    uplinks = ns_schedule(
+        graph,
+        [(w, "tor") for w in workers],
+        levels=(1.0, 0.5),
+        period=args.period,
+        duration=args.time_limit + 60,
+        rng=rng,
+    )
+    return sorted(server + uplinks, key=lambda c: c.at)
+
+
+def plot(results: dict[str, dict], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for system, res in results.items():
+        rows = res["rows"]
+        ax.plot([r["t"] for r in rows], [r["accuracy"] for r in rows], label=system)
+    ax.axhline(target, color="gray", linestyle="--", label=f"target {target}")
+    ax.set_xlabel("seconds since the first update")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("async SGD, digits MLP (4.5 MB updates), changing bandwidth")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def driver(args: argparse.Namespace) -> int:
+    from mlfabric.scheduler.graph import load_topology
+    from mlfabric.testbed.cluster import Testbed
+    from mlfabric.testbed.netns import SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale
+    from mlfabric.testbed.schedule import compute_delays
+    from mlfabric.testbed.topologies import bottleneck_star, to_toml
+
+    missing = missing_prerequisites()
+    if missing:
+        print("testbed unavailable: " + "; ".join(missing), file=sys.stderr)
+        return 2
+    uplinks = [100, 100, 50, 50] if args.quick else [200, 200, 100, 100, 50, 50, 25, 25]
+    workers = [f"w{i}" for i in range(len(uplinks))]
+    name = "testbed_e2e" + ("_quick" if args.quick else "")
+    delays = compute_delays(
+        workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=random.Random(args.seed)
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    sweep_stale(SubprocessRunner())
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="mlfabric-e2e-") as tmp:
+        topo = Path(tmp) / "topology.toml"
+        topo.write_text(
+            to_toml(bottleneck_star("ps", args.server_mbps, dict(zip(workers, uplinks, strict=True))))
+        )
+        graph = load_topology(topo)
+        changes = ns_setting(graph, workers, args)
+        with Testbed(graph, new_prefix(random.Random())) as testbed:
+            for system in args.systems.split(","):
+                res = run_system(system, testbed, topo, workers, args, delays, changes, Path(tmp) / system)
+                results[system] = res
+                print(
+                    f"{system}: time to {args.target}: {res['time_to_target']}, applied {res['applied']}, "
+                    f"dropped {res['dropped']}",
+                    flush=True,
+                )
+            notes = list(testbed.notes)
+    rows = [dict(system=s, **r) for s, res in results.items() for r in res["rows"]]
+    with open(args.out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["system", "t", "version", "accuracy"])
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(results, args.target, args.out / f"{name}.png")
+    summary(results, args, uplinks, delays, notes, args.out / f"{name}.md")
+    print((args.out / f"{name}.md").read_text())
+    return 0
+
+
+def summary(
+    results: dict[str, dict],
+    args: argparse.Namespace,
+    uplinks: list[int],
+    delays: dict[str, float],
+    notes: list[str],
+    path: Path,
+) -> None:
+    def fmt(x: float | None) -> str:
+        return "not reached" if x is None else f"{x:.1f}"
+
+    lines = [
+        f"# Testbed end-to-end async SGD ({'quick' if args.quick else 'full'})",
+        "",
+        f"Digits MLP 64-{HIDDEN}-{HIDDEN}-10 (4.5 MB float32 updates), lr {args.lr}, batch {args.batch};",
+        f"{len(uplinks)} workers, uplinks {uplinks} Mbit/s; server link {args.server_mbps:g} Mbit/s.",
+        f"NS setting: every {args.period:g} s the server link takes 1, 1/2 or 1/4 of its rate and",
+        "each uplink 1 or 1/2 (the same seeded schedule for every system, applied with `tc qdisc change`).",
+        f"CS setting: compute delay per iteration {sorted(set(delays.values()))} s (one straggler).",
+        f"Target test accuracy {args.target}; limit {args.time_limit:g} s per system; "
+        f"tau_max {args.tau_max}.",
+        "",
+        "| system | time to target (s) | applied | dropped | mean delay | p99 delay | final accuracy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for system, res in results.items():
+        d = res.get("delays") or [0]
+        final = res["rows"][-1]["accuracy"] if res["rows"] else float("nan")
+        lines.append(
+            f"| {system} | {fmt(res['time_to_target'])} | {res['applied']} | {res['dropped']} | "
+            f"{np.mean(d):.2f} | {np.percentile(d, 99):.0f} | {final:.3f} |"
+        )
+    base = results.get("gloo", {}).get("time_to_target")
+    for system in ("stf", "fair"):
+        t = results.get(system, {}).get("time_to_target")
+        if base and t:
+            lines.append(f"\n{system} vs gloo: {base / t:.2f}x faster to target.")
+    t_stf, t_fair = (results.get(s, {}).get("time_to_target") for s in ("stf", "fair"))
+    if t_stf and t_fair:
+        lines.append(f"\nstf vs fair: {t_fair / t_stf:.2f}x faster to target.")
+    lines += ["", *(f"Note: {n}" for n in notes)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="CI size: 4 workers, target 0.90")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--target", type=float)
+    parser.add_argument("--time-limit", type=float, help="seconds per system (150 quick, 400 full)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--server-mbps", type=float, default=100.0)
+    parser.add_argument("--period", type=float, default=5.0, help="seconds between bandwidth changes")
+    parser.add_argument("--compute", type=float, default=0.02, help="extra compute delay per iteration, s")
+    parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's compute delay factor")
+    parser.add_argument("--tau-max", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    # the roles this script runs as inside the namespaces
+    parser.add_argument("--role", choices=["mlf-server", "mlf-worker", "gloo"], help=argparse.SUPPRESS)
+    parser.add_argument("--name", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", help=argparse.SUPPRESS)
+    parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()
+    args.target = args.target or (0.90 if args.quick else 0.95)
+    args.time_limit = args.time_limit or (150.0 if args.quick else 400.0)
+    if args.role == "mlf-server":
+        return mlf_server(args)
+    if args.role == "mlf-worker":
+        return mlf_worker(args)
+    if args.role == "gloo":
+        return gloo_role(args)
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

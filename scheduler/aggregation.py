@@ -1,0 +1,254 @@
+"""Aggregation groups over the STF order (paper §5, Fig. 6; DESIGN §4).
+
+Take the STF order of the updates to a server ``S``. The first group goes to ``S``
+directly. While a group is on ``S``'s ingress, the next group is gathered at an aggregator
+hop: it takes as many next updates, in order, as can reach the aggregator before the group
+ahead of it finishes arriving at ``S``; their aggregate — one update's size — follows
+straight after. ``S``'s ingress then carries one payload per group instead of one per
+update (Fig. 2, Fig. 6: ``u6`` is left out of ``G2`` because it could not be summed in time).
+
+The aggregator of a group is the candidate host that the group's first update would reach
+soonest — the most residual bandwidth — among those whose path from the worker does not
+cross ``S``'s bottleneck (its ingress links and the bottleneck of the first update's path);
+ties go to the aggregate's earliest arrival at ``S``, then the host name.
+
+:func:`plan_aggregation` is the asynchronous planner; :func:`plan_aggregation_sync` picks,
+for one synchronous iteration, the number of updates sent directly first that minimises the
+makespan (the time the last update is in), comparing with no aggregation at all.
+Both return a :class:`~mlfabric.scheduler.schedule.Schedule` that passes the checker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import networkx as nx
+
+from mlfabric.scheduler.graph import PathCache
+from mlfabric.scheduler.schedule import Aggregate, Link, Schedule, Transfer, Update
+from mlfabric.scheduler.stf import plan_stf
+from mlfabric.scheduler.timeline import Timelines
+
+__all__ = ["plan_aggregation", "plan_aggregation_sync"]
+
+
+def _transfer(pid: str, path: tuple[str, ...], nbytes: float, tls: Timelines, ready: float) -> Transfer:
+    links = tuple(itertools.pairwise(path))
+    start, end, res = tls.reserve(links, nbytes, ready, who=pid)
+    return Transfer(pid, path[0], path[-1], path, start, end, nbytes, res)
+
+
+def _avoid(graph: nx.DiGraph, pc: PathCache, server_host: str, first: Update) -> set[Link]:
+    """``S``'s bottleneck: its ingress links and the narrowest shared link towards it.
+
+    The narrowest link of the first update's path after the worker's own NIC (a slow
+    worker's NIC is its own bottleneck, not ``S``'s).
+    """
+    avoid: set[Link] = {(u, server_host) for u in graph.predecessors(server_host)}
+    links = pc.links(first.src, first.dst)[1:]
+    if links:
+        avoid.add(min(links, key=lambda link: graph.edges[link]["capacity"]))
+    return avoid
+
+
+def _choose_aggregator(
+    tls: Timelines,
+    pc: PathCache,
+    update: Update,
+    aggregators: Sequence[str],
+    avoid: set[Link],
+    ready: float,
+) -> str | None:
+    best: tuple[float, float, str] | None = None
+    for a in aggregators:
+        if a == update.dst:
+            continue
+        to_a = pc.links(update.src, a)
+        if avoid.intersection(to_a):
+            continue
+        try:
+            _, arrive = tls.ten(to_a, update.bytes, ready)
+            _, onward = tls.ten(pc.links(a, update.dst), update.bytes, arrive)
+        except ValueError:
+            continue
+        key = (arrive, onward, a)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
+
+
+def _plan_server(
+    graph: nx.DiGraph,
+    order: Sequence[Update],
+    tls: Timelines,
+    pc: PathCache,
+    aggregators: Sequence[str],
+    now: float,
+    first_direct: int | None,
+    transfers: list[Transfer],
+    aggregates: list[Aggregate],
+) -> Timelines:
+    """Plan one server's STF ``order``; returns the timelines holding every reservation."""
+    if not order:
+        return tls
+    server_host = order[0].dst
+    avoid = _avoid(graph, pc, server_host, order[0])
+    ahead_end = now  # when the group ahead finishes arriving at S
+    direct = 0
+    i = 0
+    while i < len(order):
+        u = order[i]
+        must_go_direct = direct == 0 or (first_direct is not None and direct < first_direct)
+        members: list[Transfer] = []
+        trial = tls
+        agg = None
+        if not must_go_direct:
+            agg = _choose_aggregator(tls, pc, u, aggregators, avoid, max(u.ready_at, now))
+        if agg is not None:
+            trial = tls.copy()
+            for v in order[i:]:
+                links = pc.links(v.src, agg)
+                _, arrive = trial.ten(links, v.bytes, max(v.ready_at, now))
+                if arrive > ahead_end:
+                    break
+                members.append(
+                    _transfer(v.update_id, pc.path(v.src, agg), v.bytes, trial, max(v.ready_at, now))
+                )
+        if agg is None or len(members) < 2:
+            t = _transfer(u.update_id, pc.path(u.src, u.dst), u.bytes, tls, max(u.ready_at, now))
+            transfers.append(t)
+            ahead_end = max(ahead_end, t.end)
+            direct += 1
+            i += 1
+            continue
+        tls = trial
+        aid = f"agg:{server_host}:{len(aggregates)}"
+        size = max(t.bytes for t in members)
+        out = _transfer(aid, pc.path(agg, server_host), size, tls, max(t.end for t in members))
+        transfers.extend(members)
+        transfers.append(out)
+        aggregates.append(Aggregate(aid, agg, tuple(t.payload_id for t in members), size, server_host))
+        ahead_end = max(ahead_end, out.end)
+        i += len(members)
+    return tls
+
+
+def plan_aggregation(
+    graph: nx.DiGraph,
+    updates: Sequence[Update],
+    *,
+    aggregators: Sequence[str],
+    now: float = 0.0,
+    first_direct: int | None = None,
+    paths: PathCache | None = None,
+) -> Schedule:
+    """Group the STF order to each server into direct sends and aggregates (Fig. 6).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Bandwidth graph.
+    updates : sequence of Update
+        Updates to plan (one or more servers; each server's are planned in turn, in
+        server-name order, on shared link timelines).
+    aggregators : sequence of str
+        Hosts that can act as aggregator hops.
+    now : float
+        Planning time.
+    first_direct : int, optional
+        Send at least this many updates directly before aggregating (default: one — the
+        first group is as short as aggregation allows).
+    paths : PathCache, optional
+        Path cache for ``graph``.
+
+    Returns
+    -------
+    Schedule
+        Direct transfers, member transfers to aggregators and each aggregate's transfer to
+        its server; ``aggregates`` lists what each aggregator sums and forwards.
+
+    Examples
+    --------
+    Four equal updates to ``ps`` over a 1 MB/s server link, workers with 4 MB/s NICs: while
+    ``u0`` is on the server's link, ``u1`` to ``u3`` reach aggregator ``x``; one aggregate
+    follows, and the last update is in at t=2 instead of t=4.
+
+    >>> from mlfabric.scheduler.graph import star
+    >>> hosts = ["ps", "w0", "w1", "w2", "w3", "x"]
+    >>> g = star(hosts, {"ps": 8e6, **{h: 32e6 for h in hosts[1:]}})
+    >>> us = [Update(f"u{i}", f"w{i}", "ps", 1e6) for i in range(4)]
+    >>> s = plan_aggregation(g, us, aggregators=["x"])
+    >>> [(a.aggregator, a.members) for a in s.aggregates], s.makespan()
+    ([('x', ('u1', 'u2', 'u3'))], 2.0)
+    """
+    pc = paths if paths is not None else PathCache(graph)
+    tls = Timelines(graph, start=now)
+    transfers: list[Transfer] = []
+    aggregates: list[Aggregate] = []
+    by_server: dict[str, list[Update]] = {}
+    for u in updates:
+        by_server.setdefault(u.server, []).append(u)
+    for server in sorted(by_server):
+        group = by_server[server]
+        stf = plan_stf(graph, group, now=now, paths=pc)
+        if stf.drops:
+            raise ValueError(f"cannot plan aggregation for server {server}: {stf.drops}")
+        ids = {u.update_id: u for u in group}
+        order = [ids[uid] for uid in stf.arrivals]
+        tls = _plan_server(graph, order, tls, pc, aggregators, now, first_direct, transfers, aggregates)
+    done = [t for t in transfers if t.payload_id not in {m for a in aggregates for m in a.members}]
+    arrivals = tuple(t.payload_id for t in sorted(done, key=lambda t: t.end))
+    return Schedule(transfers=tuple(transfers), aggregates=tuple(aggregates), arrivals=arrivals)
+
+
+def plan_aggregation_sync(
+    graph: nx.DiGraph,
+    updates: Sequence[Update],
+    *,
+    aggregators: Sequence[str],
+    now: float = 0.0,
+    paths: PathCache | None = None,
+) -> Schedule:
+    """One synchronous-SGD iteration: the grouping with the smallest makespan (DESIGN §4).
+
+    Tries plain STF (no aggregation) and :func:`plan_aggregation` with every number of
+    updates sent directly first, and returns the plan whose last arrival at a server is
+    earliest (ties: fewer aggregates, then fewer direct sends).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Bandwidth graph.
+    updates : sequence of Update
+        The iteration's updates (all workers').
+    aggregators : sequence of str
+        Hosts that can aggregate.
+    now : float
+        Start of the communication phase.
+    paths : PathCache, optional
+        Path cache.
+
+    Returns
+    -------
+    Schedule
+        The plan with the smallest makespan.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.graph import star
+    >>> hosts = ["ps", "w0", "w1", "w2", "w3", "x"]
+    >>> g = star(hosts, {"ps": 8e6, **{h: 32e6 for h in hosts[1:]}})
+    >>> us = [Update(f"u{i}", f"w{i}", "ps", 1e6) for i in range(4)]
+    >>> plan_aggregation_sync(g, us, aggregators=["x"]).makespan()
+    2.0
+    """
+    pc = paths if paths is not None else PathCache(graph)
+    best = plan_stf(graph, updates, now=now, paths=pc)
+    best_key = (best.makespan(), 0, len(updates))
+    for k in range(1, len(updates)):
+        plan = plan_aggregation(graph, updates, aggregators=aggregators, now=now, first_direct=k, paths=pc)
+        key = (plan.makespan(), len(plan.aggregates), k)
+        if key < best_key:
+            best, best_key = plan, key
+    return best

@@ -1,0 +1,211 @@
+"""Plan one instance offline: the ILP optimum, STF and fair, and how far the heuristics are from it.
+
+    mlfabric plan INSTANCE.json [--solver ilp|stf|fair|all] [--time-limit S]
+                  [--out plan.json] [--trace plan.trace.json] [--plot plan.png]
+
+The instance format is described in ``mlfabric.scheduler.instance`` (and the README).
+Prints, per plan, each update's route (hosts), start and finish, then the objective,
+status, bound and gap. ``--solver all`` runs ilp, stf and fair and prints each one's gap to
+the ILP's bound: ``gap = (objective - bound) / objective``. ``--out`` writes the same as
+JSON (``objective, bound, gap, status, solver, updates: [{id, route, start, finish}]``; with
+``--solver all`` a ``plans`` list of those). ``--trace`` writes a Chrome trace (one track
+per link, one process per plan); ``--plot`` a Gantt chart by link (needs matplotlib).
+Long ILP solves print progress to stderr; Ctrl-C stops the solver and keeps its best plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+SOLVERS = ("ilp", "stf", "fair", "all")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` subcommand's arguments."""
+    parser.add_argument("instance", type=Path, help="instance JSON file")
+    parser.add_argument("--solver", choices=SOLVERS, default="ilp", help="planner (default: ilp)")
+    parser.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ILP time limit (s)")
+    parser.add_argument("--seed", type=int, default=0, help="ILP random seed (default 0)")
+    parser.add_argument(
+        "--workers", type=int, default=8, help="CP-SAT search workers (portfolio size; default 8)"
+    )
+    parser.add_argument(
+        "--engine", choices=("cp-sat", "highs", "scip"), default="cp-sat", help="ILP solver engine"
+    )
+    parser.add_argument("--out", type=Path, metavar="PLAN.json", help="write the plan(s) as JSON")
+    parser.add_argument("--trace", type=Path, metavar="TRACE.json", help="write a Chrome trace by link")
+    parser.add_argument("--plot", type=Path, metavar="PLAN.png", help="draw a Gantt chart by link")
+    parser.add_argument(
+        "--progress-every", type=float, default=2.0, metavar="S", help="ILP progress period on stderr"
+    )
+
+
+def _plan_record(instance: Any, name: str, schedule: Any, **fields: Any) -> dict[str, Any]:
+    """The JSON record of one plan: per update its route (hosts), start and finish."""
+    parent = {m: a for a in schedule.aggregates for m in a.members}
+    done = schedule.update_completion_times(list(instance.updates))
+    rows = []
+    for u in instance.updates:
+        agg = parent.get(u.update_id)
+        route = [u.src, agg.aggregator, instance.server] if agg else [u.src, instance.server]
+        first = schedule.delivery(u.update_id)
+        rows.append({"id": u.update_id, "route": route, "start": first.start, "finish": done[u.update_id]})
+    return {"solver": name, **fields, "updates": rows}
+
+
+def _fmt(value: float | None, digits: int = 6) -> str:
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return "-"
+    return f"{value:.{digits}g}"
+
+
+def _percent(gap: float | None) -> float | None:
+    return None if gap is None else 100 * gap
+
+
+def _print_plan(record: dict[str, Any]) -> None:
+    print(f"== {record['solver']} ==")
+    width = max(len(" > ".join(r["route"])) for r in record["updates"])
+    print(f"{'update':<10} {'route':<{width}} {'start (s)':>12} {'finish (s)':>12}")
+    for r in sorted(record["updates"], key=lambda r: (r["finish"], r["id"])):
+        print(f"{r['id']:<10} {' > '.join(r['route']):<{width}} {r['start']:>12.6g} {r['finish']:>12.6g}")
+    print(
+        f"objective {_fmt(record['objective'])} s  status {record['status']}  "
+        f"bound {_fmt(record['bound'])} s  gap {_fmt(_percent(record['gap']), 4)} %"
+    )
+    print()
+
+
+def _progress_printer(every: float) -> Any:
+    last = [-math.inf]
+
+    def show(p: Any) -> None:
+        if p.wall_seconds - last[0] >= every:
+            last[0] = p.wall_seconds
+            obj = "-" if p.objective is None else f"{p.objective:.6g}"
+            print(f"[ilp {p.wall_seconds:6.1f}s] best {obj} s, bound {p.bound:.6g} s", file=sys.stderr)
+
+    return show
+
+
+def _plot(path: Path, instance: Any, plans: list[tuple[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = sorted({r.link for _, s in plans for t in s.transfers for r in t.reservations})
+    payloads = sorted({t.payload_id for _, s in plans for t in s.transfers})
+    colors = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(payloads)}
+    fig, axes = plt.subplots(len(plans), 1, figsize=(10, 1 + 0.45 * len(links) * len(plans)), squeeze=False)
+    for ax, (name, schedule) in zip(axes[:, 0], plans, strict=True):
+        stack: dict[tuple[Any, float], float] = {}
+        for t in schedule.transfers:
+            for r in t.reservations:
+                row = links.index(r.link)
+                share = r.rate / instance.capacity(r.link)
+                base = stack.get((r.link, r.start), 0.0)
+                stack[r.link, r.start] = base + share
+                ax.broken_barh(
+                    [(r.start, r.end - r.start)], (row - 0.4 + 0.8 * base, 0.8 * share), color=colors[t.payload_id]
+                )
+        ax.set_yticks(range(len(links)), [f"{a}->{b}" for a, b in links], fontsize=7)
+        ax.set_title(name)
+        ax.set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan the instance with the chosen solver(s); print, and write the requested files."""
+    from mlfabric.scheduler.bruteforce import fair_schedule
+    from mlfabric.scheduler.checker import check_schedule
+    from mlfabric.scheduler.ilp import objective_of, solve_ilp
+    from mlfabric.scheduler.instance import InstanceError, load_instance
+    from mlfabric.scheduler.stf import plan_stf
+    from mlfabric.scheduler.trace import trace_events, write_trace
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot needs matplotlib: pip install 'mlfabric[plot]'", file=sys.stderr)
+            return 2
+    try:
+        instance = load_instance(args.instance)
+    except InstanceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    updates = list(instance.updates)
+    wanted = ("ilp", "stf", "fair") if args.solver == "all" else (args.solver,)
+    stf = plan_stf(instance.graph, updates)
+    plans: list[tuple[str, Any]] = []
+    records: list[dict[str, Any]] = []
+    bound: float | None = None
+    if "ilp" in wanted:
+        result = solve_ilp(
+            instance,
+            hint=stf,
+            time_limit=args.time_limit,
+            seed=args.seed,
+            workers=args.workers,
+            engine=args.engine,
+            progress=_progress_printer(args.progress_every),
+        )
+        if result.schedule is None:
+            print(f"error: the ILP found no plan ({result.status}) in {args.time_limit:g} s", file=sys.stderr)
+            return 1
+        bound = result.bound
+        plans.append(("ilp", result.schedule))
+        records.append(
+            _plan_record(
+                instance,
+                "ilp",
+                result.schedule,
+                objective=result.objective,
+                bound=result.bound,
+                gap=result.gap,
+                status=result.status,
+                wall_seconds=result.wall_seconds,
+                engine=result.engine,
+                horizon_slots=result.horizon_slots,
+            )
+        )
+    for name in wanted:
+        if name == "ilp":
+            continue
+        schedule = stf if name == "stf" else fair_schedule(instance)
+        objective = objective_of(instance, schedule)
+        gap = (objective - bound) / objective if bound is not None and objective > 0 else None
+        plans.append((name, schedule))
+        records.append(
+            _plan_record(instance, name, schedule, objective=objective, bound=bound, gap=gap, status="HEURISTIC")
+        )
+    for name, schedule in plans:
+        check_schedule(instance.graph, schedule, updates=updates)
+    for record in records:
+        _print_plan(record)
+    if len(records) > 1:
+        print(f"{'solver':<8} {'objective (s)':>14} {'gap to ILP bound':>17}")
+        for record in records:
+            print(f"{record['solver']:<8} {record['objective']:>14.6g} {_fmt(_percent(record['gap']), 4):>16}%")
+    if args.out is not None:
+        doc = records[0] if len(records) == 1 else {"plans": records}
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.trace is not None:
+        caps = {e: instance.capacity(e) for e in instance.graph.edges}
+        events = [
+            ev
+            for pid, (name, schedule) in enumerate(plans, start=1)
+            for ev in trace_events(schedule, capacities=caps, process=name, pid=pid)
+        ]
+        write_trace(args.trace, events)
+    if args.plot is not None:
+        _plot(args.plot, instance, plans)
+    return 0

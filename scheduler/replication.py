@@ -1,0 +1,141 @@
+"""Replication with bounded divergence (paper §4, Fig. 3; DESIGN §4).
+
+Every update applied at a server ``S`` must also reach ``S``'s replica ``R``. Instead of
+chain replication (``S`` forwards to ``R`` and waits), the scheduler sends each update to
+``R`` from wherever it already is, as background traffic off ``S``'s bottleneck, and keeps
+the *divergence* — the sum of the norms of the updates applied at ``S`` and not yet at
+``R`` — within ``div_max``:
+
+* every update applied at ``S`` and not yet at ``R`` (nor on its way) is sent to ``R`` now,
+  largest norm first (the most divergence removed per transfer);
+* updates waiting to be applied at ``S`` are applied in order while the divergence stays
+  within ``div_max``; the first that would break the bound is *held*, with every update
+  behind it (arrival order is kept), and is sent to ``R`` ahead of its application — once
+  it is at ``R`` applying it adds nothing;
+* as the divergence nears ``div_max`` (``urgency`` of it) or anything is held, replica
+  transfers win priority over other traffic.
+
+If ``S`` fails, ``R`` is promoted; the model lost is bounded by ``div_max``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["ReplicationDecision", "divergence", "plan_replication"]
+
+
+def divergence(applied: Mapping[str, float], at_replica: Collection[str]) -> float:
+    """Sum of the norms of updates applied at the server and not yet at its replica (Fig. 3).
+
+    Examples
+    --------
+    >>> divergence({"u1": 1.0, "u2": 2.5}, {"u1"})
+    2.5
+    """
+    return sum(norm for uid, norm in applied.items() if uid not in at_replica)
+
+
+@dataclass(frozen=True)
+class ReplicationDecision:
+    """What to do now for one server and its replica.
+
+    Attributes
+    ----------
+    send_now : tuple of str
+        Updates to send to the replica now, in priority order.
+    apply_now : tuple of str
+        Waiting updates the server may apply now, in order.
+    hold : tuple of str
+        Waiting updates the server must not apply yet (the bound would break).
+    divergence : float
+        Divergence now.
+    divergence_after : float
+        Divergence once ``apply_now`` are applied, before any replica transfer lands.
+    urgent : bool
+        Replica transfers should win priority over other traffic.
+    """
+
+    send_now: tuple[str, ...]
+    apply_now: tuple[str, ...]
+    hold: tuple[str, ...]
+    divergence: float
+    divergence_after: float
+    urgent: bool
+
+
+def plan_replication(
+    applied: Mapping[str, float],
+    at_replica: Collection[str],
+    *,
+    div_max: float,
+    to_apply: Sequence[tuple[str, float]] = (),
+    in_flight: Collection[str] = (),
+    urgency: float = 0.5,
+) -> ReplicationDecision:
+    """Decide replica transfers and which applications may proceed (Fig. 3).
+
+    Parameters
+    ----------
+    applied : mapping of str to float
+        Updates applied at the server -> their norms.
+    at_replica : collection of str
+        Updates the replica has.
+    div_max : float
+        Divergence bound (>= 0).
+    to_apply : sequence of (str, float)
+        Updates arrived at the server and waiting to be applied, in order, with norms.
+    in_flight : collection of str
+        Updates already on their way to the replica.
+    urgency : float
+        Fraction of ``div_max`` from which replica transfers are urgent.
+
+    Returns
+    -------
+    ReplicationDecision
+
+    Raises
+    ------
+    ValueError
+        If ``div_max`` is negative or the divergence already exceeds it.
+
+    Examples
+    --------
+    >>> waiting = [("u2", 0.5), ("u3", 1.0), ("u4", 0.1)]
+    >>> d = plan_replication({"u1": 2.0}, set(), div_max=3.0, to_apply=waiting)
+    >>> d.apply_now, d.hold, d.send_now, d.divergence_after, d.urgent
+    (('u2',), ('u3', 'u4'), ('u1', 'u2', 'u3', 'u4'), 2.5, True)
+    """
+    if div_max < 0:
+        raise ValueError(f"div_max must be >= 0, got {div_max}")
+    have = set(at_replica)
+    now_div = divergence(applied, have)
+    if now_div > div_max * (1 + 1e-12):
+        raise ValueError(f"divergence {now_div:g} already exceeds div_max {div_max:g}")
+    div = now_div
+    apply_now: list[str] = []
+    hold: list[str] = []
+    for uid, norm in to_apply:
+        add = 0.0 if uid in have else norm
+        if not hold and div + add <= div_max:
+            apply_now.append(uid)
+            div += add
+        else:
+            hold.append(uid)
+    moving = set(in_flight) | have
+    lagging = sorted(
+        ((uid, norm) for uid, norm in applied.items() if uid not in moving),
+        key=lambda item: (-item[1], item[0]),
+    )
+    send = [uid for uid, _ in lagging]
+    send += [uid for uid in apply_now if uid not in moving]
+    send += [uid for uid in hold if uid not in moving]
+    return ReplicationDecision(
+        send_now=tuple(send),
+        apply_now=tuple(apply_now),
+        hold=tuple(hold),
+        divergence=now_div,
+        divergence_after=div,
+        urgent=bool(hold) or div >= urgency * div_max,
+    )

@@ -1,0 +1,105 @@
+"""The daemon's pure books: spec checks, update ids, and de-duplicated server hand-off."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from mlfabric.daemon.roles import OutgoingPushes, ServerHandoff, Verdict, check_update
+from mlfabric.proto.v1 import control_pb2
+from mlfabric.tensors import Layout
+
+SPEC = {"w": ("float32", (2, 3)), "b": ("float64", (4,))}
+
+
+def _layouts(**tensors: tuple[str, tuple[int, ...]]) -> list[Layout]:
+    return [Layout(n, d, s, 0, 0) for n, (d, s) in tensors.items()]
+
+
+def test_matching_update_passes() -> None:
+    assert check_update(SPEC, _layouts(b=("float64", (4,)), w=("float32", (2, 3))), "ps0") is None
+
+
+@pytest.mark.parametrize(
+    ("layouts", "words"),
+    [
+        (_layouts(w=("float32", (3, 2)), b=("float64", (4,))), ["'w'", "(3, 2)", "(2, 3)"]),
+        (_layouts(w=("float32", (2, 3)), b=("float16", (4,))), ["'b'", "float16", "float64"]),
+        (_layouts(w=("float32", (2, 3))), ["'b'", "missing"]),
+        (
+            _layouts(w=("float32", (2, 3)), b=("float64", (4,)), z=("float32", (1,))),
+            ["'z'", "not in the model"],
+        ),
+    ],
+)
+def test_mismatch_names_tensor_and_both_sides(layouts: list[Layout], words: list[str]) -> None:
+    message = check_update(SPEC, layouts, "server 'ps0'")
+    assert message is not None
+    for word in words:
+        assert word in message
+
+
+def test_duplicate_tensor_names_are_refused() -> None:
+    layouts = _layouts(w=("float32", (2, 3))) * 2
+    assert "more than once" in (check_update(SPEC, layouts, "ps0") or "")
+
+
+def test_outgoing_book_states() -> None:
+    book = OutgoingPushes("h")
+    pushes: list[Any] = []
+    for _ in range(3):
+        uid = book.new_update_id()
+        push = type("P", (), {"update_id": uid, "state": "ready"})()
+        pushes.append(push)
+        book.add(push)
+    assert book.start_sending("h/1") is pushes[0]
+    assert book.start_sending("h/1") is None  # a duplicate directive does not send twice
+    assert [p.update_id for p in book.take_waiting()] == ["h/2", "h/3"]
+    assert len(book) == 1 and book.take("h/1") is pushes[0] and book.take("h/1") is None
+
+
+def test_concurrent_retries_deliver_once_and_share_the_verdict() -> None:
+    delivered: list[str] = []
+    handoff: ServerHandoff
+
+    def deliver(update_id: str, header: Any, fd: int) -> None:
+        delivered.append(update_id)
+        threading.Timer(
+            0.1, handoff.resolve, (update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
+        ).start()
+
+    handoff = ServerHandoff("j", "ps0", {}, 0, deliver)
+    results: list[Verdict] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(handoff.handle("u", None, -1, 5))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert delivered == ["u"]
+    assert [r.version for r in results] == [1, 1, 1, 1]
+    assert handoff.version == 1
+
+
+def test_closed_server_drops_waiting_and_new_updates() -> None:
+    handoff = ServerHandoff("j", "ps0", {}, 3, lambda *a: None)
+    results: list[Verdict] = []
+    t = threading.Thread(target=lambda: results.append(handoff.handle("u", None, -1, 5)))
+    t.start()
+    threading.Event().wait(0.05)
+    handoff.close("server process gone")
+    t.join(5)
+    assert results[0].outcome == control_pb2.OUTCOME_DROPPED and results[0].reason == "server process gone"
+    again = handoff.handle("v", None, -1, 5)
+    assert again.outcome == control_pb2.OUTCOME_DROPPED and "gone" in again.reason
+
+
+def test_verdict_cache_is_bounded() -> None:
+    handoff = ServerHandoff("j", "ps0", {}, 0, lambda *a: None, max_verdicts=2)
+    for i in range(3):
+        handoff.resolve(f"u{i}", Verdict(control_pb2.OUTCOME_APPLIED, 0, i + 1, ""))
+    assert handoff.handle("u2", None, -1, 1).version == 3
+    assert handoff.handle("u0", None, -1, 0.05).outcome == control_pb2.OUTCOME_DROPPED  # forgotten: times out
