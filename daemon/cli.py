@@ -28,15 +28,13 @@ _LOG = logging.getLogger("mlfabric.daemon")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``mlfabric daemon`` arguments to ``parser``."""
-    from mlfabric.localclient import DEFAULT_SOCKET
-
     parser.add_argument("--host", required=True, help="this host's name in the scheduler's bandwidth graph")
     parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
     parser.add_argument(
         "--socket",
-        default=DEFAULT_SOCKET,
         metavar="PATH",
-        help=f"local API Unix socket (default {DEFAULT_SOCKET})",
+        help="local API Unix socket (default: $MLFABRIC_DAEMON, else $TMPDIR/mlfabric-<uid>/daemon.sock, "
+        "where training processes look for it)",
     )
     parser.add_argument(
         "--data-listen",
@@ -107,6 +105,9 @@ def write_ready_file(path: str, content: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
     from mlfabric.daemon.daemon import Daemon, DaemonConfig
+    from mlfabric.localclient import default_socket_path
+
+    socket_path = default_socket_path(args.socket)
 
     egress = ingress = None
     if args.enforce_nic_rates:
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     config = DaemonConfig(
         host=args.host,
         scheduler=args.scheduler,
-        socket_path=args.socket,
+        socket_path=socket_path,
         data_listen=args.data_listen,
         egress_rate=egress,
         ingress_rate=ingress,
@@ -142,12 +143,12 @@ def run(args: argparse.Namespace) -> int:
                 args.ready_file,
                 {
                     "pid": os.getpid(),
-                    "socket": args.socket,
+                    "socket": socket_path,
                     "data_address": daemon.data_address,
                     "host": args.host,
                 },
             )
-        _LOG.info("daemon %s: socket %s, data plane %s", args.host, args.socket, daemon.data_address)
+        _LOG.info("daemon %s: socket %s, data plane %s", args.host, socket_path, daemon.data_address)
         while not stop.wait(0.5):
             pass
     finally:

@@ -31,7 +31,6 @@ from typing import Any
 from mlfabric import __version__
 from mlfabric.daemon.control import ControlStream
 from mlfabric.daemon.dataplane import (
-    FileSpan,
     FrameError,
     FrameHeader,
     FrameLimits,
@@ -49,9 +48,10 @@ from mlfabric.daemon.roles import (
     spec_from_pb,
 )
 from mlfabric.daemon.serving import MemfdBuffer, ServerRoles
-from mlfabric.daemon.transport import Connection, DataPlaneListener, PeerPool, PeerUnavailable, Reply
+from mlfabric.daemon.transfers import PushSender
+from mlfabric.daemon.transport import DataPlaneListener, PeerPool
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.tensors import layouts_from_pb, layouts_to_pb
+from mlfabric.tensors import layouts_from_pb
 
 __all__ = ["Daemon", "DaemonConfig"]
 
@@ -171,10 +171,17 @@ class Daemon:
         self._acks: dict[int, Callable[[Any], None]] = {}
         self._ack_ids = itertools.count(1)
         self._roles: dict[int, LocalConnection] = {}
-        self._active: set[Connection] = set()
         self._stopping = threading.Event()
         self.directory = Directory()
         self.outgoing = OutgoingPushes(config.host)
+        self.sender = PushSender(
+            config.host,
+            self._pool,
+            self.outgoing,
+            lambda report: self._control.send(control_pb2.DaemonMessage(transfer_report=report)),
+            config.send_attempts,
+            config.retry_backoff,
+        )
         self.data_address: str = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -204,13 +211,10 @@ class Daemon:
         self._control.stop()
         self._local.stop()
         self._listener.stop()
-        with self._lock:
-            active = list(self._active)
-        for conn in active:  # transfers in flight fail now instead of at their I/O timeout
-            conn.close()
+        self.sender.stop()
         self._tasks.shutdown(wait=True, cancel_futures=True)
         for push in self.outgoing.take_all():
-            self._finish(push, Verdict.dropped(f"daemon of host {self.host!r} shut down"))
+            self.sender.finish(push, Verdict.dropped(f"daemon of host {self.host!r} shut down"))
         self.serving.close_all(f"daemon of host {self.host!r} shut down")
         self._pool.close()
 
@@ -251,7 +255,7 @@ class Daemon:
         for on_ack in acks:
             on_ack(None)
         for push in self.outgoing.take_waiting():
-            self._finish(
+            self.sender.finish(
                 push, Verdict.dropped(f"scheduler connection lost before {push.update_id} was sent: {reason}")
             )
 
@@ -267,13 +271,16 @@ class Daemon:
             if push is None:
                 _LOG.warning("send directive for unknown or busy update %r", directive.send.update_id)
             else:
-                self._tasks.submit(self._transfer, push, directive.send)
+                self._tasks.submit(self.sender.transfer, push, directive.send)
         elif kind == "drop":
             dropped = self.outgoing.take(directive.drop.update_id)
             if dropped is not None:
-                self._finish(dropped, Verdict.dropped(directive.drop.reason or "dropped by the scheduler"))
+                self.sender.finish(
+                    dropped, Verdict.dropped(directive.drop.reason or "dropped by the scheduler")
+                )
         elif kind == "job_update":
-            self.directory.update(directive.job_update.job, directive.job_update.servers)
+            # a JobUpdate lists the job's servers now: one that left is forgotten
+            self.directory.update(directive.job_update.job, directive.job_update.servers, replace=True)
 
     # ------------------------------------------------------------------ local API
 
@@ -472,103 +479,8 @@ class Daemon:
             taken = self.outgoing.take(push.update_id)
             if taken is not None:
                 reason = f"scheduler at {self.config.scheduler} not connected; {push.update_id} not scheduled"
-                self._finish(taken, Verdict.dropped(reason))
+                self.sender.finish(taken, Verdict.dropped(reason))
         return None
-
-    def _finish(self, push: PendingPush, verdict: Verdict) -> None:
-        """Resolve a push: close its memfd, tell its process."""
-        os.close(push.fd)
-        result = local_pb2.PushResult(
-            update_id=push.update_id,
-            outcome=verdict.outcome,
-            delay=verdict.delay,
-            version=verdict.version,
-            reason=verdict.reason,
-        )
-        push.owner.send(local_pb2.LocalEvent(request_id=push.request_id, push_result=result))
-
-    def _transfer(self, push: PendingPush, send: Any) -> None:
-        """Move one update to its next hop (retrying a vanished peer), then resolve and report it."""
-        header = FrameHeader(
-            kind=_UPDATE,
-            update_id=push.update_id,
-            job=push.job,
-            server=push.server,
-            worker=push.worker,
-            base_version=push.base_version,
-            norm=push.norm,
-            num_updates=1,
-            tensors=layouts_to_pb(push.layouts),
-            src_host=self.host,
-        )
-        span = FileSpan(push.fd, 0, push.payload_bytes)
-        attempts = max(1, self.config.send_attempts)
-        report = control_pb2.TransferReport(
-            update_id=push.update_id,
-            src_host=self.host,
-            dst_host=send.next_hop_host,
-            bytes=push.payload_bytes,
-        )
-        errors: list[str] = []
-        for attempt in range(attempts):
-            if attempt and self._stopping.wait(self.config.retry_backoff * 2 ** (attempt - 1)):
-                errors.append("daemon shutting down")
-                break
-            try:
-                reply = self._request(send.next_hop_address, header, span)
-            except PeerUnavailable as exc:
-                _LOG.warning("transfer %s, attempt %d/%d: %s", push.update_id, attempt + 1, attempts, exc)
-                errors.append(str(exc))
-                continue
-            h = reply.header
-            if h.kind == _ACK:
-                verdict = Verdict(h.outcome or _DROPPED, h.delay, h.version, h.reason)
-            else:
-                reason = f"daemon of host {send.next_hop_host!r} refused {push.update_id}: {h.reason}"
-                verdict = Verdict.dropped(reason, h.version)
-            report.start, report.end, report.throughput = (
-                reply.sent.start,
-                reply.sent.end,
-                reply.sent.throughput,
-            )
-            report.ok = True
-            break
-        else:
-            verdict = Verdict.dropped(
-                f"transfer of {push.update_id} to host {send.next_hop_host!r} ({send.next_hop_address}) "
-                f"failed after {attempts} attempts: {errors[-1] if errors else 'no attempt'}"
-            )
-            report.ok, report.error = False, verdict.reason
-        report.outcome, report.delay, report.server_version = verdict.outcome, verdict.delay, verdict.version
-        report.reason = verdict.reason
-        taken = self.outgoing.take(push.update_id)
-        if taken is not None:
-            self._finish(taken, verdict)
-        self._control.send(control_pb2.DaemonMessage(transfer_report=report))
-
-    def _request(self, address: str, header: Any, payload: Any = None, alloc: Any = bytearray) -> Reply:
-        """One request/reply with a peer daemon over a pooled connection that :meth:`stop` can cut.
-
-        Raises
-        ------
-        PeerUnavailable
-            The peer cannot be reached or vanished (also when the daemon is stopping).
-        """
-        if self._stopping.is_set():
-            raise PeerUnavailable(address, f"daemon of host {self.host!r} is stopping")
-        conn = self._pool.acquire(address)
-        with self._lock:
-            self._active.add(conn)
-        try:
-            reply = conn.request(header, payload, alloc=alloc)
-        except BaseException:
-            conn.close()
-            raise
-        finally:
-            with self._lock:
-                self._active.discard(conn)
-        self._pool.release(conn)
-        return reply
 
     def _get(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
         server, rid = request.get.server, request.request_id
@@ -581,30 +493,5 @@ class Daemon:
         if self.serving.hosts(job, server):
             self.serving.send_model(conn, rid, job, server)
         else:
-            self._tasks.submit(self._remote_get, conn, rid, job, server, loc.data_address)
+            self._tasks.submit(self.sender.remote_model, conn, rid, job, server, loc.data_address)
         return fd
-
-    def _remote_get(self, conn: LocalConnection, rid: int, job: str, server: str, address: str) -> None:
-        header = FrameHeader(kind=_GET, job=job, server=server, src_host=self.host)
-        try:
-            reply = self._request(address, header, alloc=MemfdBuffer.allocate)
-        except PeerUnavailable as exc:
-            conn.error(rid, "unavailable", f"get from server {server!r} of job {job!r}: {exc}")
-            return
-        buffer = reply.buffer if isinstance(reply.buffer, MemfdBuffer) else MemfdBuffer.allocate(0)
-        reply.payload.release()
-        try:
-            if reply.header.kind != _MODEL:
-                conn.error(
-                    rid, "unavailable", f"get from server {server!r} of job {job!r}: {reply.header.reason}"
-                )
-                return
-            model = local_pb2.ModelReply(
-                version=reply.header.version,
-                tensors=reply.header.tensors,
-                payload_bytes=reply.header.payload_bytes,
-                has_payload=True,
-            )
-            conn.send(local_pb2.LocalEvent(request_id=rid, model=model), buffer.fd)
-        finally:
-            buffer.release()

@@ -66,9 +66,6 @@ __all__ = [
 
 _LOG = logging.getLogger("mlfabric.daemon.transport")
 
-#: Socket buffer size asked for on data-plane sockets (the kernel may cap it).
-SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-
 
 class PeerUnavailable(ConnectionError):
     """A peer daemon could not be reached, or went away during a transfer.
@@ -174,7 +171,10 @@ def format_address(host: str, port: int) -> str:
 
 
 def _tune(sock: socket.socket) -> None:
-    """Data-plane socket options: no Nagle delay on headers, large buffers."""
+    """Data-plane socket options: no Nagle delay on headers and replies.
+
+    Buffer sizes stay with the kernel's autotuning (setting ``SO_RCVBUF`` would switch it off).
+    """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
@@ -191,11 +191,6 @@ class Connection:
         Limits applied to replies.
     egress_bucket, ingress_bucket : TokenBucket, optional
         Rate limits shared with the daemon's other connections.
-
-    Examples
-    --------
-    >>> pool = PeerPool(FrameLimits())
-    >>> conn = pool.connect("127.0.0.1:1")  # doctest: +SKIP
     """
 
     def __init__(
@@ -562,7 +557,8 @@ class DataPlaneListener:
             try:
                 frame = recv_frame(sock, self._limits, self._alloc, bucket=self._ingress)
             except FrameError as exc:
-                self.rejected += 1
+                with self._lock:
+                    self.rejected += 1
                 self._log.warning("data plane: rejected frame from %s: %s; closing", peer, exc.reason)
                 if exc.reply_possible:
                     self._reply_error(sock, peer, exc.reason)

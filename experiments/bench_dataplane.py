@@ -20,7 +20,7 @@ handoff/dataplane (target >= 2).
 
 Run::
 
-    python experiments/bench_dataplane.py [--mib 256] [--repeats 5] [--out experiments/results/bench_dataplane.md]
+    python experiments/bench_dataplane.py --out experiments/results/bench_dataplane.md
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 
 from mlfabric.daemon.bufferpool import MemfdPool
-from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, FrameLimits
-from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
+from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response, parse_address
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 ACK = b"k"
@@ -99,8 +99,10 @@ def _dataplane_receiver(mode: str, ctl: Connection) -> None:
     close()
 
 
-def bench_dataplane(nbytes: int, repeats: int, ctx: Any, *, pass_crc: bool, alloc: str) -> list[float]:
-    """Seconds per update sent UPDATE -> ACK through the data plane."""
+def bench_dataplane(
+    nbytes: int, repeats: int, ctx: Any, *, pass_crc: bool, alloc: str, zero_copy: bool = True
+) -> list[float]:
+    """Seconds per update sent UPDATE -> ACK through the data plane (``PeerPool.request``)."""
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_dataplane_receiver, args=(alloc, child))
     proc.start()
@@ -108,24 +110,32 @@ def bench_dataplane(nbytes: int, repeats: int, ctx: Any, *, pass_crc: bool, allo
     data = _payload(nbytes)
     fd = os.memfd_create("bench-update")
     times: list[float] = []
+    pool = PeerPool(FrameLimits(), io_timeout=120)
     try:
-        os.write(fd, data.tobytes())
+        os.write(fd, memoryview(data.data))
         span = FileSpan(fd, 0, nbytes)
         header = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, job="bench", server="s")
         header.tensors.add(name="w", dtype="uint8", shape=[nbytes], offset=0, nbytes=nbytes)
-        crc = zlib.crc32(data) if pass_crc else None
-        pool = PeerPool(FrameLimits(), io_timeout=120)
+        crc = zlib.crc32(memoryview(data.data)) if pass_crc else None
+        sock = None if zero_copy else socket.create_connection(parse_address(address))
         for i in range(repeats + 1):
             header.update_id = f"u{i}"
             t0 = time.perf_counter()
-            reply = pool.request(address, header, span, crc32=crc)
+            if sock is None:
+                kind = pool.request(address, header, span, crc32=crc).header.kind
+            else:  # the same frames, sent from a mapping
+                send_frame(sock, header, span, crc32=crc, zero_copy=False)
+                reply = recv_frame(sock, FrameLimits())
+                kind = reply.header.kind if reply is not None else dataplane_pb2.FRAME_KIND_ERROR
             t1 = time.perf_counter()
-            if reply.header.kind != dataplane_pb2.FRAME_KIND_ACK:
-                raise RuntimeError(f"data plane replied {reply.header}")
+            if kind != dataplane_pb2.FRAME_KIND_ACK:
+                raise RuntimeError(f"data plane replied {kind}")
             if i:
                 times.append(t1 - t0)
-        pool.close()
+        if sock is not None:
+            sock.close()
     finally:
+        pool.close()
         os.close(fd)
         parent.send("stop")
         proc.join(30)
@@ -196,7 +206,7 @@ def bench_raw_tcp(nbytes: int, repeats: int, ctx: Any) -> list[float]:
     proc = ctx.Process(target=_tcp_receiver, args=(nbytes, repeats, child))
     proc.start()
     port = parent.recv()
-    data = memoryview(_payload(nbytes))
+    data = memoryview(_payload(nbytes).data)
     times: list[float] = []
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -229,12 +239,18 @@ def _handoff_daemon(path: str, repeats: int, ctl: Connection) -> None:
     server.close()
 
 
-def bench_handoff(nbytes: int, repeats: int, ctx: Any) -> list[float]:
-    """Seconds per hand-off: tensors -> memfd (``mlfabric.tensors.to_memfd``) -> SCM_RIGHTS -> reply."""
+def bench_handoff(nbytes: int, repeats: int, ctx: Any, *, reuse: bool) -> list[float]:
+    """Seconds per hand-off: the update into a memfd, the fd over SCM_RIGHTS, the daemon's reply.
+
+    ``reuse=False`` is ``mlfabric.tensors.to_memfd`` (a new memfd per push, as ``Worker.push``
+    does today); ``reuse=True`` copies into one memfd kept from push to push (what a worker can
+    do once its daemon has sent the previous update), so no page is allocated and zeroed.
+    """
     from mlfabric import tensors as tcodec
 
     update = {"w": _payload(nbytes).view(np.float32)}
     times: list[float] = []
+    kept = MemfdPool(max_idle_bytes=2 * nbytes + (1 << 20))
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/daemon.sock"
         parent, child = ctx.Pipe()
@@ -245,18 +261,129 @@ def bench_handoff(nbytes: int, repeats: int, ctx: Any) -> list[float]:
             sock.connect(path)
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
-                fd, _layouts, total = tcodec.to_memfd(update, name="bench-update")
+                if reuse:
+                    layouts, total = tcodec.plan_layout(update)
+                    buf = kept.allocate(total)
+                    tcodec.encode_into(buf, update, layouts)
+                    fd = buf.fd
+                else:
+                    fd, _layouts, total = tcodec.to_memfd(update, name="bench-update")
                 socket.send_fds(sock, [str(total).encode()], [fd])
-                os.close(fd)
                 if sock.recv(1) != ACK:
                     raise RuntimeError("hand-off receiver closed")
+                t1 = time.perf_counter()
+                if reuse:
+                    buf.release()
+                else:
+                    os.close(fd)
                 if i:
-                    times.append(time.perf_counter() - t0)
+                    times.append(t1 - t0)
         proc.join(30)
+    kept.close()
     return times
 
 
+# --------------------------------------------------------------------------- (e) through mlfabric.api
+_TOPOLOGY = """
+hosts = ["ps", "w0"]
+switches = ["sw"]
+
+[[links]]
+a = "ps"
+b = "sw"
+gbps = 100
+
+[[links]]
+a = "w0"
+b = "sw"
+gbps = 100
+"""
+
+
+def _api_server(socket_path: str, nbytes: int, ctl: Connection) -> None:
+    import threading
+
+    import mlfabric
+
+    model = {"w": np.zeros(nbytes // 4, np.float32)}
+    server = mlfabric.register_as_server(
+        "bench", "ps0", model, mlfabric.Params(tau_max=1 << 20), daemon=socket_path
+    )
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    ctl.send("ready")
+    ctl.recv()  # "stop"
+    server.stop()
+    thread.join(10)
+    server.close()
+
+
+def bench_api(nbytes: int, repeats: int, ctx: Any) -> tuple[list[float], list[float]]:
+    """``Worker.push`` through a real cluster (scheduler + two daemon processes, policy fair).
+
+    Returns the seconds from ``push()`` until the worker's daemon accepted the update (the
+    hand-off through the local API) and until it was APPLIED at the server (hand-off, the
+    scheduler's directive, the data-plane transfer between the two daemons, the server's
+    ``on_update`` and the verdict's way back).
+    """
+    import mlfabric
+    from mlfabric.cluster import LocalCluster
+
+    handoff: list[float] = []
+    applied: list[float] = []
+    update = {"w": np.ones(nbytes // 4, np.float32)}
+    with tempfile.TemporaryDirectory(prefix="mlfb-") as tmp:
+        topo = Path(tmp) / "topology.toml"
+        topo.write_text(_TOPOLOGY)
+        with LocalCluster(topo, policy="fair", workdir=tmp) as cluster:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_api_server, args=(cluster.socket("ps"), nbytes, child))
+            proc.start()
+            try:
+                parent.recv()
+                with mlfabric.register_as_worker("bench", name="w0", daemon=cluster.socket("w0")) as worker:
+                    for i in range(repeats + 1):
+                        t0 = time.perf_counter()
+                        handle = worker.push("ps0", update, norm=1.0)
+                        while not handle.update_id and not handle.done():
+                            time.sleep(0.0005)
+                        t1 = time.perf_counter()
+                        result = handle.wait(120)
+                        t2 = time.perf_counter()
+                        if result.status != mlfabric.APPLIED:
+                            raise RuntimeError(f"push {i} not applied: {result}")
+                        if i:
+                            handoff.append(t1 - t0)
+                            applied.append(t2 - t0)
+            finally:
+                parent.send("stop")
+                proc.join(30)
+    return handoff, applied
+
+
 # --------------------------------------------------------------------------- report
+NOTES = """## What the rows are
+
+- `dataplane`: `PeerPool.request` of an UPDATE whose payload is a memfd (`FileSpan`, sent with
+  `os.sendfile`) to a `DataPlaneListener` in another process that receives into recycled memfds
+  (`MemfdPool`), checks the CRC-32 on a helper thread and answers ACK. The CRC is passed in, as
+  when it is computed at hand-off time (while the update waits for the scheduler's directive).
+- `dataplane_trailer`: the CRC is not known; the sender computes it while sending and appends it.
+- `dataplane_mapped`: the span sent from a mapping with `sendall` instead of `sendfile`.
+- `dataplane_fresh`: the receiver allocates a new memfd per frame (the daemon's `MemfdBuffer`):
+  every page is allocated and zeroed on first touch.
+- `gloo`, `raw_tcp`: the same bytes, receiver reusing one buffer; a 1-byte reply ends each timing.
+- `handoff`: `mlfabric.tensors.to_memfd` (new memfd) + SCM_RIGHTS + reply, measured directly;
+  `handoff_reuse`: the update copied into a memfd kept from push to push.
+- `api_handoff`: `Worker.push` through a real cluster (scheduler and two `mlfabric daemon`
+  processes) until the worker's daemon accepted the update; `api_push_applied`: until APPLIED
+  (includes the scheduler, the transfer between the daemons and the server's `on_update`).
+
+Every case runs between processes on one 2-core machine shared with other work, so absolute
+rates and ratios move with the load (printed above); compare rows of one run.
+"""
+
+
 def _row(name: str, what: str, nbytes: int, times: list[float]) -> tuple[str, str, float, float, float]:
     med = statistics.median(times)
     return name, what, med, nbytes / med / 1e9, (max(times) - min(times)) / med
@@ -276,11 +403,13 @@ def render(rows: list[tuple[str, str, float, float, float]], nbytes: int, repeat
     lines += ["", "| ratio | value | target |", "| --- | ---: | ---: |"]
     for num, den, target in [
         ("dataplane", "gloo", 0.8),
-        ("dataplane_crc_in", "gloo", 0.8),
+        ("dataplane_trailer", "gloo", 0.8),
+        ("dataplane_mapped", "gloo", 0.8),
         ("dataplane_fresh", "gloo", 0.8),
         ("dataplane", "raw_tcp", None),
         ("handoff", "dataplane", 2.0),
-        ("handoff", "dataplane_crc_in", 2.0),
+        ("handoff_reuse", "dataplane", 2.0),
+        ("api_handoff", "dataplane", 2.0),
     ]:
         if num in rate and den in rate:
             value = rate[num] / rate[den]
@@ -297,34 +426,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (default 5)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
     parser.add_argument("--skip-gloo", action="store_true", help="leave out torch.distributed")
+    parser.add_argument("--only", default="", help="comma-separated cases to run (default: all)")
     args = parser.parse_args(argv)
     nbytes = args.mib << 20
     ctx = mp.get_context("spawn")
     before = os.getloadavg()
     rows = []
+    n, r = nbytes, args.repeats
     cases: list[tuple[str, str, Callable[[], list[float]]]] = [
         (
             "dataplane",
-            "memfd sendfile -> listener (pooled memfds); CRC by sender and receiver",
-            lambda: bench_dataplane(nbytes, args.repeats, ctx, pass_crc=False, alloc="pool"),
+            "memfd span (sendfile) -> listener into pooled memfds; CRC known at hand-off",
+            lambda: bench_dataplane(n, r, ctx, pass_crc=True, alloc="pool"),
         ),
         (
-            "dataplane_crc_in",
-            "same, the pushing process's CRC passed in",
-            lambda: bench_dataplane(nbytes, args.repeats, ctx, pass_crc=True, alloc="pool"),
+            "dataplane_trailer",
+            "same, CRC computed while sending (trailer)",
+            lambda: bench_dataplane(n, r, ctx, pass_crc=False, alloc="pool"),
+        ),
+        (
+            "dataplane_mapped",
+            "same as dataplane, mmap + sendall instead of sendfile (zero_copy=False)",
+            lambda: bench_dataplane(n, r, ctx, pass_crc=True, alloc="pool", zero_copy=False),
         ),
         (
             "dataplane_fresh",
             "same as dataplane, a new memfd per frame (MemfdBuffer.allocate)",
-            lambda: bench_dataplane(nbytes, args.repeats, ctx, pass_crc=False, alloc="fresh"),
+            lambda: bench_dataplane(n, r, ctx, pass_crc=True, alloc="fresh"),
         ),
-        ("raw_tcp", "sendall / recv_into", lambda: bench_raw_tcp(nbytes, args.repeats, ctx)),
-        ("handoff", "to_memfd + SCM_RIGHTS (mechanism)", lambda: bench_handoff(nbytes, args.repeats, ctx)),
+        ("gloo", "torch.distributed send/recv", lambda: bench_gloo(n, r, ctx)),
+        ("raw_tcp", "sendall / recv_into", lambda: bench_raw_tcp(n, r, ctx)),
+        ("handoff", "to_memfd (new memfd) + SCM_RIGHTS", lambda: bench_handoff(n, r, ctx, reuse=False)),
+        (
+            "handoff_reuse",
+            "copy into a recycled memfd + SCM_RIGHTS",
+            lambda: bench_handoff(n, r, ctx, reuse=True),
+        ),
     ]
-    if not args.skip_gloo:
-        cases.insert(
-            2, ("gloo", "torch.distributed send/recv", lambda: bench_gloo(nbytes, args.repeats, ctx))
-        )
+    api: dict[str, list[float]] = {}
+
+    def run_api(key: str) -> list[float]:
+        if not api:
+            api["handoff"], api["applied"] = bench_api(n, r, ctx)
+        return api[key]
+
+    cases += [
+        ("api_handoff", "Worker.push until its daemon accepted it", lambda: run_api("handoff")),
+        ("api_push_applied", "Worker.push until APPLIED (2 daemon processes)", lambda: run_api("applied")),
+    ]
+    if args.skip_gloo:
+        cases = [c for c in cases if c[0] != "gloo"]
+    if args.only:
+        cases = [c for c in cases if c[0] in args.only.split(",")]
     for name, what, run in cases:
         times = run()
         rows.append(_row(name, what, nbytes, times))
@@ -335,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# Data-plane benchmark\n\n`python {' '.join(sys.argv)}`\n\n{table}\n")
+        args.out.write_text(
+            f"# Data-plane benchmark\n\n`python {' '.join(sys.argv)}`\n\n{table}\n\n{NOTES}\n"
+        )
     return 0
 
 

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -214,38 +215,50 @@ def gloo_role(args: argparse.Namespace) -> int:
 def gloo_server(
     args: argparse.Namespace, model: Any, flat: Any, names: list, shapes: list, sizes: list
 ) -> int:
-    import torch
+    """Rank 0: one thread per worker receives its gradients (all concurrently) and answers with the model.
+
+    Gloo's ``Work.is_completed`` does not advance for point-to-point operations nobody
+    waits on, so the straightforward asynchronous server is a blocking ``recv`` per worker
+    in its own thread; the threads apply under one lock.
+    """
     import torch.distributed as dist
 
     _, _, xte, yte = dataset()
     log = AccuracyLog(Path(args.out), args.target)
-    workers = range(1, args.world)
-    bufs = {r: torch.empty_like(flat) for r in workers}
-    sends: list[Any] = [dist.isend(flat.clone(), dst=r) for r in workers]
-    recvs: dict[int, Any] = {r: dist.irecv(bufs[r], src=r) for r in workers}
-    sent_version = dict.fromkeys(workers, 0)
-    version, delays, last_eval = 0, [], time.monotonic()
+    lock = threading.Lock()
+    state = {"version": 0}
+    delays: list[int] = []
+    done = threading.Event()
+
+    def serve(rank: int) -> None:
+        buf = flat.clone()
+        with lock:
+            model_copy, sent_version = flat.clone(), state["version"]
+        while not done.is_set():
+            dist.send(model_copy, dst=rank)
+            dist.recv(buf, src=rank)
+            with lock:
+                flat.sub_(buf)
+                delays.append(state["version"] - sent_version)
+                state["version"] += 1
+                model_copy, sent_version = flat.clone(), state["version"]
+
+    for rank in range(1, args.world):
+        threading.Thread(target=serve, args=(rank,), daemon=True).start()
     deadline = time.monotonic() + args.time_limit
+    last = 0
     while time.monotonic() < deadline and log.reached is None:
-        progressed = False
-        for r in workers:
-            if recvs[r].is_completed():
-                flat -= bufs[r]
-                delays.append(version - sent_version[r])
-                version += 1
-                sends.append(dist.isend(flat.clone(), dst=r))
-                sent_version[r] = version
-                recvs[r] = dist.irecv(bufs[r], src=r)
-                progressed = True
-        if version and time.monotonic() - last_eval >= 0.25:
-            last_eval = time.monotonic()
-            load_numpy(model, unflatten(flat, names, shapes, sizes))
+        time.sleep(0.25)
+        with lock:
+            version, snapshot = state["version"], flat.clone()
+        if version != last:
+            last = version
+            load_numpy(model, unflatten(snapshot, names, shapes, sizes))
             log.record(version, accuracy(model, xte, yte))
-        sends = [s for s in sends if not s.is_completed()]
-        if not progressed:
-            time.sleep(0.002)
-    log.save({"applied": version, "dropped": 0, "delays": delays})
-    os._exit(0)  # workers are blocked in recv; the driver terminates them
+    done.set()
+    with lock:
+        log.save({"applied": state["version"], "dropped": 0, "delays": list(delays)})
+    os._exit(0)  # the threads are blocked in gloo; the driver terminates the workers
 
 
 # ---------------------------------------------------------------------------- driver
@@ -411,8 +424,9 @@ def driver(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     sweep_stale(SubprocessRunner())
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="mlfabric-e2e-") as tmp:
-        topo = Path(tmp) / "topology.toml"
+    with tempfile.TemporaryDirectory(prefix="mlfabric-e2e-") as tmp_dir:
+        tmp = args.workdir or Path(tmp_dir)
+        topo = tmp / "topology.toml"
         topo.write_text(
             to_toml(bottleneck_star("ps", args.server_mbps, dict(zip(workers, uplinks, strict=True))))
         )
@@ -420,7 +434,7 @@ def driver(args: argparse.Namespace) -> int:
         changes = ns_setting(graph, workers, args)
         with Testbed(graph, new_prefix(random.Random())) as testbed:
             for system in args.systems.split(","):
-                res = run_system(system, testbed, topo, workers, args, delays, changes, Path(tmp) / system)
+                res = run_system(system, testbed, topo, workers, args, delays, changes, tmp / system)
                 results[system] = res
                 print(
                     f"{system}: time to {args.target}: {res['time_to_target']}, applied {res['applied']}, "
@@ -500,6 +514,7 @@ def main() -> int:
     parser.add_argument("--tau-max", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--workdir", type=Path, help="keep logs and per-run files here (default: a temp dir)")
     # the roles this script runs as inside the namespaces
     parser.add_argument("--role", choices=["mlf-server", "mlf-worker", "gloo"], help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)

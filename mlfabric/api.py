@@ -1,4 +1,4 @@
-"""The Python API of mlfabric: the paper's Table 1 (MLfabric §5), Pythonic.
+"""The Python API of mlfabric: the paper's Table 1 (MLfabric §4, "Architecture and APIs"), Pythonic.
 
 Training code talks only to its host's daemon, over the local API (a Unix socket; the
 tensors go in a memfd, see :mod:`mlfabric.localclient`)::
@@ -24,6 +24,13 @@ variable, else :data:`mlfabric.localclient.DEFAULT_SOCKET`
 
 Tensors are dicts of name -> numpy array or torch tensor, dtype float32, float16, bfloat16
 or float64 (numpy bfloat16: raw ``uint16`` words). Torch is optional.
+
+Table 1 of the paper, and its names here: ``registerAsWorker(params)`` ->
+:func:`register_as_worker`; ``push(server, update, update norm)`` -> :meth:`Worker.push`;
+``get(server, model)`` -> :meth:`Worker.get`; ``registerAsServer(params)`` ->
+:func:`register_as_server`; ``registerUpdateCallback()`` -> :meth:`Server.on_update`;
+``registerRequestCallback()`` -> :meth:`Server.on_request`; ``params`` (tau_max, div_max) ->
+:class:`Params`.
 """
 
 from __future__ import annotations
@@ -37,7 +44,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric import tensors as tcodec
-from mlfabric.localclient import LocalClient, MlfabricError, default_socket_path, raise_for_error
+from mlfabric.localclient import (
+    APPLIED,
+    DROPPED,
+    LocalClient,
+    MlfabricError,
+    PushHandle,
+    PushResult,
+    default_socket_path,
+    raise_for_error,
+)
 from mlfabric.proto.v1 import control_pb2, local_pb2
 
 __all__ = [
@@ -53,13 +69,6 @@ __all__ = [
     "register_as_server",
     "register_as_worker",
 ]
-
-#: A push whose update the server applied.
-APPLIED = "APPLIED"
-#: A push whose update was not applied (``PushResult.reason`` says why).
-DROPPED = "DROPPED"
-
-_OUTCOME_NAMES = {control_pb2.OUTCOME_APPLIED: APPLIED, control_pb2.OUTCOME_DROPPED: DROPPED}
 
 Tensors = Mapping[str, Any]
 UpdateFn = Callable[[dict[str, Any], "UpdateMeta"], "Mapping[str, Any] | None"]
@@ -103,97 +112,6 @@ class Params:
             tau_max=None if message.tau_max < 0 else int(message.tau_max),
             div_max=None if message.div_max <= 0 else float(message.div_max),
         )
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """How a push ended.
-
-    Attributes
-    ----------
-    status : str
-        :data:`APPLIED` or :data:`DROPPED`.
-    delay : int
-        The update's delay at the server (version at apply time minus base version).
-    version : int
-        The server's model version after the update (applied) or when it was dropped.
-    reason : str
-        Why it was dropped ("" when applied).
-    update_id : str
-        ``"<host>/<sequence>"``.
-    """
-
-    status: str
-    delay: int
-    version: int
-    reason: str
-    update_id: str
-
-    @property
-    def applied(self) -> bool:
-        """True when the server applied the update."""
-        return self.status == APPLIED
-
-
-class PushHandle:
-    """A push in flight; :meth:`wait` gives its :class:`PushResult`."""
-
-    def __init__(self, server: str) -> None:
-        self.server = server
-        self.update_id = ""
-        self._done = threading.Event()
-        self._result: PushResult | None = None
-        self._error: MlfabricError | None = None
-
-    def done(self) -> bool:
-        """True once the push is resolved (or failed)."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> PushResult:
-        """Block until the push resolves.
-
-        Parameters
-        ----------
-        timeout : float, optional
-            Seconds to wait; None waits for ever.
-
-        Returns
-        -------
-        PushResult
-
-        Raises
-        ------
-        TimeoutError
-            The push did not resolve in time (it is still in flight).
-        MlfabricError
-            The daemon refused the push (bad tensor, unknown server) or the connection broke.
-        """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"push {self.update_id or '(not yet accepted)'} to {self.server!r} unresolved")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def _on_event(self, event: Any, fd: int | None) -> bool:
-        """Handle an event for this push; True when it is final."""
-        if fd is not None:
-            os.close(fd)
-        kind = event.WhichOneof("kind")
-        if kind == "push_accepted":
-            self.update_id = event.push_accepted.update_id
-            return False
-        if kind == "push_result":
-            r = event.push_result
-            status = _OUTCOME_NAMES.get(r.outcome, DROPPED)
-            self._result = PushResult(status, int(r.delay), int(r.version), r.reason, r.update_id)
-        else:
-            code, message = (
-                (event.error.code, event.error.message) if kind == "error" else ("bad_reply", kind)
-            )
-            self._error = MlfabricError(message, code=code)
-        self._done.set()
-        return True
 
 
 def _connect(daemon: str | None) -> LocalClient:
@@ -262,6 +180,18 @@ class Worker:
         -------
         PushHandle
             ``wait()`` gives APPLIED (delay, version) or DROPPED (reason).
+
+        Raises
+        ------
+        TensorError
+            A tensor of an unsupported dtype (checked before anything is sent).
+
+        Examples
+        --------
+        >>> worker = register_as_worker("job1")                       # doctest: +SKIP
+        >>> r = worker.push("ps0", {"w": np.ones(3)}).wait(timeout=30)  # doctest: +SKIP
+        >>> r.status, r.delay, r.version                               # doctest: +SKIP
+        ('APPLIED', 0, 1)
         """
         if norm is None:
             norm = tcodec.l2_norm(update)
@@ -310,6 +240,12 @@ class Worker:
             The model version; later pushes use it as their base version.
         model : dict
             name -> tensor.
+
+        Examples
+        --------
+        >>> version, model = worker.get("ps0")   # doctest: +SKIP
+        >>> version, model["w"].dtype            # doctest: +SKIP
+        (12, dtype('float32'))
         """
         request = local_pb2.LocalRequest(get=local_pb2.GetRequest(server=server))
         event, fd = self._client.call(request, timeout=timeout)
@@ -359,6 +295,12 @@ def register_as_worker(
     ------
     MlfabricError
         No daemon at the socket, or the job has no servers after ``wait`` seconds.
+
+    Examples
+    --------
+    >>> worker = register_as_worker("job1", name="w0", daemon="/tmp/w0.sock")  # doctest: +SKIP
+    >>> sorted(worker.servers)                                                 # doctest: +SKIP
+    ['ps0']
     """
     del params
     client = _connect(daemon)
@@ -497,6 +439,12 @@ class Server:
         ------
         MlfabricError
             The daemon connection broke.
+
+        Examples
+        --------
+        >>> stop = threading.Event()
+        >>> server.serve(until=stop, timeout=60)   # doctest: +SKIP
+        42
         """
         handled = 0
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -560,10 +508,17 @@ class Server:
                 float(deliver.norm),
             )
             replaced = None
-            if self._update_fn is None:
-                _subtract_update(self.model, update)
-            else:
-                replaced = self._update_fn(update, meta)
+            try:
+                if self._update_fn is None:
+                    _subtract_update(self.model, update)
+                else:
+                    replaced = self._update_fn(update, meta)
+            except BaseException as exc:
+                # the sender learns why instead of waiting out the daemon's verdict timeout
+                verdict.outcome, verdict.version = control_pb2.OUTCOME_DROPPED, self.version
+                verdict.reason = f"on_update of server {self.name!r} raised {exc!r}"
+                self._client.send(local_pb2.LocalRequest(verdict=verdict))
+                raise
             if replaced is not None:
                 self.model = dict(replaced)
             self.version += 1
@@ -615,6 +570,15 @@ def register_as_server(
     ------
     MlfabricError
         No daemon at the socket, or the scheduler refused the registration (e.g. duplicate name).
+
+    Examples
+    --------
+    >>> server = register_as_server("job1", "ps0", {"w": np.zeros(3)}, Params(tau_max=4))  # doctest: +SKIP
+    >>> @server.on_update                                                                  # doctest: +SKIP
+    ... def apply(update, meta):
+    ...     server.model["w"] -= 0.1 * update["w"]
+    >>> server.serve(max_updates=100)                                                      # doctest: +SKIP
+    100
     """
     params = params or Params()
     model_dict = dict(model)

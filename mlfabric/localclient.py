@@ -9,7 +9,8 @@ the first byte of the write that carried it, so descriptors arrive in message or
 :class:`MessageReader` queues them and each payload-carrying message takes the next.
 
 The framing helpers here are shared by both ends (the daemon's :mod:`mlfabric.daemon.localapi`
-imports them); :class:`LocalClient` is the training-process end.
+imports them); :class:`LocalClient` is the training-process end, and :class:`PushHandle` /
+:class:`PushResult` are how a push's outcome (APPLIED or DROPPED) comes back to it.
 """
 
 from __future__ import annotations
@@ -23,18 +24,23 @@ import struct
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from mlfabric.proto.v1 import local_pb2
+from mlfabric.proto.v1 import control_pb2, local_pb2
 
 __all__ = [
+    "APPLIED",
     "DEFAULT_SOCKET",
+    "DROPPED",
     "ENV_DAEMON",
     "MAX_LOCAL_MESSAGE",
     "LocalClient",
     "MessageReader",
     "MlfabricError",
     "ProtocolError",
+    "PushHandle",
+    "PushResult",
     "default_socket_path",
     "send_message",
 ]
@@ -171,6 +177,105 @@ class MessageReader:
         """Close descriptors received but never taken."""
         while self._fds:
             os.close(self._fds.popleft())
+
+
+#: A push whose update the server applied.
+APPLIED = "APPLIED"
+#: A push whose update was not applied (``PushResult.reason`` says why).
+DROPPED = "DROPPED"
+
+_OUTCOME_NAMES = {control_pb2.OUTCOME_APPLIED: APPLIED, control_pb2.OUTCOME_DROPPED: DROPPED}
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """How a push ended.
+
+    Attributes
+    ----------
+    status : str
+        :data:`APPLIED` or :data:`DROPPED`.
+    delay : int
+        The update's delay at the server (version at apply time minus base version).
+    version : int
+        The server's model version after the update (applied) or when it was dropped.
+    reason : str
+        Why it was dropped ("" when applied).
+    update_id : str
+        ``"<host>/<sequence>"``.
+    """
+
+    status: str
+    delay: int
+    version: int
+    reason: str
+    update_id: str
+
+    @property
+    def applied(self) -> bool:
+        """True when the server applied the update."""
+        return self.status == APPLIED
+
+
+class PushHandle:
+    """A push in flight; :meth:`wait` gives its :class:`PushResult`."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.update_id = ""
+        self._done = threading.Event()
+        self._result: PushResult | None = None
+        self._error: MlfabricError | None = None
+
+    def done(self) -> bool:
+        """True once the push is resolved (or failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> PushResult:
+        """Block until the push resolves.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; None waits for ever.
+
+        Returns
+        -------
+        PushResult
+
+        Raises
+        ------
+        TimeoutError
+            The push did not resolve in time (it is still in flight).
+        MlfabricError
+            The daemon refused the push (bad tensor, unknown server) or the connection broke.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"push {self.update_id or '(not yet accepted)'} to {self.server!r} unresolved")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def _on_event(self, event: Any, fd: int | None) -> bool:
+        """Handle an event for this push; True when it is final."""
+        if fd is not None:
+            os.close(fd)
+        kind = event.WhichOneof("kind")
+        if kind == "push_accepted":
+            self.update_id = event.push_accepted.update_id
+            return False
+        if kind == "push_result":
+            r = event.push_result
+            status = _OUTCOME_NAMES.get(r.outcome, DROPPED)
+            self._result = PushResult(status, int(r.delay), int(r.version), r.reason, r.update_id)
+        else:
+            code, message = (
+                (event.error.code, event.error.message) if kind == "error" else ("bad_reply", kind)
+            )
+            self._error = MlfabricError(message, code=code)
+        self._done.set()
+        return True
 
 
 EventHandler = Callable[[Any, int | None], None]

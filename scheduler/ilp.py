@@ -5,16 +5,25 @@ Workers W, one server S, aggregators A on a bandwidth graph G. Time is split int
 length. Variables, per update ``u``, route ``r`` (direct, or via aggregator ``a``) and slot
 ``t``:
 
-* ``y[u,r]`` (binary): ``u`` takes route ``r``; exactly one per update.
+* ``y[u,r]`` (binary): ``u`` takes route ``r``; exactly one per update. An aggregator
+  route is a *hop* ``(a, g)``: the ``g``-th of the ``groups`` aggregates ``a`` may make
+  (groups at one aggregator fill up and finish in order, which breaks their symmetry).
 * ``x[u,r,t]`` (integer, bytes in units of a quantum): bytes of ``u`` moved on the first leg
   of ``r`` (worker -> server, or worker -> ``a``) during slot ``t``; zero before ``u`` is
   ready; ``Σ_t x[u,r,t] = bytes(u) · y[u,r]``.
-* ``z[u,t]`` (binary): the first leg of ``u`` is complete by the end of slot ``t``.
-* ``xa[a,t]``, ``B[a]``: bytes of aggregator ``a``'s aggregate moved in slot ``t``; it has
-  one update's size (``B[a] >= bytes(u) · y[u,a]``) and moves in slot ``t`` only if every
-  member's first leg was complete by the end of slot ``t-1`` (store and forward).
-* ``d[u,t]`` (binary): ``u``'s content is at S by the end of slot ``t`` (its own transfer
-  when direct, its aggregate's when aggregated); completion ``C_u = Δ·(T + 1 - Σ_t d[u,t])``.
+* ``z[u,h,t]`` (binary, aggregator routes): the first leg of ``u`` to hop ``h`` is complete
+  by the end of slot ``t`` (``Σ_{k<=t} x[u,h,k] >= bytes(u)·z``, ``z <= y``).
+* ``xa[h,t]``: bytes of hop ``h``'s aggregate moved in slot ``t`` to S; it moves in slot
+  ``t`` only if every member's first leg was complete by the end of slot ``t-1`` (store and
+  forward: ``xa[h,t] <= cap·(1 - y[u,h] + z[u,h,t-1])``).
+* ``A[h,t]`` (binary): the aggregate is at S by the end of slot ``t``: it has carried one
+  update's size, that of its largest member (``Σ_{k<=t} xa[h,k] >= bytes(v)·(A + y[v,h] - 1)``).
+* ``w[u,h,t]`` (0/1): ``u``'s content reached S inside hop ``h``'s aggregate by slot ``t``
+  (``w <= A``, ``w <= z[u,h,t-1]``, ``Σ_{k<=t} xa[h,k] >= bytes(u)·w``): the disaggregated
+  form, much tighter in the LP relaxation than a big-M on the route.
+* ``d[u,t]`` (binary): ``u``'s content is at S by the end of slot ``t``:
+  ``bytes(u)·d <= Σ_{k<=t} x[u,direct,k] + bytes(u)·Σ_h w[u,h,t]``; ``d`` is monotone and
+  fixed to 0 before the earliest possible arrival; completion ``C_u = Δ·(T + 1 - Σ_t d[u,t])``.
 
 Capacity: on every directed link and slot, the bytes of all first legs and aggregates whose
 path crosses the link are at most ``capacity · Δ`` (the fluid, time-shared model of §3.1.1:
@@ -40,28 +49,46 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ortools.linear_solver.python import model_builder as mb
 from ortools.sat.python import cp_model
 
+from mlfabric.scheduler.aggregation import plan_aggregation, plan_aggregation_sync
 from mlfabric.scheduler.graph import path_links
 from mlfabric.scheduler.instance import Instance
 from mlfabric.scheduler.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.stf import plan_stf
 
-__all__ = ["ENGINES", "IlpResult", "Progress", "aggregate_id", "objective_of", "solve_ilp"]
+__all__ = [
+    "ENGINES",
+    "IlpResult",
+    "Progress",
+    "aggregate_id",
+    "heuristic_plans",
+    "objective_of",
+    "solve_ilp",
+    "warm_start",
+]
 
 #: Solver engines: CP-SAT (default) and MathOpt/model_builder MIP back ends.
 ENGINES = ("cp-sat", "highs", "scip")
 
-Route = str | None  # None: direct; else the aggregator host
+Hop = tuple[str, int]  # (aggregator host, group index there)
+Route = Hop | None  # None: direct
 
 
-def aggregate_id(aggregator: str) -> str:
-    """Payload id of the aggregate an aggregator makes (one per aggregator)."""
-    return f"agg@{aggregator}"
+def aggregate_id(aggregator: str, group: int = 0) -> str:
+    """Payload id of the ``group``-th aggregate an aggregator makes.
+
+    Examples
+    --------
+    >>> aggregate_id("a1"), aggregate_id("a1", 1)
+    ('agg@a1', 'agg@a1#1')
+    """
+    return f"agg@{aggregator}" + (f"#{group}" if group else "")
 
 
 @dataclass(frozen=True)
@@ -105,7 +132,7 @@ class IlpResult:
     gap: float
     status: str
     wall_seconds: float
-    routes: dict[str, Route]
+    routes: dict[str, str | None]
     engine: str
     horizon_slots: int
 
@@ -291,6 +318,7 @@ def solve_ilp(
     seed: int = 0,
     workers: int = 2,
     engine: str = "cp-sat",
+    groups: int = 2,
     progress: Callable[[Progress], None] | None = None,
 ) -> IlpResult:
     """Solve the time-indexed ILP of appendix 10.1 for ``instance`` (see the module docstring).
@@ -312,6 +340,9 @@ def solve_ilp(
         Solver threads.
     engine : str
         ``"cp-sat"`` (default), ``"highs"`` or ``"scip"``.
+    groups : int
+        Aggregates each aggregator may make (one after another: the aggregation groups of
+        Fig. 6 reuse a hop); 1 is the paper's one aggregate per aggregator.
     progress : callable, optional
         Called with a :class:`Progress` on every new solution and bound (CP-SAT only).
 
@@ -343,13 +374,16 @@ def solve_ilp(
         horizon_slots = max(1, math.ceil(length / slot - 1e-9))
     T = horizon_slots
     server = instance.server
-    routes = {u.update_id: instance.routes(u.update_id) for u in instance.updates}
+    routes: dict[str, list[Route]] = {
+        u.update_id: [None, *((a, g) for a in instance.routes(u.update_id)[1:] for g in range(groups))]
+        for u in instance.updates
+    }
     used_aggs = sorted({r for rs in routes.values() for r in rs if r is not None})
     leg: dict[tuple[str, Route], list[Link]] = {}
     for u in instance.updates:
         for r in routes[u.update_id]:
-            leg[u.update_id, r] = path_links(list(instance.path(u.src, r or server)))
-    agg_leg = {a: path_links(list(instance.path(a, server))) for a in used_aggs}
+            leg[u.update_id, r] = path_links(list(instance.path(u.src, r[0] if r else server)))
+    agg_leg = {hop: path_links(list(instance.path(hop[0], server))) for hop in used_aggs}
     all_links = {e for ls in leg.values() for e in ls} | {e for ls in agg_leg.values() for e in ls}
     q = _quantum(instance, all_links)
     cap = {e: math.floor(instance.capacity(e) * slot / q + 1e-9) for e in all_links}
@@ -363,7 +397,7 @@ def solve_ilp(
     d: dict[tuple[str, int], Any] = {}
     on_link: dict[tuple[Link, int], list[Any]] = {}
     agg_rate = {a: min(cap[e] for e in agg_leg[a]) for a in used_aggs}
-    members: dict[str, list[str]] = {a: [] for a in used_aggs}
+    members: dict[Hop, list[str]] = {a: [] for a in used_aggs}
     for u in instance.updates:
         uid = u.update_id
         first = math.ceil(u.ready_at / slot - 1e-9)
@@ -396,9 +430,9 @@ def solve_ilp(
                 m.add(d[uid, t - 1] <= d[uid, t])
     # w[u,a,t]: u's aggregate at a is at the server by slot t (the disaggregated form of
     # "d <= aggregate done", much tighter in the LP relaxation than a big-M on the route).
-    w: dict[tuple[str, str, int], Any] = {}
-    xa: dict[tuple[str, int], Any] = {}
-    agg_done: dict[tuple[str, int], Any] = {}
+    w: dict[tuple[str, Hop, int], Any] = {}
+    xa: dict[tuple[Hop, int], Any] = {}
+    agg_done: dict[tuple[Hop, int], Any] = {}
     for a in used_aggs:
         ub = agg_rate[a]
         sent: list[Any] = []
@@ -421,11 +455,19 @@ def solve_ilp(
                 m.add(f <= arrived)
                 m.add(f <= done)
                 m.add(m.total(sent) >= size[uid] * f)
+    for hop in used_aggs:  # symmetry: groups at one aggregator fill up and finish in order
+        if hop[1]:
+            earlier = (hop[0], hop[1] - 1)
+            for uid in members[hop]:
+                m.add(y[uid, hop] <= m.total([y[other, earlier] for other in members[earlier]]))
+            for t in range(T):
+                if (hop, t) in agg_done and (earlier, t) in agg_done:
+                    m.add(agg_done[hop, t] <= agg_done[earlier, t])
     for u in instance.updates:
         uid = u.update_id
         for t in range(T):
             if (uid, t) in d:
-                via = [w[uid, a, t] for a in routes[uid][1:] if (uid, a, t) in w]
+                via = [w[uid, r, t] for r in routes[uid] if r is not None and (uid, r, t) in w]
                 reached = m.total([x[uid, None, k] for k in range(t + 1) if (uid, None, k) in x])
                 m.add(size[uid] * d[uid, t] <= reached + size[uid] * m.total(via))
     for (e, _t), vs in on_link.items():
@@ -454,17 +496,67 @@ def solve_ilp(
 
     status = m.solve(max(0.01, time_limit - (time.monotonic() - started)), seed, workers, report)
     wall = time.monotonic() - started
-    bound = m.bound() * to_seconds if status in ("OPTIMAL", "FEASIBLE") else 0.0
-    if status not in ("OPTIMAL", "FEASIBLE"):
+    bound = m.bound() * to_seconds if status != "INFEASIBLE" else math.inf
+    bound = bound if math.isfinite(bound) and status != "INFEASIBLE" else 0.0
+    if status in ("OPTIMAL", "FEASIBLE"):
+        chosen = {uid: next(r for r in routes[uid] if m.value(y[uid, r]) > 0.5) for uid in routes}
+        schedule = _to_schedule(instance, m, chosen, leg, agg_leg, x, xa, size, T)
+        hosts = {uid: r[0] if r else None for uid, r in chosen.items()}
+    elif hint is not None:  # stopped before the first solution: the warm start is the best plan
+        schedule, status, hosts = hint, "FEASIBLE", _hosts(hint, routes)
+    else:
         return IlpResult(None, None, bound, math.inf, status, wall, {}, engine, T)
-    chosen = {uid: next(r for r in routes[uid] if m.value(y[uid, r]) > 0.5) for uid in routes}
-    schedule = _to_schedule(instance, m, chosen, leg, agg_leg, x, xa, size, T)
     objective = objective_of(instance, schedule)
+    if hint is not None and objective_of(instance, hint) < objective:  # stopped before using the hint
+        schedule, objective, hosts = hint, objective_of(instance, hint), _hosts(hint, routes)
     bound = min(bound, objective)
     gap = (objective - bound) / objective if objective > 0 else 0.0
     if gap <= 1e-9:
         status = "OPTIMAL"
-    return IlpResult(schedule, objective, bound, gap, status, wall, chosen, engine, T)
+    return IlpResult(schedule, objective, bound, gap, status, wall, hosts, engine, T)
+
+
+def _hosts(schedule: Schedule, updates: Iterable[str]) -> dict[str, str | None]:
+    """Update id -> the aggregator it goes through in ``schedule``, or ``None``."""
+    parent = {mem: a.aggregator for a in schedule.aggregates for mem in a.members}
+    return {uid: parent.get(uid) for uid in updates}
+
+
+def heuristic_plans(instance: Instance) -> dict[str, Schedule]:
+    """The heuristics the ILP is the yardstick for: ``stf`` (Fig. 4) and, with aggregators,
+    ``aggregation`` (groups over the STF order, Fig. 6; for the makespan objective chosen
+    for one synchronous iteration by
+    :func:`~mlfabric.scheduler.aggregation.plan_aggregation_sync`).
+
+    Examples
+    --------
+    >>> import random
+    >>> from mlfabric.scheduler.instance import parse_instance, two_tier_instance
+    >>> sorted(heuristic_plans(parse_instance(two_tier_instance(random.Random(0), 4, 1))))
+    ['aggregation', 'stf']
+    """
+    updates = list(instance.updates)
+    plans = {"stf": plan_stf(instance.graph, updates)}
+    if instance.aggregators:
+        group = plan_aggregation_sync if instance.objective == "makespan" else plan_aggregation
+        plans["aggregation"] = group(instance.graph, updates, aggregators=list(instance.aggregators))
+    return plans
+
+
+def warm_start(instance: Instance, plans: Iterable[Schedule] | None = None) -> Schedule:
+    """The best of the heuristic plans (default :func:`heuristic_plans`): the ILP's hint.
+
+    Examples
+    --------
+    >>> import random
+    >>> from mlfabric.scheduler.instance import parse_instance, two_tier_instance
+    >>> inst = parse_instance(two_tier_instance(random.Random(0), 8, 2))
+    >>> plan = warm_start(inst)
+    >>> objective_of(inst, plan) <= objective_of(inst, plan_stf(inst.graph, list(inst.updates)))
+    True
+    """
+    candidates = list(plans) if plans is not None else list(heuristic_plans(instance).values())
+    return min(candidates, key=lambda plan: objective_of(instance, plan))
 
 
 @dataclass(frozen=True)
@@ -473,53 +565,57 @@ class _Vars:
     x: dict[tuple[str, Route, int], Any]
     z: dict[tuple[str, Route, int], Any]
     d: dict[tuple[str, int], Any]
-    w: dict[tuple[str, str, int], Any]
-    agg_done: dict[tuple[str, int], Any]
-    xa: dict[tuple[str, int], Any]
+    w: dict[tuple[str, Hop, int], Any]
+    agg_done: dict[tuple[Hop, int], Any]
+    xa: dict[tuple[Hop, int], Any]
 
 
 def _add_hint(m: _CpSat | _Mip, instance: Instance, hint: Schedule, q: float, T: int, v: _Vars) -> None:
     """Warm start: every variable's value in the hint plan (bytes rounded to quanta)."""
     slot = instance.slot_seconds
-    parent = {mem: a.aggregator for a in hint.aggregates for mem in a.members}
-    agg_of = {a.aggregator: a.aggregate_id for a in hint.aggregates}
-    if len(agg_of) < len(hint.aggregates):
-        return  # two aggregates at one aggregator: not a plan of this model
     done_slot: dict[str, int] = {}  # payload -> slot in which it is complete
     for t_ in hint.transfers:
         if not t_.replica:
             done_slot[t_.payload_id] = max(0, math.ceil(t_.end / slot - 1e-9) - 1)
+    hop_of: dict[str, Hop] = {}  # the hint's aggregates at each aggregator, in finishing order
+    for agg in sorted(hint.aggregates, key=lambda a: (done_slot.get(a.aggregate_id, 0), a.aggregate_id)):
+        hop_of[agg.aggregate_id] = (agg.aggregator, sum(h[0] == agg.aggregator for h in hop_of.values()))
+    parent = {mem: hop_of[a.aggregate_id] for a in hint.aggregates for mem in a.members}
+    agg_of = {hop: aid for aid, hop in hop_of.items()}
     for u in instance.updates:
         uid = u.update_id
         route = parent.get(uid)
         delivery = hint.delivery(uid)
         if (uid, route) not in v.y or delivery is None:
-            return  # not a plan of this instance's routes: no hint
-        for r in instance.routes(uid):
+            return  # not a plan of this model (an aggregator or a group too many): no hint
+        choices = [r for (u_, r) in v.y if u_ == uid]
+        for r in choices:
             m.hint(v.y[uid, r], int(r == route))
         for t, amount in enumerate(_slot_bytes(delivery, slot, T)):
-            for r in instance.routes(uid):
+            for r in choices:
                 if (uid, r, t) in v.x:
                     m.hint(v.x[uid, r, t], round(amount / q) if r == route else 0)
         arrived = done_slot[uid]
         complete = done_slot[agg_of[route]] if route is not None else arrived
         for t in range(T):
-            for r in instance.routes(uid)[1:]:
+            for r in choices:
+                if r is None:
+                    continue
                 if (uid, r, t) in v.z:
                     m.hint(v.z[uid, r, t], int(r == route and t >= arrived))
                 if (uid, r, t) in v.w:
                     m.hint(v.w[uid, r, t], int(r == route and t >= complete))
             if (uid, t) in v.d:
                 m.hint(v.d[uid, t], int(t >= complete))
-    for a in hint.aggregates:
-        delivery = hint.delivery(a.aggregate_id)
+    for hop, aid in agg_of.items():
+        delivery = hint.delivery(aid)
         if delivery is None:
             continue
         for t, amount in enumerate(_slot_bytes(delivery, slot, T)):
-            if (a.aggregator, t) in v.xa:
-                m.hint(v.xa[a.aggregator, t], round(amount / q))
-            if (a.aggregator, t) in v.agg_done:
-                m.hint(v.agg_done[a.aggregator, t], int(t >= done_slot[a.aggregate_id]))
+            if (hop, t) in v.xa:
+                m.hint(v.xa[hop, t], round(amount / q))
+            if (hop, t) in v.agg_done:
+                m.hint(v.agg_done[hop, t], int(t >= done_slot[aid]))
 
 
 def _to_schedule(
@@ -527,20 +623,20 @@ def _to_schedule(
     m: _CpSat | _Mip,
     chosen: dict[str, Route],
     leg: dict[tuple[str, Route], list[Link]],
-    agg_leg: dict[str, list[Link]],
+    agg_leg: dict[Hop, list[Link]],
     x: dict[tuple[str, Route, int], Any],
-    xa: dict[tuple[str, int], Any],
+    xa: dict[tuple[Hop, int], Any],
     size_q: dict[str, int],
     T: int,
 ) -> Schedule:
     slot = instance.slot_seconds
     transfers: list[Transfer] = []
-    members: dict[str, list[str]] = {}
+    members: dict[Hop, list[str]] = {}
     for u in instance.updates:
         uid, r = u.update_id, chosen[u.update_id]
-        amounts = {t: m.value(x[uid, r, t]) for t in range(T) if (uid, r, t) in x}
-        res, start, end = _reservations(leg[uid, r], amounts, slot, u.bytes)
-        path = instance.path(u.src, r or instance.server)
+        moved = {t: m.value(x[uid, r, t]) for t in range(T) if (uid, r, t) in x}
+        res, start, end = _reservations(leg[uid, r], moved, slot, u.bytes)
+        path = instance.path(u.src, r[0] if r else instance.server)
         transfers.append(Transfer(uid, path[0], path[-1], path, start, end, u.bytes, res))
         if r is not None:
             members.setdefault(r, []).append(uid)
@@ -553,8 +649,8 @@ def _to_schedule(
             amounts[t] = min(m.value(xa[a, t]), max(0.0, need - sent))
             sent += amounts[t]
         res, start, end = _reservations(agg_leg[a], amounts, slot, size)
-        path = instance.path(a, instance.server)
-        aid = aggregate_id(a)
-        transfers.append(Transfer(aid, a, instance.server, path, start, end, size, res))
-        aggregates.append(Aggregate(aid, a, tuple(mem), size, instance.server))
+        path = instance.path(a[0], instance.server)
+        aid = aggregate_id(*a)
+        transfers.append(Transfer(aid, a[0], instance.server, path, start, end, size, res))
+        aggregates.append(Aggregate(aid, a[0], tuple(mem), size, instance.server))
     return Schedule(transfers=tuple(transfers), aggregates=tuple(aggregates))

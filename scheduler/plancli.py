@@ -5,8 +5,10 @@
 
 The instance format is described in ``mlfabric.scheduler.instance`` (and the README).
 Prints, per plan, each update's route (hosts), start and finish, then the objective,
-status, bound and gap. ``--solver all`` runs ilp, stf and fair and prints each one's gap to
-the ILP's bound: ``gap = (objective - bound) / objective``. ``--out`` writes the same as
+status, bound and gap. ``--solver all`` runs ilp, stf, aggregation (groups over the STF
+order, when the instance has aggregators) and fair, and prints each one's gap to the ILP's
+bound: ``gap = (objective - bound) / objective``. The ILP starts from the better of stf and
+aggregation. ``--out`` writes the same as
 JSON (``objective, bound, gap, status, solver, updates: [{id, route, start, finish}]``; with
 ``--solver all`` a ``plans`` list of those). ``--trace`` writes a Chrome trace (one track
 per link, one process per plan); ``--plot`` a Gantt chart by link (needs matplotlib).
@@ -112,7 +114,9 @@ def _plot(path: Path, instance: Any, plans: list[tuple[str, Any]]) -> None:
                 base = stack.get((r.link, r.start), 0.0)
                 stack[r.link, r.start] = base + share
                 ax.broken_barh(
-                    [(r.start, r.end - r.start)], (row - 0.4 + 0.8 * base, 0.8 * share), color=colors[t.payload_id]
+                    [(r.start, r.end - r.start)],
+                    (row - 0.4 + 0.8 * base, 0.8 * share),
+                    color=colors[t.payload_id],
                 )
         ax.set_yticks(range(len(links)), [f"{a}->{b}" for a, b in links], fontsize=7)
         ax.set_title(name)
@@ -126,9 +130,8 @@ def run(args: argparse.Namespace) -> int:
     """Plan the instance with the chosen solver(s); print, and write the requested files."""
     from mlfabric.scheduler.bruteforce import fair_schedule
     from mlfabric.scheduler.checker import check_schedule
-    from mlfabric.scheduler.ilp import objective_of, solve_ilp
+    from mlfabric.scheduler.ilp import heuristic_plans, objective_of, solve_ilp, warm_start
     from mlfabric.scheduler.instance import InstanceError, load_instance
-    from mlfabric.scheduler.stf import plan_stf
     from mlfabric.scheduler.trace import trace_events, write_trace
 
     if args.plot is not None:
@@ -143,15 +146,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     updates = list(instance.updates)
-    wanted = ("ilp", "stf", "fair") if args.solver == "all" else (args.solver,)
-    stf = plan_stf(instance.graph, updates)
+    wanted = ("ilp", "stf", "aggregation", "fair") if args.solver == "all" else (args.solver,)
+    heuristics = heuristic_plans(instance)
+    hint = warm_start(instance, heuristics.values())
+    heuristics["fair"] = fair_schedule(instance)
     plans: list[tuple[str, Any]] = []
     records: list[dict[str, Any]] = []
     bound: float | None = None
     if "ilp" in wanted:
         result = solve_ilp(
             instance,
-            hint=stf,
+            hint=hint,
             time_limit=args.time_limit,
             seed=args.seed,
             workers=args.workers,
@@ -178,23 +183,27 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     for name in wanted:
-        if name == "ilp":
+        if name not in heuristics:
             continue
-        schedule = stf if name == "stf" else fair_schedule(instance)
+        schedule = heuristics[name]
         objective = objective_of(instance, schedule)
         gap = (objective - bound) / objective if bound is not None and objective > 0 else None
         plans.append((name, schedule))
         records.append(
-            _plan_record(instance, name, schedule, objective=objective, bound=bound, gap=gap, status="HEURISTIC")
+            _plan_record(
+                instance, name, schedule, objective=objective, bound=bound, gap=gap, status="HEURISTIC"
+            )
         )
-    for name, schedule in plans:
+    for _, schedule in plans:
         check_schedule(instance.graph, schedule, updates=updates)
     for record in records:
         _print_plan(record)
     if len(records) > 1:
         print(f"{'solver':<8} {'objective (s)':>14} {'gap to ILP bound':>17}")
         for record in records:
-            print(f"{record['solver']:<8} {record['objective']:>14.6g} {_fmt(_percent(record['gap']), 4):>16}%")
+            print(
+                f"{record['solver']:<8} {record['objective']:>14.6g} {_fmt(_percent(record['gap']), 4):>16}%"
+            )
     if args.out is not None:
         doc = records[0] if len(records) == 1 else {"plans": records}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")

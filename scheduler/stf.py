@@ -129,6 +129,8 @@ class _Planner:
         self.modified: dict[Link, int] = {}
         self.free_cache: dict[Link, float] = {}
         self.peak_cache: dict[Link, float] = {}
+        #: class -> (head, stamp, rate pieces) of its head's latest computed ten
+        self.exact: dict[int, tuple[str, int, list[tuple[float, float, float]]]] = {}
         self.transfers: list[Transfer] = []
         self.drops: dict[str, str] = {}
 
@@ -208,13 +210,44 @@ class _Planner:
     def push_exact(self, idx: int, nbytes: float, uid: str) -> None:
         self.gate_of[idx] = None
         try:
-            _, end = self.tls.ten(self.links_of[uid], nbytes, self.classes[idx].start)
+            end = self.ten(idx, uid, nbytes)
         except ValueError as exc:
             self.gone.add(uid)
             self.drops[uid] = f"no residual bandwidth: {exc}"
             self.place(idx)
             return
-        heapq.heappush(self.heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, self.stamp))
+        heapq.heappush(self.heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, 0))
+
+    def remember(self, idx: int, uid: str, pieces: list[tuple[float, float, float]]) -> None:
+        """Keep the rates of ``uid``'s computed transfer (see :meth:`still_exact`)."""
+        self.exact[idx] = (uid, self.stamp, pieces)
+
+    def ten(self, idx: int, uid: str, nbytes: float) -> float:
+        """``ten`` of class ``idx``'s head ``uid``, remembering its rates."""
+        _, end, pieces = self.tls.rates(self.links_of[uid], nbytes, self.classes[idx].start)
+        self.remember(idx, uid, pieces)
+        return end
+
+    def still_exact(self, idx: int, uid: str) -> float | None:
+        """The remembered ten of class ``idx``'s head, if reservations since cannot change it.
+
+        A later reservation on one of its links changes nothing if that link kept at least
+        the rate the transfer was getting, at every moment of the transfer: the path
+        minimum is the same.
+        """
+        cached = self.exact.get(idx)
+        if cached is None or cached[0] != uid:
+            return None
+        _, at, pieces = cached
+        if not pieces:
+            return None
+        for link in self.links_of[uid]:
+            if self.modified.get(link, -1) > at:
+                tl = self.tls.link(link)
+                for lo, hi, rate in pieces:
+                    if tl.min_over(lo, hi) < rate:
+                        return None
+        return pieces[-1][1]
 
     def group_top(self, gate: Link) -> tuple[float, float, str, int] | None:
         grp = self.groups[gate]
@@ -248,16 +281,16 @@ class _Planner:
             self.place(idx)
         heap = self.heap
         while heap:
-            key, nbytes, popped, seq, kind, ref, at = heapq.heappop(heap)
+            key, nbytes, popped, seq, kind, ref, _ = heapq.heappop(heap)
             if kind == _EXACT:
                 assert isinstance(ref, int)
                 h = self.head(ref)
                 if h is None or h[1] != popped or self.gate_of[ref] is not None:
                     continue
-                if any(self.modified.get(link, -1) > at for link in self.links_of[popped]):
-                    self.place(ref)
-                else:
+                if self.still_exact(ref, popped) == key:
                     self.accept(ref, popped, nbytes)
+                else:
+                    self.place(ref)
                 continue
             gate = cast(Link, ref)
             if self.group_live.get(gate) != seq:
@@ -277,20 +310,28 @@ class _Planner:
                 self.place(idx)
                 self.push_group(gate)
                 continue
-            try:
-                _, end = self.tls.ten(links, nbytes, self.classes[idx].start)
-            except ValueError:
-                heapq.heappop(self.groups[gate])
-                self.push_exact(idx, nbytes, uid)
-                self.push_group(gate)
-                continue
+            known = self.still_exact(idx, uid)
+            if known is not None:
+                end = known
+            else:
+                try:
+                    end = self.ten(idx, uid, nbytes)
+                except ValueError:
+                    heapq.heappop(self.groups[gate])
+                    self.push_exact(idx, nbytes, uid)
+                    self.push_group(gate)
+                    continue
+            # compare with every other bound, the rest of this group's included
             heapq.heappop(self.groups[gate])
+            self.push_group(gate)
             if not heap or (end, nbytes, uid) <= heap[0][:3]:
                 self.accept(idx, uid, nbytes)
+            elif end == key:
+                heapq.heappush(self.groups[gate], top)  # its bound is exact: back in the group
+                self.push_group(gate)
             else:
                 self.gate_of[idx] = None
-                heapq.heappush(heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, self.stamp))
-            self.push_group(gate)
+                heapq.heappush(heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, 0))
 
     def accept(self, idx: int, uid: str, nbytes: float) -> None:
         """Drop ``uid`` if its expected delay exceeds tau_max (Fig. 5), else reserve its path."""

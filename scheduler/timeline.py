@@ -15,7 +15,7 @@ graph it was built from.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 
 import networkx as nx
@@ -81,6 +81,13 @@ class LinkTimeline:
     def at(self, t: float) -> float:
         """Residual bandwidth at time ``t``."""
         return self.residual[max(0, bisect_right(self.times, t) - 1)]
+
+    def min_over(self, start: float, end: float) -> float:
+        """Lowest residual over ``[start, end)`` (the residual at ``start`` if empty)."""
+        times = self.times
+        i = max(bisect_right(times, start) - 1, 0)
+        j = bisect_left(times, end, lo=i + 1)
+        return min(self.residual[i:j]) if j > i else self.residual[i]
 
     def pieces(self, start: float = -INF, end: float = INF) -> list[tuple[float, float, float]]:
         """The pieces ``(from, to, residual)`` overlapping ``[start, end)``, clipped to it."""
@@ -232,6 +239,22 @@ class Timelines:
         start, end, _ = self._walk(links, nbytes, ready, record=False)
         return start, end
 
+    def rates(
+        self, links: Sequence[Link], nbytes: float, ready: float
+    ) -> tuple[float, float, list[tuple[float, float, float]]]:
+        """Like :meth:`ten`, also returning the rate the transfer would get: ``(from, to, rate)`` pieces.
+
+        Examples
+        --------
+        >>> g = nx.DiGraph()
+        >>> g.add_edge("a", "b", capacity=4.0)
+        >>> tls = Timelines(g)
+        >>> _ = tls.reserve_until([("a", "b")], 1.0, 2.0)
+        >>> tls.rates([("a", "b")], 8.0, ready=0.0)
+        (0.0, 3.0, [(0.0, 1.0, 4.0), (2.0, 3.0, 4.0)])
+        """
+        return self._walk(links, nbytes, ready, record=True)
+
     def reserve(
         self, links: Sequence[Link], nbytes: float, ready: float, *, who: str = ""
     ) -> tuple[float, float, tuple[Reservation, ...]]:
@@ -301,19 +324,6 @@ class Timelines:
             if i + 1 < len(times) and times[i + 1] < nxt:
                 nxt = times[i + 1]
         return rate, nxt
-
-    def _free_from(self, links: Sequence[Link], t: float) -> float:
-        """The latest next-breakpoint among the links with no residual at ``t``."""
-        later = t
-        for link in links:
-            tl = self._links.get(link) or self.link(link)
-            times = tl.times
-            i = max(bisect_right(times, t) - 1, 0)
-            if tl.residual[i] <= tl.eps:
-                if i + 1 >= len(times):
-                    raise ValueError(f"path {list(links)} never has residual bandwidth after t={t:g}")
-                later = max(later, times[i + 1])
-        return later
 
     def _walk(
         self, links: Sequence[Link], nbytes: float, ready: float, record: bool

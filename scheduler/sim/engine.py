@@ -30,7 +30,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import networkx as nx
@@ -39,6 +39,7 @@ from mlfabric.scheduler.batching import BatchWindow
 from mlfabric.scheduler.dispatch import Dispatcher
 from mlfabric.scheduler.graph import shortest_path
 from mlfabric.scheduler.policy import Decision, InFlight, PendingUpdate, Policy, Send, Snapshot
+from mlfabric.scheduler.schedule import Aggregate
 from mlfabric.scheduler.sim.fluid import FluidNetwork
 from mlfabric.scheduler.sim.workload import BandwidthChange
 
@@ -107,61 +108,64 @@ class _Aggregate:
     members: tuple[str, ...]
     bytes: float
     dst: str
-    arrived: int = 0
+    after: tuple[str, ...] = ()
+    path: tuple[str, ...] = ()
+    arrived: set[str] = field(default_factory=set)
 
 
 class Simulator:
     """Discrete-event fluid simulation of one job under one policy (DESIGN §6).
 
-    Parameters
-    ----------
-    graph : networkx.DiGraph
-        The bandwidth graph (capacities in bytes/s).
-    policy : Policy
-        The scheduling policy, the same object the service would run.
-    iteration : IterationModel
-        Asynchronous or synchronous SGD workers.
-    server_host : str
-        Host of the parameter server.
-    workers : sequence of str
-        Worker hosts (a worker's name is its host).
-    update_bytes : float
-        Size of one update (and of one aggregate).
-    model_bytes : float
-        Size of the model sent back to a worker after each push resolves; 0 means the
-        model returns instantly (the model transfer is not simulated).
-    tau_max : int
-        Delay bound (< 0: unbounded).
-    batch_window, batch_max_wait : float
-        Adaptive batching (:class:`~mlfabric.scheduler.batching.BatchWindow`): a batch of
-        ready updates closes ``batch_window`` s after the latest arrival, at most
-        ``batch_max_wait`` s after the first. 0 and 0: updates ready at the same instant.
-    dispatch_margin : float
-        The dispatcher's margin (:class:`~mlfabric.scheduler.dispatch.Dispatcher`): a send
-        may go this long before its predecessors' expected end. 0 (the default) releases
-        exactly when they are done: the fluid network has no control latency to hide.
-    changes : iterable of BandwidthChange
-        Link capacity changes over time.
-    until : float
-        Stop at this simulated time.
-    record_flows : bool
-        Keep a :class:`FlowRecord` of every transfer (traces, schedule checks).
-    progress : callable, optional
-        Called as ``progress(sim_time, events)`` every ``progress_every`` events.
-    job, server : str
-        Names of the job and of the server.
+        Parameters
+        ----------
+        graph : networkx.DiGraph
+            The bandwidth graph (capacities in bytes/s).
+        policy : Policy
+            The scheduling policy, the same object the service would run.
+        iteration : IterationModel
+            Asynchronous or synchronous SGD workers.
+        server_host : str
+            Host of the parameter server.
+        workers : sequence of str
+            Worker hosts (a worker's name is its host).
+        update_bytes : float
+            Size of one update (and of one aggregate).
+        model_bytes : float
+            Size of the model sent back to a worker after each push resolves; 0 means the
+            model returns instantly (the model transfer is not simulated).
+        tau_max : int
+            Delay bound (< 0: unbounded).
+        batch_window, batch_max_wait : float
+            Adaptive batching (:class:`~mlfabric.scheduler.batching.BatchWindow`): a batch of
+            ready updates closes ``batch_window`` s after the latest arrival, at most
+            ``batch_max_wait`` s after the first. 0 and 0: updates ready at the same instant.
+        dispatch_margin : float
+            The dispatcher's margin (:class:`~mlfabric.scheduler.dispatch.Dispatcher`): a send
+            may go this long before its predecessors' expected end. 0 (the default) releases
+            exactly when they are done: the fluid network has no control latency to hide.
+        changes : iterable of BandwidthChange
+            Link capacity changes over time.
+        until : float
+            Stop at this simulated time.
+        record_flows : bool
+            Keep a :class:`FlowRecord` of every transfer (traces, schedule checks).
+        progress : callable, optional
+            Called as ``progress(sim_time, events)`` every ``progress_every`` events.
+        job, server : str
+            Names of the job and of the server.
 
-    Examples
-    --------
-    >>> from mlfabric.scheduler.graph import star
-    >>> from mlfabric.scheduler.policy import FairPolicy
-    >>> from mlfabric.scheduler.sim.iteration import AsyncSGD
-    >>> from mlfabric.scheduler.sim.workload import ComputeModel
-    >>> g = star(["ps", "w0", "w1"], 8e6)  # 1 MB/s NICs
-    >>> it = AsyncSGD(ComputeModel({"w0": 0.0, "w1": 0.0}), iterations=1)
-    >>> sim = Simulator(g, FairPolicy(), it, server_host="ps", workers=["w0", "w1"], update_bytes=1e6)
-    >>> [round(r.arrived_at, 6) for r in sim.run()]
-    [2.0, 2.0]
+        Examples
+        --------
+        >>> from mlfabric.scheduler.graph import star
+        >>> from mlfabric.scheduler.schedule import Aggregate
+    from mlfabric.scheduler.policy import FairPolicy
+        >>> from mlfabric.scheduler.sim.iteration import AsyncSGD
+        >>> from mlfabric.scheduler.sim.workload import ComputeModel
+        >>> g = star(["ps", "w0", "w1"], 8e6)  # 1 MB/s NICs
+        >>> it = AsyncSGD(ComputeModel({"w0": 0.0, "w1": 0.0}), iterations=1)
+        >>> sim = Simulator(g, FairPolicy(), it, server_host="ps", workers=["w0", "w1"], update_bytes=1e6)
+        >>> [round(r.arrived_at, 6) for r in sim.run()]
+        [2.0, 2.0]
     """
 
     def __init__(
@@ -207,6 +211,7 @@ class Simulator:
         self.version = 0
         self.records: list[UpdateRecord] = []
         self.flows: list[FlowRecord] = []
+        self.aggregates: list[Aggregate] = []
         self.events = 0
         self.decisions = 0
         self._reset()  # the run state; run() starts from a fresh one
@@ -316,6 +321,7 @@ class Simulator:
         self._rate_log: dict[str, list[tuple[float, float]]] = {}
         self._aggs: dict[str, _Aggregate] = {}
         self._member_of: dict[str, str] = {}
+        self._agg_waiting: dict[str, _Aggregate] = {}
         self._model_cb: dict[str, Callable[[], None]] = {}
         self._model_seq = 0
         self._rec: dict[str, UpdateRecord] = {}
@@ -324,6 +330,7 @@ class Simulator:
         self.version = 0
         self.records = []
         self.flows = []
+        self.aggregates = []
         self.events = 0
         self.decisions = 0
 
@@ -379,8 +386,11 @@ class Simulator:
         self._apply(decision)
 
     def _apply(self, decision: Decision) -> None:
-        for agg in getattr(decision, "aggregates", ()):
-            self._add_aggregate(agg)
+        listed = getattr(decision, "aggregates", ())
+        self._forget_aggregates({a.aggregate_id for a in listed})
+        for agg in listed:
+            if agg.aggregate_id not in self._aggs:
+                self._add_aggregate(agg)
         for send in decision.sends:
             if send.update_id not in self._pending:
                 raise SimulationError(
@@ -391,6 +401,7 @@ class Simulator:
         self._dispatch.forget(d.update_id for d in dropped)
         for drop in dropped:
             del self._pending[drop.update_id]
+            self._leave_aggregate(drop.update_id)
             self._resolve(drop.update_id, DROPPED, f"policy: {drop.reason}")
         self._release()
 
@@ -401,6 +412,8 @@ class Simulator:
             members=tuple(agg.members),
             bytes=float(agg.bytes) if agg.bytes else self.update_bytes,
             dst=agg.dst or self.server_host,
+            after=tuple(getattr(agg, "after", ())),
+            path=tuple(getattr(agg, "path", ())),
         )
         self._aggs[state.aggregate_id] = state
         # not moving yet, but not done either: sends after it must wait
@@ -410,8 +423,46 @@ class Simulator:
         for m in state.members:
             self._member_of[m] = state.aggregate_id
 
+    def _forget_aggregates(self, keep: set[str]) -> None:
+        """Aggregates a new decision replaced: those not relisted none of whose members left."""
+        for aid in [a for a in self._gathering if a not in keep]:
+            agg = self._aggs[aid]
+            if all(m in self._pending for m in agg.members):
+                del self._aggs[aid], self._gathering[aid]
+                for m in agg.members:
+                    if self._member_of.get(m) == aid:
+                        del self._member_of[m]
+
+    def _leave_aggregate(self, uid: str) -> None:
+        """A dropped member no longer holds its aggregate back."""
+        aid = self._member_of.pop(uid, None)
+        if aid is None:
+            return
+        agg = self._aggs[aid]
+        agg.members = tuple(m for m in agg.members if m != uid)
+        if not agg.members:
+            del self._aggs[aid], self._gathering[aid]
+        else:
+            self._forward(agg)
+
+    def _forward(self, agg: _Aggregate) -> None:
+        """Send ``agg`` on once all its members are in and its ``after`` transfers are done."""
+        if agg.aggregate_id not in self._gathering or len(agg.arrived) < len(agg.members):
+            return
+        busy = self._moving.keys() | self._pending.keys() | self._gathering.keys()
+        if any(a in busy for a in agg.after):
+            self._agg_waiting[agg.aggregate_id] = agg
+            return
+        self._agg_waiting.pop(agg.aggregate_id, None)
+        del self._gathering[agg.aggregate_id]
+        self.aggregates.append(Aggregate(agg.aggregate_id, agg.aggregator, agg.members, agg.bytes, agg.dst))
+        path = agg.path or tuple(self._path(agg.aggregator, agg.dst))
+        self._start_flow(agg.aggregate_id, "aggregate", path, agg.bytes)
+
     def _release(self) -> None:
         """Start every planned send whose ``after`` transfers are done (the dispatcher's rule)."""
+        for agg in list(self._agg_waiting.values()):
+            self._forward(agg)
         if not self._dispatch.planned:
             return
         if self._dispatch.margin > 0:
@@ -479,11 +530,8 @@ class Simulator:
 
     def _at_aggregator(self, fid: str) -> None:
         agg = self._aggs[self._member_of[fid]]
-        agg.arrived += 1
-        if agg.arrived == len(agg.members):
-            path = tuple(self._path(agg.aggregator, agg.dst))
-            del self._gathering[agg.aggregate_id]
-            self._start_flow(agg.aggregate_id, "aggregate", path, agg.bytes)
+        agg.arrived.add(fid)
+        self._forward(agg)
 
     def _updates_in(self, payload: str) -> list[str]:
         agg = self._aggs.get(payload)

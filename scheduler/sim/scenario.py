@@ -17,6 +17,7 @@ import networkx as nx
 import numpy as np
 
 from mlfabric.scheduler import graph as bg
+from mlfabric.scheduler.batching import DEFAULT_MAX_WAIT, DEFAULT_WINDOW
 from mlfabric.scheduler.policy import Policy
 from mlfabric.scheduler.sim.engine import Simulator
 from mlfabric.scheduler.sim.iteration import AsyncSGD, SyncSGD
@@ -78,6 +79,7 @@ def cluster(
     workers: int,
     *,
     nic_bps: float = 10e9,
+    server_bps: float | None = None,
     slow_fraction: float = 0.0,
     slow_factor: float = 1.0,
     hosts_per_rack: int = 16,
@@ -97,6 +99,8 @@ def cluster(
         Number of workers (>= 1).
     nic_bps : float
         Nominal NIC rate (bits/s).
+    server_bps : float, optional
+        The server's NIC rate (default ``nic_bps``); star and two-tier only.
     slow_fraction, slow_factor : float
         Heterogeneous NICs (see :func:`nic_rates`); the server's NIC stays nominal. Not
         for ``fat-tree``, whose links all run at one rate.
@@ -123,13 +127,13 @@ def cluster(
     if preset == "star":
         names = [f"w{i}" for i in range(workers)]
         rates = nic_rates(names, nic_bps, slow_fraction, slow_factor, gen)
-        rates["ps"] = nic_bps
+        rates["ps"] = server_bps or nic_bps
         return Cluster(bg.star(["ps", *names], rates), "ps", tuple(names))
     if preset == "two-tier":
         racks = math.ceil((workers + 1) / hosts_per_rack)
         names = [f"h{i}" for i in range(racks * hosts_per_rack)]
         rates = nic_rates(names[1:], nic_bps, slow_fraction, slow_factor, gen)
-        rates["h0"] = nic_bps
+        rates["h0"] = server_bps or nic_bps
         g = bg.two_tier(racks, hosts_per_rack, rates, oversubscription=oversubscription)
         return Cluster(g, "h0", tuple(names[1 : workers + 1]))
     if preset == "fat-tree":
@@ -168,7 +172,8 @@ class Scenario:
     wait : bool
         Asynchronous workers wait for their push to resolve before computing again.
     batch_window, batch_max_wait, dispatch_margin : float
-        The service's batching and dispatch parameters (see :class:`Simulator`).
+        Batching and dispatch parameters (see :class:`Simulator`); batching defaults to
+        the service's adaptive batching (300 µs quiet, at most 5 ms).
     changes : tuple of BandwidthChange
         Link capacity changes.
     """
@@ -182,8 +187,8 @@ class Scenario:
     model_bytes: float = 0.0
     tau_max: int = -1
     wait: bool = True
-    batch_window: float = 0.0
-    batch_max_wait: float = 0.0
+    batch_window: float = DEFAULT_WINDOW
+    batch_max_wait: float = DEFAULT_MAX_WAIT
     dispatch_margin: float = 0.0
     changes: tuple[BandwidthChange, ...] = field(default=())
 
@@ -226,7 +231,8 @@ def run_scenario(
     --------
     >>> from mlfabric.scheduler.policy import FairPolicy
     >>> c = cluster("star", 2, nic_bps=8e6)
-    >>> sc = Scenario(c, ComputeModel(dict.fromkeys(c.workers, 0.0)), update_bytes=1e6, iterations=1)
+    >>> compute = ComputeModel(dict.fromkeys(c.workers, 0.0))
+    >>> sc = Scenario(c, compute, update_bytes=1e6, iterations=1, batch_window=0.0, batch_max_wait=0.0)
     >>> stats, _ = run_scenario(sc, FairPolicy())
     >>> stats.applied, stats.completion_mean
     (2, 2.0)

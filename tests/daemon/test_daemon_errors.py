@@ -180,3 +180,30 @@ def test_duplicate_server_is_refused(served: dict[str, Any]) -> None:
         mlfabric.register_as_server(
             "job", "ps0", {"w": np.zeros(1)}, daemon=served["daemon"].config.socket_path
         )
+
+
+def test_failing_on_update_drops_the_push_with_the_exception(make_daemon: Any) -> None:
+    d = make_daemon("h")
+    server = mlfabric.register_as_server("job", "ps0", {"w": np.zeros(2)}, daemon=d.config.socket_path)
+
+    @server.on_update
+    def broken(update: dict, meta: Any) -> None:
+        raise ValueError("bad learning rate")
+
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server.serve()
+        except ValueError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    worker = mlfabric.register_as_worker("job", daemon=d.config.socket_path, wait=5)
+    result = worker.push("ps0", {"w": np.ones(2)}).wait(10)
+    assert result.status == mlfabric.DROPPED and "bad learning rate" in result.reason
+    thread.join(5)
+    assert errors and server.version == 0
+    worker.close()
+    server.close()

@@ -207,3 +207,35 @@ def test_daemons_reconnect_and_re_register_after_scheduler_restart(
         assert result.applied and result.version == 2 and server.version == 2
     finally:
         fresh.stop()
+
+
+def test_next_hop_without_the_server_resolves_dropped_naming_it(
+    cluster: dict[str, Any], scheduler: Any
+) -> None:
+    worker, w0 = cluster["worker"], cluster["w0"]
+    scheduler.hold = True
+    handle = worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)})
+    wait_until(lambda: scheduler.ready)
+    send = control_pb2.SendDirective(
+        update_id=scheduler.ready[-1].update_id, next_hop_host="w0", next_hop_address=w0.data_address
+    )
+    scheduler.send("w0", control_pb2.Directive(send=send))
+    result = handle.wait(10)
+    assert result.status == mlfabric.DROPPED
+    assert "no server 'ps0' of job 'job' on host 'w0'" in result.reason
+    assert cluster["server"].version == 0
+
+
+def test_garbage_on_the_data_plane_is_refused_and_the_daemon_keeps_running(cluster: dict[str, Any]) -> None:
+    import socket
+
+    host, port = cluster["ps"].data_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        try:
+            reply = sock.recv(100)
+        except ConnectionResetError:
+            reply = b""
+        assert reply == b""  # closed without a reply: not our protocol
+    result = cluster["worker"].push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}).wait(10)
+    assert result.applied

@@ -111,11 +111,11 @@ def test_multi_tensor_round_trip_into_caller_buffer(pair: tuple[socket.socket, s
     assert frame.stats.bytes == len(payload) and frame.stats.end >= frame.stats.start
 
 
-@pytest.mark.parametrize("size", [10, 100_000, 3 << 20])
+@pytest.mark.parametrize("size", [10, 100_000, 3 << 20, (12 << 20) + 3])  # the last: threaded CRC
 @pytest.mark.parametrize("crc_given", [False, True])
-@pytest.mark.parametrize("as_span", [False, True])
+@pytest.mark.parametrize("as_span", ["buffer", "span", "span_sendfile"])
 def test_crc_in_header_or_trailer(
-    pair: tuple[socket.socket, socket.socket], size: int, crc_given: bool, as_span: bool
+    pair: tuple[socket.socket, socket.socket], size: int, crc_given: bool, as_span: str
 ) -> None:
     """Without a CRC the sender appends it as a trailer; either way the receiver reports it verified."""
     a, b = pair
@@ -124,8 +124,9 @@ def test_crc_in_header_or_trailer(
     fd = os.memfd_create("test-crc")
     try:
         os.write(fd, payload)
-        body: bytes | FileSpan = FileSpan(fd, 0, size) if as_span else payload
-        t = send_in_thread(send_frame, a, header, body, crc32=zlib.crc32(payload) if crc_given else None)
+        body: bytes | FileSpan = FileSpan(fd, 0, size) if as_span != "buffer" else payload
+        crc = zlib.crc32(payload) if crc_given else None
+        t = send_in_thread(send_frame, a, header, body, crc32=crc, zero_copy=as_span == "span_sendfile")
         head = b.recv(8, socket.MSG_PEEK | socket.MSG_WAITALL)
         (hlen,) = struct.unpack(">I", head[4:])
         wire = FrameHeader.FromString(b.recv(8 + hlen, socket.MSG_PEEK | socket.MSG_WAITALL)[8:])
@@ -137,6 +138,20 @@ def test_crc_in_header_or_trailer(
     assert wire.payload_crc32 == (zlib.crc32(payload) if crc_given else 0)
     assert frame is not None and bytes(frame.payload) == payload
     assert frame.header.payload_crc32 == zlib.crc32(payload) and not frame.header.crc_trailer
+
+
+@pytest.mark.parametrize("size", [1000, 20 << 20])
+def test_corrupted_payload_detected(pair: tuple[socket.socket, socket.socket], size: int) -> None:
+    """One flipped byte anywhere (inline and threaded CRC paths) is a CRC mismatch."""
+    a, b = pair
+    payload = bytearray(np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8).tobytes())
+    header = good_header(size)
+    header.payload_crc32 = zlib.crc32(payload)
+    payload[size * 2 // 3] ^= 0x40
+    t = send_in_thread(a.sendall, raw_frame(header, bytes(payload)))
+    with pytest.raises(FrameError, match="CRC-32 mismatch"):
+        recv_frame(b, FrameLimits(max_payload_bytes=64 << 20))
+    t.join()
 
 
 def test_trailer_mismatch_and_missing_trailer(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -179,7 +194,7 @@ def test_memfd_span_sent_with_sendfile(pair: tuple[socket.socket, socket.socket]
         span = FileSpan(fd, 8192, data.nbytes)
         header, _ = update_header({"w": data})
         assert payload_crc32(span) == zlib.crc32(data.tobytes())
-        t = send_in_thread(send_frame, a, header, span, chunk_bytes=1 << 20)
+        t = send_in_thread(send_frame, a, header, span, chunk_bytes=1 << 20, zero_copy=True)
         frame = recv_frame(b, LIMITS, alloc=lambda n: mmap.mmap(-1, n))
         t.join()
     finally:

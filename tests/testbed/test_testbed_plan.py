@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlfabric.scheduler.graph import parse_topology, star
-from mlfabric.testbed import cluster, linkcheck, netns, plan, probe, schedule, tc
+from mlfabric.testbed import cluster, linkcheck, netns, plan, probe, schedule, tc, topologies
 from mlfabric.testbed.netns import (
     missing_prerequisites,
     new_prefix,
@@ -238,7 +238,23 @@ def test_schedule_runner_applies_in_order_and_stops() -> None:
     assert runner.error is None
 
 
-@pytest.mark.parametrize("module", [cluster, linkcheck, netns, plan, probe, schedule, tc])
+@pytest.mark.parametrize("module", [cluster, linkcheck, netns, plan, probe, schedule, tc, topologies])
 def test_docstring_examples(module: object) -> None:
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
     assert failures == 0
+
+
+def test_topology_tables_round_trip_through_toml(tmp_path: Path) -> None:
+    from mlfabric.scheduler.graph import load_topology
+
+    table = topologies.two_tier([{"ps": 100, "w0": 50}, {"w1": 20}], uplink_mbps=[200, 30])
+    path = tmp_path / "t.toml"
+    path.write_text(topologies.to_toml(table))
+    g = load_topology(path)
+    assert g.edges["w1", "tor1"]["capacity"] == 20e6 / 8
+    assert g.edges["tor1", "core"]["capacity"] == 30e6 / 8
+    checks = {c.link: c for c in linkcheck.plan_link_checks(g)}
+    assert len(checks) == g.number_of_edges()
+    # the tor1 -> core direction is crossed by w1's transfers; its best path is 20 Mbit/s
+    assert checks[("tor1", "core")].src == "w1"
+    assert checks[("tor1", "core")].expected == 20e6 / 8

@@ -1,0 +1,197 @@
+"""The ILP against brute force and STF; every plan passes the shared invariant checker."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlfabric.scheduler.bruteforce import brute_force, fair_schedule
+from mlfabric.scheduler.checker import check_schedule
+from mlfabric.scheduler.ilp import Progress, heuristic_plans, objective_of, solve_ilp, warm_start
+from mlfabric.scheduler.instance import Instance, parse_instance, two_tier_instance
+from mlfabric.scheduler.stf import plan_stf
+
+MB = 1_000_000  # one slot at 8 Mb/s with 1 s slots
+
+
+def star_instance(seed: int, n: int, k: int, objective: str | None = None) -> Instance:
+    """A random slot-aligned instance: a star of 8 Mb/s links, 1-3 slot updates, ready at 0-2.
+
+    Workers may repeat (two updates from one host share its NIC)."""
+    rng = random.Random(seed)
+    workers = [f"w{i}" for i in range(n)]
+    aggs = [f"a{j}" for j in range(k)]
+    hosts = ["s", *workers, *aggs]
+    return parse_instance(
+        {
+            "topology": {
+                "hosts": hosts,
+                "switches": ["sw"],
+                "links": [{"a": h, "b": "sw", "mbps": 8} for h in hosts],
+            },
+            "server": "s",
+            "aggregators": aggs,
+            "slot_seconds": 1.0,
+            "objective": objective or rng.choice(["mean_completion", "makespan"]),
+            "updates": [
+                {
+                    "id": f"u{i}",
+                    "worker": rng.choice(workers),
+                    "bytes": MB * rng.randint(1, 3),
+                    "ready_at": float(rng.randint(0, 2)),
+                }
+                for i in range(n)
+            ],
+        }
+    )
+
+
+def _check(inst: Instance, schedule) -> None:
+    check_schedule(inst.graph, schedule, updates=list(inst.updates))
+
+
+# (seed, updates, aggregators): up to 6 updates with one aggregator, 4 with two
+TINY = [(s, 3 + s % 3, 1) for s in range(8)] + [(7, 6, 1)] + [(s, 3 + s % 2, 2) for s in range(8, 14)]
+
+
+@pytest.mark.parametrize(("seed", "n", "k"), TINY)
+def test_ilp_optimum_equals_brute_force(seed: int, n: int, k: int) -> None:
+    inst = star_instance(seed, n, k)
+    exact = brute_force(inst)
+    stf = plan_stf(inst.graph, list(inst.updates))
+    horizon = int(_sequential_slots(inst))  # long enough for any optimal plan
+    result = solve_ilp(inst, hint=stf, horizon_slots=horizon, time_limit=60, workers=2, seed=seed, groups=1)
+    assert result.status == "OPTIMAL"
+    assert result.objective == pytest.approx(exact.objective, abs=1e-9)
+    assert result.bound == pytest.approx(result.objective, abs=1e-9)
+    assert objective_of(inst, result.schedule) == pytest.approx(result.objective)
+    _check(inst, result.schedule)
+    _check(inst, exact.schedule)
+    assert objective_of(inst, exact.schedule) == pytest.approx(exact.objective)
+
+
+def _sequential_slots(inst: Instance) -> float:
+    return max(u.ready_at for u in inst.updates) + sum(u.bytes for u in inst.updates) / MB
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ilp_never_worse_than_the_heuristics_and_all_plans_check(seed: int) -> None:
+    objective = "makespan" if seed % 2 else "mean_completion"
+    inst = parse_instance(two_tier_instance(random.Random(seed), 5, 2, racks=2, objective=objective))
+    plans = heuristic_plans(inst)
+    assert set(plans) == {"stf", "aggregation"}
+    plans["fair"] = fair_schedule(inst)
+    result = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2, seed=0)
+    assert result.schedule is not None
+    for plan in (*plans.values(), result.schedule):
+        _check(inst, plan)
+    for plan in plans.values():
+        assert result.objective <= objective_of(inst, plan) + 1e-9
+    assert result.bound <= result.objective + 1e-12
+    assert 0.0 <= result.gap < 1.0
+
+
+def test_warm_start_is_the_best_heuristic() -> None:
+    inst = parse_instance(two_tier_instance(random.Random(0), 8, 2))
+    plans = heuristic_plans(inst)
+    best = warm_start(inst)
+    assert objective_of(inst, best) == min(objective_of(inst, p) for p in plans.values())
+
+
+def test_aggregation_wins_when_the_server_ingress_is_the_bottleneck() -> None:
+    # four 1-slot updates for a server whose NIC is the only shared link; an aggregator
+    # with two workers on its own switch: sum two there, send one payload.
+    links = [{"a": "s", "b": "core", "mbps": 8}, {"a": "tor", "b": "core", "mbps": 16}]
+    links += [{"a": h, "b": "tor", "mbps": 8} for h in ("w1", "w2", "a")]
+    links += [{"a": h, "b": "core", "mbps": 8} for h in ("w3", "w4")]
+    inst = parse_instance(
+        {
+            "topology": {
+                "hosts": ["s", "w1", "w2", "w3", "w4", "a"],
+                "switches": ["core", "tor"],
+                "links": links,
+            },
+            "server": "s",
+            "aggregators": ["a"],
+            "slot_seconds": 1.0,
+            "objective": "makespan",
+            "updates": [{"id": f"u{i}", "worker": f"w{i}", "bytes": MB} for i in range(1, 5)],
+        }
+    )
+    direct_only = 4.0  # four payloads through the server's 1 MB/s NIC
+    result = solve_ilp(inst, time_limit=30, workers=2, groups=1)
+    assert result.status == "OPTIMAL"
+    assert result.objective < direct_only
+    assert [a.aggregator for a in result.schedule.aggregates] == ["a"]
+    _check(inst, result.schedule)
+    assert brute_force(inst).objective == pytest.approx(result.objective)
+
+
+def test_time_limit_returns_best_plan_and_progress_is_reported() -> None:
+    inst = parse_instance(two_tier_instance(random.Random(5), 12, 3))
+    stf = plan_stf(inst.graph, list(inst.updates))
+    seen: list[Progress] = []
+    result = solve_ilp(inst, hint=stf, time_limit=4, workers=2, progress=seen.append)
+    assert result.status in ("OPTIMAL", "FEASIBLE")
+    assert result.wall_seconds < 15
+    assert result.schedule is not None and result.objective is not None
+    assert seen and all(p.bound <= (p.objective or float("inf")) + 1e-9 for p in seen)
+    assert result.objective <= objective_of(inst, stf) + 1e-9
+    _check(inst, result.schedule)
+
+
+@pytest.mark.parametrize("engine", ["scip", "highs"])
+def test_mip_engines_agree_with_cp_sat(engine: str) -> None:
+    inst = star_instance(4, 3, 1, objective="mean_completion")
+    ref = solve_ilp(inst, time_limit=30, workers=2)
+    other = solve_ilp(inst, time_limit=30, engine=engine)
+    assert other.status == ref.status == "OPTIMAL"
+    assert other.objective == pytest.approx(ref.objective)
+    _check(inst, other.schedule)
+
+
+def test_brute_force_orders_shortest_first_on_one_bottleneck() -> None:
+    inst = star_instance(0, 3, 0, objective="mean_completion")
+    result = brute_force(inst)
+    sizes = {u.update_id: u.bytes for u in inst.updates}
+    ready = {u.update_id: u.ready_at for u in inst.updates}
+    # every order the search could pick is no better than the one it returns
+    for plan_order in _all_orders(list(sizes)):
+        assert result.objective <= _sequential_cost(plan_order, sizes, ready) + 1e-9
+    with pytest.raises(ValueError, match="at most"):
+        brute_force(star_instance(1, 8, 0), max_updates=7)
+
+
+def _all_orders(ids: list[str]) -> list[tuple[str, ...]]:
+    import itertools
+
+    return list(itertools.permutations(ids))
+
+
+def _sequential_cost(order, sizes, ready) -> float:
+    """Mean completion sending one at a time in ``order`` (1 MB/s ingress)."""
+    t, total = 0.0, 0.0
+    for uid in order:
+        t = max(t, ready[uid]) + sizes[uid] / MB
+        total += t
+    return total / len(order)
+
+
+def test_fair_shares_the_bottleneck_max_min() -> None:
+    inst = star_instance(2, 3, 0, objective="mean_completion")
+    plan = fair_schedule(inst)
+    _check(inst, plan)
+    ingress = ("sw", "s")
+    # while updates are active together, the server's ingress is full and split evenly
+    for t in plan.transfers:
+        for r in t.reservations:
+            if r.link == ingress:
+                active = [
+                    x
+                    for other in plan.transfers
+                    for x in other.reservations
+                    if x.link == ingress and x.start <= r.start < x.end
+                ]
+                assert sum(x.rate for x in active) == pytest.approx(1e6)
+                assert r.rate == pytest.approx(1e6 / len(active))

@@ -1,0 +1,73 @@
+"""``mlfabric simulate``: the table, the trace, the bandwidth schedule, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlfabric.cli import main
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("| ") and not line.startswith(("| policy", "| ---")):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_async_table_has_each_policy_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["simulate", "--workers", "8", "--nic-gbps", "1", "--iterations", "2", "--quiet", "--seed", "3"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = _rows(out)
+    assert set(rows) == {"fair", "stf", "stf / fair"}
+    assert rows["fair"][0] == rows["stf"][0] == "16"  # pushed: 8 workers x 2
+
+
+def test_sync_aggregation_trace_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace, stats = tmp_path / "t.json", tmp_path / "s.json"
+    argv = ["simulate", "--workers", "8", "--server-gbps", "0.5", "--nic-gbps", "2", "--mode", "sync"]
+    argv += ["--aggregation", "--iterations", "2", "--jitter", "0", "--update-mb", "1", "--quiet"]
+    assert main([*argv, "--trace", str(trace), "--json", str(stats)]) == 0
+    assert "stf+agg / fair" in capsys.readouterr().out
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert "sw->ps" in tracks
+    assert {e["pid"] for e in events} == {1, 2, 3}
+    results = {s["policy"]: s for s in json.loads(stats.read_text())}
+    assert results["stf+agg"]["makespan_mean"] < results["fair"]["makespan_mean"]
+
+
+def test_bandwidth_schedule_slows_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--workers", "2", "--nic-gbps", "0.08", "--iterations", "1", "--policy", "fair"]
+    base += ["--jitter", "0", "--compute-ms", "0", "--update-mb", "1", "--quiet"]
+    assert main([*base, "--json", str(tmp_path / "a.json")]) == 0
+    sched = tmp_path / "bw.toml"
+    sched.write_text('[[change]]\nat = 0.05\na = "ps"\nb = "sw"\nmbps = 8\n')
+    assert main([*base, "--bandwidth-schedule", str(sched), "--json", str(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    (a,) = json.loads((tmp_path / "a.json").read_text())
+    (b,) = json.loads((tmp_path / "b.json").read_text())
+    assert a["sim_time"] == pytest.approx(0.2 + 300e-6)  # 2 MB over 10 MB/s, after one batch window
+    assert b["sim_time"] > 5 * a["sim_time"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policy", "magic"], "unknown policy"),
+        (["--preset", "fat-tree", "--slow-nics", "0.5:2"], "one link rate"),
+        (["--straggler", "2:3"], "fraction"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--workers", "4", "--quiet", *extra]) == 2
+    assert message in capsys.readouterr().err
