@@ -5,10 +5,12 @@ update-ready notifications and transfer reports go up, and role acks and directi
 drop, job updates) come down, all on the one stream (DESIGN.md §3; MLfabric §4: the
 scheduler sees only control messages, never tensor bytes).
 
-When the stream breaks, :class:`ControlStream` tells the daemon (which resolves the pushes
-that were waiting for a directive, so none is silently lost) and reconnects with exponential
-backoff; after each ``Welcome`` the daemon re-registers its roles. Keepalive pings keep idle
-streams alive through proxies and detect a dead scheduler.
+A scheduler that refuses the ``Hello`` (INVALID_ARGUMENT, e.g. a host name not in its
+bandwidth graph) is not retried. When the stream breaks, :class:`ControlStream` tells the
+daemon (which resolves the pushes that were waiting for a directive, so none is silently
+lost) and reconnects with exponential backoff; after each ``Welcome`` the daemon
+re-registers its roles. Keepalive pings keep idle streams alive through proxies and
+detect a dead scheduler.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class ControlStream:
         self._stopping = threading.Event()
         #: Set while a welcomed session is up.
         self.connected = threading.Event()
+        #: Set when the scheduler refused the Hello (INVALID_ARGUMENT): no more attempts.
+        self.refused = threading.Event()
         #: Why the last session ended (or the last attempt failed).
         self.last_error = ""
         #: Number of sessions welcomed so far.
@@ -136,7 +140,7 @@ class ControlStream:
         backoff = self._backoff_initial
         while not self._stopping.is_set():
             welcomed = self._session()
-            if self._stopping.is_set():
+            if self._stopping.is_set() or self.refused.is_set():
                 return
             if welcomed:
                 backoff = self._backoff_initial
@@ -170,6 +174,9 @@ class ControlStream:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
             self.last_error = f"stream failed ({getattr(code, 'name', code)}: {details})"
+            if code == grpc.StatusCode.INVALID_ARGUMENT and not welcomed:
+                _LOG.error("scheduler %s refused this daemon: %s", self.target, details)
+                self.refused.set()
         finally:
             with self._lock:
                 self._outbox, self._call = None, None

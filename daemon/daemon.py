@@ -83,10 +83,12 @@ class DaemonConfig:
         Tries per transfer before the push resolves DROPPED.
     retry_backoff : float
         Seconds before the first retry; doubles per retry.
-    verdict_timeout : float
-        Seconds a server's daemon waits for its process's verdict.
+    verdict_timeout : float or None
+        Seconds a server's daemon waits for its process's verdict; None (default): until the
+        process answers or disconnects — a timed-out update could still be applied later.
     connect_timeout, io_timeout : float
-        Data-plane connect and per-call socket timeouts.
+        Data-plane connect and per-call socket timeouts. ``io_timeout`` also bounds the wait for
+        the server's verdict (a slow server makes the sender retry; retries are de-duplicated).
     max_payload_bytes : int
         Largest accepted data-plane payload.
     """
@@ -99,9 +101,9 @@ class DaemonConfig:
     ingress_rate: float | None = None
     send_attempts: int = 3
     retry_backoff: float = 0.2
-    verdict_timeout: float = 60.0
+    verdict_timeout: float | None = None
     connect_timeout: float = 5.0
-    io_timeout: float = 60.0
+    io_timeout: float = 300.0
     max_payload_bytes: int = 4 << 30
 
 
@@ -125,6 +127,14 @@ class Daemon:
         Monotonic seconds (``ready_at`` of updates).
     channel_factory : callable, optional
         ``channel_factory(target) -> grpc.Channel`` for the control stream (tests).
+
+    Examples
+    --------
+    >>> daemon = Daemon(DaemonConfig(host="w0", scheduler="127.0.0.1:7077", socket_path="/tmp/w0.sock"))
+    >>> daemon.start()          # doctest: +SKIP
+    >>> daemon.data_address     # doctest: +SKIP
+    '127.0.0.1:40123'
+    >>> daemon.stop()           # doctest: +SKIP
     """
 
     def __init__(
@@ -198,7 +208,11 @@ class Daemon:
         self.data_address = self._listener.start()
         self._local.start()
         self._control.start()
-        if not self._control.connected.wait(timeout):
+        deadline = time.monotonic() + timeout
+        while not self._control.connected.wait(0.05):
+            if self._control.refused.is_set() or time.monotonic() > deadline:
+                break
+        if not self._control.connected.is_set():
             error = self._control.last_error or "no answer"
             self.stop()
             raise TimeoutError(

@@ -2,16 +2,18 @@
 
 NOTE (changes after the API was published, all additive): ``send_frame`` computes a missing CRC
 while sending and appends it as a trailer (new ``FrameHeader.crc_trailer``); ``recv_frame``
-stores the verified CRC in ``frame.header.payload_crc32``; ``send_frame(..., zero_copy=True)``
-chooses ``os.sendfile`` (default) or a mapping plus ``sendall`` for a :class:`FileSpan`.
+stores the verified CRC in ``frame.header.payload_crc32``; ``send_frame(..., zero_copy=False)``
+sends a :class:`FileSpan` from a mapping with ``sendall`` by default (``os.sendfile`` if True:
+it measured slower on loopback).
 
 A frame on the wire (see ``proto/mlfabric/v1/dataplane.proto``)::
 
     b"MLF1" | 4-byte big-endian header length | FrameHeader | payload | [CRC-32 trailer]
 
 The payload is the update's (or aggregate's, or model's) tensors concatenated as the header's
-``tensors`` layout lists them, protected by a CRC-32 (``zlib.crc32``) carried in the header, or
-in a 4-byte trailer when the sender did not know it in advance. The bytes move over plain TCP
+``tensors`` layout lists them, protected by a CRC-32 (zlib's checksum; computed with ISA-L when
+``isal`` is installed, see :func:`~mlfabric.daemon.payloadio.crc32`) carried in the header, or in
+a 4-byte trailer when the sender did not know it in advance. The bytes move over plain TCP
 sockets, not gRPC, so that one transfer runs at link speed (MLfabric §4: the daemons, not the
 training processes, move the bytes; the scheduler only sees reports).
 
@@ -34,13 +36,13 @@ import itertools
 import socket
 import struct
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from google.protobuf.message import DecodeError
 
+from mlfabric.daemon import payloadio
 from mlfabric.daemon.payloadio import (
     Crc32Follower,
     FileSpan,
@@ -288,7 +290,7 @@ def send_frame(
     crc32: int | None = None,
     bucket: TokenBucket | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    zero_copy: bool = True,
+    zero_copy: bool = False,
 ) -> TransferStats:
     """Send one frame; block until every byte is handed to the kernel.
 
@@ -305,7 +307,7 @@ def send_frame(
     header : FrameHeader
         The header; its ``kind`` and ``tensors`` describe the payload.
     payload : bytes-like or FileSpan, optional
-        The payload; a :class:`FileSpan` (a memfd's bytes) goes with ``os.sendfile``.
+        The payload; a :class:`FileSpan` (a memfd's bytes) is mapped (``zero_copy``: sendfile).
     crc32 : int, optional
         The payload's CRC-32 when the caller already has it (e.g. computed by the pushing
         process): it goes in the header and a :class:`FileSpan` is sent without being read
@@ -315,9 +317,11 @@ def send_frame(
     chunk_bytes : int
         Bytes per write call and per token reservation.
     zero_copy : bool
-        Send a :class:`FileSpan` with ``os.sendfile`` (default) rather than ``sendall`` from a
-        mapping of it. On loopback sendfile measured about twice as fast for a 256 MiB update
-        (``experiments/bench_dataplane.py``): no user-space copy, no mapping to set up.
+        Send a :class:`FileSpan` with ``os.sendfile`` instead of ``sendall`` from a mapping of it.
+        Off by default: on loopback (every link this project runs on, veth included) sendfile's
+        page-by-page buffers cost more CPU at both ends than one copy into the socket, about 0.55
+        vs 0.45 CPU seconds per GB for a 256 MiB update (``experiments/bench_dataplane.py``);
+        on a NIC with scatter-gather DMA it would save the copy.
 
     Returns
     -------
@@ -356,7 +360,7 @@ def send_frame(
         return TransferStats(bytes=0, start=start, end=time.time())
     if not isinstance(payload, FileSpan) and size <= 64 * 1024 and (bucket is None or not bucket.enabled):
         small = memoryview(payload).cast("B")  # one segment
-        tail = _CRC.pack(zlib.crc32(small)) if trailer else b""
+        tail = _CRC.pack(payloadio.crc32(small)) if trailer else b""
         sock.sendall(b"".join((prefix, small, tail)))
         return TransferStats(bytes=size, start=start, end=time.time())
     sock.sendall(prefix)
@@ -433,7 +437,7 @@ def recv_frame(
     ------
     FrameError
         Bad magic, header too long or unparsable, payload too large, layout broken, CRC
-        mismatch, or the peer closed mid-frame.
+        mismatch, the peer closed mid-frame, or ``alloc`` failed (``MemoryError``/``OSError``).
     OSError
         The socket failed (``ConnectionResetError``, ``TimeoutError``).
 
@@ -468,7 +472,10 @@ def recv_frame(
         if header.payload_crc32 != 0:
             raise FrameError(f"CRC-32 mismatch: header says {header.payload_crc32:#010x}, empty payload")
         return Frame(header, memoryview(b""), None, TransferStats(0, start, time.time()))
-    buffer = alloc(size)
+    try:
+        buffer = alloc(size)
+    except (MemoryError, OSError) as exc:
+        raise FrameError(f"cannot allocate {size} bytes for update {header.update_id!r}: {exc!r}") from exc
     payload = memoryview(buffer).cast("B")[:size]
     if payload.nbytes < size or payload.readonly:
         raise ValueError(f"alloc({size}) returned {payload.nbytes} bytes (readonly={payload.readonly})")

@@ -14,7 +14,7 @@ import select
 import socket
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -24,10 +24,63 @@ __all__ = [
     "FileSpan",
     "Payload",
     "SendfileWriter",
+    "crc32",
+    "crc32_implementation",
     "mapped",
     "payload_crc32",
     "payload_length",
+    "use_crc32",
 ]
+
+
+#: CRC-32 implementations by name; all compute zlib's checksum (ISA-L's at about 5x less CPU).
+_CRC32: dict[str, Callable[..., int]] = {"zlib": zlib.crc32}
+with contextlib.suppress(ImportError):
+    from isal import isal_zlib
+
+    _CRC32["isal"] = isal_zlib.crc32
+_active = ["isal" if "isal" in _CRC32 else "zlib"]
+
+
+def crc32_implementation() -> str:
+    """The name of the CRC-32 implementation in use: ``"isal"`` when installed, else ``"zlib"``.
+
+    Examples
+    --------
+    >>> crc32_implementation() in ("isal", "zlib")
+    True
+    """
+    return _active[0]
+
+
+def use_crc32(name: str) -> None:
+    """Choose the CRC-32 implementation of this process (``"isal"`` or ``"zlib"``; for benchmarks).
+
+    Examples
+    --------
+    >>> before = crc32_implementation()
+    >>> use_crc32("zlib"); crc32_implementation()
+    'zlib'
+    >>> use_crc32(before)
+    """
+    if name not in _CRC32:
+        raise ValueError(f"CRC-32 implementation {name!r} not available; have {sorted(_CRC32)}")
+    _active[0] = name
+
+
+def crc32(data: bytes | bytearray | memoryview | mmap.mmap, value: int = 0) -> int:
+    """CRC-32 (zlib/IEEE) of ``data``, continuing from ``value``; releases the GIL on large data.
+
+    Uses ISA-L (``pip install isal``) when available: the same checksum as ``zlib.crc32`` at about
+    a fifth of the CPU time, which is most of the data plane's own cost per byte.
+
+    Examples
+    --------
+    >>> crc32(b"world", crc32(b"hello ")) == zlib.crc32(b"hello world")
+    True
+    """
+    return _CRC32[_active[0]](data, value)
+
 
 #: Payloads at least this large get their CRC-32 computed on a helper thread.
 THREADED_CRC_BYTES = 8 * 1024 * 1024
@@ -71,7 +124,7 @@ def payload_length(payload: Payload | None) -> int:
 
 
 def payload_crc32(payload: Payload | None) -> int:
-    """CRC-32 (``zlib.crc32``) of the payload's bytes; a :class:`FileSpan` is read through mmap.
+    """CRC-32 (:func:`crc32`) of the payload's bytes; a :class:`FileSpan` is read through mmap.
 
     Examples
     --------
@@ -81,11 +134,11 @@ def payload_crc32(payload: Payload | None) -> int:
     if payload is None:
         return 0
     if not isinstance(payload, FileSpan):
-        return zlib.crc32(memoryview(payload).cast("B"))
+        return crc32(memoryview(payload).cast("B"))
     if payload.length == 0:
         return 0
     with mapped(payload) as view:
-        return zlib.crc32(view)
+        return crc32(view)
 
 
 @contextlib.contextmanager
@@ -107,7 +160,7 @@ def mapped(span: FileSpan) -> Iterator[memoryview]:
 class Crc32Follower:
     """CRC-32 of a growing prefix of ``view``; on a helper thread for large payloads.
 
-    ``zlib.crc32`` releases the GIL, so on a multi-core host the checksum of bytes already
+    :func:`crc32` releases the GIL, so on a multi-core host the checksum of bytes already
     received (or handed to the kernel) runs beside the socket copy of the next ones instead of
     after it. Payloads under :data:`THREADED_CRC_BYTES`, and single-CPU hosts, do it inline.
     ``view`` None means nothing to compute. Use as a context manager: leaving it stops the thread.
@@ -138,7 +191,7 @@ class Crc32Follower:
             return
         self._end = end
         if self._queue is None:
-            self._crc = zlib.crc32(self._view[self._done : end], self._crc)
+            self._crc = crc32(self._view[self._done : end], self._crc)
             self._done = end
         elif end - self._fed >= _CRC_STEP_BYTES:
             self._queue.put(end)
@@ -155,7 +208,7 @@ class Crc32Follower:
     def _run(self) -> None:
         assert self._queue is not None and self._view is not None
         while (end := self._queue.get()) is not None:
-            self._crc = zlib.crc32(self._view[self._done : end], self._crc)
+            self._crc = crc32(self._view[self._done : end], self._crc)
             self._done = end
 
     def _stop(self) -> None:

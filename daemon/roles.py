@@ -341,8 +341,11 @@ class ServerHandoff:
         self._snapshot: ModelSnapshot | None = None
         self._closed_reason: str | None = None
 
-    def handle(self, update_id: str, header: Any, fd: int, timeout: float) -> Verdict:
+    def handle(self, update_id: str, header: Any, fd: int, timeout: float | None) -> Verdict:
         """The verdict on an arriving update: stored, awaited, or delivered now and awaited.
+
+        ``timeout`` None waits until the process answers or disconnects. A timeout answers
+        DROPPED while the process may still apply the update later, so it is for tests only.
 
         The caller keeps ownership of ``fd`` (the process gets its own copy).
         """

@@ -77,11 +77,11 @@ class ServerRoles:
         This host's name (in messages).
     limits : FrameLimits
         What a published model may be.
-    verdict_timeout : float
-        Seconds to wait for a server process's verdict.
+    verdict_timeout : float or None
+        Seconds to wait for a server process's verdict (None: until it answers or disconnects).
     """
 
-    def __init__(self, host: str, limits: FrameLimits, verdict_timeout: float) -> None:
+    def __init__(self, host: str, limits: FrameLimits, verdict_timeout: float | None) -> None:
         self.host = host
         self._limits = limits
         self._verdict_timeout = verdict_timeout

@@ -1,11 +1,8 @@
 """Data-plane transport: the listener for peer daemons and the pool of connections to them.
 
-NOTE (changes after the API was published, 05:45 UTC): the signatures are unchanged. Fixed:
-``Connection.is_stale`` (hence ``PeerPool.acquire``/``request``) no longer blocks up to
-``io_timeout`` (it polls with a zero timeout), so ``PeerPool.request`` is safe to use for reuse.
-Changed: when the handler raises, the listener answers ERROR and keeps the connection (the stream
-is still in step); ``PeerPool.request`` closes a connection whose reply was ERROR instead of
-reusing it.
+NOTE (after the API was published, 05:45 UTC; signatures unchanged): ``is_stale`` no longer blocks
+(so ``PeerPool.request`` reuse is safe); a raising handler gets ERROR sent back and its connection
+kept; ``PeerPool.request`` closes a connection whose reply was ERROR.
 
 A small "Van"-style interface (connect, send, receive) over blocking TCP sockets and threads, so a
 daemon can move an update to its next hop (a peer daemon: the server's, or an aggregator's,
@@ -13,18 +10,11 @@ MLfabric §4) with one call::
 
     reply = pool.request("127.0.0.1:7001", header, FileSpan(fd, 0, n), crc32=crc)
 
-Request/reply pairs: UPDATE -> ACK, GET -> MODEL (either may be answered with ERROR).
-
-:class:`DataPlaneListener` accepts peers, one thread per connection, receives each frame into a
-buffer from ``alloc``, calls the daemon's handler and sends its :class:`Response`. A connection
-whose frame breaks a rule (:class:`~mlfabric.daemon.dataplane.FrameError`) is logged with the
-reason, answered with an ERROR frame when the stream is still in step, and closed; every other
-connection carries on.
-
-:class:`PeerPool` reuses one idle connection per request to the same address, connects with a
-timeout, and raises :class:`PeerUnavailable` naming the address and the cause when a peer cannot
-be reached or vanishes mid-transfer. It never resends a frame by itself (a resend could apply an
-update twice); the daemon decides whether to retry or to resolve the push DROPPED.
+Request/reply pairs: UPDATE -> ACK, GET -> MODEL (either may be answered with ERROR). A frame
+that breaks a rule is logged, answered with ERROR when the stream is still in step, and its
+connection closed; every other connection carries on. :class:`PeerPool` never resends a frame by
+itself (a resend could apply an update twice): :class:`PeerUnavailable` says whether the request
+may have arrived, and the daemon retries or resolves the push DROPPED.
 """
 
 from __future__ import annotations
@@ -251,6 +241,17 @@ class Connection:
     ) -> Reply:
         """Send a frame and wait for the peer's reply (UPDATE -> ACK, GET -> MODEL, or ERROR).
 
+        Parameters
+        ----------
+        header : FrameHeader
+            UPDATE or GET header (``payload_bytes`` and the CRC are filled in).
+        payload : bytes-like or FileSpan, optional
+            The update's tensors (a memfd as a :class:`~mlfabric.daemon.dataplane.FileSpan`).
+        crc32 : int, optional
+            The payload's CRC-32 if already known (else computed while sending).
+        alloc : callable
+            Allocator for the reply's payload (MODEL).
+
         Returns
         -------
         Reply
@@ -387,15 +388,8 @@ class PeerPool:
         ----------
         address : str
             The peer daemon's data-plane ``"ip:port"``.
-        header : FrameHeader
-            UPDATE or GET header (``payload_bytes``/``payload_crc32`` are filled in).
-        payload : bytes-like or FileSpan, optional
-            The update's tensors; a :class:`~mlfabric.daemon.dataplane.FileSpan` goes by
-            ``sendfile``.
-        crc32 : int, optional
-            The payload's CRC-32 if already known.
-        alloc : callable
-            Allocator for the reply's payload (MODEL).
+        header, payload, crc32, alloc
+            As for :meth:`Connection.request` (UPDATE or GET; a memfd payload as a ``FileSpan``).
 
         Returns
         -------
@@ -580,6 +574,11 @@ class DataPlaneListener:
                 )
             try:
                 send_frame(sock, response.header, response.payload, crc32=response.crc32, bucket=self._egress)
+            except FrameError as exc:  # checked before any byte went out: the stream is in step
+                self._log.error("data plane: handler's reply to %s is malformed: %s", peer, exc.reason)
+                self._reply_error(
+                    sock, peer, f"internal error: bad reply: {exc.reason}", frame.header.update_id
+                )
             except OSError as exc:
                 self._log.warning(
                     "data plane: reply to %s (update %r) failed: %r", peer, frame.header.update_id, exc

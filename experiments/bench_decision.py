@@ -16,12 +16,14 @@ Run::
     python experiments/bench_decision.py            # all sizes, both scenarios
     python experiments/bench_decision.py --sizes 1000 --repeat 30
     python experiments/bench_decision.py --profile  # cProfile of one 1,000-update decision
+    python experiments/bench_decision.py --horizon 0 256   # full plan vs first 256 sends
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import random
 import statistics
@@ -71,14 +73,14 @@ def scenario(name: str, n: int, seed: int) -> tuple[Snapshot, list[PendingUpdate
     return snap, pending
 
 
-def measure(name: str, n: int, repeat: int) -> tuple[list[float], list[float]]:
+def measure(name: str, n: int, repeat: int, horizon: int | None = None) -> tuple[list[float], list[float]]:
     """Wall-clock and CPU seconds of ``repeat`` decisions (after one warm-up filling the path cache).
 
     CPU time (``time.thread_time``) is what the decision costs; wall time also counts the
     time other processes on a shared machine hold the core.
     """
     snap, pending = scenario(name, n, seed=n)
-    policy = STFPolicy()
+    policy = STFPolicy(horizon=horizon)
     policy.decide(snap, pending)
     wall, cpu = [], []
     for _ in range(repeat):
@@ -102,6 +104,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=0, help="decisions per size (default: 30/20/5)")
     ap.add_argument("--scenario", choices=["homogeneous", "heterogeneous", "both"], default="both")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--horizon",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="STFPolicy horizons to compare (0: plan everything)",
+    )
     args = ap.parse_args(argv)
     if args.profile:
         snap, pending = scenario(
@@ -119,18 +128,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{len(SERVERS)} servers"
     )
     print(
-        f"{'scenario':<14} {'ready':>7} {'runs':>5} {'cpu median ms':>14} {'cpu p99 ms':>11} "
+        f"{'scenario':<14} {'horizon':>7} {'ready':>7} {'runs':>5} {'cpu median ms':>14} {'cpu p99 ms':>11} "
         f"{'wall median ms':>15} {'wall p99 ms':>12} {'cpu us/update':>14}"
     )
-    for name in names:
-        for n in args.sizes:
-            repeat = args.repeat or (30 if n <= 100 else 20 if n <= 1000 else 5)
-            wall, cpu = measure(name, n, repeat)
-            med = statistics.median(cpu)
-            print(
-                f"{name:<14} {n:>7} {repeat:>5} {med * 1e3:>14.2f} {p99(cpu) * 1e3:>11.2f} "
-                f"{statistics.median(wall) * 1e3:>15.2f} {p99(wall) * 1e3:>12.2f} {med / n * 1e6:>14.1f}"
-            )
+    for name, horizon, n in itertools.product(names, args.horizon, args.sizes):
+        repeat = args.repeat or (30 if n <= 100 else 20 if n <= 1000 else 5)
+        wall, cpu = measure(name, n, repeat, horizon or None)
+        med = statistics.median(cpu)
+        print(
+            f"{name:<14} {horizon or 'all':>7} {n:>7} {repeat:>5} {med * 1e3:>14.2f} {p99(cpu) * 1e3:>11.2f} "
+            f"{statistics.median(wall) * 1e3:>15.2f} {p99(wall) * 1e3:>12.2f} {med / n * 1e6:>14.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@ one server in its own rack, workers and aggregators round-robin over four racks,
 2. Size: solve time, objective, bound and gap from 4 workers x 1 aggregator up to 16 x 4
    (target: 16 x 4 within 1 % gap in 60 s on this 2-core machine).
 3. Heuristics: STF's and the aggregation heuristic's (and fair's) gap to the ILP over 50
-   seeded instances per objective, mean and worst; ``gap = (heuristic - ILP) / heuristic``.
+   seeded 5 x 2 instances per objective, mean and worst; ``gap = (heuristic - ILP) / heuristic``.
 
 Usage::
 
-    python experiments/bench_ilp.py            # full run (~15-20 min on 2 cores)
-    python experiments/bench_ilp.py --quick    # a short run (~2 min)
+    python experiments/bench_ilp.py            # full run (~25 min on 2 shared cores)
+    python experiments/bench_ilp.py --quick    # a short run (~4 min)
 
 Prints the tables and writes ``experiments/results/bench_ilp.md`` and ``bench_ilp.json``
 (``bench_ilp.quick.*`` with ``--quick``).
@@ -33,8 +33,15 @@ from typing import Any
 
 from mlfabric.scheduler.bruteforce import fair_schedule
 from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.ilp import heuristic_plans, objective_of, solve_ilp, warm_start
-from mlfabric.scheduler.instance import Instance, parse_instance, two_tier_instance
+from mlfabric.scheduler.ilp import solve_ilp
+from mlfabric.scheduler.instance import (
+    Instance,
+    heuristic_plans,
+    objective_of,
+    parse_instance,
+    two_tier_instance,
+    warm_start,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -45,8 +52,14 @@ def _instance(seed: int, workers: int, aggregators: int, objective: str = "mean_
 
 def _solve(inst: Instance, time_limit: float, engine: str = "cp-sat", workers: int = 8) -> dict[str, Any]:
     plans = heuristic_plans(inst)
-    hint = warm_start(inst, plans.values()) if engine != "highs" else None  # HiGHS crashes on hints
-    r = solve_ilp(inst, hint=hint, time_limit=time_limit, engine=engine, workers=workers, seed=0)
+    r = solve_ilp(
+        inst,
+        hint=warm_start(inst, plans.values()),
+        time_limit=time_limit,
+        engine=engine,
+        workers=workers,
+        seed=0,
+    )
     if r.schedule is not None:
         check_schedule(inst.graph, r.schedule, updates=list(inst.updates))
     row: dict[str, Any] = {
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         engines = bench_engines([(6, 2), (8, 2)], 30)
         sizes = bench_sizes([(4, 1), (8, 2), (12, 3), (16, 4)], 2, 60)
-        heur = bench_heuristics(50, (6, 2), 10)
+        heur = bench_heuristics(50, (5, 2), 10)
     report = "\n\n".join(
         [
             "# ILP benchmark (issue 4)" + (" — quick run" if args.quick else ""),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import random
@@ -453,6 +454,12 @@ def driver(args: argparse.Namespace) -> int:
     return 0
 
 
+def longest_gap(rows: list[dict]) -> float:
+    """Longest time between two successive model versions seen by the server (a stall)."""
+    times = [r["t"] for r in rows]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
 def summary(
     results: dict[str, dict],
     args: argparse.Namespace,
@@ -475,15 +482,16 @@ def summary(
         f"Target test accuracy {args.target}; limit {args.time_limit:g} s per system; "
         f"tau_max {args.tau_max}.",
         "",
-        "| system | time to target (s) | applied | dropped | mean delay | p99 delay | final accuracy |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | time to target (s) | applied | dropped | mean delay | p99 delay | final accuracy "
+        "| longest gap between updates (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for system, res in results.items():
         d = res.get("delays") or [0]
         final = res["rows"][-1]["accuracy"] if res["rows"] else float("nan")
         lines.append(
             f"| {system} | {fmt(res['time_to_target'])} | {res['applied']} | {res['dropped']} | "
-            f"{np.mean(d):.2f} | {np.percentile(d, 99):.0f} | {final:.3f} |"
+            f"{np.mean(d):.2f} | {np.percentile(d, 99):.0f} | {final:.3f} | {longest_gap(res['rows']):.1f} |"
         )
     base = results.get("gloo", {}).get("time_to_target")
     for system in ("stf", "fair"):

@@ -8,7 +8,8 @@ the whole residual bandwidth of its path from the time it is ready on
 (:meth:`~mlfabric.scheduler.timeline.Timelines.reserve`, the ``ten`` of Fig. 4b); an
 aggregate is ready when its last member arrived. The best plan is the optimum of the
 fluid, time-shared model; on slot-aligned instances (every update a whole number of slots
-on every link, ready at slot boundaries) it equals the ILP's optimum.
+on every link, ready at slot boundaries) it equals the ILP's optimum with ``groups=1``
+(``tests/plan/test_plan_ilp.py`` checks this on random tiny instances).
 
 :func:`fair_schedule` is the network-agnostic baseline ``fair``: every update goes at once,
 directly, and the links are shared max-min fairly (progressive filling, the simulator's

@@ -445,12 +445,9 @@ class PathCache:
         """
         tree = self._tree(dst)
         if src not in tree:
-            where = (
-                "is not a host of the bandwidth graph"
-                if src not in self._graph
-                else f"has no path to '{dst}'"
-            )
-            raise TopologyError(f"'{src}' {where}")
+            if src not in self._graph:
+                raise TopologyError(f"'{src}' is not a host of the bandwidth graph")
+            raise TopologyError(f"no path from '{src}' to '{dst}'")
         path = [src]
         while path[-1] != dst:
             path.append(tree[path[-1]])

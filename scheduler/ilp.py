@@ -30,15 +30,27 @@ path crosses the link are at most ``capacity · Δ`` (the fluid, time-shared mod
 a payload may use any rate up to its residual on every link of its path). Objective:
 ``Σ_u C_u`` (mean completion, asynchronous SGD) or ``max_u C_u`` (makespan, synchronous).
 
-Solver choice (measured on this 2-core machine, 2 threads, see
-``experiments/results/bench_ilp.md``): CP-SAT on the integer-scaled model against the same
-model with continuous bytes under MathOpt's HiGHS and SCIP backends (``engine=``). On
-8 workers x 2 aggregators (T=34) CP-SAT proved optimality in ~1 s; HiGHS and SCIP needed
-10-40 s and more, and at 16 x 4 the MIP solvers ended the 60 s limit with large gaps while
-CP-SAT closed to < 1 %. CP-SAT's core-guided and LP-based bound workers together suit this
-model (many binaries with big-M links, few continuous quantities), it takes a warm start as
-a hint, reports progress through callbacks, and stops cleanly on Ctrl-C with its best
-solution. It is the default; ``"highs"`` and ``"scip"`` stay selectable for comparison.
+Solver choice, by measurement on this 2-core machine (``experiments/bench_ilp.py`` part 1,
+``experiments/results/bench_ilp.md``; same model, hint and limit): CP-SAT on the
+integer-scaled model against the model with continuous bytes under OR-Tools'
+model_builder SCIP and HiGHS. 6 workers x 2 aggregators, 30 s: CP-SAT proved the optimum
+in 20 s (2 or 8 search workers); SCIP ended at a 26 % gap, HiGHS with no solution or
+bound (it also crashes when given hints, so it runs without one). 8 x 2: CP-SAT with 8
+workers 12 %, SCIP 25 %, CP-SAT with 2 workers 49 %, HiGHS nothing. SCIP's LP bound is
+strong on pure ordering (no aggregators: optimal in 0.5 s), but the aggregation routing
+(binaries with big-M gating) is where CP-SAT's portfolio (LP, core-guided and
+local-search workers sharing bounds and solutions) pulls ahead. CP-SAT also takes the
+warm start as a hint, reports progress through solution and bound callbacks, and stops
+cleanly on Ctrl-C with its best solution. It is the default, with 8 search workers even
+on 2 cores (the portfolio matters more than the threads); ``"scip"`` and ``"highs"`` stay
+selectable. Should the solver stop before its first solution, or with a worse one than
+the hint, the hint is returned.
+
+Completions are counted at slot ends, so objective and bound are those of the slot model.
+On slot-aligned instances (every update a whole number of slots at full rate on every
+link, ready at slot boundaries; :func:`~mlfabric.scheduler.instance.two_tier_instance`
+makes such) the optimum matched the fluid brute force on every tested instance; otherwise
+pick ``slot_seconds`` small against the transfer times.
 
 Bytes are scaled to an integer quantum: the greatest common divisor of the update sizes and
 per-slot link capacities when that is fine enough, otherwise ~1/200 of the largest update;
@@ -50,28 +62,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ortools.linear_solver.python import model_builder as mb
 from ortools.sat.python import cp_model
 
-from mlfabric.scheduler.aggregation import plan_aggregation, plan_aggregation_sync
 from mlfabric.scheduler.graph import path_links
-from mlfabric.scheduler.instance import Instance
+from mlfabric.scheduler.instance import Instance, objective_of
 from mlfabric.scheduler.schedule import Aggregate, Link, Reservation, Schedule, Transfer
-from mlfabric.scheduler.stf import plan_stf
 
-__all__ = [
-    "ENGINES",
-    "IlpResult",
-    "Progress",
-    "aggregate_id",
-    "heuristic_plans",
-    "objective_of",
-    "solve_ilp",
-    "warm_start",
-]
+__all__ = ["ENGINES", "IlpResult", "Progress", "aggregate_id", "solve_ilp"]
 
 #: Solver engines: CP-SAT (default) and MathOpt/model_builder MIP back ends.
 ENGINES = ("cp-sat", "highs", "scip")
@@ -137,34 +138,15 @@ class IlpResult:
     horizon_slots: int
 
 
-def objective_of(instance: Instance, schedule: Schedule) -> float:
-    """The instance's objective (seconds) for a plan: mean update completion or makespan.
-
-    Examples
-    --------
-    >>> from mlfabric.scheduler.instance import parse_instance
-    >>> inst = parse_instance({"topology": {"hosts": ["s", "w"], "links": [{"a": "w", "b": "s", "mbps": 8}]},
-    ...                        "server": "s", "updates": [{"id": "u", "worker": "w", "bytes": 10}]})
-    >>> plan = Schedule(transfers=(Transfer.at_rate("u", ("w", "s"), start=0, bytes=10, rate=5),))
-    >>> objective_of(inst, plan)
-    2.0
-    """
-    done = schedule.update_completion_times(list(instance.updates))
-    times = [done[u.update_id] for u in instance.updates]
-    return max(times) if instance.objective == "makespan" else sum(times) / len(times)
-
-
 # ---------------------------------------------------------------------------------------------
 # Solver back ends: one small adapter per engine so that the model is written once.
 
 
-class _CpSat:
-    def __init__(self) -> None:
-        self.model = cp_model.CpModel()
-        self.solver = cp_model.CpSolver()
+class _Backend:
+    """What the model builders need from a solver; ``model`` is a CP-SAT or model_builder model."""
 
-    def var(self, lb: int, ub: int, name: str, integer: bool = True) -> Any:
-        return self.model.new_int_var(lb, ub, name)
+    model: Any
+    solver: Any
 
     def bool(self, name: str) -> Any:
         return self.model.new_bool_var(name)
@@ -172,14 +154,26 @@ class _CpSat:
     def add(self, constraint: Any) -> None:
         self.model.add(constraint)
 
-    def total(self, terms: list[Any]) -> Any:
-        return cp_model.LinearExpr.sum(terms)
-
     def minimize(self, expr: Any) -> None:
         self.model.minimize(expr)
 
     def hint(self, var: Any, value: int) -> None:
         self.model.add_hint(var, value)
+
+    def value(self, var: Any) -> float:
+        return float(self.solver.value(var))
+
+
+class _CpSat(_Backend):
+    def __init__(self) -> None:
+        self.model = cp_model.CpModel()
+        self.solver = cp_model.CpSolver()
+
+    def var(self, lb: int, ub: int, name: str, integer: bool = True) -> Any:
+        return self.model.new_int_var(lb, ub, name)
+
+    def total(self, terms: list[Any]) -> Any:
+        return cp_model.LinearExpr.sum(terms)
 
     def solve(
         self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
@@ -188,7 +182,7 @@ class _CpSat:
         p.max_time_in_seconds = time_limit
         p.random_seed = seed
         p.num_workers = workers
-        p.catch_sigint_signal = True
+        p.catch_sigint_signal = True  # Ctrl-C ends the search with the best solution so far
 
         class _OnSolution(cp_model.CpSolverSolutionCallback):
             def on_solution_callback(inner) -> None:
@@ -198,36 +192,20 @@ class _CpSat:
         status = self.solver.solve(self.model, _OnSolution())
         return str(self.solver.status_name(status))
 
-    def value(self, var: Any) -> float:
-        return float(self.solver.value(var))
-
     def bound(self) -> float:
         return float(self.solver.best_objective_bound)
 
 
-class _Mip:
+class _Mip(_Backend):
     def __init__(self, engine: str) -> None:
         self.model = mb.Model()
         self.solver = mb.Solver(engine)
-        self._status = ""
 
     def var(self, lb: int, ub: int, name: str, integer: bool = True) -> Any:
         return (self.model.new_int_var if integer else self.model.new_num_var)(lb, ub, name)
 
-    def bool(self, name: str) -> Any:
-        return self.model.new_bool_var(name)
-
-    def add(self, constraint: Any) -> None:
-        self.model.add(constraint)
-
     def total(self, terms: list[Any]) -> Any:
         return mb.LinearExpr.sum(terms)
-
-    def minimize(self, expr: Any) -> None:
-        self.model.minimize(expr)
-
-    def hint(self, var: Any, value: int) -> None:
-        self.model.add_hint(var, value)
 
     def solve(
         self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
@@ -241,11 +219,9 @@ class _Mip:
         }
         return names.get(status, "UNKNOWN")
 
-    def value(self, var: Any) -> float:
-        return float(self.solver.value(var))
-
     def bound(self) -> float:
-        return float(self.solver.best_objective_bound)
+        value = self.solver.best_objective_bound  # pandas NA when the solver has none
+        return float(value) if isinstance(value, int | float) else -math.inf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +285,159 @@ def _reservations(
     return res, slots[0] * slot, (slots[-1] + 1) * slot
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The instance in the model's units: slots, routes, paths, quanta per slot and per update."""
+
+    T: int
+    slot: float
+    routes: dict[str, list[Route]]
+    hops: list[Hop]
+    leg: dict[tuple[str, Route], list[Link]]
+    agg_leg: dict[Hop, list[Link]]
+    q: float
+    cap: dict[Link, int]
+    size: dict[str, int]
+
+
+def _layout(instance: Instance, T: int, groups: int) -> _Layout:
+    server = instance.server
+    routes: dict[str, list[Route]] = {
+        u.update_id: [None, *((a, g) for a in instance.routes(u.update_id)[1:] for g in range(groups))]
+        for u in instance.updates
+    }
+    hops = sorted({r for rs in routes.values() for r in rs if r is not None})
+    leg = {
+        (u.update_id, r): path_links(list(instance.path(u.src, r[0] if r else server)))
+        for u in instance.updates
+        for r in routes[u.update_id]
+    }
+    agg_leg = {hop: path_links(list(instance.path(hop[0], server))) for hop in hops}
+    links = {e for ls in leg.values() for e in ls} | {e for ls in agg_leg.values() for e in ls}
+    q = _quantum(instance, links)
+    cap = {e: math.floor(instance.capacity(e) * instance.slot_seconds / q + 1e-9) for e in links}
+    size = {u.update_id: math.ceil(u.bytes / q - 1e-9) for u in instance.updates}
+    return _Layout(T, instance.slot_seconds, routes, hops, leg, agg_leg, q, cap, size)
+
+
+@dataclass
+class _Vars:
+    """The model's variables (see the module docstring) and what the builders share."""
+
+    integer: bool
+    y: dict[tuple[str, Route], Any] = field(default_factory=dict)
+    x: dict[tuple[str, Route, int], Any] = field(default_factory=dict)
+    z: dict[tuple[str, Route, int], Any] = field(default_factory=dict)
+    d: dict[tuple[str, int], Any] = field(default_factory=dict)
+    w: dict[tuple[str, Hop, int], Any] = field(default_factory=dict)
+    agg_done: dict[tuple[Hop, int], Any] = field(default_factory=dict)
+    xa: dict[tuple[Hop, int], Any] = field(default_factory=dict)
+    members: dict[Hop, list[str]] = field(default_factory=dict)
+    on_link: dict[tuple[Link, int], list[Any]] = field(default_factory=dict)
+
+
+def _add_first_legs(m: _CpSat | _Mip, instance: Instance, lay: _Layout, v: _Vars) -> None:
+    """Routes ``y``, first-leg bytes ``x``, arrivals at the aggregator ``z``, and ``d``."""
+    T, size, cap = lay.T, lay.size, lay.cap
+    agg_rate = {hop: min(cap[e] for e in lay.agg_leg[hop]) for hop in lay.hops}
+    v.members = {hop: [] for hop in lay.hops}
+    for u in instance.updates:
+        uid = u.update_id
+        first = math.ceil(u.ready_at / lay.slot - 1e-9)
+        earliest = T - 1
+        for r in lay.routes[uid]:
+            v.y[uid, r] = m.bool(f"y[{uid},{r}]")
+            ub = min(cap[e] for e in lay.leg[uid, r])
+            done_leg = first + math.ceil(size[uid] / ub) - 1
+            earliest = min(earliest, done_leg + (0 if r is None else math.ceil(size[uid] / agg_rate[r])))
+            moved: list[Any] = []
+            for t in range(first, T if r is None else T - 1):
+                v.x[uid, r, t] = x = m.var(0, ub, f"x[{uid},{r},{t}]", v.integer)
+                m.add(x <= ub * v.y[uid, r])
+                moved.append(x)
+                for e in lay.leg[uid, r]:
+                    v.on_link.setdefault((e, t), []).append(x)
+                if r is not None and t >= done_leg:
+                    v.z[uid, r, t] = z = m.bool(f"z[{uid},{r},{t}]")
+                    m.add(m.total(moved) >= size[uid] * z)
+                    m.add(z <= v.y[uid, r])
+                    if (uid, r, t - 1) in v.z:
+                        m.add(v.z[uid, r, t - 1] <= z)
+            m.add(m.total(moved) == size[uid] * v.y[uid, r])
+            if r is not None:
+                v.members[r].append(uid)
+        m.add(m.total([v.y[uid, r] for r in lay.routes[uid]]) == 1)
+        for t in range(min(max(0, earliest), T - 1), T):
+            v.d[uid, t] = m.bool(f"d[{uid},{t}]")
+            if (uid, t - 1) in v.d:
+                m.add(v.d[uid, t - 1] <= v.d[uid, t])
+
+
+def _add_aggregates(m: _CpSat | _Mip, lay: _Layout, v: _Vars) -> None:
+    """Aggregate bytes ``xa`` (store and forward), completion ``A`` and ``w``; symmetry."""
+    size = lay.size
+    for hop in lay.hops:
+        ub = min(lay.cap[e] for e in lay.agg_leg[hop])
+        sent: list[Any] = []
+        for t in range(lay.T):
+            v.xa[hop, t] = xa = m.var(0, ub, f"xa[{hop},{t}]", v.integer)
+            sent.append(xa)
+            for e in lay.agg_leg[hop]:
+                v.on_link.setdefault((e, t), []).append(xa)
+            done = None
+            for uid in v.members[hop]:
+                arrived = v.z.get((uid, hop, t - 1), 0)
+                m.add(xa <= ub * (1 - v.y[uid, hop] + arrived))
+                if (uid, t) not in v.d or isinstance(arrived, int):
+                    continue
+                if done is None:  # the aggregate (one update's size: its largest member) is in
+                    done = v.agg_done[hop, t] = m.bool(f"A[{hop},{t}]")
+                    for other in v.members[hop]:
+                        m.add(m.total(sent) >= size[other] * (done + v.y[other, hop] - 1))
+                v.w[uid, hop, t] = f = m.var(0, 1, f"w[{uid},{hop},{t}]", v.integer)
+                m.add(f <= arrived)
+                m.add(f <= done)
+                m.add(m.total(sent) >= size[uid] * f)
+    for hop in lay.hops:  # symmetry: groups at one aggregator fill up and finish in order
+        if hop[1]:
+            earlier = (hop[0], hop[1] - 1)
+            for uid in v.members[hop]:
+                m.add(v.y[uid, hop] <= m.total([v.y[other, earlier] for other in v.members[earlier]]))
+            for t in range(lay.T):
+                if (hop, t) in v.agg_done and (earlier, t) in v.agg_done:
+                    m.add(v.agg_done[hop, t] <= v.agg_done[earlier, t])
+
+
+def _add_arrivals(m: _CpSat | _Mip, lay: _Layout, v: _Vars) -> None:
+    """``d`` from the direct bytes or the aggregates; link capacity per slot."""
+    for uid, routes in lay.routes.items():
+        size = lay.size[uid]
+        for t in range(lay.T):
+            if (uid, t) in v.d:
+                via = [v.w[uid, r, t] for r in routes if r is not None and (uid, r, t) in v.w]
+                reached = m.total([v.x[uid, None, k] for k in range(t + 1) if (uid, None, k) in v.x])
+                m.add(size * v.d[uid, t] <= reached + size * m.total(via))
+        m.add(v.d[uid, lay.T - 1] == 1)
+    for (e, _t), flows in v.on_link.items():
+        if len(flows) > 1:
+            m.add(m.total(flows) <= lay.cap[e])
+
+
+def _set_objective(m: _CpSat | _Mip, instance: Instance, lay: _Layout, v: _Vars) -> float:
+    """Minimise the sum (or max) of completion slots; return the factor to seconds (mean)."""
+    T = lay.T
+    # u completes at the end of the first slot t with d[u,t] = 1: C_u / Δ = T + 1 - Σ_t d[u,t]
+    slots_of = [T + 1 - m.total([v.d[uid, t] for t in range(T) if (uid, t) in v.d]) for uid in lay.routes]
+    if instance.objective == "makespan":
+        span = m.var(0, T + 1, "makespan", True)
+        for slots in slots_of:
+            m.add(span >= slots)
+        m.minimize(span)
+        return lay.slot
+    m.minimize(m.total(slots_of))
+    return lay.slot / len(slots_of)
+
+
 def solve_ilp(
     instance: Instance,
     *,
@@ -316,7 +445,7 @@ def solve_ilp(
     horizon_slots: int | None = None,
     time_limit: float = 60.0,
     seed: int = 0,
-    workers: int = 2,
+    workers: int = 8,
     engine: str = "cp-sat",
     groups: int = 2,
     progress: Callable[[Progress], None] | None = None,
@@ -337,7 +466,7 @@ def solve_ilp(
     seed : int
         Solver random seed (reproducible runs with ``workers=1``).
     workers : int
-        Solver threads.
+        CP-SAT search workers (its portfolio; 8 by default even on fewer cores).
     engine : str
         ``"cp-sat"`` (default), ``"highs"`` or ``"scip"``.
     groups : int
@@ -367,127 +496,19 @@ def solve_ilp(
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     started = time.monotonic()
-    slot = instance.slot_seconds
-    n = len(instance.updates)
     if horizon_slots is None:
         length = hint.makespan() if hint is not None else _sequential_horizon(instance)
-        horizon_slots = max(1, math.ceil(length / slot - 1e-9))
-    T = horizon_slots
-    server = instance.server
-    routes: dict[str, list[Route]] = {
-        u.update_id: [None, *((a, g) for a in instance.routes(u.update_id)[1:] for g in range(groups))]
-        for u in instance.updates
-    }
-    used_aggs = sorted({r for rs in routes.values() for r in rs if r is not None})
-    leg: dict[tuple[str, Route], list[Link]] = {}
-    for u in instance.updates:
-        for r in routes[u.update_id]:
-            leg[u.update_id, r] = path_links(list(instance.path(u.src, r[0] if r else server)))
-    agg_leg = {hop: path_links(list(instance.path(hop[0], server))) for hop in used_aggs}
-    all_links = {e for ls in leg.values() for e in ls} | {e for ls in agg_leg.values() for e in ls}
-    q = _quantum(instance, all_links)
-    cap = {e: math.floor(instance.capacity(e) * slot / q + 1e-9) for e in all_links}
-    size = {u.update_id: math.ceil(u.bytes / q - 1e-9) for u in instance.updates}
-    integer = engine == "cp-sat"
+        horizon_slots = max(1, math.ceil(length / instance.slot_seconds - 1e-9))
+    lay = _layout(instance, horizon_slots, groups)
+    T = lay.T
     m: _CpSat | _Mip = _CpSat() if engine == "cp-sat" else _Mip(engine)
-
-    y: dict[tuple[str, Route], Any] = {}
-    x: dict[tuple[str, Route, int], Any] = {}
-    z: dict[tuple[str, Route, int], Any] = {}  # first leg to the aggregator done by slot t
-    d: dict[tuple[str, int], Any] = {}
-    on_link: dict[tuple[Link, int], list[Any]] = {}
-    agg_rate = {a: min(cap[e] for e in agg_leg[a]) for a in used_aggs}
-    members: dict[Hop, list[str]] = {a: [] for a in used_aggs}
-    for u in instance.updates:
-        uid = u.update_id
-        first = math.ceil(u.ready_at / slot - 1e-9)
-        earliest = T - 1
-        for r in routes[uid]:
-            y[uid, r] = m.bool(f"y[{uid},{r}]")
-            ub = min(cap[e] for e in leg[uid, r])
-            done_leg = first + math.ceil(size[uid] / ub) - 1
-            earliest = min(earliest, done_leg + (0 if r is None else math.ceil(size[uid] / agg_rate[r])))
-            moved: list[Any] = []
-            for t in range(first, T if r is None else T - 1):
-                x[uid, r, t] = v = m.var(0, ub, f"x[{uid},{r},{t}]", integer)
-                m.add(v <= ub * y[uid, r])
-                moved.append(v)
-                for e in leg[uid, r]:
-                    on_link.setdefault((e, t), []).append(v)
-                if r is not None and t >= done_leg:
-                    z[uid, r, t] = m.bool(f"z[{uid},{r},{t}]")
-                    m.add(m.total(moved) >= size[uid] * z[uid, r, t])
-                    m.add(z[uid, r, t] <= y[uid, r])
-                    if (uid, r, t - 1) in z:
-                        m.add(z[uid, r, t - 1] <= z[uid, r, t])
-            m.add(m.total(moved) == size[uid] * y[uid, r])
-            if r is not None:
-                members[r].append(uid)
-        m.add(m.total([y[uid, r] for r in routes[uid]]) == 1)
-        for t in range(min(max(0, earliest), T - 1), T):
-            d[uid, t] = m.bool(f"d[{uid},{t}]")
-            if (uid, t - 1) in d:
-                m.add(d[uid, t - 1] <= d[uid, t])
-    # w[u,a,t]: u's aggregate at a is at the server by slot t (the disaggregated form of
-    # "d <= aggregate done", much tighter in the LP relaxation than a big-M on the route).
-    w: dict[tuple[str, Hop, int], Any] = {}
-    xa: dict[tuple[Hop, int], Any] = {}
-    agg_done: dict[tuple[Hop, int], Any] = {}
-    for a in used_aggs:
-        ub = agg_rate[a]
-        sent: list[Any] = []
-        for t in range(T):
-            xa[a, t] = v = m.var(0, ub, f"xa[{a},{t}]", integer)
-            sent.append(v)
-            for e in agg_leg[a]:
-                on_link.setdefault((e, t), []).append(v)
-            done = None
-            for uid in members[a]:
-                arrived = z.get((uid, a, t - 1), 0)
-                m.add(v <= ub * (1 - y[uid, a] + arrived))
-                if (uid, t) not in d or isinstance(arrived, int):
-                    continue
-                if done is None:  # the aggregate (one update's size: its largest member) is in
-                    done = agg_done[a, t] = m.bool(f"A[{a},{t}]")
-                    for other in members[a]:
-                        m.add(m.total(sent) >= size[other] * (done + y[other, a] - 1))
-                w[uid, a, t] = f = m.var(0, 1, f"w[{uid},{a},{t}]", integer)
-                m.add(f <= arrived)
-                m.add(f <= done)
-                m.add(m.total(sent) >= size[uid] * f)
-    for hop in used_aggs:  # symmetry: groups at one aggregator fill up and finish in order
-        if hop[1]:
-            earlier = (hop[0], hop[1] - 1)
-            for uid in members[hop]:
-                m.add(y[uid, hop] <= m.total([y[other, earlier] for other in members[earlier]]))
-            for t in range(T):
-                if (hop, t) in agg_done and (earlier, t) in agg_done:
-                    m.add(agg_done[hop, t] <= agg_done[earlier, t])
-    for u in instance.updates:
-        uid = u.update_id
-        for t in range(T):
-            if (uid, t) in d:
-                via = [w[uid, r, t] for r in routes[uid] if r is not None and (uid, r, t) in w]
-                reached = m.total([x[uid, None, k] for k in range(t + 1) if (uid, None, k) in x])
-                m.add(size[uid] * d[uid, t] <= reached + size[uid] * m.total(via))
-    for (e, _t), vs in on_link.items():
-        if len(vs) > 1:
-            m.add(m.total(vs) <= cap[e])
-    # u completes at the end of the first slot t with d[u,t] = 1: C_u / Δ = T + 1 - Σ_t d[u,t]
-    slots_of = {uid: T + 1 - m.total([d[uid, t] for t in range(T) if (uid, t) in d]) for uid in routes}
-    for uid in routes:
-        m.add(d[uid, T - 1] == 1)
-    if instance.objective == "makespan":
-        span = m.var(0, T + 1, "makespan", True)
-        for uid in routes:
-            m.add(span >= slots_of[uid])
-        m.minimize(span)
-        to_seconds = slot
-    else:
-        m.minimize(m.total(list(slots_of.values())))
-        to_seconds = slot / n
-    if hint is not None:
-        _add_hint(m, instance, hint, q, T, _Vars(y, x, z, d, w, agg_done, xa))
+    v = _Vars(integer=engine == "cp-sat")
+    _add_first_legs(m, instance, lay, v)
+    _add_aggregates(m, lay, v)
+    _add_arrivals(m, lay, v)
+    to_seconds = _set_objective(m, instance, lay, v)
+    if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)
+        _add_hint(m, instance, hint, lay.q, T, v)
 
     def report(objective: float, bound: float) -> None:
         if progress is not None:
@@ -498,9 +519,10 @@ def solve_ilp(
     wall = time.monotonic() - started
     bound = m.bound() * to_seconds if status != "INFEASIBLE" else math.inf
     bound = bound if math.isfinite(bound) and status != "INFEASIBLE" else 0.0
+    routes = lay.routes
     if status in ("OPTIMAL", "FEASIBLE"):
-        chosen = {uid: next(r for r in routes[uid] if m.value(y[uid, r]) > 0.5) for uid in routes}
-        schedule = _to_schedule(instance, m, chosen, leg, agg_leg, x, xa, size, T)
+        chosen = {uid: next(r for r in routes[uid] if m.value(v.y[uid, r]) > 0.5) for uid in routes}
+        schedule = _to_schedule(instance, m, lay, v, chosen)
         hosts = {uid: r[0] if r else None for uid, r in chosen.items()}
     elif hint is not None:  # stopped before the first solution: the warm start is the best plan
         schedule, status, hosts = hint, "FEASIBLE", _hosts(hint, routes)
@@ -520,54 +542,6 @@ def _hosts(schedule: Schedule, updates: Iterable[str]) -> dict[str, str | None]:
     """Update id -> the aggregator it goes through in ``schedule``, or ``None``."""
     parent = {mem: a.aggregator for a in schedule.aggregates for mem in a.members}
     return {uid: parent.get(uid) for uid in updates}
-
-
-def heuristic_plans(instance: Instance) -> dict[str, Schedule]:
-    """The heuristics the ILP is the yardstick for: ``stf`` (Fig. 4) and, with aggregators,
-    ``aggregation`` (groups over the STF order, Fig. 6; for the makespan objective chosen
-    for one synchronous iteration by
-    :func:`~mlfabric.scheduler.aggregation.plan_aggregation_sync`).
-
-    Examples
-    --------
-    >>> import random
-    >>> from mlfabric.scheduler.instance import parse_instance, two_tier_instance
-    >>> sorted(heuristic_plans(parse_instance(two_tier_instance(random.Random(0), 4, 1))))
-    ['aggregation', 'stf']
-    """
-    updates = list(instance.updates)
-    plans = {"stf": plan_stf(instance.graph, updates)}
-    if instance.aggregators:
-        group = plan_aggregation_sync if instance.objective == "makespan" else plan_aggregation
-        plans["aggregation"] = group(instance.graph, updates, aggregators=list(instance.aggregators))
-    return plans
-
-
-def warm_start(instance: Instance, plans: Iterable[Schedule] | None = None) -> Schedule:
-    """The best of the heuristic plans (default :func:`heuristic_plans`): the ILP's hint.
-
-    Examples
-    --------
-    >>> import random
-    >>> from mlfabric.scheduler.instance import parse_instance, two_tier_instance
-    >>> inst = parse_instance(two_tier_instance(random.Random(0), 8, 2))
-    >>> plan = warm_start(inst)
-    >>> objective_of(inst, plan) <= objective_of(inst, plan_stf(inst.graph, list(inst.updates)))
-    True
-    """
-    candidates = list(plans) if plans is not None else list(heuristic_plans(instance).values())
-    return min(candidates, key=lambda plan: objective_of(instance, plan))
-
-
-@dataclass(frozen=True)
-class _Vars:
-    y: dict[tuple[str, Route], Any]
-    x: dict[tuple[str, Route, int], Any]
-    z: dict[tuple[str, Route, int], Any]
-    d: dict[tuple[str, int], Any]
-    w: dict[tuple[str, Hop, int], Any]
-    agg_done: dict[tuple[Hop, int], Any]
-    xa: dict[tuple[Hop, int], Any]
 
 
 def _add_hint(m: _CpSat | _Mip, instance: Instance, hint: Schedule, q: float, T: int, v: _Vars) -> None:
@@ -619,23 +593,16 @@ def _add_hint(m: _CpSat | _Mip, instance: Instance, hint: Schedule, q: float, T:
 
 
 def _to_schedule(
-    instance: Instance,
-    m: _CpSat | _Mip,
-    chosen: dict[str, Route],
-    leg: dict[tuple[str, Route], list[Link]],
-    agg_leg: dict[Hop, list[Link]],
-    x: dict[tuple[str, Route, int], Any],
-    xa: dict[tuple[Hop, int], Any],
-    size_q: dict[str, int],
-    T: int,
+    instance: Instance, m: _CpSat | _Mip, lay: _Layout, v: _Vars, chosen: dict[str, Route]
 ) -> Schedule:
-    slot = instance.slot_seconds
+    """The solver's values as a :class:`Schedule` (one reservation per run of equal slots)."""
+    slot, T = lay.slot, lay.T
     transfers: list[Transfer] = []
     members: dict[Hop, list[str]] = {}
     for u in instance.updates:
         uid, r = u.update_id, chosen[u.update_id]
-        moved = {t: m.value(x[uid, r, t]) for t in range(T) if (uid, r, t) in x}
-        res, start, end = _reservations(leg[uid, r], moved, slot, u.bytes)
+        moved = {t: m.value(v.x[uid, r, t]) for t in range(T) if (uid, r, t) in v.x}
+        res, start, end = _reservations(lay.leg[uid, r], moved, slot, u.bytes)
         path = instance.path(u.src, r[0] if r else instance.server)
         transfers.append(Transfer(uid, path[0], path[-1], path, start, end, u.bytes, res))
         if r is not None:
@@ -644,11 +611,11 @@ def _to_schedule(
     for a, mem in sorted(members.items()):
         size = max(instance.update(uid).bytes for uid in mem)
         amounts: dict[int, float] = {}
-        need, sent = max(size_q[uid] for uid in mem), 0.0
+        need, sent = max(lay.size[uid] for uid in mem), 0.0
         for t in range(T):  # anything the solver sends beyond the aggregate's size is waste
-            amounts[t] = min(m.value(xa[a, t]), max(0.0, need - sent))
+            amounts[t] = min(m.value(v.xa[a, t]), max(0.0, need - sent))
             sent += amounts[t]
-        res, start, end = _reservations(agg_leg[a], amounts, slot, size)
+        res, start, end = _reservations(lay.agg_leg[a], amounts, slot, size)
         path = instance.path(a[0], instance.server)
         aid = aggregate_id(*a)
         transfers.append(Transfer(aid, a[0], instance.server, path, start, end, size, res))

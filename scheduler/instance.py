@@ -46,13 +46,14 @@ from __future__ import annotations
 import json
 import random
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
+from mlfabric.scheduler.aggregation import plan_aggregation, plan_aggregation_sync
 from mlfabric.scheduler.graph import (
     TopologyError,
     hosts,
@@ -61,15 +62,19 @@ from mlfabric.scheduler.graph import (
     path_links,
     shortest_path,
 )
-from mlfabric.scheduler.schedule import Link, Update
+from mlfabric.scheduler.schedule import Link, Schedule, Update
+from mlfabric.scheduler.stf import plan_stf
 
 __all__ = [
     "OBJECTIVES",
     "Instance",
     "InstanceError",
+    "heuristic_plans",
     "load_instance",
+    "objective_of",
     "parse_instance",
     "two_tier_instance",
+    "warm_start",
 ]
 
 #: Objectives the planners minimise.
@@ -393,3 +398,53 @@ def two_tier_instance(
         "objective": objective,
         "updates": updates,
     }
+
+
+def objective_of(instance: Instance, schedule: Schedule) -> float:
+    """The instance's objective (seconds) for a plan: mean update completion or makespan.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.schedule import Transfer
+    >>> inst = parse_instance({"topology": {"hosts": ["s", "w"], "links": [{"a": "w", "b": "s", "mbps": 8}]},
+    ...                        "server": "s", "updates": [{"id": "u", "worker": "w", "bytes": 10}]})
+    >>> plan = Schedule(transfers=(Transfer.at_rate("u", ("w", "s"), start=0, bytes=10, rate=5),))
+    >>> objective_of(inst, plan)
+    2.0
+    """
+    done = schedule.update_completion_times(list(instance.updates))
+    times = [done[u.update_id] for u in instance.updates]
+    return max(times) if instance.objective == "makespan" else sum(times) / len(times)
+
+
+def heuristic_plans(instance: Instance) -> dict[str, Schedule]:
+    """The heuristics the ILP is the yardstick for: ``stf`` (Fig. 4) and, with aggregators,
+    ``aggregation`` (groups over the STF order, Fig. 6; for the makespan objective chosen
+    for one synchronous iteration by
+    :func:`~mlfabric.scheduler.aggregation.plan_aggregation_sync`).
+
+    Examples
+    --------
+    >>> sorted(heuristic_plans(parse_instance(two_tier_instance(random.Random(0), 4, 1))))
+    ['aggregation', 'stf']
+    """
+    updates = list(instance.updates)
+    plans = {"stf": plan_stf(instance.graph, updates)}
+    if instance.aggregators:
+        group = plan_aggregation_sync if instance.objective == "makespan" else plan_aggregation
+        plans["aggregation"] = group(instance.graph, updates, aggregators=list(instance.aggregators))
+    return plans
+
+
+def warm_start(instance: Instance, plans: Iterable[Schedule] | None = None) -> Schedule:
+    """The best of the heuristic plans (default :func:`heuristic_plans`): the ILP's hint.
+
+    Examples
+    --------
+    >>> inst = parse_instance(two_tier_instance(random.Random(0), 8, 2))
+    >>> plan = warm_start(inst)
+    >>> objective_of(inst, plan) <= objective_of(inst, plan_stf(inst.graph, list(inst.updates)))
+    True
+    """
+    candidates = list(plans) if plans is not None else list(heuristic_plans(instance).values())
+    return min(candidates, key=lambda plan: objective_of(instance, plan))

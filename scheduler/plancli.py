@@ -1,18 +1,18 @@
-"""Plan one instance offline: the ILP optimum, STF and fair, and how far the heuristics are from it.
+"""Plan one instance offline: the ILP optimum, STF, aggregation and fair, and their gaps.
 
     mlfabric plan INSTANCE.json [--solver ilp|stf|fair|all] [--time-limit S]
                   [--out plan.json] [--trace plan.trace.json] [--plot plan.png]
 
-The instance format is described in ``mlfabric.scheduler.instance`` (and the README).
+The instance format is described in mlfabric.scheduler.instance (and the README).
 Prints, per plan, each update's route (hosts), start and finish, then the objective,
-status, bound and gap. ``--solver all`` runs ilp, stf, aggregation (groups over the STF
-order, when the instance has aggregators) and fair, and prints each one's gap to the ILP's
-bound: ``gap = (objective - bound) / objective``. The ILP starts from the better of stf and
-aggregation. ``--out`` writes the same as
-JSON (``objective, bound, gap, status, solver, updates: [{id, route, start, finish}]``; with
-``--solver all`` a ``plans`` list of those). ``--trace`` writes a Chrome trace (one track
-per link, one process per plan); ``--plot`` a Gantt chart by link (needs matplotlib).
-Long ILP solves print progress to stderr; Ctrl-C stops the solver and keeps its best plan.
+status, bound and gap. --solver all runs ilp, stf, aggregation (groups over the STF order,
+when the instance has aggregators) and fair, and prints each one's gap to the ILP's bound,
+gap = (objective - bound) / objective. The ILP starts from the better of stf and
+aggregation. --out writes the same as JSON (objective, bound, gap, status, solver,
+updates: [{id, route, start, finish}]; with --solver all, a "plans" list of those).
+--trace writes a Chrome trace (one track per link, one process per plan); --plot a Gantt
+chart by link (needs matplotlib). Long ILP solves print progress to stderr; Ctrl-C stops
+the solver and keeps its best plan.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine", choices=("cp-sat", "highs", "scip"), default="cp-sat", help="ILP solver engine"
+    )
+    parser.add_argument(
+        "--groups", type=int, default=2, help="aggregates each aggregator may make (default 2)"
     )
     parser.add_argument("--out", type=Path, metavar="PLAN.json", help="write the plan(s) as JSON")
     parser.add_argument("--trace", type=Path, metavar="TRACE.json", help="write a Chrome trace by link")
@@ -130,8 +133,14 @@ def run(args: argparse.Namespace) -> int:
     """Plan the instance with the chosen solver(s); print, and write the requested files."""
     from mlfabric.scheduler.bruteforce import fair_schedule
     from mlfabric.scheduler.checker import check_schedule
-    from mlfabric.scheduler.ilp import heuristic_plans, objective_of, solve_ilp, warm_start
-    from mlfabric.scheduler.instance import InstanceError, load_instance
+    from mlfabric.scheduler.ilp import IlpResult, solve_ilp
+    from mlfabric.scheduler.instance import (
+        InstanceError,
+        heuristic_plans,
+        load_instance,
+        objective_of,
+        warm_start,
+    )
     from mlfabric.scheduler.trace import trace_events, write_trace
 
     if args.plot is not None:
@@ -154,16 +163,22 @@ def run(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     bound: float | None = None
     if "ilp" in wanted:
-        result = solve_ilp(
-            instance,
-            hint=hint,
-            time_limit=args.time_limit,
-            seed=args.seed,
-            workers=args.workers,
-            engine=args.engine,
-            progress=_progress_printer(args.progress_every),
-        )
-        if result.schedule is None:
+        try:
+            result = solve_ilp(
+                instance,
+                hint=hint,
+                time_limit=args.time_limit,
+                seed=args.seed,
+                workers=args.workers,
+                engine=args.engine,
+                groups=args.groups,
+                progress=_progress_printer(args.progress_every),
+            )
+        except KeyboardInterrupt:  # before the solver took over SIGINT: the warm start is the best
+            print("interrupted while building the model: reporting the warm start", file=sys.stderr)
+            objective = objective_of(instance, hint)
+            result = IlpResult(hint, objective, 0.0, 1.0, "INTERRUPTED", 0.0, {}, args.engine, 0)
+        if result.schedule is None or result.objective is None:
             print(f"error: the ILP found no plan ({result.status}) in {args.time_limit:g} s", file=sys.stderr)
             return 1
         bound = result.bound
@@ -199,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     for record in records:
         _print_plan(record)
     if len(records) > 1:
-        print(f"{'solver':<8} {'objective (s)':>14} {'gap to ILP bound':>17}")
+        print(f"{'solver':<12} {'objective (s)':>14} {'gap to ILP bound':>17}")
         for record in records:
             print(
                 f"{record['solver']:<8} {record['objective']:>14.6g} {_fmt(_percent(record['gap']), 4):>16}%"

@@ -78,7 +78,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     w = parser.add_argument_group("workload")
     w.add_argument(
-        "--policy", default="fair,stf", help="comma-separated policies: fair, stf, stf+agg (default fair,stf)"
+        "--policy",
+        default="fair,stf",
+        help="comma-separated policies: fair, stf, stf+agg (aggregation groups, meant for sync "
+        "SGD: it does not drop on tau_max) (default fair,stf)",
     )
     w.add_argument("--mode", choices=["async", "sync"], default="async", help="SGD iteration model")
     w.add_argument("--aggregation", action="store_true", help="also run stf+agg (aggregation groups)")

@@ -80,21 +80,22 @@ def _bound(value: int | Mapping[str, int] | None, server: str, default: int | No
     return value.get(server, default)
 
 
-#: heap entry: (key, bytes, update id, sequence, kind, class index or gate link, stamp)
-_Entry = tuple[float, float, str, int, int, object, int]
+#: heap entry: (key, bytes, update id, sequence, kind, class index or gate link)
+_Entry = tuple[float, float, str, int, int, object]
 _EXACT, _GROUP = 0, 1
 
 
 class _Planner:
     """One run of :func:`plan_stf`: update classes, gate groups and the lazy min-heap.
 
-    Heap keys are lower bounds of ``ten``. An *exact* entry holds a class head's ``ten``
-    computed at reservation stamp ``stamp``; it is accepted when popped if none of its links
-    was reserved since. A class whose path is fully booked until ``f`` on some *gate* link
-    sits in that link's group: ``ten >= f + bytes / peak`` (it cannot start before every
-    link has residual, nor move faster than the path's peak residual), so one heap entry
-    per gate, keyed by the group's smallest bound, stands for all of them. When a
-    reservation pushes a gate back, only that entry moves — no cascade of recomputations
+    Heap keys are lower bounds of ``ten``. An *exact* entry holds a class head's computed
+    ``ten``; popped, it is accepted if no reservation since changed the rate the transfer
+    would get on any of its links (:meth:`still_exact`), else recomputed. A class whose
+    path is fully booked until ``f`` on some *gate* link sits in that link's group:
+    ``ten >= f + bytes / peak`` (it cannot start before every link has residual, nor move
+    faster than the path's peak residual), so one heap entry per gate, keyed by the group's
+    smallest bound, stands for all of them. When a reservation pushes a gate back, only
+    that entry moves — no cascade of recomputations
     over every update queued behind the same bottleneck.
     """
 
@@ -129,8 +130,8 @@ class _Planner:
         self.modified: dict[Link, int] = {}
         self.free_cache: dict[Link, float] = {}
         self.peak_cache: dict[Link, float] = {}
-        #: class -> (head, stamp, rate pieces) of its head's latest computed ten
-        self.exact: dict[int, tuple[str, int, list[tuple[float, float, float]]]] = {}
+        #: class -> (head, stamp, ten, rate pieces) of its head's latest computed ten
+        self.exact: dict[int, tuple[str, int, float, list[tuple[float, float, float]]]] = {}
         self.transfers: list[Transfer] = []
         self.drops: dict[str, str] = {}
 
@@ -216,16 +217,12 @@ class _Planner:
             self.drops[uid] = f"no residual bandwidth: {exc}"
             self.place(idx)
             return
-        heapq.heappush(self.heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, 0))
-
-    def remember(self, idx: int, uid: str, pieces: list[tuple[float, float, float]]) -> None:
-        """Keep the rates of ``uid``'s computed transfer (see :meth:`still_exact`)."""
-        self.exact[idx] = (uid, self.stamp, pieces)
+        heapq.heappush(self.heap, (end, nbytes, uid, next(self.seq), _EXACT, idx))
 
     def ten(self, idx: int, uid: str, nbytes: float) -> float:
         """``ten`` of class ``idx``'s head ``uid``, remembering its rates."""
         _, end, pieces = self.tls.rates(self.links_of[uid], nbytes, self.classes[idx].start)
-        self.remember(idx, uid, pieces)
+        self.exact[idx] = (uid, self.stamp, end, pieces)
         return end
 
     def still_exact(self, idx: int, uid: str) -> float | None:
@@ -238,16 +235,14 @@ class _Planner:
         cached = self.exact.get(idx)
         if cached is None or cached[0] != uid:
             return None
-        _, at, pieces = cached
-        if not pieces:
-            return None
+        _, at, end, pieces = cached
         for link in self.links_of[uid]:
             if self.modified.get(link, -1) > at:
                 tl = self.tls.link(link)
                 for lo, hi, rate in pieces:
                     if tl.min_over(lo, hi) < rate:
                         return None
-        return pieces[-1][1]
+        return end
 
     def group_top(self, gate: Link) -> tuple[float, float, str, int] | None:
         grp = self.groups[gate]
@@ -272,16 +267,20 @@ class _Planner:
         seq = next(self.seq)
         self.group_live[gate] = seq
         self.group_key[gate] = entry
-        heapq.heappush(self.heap, (*entry, seq, _GROUP, gate, 0))
+        heapq.heappush(self.heap, (*entry, seq, _GROUP, gate))
 
     # -- the STF loop ----------------------------------------------------------------
-    def run(self) -> None:
-        """Pop, verify and accept until every update is planned or dropped (Fig. 4a)."""
+    def run(self, limit: int | None = None) -> None:
+        """Pop, verify and accept until every update is planned or dropped (Fig. 4a).
+
+        With ``limit``, stop once that many transfers are planned: they are exactly the
+        first ``limit`` of the full STF order (the greedy never revisits a choice).
+        """
         for idx in range(len(self.classes)):
             self.place(idx)
         heap = self.heap
-        while heap:
-            key, nbytes, popped, seq, kind, ref, _ = heapq.heappop(heap)
+        while heap and (limit is None or len(self.transfers) < limit):
+            key, nbytes, popped, seq, kind, ref = heapq.heappop(heap)
             if kind == _EXACT:
                 assert isinstance(ref, int)
                 h = self.head(ref)
@@ -331,7 +330,7 @@ class _Planner:
                 self.push_group(gate)
             else:
                 self.gate_of[idx] = None
-                heapq.heappush(heap, (end, nbytes, uid, next(self.seq), _EXACT, idx, 0))
+                heapq.heappush(heap, (end, nbytes, uid, next(self.seq), _EXACT, idx))
 
     def accept(self, idx: int, uid: str, nbytes: float) -> None:
         """Drop ``uid`` if its expected delay exceeds tau_max (Fig. 5), else reserve its path."""
@@ -375,6 +374,7 @@ def plan_stf(
     tau_max: int | Mapping[str, int] | None = None,
     server_version: int | Mapping[str, int] = 0,
     ahead: Mapping[str, int] | None = None,
+    limit: int | None = None,
 ) -> Schedule:
     """Shortest-transfer-first plan of ``updates`` with preemptive drops (Fig. 4a, Fig. 5).
 
@@ -397,6 +397,10 @@ def plan_stf(
         Each server's current model version.
     ahead : mapping, optional
         Server -> payloads already ordered to arrive there first (in flight).
+    limit : int, optional
+        Plan only the first ``limit`` transfers of the STF order (a *partial* plan: the
+        updates not reached are neither planned nor dropped, so it is not checkable as a
+        whole). Default: plan everything.
 
     Returns
     -------
@@ -425,7 +429,7 @@ def plan_stf(
             planner.drops[u.update_id] = f"no route: {exc}"
             continue
         planner.add(u.update_id, exact=False)
-    planner.run()
+    planner.run(limit)
     transfers = tuple(planner.transfers)
     return Schedule(transfers=transfers, drops=planner.drops, arrivals=tuple(t.payload_id for t in transfers))
 
@@ -439,6 +443,14 @@ class STFPolicy:
     to start — the transfer(s) it follows on its bottleneck — so the dispatcher releases it
     when they finish (one at a time per bottleneck).
 
+    Parameters
+    ----------
+    horizon : int, optional
+        Plan only the first ``horizon`` sends of the STF order per decision (they are the
+        same as in the full order; the rest stay pending, undecided). This bounds the
+        decision time on a large backlog, but the caller must then decide again before
+        the plan runs out. Default: plan every pending update.
+
     Examples
     --------
     >>> from mlfabric.scheduler.graph import star
@@ -451,7 +463,10 @@ class STFPolicy:
 
     name = "stf"
 
-    def __init__(self) -> None:
+    def __init__(self, horizon: int | None = None) -> None:
+        if horizon is not None and horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        self.horizon = horizon
         self._paths: PathCache | None = None
 
     def _path_cache(self, graph: nx.DiGraph) -> PathCache:
@@ -508,6 +523,7 @@ class STFPolicy:
             tau_max=tau,
             server_version=versions,
             ahead=ahead,
+            limit=self.horizon,
         )
         sends = []
         for t in plan.transfers:

@@ -110,9 +110,19 @@ def _down(args: argparse.Namespace) -> int:
     from mlfabric.testbed.netns import NAMESPACE_PATTERN, SubprocessRunner, remove_marker
 
     runs = _select(args)
+    if not args.prefix:
+        # without --prefix, only testbeds made by `up`: never one a running program owns
+        runs = [r for r in runs if r.get("persistent")]
     if not runs:
         print("no live testbed matches", file=sys.stderr)
         return 1
+    if len(runs) > 1 and not args.prefix:
+        print(
+            f"mlfabric testbed down: {len(runs)} testbeds match; pick one with --prefix "
+            f"({', '.join(r['prefix'] for r in runs)})",
+            file=sys.stderr,
+        )
+        return 2
     runner = SubprocessRunner()
     for r in runs:
         for ns in r.get("namespaces", []):

@@ -3,9 +3,12 @@
 Pure functions that build ``tc`` argument lists; :mod:`mlfabric.testbed.cluster` runs them.
 
 A token bucket filter refills ``rate / HZ`` bytes per timer tick at worst, and the veth
-driver hands it GSO packets of up to 64 KiB. A bucket smaller than either under-delivers
-badly (a 50 Mbit/s link measured at a fraction of its rate), so the burst is
-``max(rate / HZ, 64 KiB)`` with the lowest common kernel ``HZ`` (100) — the safe side.
+driver hands it GSO packets of up to 64 KiB of payload *plus headers*. A bucket smaller than
+either under-delivers badly (a 50 Mbit/s link measured at a fraction of its rate). A bucket
+of exactly 64 KiB is not enough either: measured on this kernel, lowering a tbf's rate
+(``tc qdisc change``, 100 -> 25 Mbit/s, bucket 64 KiB) under two sustained TCP flows left
+both at 0 bytes/s until the rate went back up, and a 128 KiB floor removed the stalls. So
+the burst is ``max(rate / HZ, 128 KiB)`` with the lowest common kernel ``HZ`` (100).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ __all__ = [
     "tbf_limit",
 ]
 
-#: Largest GSO packet the veth driver passes to the qdisc, bytes.
-MIN_BURST = 64 * 1024
+#: Bucket floor: room for the largest GSO packet (64 KiB + headers) with margin, bytes.
+MIN_BURST = 128 * 1024
 #: Kernel timer frequency assumed for the burst; 100 is the lowest common value.
 TIMER_HZ = 100
 #: Queueing a shaped port allows before it drops, seconds at the link rate.
@@ -43,12 +46,12 @@ def tbf_burst(rate: float, hz: int = TIMER_HZ) -> int:
     Returns
     -------
     int
-        ``max(ceil(rate / hz), 64 KiB)``.
+        ``max(ceil(rate / hz), 128 KiB)``.
 
     Examples
     --------
-    >>> tbf_burst(50e6 / 8)  # 50 Mbit/s: the 64 KiB GSO floor wins
-    65536
+    >>> tbf_burst(50e6 / 8)  # 50 Mbit/s: the 128 KiB GSO floor wins
+    131072
     >>> tbf_burst(10e9 / 8)  # 10 Gbit/s: one 10 ms tick of bytes
     12500000
     """
@@ -62,8 +65,8 @@ def tbf_limit(rate: float, burst: int) -> int:
 
     Examples
     --------
-    >>> tbf_limit(6.25e6, 65536)
-    378036
+    >>> tbf_limit(6.25e6, 131072)
+    443572
     """
     return burst + math.ceil(rate * QUEUE_SECONDS)
 
@@ -86,7 +89,7 @@ def tbf_args(dev: str, rate: float, *, change: bool = False, parent: str = "root
     --------
     >>> tbf_args("eth0", 6.25e6)
     ['qdisc', 'add', 'dev', 'eth0', 'root', 'handle', '10:', 'tbf', 'rate', '50000000bit', \
-'burst', '65536', 'limit', '378036']
+'burst', '131072', 'limit', '443572']
     """
     burst = tbf_burst(rate)
     where = ["root"] if parent == "root" else ["parent", parent]

@@ -3,11 +3,12 @@
 :class:`Simulator` plays every role around a policy, with the same rules as the real
 system (DESIGN §3):
 
-* **the scheduler service**: ready updates are batched (all that become ready within
-  ``batch_window`` of the first), then ``policy.decide(snapshot, pending)`` is called with
-  *every* update not yet released; sends are released when every transfer in their
-  ``after`` is done (the dispatcher's rule); drops resolve the push as DROPPED.
-  A later decision replaces the plan of every update still pending;
+* **the scheduler service**: ready updates are batched by the service's adaptive
+  batching rule (:class:`~mlfabric.scheduler.batching.BatchWindow`), then
+  ``policy.decide(snapshot, pending)`` is called with *every* update not yet released;
+  the service's :class:`~mlfabric.scheduler.dispatch.Dispatcher` adopts the decision and
+  releases each send when the transfers in its ``after`` are done; drops resolve the
+  push as DROPPED. A later decision replaces the plan of every update still pending;
 * **the network**: released transfers start at once and share links max-min fairly
   (:class:`~mlfabric.scheduler.sim.fluid.FluidNetwork`); link capacities follow a
   schedule of :class:`~mlfabric.scheduler.sim.workload.BandwidthChange`; a payload
@@ -37,7 +38,7 @@ import networkx as nx
 
 from mlfabric.scheduler.batching import BatchWindow
 from mlfabric.scheduler.dispatch import Dispatcher
-from mlfabric.scheduler.graph import shortest_path
+from mlfabric.scheduler.graph import PathCache
 from mlfabric.scheduler.policy import Decision, InFlight, PendingUpdate, Policy, Send, Snapshot
 from mlfabric.scheduler.schedule import Aggregate
 from mlfabric.scheduler.sim.fluid import FluidNetwork
@@ -116,56 +117,55 @@ class _Aggregate:
 class Simulator:
     """Discrete-event fluid simulation of one job under one policy (DESIGN §6).
 
-        Parameters
-        ----------
-        graph : networkx.DiGraph
-            The bandwidth graph (capacities in bytes/s).
-        policy : Policy
-            The scheduling policy, the same object the service would run.
-        iteration : IterationModel
-            Asynchronous or synchronous SGD workers.
-        server_host : str
-            Host of the parameter server.
-        workers : sequence of str
-            Worker hosts (a worker's name is its host).
-        update_bytes : float
-            Size of one update (and of one aggregate).
-        model_bytes : float
-            Size of the model sent back to a worker after each push resolves; 0 means the
-            model returns instantly (the model transfer is not simulated).
-        tau_max : int
-            Delay bound (< 0: unbounded).
-        batch_window, batch_max_wait : float
-            Adaptive batching (:class:`~mlfabric.scheduler.batching.BatchWindow`): a batch of
-            ready updates closes ``batch_window`` s after the latest arrival, at most
-            ``batch_max_wait`` s after the first. 0 and 0: updates ready at the same instant.
-        dispatch_margin : float
-            The dispatcher's margin (:class:`~mlfabric.scheduler.dispatch.Dispatcher`): a send
-            may go this long before its predecessors' expected end. 0 (the default) releases
-            exactly when they are done: the fluid network has no control latency to hide.
-        changes : iterable of BandwidthChange
-            Link capacity changes over time.
-        until : float
-            Stop at this simulated time.
-        record_flows : bool
-            Keep a :class:`FlowRecord` of every transfer (traces, schedule checks).
-        progress : callable, optional
-            Called as ``progress(sim_time, events)`` every ``progress_every`` events.
-        job, server : str
-            Names of the job and of the server.
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The bandwidth graph (capacities in bytes/s).
+    policy : Policy
+        The scheduling policy, the same object the service would run.
+    iteration : IterationModel
+        Asynchronous or synchronous SGD workers.
+    server_host : str
+        Host of the parameter server.
+    workers : sequence of str
+        Worker hosts (a worker's name is its host).
+    update_bytes : float
+        Size of one update (and of one aggregate).
+    model_bytes : float
+        Size of the model sent back to a worker after each push resolves; 0 means the
+        model returns instantly (the model transfer is not simulated).
+    tau_max : int
+        Delay bound (< 0: unbounded).
+    batch_window, batch_max_wait : float
+        Adaptive batching (:class:`~mlfabric.scheduler.batching.BatchWindow`): a batch of
+        ready updates closes ``batch_window`` s after the latest arrival, at most
+        ``batch_max_wait`` s after the first. 0 and 0: updates ready at the same instant.
+    dispatch_margin : float
+        The dispatcher's margin (:class:`~mlfabric.scheduler.dispatch.Dispatcher`): a send
+        may go this long before its predecessors' expected end. 0 (the default) releases
+        exactly when they are done: the fluid network has no control latency to hide.
+    changes : iterable of BandwidthChange
+        Link capacity changes over time.
+    until : float
+        Stop at this simulated time.
+    record_flows : bool
+        Keep a :class:`FlowRecord` of every transfer (traces, schedule checks).
+    progress : callable, optional
+        Called as ``progress(sim_time, events)`` every ``progress_every`` events.
+    job, server : str
+        Names of the job and of the server.
 
-        Examples
-        --------
-        >>> from mlfabric.scheduler.graph import star
-        >>> from mlfabric.scheduler.schedule import Aggregate
-    from mlfabric.scheduler.policy import FairPolicy
-        >>> from mlfabric.scheduler.sim.iteration import AsyncSGD
-        >>> from mlfabric.scheduler.sim.workload import ComputeModel
-        >>> g = star(["ps", "w0", "w1"], 8e6)  # 1 MB/s NICs
-        >>> it = AsyncSGD(ComputeModel({"w0": 0.0, "w1": 0.0}), iterations=1)
-        >>> sim = Simulator(g, FairPolicy(), it, server_host="ps", workers=["w0", "w1"], update_bytes=1e6)
-        >>> [round(r.arrived_at, 6) for r in sim.run()]
-        [2.0, 2.0]
+    Examples
+    --------
+    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.policy import FairPolicy
+    >>> from mlfabric.scheduler.sim.iteration import AsyncSGD
+    >>> from mlfabric.scheduler.sim.workload import ComputeModel
+    >>> g = star(["ps", "w0", "w1"], 8e6)  # 1 MB/s NICs
+    >>> it = AsyncSGD(ComputeModel({"w0": 0.0, "w1": 0.0}), iterations=1)
+    >>> sim = Simulator(g, FairPolicy(), it, server_host="ps", workers=["w0", "w1"], update_bytes=1e6)
+    >>> [round(r.arrived_at, 6) for r in sim.run()]
+    [2.0, 2.0]
     """
 
     def __init__(
@@ -262,7 +262,7 @@ class Simulator:
             return
         self._model_seq += 1
         fid = f"model:{worker}#{self._model_seq}"
-        self._start_flow(fid, "model", tuple(self._path(self.server_host, worker)), self.model_bytes)
+        self._start_flow(fid, "model", self._path(self.server_host, worker), self.model_bytes)
         self._model_cb[fid] = lambda: then(version)
 
     def step(self) -> None:
@@ -281,7 +281,10 @@ class Simulator:
             t_net = net.next_completion()
             t_ev = heap[0][0] if heap else math.inf
             t = min(t_net, t_ev)
-            if t > self.until or t == math.inf:
+            if t == math.inf:
+                break
+            if t > self.until:
+                self._now = self.until
                 break
             self._now = t
             done = net.advance_to(t)
@@ -295,7 +298,6 @@ class Simulator:
             self.events += 1
             if self.progress is not None and self.events % self.progress_every == 0:
                 self.progress(t, self.events)
-        self._now = min(self._now, self.until) if self.until < math.inf else self._now
         return self.records
 
     @property
@@ -325,7 +327,7 @@ class Simulator:
         self._model_cb: dict[str, Callable[[], None]] = {}
         self._model_seq = 0
         self._rec: dict[str, UpdateRecord] = {}
-        self._paths: dict[tuple[str, str], list[str]] = {}
+        self._paths = PathCache(self.graph)
         self._decide_scheduled = False
         self.version = 0
         self.records = []
@@ -338,11 +340,8 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (max(t, self._now), prio, self._seq, action))
 
-    def _path(self, src: str, dst: str) -> list[str]:
-        key = (src, dst)
-        if key not in self._paths:
-            self._paths[key] = shortest_path(self.graph, src, dst)
-        return self._paths[key]
+    def _path(self, src: str, dst: str) -> tuple[str, ...]:
+        return self._paths.path(src, dst)
 
     def _change(self, change: BandwidthChange) -> None:
         self._net.set_capacity(change.link, change.capacity)
@@ -456,7 +455,7 @@ class Simulator:
         self._agg_waiting.pop(agg.aggregate_id, None)
         del self._gathering[agg.aggregate_id]
         self.aggregates.append(Aggregate(agg.aggregate_id, agg.aggregator, agg.members, agg.bytes, agg.dst))
-        path = agg.path or tuple(self._path(agg.aggregator, agg.dst))
+        path = agg.path or self._path(agg.aggregator, agg.dst)
         self._start_flow(agg.aggregate_id, "aggregate", path, agg.bytes)
 
     def _release(self) -> None:
@@ -482,7 +481,7 @@ class Simulator:
     def _start_update(self, send: Send) -> None:
         uid = send.update_id
         update = self._pending.pop(uid)
-        path = tuple(send.path) or tuple(self._path(update.src_host, send.next_hop))
+        path = tuple(send.path) or self._path(update.src_host, send.next_hop)
         if path[0] != update.src_host or path[-1] != send.next_hop:
             raise SimulationError(
                 f"send of '{uid}': path {path} does not run {update.src_host}->{send.next_hop}"

@@ -247,3 +247,21 @@ def test_daemon_without_scheduler_fails_with_the_reason(procs: Processes, sockdi
             "1",
         )
     assert "127.0.0.1:1" in procs.log("lonely")
+
+
+def test_daemon_refused_by_the_scheduler_exits_at_once_naming_why(procs: Processes, sockdir: str) -> None:
+    sched = procs.start("scheduler", "mlfabric.scheduler.cli", "--listen", "127.0.0.1:0", "--star", "2")
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="exited with 1"):
+        procs.start(
+            "stranger",
+            "mlfabric.daemon.cli",
+            "--host",
+            "not-in-graph",
+            "--scheduler",
+            sched["address"],
+            "--socket",
+            os.path.join(sockdir, "stranger.sock"),
+        )
+    assert time.monotonic() - started < 15  # not the 30 s connect timeout
+    assert "not-in-graph" in procs.log("stranger") and "INVALID_ARGUMENT" in procs.log("stranger")

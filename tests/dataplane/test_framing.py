@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from mlfabric.daemon import payloadio
 from mlfabric.daemon.dataplane import (
     MAGIC,
     FileSpan,
@@ -292,3 +293,30 @@ def test_alloc_too_small_is_a_caller_error(pair: tuple[socket.socket, socket.soc
     send_frame(a, header, payload)
     with pytest.raises(ValueError, match=r"alloc\(16\) returned 8 bytes"):
         recv_frame(b, LIMITS, alloc=lambda n: bytearray(n // 2))
+
+
+def test_crc32_matches_zlib_in_pieces() -> None:
+    data = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    running = 0
+    for start in range(0, len(data), 77_777):
+        running = payloadio.crc32(memoryview(data)[start : start + 77_777], running)
+    assert running == zlib.crc32(data) == payload_crc32(data)
+
+
+@pytest.mark.parametrize("name", ["isal", "zlib"])
+def test_every_crc32_implementation_is_zlibs(name: str) -> None:
+    before = payloadio.crc32_implementation()
+    if name == "isal" and before != "isal":
+        pytest.skip("isal is not installed")
+    data = np.random.default_rng(8).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    try:
+        payloadio.use_crc32(name)
+        assert payloadio.crc32_implementation() == name
+        assert payloadio.crc32(data[1000:], payloadio.crc32(data[:1000])) == zlib.crc32(data)
+    finally:
+        payloadio.use_crc32(before)
+
+
+def test_unknown_crc32_implementation() -> None:
+    with pytest.raises(ValueError, match="'crc32c' not available; have"):
+        payloadio.use_crc32("crc32c")

@@ -129,4 +129,4 @@ def test_ctrl_c_returns_the_best_plan_so_far(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert "== ilp ==" in stdout
     doc = json.loads(out.read_text())
-    assert doc["status"] in ("FEASIBLE", "OPTIMAL") and len(doc["updates"]) == 16
+    assert doc["status"] in ("FEASIBLE", "OPTIMAL", "INTERRUPTED") and len(doc["updates"]) == 16

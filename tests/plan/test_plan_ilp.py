@@ -8,8 +8,15 @@ import pytest
 
 from mlfabric.scheduler.bruteforce import brute_force, fair_schedule
 from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.ilp import Progress, heuristic_plans, objective_of, solve_ilp, warm_start
-from mlfabric.scheduler.instance import Instance, parse_instance, two_tier_instance
+from mlfabric.scheduler.ilp import Progress, solve_ilp
+from mlfabric.scheduler.instance import (
+    Instance,
+    heuristic_plans,
+    objective_of,
+    parse_instance,
+    two_tier_instance,
+    warm_start,
+)
 from mlfabric.scheduler.stf import plan_stf
 
 MB = 1_000_000  # one slot at 8 Mb/s with 1 s slots
@@ -129,15 +136,26 @@ def test_aggregation_wins_when_the_server_ingress_is_the_bottleneck() -> None:
 
 
 def test_time_limit_returns_best_plan_and_progress_is_reported() -> None:
-    inst = parse_instance(two_tier_instance(random.Random(5), 12, 3))
+    inst = parse_instance(two_tier_instance(random.Random(5), 8, 2))
     stf = plan_stf(inst.graph, list(inst.updates))
     seen: list[Progress] = []
     result = solve_ilp(inst, hint=stf, time_limit=4, workers=2, progress=seen.append)
     assert result.status in ("OPTIMAL", "FEASIBLE")
-    assert result.wall_seconds < 15
     assert result.schedule is not None and result.objective is not None
-    assert seen and all(p.bound <= (p.objective or float("inf")) + 1e-9 for p in seen)
+    assert result.wall_seconds < 15
+    assert any(p.bound > 0 for p in seen)
+    assert all(p.bound <= (p.objective or float("inf")) + 1e-9 for p in seen)
     assert result.objective <= objective_of(inst, stf) + 1e-9
+    _check(inst, result.schedule)
+
+
+def test_stopped_before_any_solution_returns_the_warm_start() -> None:
+    inst = parse_instance(two_tier_instance(random.Random(5), 16, 4))
+    hint = warm_start(inst)
+    result = solve_ilp(inst, hint=hint, time_limit=0.01, workers=1)
+    assert result.status == "FEASIBLE"
+    assert result.objective == pytest.approx(objective_of(inst, hint))
+    assert 0.0 <= result.bound <= result.objective
     _check(inst, result.schedule)
 
 
@@ -195,3 +213,26 @@ def test_fair_shares_the_bottleneck_max_min() -> None:
                 ]
                 assert sum(x.rate for x in active) == pytest.approx(1e6)
                 assert r.rate == pytest.approx(1e6 / len(active))
+
+
+def test_an_aggregator_may_make_two_groups_one_after_another() -> None:
+    # five 1 MB updates, server NIC 1 MB/s, aggregator NIC 2 MB/s: two aggregates at "a" beat one
+    hosts = ["s", "a", *(f"w{i}" for i in range(5))]
+    links = [{"a": "s", "b": "sw", "mbps": 8}, {"a": "a", "b": "sw", "mbps": 16}]
+    links += [{"a": f"w{i}", "b": "sw", "mbps": 8} for i in range(5)]
+    inst = parse_instance(
+        {
+            "topology": {"hosts": hosts, "switches": ["sw"], "links": links},
+            "server": "s",
+            "aggregators": ["a"],
+            "slot_seconds": 0.5,
+            "updates": [{"id": f"u{i}", "worker": f"w{i}", "bytes": MB} for i in range(5)],
+        }
+    )
+    one = solve_ilp(inst, time_limit=30, workers=2, groups=1)
+    two = solve_ilp(inst, time_limit=30, workers=2, groups=2)
+    assert one.status == two.status == "OPTIMAL"
+    assert two.objective < one.objective - 1e-9
+    assert [a.aggregator for a in two.schedule.aggregates] == ["a", "a"]
+    _check(inst, two.schedule)
+    _check(inst, one.schedule)

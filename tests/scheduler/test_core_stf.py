@@ -181,3 +181,16 @@ def test_unknown_host_is_dropped_with_reason() -> None:
     plan = plan_stf(g, [Update("u", "nowhere", "ps", 1.0)])
     assert plan.drops["u"].startswith("no route:") and "nowhere" in plan.drops["u"]
     assert server_key("j", "s") == "j/s"
+
+
+def test_limit_and_horizon_give_the_head_of_the_full_order() -> None:
+    g = star(["ps", *[f"w{i}" for i in range(8)]], 8.0)
+    updates = [Update(f"u{i}", f"w{i}", "ps", float(9 - i), base_version=0) for i in range(8)]
+    full = plan_stf(g, updates, tau_max=5)
+    head = plan_stf(g, updates, tau_max=5, limit=3)
+    assert head.transfers == full.transfers[:3] and not head.drops and len(full.drops) == 2
+    pend = [pending(u.update_id, u.src, u.bytes) for u in updates]
+    d = STFPolicy(horizon=2).decide(Snapshot(now=0.0, graph=g), pend)
+    assert [s.update_id for s in d.sends] == ["u7", "u6"]
+    with pytest.raises(ValueError, match="horizon"):
+        STFPolicy(horizon=0)

@@ -58,6 +58,14 @@ def test_bandwidth_schedule_slows_the_run(tmp_path: Path, capsys: pytest.Capture
     assert b["sim_time"] > 5 * a["sim_time"]
 
 
+@pytest.mark.parametrize("preset", ["two-tier", "fat-tree"])
+def test_other_presets_run(preset: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--preset", preset, "--workers", "10", "--hosts-per-rack", "4", "--iterations", "1"]
+    assert main([*argv, "--quiet"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["fair"][1] == rows["stf"][1] == "10"  # applied
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

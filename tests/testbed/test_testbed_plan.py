@@ -118,7 +118,7 @@ def test_tbf_burst_covers_a_tick_and_a_gso_packet() -> None:
         rate = bits / 8
         burst = tc.tbf_burst(rate)
         assert burst >= rate / tc.TIMER_HZ
-        assert burst >= 64 * 1024
+        assert burst > 64 * 1024 + 100  # a whole GSO packet with its headers fits
     args = tc.tbf_args("p3", 1e9 / 8, change=True)
     assert args[:4] == ["qdisc", "change", "dev", "p3"]
     assert args[args.index("rate") + 1] == "1000000000bit"
