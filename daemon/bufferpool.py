@@ -54,6 +54,8 @@ class PooledBuffer(mmap.mmap):
 
     fd: int
     capacity: int
+    #: Times the buffer was handed out (1: fresh pages, better filled with ``pwrite`` than mapped).
+    uses: int
     _pool: MemfdPool | None
 
     def release(self) -> None:
@@ -61,6 +63,11 @@ class PooledBuffer(mmap.mmap):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool._give_back(self)
+
+    def discard(self) -> None:
+        """Free the buffer instead of pooling it: for when a reader may still use it; idempotent."""
+        self._pool = None
+        self._free()
 
     def _free(self) -> None:
         if self.fd >= 0:
@@ -129,6 +136,7 @@ class MemfdPool:
                 self._idle_bytes -= capacity
                 self.reused += 1
                 buf._pool = self
+                buf.uses += 1
                 return buf
             self.created += 1
         fd = os.memfd_create(self._name, os.MFD_CLOEXEC)
@@ -138,7 +146,7 @@ class MemfdPool:
         except BaseException:
             os.close(fd)
             raise
-        buf.fd, buf.capacity, buf._pool = fd, capacity, self
+        buf.fd, buf.capacity, buf.uses, buf._pool = fd, capacity, 1, self
         return buf
 
     def _give_back(self, buf: PooledBuffer) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric import __version__
+from mlfabric.daemon.bufferpool import MemfdPool
 from mlfabric.daemon.control import ControlStream
 from mlfabric.daemon.dataplane import (
     FrameError,
@@ -47,7 +48,7 @@ from mlfabric.daemon.roles import (
     check_update,
     spec_from_pb,
 )
-from mlfabric.daemon.serving import MemfdBuffer, ServerRoles
+from mlfabric.daemon.serving import ServerRoles
 from mlfabric.daemon.transfers import PushSender
 from mlfabric.daemon.transport import DataPlaneListener, PeerPool
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
@@ -91,6 +92,8 @@ class DaemonConfig:
         the server's verdict (a slow server makes the sender retry; retries are de-duplicated).
     max_payload_bytes : int
         Largest accepted data-plane payload.
+    receive_pool_bytes : int
+        Capacity of released data-plane receive buffers kept for reuse (``MemfdPool``).
     """
 
     host: str
@@ -105,6 +108,7 @@ class DaemonConfig:
     connect_timeout: float = 5.0
     io_timeout: float = 300.0
     max_payload_bytes: int = 4 << 30
+    receive_pool_bytes: int = 1 << 30
 
 
 def _error_code(message: str) -> str:
@@ -152,13 +156,14 @@ class Daemon:
         limits = FrameLimits(max_payload_bytes=config.max_payload_bytes)
         self._limits = limits
         self.serving = ServerRoles(config.host, limits, config.verdict_timeout)
+        self.receive_buffers = MemfdPool(config.receive_pool_bytes, name="mlfabric-dataplane")
         self._listener = DataPlaneListener(
             config.data_listen,
             self.serving.on_frame,
             limits,
             self._ingress,
             self._egress,
-            alloc=MemfdBuffer.allocate,
+            alloc=self.receive_buffers.allocate,
         )
         self._pool = PeerPool(
             limits,
@@ -231,6 +236,7 @@ class Daemon:
             self.sender.finish(push, Verdict.dropped(f"daemon of host {self.host!r} shut down"))
         self.serving.close_all(f"daemon of host {self.host!r} shut down")
         self._pool.close()
+        self.receive_buffers.close()
 
     # ------------------------------------------------------------------ control stream
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlfabric.daemon import payloadio
 from mlfabric.proto.v1 import control_pb2
 from mlfabric.tensors import Layout
 
@@ -275,7 +276,13 @@ class ModelSnapshot:
     payload_bytes: int
     fd: int
     mapping: mmap.mmap | None
-    crc32: int
+    crc32: int | None = None
+
+    def checksum(self) -> int:
+        """The payload's CRC-32, computed on first use (a peer's GET) and kept."""
+        if self.crc32 is None:
+            self.crc32 = payloadio.crc32(self.mapping) if self.mapping is not None else 0
+        return self.crc32
 
     def close(self) -> None:
         """Close the fd; the mapping lives on while a reply still sends from it."""
@@ -371,6 +378,11 @@ class ServerHandoff:
             )
         assert delivery.verdict is not None
         return delivery.verdict
+
+    def in_flight(self, update_id: str) -> bool:
+        """Whether ``update_id`` was delivered and still awaits the process's verdict."""
+        with self._lock:
+            return update_id in self._inflight
 
     def resolve(self, update_id: str, verdict: Verdict) -> None:
         """Record the process's verdict and wake everyone waiting for it."""

@@ -6,7 +6,7 @@ the process's ``UpdateVerdict`` and answers the sender with an ACK frame carryin
 retried update gets the stored verdict (:class:`~mlfabric.daemon.roles.ServerHandoff`
 de-duplicates by ``update_id``), so it is never applied twice. ``get`` — a GET frame from a
 peer daemon, or a local worker's request — is answered from the model the server process
-last published (``PublishModel``, a memfd kept mapped, its CRC-32 computed once).
+last published (``PublishModel``, a memfd kept mapped, its CRC-32 computed at the first GET).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import contextlib
 import mmap
 import os
 import threading
-import zlib
 from typing import Any
 
+from mlfabric.daemon.bufferpool import PooledBuffer
 from mlfabric.daemon.dataplane import Frame, FrameError, FrameHeader, FrameLimits, check_header, error_header
 from mlfabric.daemon.localapi import LocalConnection
 from mlfabric.daemon.roles import ModelSnapshot, ServerHandoff, Verdict, check_update, spec_from_pb
@@ -194,10 +194,8 @@ class ServerRoles:
             conn.error(rid, "bad_tensor", f"published model memfd is shorter than {p.payload_bytes} bytes")
             return fd
         mapping = mmap.mmap(fd, p.payload_bytes, prot=mmap.PROT_READ) if p.payload_bytes else None
-        crc = zlib.crc32(mapping) if mapping is not None else 0
-        handoff.publish(
-            ModelSnapshot(p.version, layouts_from_pb(p.tensors), p.payload_bytes, fd, mapping, crc)
-        )
+        # the CRC-32 waits for the first peer GET: computing it here would delay the verdict
+        handoff.publish(ModelSnapshot(p.version, layouts_from_pb(p.tensors), p.payload_bytes, fd, mapping))
         return None
 
     def send_model(self, conn: LocalConnection, rid: int, job: str, server: str) -> None:
@@ -235,8 +233,8 @@ class ServerRoles:
             return self._error(f"unexpected frame kind {h.kind}", h.update_id)
         finally:
             frame.payload.release()
-            if isinstance(frame.buffer, MemfdBuffer):
-                frame.buffer.release()
+            if isinstance(frame.buffer, MemfdBuffer | PooledBuffer):
+                frame.buffer.release()  # a pooled buffer goes back for the next frame
 
     def _error(self, reason: str, update_id: str = "") -> Response:
         return Response(error_header(reason, update_id=update_id, src_host=self.host))
@@ -252,12 +250,16 @@ class ServerRoles:
         problem = check_update(handoff.spec, layouts_from_pb(h.tensors), where)
         if problem is not None:
             return self._error(problem, h.update_id)
-        buffer = frame.buffer if isinstance(frame.buffer, MemfdBuffer) else MemfdBuffer.allocate(0)
+        buffer = frame.buffer
+        if not isinstance(buffer, MemfdBuffer | PooledBuffer):
+            buffer = MemfdBuffer.allocate(0)
         try:
             verdict = handoff.handle(h.update_id, h, buffer.fd, self._verdict_timeout)
         finally:
             if buffer is not frame.buffer:
                 buffer.release()
+            elif isinstance(buffer, PooledBuffer) and handoff.in_flight(h.update_id):
+                buffer.discard()  # no verdict yet (timeout): the process may still read it
         ack = FrameHeader(
             kind=_ACK,
             update_id=h.update_id,
@@ -286,4 +288,4 @@ class ServerRoles:
             src_host=self.host,
         )
         # The mapping (not the fd) backs the reply: a publish may close the fd meanwhile.
-        return Response(header, snap.mapping, crc32=snap.crc32)
+        return Response(header, snap.mapping, crc32=snap.checksum())

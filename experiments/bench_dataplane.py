@@ -93,7 +93,7 @@ def _allocator(mode: str) -> tuple[Callable[[int], Any], Callable[[], None]]:
         pool = MemfdPool(max_idle_bytes=2 << 30)
         return pool.allocate, pool.close
     try:
-        from mlfabric.daemon.daemon import MemfdBuffer
+        from mlfabric.daemon.serving import MemfdBuffer
     except ImportError:  # the daemon module is not there: the same mechanism, written here
         return MemfdPool(max_idle_bytes=0).allocate, lambda: None
     return MemfdBuffer.allocate, lambda: None
@@ -278,8 +278,8 @@ def handoff_session(name: str, nbytes: int, ctx: Any, *, reuse: bool) -> Session
     """The update into a memfd, the fd over SCM_RIGHTS, the daemon's reply.
 
     ``reuse=False`` is ``mlfabric.tensors.to_memfd`` (a new memfd per push, as ``Worker.push``
-    does); ``reuse=True`` copies into one memfd kept from push to push (what a worker can do once
-    its daemon has sent the previous update), so no page is allocated and zeroed.
+    did before its memfd pool); ``reuse=True`` copies into a recycled memfd (what ``Worker.push``
+    does once the previous push resolved), so no page is allocated and zeroed.
     """
     from mlfabric import tensors as tcodec
 
@@ -398,14 +398,18 @@ NOTES = """## What the rows are
   at hand-off time (while the update waits for the scheduler's directive).
 - `dataplane_trailer`: the CRC is not known; the sender computes it while sending and appends it.
 - `dataplane_sendfile`: the span sent with `os.sendfile` (`zero_copy=True`) instead.
-- `dataplane_fresh`: the receiver allocates a new memfd per frame (the daemon's `MemfdBuffer`):
-  every page is allocated and zeroed on first touch.
+- `dataplane_fresh`: the receiver allocates a new memfd per frame (`MemfdBuffer`, what the daemon
+  did before it received into a `MemfdPool`): every page is allocated and zeroed on first touch.
 - `gloo`, `raw_tcp`: the same bytes, receiver reusing one buffer; a 1-byte reply ends each timing.
 - `handoff`: `mlfabric.tensors.to_memfd` (new memfd) + SCM_RIGHTS + reply, measured directly;
   `handoff_reuse`: the update copied into a memfd kept from push to push.
 - `api_handoff`: `Worker.push` through a real cluster (scheduler and two `mlfabric daemon`
-  processes) until the worker's daemon accepted the update; `api_push_applied`: until APPLIED
-  (includes the scheduler, the transfer between the daemons and the server's `on_update`).
+  processes) until the worker's daemon accepted the update: the update is copied into a memfd
+  of the worker's pool (recycled once the previous push resolved) and passed with SCM_RIGHTS.
+  `api_push_applied`: until APPLIED (the hand-off, the scheduler's directive, the transfer into
+  the server daemon's pooled receive buffer, the server process mapping it and applying it
+  with `model -= update`, publishing the new model (one copy into a new memfd) and the verdict's
+  way back).
 
 "CPU s per GB" adds the CPU time (user + system, all threads) of the sending and the receiving
 process during each timed run (`getrusage`). On a loaded 2-core machine the CPU a transfer needs
@@ -435,6 +439,7 @@ RATIOS = [
     ("handoff", "dataplane", 2.0),
     ("handoff_reuse", "dataplane", 2.0),
     ("api_handoff", "dataplane", 2.0),
+    ("api_push_applied", "dataplane", None),
 ]
 
 

@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--horizon",
         type=int,
         nargs="+",
-        default=[0],
+        default=[0, 256],
         help="STFPolicy horizons to compare (0: plan everything)",
     )
     args = ap.parse_args(argv)

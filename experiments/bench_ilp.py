@@ -13,7 +13,7 @@ one server in its own rack, workers and aggregators round-robin over four racks,
 
 Usage::
 
-    python experiments/bench_ilp.py            # full run (~25 min on 2 shared cores)
+    python experiments/bench_ilp.py            # full run (~11 min on 2 shared cores)
     python experiments/bench_ilp.py --quick    # a short run (~4 min)
 
 Prints the tables and writes ``experiments/results/bench_ilp.md`` and ``bench_ilp.json``

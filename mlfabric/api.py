@@ -35,6 +35,7 @@ Table 1 of the paper, and its names here: ``registerAsWorker(params)`` ->
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric import tensors as tcodec
+from mlfabric.daemon.bufferpool import MemfdPool
 from mlfabric.localclient import (
     APPLIED,
     DROPPED,
@@ -69,6 +71,9 @@ __all__ = [
     "register_as_server",
     "register_as_worker",
 ]
+
+#: Capacity of a worker's idle update memfds kept for reuse (in-flight pushes hold their own).
+PUSH_POOL_BYTES = 1 << 30
 
 Tensors = Mapping[str, Any]
 UpdateFn = Callable[[dict[str, Any], "UpdateMeta"], "Mapping[str, Any] | None"]
@@ -120,16 +125,6 @@ def _connect(daemon: str | None) -> LocalClient:
     return client
 
 
-def _decode_reply(body: Any, fd: int | None, as_torch: bool) -> dict[str, Any]:
-    layouts = tcodec.layouts_from_pb(body.tensors)
-    if fd is None:
-        return tcodec.decode(b"", layouts, as_torch=as_torch)
-    try:
-        return tcodec.read_memfd(fd, layouts, as_torch=as_torch)
-    finally:
-        os.close(fd)
-
-
 class Worker:
     """A worker of a job (paper Table 1, ``register_as_worker``). Create with :func:`register_as_worker`.
 
@@ -157,6 +152,8 @@ class Worker:
             for s in reply.servers
         }
         self._base_versions: dict[str, int] = {}
+        # update memfds, reused once their push resolved (the daemon reads them until then)
+        self._buffers = MemfdPool(PUSH_POOL_BYTES, name="mlfabric-update")
 
     def push(
         self, server: str, update: Tensors, norm: float | None = None, *, base_version: int | None = None
@@ -196,18 +193,18 @@ class Worker:
         if norm is None:
             norm = tcodec.l2_norm(update)
         base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
-        fd, layouts, total = tcodec.to_memfd(update, name="mlfabric-update")
-        handle = PushHandle(server)
-        request = local_pb2.LocalRequest(
-            push=local_pb2.PushRequest(
-                server=server,
-                norm=float(norm),
-                base_version=base,
-                tensors=tcodec.layouts_to_pb(layouts),
-                payload_bytes=total,
-                has_payload=True,
-            )
+        buf, layouts, total = tcodec.encode_pooled(self._buffers, update)
+        # lost connection: the daemon may still read the buffer, so it is never reused
+        handle = PushHandle(server, on_final=lambda lost: buf.discard() if lost else buf.release())
+        push = local_pb2.PushRequest(
+            server=server,
+            norm=float(norm),
+            base_version=base,
+            tensors=tcodec.layouts_to_pb(layouts),
+            payload_bytes=total,
+            has_payload=True,
         )
+        request = local_pb2.LocalRequest(push=push)
         ids: list[int] = []
 
         def on_event(event: Any, event_fd: int | None) -> None:
@@ -215,9 +212,10 @@ class Worker:
                 self._client.forget(ids[0])
 
         try:
-            ids.append(self._client.submit(request, on_event, fd))
-        finally:
-            os.close(fd)
+            ids.append(self._client.submit(request, on_event, buf.fd))
+        except BaseException:
+            buf.discard()
+            raise
         if handle.done():
             self._client.forget(ids[0])
         return handle
@@ -249,13 +247,14 @@ class Worker:
         """
         request = local_pb2.LocalRequest(get=local_pb2.GetRequest(server=server))
         event, fd = self._client.call(request, timeout=timeout)
-        model = _decode_reply(event.model, fd, as_torch)
+        model = tcodec.from_fd(event.model.tensors, fd, as_torch=as_torch)
         self._base_versions[server] = int(event.model.version)
         return int(event.model.version), model
 
     def close(self) -> None:
         """Give up the worker role and close the connection."""
         self._client.close()
+        self._buffers.close()
 
     def __enter__(self) -> Worker:
         return self
@@ -382,7 +381,8 @@ class Server:
         """Register the update callback ``fn(update, meta)`` (usable as a decorator).
 
         ``fn`` applies ``update`` (dict of tensors) to :attr:`model` in place, or returns the new
-        model. The default subtracts the update: ``model[k] -= update[k]``.
+        model. The default subtracts the update: ``model[k] -= update[k]``. The update's tensors
+        view the daemon's receive buffer (no copy), reused after the verdict: copy what you keep.
         """
         self._update_fn = fn
         return fn
@@ -498,7 +498,7 @@ class Server:
             )
             self.dropped += 1
         else:
-            update = _decode_reply(deliver, fd, self._as_torch)
+            update, mapping = tcodec.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
             meta = UpdateMeta(
                 deliver.update_id,
                 deliver.worker,
@@ -519,6 +519,11 @@ class Server:
                 verdict.reason = f"on_update of server {self.name!r} raised {exc!r}"
                 self._client.send(local_pb2.LocalRequest(verdict=verdict))
                 raise
+            finally:
+                del update
+                if mapping is not None:
+                    with contextlib.suppress(BufferError):  # on_update kept a view: GC unmaps
+                        mapping.close()
             if replaced is not None:
                 self.model = dict(replaced)
             self.version += 1

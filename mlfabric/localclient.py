@@ -218,10 +218,20 @@ class PushResult:
 
 
 class PushHandle:
-    """A push in flight; :meth:`wait` gives its :class:`PushResult`."""
+    """A push in flight; :meth:`wait` gives its :class:`PushResult`.
 
-    def __init__(self, server: str) -> None:
+    Parameters
+    ----------
+    server : str
+        The server pushed to.
+    on_final : callable, optional
+        ``on_final(lost)`` once the push resolved or failed; ``lost`` is True when the daemon
+        connection broke (the daemon may then still read the update's memfd).
+    """
+
+    def __init__(self, server: str, on_final: Callable[[bool], None] | None = None) -> None:
         self.server = server
+        self._on_final = on_final
         self.update_id = ""
         self._done = threading.Event()
         self._result: PushResult | None = None
@@ -275,6 +285,8 @@ class PushHandle:
             )
             self._error = MlfabricError(message, code=code)
         self._done.set()
+        if self._on_final is not None:
+            self._on_final(self._error is not None and self._error.code == "disconnected")
         return True
 
 

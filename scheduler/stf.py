@@ -95,8 +95,8 @@ class _Planner:
     ``ten >= f + bytes / peak`` (it cannot start before every link has residual, nor move
     faster than the path's peak residual), so one heap entry per gate, keyed by the group's
     smallest bound, stands for all of them. When a reservation pushes a gate back, only
-    that entry moves — no cascade of recomputations
-    over every update queued behind the same bottleneck.
+    that entry moves — no cascade of recomputations over every update queued behind the
+    same bottleneck.
     """
 
     def __init__(

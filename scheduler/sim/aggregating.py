@@ -35,7 +35,7 @@ from mlfabric.scheduler.stf import plan_stf, server_key
 
 __all__ = ["AggregatingDecision", "AggregationPolicy", "PlannedAggregate"]
 
-#: above this many updates, only a geometric set of direct-group sizes is tried
+#: above this many updates, only direct-group sizes 1, 2, 4, ... are tried
 EXHAUSTIVE_UP_TO = 32
 
 
@@ -68,7 +68,7 @@ def _plan_sync(
         return plan_aggregation_sync(graph, updates, aggregators=aggregators, now=now, paths=pc)
     best = plan_stf(graph, updates, now=now, paths=pc)
     best_key = (best.makespan(), 0, len(updates))
-    sizes = sorted({max(1, round(2 ** (i / 2))) for i in range(2 * len(updates).bit_length())})
+    sizes = [2**i for i in range(len(updates).bit_length())]
     for k in (k for k in sizes if k < len(updates)):
         plan = plan_aggregation(graph, updates, aggregators=aggregators, now=now, first_direct=k, paths=pc)
         key = (plan.makespan(), len(plan.aggregates), k)
