@@ -8,7 +8,10 @@ scheduler therefore keeps collecting notifications while another arrives within 
 forever.
 
 :class:`BatchWindow` is the pure timing rule (times passed in); :class:`AdaptiveBatcher`
-applies it on an asyncio event loop.
+applies it on an asyncio event loop. The service may also :meth:`AdaptiveBatcher.request`
+a decision without a notification (bounded-horizon planning: the planned sends are
+running out); an open batch still closes on its own timing, and its decision serves the
+request.
 """
 
 from __future__ import annotations
@@ -100,6 +103,12 @@ class AdaptiveBatcher:
     ...     return await b.next_batch()
     >>> asyncio.run(main())
     2
+    >>> async def requested():
+    ...     b = AdaptiveBatcher(window=0.001)
+    ...     b.request()
+    ...     return await b.next_batch()
+    >>> asyncio.run(requested())
+    0
     """
 
     def __init__(
@@ -111,6 +120,12 @@ class AdaptiveBatcher:
         self._batch = BatchWindow(window, max_wait)
         self._clock = clock
         self._arrived = asyncio.Event()
+        self._requested = False
+
+    def request(self) -> None:
+        """Ask for a decision now even without a notification (call from the loop's thread)."""
+        self._requested = True
+        self._arrived.set()
 
     def notify(self) -> None:
         """Record one notification now (call from the loop's thread)."""
@@ -118,17 +133,28 @@ class AdaptiveBatcher:
         self._arrived.set()
 
     async def next_batch(self) -> int:
-        """Wait for a batch to open and close; returns the number of notifications in it."""
+        """Wait for a batch to open and close, or for a :meth:`request`.
+
+        Returns
+        -------
+        int
+            The number of notifications in the batch; 0 for a requested decision with
+            no batch open.
+        """
         while True:
             await self._arrived.wait()
             self._arrived.clear()
             deadline = self._batch.deadline()
             if deadline is not None:
                 break
+            if self._requested:
+                self._requested = False
+                return 0
         while True:
             now = self._clock()
             deadline = self._batch.deadline()
             if deadline is None or now >= deadline:
+                self._requested = False  # the batch's decision serves the request too
                 return self._batch.close()
             try:
                 await asyncio.wait_for(self._arrived.wait(), timeout=deadline - now)

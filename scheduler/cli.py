@@ -11,6 +11,7 @@ switch). Daemons must say hello with one of its host names.
 Examples:
 
   mlfabric scheduler --star 4 --nic-gbps 10 --policy stf
+  mlfabric scheduler --policy stf --stf-horizon 0   # plan every pending update each time
   mlfabric scheduler --listen 127.0.0.1:0 --topology cluster.toml --policy fair \\
       --ready-file /tmp/sched.json --metrics-port 9100
 
@@ -30,13 +31,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["configure", "main", "run", "write_ready_file"]
+__all__ = ["build_policy", "configure", "main", "run", "write_ready_file"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:7077"
 #: hosts of the star used when neither --topology nor --star is given
 DEFAULT_STAR = 4
+#: sends the stf policy plans per decision (--stf-horizon)
+DEFAULT_STF_HORIZON = 256
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +70,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="fair",
         help="scheduling policy: fair (send at once, TCP shares) or stf (shortest transfer "
         "first with network time-sharing) (default fair)",
+    )
+    parser.add_argument(
+        "--stf-horizon",
+        type=int,
+        default=DEFAULT_STF_HORIZON,
+        metavar="N",
+        help="stf: plan only the first N sends of the STF order per decision (the same as in "
+        "the full order), and decide again once the planned sends fall to N/4 while updates "
+        "remain unplanned; bounds the decision time on a large backlog. 0 plans every pending "
+        f"update each time (default {DEFAULT_STF_HORIZON})",
     )
     parser.add_argument(
         "--batch-window-us",
@@ -125,17 +138,58 @@ def _fail(message: str) -> int:
     return 2
 
 
+def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON) -> tuple[Any, Any]:
+    """The policy named ``name`` and the service's re-decision trigger for it.
+
+    Parameters
+    ----------
+    name : str
+        ``fair``, ``stf`` or another name known to ``make_policy``.
+    stf_horizon : int
+        For ``stf``: sends planned per decision; 0 plans every pending update.
+
+    Returns
+    -------
+    (Policy, ReplanTrigger)
+        ``STFPolicy(horizon=stf_horizon)`` with a trigger at a quarter of the horizon for
+        ``stf``; otherwise ``make_policy(name)`` with a trigger at 0 planned sends.
+
+    Raises
+    ------
+    ValueError
+        For an unknown policy name or a negative horizon.
+
+    Examples
+    --------
+    >>> policy, replan = build_policy("stf", 8)
+    >>> policy.horizon, replan.low_water
+    (8, 2)
+    >>> build_policy("stf", 0)[0].horizon is None
+    True
+    """
+    from mlfabric.scheduler.dispatch import ReplanTrigger, low_water_mark
+    from mlfabric.scheduler.policy import make_policy
+
+    if stf_horizon < 0:
+        raise ValueError(f"--stf-horizon must be >= 0, got {stf_horizon}")
+    if name != "stf":
+        return make_policy(name), ReplanTrigger()
+    from mlfabric.scheduler.stf import STFPolicy
+
+    horizon = stf_horizon or None
+    return STFPolicy(horizon=horizon), ReplanTrigger(low_water_mark(horizon))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the scheduler until SIGTERM/SIGINT; returns the exit code."""
     from mlfabric.scheduler.graph import TopologyError, load_topology, star
-    from mlfabric.scheduler.policy import make_policy
 
     try:
         if args.topology:
             graph = load_topology(args.topology)
         else:
             graph = star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
-        policy = make_policy(args.policy)
+        policy, replan = build_policy(args.policy, args.stf_horizon)
     except (TopologyError, ValueError) as exc:
         return _fail(str(exc))
     except ImportError as exc:
@@ -145,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--listen must be HOST:PORT, got '{args.listen}'")
     if args.batch_window_us < 0 or args.batch_max_wait_us < 0 or args.release_margin_us < 0:
         return _fail("--batch-window-us, --batch-max-wait-us and --release-margin-us must be >= 0")
-    return asyncio.run(_serve(args, graph, policy))
+    return asyncio.run(_serve(args, graph, policy, replan))
 
 
 def _make_estimator(graph: Any) -> Any:
@@ -162,7 +216,7 @@ def _make_estimator(graph: Any) -> Any:
     return BandwidthEstimator(graph)
 
 
-async def _serve(args: argparse.Namespace, graph: Any, policy: Any) -> int:
+async def _serve(args: argparse.Namespace, graph: Any, policy: Any, replan: Any) -> int:
     from prometheus_client import start_http_server
 
     from mlfabric.scheduler.batching import AdaptiveBatcher
@@ -178,6 +232,7 @@ async def _serve(args: argparse.Namespace, graph: Any, policy: Any) -> int:
         batcher=AdaptiveBatcher(window=args.batch_window_us * 1e-6, max_wait=args.batch_max_wait_us * 1e-6),
         estimator=_make_estimator(graph),
         metrics=metrics,
+        replan=replan,
     )
     try:
         server, port = await start_server(core, args.listen)

@@ -14,6 +14,13 @@ update not yet released (the dispatcher's unreleased sends are still pending in 
 state), then :meth:`Dispatcher.adopt` replaces the plan. Released sends are never
 revisited.
 
+Bounded horizon: a policy may plan only the head of its order (``STFPolicy(horizon=N)``
+plans the first N sends of the STF order, the same as in the full order) and leave the
+other pending updates undecided. :class:`ReplanTrigger` says when the service must decide
+again without a new ready notification: when the planned-but-unreleased sends have
+fallen to a low-water mark while unplanned pending updates remain, and something moved
+(a send was released or a transfer ended) since the last decision.
+
 Pure: no I/O, the clock is an argument.
 """
 
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 
 from mlfabric.scheduler.policy import Decision, InFlight, Send
 
-__all__ = ["DEFAULT_MARGIN", "Dispatcher", "Release"]
+__all__ = ["DEFAULT_MARGIN", "Dispatcher", "Release", "ReplanTrigger", "low_water_mark"]
 
 #: seconds before a predecessor's expected end at which its successor may be released
 DEFAULT_MARGIN = 0.002
@@ -73,6 +80,14 @@ class Dispatcher:
             raise ValueError(f"margin must be >= 0 seconds, got {margin}")
         self.margin = margin
         self._planned: dict[str, Send] = {}
+
+    def __len__(self) -> int:
+        """How many sends are planned and not yet released."""
+        return len(self._planned)
+
+    def __contains__(self, update_id: object) -> bool:
+        """Whether ``update_id`` has a planned, unreleased send."""
+        return update_id in self._planned
 
     @property
     def planned(self) -> tuple[Send, ...]:
@@ -154,3 +169,87 @@ class Dispatcher:
             if end is not None and now < end - self.margin:
                 return True
         return False
+
+
+def low_water_mark(horizon: int | None) -> int:
+    """The default low-water mark for a policy planning ``horizon`` sends: a quarter of it.
+
+    Parameters
+    ----------
+    horizon : int or None
+        Sends planned per decision; ``None`` or 0: every pending update is planned.
+
+    Returns
+    -------
+    int
+        Re-decide once the planned sends fall to this many (0 without a horizon: only
+        when nothing is planned at all).
+
+    Examples
+    --------
+    >>> low_water_mark(256), low_water_mark(4), low_water_mark(1), low_water_mark(None)
+    (64, 1, 0, 0)
+    """
+    return 0 if not horizon else horizon // 4
+
+
+class ReplanTrigger:
+    """When to decide again without a new ready notification (bounded-horizon planning).
+
+    With a horizon the policy plans only the head of its order (paper §5's STF order is
+    greedy, so the head does not change when the tail is planned later); the service
+    must ask again before the planned sends run out, or the unplanned updates would wait
+    for the next ready notification. A decision is due when
+
+    * unplanned pending updates remain (pending but not in the dispatcher's plan),
+    * the planned, unreleased sends are at most ``low_water`` — 0 covers "a transfer
+      report freed a link and nothing is planned", and
+    * something moved since the last decision (:meth:`moved`: a send released, a
+      transfer reported or dropped), so a policy that leaves an update undecided
+      cannot make the service spin.
+
+    Parameters
+    ----------
+    low_water : int
+        Planned sends at or below which a decision is due (see :func:`low_water_mark`).
+
+    Examples
+    --------
+    >>> t = ReplanTrigger(low_water=1)
+    >>> t.decided(); t.due(planned=1, unplanned=16)   # nothing moved yet
+    False
+    >>> t.moved(); t.due(planned=2, unplanned=16), t.due(planned=1, unplanned=16)
+    (False, True)
+    >>> t.due(planned=0, unplanned=0)                 # nothing left to plan
+    False
+    """
+
+    def __init__(self, low_water: int = 0) -> None:
+        if low_water < 0:
+            raise ValueError(f"low_water must be >= 0 sends, got {low_water}")
+        self.low_water = low_water
+        self._moved = False
+
+    def decided(self) -> None:
+        """A decision has just been made (call before adopting and releasing its plan)."""
+        self._moved = False
+
+    def moved(self) -> None:
+        """A send was released, or a transfer or pending update went away."""
+        self._moved = True
+
+    def due(self, planned: int, unplanned: int) -> bool:
+        """Whether to decide again now.
+
+        Parameters
+        ----------
+        planned : int
+            Sends planned and not yet released (``len(dispatcher)``).
+        unplanned : int
+            Pending updates without a planned send.
+
+        Returns
+        -------
+        bool
+        """
+        return self._moved and unplanned > 0 and planned <= self.low_water

@@ -62,13 +62,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from ortools.linear_solver.python import model_builder as mb
-from ortools.sat.python import cp_model
-
-from mlfabric.scheduler.graph import path_links
+from mlfabric.scheduler.ilp_model import (
+    CpSat,
+    Hop,
+    Layout,
+    Mip,
+    Route,
+    Vars,
+    add_aggregates,
+    add_arrivals,
+    add_first_legs,
+    add_hint,
+    add_store_and_forward,
+    layout,
+    set_objective,
+)
 from mlfabric.scheduler.instance import Instance, objective_of
 from mlfabric.scheduler.schedule import Aggregate, Link, Reservation, Schedule, Transfer
 
@@ -76,9 +86,6 @@ __all__ = ["ENGINES", "IlpResult", "Progress", "aggregate_id", "solve_ilp"]
 
 #: Solver engines: CP-SAT (default) and MathOpt/model_builder MIP back ends.
 ENGINES = ("cp-sat", "highs", "scip")
-
-Hop = tuple[str, int]  # (aggregator host, group index there)
-Route = Hop | None  # None: direct
 
 
 def aggregate_id(aggregator: str, group: int = 0) -> str:
@@ -138,129 +145,11 @@ class IlpResult:
     horizon_slots: int
 
 
-# ---------------------------------------------------------------------------------------------
-# Solver back ends: one small adapter per engine so that the model is written once.
-
-
-class _Backend:
-    """What the model builders need from a solver; ``model`` is a CP-SAT or model_builder model."""
-
-    model: Any
-    solver: Any
-
-    def bool(self, name: str) -> Any:
-        return self.model.new_bool_var(name)
-
-    def add(self, constraint: Any) -> None:
-        self.model.add(constraint)
-
-    def minimize(self, expr: Any) -> None:
-        self.model.minimize(expr)
-
-    def hint(self, var: Any, value: int) -> None:
-        self.model.add_hint(var, value)
-
-    def value(self, var: Any) -> float:
-        return float(self.solver.value(var))
-
-
-class _CpSat(_Backend):
-    def __init__(self) -> None:
-        self.model = cp_model.CpModel()
-        self.solver = cp_model.CpSolver()
-
-    def var(self, lb: int, ub: int, name: str, integer: bool = True) -> Any:
-        return self.model.new_int_var(lb, ub, name)
-
-    def total(self, terms: list[Any]) -> Any:
-        return cp_model.LinearExpr.sum(terms)
-
-    def solve(
-        self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
-    ) -> str:
-        p = self.solver.parameters
-        p.max_time_in_seconds = time_limit
-        p.random_seed = seed
-        p.num_workers = workers
-        p.catch_sigint_signal = True  # Ctrl-C ends the search with the best solution so far
-
-        class _OnSolution(cp_model.CpSolverSolutionCallback):
-            def on_solution_callback(inner) -> None:
-                report(inner.objective_value, inner.best_objective_bound)
-
-        self.solver.best_bound_callback = lambda bound: report(math.nan, bound)
-        status = self.solver.solve(self.model, _OnSolution())
-        return str(self.solver.status_name(status))
-
-    def bound(self) -> float:
-        return float(self.solver.best_objective_bound)
-
-
-class _Mip(_Backend):
-    def __init__(self, engine: str) -> None:
-        self.model = mb.Model()
-        self.solver = mb.Solver(engine)
-
-    def var(self, lb: int, ub: int, name: str, integer: bool = True) -> Any:
-        return (self.model.new_int_var if integer else self.model.new_num_var)(lb, ub, name)
-
-    def total(self, terms: list[Any]) -> Any:
-        return mb.LinearExpr.sum(terms)
-
-    def solve(
-        self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
-    ) -> str:
-        self.solver.set_time_limit_in_seconds(time_limit)
-        status = self.solver.solve(self.model)
-        names = {
-            mb.SolveStatus.OPTIMAL: "OPTIMAL",
-            mb.SolveStatus.FEASIBLE: "FEASIBLE",
-            mb.SolveStatus.INFEASIBLE: "INFEASIBLE",
-        }
-        return names.get(status, "UNKNOWN")
-
-    def bound(self) -> float:
-        value = self.solver.best_objective_bound  # pandas NA when the solver has none
-        return float(value) if isinstance(value, int | float) else -math.inf
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def _quantum(instance: Instance, links: set[Link]) -> float:
-    slot = instance.slot_seconds
-    values = [u.bytes for u in instance.updates] + [instance.capacity(e) * slot for e in links]
-    biggest = max(u.bytes for u in instance.updates)
-    if all(abs(v - round(v)) <= 1e-9 * v and round(v) > 0 for v in values):
-        g = 0
-        for v in values:
-            g = math.gcd(g, round(v))
-        if biggest / g <= 1000 and max(values) / g <= 20000:
-            return float(g)
-    smallest_slot = min(instance.capacity(e) * slot for e in links)
-    return min(biggest / 200, smallest_slot / 20)
-
-
 def _sequential_horizon(instance: Instance) -> float:
     latest = max(u.ready_at for u in instance.updates)
     return latest + sum(
         u.bytes / instance.path_rate(instance.direct_path(u.update_id)) for u in instance.updates
     )
-
-
-def _slot_bytes(transfer: Transfer, slot: float, horizon: int) -> list[float]:
-    """Bytes of ``transfer`` moved in each slot, measured on the first link of its path."""
-    first = transfer.links[0]
-    out = [0.0] * horizon
-    for r in transfer.reservations:
-        if r.link != first or r.rate <= 0:
-            continue
-        t = int(r.start // slot)
-        while t < horizon and t * slot < r.end:
-            lo, hi = max(r.start, t * slot), min(r.end, (t + 1) * slot)
-            out[t] += max(0.0, hi - lo) * r.rate
-            t += 1
-    return out
 
 
 def _reservations(
@@ -283,159 +172,6 @@ def _reservations(
             runs.append((t, t + 1, rate))
     res = tuple(Reservation(link, a * slot, b * slot, rate) for a, b, rate in runs for link in links)
     return res, slots[0] * slot, (slots[-1] + 1) * slot
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """The instance in the model's units: slots, routes, paths, quanta per slot and per update."""
-
-    T: int
-    slot: float
-    routes: dict[str, list[Route]]
-    hops: list[Hop]
-    leg: dict[tuple[str, Route], list[Link]]
-    agg_leg: dict[Hop, list[Link]]
-    q: float
-    cap: dict[Link, int]
-    size: dict[str, int]
-
-
-def _layout(instance: Instance, T: int, groups: int) -> _Layout:
-    server = instance.server
-    routes: dict[str, list[Route]] = {
-        u.update_id: [None, *((a, g) for a in instance.routes(u.update_id)[1:] for g in range(groups))]
-        for u in instance.updates
-    }
-    hops = sorted({r for rs in routes.values() for r in rs if r is not None})
-    leg = {
-        (u.update_id, r): path_links(list(instance.path(u.src, r[0] if r else server)))
-        for u in instance.updates
-        for r in routes[u.update_id]
-    }
-    agg_leg = {hop: path_links(list(instance.path(hop[0], server))) for hop in hops}
-    links = {e for ls in leg.values() for e in ls} | {e for ls in agg_leg.values() for e in ls}
-    q = _quantum(instance, links)
-    cap = {e: math.floor(instance.capacity(e) * instance.slot_seconds / q + 1e-9) for e in links}
-    size = {u.update_id: math.ceil(u.bytes / q - 1e-9) for u in instance.updates}
-    return _Layout(T, instance.slot_seconds, routes, hops, leg, agg_leg, q, cap, size)
-
-
-@dataclass
-class _Vars:
-    """The model's variables (see the module docstring) and what the builders share."""
-
-    integer: bool
-    y: dict[tuple[str, Route], Any] = field(default_factory=dict)
-    x: dict[tuple[str, Route, int], Any] = field(default_factory=dict)
-    z: dict[tuple[str, Route, int], Any] = field(default_factory=dict)
-    d: dict[tuple[str, int], Any] = field(default_factory=dict)
-    w: dict[tuple[str, Hop, int], Any] = field(default_factory=dict)
-    agg_done: dict[tuple[Hop, int], Any] = field(default_factory=dict)
-    xa: dict[tuple[Hop, int], Any] = field(default_factory=dict)
-    members: dict[Hop, list[str]] = field(default_factory=dict)
-    on_link: dict[tuple[Link, int], list[Any]] = field(default_factory=dict)
-
-
-def _add_first_legs(m: _CpSat | _Mip, instance: Instance, lay: _Layout, v: _Vars) -> None:
-    """Routes ``y``, first-leg bytes ``x``, arrivals at the aggregator ``z``, and ``d``."""
-    T, size, cap = lay.T, lay.size, lay.cap
-    agg_rate = {hop: min(cap[e] for e in lay.agg_leg[hop]) for hop in lay.hops}
-    v.members = {hop: [] for hop in lay.hops}
-    for u in instance.updates:
-        uid = u.update_id
-        first = math.ceil(u.ready_at / lay.slot - 1e-9)
-        earliest = T - 1
-        for r in lay.routes[uid]:
-            v.y[uid, r] = m.bool(f"y[{uid},{r}]")
-            ub = min(cap[e] for e in lay.leg[uid, r])
-            done_leg = first + math.ceil(size[uid] / ub) - 1
-            earliest = min(earliest, done_leg + (0 if r is None else math.ceil(size[uid] / agg_rate[r])))
-            moved: list[Any] = []
-            for t in range(first, T if r is None else T - 1):
-                v.x[uid, r, t] = x = m.var(0, ub, f"x[{uid},{r},{t}]", v.integer)
-                m.add(x <= ub * v.y[uid, r])
-                moved.append(x)
-                for e in lay.leg[uid, r]:
-                    v.on_link.setdefault((e, t), []).append(x)
-                if r is not None and t >= done_leg:
-                    v.z[uid, r, t] = z = m.bool(f"z[{uid},{r},{t}]")
-                    m.add(m.total(moved) >= size[uid] * z)
-                    m.add(z <= v.y[uid, r])
-                    if (uid, r, t - 1) in v.z:
-                        m.add(v.z[uid, r, t - 1] <= z)
-            m.add(m.total(moved) == size[uid] * v.y[uid, r])
-            if r is not None:
-                v.members[r].append(uid)
-        m.add(m.total([v.y[uid, r] for r in lay.routes[uid]]) == 1)
-        for t in range(min(max(0, earliest), T - 1), T):
-            v.d[uid, t] = m.bool(f"d[{uid},{t}]")
-            if (uid, t - 1) in v.d:
-                m.add(v.d[uid, t - 1] <= v.d[uid, t])
-
-
-def _add_aggregates(m: _CpSat | _Mip, lay: _Layout, v: _Vars) -> None:
-    """Aggregate bytes ``xa`` (store and forward), completion ``A`` and ``w``; symmetry."""
-    size = lay.size
-    for hop in lay.hops:
-        ub = min(lay.cap[e] for e in lay.agg_leg[hop])
-        sent: list[Any] = []
-        for t in range(lay.T):
-            v.xa[hop, t] = xa = m.var(0, ub, f"xa[{hop},{t}]", v.integer)
-            sent.append(xa)
-            for e in lay.agg_leg[hop]:
-                v.on_link.setdefault((e, t), []).append(xa)
-            done = None
-            for uid in v.members[hop]:
-                arrived = v.z.get((uid, hop, t - 1), 0)
-                m.add(xa <= ub * (1 - v.y[uid, hop] + arrived))
-                if (uid, t) not in v.d or isinstance(arrived, int):
-                    continue
-                if done is None:  # the aggregate (one update's size: its largest member) is in
-                    done = v.agg_done[hop, t] = m.bool(f"A[{hop},{t}]")
-                    for other in v.members[hop]:
-                        m.add(m.total(sent) >= size[other] * (done + v.y[other, hop] - 1))
-                v.w[uid, hop, t] = f = m.var(0, 1, f"w[{uid},{hop},{t}]", v.integer)
-                m.add(f <= arrived)
-                m.add(f <= done)
-                m.add(m.total(sent) >= size[uid] * f)
-    for hop in lay.hops:  # symmetry: groups at one aggregator fill up and finish in order
-        if hop[1]:
-            earlier = (hop[0], hop[1] - 1)
-            for uid in v.members[hop]:
-                m.add(v.y[uid, hop] <= m.total([v.y[other, earlier] for other in v.members[earlier]]))
-            for t in range(lay.T):
-                if (hop, t) in v.agg_done and (earlier, t) in v.agg_done:
-                    m.add(v.agg_done[hop, t] <= v.agg_done[earlier, t])
-
-
-def _add_arrivals(m: _CpSat | _Mip, lay: _Layout, v: _Vars) -> None:
-    """``d`` from the direct bytes or the aggregates; link capacity per slot."""
-    for uid, routes in lay.routes.items():
-        size = lay.size[uid]
-        for t in range(lay.T):
-            if (uid, t) in v.d:
-                via = [v.w[uid, r, t] for r in routes if r is not None and (uid, r, t) in v.w]
-                reached = m.total([v.x[uid, None, k] for k in range(t + 1) if (uid, None, k) in v.x])
-                m.add(size * v.d[uid, t] <= reached + size * m.total(via))
-        m.add(v.d[uid, lay.T - 1] == 1)
-    for (e, _t), flows in v.on_link.items():
-        if len(flows) > 1:
-            m.add(m.total(flows) <= lay.cap[e])
-
-
-def _set_objective(m: _CpSat | _Mip, instance: Instance, lay: _Layout, v: _Vars) -> float:
-    """Minimise the sum (or max) of completion slots; return the factor to seconds (mean)."""
-    T = lay.T
-    # u completes at the end of the first slot t with d[u,t] = 1: C_u / Δ = T + 1 - Σ_t d[u,t]
-    slots_of = [T + 1 - m.total([v.d[uid, t] for t in range(T) if (uid, t) in v.d]) for uid in lay.routes]
-    if instance.objective == "makespan":
-        span = m.var(0, T + 1, "makespan", True)
-        for slots in slots_of:
-            m.add(span >= slots)
-        m.minimize(span)
-        return lay.slot
-    m.minimize(m.total(slots_of))
-    return lay.slot / len(slots_of)
 
 
 def solve_ilp(
@@ -499,16 +235,17 @@ def solve_ilp(
     if horizon_slots is None:
         length = hint.makespan() if hint is not None else _sequential_horizon(instance)
         horizon_slots = max(1, math.ceil(length / instance.slot_seconds - 1e-9))
-    lay = _layout(instance, horizon_slots, groups)
+    lay = layout(instance, horizon_slots, groups)
     T = lay.T
-    m: _CpSat | _Mip = _CpSat() if engine == "cp-sat" else _Mip(engine)
-    v = _Vars(integer=engine == "cp-sat")
-    _add_first_legs(m, instance, lay, v)
-    _add_aggregates(m, lay, v)
-    _add_arrivals(m, lay, v)
-    to_seconds = _set_objective(m, instance, lay, v)
+    m: CpSat | Mip = CpSat() if engine == "cp-sat" else Mip(engine)
+    v = Vars(integer=engine == "cp-sat")
+    add_first_legs(m, instance, lay, v)
+    add_aggregates(m, lay, v)
+    add_store_and_forward(m, lay, v)
+    add_arrivals(m, lay, v)
+    to_seconds = set_objective(m, instance, lay, v)
     if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)
-        _add_hint(m, instance, hint, lay.q, T, v)
+        add_hint(m, instance, hint, lay.q, T, v)
 
     def report(objective: float, bound: float) -> None:
         if progress is not None:
@@ -544,56 +281,8 @@ def _hosts(schedule: Schedule, updates: Iterable[str]) -> dict[str, str | None]:
     return {uid: parent.get(uid) for uid in updates}
 
 
-def _add_hint(m: _CpSat | _Mip, instance: Instance, hint: Schedule, q: float, T: int, v: _Vars) -> None:
-    """Warm start: every variable's value in the hint plan (bytes rounded to quanta)."""
-    slot = instance.slot_seconds
-    done_slot: dict[str, int] = {}  # payload -> slot in which it is complete
-    for t_ in hint.transfers:
-        if not t_.replica:
-            done_slot[t_.payload_id] = max(0, math.ceil(t_.end / slot - 1e-9) - 1)
-    hop_of: dict[str, Hop] = {}  # the hint's aggregates at each aggregator, in finishing order
-    for agg in sorted(hint.aggregates, key=lambda a: (done_slot.get(a.aggregate_id, 0), a.aggregate_id)):
-        hop_of[agg.aggregate_id] = (agg.aggregator, sum(h[0] == agg.aggregator for h in hop_of.values()))
-    parent = {mem: hop_of[a.aggregate_id] for a in hint.aggregates for mem in a.members}
-    agg_of = {hop: aid for aid, hop in hop_of.items()}
-    for u in instance.updates:
-        uid = u.update_id
-        route = parent.get(uid)
-        delivery = hint.delivery(uid)
-        if (uid, route) not in v.y or delivery is None:
-            return  # not a plan of this model (an aggregator or a group too many): no hint
-        choices = [r for (u_, r) in v.y if u_ == uid]
-        for r in choices:
-            m.hint(v.y[uid, r], int(r == route))
-        for t, amount in enumerate(_slot_bytes(delivery, slot, T)):
-            for r in choices:
-                if (uid, r, t) in v.x:
-                    m.hint(v.x[uid, r, t], round(amount / q) if r == route else 0)
-        arrived = done_slot[uid]
-        complete = done_slot[agg_of[route]] if route is not None else arrived
-        for t in range(T):
-            for r in choices:
-                if r is None:
-                    continue
-                if (uid, r, t) in v.z:
-                    m.hint(v.z[uid, r, t], int(r == route and t >= arrived))
-                if (uid, r, t) in v.w:
-                    m.hint(v.w[uid, r, t], int(r == route and t >= complete))
-            if (uid, t) in v.d:
-                m.hint(v.d[uid, t], int(t >= complete))
-    for hop, aid in agg_of.items():
-        delivery = hint.delivery(aid)
-        if delivery is None:
-            continue
-        for t, amount in enumerate(_slot_bytes(delivery, slot, T)):
-            if (hop, t) in v.xa:
-                m.hint(v.xa[hop, t], round(amount / q))
-            if (hop, t) in v.agg_done:
-                m.hint(v.agg_done[hop, t], int(t >= done_slot[aid]))
-
-
 def _to_schedule(
-    instance: Instance, m: _CpSat | _Mip, lay: _Layout, v: _Vars, chosen: dict[str, Route]
+    instance: Instance, m: CpSat | Mip, lay: Layout, v: Vars, chosen: dict[str, Route]
 ) -> Schedule:
     """The solver's values as a :class:`Schedule` (one reservation per run of equal slots)."""
     slot, T = lay.slot, lay.T

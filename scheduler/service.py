@@ -28,7 +28,8 @@ Message sequence on a daemon's ``Scheduler.Session`` stream (``control.proto``):
     TransferReport{update_id, ok, start, end, bytes, outcome, delay, server_version}
                                       ->     (frees the transfers planned after it;
                                               feeds the bandwidth estimates; tracks
-                                              the server's version)
+                                              the server's version; may trigger a new
+                                              decision, see below)
     UpdateResolved{update_id, outcome, reason}
                                       ->     (the daemon resolved a push itself)
     UnregisterRole{job, role, name}   ->     (no reply; a server's pending updates
@@ -43,6 +44,11 @@ daemons with workers of a job that lost a server get a ``JobUpdate``.
 Clients should open their channel with :data:`CLIENT_CHANNEL_OPTIONS` (keepalive pings
 every 10 s, allowed without calls) so idle streams survive middleboxes and a dead
 scheduler is noticed; the server accepts pings that often.
+
+With a bounded-horizon policy (``STFPolicy(horizon=N)`` plans only the first N sends)
+the core also decides again, without a ready notification, when
+:class:`~mlfabric.scheduler.dispatch.ReplanTrigger` says so: the planned sends have
+fallen to its low-water mark while unplanned pending updates remain.
 
 Servicer methods only unpack messages, call :class:`~mlfabric.scheduler.state.SchedulerState`,
 :class:`~mlfabric.scheduler.dispatch.Dispatcher` and the policy, and build replies.
@@ -66,7 +72,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
 from mlfabric.scheduler.batching import AdaptiveBatcher
-from mlfabric.scheduler.dispatch import Dispatcher, Release
+from mlfabric.scheduler.dispatch import Dispatcher, Release, ReplanTrigger
 from mlfabric.scheduler.policy import Decision, Policy
 from mlfabric.scheduler.state import (
     Cleanup,
@@ -239,6 +245,9 @@ class SchedulerCore:
     estimator : Estimator
         Fed with every successful transfer; its graph goes to the policy.
     metrics : Metrics
+    replan : ReplanTrigger, optional
+        When to decide again with no new ready notification (default: low-water 0, i.e.
+        only when nothing is planned and some pending update has no send).
     clock : callable
         Monotonic seconds, the time base of pending/in-flight times and of the plan.
 
@@ -272,6 +281,7 @@ class SchedulerCore:
         batcher: AdaptiveBatcher,
         estimator: Estimator,
         metrics: Metrics,
+        replan: ReplanTrigger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = state
@@ -280,6 +290,7 @@ class SchedulerCore:
         self.batcher = batcher
         self.estimator = estimator
         self.metrics = metrics
+        self.replan = ReplanTrigger() if replan is None else replan
         self.clock = clock
         self.sessions: dict[str, DaemonSession] = {}
         self._wake = asyncio.Event()
@@ -327,6 +338,7 @@ class SchedulerCore:
                 return
             self.dispatcher.forget([r.update_id])
             self._count(kind_)
+            self._moved()
         elif kind == "hello":
             log.warning("host %s: a second Hello on an open session is ignored", host)
         else:
@@ -383,6 +395,7 @@ class SchedulerCore:
         for job in cleanup.jobs_changed:
             self._announce(job)
         self._wake.set()
+        self._moved()
 
     # --------------------------------------------------------------- updates
 
@@ -426,6 +439,7 @@ class SchedulerCore:
         if result.outcome is not None:
             self._count(result.outcome)
         self.release()
+        self._moved()
 
     def _count(self, kind: OutcomeKind) -> None:
         counter = (
@@ -442,7 +456,10 @@ class SchedulerCore:
         snapshot = self.state.snapshot(now, self.estimator.estimated_graph())
         t0 = time.perf_counter()
         decision = self.policy.decide(snapshot, pending) if pending else Decision()
-        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.metrics.decision_seconds.observe(seconds)
+        log.debug("decided %d pending in %.2f ms, %d sends", len(pending), seconds * 1e3, len(decision.sends))
+        self.replan.decided()
         for d in decision.drops:
             src = self.state.source_host(d.update_id)
             self.state.drop(d.update_id, d.reason)
@@ -474,7 +491,15 @@ class SchedulerCore:
             self._send_to(src, pb.Directive(send=directive))
         if released:
             self._wake.set()
+            self._moved()
         return released
+
+    def _moved(self) -> None:
+        """Something left the plan or the network: ask for a decision if the plan runs low."""
+        self.replan.moved()
+        planned = len(self.dispatcher)
+        if self.replan.due(planned, len(self.state.pending) - planned):
+            self.batcher.request()
 
     def _send_to(self, host: str, directive: pb.Directive) -> None:
         session = self.sessions.get(host)
