@@ -23,11 +23,12 @@ that size, and only the first ``nbytes`` bytes belong to the payload (use the te
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import threading
 
-__all__ = ["MemfdPool", "PooledBuffer", "size_class"]
+__all__ = ["MemfdPool", "PooledBuffer", "privatize", "size_class"]
 
 #: Smallest capacity handed out.
 MIN_CLASS_BYTES = 64 * 1024
@@ -166,3 +167,55 @@ class MemfdPool:
             self._idle_bytes = 0
         for buf in bufs:
             buf._free()
+
+
+#: Linux ``MAP_FIXED`` (the mmap module does not export it).
+_MAP_FIXED = 0x10
+
+
+def privatize(mapping: mmap.mmap) -> None:
+    """Give a shared mapping private pages holding the same bytes, at the same address.
+
+    For a payload mapping that cannot be closed because views of it escaped (a server's
+    ``on_update`` kept the update): the views keep their bytes when the memfd is reused. The
+    pages are replaced in place (``MAP_FIXED`` anonymous memory) and refilled, two copies, paid
+    only in that case. Linux only, like memfds.
+
+    Parameters
+    ----------
+    mapping : mmap.mmap
+        An open mapping; it then maps the private copy (closing it frees that).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> fd = os.memfd_create("x"); os.ftruncate(fd, 4096)
+    >>> mapping = mmap.mmap(fd, 4096); mapping[:3] = b"abc"
+    >>> view = np.frombuffer(mapping, np.uint8, count=3)
+    >>> privatize(mapping); os.pwrite(fd, b"xyz", 0)
+    3
+    >>> bytes(view), os.pread(fd, 3, 0)
+    (b'abc', b'xyz')
+    >>> os.close(fd)
+    """
+    size = len(mapping)
+    saved = bytes(mapping)
+    anchor = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(anchor)
+    del anchor
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    got = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap(MAP_FIXED) of {size} bytes failed: {os.strerror(err)}")
+    ctypes.memmove(address, saved, size)

@@ -15,6 +15,8 @@ Usage::
 
     python experiments/bench_ilp.py            # full run (~11 min on 2 shared cores)
     python experiments/bench_ilp.py --quick    # a short run (~4 min)
+    python experiments/bench_ilp.py --parts sizes --sizes 12x3,16x4 --seeds 2 --time-limit 60 \
+        --out /tmp/sizes.md                    # one part, chosen sizes
 
 Prints the tables and writes ``experiments/results/bench_ilp.md`` and ``bench_ilp.json``
 (``bench_ilp.quick.*`` with ``--quick``).
@@ -159,18 +161,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="short run: small sizes, short limits")
     parser.add_argument("--out", type=Path, help="report file (default results/bench_ilp[.quick].md)")
+    parser.add_argument(
+        "--parts", default="engines,sizes,heuristics", help="comma-separated parts to run (default: all)"
+    )
+    parser.add_argument("--sizes", help="part 2 sizes, e.g. 12x3,16x4 (default: 4x1 to 16x4)")
+    parser.add_argument("--seeds", type=int, help="part 2 seeds per size (default 2, quick 1)")
+    parser.add_argument("--time-limit", type=float, help="part 2 limit in s (default 60, quick 15)")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = RESULTS / ("bench_ilp.quick.md" if args.quick else "bench_ilp.md")
-    started = time.monotonic()
-    if args.quick:
-        engines = bench_engines([(6, 2)], 10)
-        sizes = bench_sizes([(4, 1), (8, 2), (16, 4)], 1, 15)
-        heur = bench_heuristics(10, (5, 2), 5)
+    parts = set(args.parts.split(","))
+    if args.sizes:
+        size_list = [(int(w), int(k)) for w, k in (s.split("x") for s in args.sizes.split(","))]
     else:
-        engines = bench_engines([(6, 2), (8, 2)], 30)
-        sizes = bench_sizes([(4, 1), (8, 2), (12, 3), (16, 4)], 2, 60)
-        heur = bench_heuristics(50, (5, 2), 10)
+        size_list = [(4, 1), (8, 2), (16, 4)] if args.quick else [(4, 1), (8, 2), (12, 3), (16, 4)]
+    seeds = args.seeds or (1 if args.quick else 2)
+    limit = args.time_limit or (15.0 if args.quick else 60.0)
+    skipped: tuple[str, list[dict[str, Any]]] = ("(not run)", [])
+    started = time.monotonic()
+    engines = heur = sizes = skipped
+    if "engines" in parts:
+        engines = bench_engines([(6, 2)], 10) if args.quick else bench_engines([(6, 2), (8, 2)], 30)
+    if "sizes" in parts:
+        sizes = bench_sizes(size_list, seeds, limit)
+    if "heuristics" in parts:
+        heur = bench_heuristics(10, (5, 2), 5) if args.quick else bench_heuristics(50, (5, 2), 10)
     report = "\n\n".join(
         [
             "# ILP benchmark (issue 4)" + (" — quick run" if args.quick else ""),

@@ -71,7 +71,7 @@ def _progress(label: str) -> Any:
 
 #: (preset, mode) -> pushes per worker (async) or iterations (sync) at 1,024 workers, where
 #: every policy decision plans ~1,000 pending updates (STF's cost, not the simulator's)
-AT_1024 = {("star", "async"): 2, ("two-tier", "async"): 1, ("star", "sync"): 1, ("two-tier", "sync"): 1}
+AT_1024 = {("star", "async"): 2, ("two-tier", "async"): 2, ("star", "sync"): 1, ("two-tier", "sync"): 1}
 
 
 def _policy(name: str) -> Any:

@@ -35,7 +35,6 @@ Table 1 of the paper, and its names here: ``registerAsWorker(params)`` ->
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -45,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric import tensors as tcodec
-from mlfabric.daemon.bufferpool import MemfdPool
+from mlfabric.daemon.bufferpool import MemfdPool, privatize
 from mlfabric.localclient import (
     APPLIED,
     DROPPED,
@@ -382,7 +381,7 @@ class Server:
 
         ``fn`` applies ``update`` (dict of tensors) to :attr:`model` in place, or returns the new
         model. The default subtracts the update: ``model[k] -= update[k]``. The update's tensors
-        view the daemon's receive buffer (no copy), reused after the verdict: copy what you keep.
+        view the daemon's receive buffer (no copy); tensors kept past the call get a private copy.
         """
         self._update_fn = fn
         return fn
@@ -522,8 +521,10 @@ class Server:
             finally:
                 del update
                 if mapping is not None:
-                    with contextlib.suppress(BufferError):  # on_update kept a view: GC unmaps
+                    try:
                         mapping.close()
+                    except BufferError:  # on_update kept a view: copy before the daemon reuses the buffer
+                        privatize(mapping)
             if replaced is not None:
                 self.model = dict(replaced)
             self.version += 1

@@ -148,6 +148,8 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
                     str(args.workers),
                     "--lr",
                     str(args.lr),
+                    "--compute-delay",
+                    str(args.compute_seconds),
                     "--stop-file",
                     str(stop_file),
                     "--stats-file",
@@ -234,6 +236,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--target-accuracy", type=float, default=0.95, help="stop when the test accuracy reaches it"
     )
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    parser.add_argument(
+        "--compute-seconds",
+        type=float,
+        default=0.1,
+        help="extra compute time per step, as a GPU's forward/backward would take (default 0.1)",
+    )
     parser.add_argument("--tau-max", type=int, default=None, help="delay bound (default: unbounded)")
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per policy at most")
     parser.add_argument("--push-timeout", type=float, default=60.0, help=argparse.SUPPRESS)

@@ -76,6 +76,7 @@ from mlfabric.scheduler.ilp_model import (
     add_first_legs,
     add_hint,
     add_store_and_forward,
+    add_symmetry,
     layout,
     set_objective,
 )
@@ -242,6 +243,7 @@ def solve_ilp(
     add_first_legs(m, instance, lay, v)
     add_aggregates(m, lay, v)
     add_store_and_forward(m, lay, v)
+    add_symmetry(m, lay, v)
     add_arrivals(m, lay, v)
     to_seconds = set_objective(m, instance, lay, v)
     if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)

@@ -5,6 +5,7 @@ solves it; this module only writes it, once, for every engine.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,6 +188,7 @@ class Vars:
     xa: dict[tuple[Hop, int], Any] = field(default_factory=dict)
     e: dict[tuple[str, Hop, int], Any] = field(default_factory=dict)
     members: dict[Hop, list[str]] = field(default_factory=dict)
+    twins: list[list[str]] = field(default_factory=list)
     on_link: dict[tuple[Link, int], list[Any]] = field(default_factory=dict)
 
 
@@ -288,6 +290,33 @@ def add_store_and_forward(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
                     m.add(m.total(shares) >= lay.size[uid] * v.w[uid, hop, t])
 
 
+def add_symmetry(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
+    """Interchangeable updates complete in id order: ``d[u,t] >= d[u',t]`` for twins ``u < u'``.
+
+    Twins have the same size and first slot and, route by route, the same links once the
+    links no other payload can use (a worker's own NIC) are left out; swapping two twins maps
+    every plan to one of equal objective, so the order is free. Fills ``v.twins``.
+    """
+    users: dict[Link, set[str]] = {}
+    for (uid, _r), links in lay.leg.items():
+        for link in links:
+            users.setdefault(link, set()).add(uid)
+    for links in lay.agg_leg.values():
+        for link in links:
+            users.setdefault(link, set()).add("")
+    classes: dict[Any, list[str]] = {}
+    for uid, routes in lay.routes.items():
+        first = min((t for (u_, r, t) in v.x if u_ == uid and r is None), default=0)
+        shared = tuple((r, tuple(link for link in lay.leg[uid, r] if users[link] != {uid})) for r in routes)
+        classes.setdefault((lay.size[uid], first, shared), []).append(uid)
+    v.twins = [ids for ids in classes.values() if len(ids) > 1]
+    for ids in v.twins:
+        for before, after in itertools.pairwise(ids):
+            for t in range(lay.T):
+                if (before, t) in v.d and (after, t) in v.d:
+                    m.add(v.d[before, t] >= v.d[after, t])
+
+
 def add_arrivals(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
     """``d`` from the direct bytes or the aggregates; link capacity per slot."""
     for uid, routes in lay.routes.items():
@@ -330,10 +359,21 @@ def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, q: float, T: in
         hop_of[agg.aggregate_id] = (agg.aggregator, sum(h[0] == agg.aggregator for h in hop_of.values()))
     parent = {mem: hop_of[a.aggregate_id] for a in hint.aggregates for mem in a.members}
     agg_of = {hop: aid for aid, hop in hop_of.items()}
+
+    def finish(uid: str) -> int:
+        payload = agg_of[parent[uid]] if uid in parent else uid
+        return done_slot.get(payload, T)
+
+    alias: dict[
+        str, str
+    ] = {}  # model update -> the hint's update whose plan it takes (twins finish in id order)
+    for ids in v.twins:
+        alias |= dict(zip(ids, sorted(ids, key=lambda uid: (finish(uid), ids.index(uid))), strict=True))
     for u in instance.updates:
         uid = u.update_id
-        route = parent.get(uid)
-        delivery = hint.delivery(uid)
+        src = alias.get(uid, uid)
+        route = parent.get(src)
+        delivery = hint.delivery(src)
         if (uid, route) not in v.y or delivery is None:
             return  # not a plan of this model (an aggregator or a group too many): no hint
         choices = [r for (u_, r) in v.y if u_ == uid]
@@ -343,7 +383,7 @@ def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, q: float, T: in
             for r in choices:
                 if (uid, r, t) in v.x:
                     m.hint(v.x[uid, r, t], round(amount / q) if r == route else 0)
-        arrived = done_slot[uid]
+        arrived = done_slot[src]
         complete = done_slot[agg_of[route]] if route is not None else arrived
         for t in range(T):
             for r in choices:
@@ -364,6 +404,8 @@ def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, q: float, T: in
                 m.hint(v.xa[hop, t], round(amount / q))
             for uid in v.members[hop]:
                 if (uid, hop, t) in v.e:
-                    m.hint(v.e[uid, hop, t], round(amount / q) if parent.get(uid) == hop else 0)
+                    m.hint(
+                        v.e[uid, hop, t], round(amount / q) if parent.get(alias.get(uid, uid)) == hop else 0
+                    )
             if (hop, t) in v.agg_done:
                 m.hint(v.agg_done[hop, t], int(t >= done_slot[aid]))

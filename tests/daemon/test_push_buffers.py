@@ -137,3 +137,24 @@ def test_receive_buffer_without_verdict_is_not_recycled(make_daemon: Any) -> Non
     finally:
         worker.close()
         server.close()
+
+
+def test_update_kept_by_on_update_survives_buffer_reuse(make_daemon: Any) -> None:
+    """The server maps the update (no copy); a view kept past on_update is privatized, not overwritten."""
+    ps, w0 = make_daemon("ps"), make_daemon("w0")
+    server = mlfabric.register_as_server("job", "ps0", {"w": np.zeros(1000)}, daemon=ps.config.socket_path)
+    kept: list[np.ndarray] = []
+    server.on_update(lambda update, meta: kept.append(update["w"]))
+    thread = threading.Thread(target=server.serve, kwargs={"max_updates": 2, "timeout": 20})
+    thread.start()
+    worker = mlfabric.register_as_worker("job", name="w0", daemon=w0.config.socket_path, wait=5)
+    try:
+        for value in (1.0, 2.0):
+            assert worker.push("ps0", {"w": np.full(1000, value)}).wait(10).applied
+        thread.join(10)
+        assert ps.receive_buffers.reused == 1  # the second update landed in the first one's buffer
+        np.testing.assert_array_equal(kept[0], 1.0)
+        np.testing.assert_array_equal(kept[1], 2.0)
+    finally:
+        worker.close()
+        server.close()

@@ -10,8 +10,8 @@ the policy's time (the ``mlfabric_decision_seconds`` histogram) and the whole of
 
 Not collected by pytest (no ``test_`` prefix). Run::
 
-    python tests/service/bench_service_decision.py                  # horizons 256 and 0
-    python tests/service/bench_service_decision.py --nics mixed --horizon 256 0
+    python experiments/bench_service_decision.py                  # horizons 256 and 0
+    python experiments/bench_service_decision.py --nics mixed --horizon 256 0
 """
 
 from __future__ import annotations
