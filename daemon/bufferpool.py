@@ -15,6 +15,10 @@ Use it as the data plane's allocator::
     frame.buffer.fd          # pass this to the server process (payload is the first nbytes)
     frame.buffer.release()   # when nobody reads the payload any more: back to the pool
 
+Workers use a pool the same way for the updates they push (``Worker.push``), releasing a
+buffer when its push resolved. :func:`privatize` rescues a mapping whose views outlive the
+buffer's turn (a server's ``on_update`` that keeps the update).
+
 A buffer's capacity is ``nbytes`` rounded up to a power of two (at least 64 KiB); its memfd has
 that size, and only the first ``nbytes`` bytes belong to the payload (use the tensor layout, not
 ``fstat``). ``release`` must come after the last reader is done: the next payload overwrites it.

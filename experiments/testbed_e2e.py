@@ -78,7 +78,7 @@ def accuracy(model: Any, x: Any, y: Any) -> float:
     import torch
 
     with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
+        return int((model(x).argmax(1) == y).sum()) / len(y)  # exact: 342/360 is 0.95
 
 
 def gradient(model: Any, x: Any, y: Any, batch: int, rng: np.random.Generator, lr: float) -> dict[str, Any]:
@@ -99,6 +99,11 @@ def load_numpy(model: Any, tensors: dict[str, np.ndarray]) -> None:
             p.copy_(torch.as_tensor(np.asarray(tensors[k])))
 
 
+def reached(acc: float, target: float) -> bool:
+    """Whether ``acc`` meets ``target`` (tolerant of float32 rounding: 0.9499999881 is 0.95)."""
+    return acc >= target - 1e-6
+
+
 class AccuracyLog:
     """The server's progress: (seconds since the first update, version, accuracy) rows."""
 
@@ -112,7 +117,7 @@ class AccuracyLog:
         now = time.time()
         self.start = self.start or now
         self.rows.append({"t": now - self.start, "version": version, "accuracy": acc})
-        if self.reached is None and acc >= self.target:
+        if self.reached is None and reached(acc, self.target):
             self.reached = now - self.start
 
     def save(self, extra: dict[str, Any]) -> None:
@@ -423,8 +428,20 @@ def driver(args: argparse.Namespace) -> int:
         workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=random.Random(args.seed)
     )
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.resummarize:  # the results of an earlier run kept with --workdir
+        done = {s: args.resummarize / s / "server.json" for s in args.systems.split(",")}
+        results = {s: json.loads(p.read_text()) for s, p in done.items() if p.exists()}
+        report(
+            results,
+            args,
+            uplinks,
+            delays,
+            [f"summarized from the kept run files of {args.resummarize}"],
+            name,
+        )
+        return 0
     sweep_stale(SubprocessRunner())
-    results: dict[str, dict] = {}
+    results = {}
     with tempfile.TemporaryDirectory(prefix="mlfabric-e2e-") as tmp_dir:
         tmp = args.workdir or Path(tmp_dir)
         topo = tmp / "topology.toml"
@@ -443,6 +460,23 @@ def driver(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             notes = list(testbed.notes)
+    report(results, args, uplinks, delays, notes, name)
+    return 0
+
+
+def report(
+    results: dict[str, dict],
+    args: argparse.Namespace,
+    uplinks: list[int],
+    delays: dict[str, float],
+    notes: list[str],
+    name: str,
+) -> None:
+    """Write the CSV, the plot and the summary; time to target is recomputed from the rows."""
+    for res in results.values():
+        res["time_to_target"] = next(
+            (r["t"] for r in res["rows"] if reached(r["accuracy"], args.target)), None
+        )
     rows = [dict(system=s, **r) for s, res in results.items() for r in res["rows"]]
     with open(args.out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["system", "t", "version", "accuracy"])
@@ -451,7 +485,6 @@ def driver(args: argparse.Namespace) -> int:
     plot(results, args.target, args.out / f"{name}.png")
     summary(results, args, uplinks, delays, notes, args.out / f"{name}.md")
     print((args.out / f"{name}.md").read_text())
-    return 0
 
 
 def longest_gap(rows: list[dict]) -> float:
@@ -501,7 +534,14 @@ def summary(
     t_stf, t_fair = (results.get(s, {}).get("time_to_target") for s in ("stf", "fair"))
     if t_stf and t_fair:
         lines.append(f"\nstf vs fair: {t_fair / t_stf:.2f}x faster to target.")
-    lines += ["", *(f"Note: {n}" for n in notes)]
+    lines += [
+        "",
+        "One run per system: the test accuracy of asynchronous SGD fluctuates by several points",
+        "between evaluations, so a time to target from one run is noisy; compare updates applied",
+        "per second and the delays too, and repeat with other --seed values before concluding.",
+        "",
+        *(f"Note: {n}" for n in notes),
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -523,6 +563,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="keep logs and per-run files here (default: a temp dir)")
+    parser.add_argument(
+        "--resummarize", type=Path, metavar="WORKDIR", help="only rewrite the outputs of a kept run"
+    )
     # the roles this script runs as inside the namespaces
     parser.add_argument("--role", choices=["mlf-server", "mlf-worker", "gloo"], help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)

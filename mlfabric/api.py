@@ -508,8 +508,9 @@ class Server:
             )
             replaced = None
             try:
-                if self._update_fn is None:
-                    _subtract_update(self.model, update)
+                if self._update_fn is None:  # the default on_update: model[k] -= update[k]
+                    for key in update:  # (no loop variable left holding a view of the buffer)
+                        self.model[key] -= update[key]
                 else:
                     replaced = self._update_fn(update, meta)
             except BaseException as exc:
@@ -533,12 +534,6 @@ class Server:
             verdict.version = self.version
             self.publish()
         self._client.send(local_pb2.LocalRequest(verdict=verdict))
-
-
-def _subtract_update(model: dict[str, Any], update: Mapping[str, Any]) -> None:
-    """The default ``on_update``: ``model[k] -= update[k]``."""
-    for key, value in update.items():
-        model[key] -= value
 
 
 def register_as_server(

@@ -7,8 +7,10 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 
 import mlfabric
+import mlfabric.api
 from mlfabric.api import Worker
 from mlfabric.daemon.bufferpool import MemfdPool
 from mlfabric.proto.v1 import control_pb2, local_pb2
@@ -101,7 +103,9 @@ def test_map_memfd_views_the_payload_without_a_copy() -> None:
     pool.close()
 
 
-def test_daemon_recycles_receive_buffers(make_daemon: Any) -> None:
+def test_daemon_recycles_receive_buffers(make_daemon: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    privatized: list[Any] = []  # the default on_update keeps no view: the mapping just closes
+    monkeypatch.setattr(mlfabric.api, "privatize", privatized.append)
     ps, w0 = make_daemon("ps"), make_daemon("w0")
     model = {"w": np.zeros(50_000)}
     server = mlfabric.register_as_server("job", "ps0", model, daemon=ps.config.socket_path)
@@ -115,6 +119,7 @@ def test_daemon_recycles_receive_buffers(make_daemon: Any) -> None:
         np.testing.assert_array_equal(got["w"], -3.0)  # 0 - (0 + 1 + 2), exact
         pool = ps.receive_buffers
         assert pool.created == 1 and pool.reused == 2
+        assert privatized == []
     finally:
         worker.close()
         server.stop()
