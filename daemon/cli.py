@@ -3,7 +3,9 @@ for peer daemons and the control stream to the scheduler (DESIGN.md §3).
 
 Once the scheduler has welcomed it, the daemon writes ``--ready-file`` (JSON
 ``{"pid", "socket", "data_address", "host"}``, atomically). SIGTERM or SIGINT stops it
-cleanly (exit 0); pushes not yet resolved resolve DROPPED with the reason.
+cleanly (exit 0); pushes not yet resolved resolve DROPPED with the reason. With
+``--report-file`` every transfer report the daemon sends to the scheduler is also appended
+to that file as one JSON line, flushed per line.
 
 Example::
 
@@ -60,6 +62,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--send-attempts", type=int, default=3, help="tries per transfer before DROPPED (default 3)"
     )
+    parser.add_argument(
+        "--report-file",
+        metavar="PATH",
+        help="append every transfer report sent to the scheduler here, one JSON object per line "
+        "(update_id, src_host, dst_host, bytes, start, end, throughput, ok, error, outcome, delay, "
+        "server_version, reason); off by default",
+    )
 
 
 def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
@@ -105,6 +114,7 @@ def write_ready_file(path: str, content: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
     from mlfabric.daemon.daemon import Daemon, DaemonConfig
+    from mlfabric.daemon.transfers import TransferReportLog
     from mlfabric.localclient import default_socket_path
 
     socket_path = default_socket_path(args.socket)
@@ -131,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    daemon = Daemon(config)
+    report_log = TransferReportLog(args.report_file) if args.report_file else None
+    daemon = Daemon(config, report_log=report_log)
     try:
         daemon.start(timeout=args.connect_timeout)
     except (TimeoutError, OSError) as exc:

@@ -11,8 +11,10 @@ push APPLIED (delay, version) or DROPPED (reason) and goes to the scheduler as a
 
 On the server's host the daemon hands each arriving update (its memfd) to the server process
 and answers the sender with the process's verdict; ``get`` is answered from the model the
-server process last published. If the scheduler stream breaks, pushes still waiting for a
-directive resolve DROPPED with the reason, and the daemon reconnects and re-registers.
+server process last published. With a :class:`TransferReportLog` every transfer report
+also goes to a JSON-lines file (``--report-file``). If the scheduler stream breaks, pushes
+still waiting for a directive resolve DROPPED with the reason, and the daemon reconnects and
+re-registers.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from mlfabric.daemon.roles import (
     spec_from_pb,
 )
 from mlfabric.daemon.serving import ServerRoles
-from mlfabric.daemon.transfers import PushSender
+from mlfabric.daemon.transfers import PushSender, TransferReportLog
 from mlfabric.daemon.transport import DataPlaneListener, PeerPool
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb
@@ -131,6 +133,9 @@ class Daemon:
         Monotonic seconds (``ready_at`` of updates).
     channel_factory : callable, optional
         ``channel_factory(target) -> grpc.Channel`` for the control stream (tests).
+    report_log : TransferReportLog, optional
+        Also append every transfer report sent to the scheduler here (opened by
+        :meth:`start`, closed by :meth:`stop`).
 
     Examples
     --------
@@ -147,8 +152,10 @@ class Daemon:
         *,
         clock: Callable[[], float] = time.monotonic,
         channel_factory: Callable[[str], Any] | None = None,
+        report_log: TransferReportLog | None = None,
     ) -> None:
         self.config = config
+        self._report_log = report_log
         self.host = config.host
         self._clock = clock
         self._egress = TokenBucket(config.egress_rate)
@@ -193,7 +200,7 @@ class Daemon:
             config.host,
             self._pool,
             self.outgoing,
-            lambda report: self._control.send(control_pb2.DaemonMessage(transfer_report=report)),
+            self._send_report,
             config.send_attempts,
             config.retry_backoff,
         )
@@ -210,6 +217,8 @@ class Daemon:
             The scheduler did not welcome the daemon within ``timeout`` seconds (everything
             started is stopped again).
         """
+        if self._report_log is not None:
+            self._report_log.start()
         self.data_address = self._listener.start()
         self._local.start()
         self._control.start()
@@ -237,6 +246,19 @@ class Daemon:
         self.serving.close_all(f"daemon of host {self.host!r} shut down")
         self._pool.close()
         self.receive_buffers.close()
+        if self._report_log is not None:
+            self._report_log.stop()
+
+    def _send_report(self, report: Any) -> None:
+        """Send a ``TransferReport`` to the scheduler and append it to the report log, if any."""
+        self._control.send(control_pb2.DaemonMessage(transfer_report=report))
+        if self._report_log is not None:
+            try:
+                self._report_log.write(report)
+            except (OSError, RuntimeError) as exc:  # full disk, or a report racing stop()
+                _LOG.error(
+                    "transfer report %s not written to %s: %s", report.update_id, self._report_log.path, exc
+                )
 
     # ------------------------------------------------------------------ control stream
 

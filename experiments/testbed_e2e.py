@@ -19,7 +19,8 @@ the wall time from the first update until the accuracy first reaches the target.
     python experiments/testbed_e2e.py --quick     # 4 workers, target 0.90
     python experiments/testbed_e2e.py             # 8 workers, target 0.95
 
-Writes experiments/results/testbed_e2e[_quick].{csv,png,md}. Needs root, ip, tc, torch.
+Writes experiments/results/testbed_e2e[_quick].{csv,png,md} and ..._transfers.csv (the mlfabric
+daemons' transfer reports). Needs root, ip, tc, torch.
 """
 
 from __future__ import annotations
@@ -306,7 +307,8 @@ def run_system(
         rates.stop()
         for p in procs:
             p.popen.terminate()
-    return json.loads(out.read_text())
+    transfers = [dict(r, system=system) for r in cluster.transfer_reports()]  # the daemons' reports
+    return {**json.loads(out.read_text()), "transfers": transfers}
 
 
 def run_gloo(
@@ -413,6 +415,7 @@ def plot(results: dict[str, dict], target: float, path: Path) -> None:
 def driver(args: argparse.Namespace) -> int:
     from mlfabric.scheduler.graph import load_topology
     from mlfabric.testbed.cluster import Testbed
+    from mlfabric.testbed.launch import write_transfer_csv
     from mlfabric.testbed.netns import SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale
     from mlfabric.testbed.schedule import compute_delays
     from mlfabric.testbed.topologies import bottleneck_star, to_toml
@@ -442,6 +445,7 @@ def driver(args: argparse.Namespace) -> int:
         return 0
     sweep_stale(SubprocessRunner())
     results = {}
+    transfers: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-e2e-") as tmp_dir:
         tmp = args.workdir or Path(tmp_dir)
         topo = tmp / "topology.toml"
@@ -453,6 +457,7 @@ def driver(args: argparse.Namespace) -> int:
         with Testbed(graph, new_prefix(random.Random())) as testbed:
             for system in args.systems.split(","):
                 res = run_system(system, testbed, topo, workers, args, delays, changes, tmp / system)
+                transfers += res.pop("transfers", [])
                 results[system] = res
                 print(
                     f"{system}: time to {args.target}: {res['time_to_target']}, applied {res['applied']}, "
@@ -460,6 +465,7 @@ def driver(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             notes = list(testbed.notes)
+    write_transfer_csv(args.out / f"{name}_transfers.csv", transfers, leading=["system"])
     report(results, args, uplinks, delays, notes, name)
     return 0
 

@@ -1,6 +1,6 @@
 """Model building for the offline ILP (paper appendix 10.1, DESIGN §4): back ends, variables,
 constraints, objective and warm start. :mod:`mlfabric.scheduler.ilp` documents the model and
-solves it; this module only writes it, once, for every engine.
+solves it; this module only writes it, once, for every engine. Internal: no public API.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from ortools.sat.python import cp_model
 from mlfabric.scheduler.graph import path_links
 from mlfabric.scheduler.instance import Instance
 from mlfabric.scheduler.schedule import Link, Schedule, Transfer
+
+__all__: list[str] = []
 
 Hop = tuple[str, int]  # (aggregator host, group index there)
 Route = Hop | None  # None: direct

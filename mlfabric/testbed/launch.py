@@ -5,7 +5,10 @@ the scheduler runs in the testbed's control namespace (reachable from every host
 unshaped control network), each host's daemon runs in the host's namespace with its data
 plane on the host's shaped NIC, and training processes run next to their daemon. Ports are
 chosen by the kernel (port 0) and learned from ready files, per the CLI contract in
-DEVELOPERS.md.
+DEVELOPERS.md. The scheduler and daemons run as ``python -m mlfabric SUBCOMMAND`` (which
+imports only that subcommand's module). Each daemon appends its transfer reports to
+``workdir/reports/<host>.jsonl`` (``--report-file``); :meth:`TestbedCluster.transfer_reports`
+reads them back.
 
 Examples
 --------
@@ -18,6 +21,8 @@ With root and a testbed that is up::
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import signal
 import subprocess
@@ -29,23 +34,10 @@ from types import TracebackType
 from typing import Any
 
 from mlfabric.cluster import ClusterError, ManagedProcess, wait_for_ready_file
+from mlfabric.daemon.transfers import REPORT_FIELDS
 from mlfabric.testbed.cluster import CONTROL, Testbed
 
-__all__ = ["TestbedCluster"]
-
-#: Runs one ``mlfabric`` subcommand (``argv[2]``, after the log level) the way
-#: ``mlfabric SUBCOMMAND ...`` does, importing only that subcommand's module, so a launch
-#: does not depend on every other subcommand of the console command being importable.
-_SUBCOMMAND = """
-import argparse, importlib, logging, sys
-from mlfabric.cli import SUBCOMMANDS
-level, name, *rest = sys.argv[1:]
-module = importlib.import_module(SUBCOMMANDS[name][0])
-parser = argparse.ArgumentParser(prog="mlfabric " + name)
-module.configure(parser)
-logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-sys.exit(module.run(parser.parse_args(rest)))
-"""
+__all__ = ["TestbedCluster", "write_transfer_csv"]
 
 
 class TestbedCluster:
@@ -108,7 +100,7 @@ class TestbedCluster:
 
     def start(self) -> TestbedCluster:
         """Start the scheduler in the control namespace, then every daemon; wait until ready."""
-        for sub in ("logs", "ready", "sockets"):
+        for sub in ("logs", "ready", "sockets", "reports"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         try:
             ready = self.workdir / "ready" / "scheduler.json"
@@ -135,6 +127,7 @@ class TestbedCluster:
                     self.socket(host),
                 ]
                 argv += ["--data-listen", f"{self.testbed.address(host)}:0", "--ready-file", str(ready)]
+                argv += ["--report-file", str(self.report_file(host))]
                 pending.append((host, ready, self._launch(host, f"daemon-{host}", argv)))
             for host, ready, proc in pending:
                 self.daemons[host] = wait_for_ready_file(ready, proc, self.ready_timeout)
@@ -171,6 +164,32 @@ class TestbedCluster:
         """The Unix socket of ``host``'s daemon (namespaces share the file system)."""
         return str(self.workdir / "sockets" / f"{host}.sock")
 
+    def report_file(self, host: str) -> Path:
+        """The JSON-lines file where ``host``'s daemon appends its transfer reports."""
+        return self.workdir / "reports" / f"{host}.jsonl"
+
+    def transfer_reports(self) -> list[dict[str, Any]]:
+        """Every transfer report the daemons wrote so far, as dicts, host by host.
+
+        Returns
+        -------
+        list of dict
+            One per transfer, with the keys of
+            :data:`mlfabric.daemon.transfers.REPORT_FIELDS`; a daemon that moved nothing adds
+            none. A line still being written (a daemon killed mid-line) is skipped.
+        """
+        reports = []
+        for host in self.hosts:
+            path = self.report_file(host)
+            if not path.exists():
+                continue
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    reports.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # only the last line of a killed daemon can be partial
+        return reports
+
     def spawn(
         self, host: str, argv: Sequence[str], *, name: str | None = None, env: Mapping[str, str] | None = None
     ) -> ManagedProcess:
@@ -201,7 +220,7 @@ class TestbedCluster:
                 )
 
     def _launch(self, host: str, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
-        argv = [self.python, "-c", _SUBCOMMAND, self.log_level, *mlfabric_argv]
+        argv = [self.python, "-m", "mlfabric", "--log-level", self.log_level, *mlfabric_argv]
         return self._start(host, name, argv, dict(os.environ))
 
     def _start(self, host: str, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
@@ -213,3 +232,31 @@ class TestbedCluster:
         proc = ManagedProcess(name, popen, log_path, log)
         self._procs.append(proc)
         return proc
+
+
+def write_transfer_csv(
+    path: str | Path, reports: Sequence[Mapping[str, Any]], leading: Sequence[str] = ()
+) -> None:
+    """Write transfer reports (:meth:`TestbedCluster.transfer_reports`) as a CSV file.
+
+    Parameters
+    ----------
+    path : str or Path
+        The CSV file (overwritten).
+    reports : sequence of mapping
+        Report dicts with the keys of :data:`~mlfabric.daemon.transfers.REPORT_FIELDS`.
+    leading : sequence of str
+        Extra keys of the dicts (e.g. ``"policy"``) written as the first columns.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "transfers.csv")
+    >>> write_transfer_csv(path, [{"policy": "stf", "update_id": "w0/1"}], leading=["policy"])
+    >>> open(path).read().splitlines()[1]
+    'stf,w0/1,,,,,,,,,,,,'
+    """
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=[*leading, *REPORT_FIELDS], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(reports)

@@ -9,9 +9,13 @@ Run inside emulated hosts (``MLFABRIC_DAEMON`` points at the host's daemon)::
 
 A worker loops until ``--duration`` seconds (or ``--pushes``) are done: ``get`` the model,
 compute for ``--compute-delay`` seconds (a compute straggler has a larger one — the paper's
-CS settings), ``push`` an update of ``--update-bytes`` and wait for it to resolve. Each
-push becomes one CSV row (:data:`PUSH_FIELDS`): wall-clock start and end, status, delay,
-server version, reason. The server applies updates (the default ``model -= update``) until
+CS settings), ``push`` an update of ``--update-bytes``. With ``--window 1`` (the default) it
+waits for each push to resolve before the next iteration; with ``--window N`` it pushes
+asynchronously and keeps up to N pushes outstanding: an iteration starts (``get``) only
+when fewer than N are, so a worker's transfers overlap its compute and each other. Each
+push becomes one CSV row (:data:`PUSH_FIELDS`): wall-clock start (the push call) and end
+(when it resolved), status, delay, server version, reason; pushes still unresolved at the
+end are waited for. The server applies updates (the default ``model -= update``) until
 SIGTERM or ``--duration``, then writes a JSON summary.
 """
 
@@ -25,8 +29,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +51,7 @@ PUSH_FIELDS = [
     "end",
     "seconds",
     "compute_delay",
+    "window",
 ]
 
 
@@ -80,42 +87,69 @@ def run_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve(handle: Any, timeout: float) -> tuple[Any, float]:
+    """Wait for one push; its result and the wall-clock time it resolved."""
+    result = handle.wait(timeout=timeout)
+    return result, time.time()
+
+
 def run_worker(args: argparse.Namespace) -> int:
-    """Push updates to ``--server`` until ``--duration`` s or ``--pushes`` pushes; write the CSV."""
+    """Push updates to ``--server`` until ``--duration`` s or ``--pushes`` pushes; write the CSV.
+
+    Up to ``--window`` pushes are outstanding at once (see the module docstring).
+    """
     import mlfabric
 
     worker = mlfabric.register_as_worker(args.job, name=args.name, wait=args.wait)
     update = _update(args.update_bytes, args.seed)
     nbytes = sum(int(v.nbytes) for v in update.values())
+    window = max(1, args.window)
     rows: list[dict[str, object]] = []
+    outstanding: set[Future[tuple[Any, float]]] = set()
     started = time.monotonic()
-    with worker:
+    pushed = 0
+
+    def record(future: Future[tuple[Any, float]], start: float) -> None:
+        result, end = future.result()
+        rows.append(
+            {
+                "worker": args.name,
+                "update_id": result.update_id,
+                "status": result.status,
+                "delay": result.delay,
+                "version": result.version,
+                "reason": result.reason,
+                "bytes": nbytes,
+                "start": f"{start:.6f}",
+                "end": f"{end:.6f}",
+                "seconds": f"{end - start:.6f}",
+                "compute_delay": args.compute_delay,
+                "window": window,
+            }
+        )
+
+    starts: dict[Future[tuple[Any, float]], float] = {}
+    with worker, ThreadPoolExecutor(max_workers=window, thread_name_prefix="push-wait") as waiters:
         while True:
-            if args.pushes and len(rows) >= args.pushes:
+            if args.pushes and pushed >= args.pushes:
                 break
             if args.duration and time.monotonic() - started >= args.duration:
                 break
+            while len(outstanding) >= window:
+                done, outstanding = wait(outstanding, return_when=FIRST_COMPLETED)
+                for future in done:
+                    record(future, starts.pop(future))
             if not args.no_get:
                 worker.get(args.server)
             time.sleep(args.compute_delay)
             start = time.time()
-            result = worker.push(args.server, update).wait(timeout=args.push_timeout)
-            end = time.time()
-            rows.append(
-                {
-                    "worker": args.name,
-                    "update_id": result.update_id,
-                    "status": result.status,
-                    "delay": result.delay,
-                    "version": result.version,
-                    "reason": result.reason,
-                    "bytes": nbytes,
-                    "start": f"{start:.6f}",
-                    "end": f"{end:.6f}",
-                    "seconds": f"{end - start:.6f}",
-                    "compute_delay": args.compute_delay,
-                }
-            )
+            future = waiters.submit(_resolve, worker.push(args.server, update), args.push_timeout)
+            starts[future] = start
+            outstanding.add(future)
+            pushed += 1
+        for future in outstanding:
+            record(future, starts.pop(future))
+    rows.sort(key=lambda r: float(str(r["start"])))
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=PUSH_FIELDS)
         writer.writeheader()
@@ -142,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--pushes", type=int, default=0, help="stop after this many pushes (0: no limit)")
     w.add_argument("--compute-delay", type=float, default=0.0, help="seconds of 'compute' per iteration")
     w.add_argument("--no-get", action="store_true", help="do not pull the model before each push")
+    w.add_argument("--window", type=int, default=1, help="pushes outstanding at once (1: wait for each push)")
     w.add_argument("--push-timeout", type=float, default=300.0)
     w.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to register")
     w.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import itertools
 import json
 import sys
 import threading
@@ -154,10 +155,14 @@ DAEMON_READY = all(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["fair", "stf"])
+@pytest.mark.parametrize(("policy", "window"), [("fair", 1), ("stf", 2)])
 @pytest.mark.skipif(not DAEMON_READY, reason="mlfabric.daemon.cli / mlfabric.scheduler.cli do not exist yet")
 def test_pushes_end_to_end_through_scheduler_and_daemons(
-    make_testbed: Callable[[nx.DiGraph], Testbed], topology_file: Path, tmp_path: Path, policy: str
+    make_testbed: Callable[[nx.DiGraph], Testbed],
+    topology_file: Path,
+    tmp_path: Path,
+    policy: str,
+    window: int,
 ) -> None:
     from mlfabric.testbed.launch import TestbedCluster
 
@@ -165,7 +170,7 @@ def test_pushes_end_to_end_through_scheduler_and_daemons(
     update_bytes, pushes = 4_000_000, 4
     roles = [sys.executable, "-m", "mlfabric.testbed.roles"]
     common = ["--job", "j", "--update-bytes", str(update_bytes)]
-    limits = ["--no-get", "--pushes", str(pushes), "--out"]
+    limits = ["--no-get", "--pushes", str(pushes), "--window", str(window), "--out"]
     with TestbedCluster(testbed, topology_file, policy=policy, workdir=tmp_path / "run") as cluster:
         server = cluster.spawn(
             "ps", [*roles, "server", *common, "--name", "ps", "--out", str(tmp_path / "ps.json")]
@@ -191,13 +196,25 @@ def test_pushes_end_to_end_through_scheduler_and_daemons(
             cluster.wait(proc, timeout=30)
         server.popen.terminate()
         cluster.wait(server, timeout=15)
+    reports = cluster.transfer_reports()  # the daemons' --report-file lines
     rows = [r for w in ("w0", "w1") for r in csv.DictReader((tmp_path / f"{w}.csv").open())]
     assert len(rows) == 2 * pushes
+    by_id = {r["update_id"]: r for r in rows}
+    assert sorted(r["update_id"] for r in reports) == sorted(by_id)
+    for report in reports:
+        push = by_id[report["update_id"]]
+        assert (report["src_host"], report["dst_host"]) == (push["worker"], "ps")
+        assert report["ok"] and report["outcome"] == push["status"] and report["bytes"] == update_bytes
+        assert float(push["start"]) <= report["start"] <= report["end"] <= float(push["end"])
+    for w in ("w0", "w1"):  # with a window of 2 a worker's next push starts before its last resolved
+        mine = sorted((float(r["start"]), float(r["end"])) for r in rows if r["worker"] == w)
+        overlapping = any(later[0] < earlier[1] for earlier, later in itertools.pairwise(mine))
+        assert overlapping == (window > 1), mine
     assert all(r["status"] in ("APPLIED", "DROPPED") for r in rows)
     summary = json.loads((tmp_path / "ps.json").read_text())
     applied = sum(r["status"] == "APPLIED" for r in rows)
     assert summary["version"] == applied == summary["applied"]
-    # One push at a time per worker, two workers sharing ps's 50 Mbit/s ingress: the rate
+    # Two workers (one or two pushes at a time each) sharing ps's 50 Mbit/s ingress: the rate
     # of all the pushes' bytes over the span from the first push to the last verdict (which
     # includes the first hand-off and the last apply).
     span = max(float(r["end"]) for r in rows) - min(float(r["start"]) for r in rows)
