@@ -12,7 +12,8 @@ applies: pop the smallest key, recompute it, accept it if it is still no larger 
 next key. Updates that provably share one ``ten`` function — same ready time, same links
 after their first, and an untouched first link of equal capacity (a host's NIC) — form a
 *class* whose members are ordered by size alone, so only each class's head sits in the heap.
-Ties break on (ten, bytes, update id): the plan is deterministic.
+Ties break on (ten, bytes, ready time, update id): equal transfers go first come, first
+served, and the plan is deterministic.
 
 :class:`STFPolicy` wraps the planner as the service's ``stf`` policy.
 """
@@ -24,7 +25,7 @@ import itertools
 from bisect import bisect_right, insort
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import networkx as nx
@@ -419,9 +420,18 @@ def plan_stf(
     tls = timelines if timelines is not None else Timelines(graph, start=now)
     pc = paths if paths is not None else PathCache(graph)
     planner = _Planner(tls, now, tau_max, server_version, ahead)
-    for u in updates:
-        if u.update_id in planner.by_id:
-            raise ValueError(f"update '{u.update_id}' is listed twice")
+    # The planner breaks ties on the id it is given. Plan under ids that rank by
+    # (ready_at, update_id), so equal transfers go first come, first served: tie-breaking
+    # on the callers' ids alone would starve the workers whose ids sort last.
+    ids = [u.update_id for u in updates]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"update '{dup}' is listed twice")
+    ranked = sorted(updates, key=lambda u: (u.ready_at, u.update_id))
+    width = len(str(len(ranked)))
+    real = {f"{rank:0{width}d}": u.update_id for rank, u in enumerate(ranked)}
+    for alias, u in zip(real, ranked, strict=True):
+        u = replace(u, update_id=alias)
         planner.by_id[u.update_id] = u
         try:
             planner.links_of[u.update_id] = pc.links(u.src, u.dst)
@@ -430,8 +440,9 @@ def plan_stf(
             continue
         planner.add(u.update_id, exact=False)
     planner.run(limit)
-    transfers = tuple(planner.transfers)
-    return Schedule(transfers=transfers, drops=planner.drops, arrivals=tuple(t.payload_id for t in transfers))
+    transfers = tuple(replace(t, payload_id=real[t.payload_id]) for t in planner.transfers)
+    drops = {real[uid]: reason for uid, reason in planner.drops.items()}
+    return Schedule(transfers=transfers, drops=drops, arrivals=tuple(t.payload_id for t in transfers))
 
 
 class STFPolicy:

@@ -23,7 +23,10 @@ MB = 1e6
 def naive_stf(
     graph: nx.DiGraph, updates: Sequence[Update], tls: Timelines | None = None
 ) -> list[tuple[str, float]]:
-    """Textbook STF: every round recompute ten for every candidate (no heap, no classes)."""
+    """Textbook STF: every round recompute ten for every candidate (no heap, no classes).
+
+    Ties break on (ten, bytes, ready time, id), as documented for :func:`plan_stf`.
+    """
     tls = tls if tls is not None else Timelines(graph)
     pc = PathCache(graph)
     left = list(updates)
@@ -31,7 +34,12 @@ def naive_stf(
     while left:
         best = min(
             left,
-            key=lambda u: (tls.ten(pc.links(u.src, u.dst), u.bytes, u.ready_at)[1], u.bytes, u.update_id),
+            key=lambda u: (
+                tls.ten(pc.links(u.src, u.dst), u.bytes, u.ready_at)[1],
+                u.bytes,
+                u.ready_at,
+                u.update_id,
+            ),
         )
         _, end, _ = tls.reserve(pc.links(best.src, best.dst), best.bytes, best.ready_at)
         out.append((best.update_id, end))
@@ -194,3 +202,19 @@ def test_limit_and_horizon_give_the_head_of_the_full_order() -> None:
     assert [s.update_id for s in d.sends] == ["u7", "u6"]
     with pytest.raises(ValueError, match="horizon"):
         STFPolicy(horizon=0)
+
+
+def test_equal_transfers_go_first_come_first_served() -> None:
+    """Ties in ten break on ready time before id, so no worker's ids starve it."""
+    from mlfabric.scheduler.graph import star
+    from mlfabric.scheduler.schedule import Update
+    from mlfabric.scheduler.stf import plan_stf
+
+    g = star(["ps", "a", "z"], 8e6)
+    # z's update is ready first; a's id sorts first; with ten equal, z must go first.
+    updates = [Update("z/1", "z", "ps", 1e6, 0.0), Update("a/1", "a", "ps", 1e6, 0.5)]
+    plan = plan_stf(g, updates, now=1.0)
+    assert plan.arrivals == ("z/1", "a/1")
+    # Same ready time: the id decides, deterministically.
+    plan = plan_stf(g, [Update("z/2", "z", "ps", 1e6, 0.0), Update("a/2", "a", "ps", 1e6, 0.0)])
+    assert plan.arrivals == ("a/2", "z/2")
