@@ -59,6 +59,13 @@ def load_data(seed: int = 0, test_size: int = 360) -> tuple[np.ndarray, np.ndarr
     return x[train], y[train], x[test], y[test]
 
 
+def _one_thread() -> None:
+    """Use one intra-op thread: several training processes share this machine's cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def init_model(hidden: int, seed: int = 0) -> dict[str, Any]:
     """A freshly initialised MLP as a dict of float32 torch tensors (He initialisation)."""
     import torch
@@ -115,6 +122,7 @@ def run_server(args: argparse.Namespace) -> int:
     import mlfabric
 
     stop = _stop_on_signals()
+    _one_thread()
     _, _, x_test, y_test = load_data(args.seed)
     server = mlfabric.register_as_server(
         args.job,
@@ -171,6 +179,7 @@ def run_worker(args: argparse.Namespace) -> int:
     import mlfabric
 
     stop = _stop_on_signals()
+    _one_thread()
     x_train, y_train, _, _ = load_data(args.seed)
     shard = np.arange(len(x_train))[args.rank :: args.world]
     rng = np.random.default_rng(1000 + args.rank)
