@@ -270,6 +270,7 @@ class ServerRoles:
             version=verdict.version,
             reason=verdict.reason,
             src_host=self.host,
+            receive_seconds=frame.stats.seconds,
         )
         return Response(ack)
 

@@ -39,7 +39,7 @@ class TensorLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("kind", "update_id", "job", "server", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "payload_crc32", "outcome", "delay", "version", "reason", "src_host", "crc_trailer")
+    __slots__ = ("kind", "update_id", "job", "server", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "payload_crc32", "outcome", "delay", "version", "reason", "src_host", "crc_trailer", "receive_seconds")
     KIND_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class FrameHeader(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     SRC_HOST_FIELD_NUMBER: _ClassVar[int]
     CRC_TRAILER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     kind: FrameKind
     update_id: str
     job: str
@@ -74,4 +75,5 @@ class FrameHeader(_message.Message):
     reason: str
     src_host: str
     crc_trailer: bool
-    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., src_host: _Optional[str] = ..., crc_trailer: _Optional[bool] = ...) -> None: ...
+    receive_seconds: float
+    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., src_host: _Optional[str] = ..., crc_trailer: _Optional[bool] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
