@@ -500,6 +500,7 @@ class Daemon:
             ready_at=self._clock(),
             request_id=rid,
             owner=conn,
+            crc32=req.payload_crc32 if req.has_crc32 else None,
         )
         self.outgoing.add(push)
         conn.send(

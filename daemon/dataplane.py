@@ -2,9 +2,9 @@
 
 NOTE (changes after the API was published, all additive): ``send_frame`` computes a missing CRC
 while sending and appends it as a trailer (new ``FrameHeader.crc_trailer``); ``recv_frame``
-stores the verified CRC in ``frame.header.payload_crc32``; ``send_frame(..., zero_copy=False)``
-sends a :class:`FileSpan` from a mapping with ``sendall`` by default (``os.sendfile`` if True:
-it measured slower on loopback).
+stores the verified CRC in ``frame.header.payload_crc32``; ``send_frame(..., zero_copy=True)``
+sends a :class:`FileSpan` with ``os.sendfile`` by default (from a mapping with ``sendall`` if
+False).
 
 A frame on the wire (see ``proto/mlfabric/v1/dataplane.proto``)::
 
@@ -290,7 +290,7 @@ def send_frame(
     crc32: int | None = None,
     bucket: TokenBucket | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    zero_copy: bool = False,
+    zero_copy: bool = True,
 ) -> TransferStats:
     """Send one frame; block until every byte is handed to the kernel.
 
@@ -317,11 +317,10 @@ def send_frame(
     chunk_bytes : int
         Bytes per write call and per token reservation.
     zero_copy : bool
-        Send a :class:`FileSpan` with ``os.sendfile`` instead of ``sendall`` from a mapping of it.
-        Off by default: on loopback (every link this project runs on, veth included) sendfile's
-        page-by-page buffers cost more CPU at both ends than one copy into the socket, about 0.55
-        vs 0.45 CPU seconds per GB for a 256 MiB update (``experiments/bench_dataplane.py``);
-        on a NIC with scatter-gather DMA it would save the copy.
+        Send a :class:`FileSpan` with ``os.sendfile`` (default) instead of ``sendall`` from a
+        mapping of it. On a quiet machine sendfile measured 1.5-2.7x the mapped path's rate on
+        loopback and 0.27-0.55 vs 0.64-0.73 CPU seconds per GB (``experiments/bench_dataplane.py``);
+        under heavy load from other processes the two were about even.
 
     Returns
     -------

@@ -186,6 +186,8 @@ class PendingPush:
     request_id: int
     owner: int
     state: str = "ready"  # ready -> sending -> (resolved: removed)
+    #: CRC-32 of the payload as the pushing process computed it (None: computed while sending)
+    crc32: int | None = None
 
 
 class OutgoingPushes:

@@ -256,7 +256,7 @@ class PushSender:
                 errors.append("daemon shutting down")
                 break
             try:
-                reply = self.request(send.next_hop_address, header, span)
+                reply = self.request(send.next_hop_address, header, span, crc32=push.crc32)
             except PeerUnavailable as exc:
                 _LOG.warning("transfer %s, attempt %d/%d: %s", push.update_id, attempt + 1, attempts, exc)
                 errors.append(str(exc))
@@ -285,7 +285,9 @@ class PushSender:
             self.finish(taken, verdict)
         self._report(report)
 
-    def request(self, address: str, header: Any, payload: Any = None, alloc: Any = bytearray) -> Reply:
+    def request(
+        self, address: str, header: Any, payload: Any = None, alloc: Any = bytearray, crc32: int | None = None
+    ) -> Reply:
         """One request/reply with a peer daemon over a pooled connection that :meth:`stop` can cut.
 
         Raises
@@ -299,7 +301,7 @@ class PushSender:
         with self._lock:
             self._active.add(conn)
         try:
-            reply = conn.request(header, payload, alloc=alloc)
+            reply = conn.request(header, payload, alloc=alloc, crc32=crc32)
         except BaseException:
             conn.close()
             raise

@@ -45,6 +45,7 @@ from typing import Any
 
 from mlfabric import tensors as tcodec
 from mlfabric.daemon.bufferpool import MemfdPool, privatize
+from mlfabric.daemon.payloadio import crc32 as payload_crc32
 from mlfabric.localclient import (
     APPLIED,
     DROPPED,
@@ -193,6 +194,7 @@ class Worker:
             norm = tcodec.l2_norm(update)
         base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
         buf, layouts, total = tcodec.encode_pooled(self._buffers, update)
+        crc = payload_crc32(memoryview(buf)[:total])  # while the bytes are hot in cache
         # lost connection: the daemon may still read the buffer, so it is never reused
         handle = PushHandle(server, on_final=lambda lost: buf.discard() if lost else buf.release())
         push = local_pb2.PushRequest(
@@ -202,6 +204,8 @@ class Worker:
             tensors=tcodec.layouts_to_pb(layouts),
             payload_bytes=total,
             has_payload=True,
+            payload_crc32=crc,
+            has_crc32=True,
         )
         request = local_pb2.LocalRequest(push=push)
         ids: list[int] = []

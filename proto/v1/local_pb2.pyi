@@ -34,20 +34,24 @@ class RegisterServerRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., model: _Optional[_Iterable[_Union[_control_pb2.TensorSpec, _Mapping]]] = ..., params: _Optional[_Union[_control_pb2.JobParams, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("server", "norm", "base_version", "tensors", "payload_bytes", "has_payload")
+    __slots__ = ("server", "norm", "base_version", "tensors", "payload_bytes", "has_payload", "payload_crc32", "has_crc32")
     SERVER_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     HAS_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
+    HAS_CRC32_FIELD_NUMBER: _ClassVar[int]
     server: str
     norm: float
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.TensorLayout]
     payload_bytes: int
     has_payload: bool
-    def __init__(self, server: _Optional[str] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
+    payload_crc32: int
+    has_crc32: bool
+    def __init__(self, server: _Optional[str] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., payload_crc32: _Optional[int] = ..., has_crc32: _Optional[bool] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("server",)

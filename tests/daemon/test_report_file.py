@@ -126,7 +126,7 @@ def test_report_file_has_a_line_per_transfer_after_real_pushes(
     while len(reports["h1"].read_text().splitlines()) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     lines = [json.loads(line) for line in reports["h1"].read_text().splitlines()]
-    assert [line["update_id"] for line in lines] == [r.update_id for r in results]
+    assert [line["update_id"] for line in lines] == [r.update_id for r in results], daemons.log("h1")
     assert all(list(line) == list(REPORT_FIELDS) for line in lines)
     nbytes = int(np.prod(shape)) * 4
     for line, result in zip(lines, results, strict=True):
@@ -136,7 +136,10 @@ def test_report_file_has_a_line_per_transfer_after_real_pushes(
         assert before <= line["start"] <= line["end"] <= after
         assert line["throughput"] > 0
     assert lines[1]["delay"] == 1 and lines[2]["reason"] == results[2].reason != ""
-    # the same reports reached the scheduler
+    # the same reports reached the scheduler (its stream may lag the file by a moment)
+    deadline = time.monotonic() + 5
+    while len(scheduler.reports) < len(results) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert sorted(r.update_id for r in scheduler.reports) == sorted(r.update_id for r in results)
     worker.close()
     server.stop()
