@@ -103,6 +103,12 @@ class Params:
     tau_max: int | None = None
     div_max: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
+            raise ValueError(f"tau_max must be an integer >= 0 or None (unbounded), got {self.tau_max!r}")
+        if self.div_max is not None and not float(self.div_max) > 0:
+            raise ValueError(f"div_max must be a number > 0 or None (unbounded), got {self.div_max!r}")
+
     def to_pb(self) -> Any:
         """The ``JobParams`` message (``-1`` / ``0`` for unbounded)."""
         return control_pb2.JobParams(

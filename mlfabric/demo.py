@@ -242,7 +242,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0.1,
         help="extra compute time per step, as a GPU's forward/backward would take (default 0.1)",
     )
-    parser.add_argument("--tau-max", type=int, default=None, help="delay bound (default: unbounded)")
+    parser.add_argument(
+        "--tau-max", type=int, default=8, help="delay bound tau_max (default 8; -1: unbounded)"
+    )
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per policy at most")
     parser.add_argument("--push-timeout", type=float, default=60.0, help=argparse.SUPPRESS)
     parser.add_argument(

@@ -128,7 +128,7 @@ def run_server(args: argparse.Namespace) -> int:
         args.job,
         args.name,
         init_model(args.hidden, args.seed),
-        mlfabric.Params(tau_max=args.tau_max),
+        mlfabric.Params(tau_max=args.tau_max if args.tau_max is not None and args.tau_max >= 0 else None),
         daemon=args.daemon,
     )
     status_path = Path(args.status_file) if args.status_file else None
@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="role", required=True)
     server = sub.add_parser("server", help="serve the model")
     server.add_argument("--name", default="ps0")
-    server.add_argument("--tau-max", type=int, default=None, help="delay bound (default: unbounded)")
+    server.add_argument("--tau-max", type=int, default=None, help="delay bound (default or < 0: unbounded)")
     server.add_argument("--target-accuracy", type=float, default=0.95)
     server.add_argument("--eval-every", type=int, default=5, help="evaluate every N applied updates")
     server.add_argument("--status-file", help="JSON progress file, rewritten as training goes")

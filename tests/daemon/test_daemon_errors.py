@@ -207,3 +207,14 @@ def test_failing_on_update_drops_the_push_with_the_exception(make_daemon: Any) -
     assert errors and server.version == 0
     worker.close()
     server.close()
+
+
+def test_params_refuse_negative_bounds() -> None:
+    """A negative tau_max would drop every update: refused, naming the value."""
+    import mlfabric
+
+    with pytest.raises(ValueError, match="tau_max must be an integer >= 0"):
+        mlfabric.Params(tau_max=-1)
+    with pytest.raises(ValueError, match="div_max must be a number > 0"):
+        mlfabric.Params(div_max=0.0)
+    assert mlfabric.Params(tau_max=0).tau_max == 0
