@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["ClusterError", "LocalCluster", "ManagedProcess", "wait_for_ready_file"]
+__all__ = ["ClusterError", "LocalCluster", "ManagedProcess", "stop_processes", "wait_for_ready_file"]
 
 
 class ClusterError(RuntimeError):
@@ -69,6 +69,22 @@ def wait_for_ready_file(path: Path, proc: ManagedProcess, timeout: float) -> dic
     raise ClusterError(
         f"{proc.name} not ready after {timeout:.0f}s; its log ({proc.log_path}):\n{proc.log_tail()}"
     )
+
+
+def stop_processes(procs: Sequence[ManagedProcess], grace: float = 10.0) -> None:
+    """SIGTERM every process (last started first), SIGKILL what is left after ``grace`` s; reap all."""
+    for proc in reversed(procs):
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in reversed(procs):
+        try:
+            proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+        if proc._log is not None:
+            proc._log.close()
 
 
 class LocalCluster:
@@ -183,18 +199,7 @@ class LocalCluster:
     def stop(self, grace: float = 10.0) -> None:
         """Terminate every child (training processes first, scheduler last) and reap it."""
         procs, self._procs = self._procs, []
-        for proc in reversed(procs):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in reversed(procs):
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
-            if proc._log is not None:
-                proc._log.close()
+        stop_processes(procs, grace)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -252,8 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: ``python -m mlfabric.examples.digits server|worker ...``."""
+    from mlfabric.localclient import MlfabricError
+
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except MlfabricError as exc:  # e.g. no daemon at the socket, or the daemon went away
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

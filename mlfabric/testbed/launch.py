@@ -24,16 +24,14 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from mlfabric.cluster import ClusterError, ManagedProcess, wait_for_ready_file
+from mlfabric.cluster import ClusterError, ManagedProcess, stop_processes, wait_for_ready_file
 from mlfabric.daemon.transfers import REPORT_FIELDS
 from mlfabric.testbed.cluster import CONTROL, Testbed
 
@@ -139,18 +137,7 @@ class TestbedCluster:
     def stop(self, grace: float = 10.0) -> None:
         """Terminate every child (training processes first, scheduler last) and reap it."""
         procs, self._procs = self._procs, []
-        for proc in reversed(procs):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in reversed(procs):
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
-            if proc._log is not None:
-                proc._log.close()
+        stop_processes(procs, grace)
 
     def __enter__(self) -> TestbedCluster:
         return self.start()
