@@ -155,7 +155,7 @@ def plot(rows: list[dict], transfers: list[dict], policies: Sequence[str], path:
         _cdf(axes[2], moved, policy)
     axes[0].set_xlabel("update delay (versions) of applied updates")
     axes[1].set_xlabel("push completion time (s), push -> resolved")
-    axes[2].set_xlabel("transfer time (s), sender's daemon report (socket writes)")
+    axes[2].set_xlabel("transfer time (s), sender's daemon report (wire time)")
     for ax in axes:
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)
@@ -193,9 +193,9 @@ def write_summary(
         "tbf-shaped links.",
         "",
         "Delay: server version at apply minus base version. Completion: push call to resolution, "
-        "at the worker. Transfer: the sending daemon's transfer report, end - start; it times the "
-        "sendfile into the local socket, so bytes still in kernel buffers are not counted (it can "
-        "be far shorter than the wire time, and its throughput far above the link rate).",
+        "at the worker. Transfer: the sending daemon's transfer report, end - start: the longer of "
+        "the sender's socket writes and the receiver's first-to-last byte (sent back in the ACK), "
+        "so it follows the wire, not the local socket buffers.",
         "",
         "| policy | pushes | applied | dropped | delay mean | p50 | p99 | completion mean (s) | p50 | p99 "
         "| applied Mbit/s | transfers | transfer mean (s) | p99 |",
