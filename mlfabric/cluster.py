@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 __all__ = ["ClusterError", "LocalCluster", "ManagedProcess", "stop_processes", "wait_for_ready_file"]
 
@@ -107,11 +107,17 @@ class LocalCluster:
         The interpreter for the child processes.
     extra_scheduler_args : sequence of str
         More arguments for ``mlfabric scheduler``.
+    ready_timeout : float
+        Seconds to wait for each ready file.
+    log_level : str
+        Log level of the scheduler and the daemons (their logs go to ``workdir/logs``).
 
     Notes
     -----
     The constructor does no I/O; :meth:`start` launches, :meth:`stop` terminates every
-    child (SIGTERM, then SIGKILL after a grace period) and reaps it.
+    child (SIGTERM, then SIGKILL after a grace period) and reaps it. Where the processes run
+    and which addresses they listen on are the hooks ``_popen``, ``_scheduler_listen``,
+    ``_data_listen`` and ``_daemon_args`` (the namespace testbed overrides them).
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class LocalCluster:
         python: str = sys.executable,
         extra_scheduler_args: Sequence[str] = (),
         ready_timeout: float = 30.0,
+        log_level: str = "INFO",
     ) -> None:
         self.topology = Path(topology)
         self.policy = policy
@@ -134,6 +141,7 @@ class LocalCluster:
         self.python = python
         self.extra_scheduler_args = list(extra_scheduler_args)
         self.ready_timeout = ready_timeout
+        self.log_level = log_level
         self.scheduler_address: str | None = None
         self.daemons: dict[str, dict[str, Any]] = {}
         self._procs: list[ManagedProcess] = []
@@ -148,24 +156,18 @@ class LocalCluster:
             self._hosts = hosts(load_topology(self.topology))
         return list(self._hosts)
 
-    def start(self) -> LocalCluster:
+    def start(self) -> Self:
         """Start the scheduler, then every daemon; return when all are ready."""
-        for sub in ("logs", "ready", "sockets"):
+        for sub in ("logs", "ready", "sockets", "reports"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         try:
             ready = self.workdir / "ready" / "scheduler.json"
             sched = self._launch(
+                None,
                 "scheduler",
                 [
-                    "scheduler",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--topology",
-                    str(self.topology),
-                    "--policy",
-                    self.policy,
-                    "--ready-file",
-                    str(ready),
+                    *("scheduler", "--listen", self._scheduler_listen()),
+                    *("--topology", str(self.topology), "--policy", self.policy, "--ready-file", str(ready)),
                     *self.extra_scheduler_args,
                 ],
             )
@@ -174,21 +176,11 @@ class LocalCluster:
             for host in self.hosts:
                 ready = self.workdir / "ready" / f"daemon-{host}.json"
                 argv = [
-                    "daemon",
-                    "--host",
-                    host,
-                    "--scheduler",
-                    self.scheduler_address,
-                    "--socket",
-                    self.socket(host),
-                    "--data-listen",
-                    "127.0.0.1:0",
-                    "--ready-file",
-                    str(ready),
+                    *("daemon", "--host", host, "--scheduler", self.scheduler_address),
+                    *("--socket", self.socket(host), "--data-listen", self._data_listen(host)),
+                    *("--ready-file", str(ready), *self._daemon_args(host)),
                 ]
-                if self.enforce_nic_rates:
-                    argv += ["--topology", str(self.topology), "--enforce-nic-rates"]
-                pending.append((host, ready, self._launch(f"daemon-{host}", argv)))
+                pending.append((host, ready, self._launch(host, f"daemon-{host}", argv)))
             for host, ready, proc in pending:
                 self.daemons[host] = wait_for_ready_file(ready, proc, self.ready_timeout)
         except BaseException:
@@ -201,7 +193,7 @@ class LocalCluster:
         procs, self._procs = self._procs, []
         stop_processes(procs, grace)
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(
@@ -219,9 +211,21 @@ class LocalCluster:
     ) -> ManagedProcess:
         """Run a training process on ``host``: ``MLFABRIC_DAEMON`` points it at that host's daemon."""
         if host not in self.hosts:
-            raise ClusterError(f"unknown host '{host}' (hosts: {', '.join(self.hosts)})")
+            raise ClusterError(f"unknown host '{host}' (hosts with a daemon: {', '.join(self.hosts)})")
         child_env = {**os.environ, **(env or {}), "MLFABRIC_DAEMON": self.socket(host)}
-        return self._start_process(name or f"{host}-{len(self._procs)}", list(argv), child_env)
+        return self._start_process(host, name or f"{host}-{len(self._procs)}", list(argv), child_env)
+
+    def wait(self, proc: ManagedProcess, timeout: float) -> int:
+        """Wait for a spawned process to exit; raise :class:`ClusterError` (with its log) if it fails."""
+        try:
+            code = proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(
+                f"{proc.name} still running after {timeout:.0f}s; log:\n{proc.log_tail()}"
+            ) from None
+        if code != 0:
+            raise ClusterError(f"{proc.name} exited with code {code}; log:\n{proc.log_tail()}")
+        return code
 
     def processes(self) -> list[ManagedProcess]:
         """Every child process started so far (and not yet stopped)."""
@@ -235,16 +239,39 @@ class LocalCluster:
                     f"{proc.name} died with code {proc.popen.returncode}; its log:\n{proc.log_tail()}"
                 )
 
-    def _launch(self, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
-        argv = [self.python, "-m", "mlfabric", "--log-level", "INFO", *mlfabric_argv]
-        return self._start_process(name, argv, dict(os.environ))
+    # ------------------------------------------------------------------ hooks
+    def _scheduler_listen(self) -> str:
+        """Where the scheduler listens."""
+        return "127.0.0.1:0"
 
-    def _start_process(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+    def _data_listen(self, host: str) -> str:
+        """Where ``host``'s daemon's data plane listens."""
+        return "127.0.0.1:0"
+
+    def _daemon_args(self, host: str) -> list[str]:
+        """More ``mlfabric daemon`` arguments for ``host``."""
+        return ["--topology", str(self.topology), "--enforce-nic-rates"] if self.enforce_nic_rates else []
+
+    def _popen(
+        self, host: str | None, argv: list[str], env: dict[str, str], log: IO[bytes]
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` on ``host`` (None: the scheduler's place)."""
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def _launch(self, host: str | None, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
+        argv = [self.python, "-m", "mlfabric", "--log-level", self.log_level, *mlfabric_argv]
+        return self._start_process(host, name, argv, dict(os.environ))
+
+    def _start_process(
+        self, host: str | None, name: str, argv: list[str], env: dict[str, str]
+    ) -> ManagedProcess:
         log_path = self.workdir / "logs" / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        popen = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-        )
+        try:
+            popen = self._popen(host, argv, env, log)
+        except BaseException:
+            log.close()
+            raise
         proc = ManagedProcess(name, popen, log_path, log)
         self._procs.append(proc)
         return proc
