@@ -60,10 +60,6 @@ __all__ = ["Daemon", "DaemonConfig"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
-_ACK = dataplane_pb2.FRAME_KIND_ACK
-_GET = dataplane_pb2.FRAME_KIND_GET
-_MODEL = dataplane_pb2.FRAME_KIND_MODEL
-_DROPPED = control_pb2.OUTCOME_DROPPED
 
 
 @dataclass(frozen=True)
