@@ -88,17 +88,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mlfabric.scheduler.ilp_model import (
+    Column,
     CpSat,
-    Hop,
     Layout,
     Mip,
-    Route,
     Vars,
-    add_aggregates,
-    add_arrivals,
+    add_capacity,
+    add_columns,
+    add_direct,
     add_first_legs,
     add_hint,
-    add_store_and_forward,
     add_symmetry,
     layout,
     set_objective,
@@ -207,7 +206,7 @@ def solve_ilp(
     seed: int = 0,
     workers: int = 8,
     engine: str = "cp-sat",
-    groups: int = 2,
+    groups: int | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> IlpResult:
     """Solve the time-indexed ILP of appendix 10.1 for ``instance`` (see the module docstring).
@@ -229,9 +228,9 @@ def solve_ilp(
         CP-SAT search workers (its portfolio; 8 by default even on fewer cores).
     engine : str
         ``"cp-sat"`` (default), ``"highs"`` or ``"scip"``.
-    groups : int
-        Aggregates each aggregator may make (one after another: the aggregation groups of
-        Fig. 6 reuse a hop); 1 is the paper's one aggregate per aggregator.
+    groups : int, optional
+        Most aggregates each aggregator may make (the aggregation groups of Fig. 6 reuse a
+        hop); default no limit; 1 is the paper's one aggregate per aggregator.
     progress : callable, optional
         Called with a :class:`Progress` on every new solution and bound (CP-SAT only).
 
@@ -263,14 +262,14 @@ def solve_ilp(
     T = lay.T
     m: CpSat | Mip = CpSat() if engine == "cp-sat" else Mip(engine)
     v = Vars(integer=engine == "cp-sat")
-    add_first_legs(m, instance, lay, v)
-    add_aggregates(m, lay, v)
-    add_store_and_forward(m, lay, v)
+    add_first_legs(m, lay, v)
+    add_direct(m, lay, v)
+    add_columns(m, lay, v)
+    add_capacity(m, lay, v)
     add_symmetry(m, lay, v)
-    add_arrivals(m, lay, v)
     to_seconds = set_objective(m, instance, lay, v)
     if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)
-        add_hint(m, instance, hint, lay.q, T, v)
+        add_hint(m, instance, hint, lay, v)
 
     def report(objective: float, bound: float) -> None:
         if progress is not None:
@@ -283,9 +282,8 @@ def solve_ilp(
     bound = bound if math.isfinite(bound) and status != "INFEASIBLE" else 0.0
     routes = lay.routes
     if status in ("OPTIMAL", "FEASIBLE"):
-        chosen = {uid: next(r for r in routes[uid] if m.value(v.y[uid, r]) > 0.5) for uid in routes}
-        schedule = _to_schedule(instance, m, lay, v, chosen)
-        hosts = {uid: r[0] if r else None for uid, r in chosen.items()}
+        hosts = {uid: next(r for r in routes[uid] if m.value(v.y[uid, r]) > 0.5) for uid in routes}
+        schedule = _to_schedule(instance, m, lay, v, hosts)
     elif hint is not None:  # stopped before the first solution: the warm start is the best plan
         schedule, status, hosts = hint, "FEASIBLE", _hosts(hint, routes)
     else:
@@ -307,31 +305,30 @@ def _hosts(schedule: Schedule, updates: Iterable[str]) -> dict[str, str | None]:
 
 
 def _to_schedule(
-    instance: Instance, m: CpSat | Mip, lay: Layout, v: Vars, chosen: dict[str, Route]
+    instance: Instance, m: CpSat | Mip, lay: Layout, v: Vars, hosts: dict[str, str | None]
 ) -> Schedule:
     """The solver's values as a :class:`Schedule` (one reservation per run of equal slots)."""
     slot, T = lay.slot, lay.T
     transfers: list[Transfer] = []
-    members: dict[Hop, list[str]] = {}
     for u in instance.updates:
-        uid, r = u.update_id, chosen[u.update_id]
+        uid, r = u.update_id, hosts[u.update_id]
         moved = {t: m.value(v.x[uid, r, t]) for t in range(T) if (uid, r, t) in v.x}
         res, start, end = _reservations(lay.leg[uid, r], moved, slot, u.bytes)
-        path = instance.path(u.src, r[0] if r else instance.server)
+        path = instance.path(u.src, r or instance.server)
         transfers.append(Transfer(uid, path[0], path[-1], path, start, end, u.bytes, res))
-        if r is not None:
-            members.setdefault(r, []).append(uid)
+    members: dict[Column, list[str]] = {}
+    for (uid, col), var in v.m.items():
+        if m.value(var) > 0.5:
+            members.setdefault(col, []).append(uid)
     aggregates = []
-    for a, mem in sorted(members.items()):
-        size = max(instance.update(uid).bytes for uid in mem)
-        amounts: dict[int, float] = {}
-        need, sent = max(lay.size[uid] for uid in mem), 0.0
-        for t in range(T):  # anything the solver sends beyond the aggregate's size is waste
-            amounts[t] = min(m.value(v.xa[a, t]), max(0.0, need - sent))
-            sent += amounts[t]
+    made: dict[str, int] = {}  # aggregator -> aggregates so far
+    for col in sorted(members, key=lambda col: (col[0], col[2], col[1])):
+        a = col[0]
+        aid, made[a] = aggregate_id(a, made.get(a, 0)), made.get(a, 0) + 1
+        size = max(instance.update(uid).bytes for uid in members[col])
+        amounts = {t: m.value(v.xa[col, t]) for t in range(T) if (col, t) in v.xa}
         res, start, end = _reservations(lay.agg_leg[a], amounts, slot, size)
-        path = instance.path(a[0], instance.server)
-        aid = aggregate_id(*a)
-        transfers.append(Transfer(aid, a[0], instance.server, path, start, end, size, res))
-        aggregates.append(Aggregate(aid, a[0], tuple(mem), size, instance.server))
+        path = instance.path(a, instance.server)
+        transfers.append(Transfer(aid, a, instance.server, path, start, end, size, res))
+        aggregates.append(Aggregate(aid, a, tuple(members[col]), size, instance.server))
     return Schedule(transfers=tuple(transfers), aggregates=tuple(aggregates))

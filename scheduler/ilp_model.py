@@ -141,159 +141,245 @@ def slot_bytes(transfer: Transfer, slot: float, horizon: int) -> list[float]:
     return out
 
 
+Column = tuple[str, int, int]  # (aggregator, aggregate size in quanta, completion slot)
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The instance in the model's units: slots, routes, paths, quanta per slot and per update."""
+    """The instance in the model's units: slots, routes, paths, quanta per slot and per update.
+
+    ``first[u]``: ``u``'s first slot; ``leg_rate[u, r]``: its quanta per slot on route ``r``'s
+    first leg; ``agg_rate[a]``: an aggregate's quanta per slot from ``a`` to the server;
+    ``ingress[a]``: quanta per slot into ``a``; ``sizes``: the distinct update sizes.
+    """
 
     T: int
     slot: float
-    routes: dict[str, list[Route]]
-    hops: list[Hop]
-    leg: dict[tuple[str, Route], list[Link]]
-    agg_leg: dict[Hop, list[Link]]
+    routes: dict[str, tuple[str | None, ...]]
+    leg: dict[tuple[str, str | None], list[Link]]
+    agg_leg: dict[str, list[Link]]
     q: float
     cap: dict[Link, int]
     size: dict[str, int]
+    first: dict[str, int]
+    leg_rate: dict[tuple[str, str | None], int]
+    agg_rate: dict[str, int]
+    ingress: dict[str, int]
+    sizes: tuple[int, ...]
+    groups: int | None
+
+    def arrival(self, uid: str, route: str | None) -> int:
+        """The earliest slot by whose end ``uid``'s first leg on ``route`` can be complete."""
+        return self.first[uid] + math.ceil(self.size[uid] / self.leg_rate[uid, route]) - 1
+
+    def forward_slots(self, aggregator: str, k: int) -> int:
+        """Slots an aggregate of ``k`` quanta needs from ``aggregator`` to the server."""
+        return math.ceil(k / self.agg_rate[aggregator])
 
 
-def layout(instance: Instance, T: int, groups: int) -> Layout:
+def layout(instance: Instance, T: int, groups: int | None) -> Layout:
     server = instance.server
-    routes: dict[str, list[Route]] = {
-        u.update_id: [None, *((a, g) for a in instance.routes(u.update_id)[1:] for g in range(groups))]
-        for u in instance.updates
-    }
-    hops = sorted({r for rs in routes.values() for r in rs if r is not None})
+    routes = {u.update_id: instance.routes(u.update_id) for u in instance.updates}
+    src = {u.update_id: u.src for u in instance.updates}
     leg = {
-        (u.update_id, r): path_links(list(instance.path(u.src, r[0] if r else server)))
-        for u in instance.updates
-        for r in routes[u.update_id]
+        (uid, r): path_links(list(instance.path(src[uid], r or server)))
+        for uid, rs in routes.items()
+        for r in rs
     }
-    agg_leg = {hop: path_links(list(instance.path(hop[0], server))) for hop in hops}
+    aggs = sorted({r for rs in routes.values() for r in rs if r is not None})
+    agg_leg = {a: path_links(list(instance.path(a, server))) for a in aggs}
     links = {e for ls in leg.values() for e in ls} | {e for ls in agg_leg.values() for e in ls}
     q = quantum(instance, links)
     cap = {e: math.floor(instance.capacity(e) * instance.slot_seconds / q + 1e-9) for e in links}
     size = {u.update_id: math.ceil(u.bytes / q - 1e-9) for u in instance.updates}
-    return Layout(T, instance.slot_seconds, routes, hops, leg, agg_leg, q, cap, size)
+    first = {u.update_id: math.ceil(u.ready_at / instance.slot_seconds - 1e-9) for u in instance.updates}
+    leg_rate = {key: min(cap[e] for e in links_) for key, links_ in leg.items()}
+    agg_rate = {a: min(cap[e] for e in agg_leg[a]) for a in aggs}
+    ingress = {a: sum(cap[e] for e in links if e[1] == a) for a in aggs}
+    sizes = tuple(sorted(set(size.values())))
+    return Layout(
+        T,
+        instance.slot_seconds,
+        routes,
+        leg,
+        agg_leg,
+        q,
+        cap,
+        size,
+        first,
+        leg_rate,
+        agg_rate,
+        ingress,
+        sizes,
+        groups,
+    )
 
 
 @dataclass
 class Vars:
-    """The model's variables (see the module docstring) and what the builders share."""
+    """The model's variables (see :mod:`mlfabric.scheduler.ilp`) and what the builders share.
+
+    ``done[u, c]`` lists the 0/1 variables whose value 1 means ``u`` is at the server by
+    the end of slot ``c`` and not before: ``D[u, c]`` and ``m[u, a, k, c]``.
+    """
 
     integer: bool
-    y: dict[tuple[str, Route], Any] = field(default_factory=dict)
-    x: dict[tuple[str, Route, int], Any] = field(default_factory=dict)
-    z: dict[tuple[str, Route, int], Any] = field(default_factory=dict)
-    d: dict[tuple[str, int], Any] = field(default_factory=dict)
-    w: dict[tuple[str, Hop, int], Any] = field(default_factory=dict)
-    agg_done: dict[tuple[Hop, int], Any] = field(default_factory=dict)
-    xa: dict[tuple[Hop, int], Any] = field(default_factory=dict)
-    e: dict[tuple[str, Hop, int], Any] = field(default_factory=dict)
-    members: dict[Hop, list[str]] = field(default_factory=dict)
+    y: dict[tuple[str, str | None], Any] = field(default_factory=dict)
+    x: dict[tuple[str, str | None, int], Any] = field(default_factory=dict)
+    z: dict[tuple[str, str, int], Any] = field(default_factory=dict)
+    D: dict[tuple[str, int], Any] = field(default_factory=dict)
+    G: dict[Column, Any] = field(default_factory=dict)
+    xa: dict[tuple[Column, int], Any] = field(default_factory=dict)
+    S: dict[tuple[Column, int], Any] = field(default_factory=dict)
+    m: dict[tuple[str, Column], Any] = field(default_factory=dict)
+    done: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
     twins: list[list[str]] = field(default_factory=list)
     on_link: dict[tuple[Link, int], list[Any]] = field(default_factory=dict)
 
 
-def add_first_legs(m: CpSat | Mip, instance: Instance, lay: Layout, v: Vars) -> None:
-    """Routes ``y``, first-leg bytes ``x``, arrivals at the aggregator ``z``, and ``d``."""
-    T, size, cap = lay.T, lay.size, lay.cap
-    agg_rate = {hop: min(cap[e] for e in lay.agg_leg[hop]) for hop in lay.hops}
-    v.members = {hop: [] for hop in lay.hops}
-    for u in instance.updates:
-        uid = u.update_id
-        first = math.ceil(u.ready_at / lay.slot - 1e-9)
-        earliest = T - 1
-        for r in lay.routes[uid]:
+def _cumulative(m: CpSat | Mip, moved: list[Any]) -> list[Any]:
+    """Running sums of ``moved`` as expressions."""
+    return [m.total(moved[: i + 1]) for i in range(len(moved))]
+
+
+def add_first_legs(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
+    """Routes ``y``, first-leg bytes ``x`` and arrivals at an aggregator ``z``."""
+    for uid, routes in lay.routes.items():
+        size, first = lay.size[uid], lay.first[uid]
+        for r in routes:
             v.y[uid, r] = m.bool(f"y[{uid},{r}]")
-            ub = min(cap[e] for e in lay.leg[uid, r])
-            done_leg = first + math.ceil(size[uid] / ub) - 1
-            earliest = min(earliest, done_leg + (0 if r is None else math.ceil(size[uid] / agg_rate[r])))
-            moved: list[Any] = []
-            for t in range(first, T if r is None else T - 1):
+            ub = lay.leg_rate[uid, r]
+            moved = []
+            for t in range(first, lay.T):
                 v.x[uid, r, t] = x = m.var(0, ub, f"x[{uid},{r},{t}]", v.integer)
                 m.add(x <= ub * v.y[uid, r])
                 moved.append(x)
                 for e in lay.leg[uid, r]:
                     v.on_link.setdefault((e, t), []).append(x)
-                if r is not None and t >= done_leg:
-                    v.z[uid, r, t] = z = m.bool(f"z[{uid},{r},{t}]")
-                    m.add(m.total(moved) >= size[uid] * z)
-                    m.add(z <= v.y[uid, r])
-                    if (uid, r, t - 1) in v.z:
-                        m.add(v.z[uid, r, t - 1] <= z)
-            m.add(m.total(moved) == size[uid] * v.y[uid, r])
-            if r is not None:
-                v.members[r].append(uid)
-        m.add(m.total([v.y[uid, r] for r in lay.routes[uid]]) == 1)
-        for t in range(min(max(0, earliest), T - 1), T):
-            v.d[uid, t] = m.bool(f"d[{uid},{t}]")
-            if (uid, t - 1) in v.d:
-                m.add(v.d[uid, t - 1] <= v.d[uid, t])
+            m.add(m.total(moved) == size * v.y[uid, r])
+            if r is None:
+                continue
+            sums = _cumulative(m, moved)
+            for t in range(lay.arrival(uid, r), lay.T):
+                v.z[uid, r, t] = z = m.bool(f"z[{uid},{r},{t}]")
+                m.add(sums[t - first] >= size * z)
+                if (uid, r, t - 1) in v.z:
+                    m.add(v.z[uid, r, t - 1] <= z)
+        m.add(m.total([v.y[uid, r] for r in routes]) == 1)
 
 
-def add_aggregates(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
-    """Aggregate bytes ``xa`` (store and forward), completion ``A`` and ``w``; symmetry."""
-    size = lay.size
-    for hop in lay.hops:
-        ub = min(lay.cap[e] for e in lay.agg_leg[hop])
-        sent: list[Any] = []
-        for t in range(lay.T):
-            v.xa[hop, t] = xa = m.var(0, ub, f"xa[{hop},{t}]", v.integer)
-            sent.append(xa)
-            for e in lay.agg_leg[hop]:
-                v.on_link.setdefault((e, t), []).append(xa)
-            done = None
-            for uid in v.members[hop]:
-                arrived = v.z.get((uid, hop, t - 1), 0)
-                m.add(xa <= ub * (1 - v.y[uid, hop] + arrived))
-                if (uid, t) not in v.d or isinstance(arrived, int):
-                    continue
-                if done is None:  # the aggregate (one update's size: its largest member) is in
-                    done = v.agg_done[hop, t] = m.bool(f"A[{hop},{t}]")
-                    for other in v.members[hop]:
-                        m.add(m.total(sent) >= size[other] * (done + v.y[other, hop] - 1))
-                v.w[uid, hop, t] = f = m.var(0, 1, f"w[{uid},{hop},{t}]", v.integer)
-                m.add(f <= arrived)
-                m.add(f <= done)
-                m.add(m.total(sent) >= size[uid] * f)
-    for hop in lay.hops:  # symmetry: groups at one aggregator fill up and finish in order
-        if hop[1]:
-            earlier = (hop[0], hop[1] - 1)
-            for uid in v.members[hop]:
-                m.add(v.y[uid, hop] <= m.total([v.y[other, earlier] for other in v.members[earlier]]))
-            for t in range(lay.T):
-                if (hop, t) in v.agg_done and (earlier, t) in v.agg_done:
-                    m.add(v.agg_done[hop, t] <= v.agg_done[earlier, t])
+def _window_rows(
+    m: CpSat | Mip, sums: list[Any], lo: int, ends: list[tuple[int, Any]], size: int, rate: int, upper: bool
+) -> None:
+    """Valid rows tying a payload's bytes to the slot it must be complete by.
 
-
-def add_store_and_forward(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
-    """Per-member shares ``e`` of the aggregate: bytes sent after the member arrived.
-
-    ``e[u,h,t] <= xa[h,t]``, ``e[u,h,t] <= cap · z[u,h,t-1]`` and
-    ``Σ_{k<=t} e[u,h,k] >= bytes(u) · w[u,h,t]``: ``u`` counts as delivered through the
-    aggregate only once a whole update's worth of the aggregate left *after* ``u`` arrived.
-    Every integer plan satisfies it (``e = xa`` for members), but in the LP relaxation it
-    stops a fractional route from reaching the server one slot after its first leg: the
-    store-and-forward delay of the aggregate is paid in full.
+    ``sums[i]``: bytes moved by the end of slot ``lo + i``; ``ends``: ``(slot, var)`` pairs,
+    ``var = 1`` when the payload must be complete by that slot (at most one is 1). By slot
+    ``t`` it has moved at least ``size - rate·(end - t)`` (else it cannot finish in time), and
+    with ``upper`` (integer quanta, ``end`` its true completion) at most ``size - 1`` while
+    ``end > t``. These make the time-indexed LP finish a payload at the end of its window,
+    not spread over it.
     """
-    for hop in lay.hops:
-        ub = min(lay.cap[link] for link in lay.agg_leg[hop])
-        for uid in v.members[hop]:
-            shares: list[Any] = []
-            for t in range(lay.T):
-                arrived = v.z.get((uid, hop, t - 1))
-                if arrived is None:
-                    continue
-                v.e[uid, hop, t] = e = m.var(0, ub, f"e[{uid},{hop},{t}]", v.integer)
-                m.add(e <= v.xa[hop, t])
-                m.add(e <= ub * arrived)
-                shares.append(e)
-                if (uid, hop, t) in v.w:
-                    m.add(m.total(shares) >= lay.size[uid] * v.w[uid, hop, t])
+    for i, total in enumerate(sums):
+        t = lo + i
+        need = [
+            (size - rate * max(0, end - t), var) for end, var in ends if size - rate * max(0, end - t) > 0
+        ]
+        if need:
+            m.add(total >= m.total([c * var for c, var in need]))
+        if upper and any(end > t for end, _ in ends):
+            m.add(total <= m.total([(size - 1 if end > t else size) * var for end, var in ends]))
+
+
+def add_direct(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
+    """``D[u, c]``: ``u`` goes straight to the server and is complete at the end of slot ``c``."""
+    for uid in lay.routes:
+        first, size, ub = lay.first[uid], lay.size[uid], lay.leg_rate[uid, None]
+        ends = []
+        for c in range(lay.arrival(uid, None), lay.T):
+            v.D[uid, c] = var = m.bool(f"D[{uid},{c}]")
+            v.done.setdefault((uid, c), []).append(var)
+            ends.append((c, var))
+        m.add(m.total([var for _, var in ends]) == v.y[uid, None])
+        moved = [v.x[uid, None, t] for t in range(first, lay.T)]
+        _window_rows(m, _cumulative(m, moved), first, ends, size, ub, v.integer)
+        for t, x in zip(range(first, lay.T), moved, strict=True):  # nothing moves once complete
+            m.add(x <= ub * m.total([var for c, var in ends if c >= t]))
+
+
+def add_columns(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
+    """Aggregate columns ``G[a, k, c]``, their bytes ``xa``, start ``S`` and members ``m``."""
+    for a in lay.agg_rate:
+        rate, candidates = lay.agg_rate[a], [uid for uid, rs in lay.routes.items() if a in rs]
+        for k in lay.sizes:
+            span = lay.forward_slots(a, k)
+            for c in range(lay.T):
+                feasible = [u for u in candidates if lay.size[u] <= k and lay.arrival(u, a) + span <= c]
+                if any(lay.size[u] == k for u in feasible):
+                    _add_column(m, lay, v, (a, k, c), feasible, rate, span)
+        if lay.groups is not None:
+            m.add(m.total([g for col, g in v.G.items() if col[0] == a]) <= lay.groups)
+    for uid, routes in lay.routes.items():
+        for hop in routes[1:]:
+            if hop is not None:
+                _add_membership(m, lay, v, uid, hop)
+
+
+def _add_column(
+    m: CpSat | Mip, lay: Layout, v: Vars, col: Column, feasible: list[str], rate: int, span: int
+) -> None:
+    a, k, c = col
+    v.G[col] = g = m.bool(f"G[{col}]")
+    lo = min(lay.arrival(u, a) for u in feasible) + 1
+    sent = []
+    for t in range(lo, c + 1):
+        v.xa[col, t] = xa = m.var(0, rate, f"xa[{col},{t}]", v.integer)
+        v.S[col, t] = s = m.bool(f"S[{col},{t}]")
+        m.add(xa <= rate * s)
+        m.add(s <= g)
+        if (col, t - 1) in v.S:
+            m.add(v.S[col, t - 1] <= s)
+        sent.append(xa)
+        for e in lay.agg_leg[a]:
+            v.on_link.setdefault((e, t), []).append(xa)
+    m.add(m.total(sent) == k * g)
+    _window_rows(m, _cumulative(m, sent)[:-1], lo, [(c, g)], k, rate, v.integer)
+    members = {}
+    for uid in feasible:
+        v.m[uid, col] = members[uid] = mv = m.bool(f"m[{uid},{col}]")
+        v.done.setdefault((uid, c), []).append(mv)
+        m.add(mv <= g)
+        for t in range(lo, c + 1):  # store and forward: the aggregate moves once u arrived
+            m.add(v.S[col, t] <= g - mv + v.z.get((uid, a, t - 1), 0))
+    # the aggregate's size is that of its largest member
+    m.add(g <= m.total([mv for uid, mv in members.items() if lay.size[uid] == k]))
+    # energy: every member crosses a's ingress between its ready slot and c - span
+    for since in sorted({lay.first[u] for u in feasible}):
+        later = [lay.size[u] * members[u] for u in feasible if lay.first[u] >= since]
+        m.add(m.total(later) <= lay.ingress[a] * (c - span - since + 1) * g)
+
+
+def _add_membership(m: CpSat | Mip, lay: Layout, v: Vars, uid: str, a: str) -> None:
+    """``u`` joins one aggregate at ``a`` iff routed there, and arrives before it must leave."""
+    cols = [(col, var) for (u_, col), var in v.m.items() if u_ == uid and col[0] == a]
+    m.add(m.total([var for _, var in cols]) == v.y[uid, a])
+    deadlines = [(c - lay.forward_slots(a, k), var) for (_, k, c), var in cols]
+    first, ub = lay.first[uid], lay.leg_rate[uid, a]
+    moved = [v.x[uid, a, t] for t in range(first, lay.T)]
+    _window_rows(m, _cumulative(m, moved), first, deadlines, lay.size[uid], ub, upper=False)
+    for t, x in zip(range(first, lay.T), moved, strict=True):  # nothing moves after the deadline
+        m.add(x <= ub * m.total([var for end, var in deadlines if end >= t]))
+
+
+def add_capacity(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
+    """Bytes per directed link and slot within its capacity."""
+    for (e, _t), flows in v.on_link.items():
+        if len(flows) > 1:
+            m.add(m.total(flows) <= lay.cap[e])
 
 
 def add_symmetry(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
-    """Interchangeable updates complete in id order: ``d[u,t] >= d[u',t]`` for twins ``u < u'``.
+    """Interchangeable updates complete in id order (by every slot, ``u`` is done if ``u'`` is).
 
     Twins have the same size and first slot and, route by route, the same links once the
     links no other payload can use (a worker's own NIC) are left out; swapping two twins maps
@@ -308,106 +394,87 @@ def add_symmetry(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
             users.setdefault(link, set()).add("")
     classes: dict[Any, list[str]] = {}
     for uid, routes in lay.routes.items():
-        first = min((t for (u_, r, t) in v.x if u_ == uid and r is None), default=0)
         shared = tuple((r, tuple(link for link in lay.leg[uid, r] if users[link] != {uid})) for r in routes)
-        classes.setdefault((lay.size[uid], first, shared), []).append(uid)
+        classes.setdefault((lay.size[uid], lay.first[uid], shared), []).append(uid)
     v.twins = [ids for ids in classes.values() if len(ids) > 1]
     for ids in v.twins:
         for before, after in itertools.pairwise(ids):
-            for t in range(lay.T):
-                if (before, t) in v.d and (after, t) in v.d:
-                    m.add(v.d[before, t] >= v.d[after, t])
-
-
-def add_arrivals(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
-    """``d`` from the direct bytes or the aggregates; link capacity per slot."""
-    for uid, routes in lay.routes.items():
-        size = lay.size[uid]
-        for t in range(lay.T):
-            if (uid, t) in v.d:
-                via = [v.w[uid, r, t] for r in routes if r is not None and (uid, r, t) in v.w]
-                reached = m.total([v.x[uid, None, k] for k in range(t + 1) if (uid, None, k) in v.x])
-                m.add(size * v.d[uid, t] <= reached + size * m.total(via))
-        m.add(v.d[uid, lay.T - 1] == 1)
-    for (e, _t), flows in v.on_link.items():
-        if len(flows) > 1:
-            m.add(m.total(flows) <= lay.cap[e])
+            for t in range(lay.T - 1):
+                by = [var for c in range(t + 1) for var in v.done.get((before, c), [])]
+                later = [var for c in range(t + 1) for var in v.done.get((after, c), [])]
+                if later:
+                    m.add(m.total(by) >= m.total(later))
 
 
 def set_objective(m: CpSat | Mip, instance: Instance, lay: Layout, v: Vars) -> float:
     """Minimise the sum (or max) of completion slots; return the factor to seconds (mean)."""
-    T = lay.T
-    # u completes at the end of the first slot t with d[u,t] = 1: C_u / Δ = T + 1 - Σ_t d[u,t]
-    slots_of = [T + 1 - m.total([v.d[uid, t] for t in range(T) if (uid, t) in v.d]) for uid in lay.routes]
+    # u completes at the end of slot c, (c + 1) slots after time 0, when one of done[u, c] is 1
+    slots_of: dict[str, list[Any]] = {uid: [] for uid in lay.routes}
+    for (uid, c), vars_ in v.done.items():
+        slots_of[uid] += [(c + 1) * var for var in vars_]
     if instance.objective == "makespan":
-        span = m.var(0, T + 1, "makespan", True)
-        for slots in slots_of:
-            m.add(span >= slots)
+        span = m.var(0, lay.T + 1, "makespan", True)
+        for terms in slots_of.values():
+            m.add(span >= m.total(terms))
         m.minimize(span)
         return lay.slot
-    m.minimize(m.total(slots_of))
+    m.minimize(m.total([term for terms in slots_of.values() for term in terms]))
     return lay.slot / len(slots_of)
 
 
-def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, q: float, T: int, v: Vars) -> None:
-    """Warm start: every variable's value in the hint plan (bytes rounded to quanta)."""
-    slot = instance.slot_seconds
-    done_slot: dict[str, int] = {}  # payload -> slot in which it is complete
-    for t_ in hint.transfers:
-        if not t_.replica:
-            done_slot[t_.payload_id] = max(0, math.ceil(t_.end / slot - 1e-9) - 1)
-    hop_of: dict[str, Hop] = {}  # the hint's aggregates at each aggregator, in finishing order
-    for agg in sorted(hint.aggregates, key=lambda a: (done_slot.get(a.aggregate_id, 0), a.aggregate_id)):
-        hop_of[agg.aggregate_id] = (agg.aggregator, sum(h[0] == agg.aggregator for h in hop_of.values()))
-    parent = {mem: hop_of[a.aggregate_id] for a in hint.aggregates for mem in a.members}
-    agg_of = {hop: aid for aid, hop in hop_of.items()}
+def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, lay: Layout, v: Vars) -> None:
+    """Warm start: every variable's value in the hint plan (bytes rounded to quanta).
+
+    Does nothing when the hint is no plan of this model (more aggregates at an aggregator
+    than ``groups``, or two of one size finishing in one slot there).
+    """
+    slot, T, q = lay.slot, lay.T, lay.q
+    done_slot = {
+        t.payload_id: max(0, math.ceil(t.end / slot - 1e-9) - 1) for t in hint.transfers if not t.replica
+    }
+    column_of: dict[str, Column] = {}
+    for agg in hint.aggregates:
+        col = (agg.aggregator, max(lay.size[u] for u in agg.members), done_slot[agg.aggregate_id])
+        if col not in v.G or col in column_of.values():
+            return
+        column_of[agg.aggregate_id] = col
+    if lay.groups is not None and any(
+        sum(col[0] == a for col in column_of.values()) > lay.groups for a in lay.agg_rate
+    ):
+        return
+    parent = {mem: column_of[a.aggregate_id] for a in hint.aggregates for mem in a.members}
 
     def finish(uid: str) -> int:
-        payload = agg_of[parent[uid]] if uid in parent else uid
-        return done_slot.get(payload, T)
+        return parent[uid][2] if uid in parent else done_slot.get(uid, T)
 
-    alias: dict[
-        str, str
-    ] = {}  # model update -> the hint's update whose plan it takes (twins finish in id order)
-    for ids in v.twins:
+    alias: dict[str, str] = {}  # model update -> the hint's update whose plan it takes
+    for ids in v.twins:  # twins finish in id order in the model
         alias |= dict(zip(ids, sorted(ids, key=lambda uid: (finish(uid), ids.index(uid))), strict=True))
-    for u in instance.updates:
-        uid = u.update_id
+    values: dict[tuple[str, Any], int] = {}
+    for uid in lay.routes:
         src = alias.get(uid, uid)
-        route = parent.get(src)
+        joined = parent.get(src)
+        route = joined[0] if joined else None
         delivery = hint.delivery(src)
         if (uid, route) not in v.y or delivery is None:
-            return  # not a plan of this model (an aggregator or a group too many): no hint
-        choices = [r for (u_, r) in v.y if u_ == uid]
-        for r in choices:
-            m.hint(v.y[uid, r], int(r == route))
+            return
+        values["y", (uid, route)] = 1
         for t, amount in enumerate(slot_bytes(delivery, slot, T)):
-            for r in choices:
-                if (uid, r, t) in v.x:
-                    m.hint(v.x[uid, r, t], round(amount / q) if r == route else 0)
-        arrived = done_slot[src]
-        complete = done_slot[agg_of[route]] if route is not None else arrived
-        for t in range(T):
-            for r in choices:
-                if r is None:
-                    continue
-                if (uid, r, t) in v.z:
-                    m.hint(v.z[uid, r, t], int(r == route and t >= arrived))
-                if (uid, r, t) in v.w:
-                    m.hint(v.w[uid, r, t], int(r == route and t >= complete))
-            if (uid, t) in v.d:
-                m.hint(v.d[uid, t], int(t >= complete))
-    for hop, aid in agg_of.items():
-        delivery = hint.delivery(aid)
-        if delivery is None:
+            values["x", (uid, route, t)] = round(amount / q)
+        if joined is None:
+            values["D", (uid, done_slot[src])] = 1
             continue
-        for t, amount in enumerate(slot_bytes(delivery, slot, T)):
-            if (hop, t) in v.xa:
-                m.hint(v.xa[hop, t], round(amount / q))
-            for uid in v.members[hop]:
-                if (uid, hop, t) in v.e:
-                    m.hint(
-                        v.e[uid, hop, t], round(amount / q) if parent.get(alias.get(uid, uid)) == hop else 0
-                    )
-            if (hop, t) in v.agg_done:
-                m.hint(v.agg_done[hop, t], int(t >= done_slot[aid]))
+        values["m", (uid, joined)] = 1
+        for t in range(done_slot[src], T):
+            values["z", (uid, route, t)] = 1
+    for aid, col in column_of.items():
+        values["G", col] = 1
+        delivery = hint.delivery(aid)
+        started = False
+        for t, amount in enumerate(slot_bytes(delivery, slot, T) if delivery else []):
+            values["xa", (col, t)] = round(amount / q)
+            started = started or amount > 0
+            values["S", (col, t)] = int(started)
+    for name in ("y", "x", "z", "D", "G", "xa", "S", "m"):
+        for key, var in getattr(v, name).items():
+            m.hint(var, values.get((name, key), 0))

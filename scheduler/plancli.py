@@ -40,7 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--engine", choices=("cp-sat", "highs", "scip"), default="cp-sat", help="ILP solver engine"
     )
     parser.add_argument(
-        "--groups", type=int, default=2, help="aggregates each aggregator may make (default 2)"
+        "--groups",
+        type=int,
+        default=None,
+        help="most aggregates each aggregator may make (default: no limit; 1 is the paper's model)",
     )
     parser.add_argument("--out", type=Path, metavar="PLAN.json", help="write the plan(s) as JSON")
     parser.add_argument("--trace", type=Path, metavar="TRACE.json", help="write a Chrome trace by link")
