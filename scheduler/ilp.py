@@ -2,40 +2,51 @@
 
 Workers W, one server S, aggregators A on a bandwidth graph G. Time is split into slots of
 ``Δ = instance.slot_seconds``; the horizon (``T`` slots) comes from a heuristic plan's
-length. Variables, per update ``u``, route ``r`` (direct, or via aggregator ``a``) and slot
-``t``:
+length. Bytes are counted in integer *quanta* (below). Every update ``u`` either goes
+straight to S or joins one *aggregate* at an aggregator ``a``; an aggregate is a column
+``(a, k, c)``: made at ``a``, ``k`` quanta (the size of its largest member), at S by the end
+of slot ``c``. Indexing aggregates by their completion slot makes each member's completion
+a constant of the column, so the objective is linear and tight, and an aggregator may make
+any number of aggregates (``groups`` caps it; 1 is the paper's one aggregate per aggregator).
 
-* ``y[u,r]`` (binary): ``u`` takes route ``r``; exactly one per update. An aggregator
-  route is a *hop* ``(a, g)``: the ``g``-th of the ``groups`` aggregates ``a`` may make
-  (groups at one aggregator fill up and finish in order, which breaks their symmetry).
-* ``x[u,r,t]`` (integer, bytes in units of a quantum): bytes of ``u`` moved on the first leg
-  of ``r`` (worker -> server, or worker -> ``a``) during slot ``t``; zero before ``u`` is
-  ready; ``Σ_t x[u,r,t] = bytes(u) · y[u,r]``.
-* ``z[u,h,t]`` (binary, aggregator routes): the first leg of ``u`` to hop ``h`` is complete
-  by the end of slot ``t`` (``Σ_{k<=t} x[u,h,k] >= bytes(u)·z``, ``z <= y``).
-* ``xa[h,t]``: bytes of hop ``h``'s aggregate moved in slot ``t`` to S; it moves in slot
-  ``t`` only if every member's first leg was complete by the end of slot ``t-1`` (store and
-  forward: ``xa[h,t] <= cap·(1 - y[u,h] + z[u,h,t-1])``).
-* ``A[h,t]`` (binary): the aggregate is at S by the end of slot ``t``: it has carried one
-  update's size, that of its largest member (``Σ_{k<=t} xa[h,k] >= bytes(v)·(A + y[v,h] - 1)``).
-* ``w[u,h,t]`` (0/1): ``u``'s content reached S inside hop ``h``'s aggregate by slot ``t``
-  (``w <= A``, ``w <= z[u,h,t-1]``, ``Σ_{k<=t} xa[h,k] >= bytes(u)·w``): the disaggregated
-  form, much tighter in the LP relaxation than a big-M on the route.
-* ``d[u,t]`` (binary): ``u``'s content is at S by the end of slot ``t``:
-  ``bytes(u)·d <= Σ_{k<=t} x[u,direct,k] + bytes(u)·Σ_h w[u,h,t]``; ``d`` is monotone and
-  fixed to 0 before the earliest possible arrival; completion ``C_u = Δ·(T + 1 - Σ_t d[u,t])``.
-* ``e[u,h,t]`` (valid inequality, :func:`~mlfabric.scheduler.ilp_model.add_store_and_forward`):
-  the share of the aggregate counted for member ``u``, sent only after ``u`` arrived
-  (``e <= xa``, ``e <= cap·z[u,h,t-1]``, ``Σ_{k<=t} e >= bytes(u)·w``): in the LP a
-  fractional route can no longer reach S one slot after its first leg.
+Variables (all 0/1 except the byte counts):
+
+* ``y[u,r]``: ``u`` takes route ``r`` (``None`` direct, or ``a``); exactly one per update.
+* ``x[u,r,t]`` (integer quanta): bytes of ``u`` moved on the first leg of ``r`` (worker ->
+  S, or worker -> ``a``) in slot ``t``; zero before ``u`` is ready; ``Σ_t x = size(u)·y``.
+* ``z[u,a,t]``: ``u``'s first leg to ``a`` is complete by the end of slot ``t``.
+* ``D[u,c]``: ``u`` goes direct and is complete at the end of slot ``c``.
+* ``G[a,k,c]``: column ``(a,k,c)`` is used; ``xa[a,k,c,t]`` its bytes to S in slot ``t``
+  (``Σ_t xa = k·G``), ``S[a,k,c,t]`` it has started by slot ``t``; ``m[u,a,k,c]``: ``u`` is
+  one of its members (only for ``size(u) <= k`` and ``c`` late enough for ``u`` to arrive and
+  the aggregate to be forwarded).
+
+Rows: ``Σ_c D[u,c] = y[u,None]``; ``Σ_(k,c) m[u,a,k,c] = y[u,a]``; ``m <= G``; a used
+column has a member of size ``k``; store and forward: ``S[a,k,c,t] <= G - m[u,a,k,c] +
+z[u,a,t-1]`` (the aggregate moves only once every member has arrived) and ``xa <=
+rate·S``; on every directed link and slot, the bytes of all first legs and aggregates whose
+path crosses it are at most ``capacity·Δ`` (the fluid, time-shared model of §3.1.1: a
+payload may use any rate up to its residual on every link of its path). Objective:
+``Σ_u C_u`` with ``C_u = Δ·(c + 1)`` of its ``D`` or ``m`` (mean completion, asynchronous
+SGD), or ``max_u C_u`` (makespan, synchronous).
+
+Valid rows that tighten the LP relaxation (every integer plan satisfies them):
+
+* Windows (:func:`~mlfabric.scheduler.ilp_model.add_direct` and friends): a payload that
+  must be complete by slot ``c`` at rate ``ρ`` has moved at least ``size - ρ·(c - t)`` by slot
+  ``t``, at most ``size - 1`` quanta before ``c`` when ``c`` is its true completion, and
+  nothing after ``c``: the LP finishes payloads at the end of their windows instead of
+  spreading completion over them (with these the LP is exact on the no-aggregator
+  instances of the benchmark, where STF is optimal).
+* Energy per column: the members of ``(a,k,c)`` cross ``a``'s ingress between their ready
+  slots and ``c - ⌈k/ρ_a⌉``: ``Σ_(u ready >= r) size(u)·m[u,a,k,c] <= ingress(a)·(c - ⌈k/ρ_a⌉
+  - r + 1)·G[a,k,c]`` for every ready slot ``r``. It scales with ``G``, not with the members:
+  a fraction of a column can no longer serve whole updates while paying a fraction of the
+  ingress (the weakness of a route-per-hop model, whose bound stayed 34 % below the plans on
+  16 x 4).
 * Twins (:func:`~mlfabric.scheduler.ilp_model.add_symmetry`): updates with the same size,
-  ready slot and shared links on every route finish in instance order
-  (``d[u,t] >= d[u',t]``); the warm start is remapped to respect it.
-
-Capacity: on every directed link and slot, the bytes of all first legs and aggregates whose
-path crosses the link are at most ``capacity · Δ`` (the fluid, time-shared model of §3.1.1:
-a payload may use any rate up to its residual on every link of its path). Objective:
-``Σ_u C_u`` (mean completion, asynchronous SGD) or ``max_u C_u`` (makespan, synchronous).
+  ready slot and shared links on every route complete in instance order; the warm start is
+  remapped to respect it.
 
 Solver choice, by measurement on this 2-core machine (``experiments/bench_ilp.py`` part 1,
 ``experiments/results/bench_ilp.md``; same model, hint and limit): CP-SAT on the
@@ -53,21 +64,12 @@ on 2 cores (the portfolio matters more than the threads); ``"scip"`` and ``"high
 selectable. Should the solver stop before its first solution, or with a worse one than
 the hint, the hint is returned.
 
-Bound quality. The plans are good but on 16 x 4 the proven bound stays ~35-40 % below them
-after 60 s: the weak part is the aggregation, not the ordering. All members of a group
-finish together, when the last one has crossed the aggregator's ingress and the aggregate
-has crossed the server's ("batch availability"): the group's share of ``Σ_u C_u`` is
-quadratic in the route choice, and the time-indexed LP spreads fractional routes over the
-hops and lets each fraction finish as soon as it arrived. The store-and-forward shares
-``e`` lift the root LP (GLOP) on 12 x 3 from 0.0526 s to 0.0571 s; the twin ordering
-removes interchangeable updates; with both, 6 x 2 proves its optimum in 10 s (was 20 s)
-and 8 x 2 seed 1 in 17 s (was 2 % after 60 s). On 16 x 4 neither moves CP-SAT's 60 s bound
-beyond the noise of the shared machine, nor do ``linearization_level=2``, 2 search
-workers (worse: the portfolio matters) or bound-oriented subsolvers (``max_lp``,
-``lb_tree_search``, ``objective_lb_search``). The ordering cuts of the single-machine
-literature (Queyranne's inequalities, order statistics on the server's ingress) are
-implied by the time-indexed capacity rows. Closing the gap needs a relaxation that prices
-whole groups (column generation over groups, or a Lagrangian on the aggregators' ingress).
+Bound quality (``experiments/results/bench_ilp.md``): after 60 s on 2 cores the gap is 4-7 %
+on 12 x 3 and 9-13 % on 16 x 4 (34-35 % with the earlier route-per-hop model). The root LP
+is within ~7-9 % of the best plans; the rest is search, which two cores do slowly. Closing
+it further needs a relaxation that prices whole groups at an aggregator (column generation
+over member sets, or a Lagrangian on the server's ingress with exact per-aggregator
+subproblems).
 
 Completions are counted at slot ends, so objective and bound are those of the slot model.
 On slot-aligned instances (every update a whole number of slots at full rate on every

@@ -355,8 +355,22 @@ def _add_column(
     m.add(g <= m.total([mv for uid, mv in members.items() if lay.size[uid] == k]))
     # energy: every member crosses a's ingress between its ready slot and c - span
     for since in sorted({lay.first[u] for u in feasible}):
-        later = [lay.size[u] * members[u] for u in feasible if lay.first[u] >= since]
-        m.add(m.total(later) <= lay.ingress[a] * (c - span - since + 1) * g)
+        later = [(lay.size[u], members[u]) for u in feasible if lay.first[u] >= since]
+        _knapsack_rows(m, later, lay.ingress[a] * (c - span - since + 1), g)
+
+
+def _knapsack_rows(m: CpSat | Mip, items: list[tuple[int, Any]], energy: int, scale: Any = 1) -> None:
+    """``Σ size·var <= energy·scale`` and its roundings by every size ``σ`` (Chvátal-Gomory).
+
+    ``Σ ⌊size/σ⌋·var <= ⌊energy/σ⌋·scale``: e.g. at most two updates of 2 slots fit in 5
+    slots. Valid for 0/1 ``var``; the LP relaxation of the plain row would fit two and a half.
+    """
+    if sum(size for size, _ in items) > energy:
+        m.add(m.total([size * var for size, var in items]) <= energy * scale)
+    for sigma in sorted({size for size, _ in items}):
+        rounded = [(size // sigma, var) for size, var in items if size >= sigma]
+        if sum(n for n, _ in rounded) > energy // sigma:
+            m.add(m.total([n * var for n, var in rounded]) <= energy // sigma * scale)
 
 
 def _add_membership(m: CpSat | Mip, lay: Layout, v: Vars, uid: str, a: str) -> None:
