@@ -26,7 +26,8 @@ Fields:
 ``server``
     The host of the parameter server every update goes to.
 ``aggregators`` (optional, default ``[]``)
-    Hosts that may sum updates on their way to the server (one aggregate per aggregator).
+    Hosts that may sum updates on their way to the server (the ILP lets each make any
+    number of aggregates; ``mlfabric plan --groups 1`` is the paper's one per aggregator).
 ``slot_seconds`` (optional)
     Length of one time slot of the ILP's time-indexed model. Default: the time one update
     of the median size takes on the server's ingress, divided by 4.

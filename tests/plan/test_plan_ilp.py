@@ -215,6 +215,30 @@ def test_fair_shares_the_bottleneck_max_min() -> None:
                 assert r.rate == pytest.approx(1e6 / len(active))
 
 
+@pytest.mark.parametrize("seed", [1, 4])
+def test_ilp_optimum_equals_brute_force_on_two_tier_instances(seed: int) -> None:
+    # the benchmark's graphs: rack uplinks shared, the optimum aggregates at a0 (the LP
+    # strengthening rows, the energy roundings and twins in particular, must cut no plan)
+    inst = parse_instance(two_tier_instance(random.Random(seed), 5, 2))
+    exact = brute_force(inst)
+    assert exact.schedule.aggregates  # the instance exercises aggregation
+    result = solve_ilp(inst, hint=warm_start(inst), time_limit=60, workers=2, groups=1)
+    assert result.status == "OPTIMAL"
+    assert result.objective == pytest.approx(exact.objective, abs=1e-9)
+    _check(inst, result.schedule)
+
+
+def test_groups_caps_the_aggregates_per_aggregator_and_defaults_to_no_cap() -> None:
+    inst = parse_instance(two_tier_instance(random.Random(3), 8, 1))
+    capped = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2, groups=1)
+    free = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2)
+    assert len(capped.schedule.aggregates) <= 1
+    assert free.objective <= capped.objective + 1e-9
+    assert free.bound <= free.objective + 1e-9
+    _check(inst, capped.schedule)
+    _check(inst, free.schedule)
+
+
 def test_an_aggregator_may_make_two_groups_one_after_another() -> None:
     # five 1 MB updates, server NIC 1 MB/s, aggregator NIC 2 MB/s: two aggregates at "a" beat one
     hosts = ["s", "a", *(f"w{i}" for i in range(5))]
@@ -231,8 +255,10 @@ def test_an_aggregator_may_make_two_groups_one_after_another() -> None:
     )
     one = solve_ilp(inst, time_limit=30, workers=2, groups=1)
     two = solve_ilp(inst, time_limit=30, workers=2, groups=2)
-    assert one.status == two.status == "OPTIMAL"
+    free = solve_ilp(inst, time_limit=30, workers=2)
+    assert one.status == two.status == free.status == "OPTIMAL"
     assert two.objective < one.objective - 1e-9
+    assert free.objective == pytest.approx(two.objective)
     assert [a.aggregator for a in two.schedule.aggregates] == ["a", "a"]
     _check(inst, two.schedule)
     _check(inst, one.schedule)
