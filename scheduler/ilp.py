@@ -40,10 +40,11 @@ Valid rows that tighten the LP relaxation (every integer plan satisfies them):
   instances of the benchmark, where STF is optimal).
 * Energy per column: the members of ``(a,k,c)`` cross ``a``'s ingress between their ready
   slots and ``c - ⌈k/ρ_a⌉``: ``Σ_(u ready >= r) size(u)·m[u,a,k,c] <= ingress(a)·(c - ⌈k/ρ_a⌉
-  - r + 1)·G[a,k,c]`` for every ready slot ``r``. It scales with ``G``, not with the members:
-  a fraction of a column can no longer serve whole updates while paying a fraction of the
-  ingress (the weakness of a route-per-hop model, whose bound stayed 34 % below the plans on
-  16 x 4).
+  - r + 1)·G[a,k,c]`` for every ready slot ``r``, and the Chvátal-Gomory rounding of that row
+  by every update size (at most two updates of 2 slots in 5 slots, not two and a half). It
+  scales with ``G``, not with the members: a fraction of a column can no longer serve whole
+  updates while paying a fraction of the ingress (the weakness of a route-per-hop model,
+  whose bound stayed 34 % below the plans on 16 x 4).
 * Twins (:func:`~mlfabric.scheduler.ilp_model.add_symmetry`): updates with the same size,
   ready slot and shared links on every route complete in instance order; the warm start is
   remapped to respect it.
@@ -51,25 +52,28 @@ Valid rows that tighten the LP relaxation (every integer plan satisfies them):
 Solver choice, by measurement on this 2-core machine (``experiments/bench_ilp.py`` part 1,
 ``experiments/results/bench_ilp.md``; same model, hint and limit): CP-SAT on the
 integer-scaled model against the model with continuous bytes under OR-Tools'
-model_builder SCIP and HiGHS. 6 workers x 2 aggregators, 30 s: CP-SAT proved the optimum
-in 20 s (2 or 8 search workers); SCIP ended at a 26 % gap, HiGHS with no solution or
-bound (it also crashes when given hints, so it runs without one). 8 x 2: CP-SAT with 8
-workers 12 %, SCIP 25 %, CP-SAT with 2 workers 49 %, HiGHS nothing. SCIP's LP bound is
-strong on pure ordering (no aggregators: optimal in 0.5 s), but the aggregation routing
-(binaries with big-M gating) is where CP-SAT's portfolio (LP, core-guided and
-local-search workers sharing bounds and solutions) pulls ahead. CP-SAT also takes the
-warm start as a hint, reports progress through solution and bound callbacks, and stops
-cleanly on Ctrl-C with its best solution. It is the default, with 8 search workers even
-on 2 cores (the portfolio matters more than the threads); ``"scip"`` and ``"highs"`` stay
-selectable. Should the solver stop before its first solution, or with a worse one than
-the hint, the hint is returned.
+model_builder SCIP and HiGHS. With this model all four prove 6 x 2 and 8 x 2 optimal
+within 30 s: CP-SAT with 8 search workers in 0.7 s and 3.2 s, SCIP in 5.5 s and 14.7 s,
+HiGHS in 6.6 s and 16.4 s, CP-SAT with 2 workers in 2.8 s and not within 30 s (20 % gap).
+(With the earlier route-per-hop model only CP-SAT/8 proved 6 x 2, and on 8 x 2 it ended
+at 9 %, SCIP at 20 %, HiGHS without a bound: CP-SAT's portfolio of LP, core-guided and
+local-search workers sharing bounds and solutions copes best with a weak LP.) CP-SAT also
+takes the warm start as a hint (HiGHS crashes when given one in 9.15, so it runs without),
+reports progress through solution and bound callbacks, and stops cleanly on Ctrl-C with
+its best solution. It is the default, with 8 search workers even on 2 cores (the
+portfolio matters more than the threads); ``"scip"`` and ``"highs"`` stay selectable.
+Should the solver stop before its first solution, or with a worse one than the hint, the
+hint is returned.
 
-Bound quality (``experiments/results/bench_ilp.md``): after 60 s on 2 cores the gap is 4-7 %
-on 12 x 3 and 9-13 % on 16 x 4 (34-35 % with the earlier route-per-hop model). The root LP
-is within ~7-9 % of the best plans; the rest is search, which two cores do slowly. Closing
-it further needs a relaxation that prices whole groups at an aggregator (column generation
-over member sets, or a Lagrangian on the server's ingress with exact per-aggregator
-subproblems).
+Bound quality (``experiments/results/bench_ilp.md`` part 2, 60 s on 2 shared cores): 8 x 2
+is proven optimal in 2-3 s (was 17-60 s); 12 x 3 ends at a 4-6 % gap and 16 x 4 at 5-9 %
+(22-35 % with the route-per-hop model). The target of 1 % at 16 x 4 is not met. The root
+LP is 6-9 % below the best plans there, and 600 s of search close 16 x 4 seed 1 only to
+4.4 % (plan 0.085 s, bound 0.08125 s): the remaining gap is combinatorial (which updates
+share an aggregate), and a relaxation that prices whole member sets (column generation,
+or a Lagrangian on the server's ingress with exact per-aggregator subproblems) is the
+next step. Aggregator-wide and server-wide rounded energy rows and counting rows (at
+most ``n`` members of size >= ``σ``) were tried and left out: they did not move the LP.
 
 Completions are counted at slot ends, so objective and bound are those of the slot model.
 On slot-aligned instances (every update a whole number of slots at full rate on every

@@ -229,12 +229,12 @@ def test_ilp_optimum_equals_brute_force_on_two_tier_instances(seed: int) -> None
 
 
 def test_groups_caps_the_aggregates_per_aggregator_and_defaults_to_no_cap() -> None:
-    inst = parse_instance(two_tier_instance(random.Random(3), 8, 1))
+    inst = parse_instance(two_tier_instance(random.Random(1), 6, 1))
     capped = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2, groups=1)
     free = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2)
+    assert capped.status == free.status == "OPTIMAL"
     assert len(capped.schedule.aggregates) <= 1
     assert free.objective <= capped.objective + 1e-9
-    assert free.bound <= free.objective + 1e-9
     _check(inst, capped.schedule)
     _check(inst, free.schedule)
 
