@@ -13,8 +13,8 @@ one server in its own rack, workers and aggregators round-robin over four racks,
 
 Usage::
 
-    python experiments/bench_ilp.py            # full run (~11 min on 2 shared cores)
-    python experiments/bench_ilp.py --quick    # a short run (~4 min)
+    python experiments/bench_ilp.py            # full run (~6 min on 2 shared cores)
+    python experiments/bench_ilp.py --quick    # a short run (~1 min)
     python experiments/bench_ilp.py --parts sizes --sizes 12x3,16x4 --seeds 2 --time-limit 60 \
         --out /tmp/sizes.md                    # one part, chosen sizes
 
