@@ -141,7 +141,7 @@ def slot_bytes(transfer: Transfer, slot: float, horizon: int) -> list[float]:
     return out
 
 
-Column = tuple[str, int, int]  # (aggregator, aggregate size in quanta, completion slot)
+Column = tuple[str, int, int]  # (aggregator, slots the aggregate needs to the server, completion slot)
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,14 @@ class Layout:
     def forward_slots(self, aggregator: str, k: int) -> int:
         """Slots an aggregate of ``k`` quanta needs from ``aggregator`` to the server."""
         return math.ceil(k / self.agg_rate[aggregator])
+
+    def spans(self, aggregator: str) -> dict[int, tuple[int, int]]:
+        """Aggregate size classes at ``aggregator``: forward slots -> (smallest, largest) size."""
+        out: dict[int, tuple[int, int]] = {}
+        for k in self.sizes:
+            lo, hi = out.get(self.forward_slots(aggregator, k), (k, k))
+            out[self.forward_slots(aggregator, k)] = (min(lo, k), max(hi, k))
+        return out
 
 
 def layout(instance: Instance, T: int, groups: int | None) -> Layout:
@@ -269,16 +277,22 @@ def add_first_legs(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
 
 
 def _window_rows(
-    m: CpSat | Mip, sums: list[Any], lo: int, ends: list[tuple[int, Any]], size: int, rate: int, upper: bool
+    m: CpSat | Mip,
+    sums: list[Any],
+    lo: int,
+    ends: list[tuple[int, Any]],
+    size: int,
+    rate: int,
+    most: int | None = None,
 ) -> None:
     """Valid rows tying a payload's bytes to the slot it must be complete by.
 
     ``sums[i]``: bytes moved by the end of slot ``lo + i``; ``ends``: ``(slot, var)`` pairs,
     ``var = 1`` when the payload must be complete by that slot (at most one is 1). By slot
     ``t`` it has moved at least ``size - rate·(end - t)`` (else it cannot finish in time), and
-    with ``upper`` (integer quanta, ``end`` its true completion) at most ``size - 1`` while
-    ``end > t``. These make the time-indexed LP finish a payload at the end of its window,
-    not spread over it.
+    with ``most`` (integer quanta, ``end`` its true completion, ``most`` its largest size) at
+    most ``most - 1`` while ``end > t``. These make the time-indexed LP finish a payload at
+    the end of its window, not spread over it.
     """
     for i, total in enumerate(sums):
         t = lo + i
@@ -287,8 +301,8 @@ def _window_rows(
         ]
         if need:
             m.add(total >= m.total([c * var for c, var in need]))
-        if upper and any(end > t for end, _ in ends):
-            m.add(total <= m.total([(size - 1 if end > t else size) * var for end, var in ends]))
+        if most is not None and any(end > t for end, _ in ends):
+            m.add(total <= m.total([(most - 1 if end > t else most) * var for end, var in ends]))
 
 
 def add_direct(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
@@ -302,21 +316,22 @@ def add_direct(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
             ends.append((c, var))
         m.add(m.total([var for _, var in ends]) == v.y[uid, None])
         moved = [v.x[uid, None, t] for t in range(first, lay.T)]
-        _window_rows(m, _cumulative(m, moved), first, ends, size, ub, v.integer)
+        _window_rows(m, _cumulative(m, moved), first, ends, size, ub, size if v.integer else None)
         for t, x in zip(range(first, lay.T), moved, strict=True):  # nothing moves once complete
             m.add(x <= ub * m.total([var for c, var in ends if c >= t]))
 
 
 def add_columns(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
-    """Aggregate columns ``G[a, k, c]``, their bytes ``xa``, start ``S`` and members ``m``."""
+    """Aggregate columns ``G[a, s, c]``, their bytes ``xa``, start ``S`` and members ``m``."""
     for a in lay.agg_rate:
-        rate, candidates = lay.agg_rate[a], [uid for uid, rs in lay.routes.items() if a in rs]
-        for k in lay.sizes:
-            span = lay.forward_slots(a, k)
+        candidates = [uid for uid, rs in lay.routes.items() if a in rs]
+        for span, sizes in lay.spans(a).items():
             for c in range(lay.T):
-                feasible = [u for u in candidates if lay.size[u] <= k and lay.arrival(u, a) + span <= c]
-                if any(lay.size[u] == k for u in feasible):
-                    _add_column(m, lay, v, (a, k, c), feasible, rate, span)
+                feasible = [
+                    u for u in candidates if lay.size[u] <= sizes[1] and lay.arrival(u, a) + span <= c
+                ]
+                if any(lay.forward_slots(a, lay.size[u]) == span for u in feasible):
+                    _add_column(m, lay, v, (a, span, c), feasible, sizes)
         if lay.groups is not None:
             m.add(m.total([g for col, g in v.G.items() if col[0] == a]) <= lay.groups)
     for uid, routes in lay.routes.items():
@@ -326,9 +341,11 @@ def add_columns(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
 
 
 def _add_column(
-    m: CpSat | Mip, lay: Layout, v: Vars, col: Column, feasible: list[str], rate: int, span: int
+    m: CpSat | Mip, lay: Layout, v: Vars, col: Column, feasible: list[str], sizes: tuple[int, int]
 ) -> None:
-    a, k, c = col
+    """One column: an aggregate of ``sizes[0]..sizes[1]`` quanta (``span`` slots) done at ``c``."""
+    a, span, c = col
+    rate, (smallest, largest) = lay.agg_rate[a], sizes
     v.G[col] = g = m.bool(f"G[{col}]")
     lo = min(lay.arrival(u, a) for u in feasible) + 1
     sent = []
@@ -342,17 +359,23 @@ def _add_column(
         sent.append(xa)
         for e in lay.agg_leg[a]:
             v.on_link.setdefault((e, t), []).append(xa)
-    m.add(m.total(sent) == k * g)
-    _window_rows(m, _cumulative(m, sent)[:-1], lo, [(c, g)], k, rate, v.integer)
+    if smallest == largest:
+        m.add(m.total(sent) == largest * g)
+    else:
+        m.add(m.total(sent) >= smallest * g)
+        m.add(m.total(sent) <= largest * g)
+    _window_rows(m, _cumulative(m, sent)[:-1], lo, [(c, g)], smallest, rate, largest if v.integer else None)
     members = {}
     for uid in feasible:
         v.m[uid, col] = members[uid] = mv = m.bool(f"m[{uid},{col}]")
         v.done.setdefault((uid, c), []).append(mv)
         m.add(mv <= g)
+        if lay.size[uid] > smallest:  # the aggregate carries its largest member's size
+            m.add(m.total(sent) >= lay.size[uid] * mv)
         for t in range(lo, c + 1):  # store and forward: the aggregate moves once u arrived
             m.add(v.S[col, t] <= g - mv + v.z.get((uid, a, t - 1), 0))
-    # the aggregate's size is that of its largest member
-    m.add(g <= m.total([mv for uid, mv in members.items() if lay.size[uid] == k]))
+    # the column's class is that of its largest member
+    m.add(g <= m.total([mv for uid, mv in members.items() if lay.forward_slots(a, lay.size[uid]) == span]))
     # energy: every member crosses a's ingress between its ready slot and c - span
     for since in sorted({lay.first[u] for u in feasible}):
         later = [(lay.size[u], members[u]) for u in feasible if lay.first[u] >= since]
@@ -379,10 +402,10 @@ def _add_membership(m: CpSat | Mip, lay: Layout, v: Vars, uid: str, a: str) -> N
     """``u`` joins one aggregate at ``a`` iff routed there, and arrives before it must leave."""
     cols = [(col, var) for (u_, col), var in v.m.items() if u_ == uid and col[0] == a]
     m.add(m.total([var for _, var in cols]) == v.y[uid, a])
-    deadlines = [(c - lay.forward_slots(a, k), var) for (_, k, c), var in cols]
+    deadlines = [(c - span, var) for (_, span, c), var in cols]
     first, ub = lay.first[uid], lay.leg_rate[uid, a]
     moved = [v.x[uid, a, t] for t in range(first, lay.T)]
-    _window_rows(m, _cumulative(m, moved), first, deadlines, lay.size[uid], ub, upper=False)
+    _window_rows(m, _cumulative(m, moved), first, deadlines, lay.size[uid], ub)
     for t, x in zip(range(first, lay.T), moved, strict=True):  # nothing moves after the deadline
         m.add(x <= ub * m.total([var for end, var in deadlines if end >= t]))
 
@@ -450,7 +473,8 @@ def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, lay: Layout, v:
     }
     column_of: dict[str, Column] = {}
     for agg in hint.aggregates:
-        col = (agg.aggregator, max(lay.size[u] for u in agg.members), done_slot[agg.aggregate_id])
+        largest = max(lay.size[u] for u in agg.members)
+        col = (agg.aggregator, lay.forward_slots(agg.aggregator, largest), done_slot[agg.aggregate_id])
         if col not in v.G or col in column_of.values():
             return
         column_of[agg.aggregate_id] = col

@@ -228,6 +228,41 @@ def test_ilp_optimum_equals_brute_force_on_two_tier_instances(seed: int) -> None
     _check(inst, result.schedule)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_instances_that_are_not_slot_aligned_get_real_plans_no_better_than_brute_force(seed: int) -> None:
+    # sizes and ready times off the slot grid: aggregates of one size class differ in bytes
+    rng = random.Random(seed)
+    hosts = ["s", "a", "w0", "w1", "w2", "w3"]
+    inst = parse_instance(
+        {
+            "topology": {
+                "hosts": hosts,
+                "switches": ["sw"],
+                "links": [{"a": h, "b": "sw", "mbps": 8} for h in hosts],
+            },
+            "server": "s",
+            "aggregators": ["a"],
+            "objective": "mean_completion",
+            "updates": [
+                {
+                    "id": f"u{i}",
+                    "worker": f"w{i}",
+                    "bytes": rng.randint(300_000, 2_000_000),
+                    "ready_at": rng.uniform(0, 0.5),
+                }
+                for i in range(4)
+            ],
+        }
+    )
+    exact = brute_force(inst)
+    result = solve_ilp(inst, hint=warm_start(inst), time_limit=5, workers=2)
+    assert result.schedule is not None and result.objective is not None
+    _check(inst, result.schedule)
+    assert objective_of(inst, result.schedule) == pytest.approx(result.objective)
+    assert result.objective >= exact.objective - 1e-9  # the fluid optimum is a lower bound
+    assert result.bound <= result.objective + 1e-9
+
+
 def test_groups_caps_the_aggregates_per_aggregator_and_defaults_to_no_cap() -> None:
     inst = parse_instance(two_tier_instance(random.Random(1), 6, 1))
     capped = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2, groups=1)
