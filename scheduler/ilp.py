@@ -40,11 +40,10 @@ Valid rows that tighten the LP relaxation (every integer plan satisfies them):
 
 * Windows (:func:`~mlfabric.scheduler.ilp_model.add_direct` and friends): a payload that
   must be complete by slot ``c`` at rate ``ρ`` has moved at least ``size - ρ·(c - t)`` by slot
-  ``t``, at most ``size - 1`` quanta (``k_hi - 1`` for an aggregate) before ``c`` when ``c`` is
-  its true completion, and
-  nothing after ``c``: the LP finishes payloads at the end of their windows instead of
-  spreading completion over them (with these the LP is exact on the no-aggregator
-  instances of the benchmark, where STF is optimal).
+  ``t``, at most ``size - 1`` quanta (``k_hi - 1`` for an aggregate) before ``c`` when ``c``
+  is its true completion, and nothing after ``c``: the LP finishes payloads at the end of
+  their windows instead of spreading completion over them (with these the LP is exact on
+  the no-aggregator instances of the benchmark, where STF is optimal).
 * Energy per column: the members of ``(a,s,c)`` cross ``a``'s ingress between their ready
   slots and ``c - s``: ``Σ_(u ready >= r) size(u)·m[u,a,s,c] <= ingress(a)·(c - s - r + 1)·
   G[a,s,c]`` for every ready slot ``r``, and the Chvátal-Gomory rounding of that row

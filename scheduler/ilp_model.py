@@ -353,18 +353,21 @@ def _add_column(
         v.xa[col, t] = xa = m.var(0, rate, f"xa[{col},{t}]", v.integer)
         v.S[col, t] = s = m.bool(f"S[{col},{t}]")
         m.add(xa <= rate * s)
-        m.add(s <= g)
         if (col, t - 1) in v.S:
             m.add(v.S[col, t - 1] <= s)
         sent.append(xa)
         for e in lay.agg_leg[a]:
             v.on_link.setdefault((e, t), []).append(xa)
+    m.add(s <= g)  # the last start flag; the earlier ones are below it
     if smallest == largest:
         m.add(m.total(sent) == largest * g)
     else:
         m.add(m.total(sent) >= smallest * g)
         m.add(m.total(sent) <= largest * g)
-    _window_rows(m, _cumulative(m, sent)[:-1], lo, [(c, g)], smallest, rate, largest if v.integer else None)
+    sums = _cumulative(m, sent)
+    _window_rows(m, sums[:-1], lo, [(c, g)], smallest, rate)
+    if v.integer and len(sums) > 1:  # bytes by c - 1 bound those of every earlier slot
+        m.add(sums[-2] <= (largest - 1) * g)
     members = {}
     for uid in feasible:
         v.m[uid, col] = members[uid] = mv = m.bool(f"m[{uid},{col}]")
@@ -372,14 +375,36 @@ def _add_column(
         m.add(mv <= g)
         if lay.size[uid] > smallest:  # the aggregate carries its largest member's size
             m.add(m.total(sent) >= lay.size[uid] * mv)
-        for t in range(lo, c + 1):  # store and forward: the aggregate moves once u arrived
-            m.add(v.S[col, t] <= g - mv + v.z.get((uid, a, t - 1), 0))
+        started = c + 1 - math.ceil(smallest / rate)  # the aggregate has started by this slot
+        _store_and_forward(m, v, col, uid, range(max(lo, lay.arrival(uid, a)), started + 1))
     # the column's class is that of its largest member
     m.add(g <= m.total([mv for uid, mv in members.items() if lay.forward_slots(a, lay.size[uid]) == span]))
     # energy: every member crosses a's ingress between its ready slot and c - span
     for since in sorted({lay.first[u] for u in feasible}):
         later = [(lay.size[u], members[u]) for u in feasible if lay.first[u] >= since]
         _knapsack_rows(m, later, lay.ingress[a] * (c - span - since + 1), g)
+
+
+#: Longest run of slots with one store-and-forward row per slot (:func:`_store_and_forward`).
+POINTWISE_SLOTS = 4
+
+
+def _store_and_forward(m: CpSat | Mip, v: Vars, col: Column, uid: str, slots: range) -> None:
+    """The aggregate ``col`` moves in slot ``t`` only once member ``uid`` arrived by ``t - 1``.
+
+    ``S[col, t] <= G - m[uid, col] + z[uid, a, t - 1]``. ``S`` and ``z`` are monotone, so
+    ``slots`` only runs from ``uid``'s earliest arrival (earlier rows follow from that one) to
+    the slot by which the aggregate must have started (later rows follow from that one).
+    Over longer runs (off the slot grid) the rows are summed into one, which is exact for 0/1
+    monotone flags (a later start is a shorter run of ones) and much smaller.
+    """
+    a, g, mv = col[0], v.G[col], v.m[uid, col]
+    arrived = [v.z.get((uid, a, t - 1), 0) for t in slots]
+    if len(slots) <= POINTWISE_SLOTS:
+        for t, z in zip(slots, arrived, strict=True):
+            m.add(v.S[col, t] <= g - mv + z)
+    elif slots:
+        m.add(m.total([v.S[col, t] for t in slots]) <= m.total(arrived) + len(slots) * (g - mv))
 
 
 def _knapsack_rows(m: CpSat | Mip, items: list[tuple[int, Any]], energy: int, scale: Any = 1) -> None:
