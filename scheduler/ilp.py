@@ -10,9 +10,12 @@ smallest and largest update sizes of that class; one size when sizes are whole s
 by the end of slot ``c``. Indexing aggregates by their completion slot makes each member's
 completion a constant of the column, so the objective is linear and tight, and an
 aggregator may make any number of aggregates (``groups`` caps it; 1 is the paper's one
-aggregate per aggregator). Classes by slots rather than exact sizes keep the model small
-when sizes are off the slot grid (12 x 3 with 12 distinct sizes, 30 s: gap 7.9 %; 63 % with
-a column per exact size, 29 % with the first, route-per-hop model).
+aggregate per aggregator). Classes by slots rather than exact sizes keep the model smaller
+when sizes are off the slot grid (one 12 x 3 instance, 30 s: gap 7.9 % against 63 % with a
+column per exact size). Off the grid with many slots the model is still large: at 16 x 4
+with 37-46 slots its LP does not finish in 60 s and the route-per-hop model of the first
+version did better (``bench_ilp.md``, "Off the slot grid"); pick a coarser
+``slot_seconds`` there.
 
 Variables (all 0/1 except the byte counts):
 
@@ -72,7 +75,7 @@ Should the solver stop before its first solution, or with a worse one than the h
 hint is returned.
 
 Bound quality (``experiments/results/bench_ilp.md`` part 2, 60 s on 2 shared cores): 8 x 2
-is proven optimal in 2-3 s (was 17-60 s); 12 x 3 ends at a 4-6 % gap and 16 x 4 at 5-9 %
+is proven optimal in 2-3 s (was 17-60 s); 12 x 3 ends at a 4-6 % gap and 16 x 4 at 5-10 %
 (22-35 % with the route-per-hop model). The target of 1 % at 16 x 4 is not met. The root
 LP is 6-9 % below the best plans there, and 600 s of search close 16 x 4 seed 1 only to
 4.4 % (plan 0.085 s, bound 0.08125 s): the remaining gap is combinatorial (which updates
