@@ -179,9 +179,9 @@ class Layout:
     def spans(self, aggregator: str) -> dict[int, tuple[int, int]]:
         """Aggregate size classes at ``aggregator``: forward slots -> (smallest, largest) size."""
         out: dict[int, tuple[int, int]] = {}
-        for k in self.sizes:
-            lo, hi = out.get(self.forward_slots(aggregator, k), (k, k))
-            out[self.forward_slots(aggregator, k)] = (min(lo, k), max(hi, k))
+        for k in self.sizes:  # ascending: the first size of a class is its smallest
+            span = self.forward_slots(aggregator, k)
+            out[span] = (out.get(span, (k, k))[0], k)
         return out
 
 
@@ -228,7 +228,7 @@ class Vars:
     """The model's variables (see :mod:`mlfabric.scheduler.ilp`) and what the builders share.
 
     ``done[u, c]`` lists the 0/1 variables whose value 1 means ``u`` is at the server by
-    the end of slot ``c`` and not before: ``D[u, c]`` and ``m[u, a, k, c]``.
+    the end of slot ``c`` and not before: ``D[u, c]`` and ``m[u, (a, s, c)]``.
     """
 
     integer: bool
@@ -368,6 +368,7 @@ def _add_column(
     _window_rows(m, sums[:-1], lo, [(c, g)], smallest, rate)
     if v.integer and len(sums) > 1:  # bytes by c - 1 bound those of every earlier slot
         m.add(sums[-2] <= (largest - 1) * g)
+    started = c + 1 - math.ceil(smallest / rate)  # the aggregate has started by this slot
     members = {}
     for uid in feasible:
         v.m[uid, col] = members[uid] = mv = m.bool(f"m[{uid},{col}]")
@@ -375,7 +376,6 @@ def _add_column(
         m.add(mv <= g)
         if lay.size[uid] > smallest:  # the aggregate carries its largest member's size
             m.add(m.total(sent) >= lay.size[uid] * mv)
-        started = c + 1 - math.ceil(smallest / rate)  # the aggregate has started by this slot
         _store_and_forward(m, v, col, uid, range(max(lo, lay.arrival(uid, a)), started + 1))
     # the column's class is that of its largest member
     m.add(g <= m.total([mv for uid, mv in members.items() if lay.forward_slots(a, lay.size[uid]) == span]))
@@ -463,9 +463,11 @@ def add_symmetry(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
     v.twins = [ids for ids in classes.values() if len(ids) > 1]
     for ids in v.twins:
         for before, after in itertools.pairwise(ids):
-            for t in range(lay.T - 1):
-                by = [var for c in range(t + 1) for var in v.done.get((before, c), [])]
-                later = [var for c in range(t + 1) for var in v.done.get((after, c), [])]
+            by: list[Any] = []
+            later: list[Any] = []
+            for t in range(lay.T - 1):  # done by slot t: the flags of slots 0..t
+                by += v.done.get((before, t), [])
+                later += v.done.get((after, t), [])
                 if later:
                     m.add(m.total(by) >= m.total(later))
 
@@ -490,7 +492,7 @@ def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, lay: Layout, v:
     """Warm start: every variable's value in the hint plan (bytes rounded to quanta).
 
     Does nothing when the hint is no plan of this model (more aggregates at an aggregator
-    than ``groups``, or two of one size finishing in one slot there).
+    than ``groups``, or two of one size class finishing in one slot there).
     """
     slot, T, q = lay.slot, lay.T, lay.q
     done_slot = {
