@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,15 +68,40 @@ class CpSat(Backend):
         p.max_time_in_seconds = time_limit
         p.random_seed = seed
         p.num_workers = workers
-        p.catch_sigint_signal = True  # Ctrl-C ends the search with the best solution so far
+        # Ctrl-C is handled here, not by CP-SAT's own SIGINT handler (catch_sigint_signal): a
+        # SIGINT that arrived while CP-SAT was loading the model after the hint's solution hung
+        # the process (about 1 run in 6 on this machine). The search runs in a thread; the
+        # main thread keeps Python's KeyboardInterrupt and asks the search to stop, which
+        # ends it with the best solution so far.
+        p.catch_sigint_signal = False
 
         class _OnSolution(cp_model.CpSolverSolutionCallback):
             def on_solution_callback(inner) -> None:
                 report(inner.objective_value, inner.best_objective_bound)
 
         self.solver.best_bound_callback = lambda bound: report(math.nan, bound)
-        status = self.solver.solve(self.model, _OnSolution())
-        return str(self.solver.status_name(status))
+        outcome: list[Any] = []
+        done = threading.Event()
+
+        def search() -> None:
+            try:
+                outcome.append(self.solver.solve(self.model, _OnSolution()))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=search, name="cp-sat")
+        thread.start()
+        while not done.is_set():  # an Event, not Thread.join: an interrupted join breaks is_alive
+            try:
+                done.wait(0.1)
+            except KeyboardInterrupt:
+                self.solver.stop_search()
+        thread.join()
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return str(self.solver.status_name(outcome[0]))
 
     def bound(self) -> float:
         return float(self.solver.best_objective_bound)
