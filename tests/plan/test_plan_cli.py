@@ -102,7 +102,9 @@ def test_trace_events_one_track_per_link() -> None:
 @pytest.mark.slow
 def test_ctrl_c_returns_the_best_plan_so_far(tmp_path: Path) -> None:
     inst = tmp_path / "big.json"
-    inst.write_text(json.dumps(two_tier_instance(random.Random(0), 16, 4)))
+    # 12x3: CP-SAT's stop after Ctrl-C waits for its workers' next check (1-1.5 s on 16x4 under
+    # load, 0.1-0.2 s here); the behaviour under test is the same
+    inst.write_text(json.dumps(two_tier_instance(random.Random(0), 12, 3)))
     out = tmp_path / "plan.json"
     proc = subprocess.Popen(
         [
@@ -129,4 +131,4 @@ def test_ctrl_c_returns_the_best_plan_so_far(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert "== ilp ==" in stdout
     doc = json.loads(out.read_text())
-    assert doc["status"] in ("FEASIBLE", "OPTIMAL", "INTERRUPTED") and len(doc["updates"]) == 16
+    assert doc["status"] in ("FEASIBLE", "OPTIMAL", "INTERRUPTED") and len(doc["updates"]) == 12
