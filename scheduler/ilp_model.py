@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,9 +71,9 @@ class CpSat(Backend):
         p.num_workers = workers
         # Ctrl-C is handled here, not by CP-SAT's own SIGINT handler (catch_sigint_signal): a
         # SIGINT that arrived while CP-SAT was loading the model after the hint's solution hung
-        # the process (about 1 run in 6 on this machine). The search runs in a thread; the
-        # main thread keeps Python's KeyboardInterrupt and asks the search to stop, which
-        # ends it with the best solution so far.
+        # the process (about 1 run in 6 on this machine). The search runs in a thread; a
+        # Python SIGINT handler in the main thread asks it to stop, which ends it with the
+        # best solution so far.
         p.catch_sigint_signal = False
 
         class _OnSolution(cp_model.CpSolverSolutionCallback):
@@ -91,14 +92,17 @@ class CpSat(Backend):
             finally:
                 done.set()
 
-        thread = threading.Thread(target=search, name="cp-sat")
-        thread.start()
-        while not done.is_set():  # an Event, not Thread.join: an interrupted join breaks is_alive
-            try:
-                done.wait(0.1)
-            except KeyboardInterrupt:
-                self.solver.stop_search()
-        thread.join()
+        # SIGINT asks the search to stop (no KeyboardInterrupt that could escape and leave the
+        # search running behind an exiting interpreter); only the main thread may set handlers
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, lambda *_: self.solver.stop_search()) if main else None
+        try:
+            threading.Thread(target=search, name="cp-sat", daemon=True).start()
+            while not done.wait(0.1):
+                pass
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         if isinstance(outcome[0], Exception):
             raise outcome[0]
         return str(self.solver.status_name(outcome[0]))
