@@ -40,6 +40,7 @@ from mlfabric.daemon.dataplane import (
     send_frame,
 )
 from mlfabric.daemon.ratelimit import TokenBucket
+from mlfabric.daemon.sockets import format_address, lingering_close, parse_address, tune_socket
 from mlfabric.proto.v1 import dataplane_pb2
 
 __all__ = [
@@ -131,41 +132,6 @@ class Reply:
     buffer: Any
     sent: TransferStats
     received: TransferStats
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``"ip:port"`` (``"[v6]:port"`` too) into host and port.
-
-    Examples
-    --------
-    >>> parse_address("127.0.0.1:7001")
-    ('127.0.0.1', 7001)
-    >>> parse_address("[::1]:80")
-    ('::1', 80)
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"bad address {address!r}, expected 'ip:port'")
-    return host.strip("[]"), int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    """Join host and port into ``"ip:port"`` (``"[v6]:port"`` for IPv6).
-
-    Examples
-    --------
-    >>> format_address("127.0.0.1", 7001)
-    '127.0.0.1:7001'
-    """
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _tune(sock: socket.socket) -> None:
-    """Data-plane socket options: no Nagle delay on headers and replies.
-
-    Buffer sizes stay with the kernel's autotuning (setting ``SO_RCVBUF`` would switch it off).
-    """
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class Connection:
@@ -345,7 +311,7 @@ class PeerPool:
             sock = socket.create_connection((host, port), timeout=self._connect_timeout)
         except OSError as exc:
             raise PeerUnavailable(address, f"connect: {exc}") from exc
-        _tune(sock)
+        tune_socket(sock)
         sock.settimeout(self._io_timeout)
         return Connection(address, sock, self._limits, self._egress, self._ingress)
 
@@ -526,7 +492,7 @@ class DataPlaneListener:
                 if self._stopping.is_set():
                     return
                 raise
-            _tune(sock)
+            tune_socket(sock)
             sock.settimeout(self._io_timeout)
             thread = threading.Thread(
                 target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"), name="dataplane-conn", daemon=True
@@ -556,7 +522,7 @@ class DataPlaneListener:
                 self._log.warning("data plane: rejected frame from %s: %s; closing", peer, exc.reason)
                 if exc.reply_possible:
                     self._reply_error(sock, peer, exc.reason)
-                    _lingering_close(sock)
+                    lingering_close(sock)
                 return
             except OSError as exc:
                 if not self._stopping.is_set():
@@ -590,20 +556,3 @@ class DataPlaneListener:
             send_frame(sock, error_header(reason, update_id=update_id))
         except OSError as exc:
             self._log.info("data plane: could not send ERROR to %s: %r", peer, exc)
-
-
-def _lingering_close(sock: socket.socket, seconds: float = 1.0, max_bytes: int = 1 << 20) -> None:
-    """Stop writing and discard what the peer still sends for a moment before closing.
-
-    Closing a socket with unread input makes the kernel send RST, which can destroy the ERROR
-    frame just written before the peer reads it.
-    """
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(seconds)
-        drained = 0
-        while drained < max_bytes:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            drained += len(chunk)

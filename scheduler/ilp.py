@@ -74,15 +74,25 @@ portfolio matters more than the threads); ``"scip"`` and ``"highs"`` stay select
 Should the solver stop before its first solution, or with a worse one than the hint, the
 hint is returned.
 
+Warm start and local search: the hint is the better heuristic plan (STF or aggregation
+groups), improved for ``search_seconds`` (default a sixth of the limit, at most 10 s) by
+simulated annealing over aggregation groups (:mod:`mlfabric.scheduler.grouping`, ~1 ms a
+plan at 16 x 4); CP-SAT takes the rest of the limit. On 16 x 4 this matters more than the
+solver's own search: CP-SAT alone ended 60 s with plans 3-8 % above those the local search
+finds in seconds (seed 1: 0.0881 s against 0.0825 s).
+
 Bound quality (``experiments/results/bench_ilp.md`` part 2, 60 s on 2 shared cores): 8 x 2
-is proven optimal in 2-3 s (was 17-60 s); 12 x 3 ends at a 4-6 % gap and 16 x 4 at 5-10 %
-(22-35 % with the route-per-hop model). The target of 1 % at 16 x 4 is not met. The root
-LP is 6-9 % below the best plans there, and 600 s of search close 16 x 4 seed 1 only to
-4.4 % (plan 0.085 s, bound 0.08125 s): the remaining gap is combinatorial (which updates
-share an aggregate), and a relaxation that prices whole member sets (column generation,
-or a Lagrangian on the server's ingress with exact per-aggregator subproblems) is the
-next step. Aggregator-wide and server-wide rounded energy rows and counting rows (at
-most ``n`` members of size >= ``σ``) were tried and left out: they did not move the LP.
+is proven optimal in 2-3 s (was 17-60 s); 12 x 3 ends at a 2-6 % gap and 16 x 4 at 2-7 %
+(5-10 % before the local search, 22-35 % with the route-per-hop model). The target of 1 %
+at 16 x 4 is not met: the bound is the limit now. The root LP is 5-7 % below the best
+plans, and the bound moves little with time (16 x 4 seed 1: 0.0806 s at 60 s, 0.0813 s
+at 600 s). Tried and left out because they did not move it: aggregator-wide and
+server-wide rounded energy rows, counting rows (at most ``n`` members of size >= ``σ``),
+cardinality rows (at most ``N(t)`` updates complete by slot ``t``, ``N`` from short
+CP-SAT solves: 12 x 3 LP 88.00 -> 88.15 slot-sums), a Dantzig-Wolfe relaxation with one
+block per aggregator (its plans priced exactly by CP-SAT: 6 x 2 LP 43.24 -> 43.33 against
+an optimum of 45; the LP's weakness is the time-indexed server, not the member sets), and
+dropping every capacity row but the server's and the aggregators' ingress (no faster).
 
 Completions are counted at slot ends, so objective and bound are those of the slot model.
 On slot-aligned instances (every update a whole number of slots at full rate on every
@@ -97,11 +107,15 @@ capacities round down and sizes up, so a plan is always feasible in real bytes.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from mlfabric.scheduler.grouping import groups_of, improve_groups, plan_groups
 from mlfabric.scheduler.ilp_model import (
     Column,
     CpSat,
@@ -124,6 +138,9 @@ __all__ = ["ENGINES", "IlpResult", "Progress", "aggregate_id", "solve_ilp"]
 
 #: Solver engines: CP-SAT (default) and MathOpt/model_builder MIP back ends.
 ENGINES = ("cp-sat", "highs", "scip")
+
+#: Most seconds of local search over aggregation groups before the solver (``search_seconds``).
+SEARCH_SECONDS = 10.0
 
 
 def aggregate_id(aggregator: str, group: int = 0) -> str:
@@ -222,6 +239,7 @@ def solve_ilp(
     workers: int = 8,
     engine: str = "cp-sat",
     groups: int | None = None,
+    search_seconds: float | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> IlpResult:
     """Solve the time-indexed ILP of appendix 10.1 for ``instance`` (see the module docstring).
@@ -246,6 +264,11 @@ def solve_ilp(
     groups : int, optional
         Most aggregates each aggregator may make (the aggregation groups of Fig. 6 reuse a
         hop); default no limit; 1 is the paper's one aggregate per aggregator.
+    search_seconds : float, optional
+        Seconds of local search over aggregation groups
+        (:func:`~mlfabric.scheduler.grouping.improve_groups`) from the hint before the
+        solver starts; its best plan becomes the hint. Part of ``time_limit``; default a
+        sixth of it, at most 10 s (0 with no hint).
     progress : callable, optional
         Called with a :class:`Progress` on every new solution and bound (CP-SAT only).
 
@@ -270,28 +293,39 @@ def solve_ilp(
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     started = time.monotonic()
-    if horizon_slots is None:
-        length = hint.makespan() if hint is not None else _sequential_horizon(instance)
-        horizon_slots = max(1, math.ceil(length / instance.slot_seconds - 1e-9))
-    lay = layout(instance, horizon_slots, groups)
-    T = lay.T
-    m: CpSat | Mip = CpSat() if engine == "cp-sat" else Mip(engine)
-    v = Vars(integer=engine == "cp-sat")
-    add_first_legs(m, lay, v)
-    add_direct(m, lay, v)
-    add_columns(m, lay, v)
-    add_capacity(m, lay, v)
-    add_symmetry(m, lay, v)
-    to_seconds = set_objective(m, instance, lay, v)
-    if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)
-        add_hint(m, instance, hint, lay, v)
+    with _ctrl_c() as stop:
+        if hint is not None:
+            seconds = min(time_limit / 6, SEARCH_SECONDS) if search_seconds is None else search_seconds
+            hint, horizon_slots = _search(instance, hint, horizon_slots, groups, seconds, seed, stop)
+            if progress is not None and seconds > 0:
+                progress(Progress(time.monotonic() - started, objective_of(instance, hint), 0.0))
+        if horizon_slots is None:
+            length = hint.makespan() if hint is not None else _sequential_horizon(instance)
+            horizon_slots = max(1, math.ceil(length / instance.slot_seconds - 1e-9))
+        if stop.is_set() and hint is not None:  # Ctrl-C during the search: its best plan
+            objective = objective_of(instance, hint)
+            hosts = _hosts(hint, [u.update_id for u in instance.updates])
+            wall = time.monotonic() - started
+            return IlpResult(hint, objective, 0.0, 1.0, "INTERRUPTED", wall, hosts, engine, horizon_slots)
+        lay = layout(instance, horizon_slots, groups)
+        T = lay.T
+        m: CpSat | Mip = CpSat() if engine == "cp-sat" else Mip(engine)
+        v = Vars(integer=engine == "cp-sat")
+        add_first_legs(m, lay, v)
+        add_direct(m, lay, v)
+        add_columns(m, lay, v)
+        add_capacity(m, lay, v)
+        add_symmetry(m, lay, v)
+        to_seconds = set_objective(m, instance, lay, v)
+        if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)
+            add_hint(m, instance, hint, lay, v)
 
-    def report(objective: float, bound: float) -> None:
-        if progress is not None:
-            obj = None if math.isnan(objective) else objective * to_seconds
-            progress(Progress(time.monotonic() - started, obj, bound * to_seconds))
+        def report(objective: float, bound: float) -> None:
+            if progress is not None:
+                obj = None if math.isnan(objective) else objective * to_seconds
+                progress(Progress(time.monotonic() - started, obj, bound * to_seconds))
 
-    status = m.solve(max(0.01, time_limit - (time.monotonic() - started)), seed, workers, report)
+        status = m.solve(max(0.01, time_limit - (time.monotonic() - started)), seed, workers, report, stop)
     wall = time.monotonic() - started
     bound = m.bound() * to_seconds if status != "INFEASIBLE" else math.inf
     bound = bound if math.isfinite(bound) and status != "INFEASIBLE" else 0.0
@@ -311,6 +345,53 @@ def solve_ilp(
     if gap <= 1e-9:
         status = "OPTIMAL"
     return IlpResult(schedule, objective, bound, gap, status, wall, hosts, engine, T)
+
+
+@contextlib.contextmanager
+def _ctrl_c() -> Iterator[threading.Event]:
+    """SIGINT sets the event while the block runs (in the main thread; elsewhere it never does).
+
+    The local search and the solver poll it and stop with their best plan: no
+    KeyboardInterrupt that could escape between them, or leave CP-SAT's search thread
+    running behind an exiting interpreter.
+    """
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _search(
+    instance: Instance,
+    hint: Schedule,
+    horizon_slots: int | None,
+    groups: int | None,
+    seconds: float,
+    seed: int,
+    stop: threading.Event,
+) -> tuple[Schedule, int | None]:
+    """The hint improved by local search over aggregation groups, and the horizon to hold it.
+
+    The better plan replaces the hint only if it fits a given horizon; without one the
+    horizon becomes the longer of the two plans, so the model holds both.
+    """
+    if seconds <= 0:
+        return hint, horizon_slots
+    found, cost = improve_groups(
+        instance, groups_of(instance, hint), seconds=seconds, seed=seed, groups=groups, stop=stop.is_set
+    )
+    if cost >= objective_of(instance, hint):
+        return hint, horizon_slots
+    better = plan_groups(instance, found)
+    slots = max(1, math.ceil(max(hint.makespan(), better.makespan()) / instance.slot_seconds - 1e-9))
+    if horizon_slots is not None and slots > horizon_slots:
+        return hint, horizon_slots
+    return better, horizon_slots or slots
 
 
 def _hosts(schedule: Schedule, updates: Iterable[str]) -> dict[str, str | None]:

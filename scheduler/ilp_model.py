@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,17 +62,22 @@ class CpSat(Backend):
         return cp_model.LinearExpr.sum(terms)
 
     def solve(
-        self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
+        self,
+        time_limit: float,
+        seed: int,
+        workers: int,
+        report: Callable[[float, float], None],
+        stop: threading.Event | None = None,
     ) -> str:
         p = self.solver.parameters
         p.max_time_in_seconds = time_limit
         p.random_seed = seed
         p.num_workers = workers
-        # Ctrl-C is handled here, not by CP-SAT's own SIGINT handler (catch_sigint_signal): a
-        # SIGINT that arrived while CP-SAT was loading the model after the hint's solution hung
-        # the process (about 1 run in 6 on this machine). The search runs in a thread; a
-        # Python SIGINT handler in the main thread asks it to stop, which ends it with the
-        # best solution so far.
+        # Ctrl-C is the caller's (``stop``), not CP-SAT's own SIGINT handler
+        # (catch_sigint_signal): a SIGINT that arrived while CP-SAT was loading the model after
+        # the hint's solution hung the process (about 1 run in 6 on this machine). The search
+        # runs in a thread; this one polls ``stop`` and asks the search to stop, which ends it
+        # with the best solution so far.
         p.catch_sigint_signal = False
 
         class _OnSolution(cp_model.CpSolverSolutionCallback):
@@ -92,17 +96,10 @@ class CpSat(Backend):
             finally:
                 done.set()
 
-        # SIGINT asks the search to stop (no KeyboardInterrupt that could escape and leave the
-        # search running behind an exiting interpreter); only the main thread may set handlers
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, lambda *_: self.solver.stop_search()) if main else None
-        try:
-            threading.Thread(target=search, name="cp-sat", daemon=True).start()
-            while not done.wait(0.1):
-                pass
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+        threading.Thread(target=search, name="cp-sat", daemon=True).start()
+        while not done.wait(0.1):
+            if stop is not None and stop.is_set():
+                self.solver.stop_search()
         if isinstance(outcome[0], Exception):
             raise outcome[0]
         return str(self.solver.status_name(outcome[0]))
@@ -123,8 +120,14 @@ class Mip(Backend):
         return mb.LinearExpr.sum(terms)
 
     def solve(
-        self, time_limit: float, seed: int, workers: int, report: Callable[[float, float], None]
+        self,
+        time_limit: float,
+        seed: int,
+        workers: int,
+        report: Callable[[float, float], None],
+        stop: threading.Event | None = None,
     ) -> str:
+        # ``stop`` is not polled: HiGHS and SCIP run to their time limit
         self.solver.set_time_limit_in_seconds(time_limit)
         status = self.solver.solve(self.model)
         names = {

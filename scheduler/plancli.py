@@ -45,6 +45,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="most aggregates each aggregator may make (default: no limit; 1 is the paper's model)",
     )
+    parser.add_argument(
+        "--search-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="local search over aggregation groups before the ILP, part of --time-limit "
+        "(default: a sixth of it, at most 10 s; 0 turns it off)",
+    )
     parser.add_argument("--out", type=Path, metavar="PLAN.json", help="write the plan(s) as JSON")
     parser.add_argument("--trace", type=Path, metavar="TRACE.json", help="write a Chrome trace by link")
     parser.add_argument("--plot", type=Path, metavar="PLAN.png", help="draw a Gantt chart by link")
@@ -175,10 +183,11 @@ def run(args: argparse.Namespace) -> int:
                 workers=args.workers,
                 engine=args.engine,
                 groups=args.groups,
+                search_seconds=args.search_seconds,
                 progress=_progress_printer(args.progress_every),
             )
-        except KeyboardInterrupt:  # before the solver took over SIGINT: the warm start is the best
-            print("interrupted while building the model: reporting the warm start", file=sys.stderr)
+        except KeyboardInterrupt:  # before solve_ilp took over SIGINT: the warm start is the best
+            print("interrupted before the search started: reporting the warm start", file=sys.stderr)
             objective = objective_of(instance, hint)
             result = IlpResult(hint, objective, 0.0, 1.0, "INTERRUPTED", 0.0, {}, args.engine, 0)
         if result.schedule is None or result.objective is None:

@@ -71,6 +71,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
+from mlfabric.scheduler import wire
 from mlfabric.scheduler.batching import AdaptiveBatcher
 from mlfabric.scheduler.dispatch import Dispatcher, Release, ReplanTrigger
 from mlfabric.scheduler.policy import Decision, Policy
@@ -78,13 +79,10 @@ from mlfabric.scheduler.state import (
     Cleanup,
     DuplicateUpdate,
     HostAlreadyConnected,
-    JobParams,
     OutcomeKind,
     SchedulerError,
     SchedulerState,
-    ServerRole,
     TensorSpec,
-    TransferResult,
     UnknownUpdate,
 )
 
@@ -185,45 +183,6 @@ class DaemonSession:
     def close(self) -> None:
         """End the stream after the directives already queued."""
         self.queue.put_nowait(None)
-
-
-# ------------------------------------------------------------------ wire <-> plain data
-
-_OUTCOMES = {pb.OUTCOME_APPLIED: OutcomeKind.APPLIED, pb.OUTCOME_DROPPED: OutcomeKind.DROPPED}
-
-
-def _params(p: pb.JobParams) -> JobParams:
-    return JobParams(tau_max=p.tau_max, div_max=p.div_max)
-
-
-def _params_pb(p: JobParams) -> pb.JobParams:
-    return pb.JobParams(tau_max=p.tau_max, div_max=p.div_max)
-
-
-def _server_info(s: ServerRole, address: str) -> pb.ServerInfo:
-    model = [pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in s.model]
-    return pb.ServerInfo(name=s.name, host=s.host, data_address=address, model=model, version=s.version)
-
-
-def _result(host: str, m: pb.TransferReport) -> TransferResult:
-    return TransferResult(
-        update_id=m.update_id,
-        src_host=m.src_host or host,
-        dst_host=m.dst_host,
-        bytes=m.bytes,
-        start=m.start,
-        end=m.end,
-        ok=m.ok,
-        error=m.error,
-        outcome=_OUTCOMES.get(m.outcome),
-        delay=m.delay,
-        server_version=m.server_version,
-        reason=m.reason,
-    )
-
-
-def _drop(update_id: str, reason: str) -> pb.Directive:
-    return pb.Directive(drop=pb.DropDirective(update_id=update_id, reason=reason))
 
 
 # ------------------------------------------------------------------------------ core
@@ -330,7 +289,7 @@ class SchedulerCore:
             self._transfer_report(host, m.transfer_report)
         elif kind == "update_resolved":
             r = m.update_resolved
-            kind_ = _OUTCOMES.get(r.outcome, OutcomeKind.DROPPED)
+            kind_ = wire.OUTCOMES.get(r.outcome, OutcomeKind.DROPPED)
             try:
                 self.state.resolve(host, r.update_id, kind_, r.reason)
             except UnknownUpdate as exc:
@@ -352,7 +311,7 @@ class SchedulerCore:
             if m.role == pb.ROLE_SERVER:
                 model = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in m.model)
                 job = self.state.register_server(
-                    session.host, m.job, m.name, model, _params(m.params), m.version
+                    session.host, m.job, m.name, model, wire.job_params(m.params), m.version
                 )
             elif m.role == pb.ROLE_WORKER:
                 job = self.state.register_worker(session.host, m.job, m.name)
@@ -361,7 +320,7 @@ class SchedulerCore:
         except SchedulerError as exc:
             session.send(pb.Directive(role_ack=pb.RoleAck(request_id=m.request_id, ok=False, error=str(exc))))
             return
-        ack.params.CopyFrom(_params_pb(job.params))
+        ack.params.CopyFrom(wire.job_params_pb(job.params))
         ack.servers.extend(self._server_infos(m.job))
         session.send(pb.Directive(role_ack=ack))
         if m.role == pb.ROLE_SERVER:
@@ -377,7 +336,7 @@ class SchedulerCore:
             log.warning("host %s: cannot unregister: %s", host, exc)
 
     def _server_infos(self, job: str) -> list[pb.ServerInfo]:
-        return [_server_info(s, self.state.address(s.host)) for s in self.state.servers(job)]
+        return [wire.server_info(s, self.state.address(s.host)) for s in self.state.servers(job)]
 
     def _announce(self, job: str) -> None:
         """Send the job's current servers to every daemon with a worker of it."""
@@ -391,7 +350,7 @@ class SchedulerCore:
         self.dispatcher.forget(u.update_id for u, _ in cleanup.dropped)
         for u, reason in cleanup.dropped:
             self.metrics.updates_dropped.inc()
-            self._send_to(u.src_host, _drop(u.update_id, reason))
+            self._send_to(u.src_host, wire.drop_directive(u.update_id, reason))
         for job in cleanup.jobs_changed:
             self._announce(job)
         self._wake.set()
@@ -418,12 +377,12 @@ class SchedulerCore:
             return
         except SchedulerError as exc:
             self.metrics.updates_dropped.inc()
-            session.send(_drop(m.update_id, str(exc)))
+            session.send(wire.drop_directive(m.update_id, str(exc)))
             return
         self.batcher.notify()
 
     def _transfer_report(self, host: str, m: pb.TransferReport) -> None:
-        result = _result(host, m)
+        result = wire.transfer_result(host, m)
         now = self.clock()
         shared = self.state.sharing(result.update_id, now)
         try:
@@ -464,7 +423,7 @@ class SchedulerCore:
             src = self.state.source_host(d.update_id)
             self.state.drop(d.update_id, d.reason)
             self.metrics.updates_dropped.inc()
-            self._send_to(src, _drop(d.update_id, d.reason))
+            self._send_to(src, wire.drop_directive(d.update_id, d.reason))
         self.dispatcher.adopt(decision)
         self.release()
         return decision
@@ -481,7 +440,7 @@ class SchedulerCore:
             except SchedulerError as exc:
                 self.state.drop(s.update_id, str(exc))
                 self.metrics.updates_dropped.inc()
-                self._send_to(src, _drop(s.update_id, str(exc)))
+                self._send_to(src, wire.drop_directive(s.update_id, str(exc)))
                 continue
             self.state.release(s.update_id, s.path, r.started_at, r.expected_end)
             self.metrics.transfers_released.inc()

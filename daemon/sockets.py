@@ -1,0 +1,90 @@
+"""Socket helpers of the data plane: ``"ip:port"`` addresses, socket options, a lingering close.
+
+Split out of :mod:`mlfabric.daemon.transport` (which re-exports :func:`parse_address` and
+:func:`format_address`); its listener and peer pool use them on every connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+__all__ = ["format_address", "lingering_close", "parse_address", "tune_socket"]
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``"ip:port"`` (``"[v6]:port"`` too) into host and port.
+
+    Examples
+    --------
+    >>> parse_address("127.0.0.1:7001")
+    ('127.0.0.1', 7001)
+    >>> parse_address("[::1]:80")
+    ('::1', 80)
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"bad address {address!r}, expected 'ip:port'")
+    return host.strip("[]"), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """Join host and port into ``"ip:port"`` (``"[v6]:port"`` for IPv6).
+
+    Examples
+    --------
+    >>> format_address("127.0.0.1", 7001)
+    '127.0.0.1:7001'
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Data-plane socket options: no Nagle delay on headers and replies.
+
+    Buffer sizes stay with the kernel's autotuning (setting ``SO_RCVBUF`` would switch it off).
+
+    Examples
+    --------
+    >>> with socket.socket() as sock:
+    ...     tune_socket(sock)
+    ...     sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    1
+    """
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def lingering_close(sock: socket.socket, seconds: float = 1.0, max_bytes: int = 1 << 20) -> None:
+    """Stop writing and discard what the peer still sends for a moment before closing.
+
+    Closing a socket with unread input makes the kernel send RST, which can destroy the ERROR
+    frame just written before the peer reads it. The caller closes ``sock`` afterwards.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A connected stream socket.
+    seconds : float
+        How long one read of the peer's remaining bytes may wait.
+    max_bytes : int
+        Stop discarding after this many bytes.
+
+    Examples
+    --------
+    >>> a, b = socket.socketpair()
+    >>> b.sendall(b"unread bytes")
+    >>> b.shutdown(socket.SHUT_WR)
+    >>> lingering_close(a)   # reads until the peer's end of stream
+    >>> b.recv(16)           # the peer sees ours
+    b''
+    >>> a.close(); b.close()
+    """
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(seconds)
+        drained = 0
+        while drained < max_bytes:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            drained += len(chunk)

@@ -1,0 +1,58 @@
+"""A job's bounds, ``tau_max`` and ``div_max`` (paper Table 1, ``params``), and their wire message.
+
+Split out of :mod:`mlfabric.api`, which re-exports :class:`Params` (also as ``mlfabric.Params``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlfabric.proto.v1 import control_pb2
+
+__all__ = ["Params"]
+
+
+@dataclass(frozen=True)
+class Params:
+    """A job's bounds (paper Table 1, ``params``; DESIGN.md §4).
+
+    Parameters
+    ----------
+    tau_max : int or None
+        No update whose delay (server version at apply time minus its base version) exceeds
+        ``tau_max`` is ever applied. None: unbounded.
+    div_max : float or None
+        Bound on the sum of norms applied at a server and not yet at its replica. None: unbounded.
+
+    Examples
+    --------
+    >>> Params(tau_max=4).to_pb().tau_max
+    4
+    >>> Params().to_pb().tau_max
+    -1
+    """
+
+    tau_max: int | None = None
+    div_max: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
+            raise ValueError(f"tau_max must be an integer >= 0 or None (unbounded), got {self.tau_max!r}")
+        if self.div_max is not None and not float(self.div_max) > 0:
+            raise ValueError(f"div_max must be a number > 0 or None (unbounded), got {self.div_max!r}")
+
+    def to_pb(self) -> Any:
+        """The ``JobParams`` message (``-1`` / ``0`` for unbounded)."""
+        return control_pb2.JobParams(
+            tau_max=-1 if self.tau_max is None else int(self.tau_max),
+            div_max=0.0 if self.div_max is None else float(self.div_max),
+        )
+
+    @classmethod
+    def from_pb(cls, message: Any) -> Params:
+        """Params from a ``JobParams`` message."""
+        return cls(
+            tau_max=None if message.tau_max < 0 else int(message.tau_max),
+            div_max=None if message.div_max <= 0 else float(message.div_max),
+        )

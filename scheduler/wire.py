@@ -1,0 +1,97 @@
+"""Conversions between the control stream's messages (``control.proto``) and the state's plain data.
+
+Split out of :mod:`mlfabric.scheduler.service`, whose servicer and core use them to unpack a
+daemon's messages for :class:`~mlfabric.scheduler.state.SchedulerState` and to build the
+directives sent back. Pure: no I/O, no state.
+"""
+
+from __future__ import annotations
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.state import JobParams, OutcomeKind, ServerRole, TransferResult
+
+__all__ = [
+    "OUTCOMES",
+    "drop_directive",
+    "job_params",
+    "job_params_pb",
+    "server_info",
+    "transfer_result",
+]
+
+#: wire ``Outcome`` -> :class:`~mlfabric.scheduler.state.OutcomeKind` (``OUTCOME_UNSPECIFIED``: absent)
+OUTCOMES = {pb.OUTCOME_APPLIED: OutcomeKind.APPLIED, pb.OUTCOME_DROPPED: OutcomeKind.DROPPED}
+
+
+def job_params(p: pb.JobParams) -> JobParams:
+    """A job's bounds from its ``JobParams`` message.
+
+    Examples
+    --------
+    >>> job_params(pb.JobParams(tau_max=4, div_max=0.5))
+    JobParams(tau_max=4, div_max=0.5)
+    """
+    return JobParams(tau_max=p.tau_max, div_max=p.div_max)
+
+
+def job_params_pb(p: JobParams) -> pb.JobParams:
+    """The ``JobParams`` message of a job's bounds.
+
+    Examples
+    --------
+    >>> job_params_pb(JobParams(tau_max=4)).tau_max
+    4
+    """
+    return pb.JobParams(tau_max=p.tau_max, div_max=p.div_max)
+
+
+def server_info(s: ServerRole, address: str) -> pb.ServerInfo:
+    """The ``ServerInfo`` message of server ``s`` whose daemon's data plane is at ``address``.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.state import TensorSpec
+    >>> s = ServerRole("j", "ps", "h0", (TensorSpec("w", "float32", (2, 3)),), version=7)
+    >>> m = server_info(s, "127.0.0.1:9000")
+    >>> m.data_address, m.version, list(m.model[0].shape)
+    ('127.0.0.1:9000', 7, [2, 3])
+    """
+    model = [pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in s.model]
+    return pb.ServerInfo(name=s.name, host=s.host, data_address=address, model=model, version=s.version)
+
+
+def transfer_result(host: str, m: pb.TransferReport) -> TransferResult:
+    """A ``TransferReport`` from the daemon of ``host`` as plain data (``src_host`` defaults to ``host``).
+
+    Examples
+    --------
+    >>> r = transfer_result("a", pb.TransferReport(update_id="a/1", dst_host="ps", bytes=8,
+    ...                                            outcome=pb.OUTCOME_APPLIED))
+    >>> r.src_host, r.bytes, r.outcome
+    ('a', 8, <OutcomeKind.APPLIED: 'applied'>)
+    """
+    return TransferResult(
+        update_id=m.update_id,
+        src_host=m.src_host or host,
+        dst_host=m.dst_host,
+        bytes=m.bytes,
+        start=m.start,
+        end=m.end,
+        ok=m.ok,
+        error=m.error,
+        outcome=OUTCOMES.get(m.outcome),
+        delay=m.delay,
+        server_version=m.server_version,
+        reason=m.reason,
+    )
+
+
+def drop_directive(update_id: str, reason: str) -> pb.Directive:
+    """The directive dropping update ``update_id`` for ``reason``.
+
+    Examples
+    --------
+    >>> drop_directive("a/1", "no path").drop.reason
+    'no path'
+    """
+    return pb.Directive(drop=pb.DropDirective(update_id=update_id, reason=reason))
