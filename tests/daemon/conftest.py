@@ -35,6 +35,8 @@ class FakeScheduler(control_pb2_grpc.SchedulerServicer):
         self.ready: list[Any] = []
         self.reports: list[Any] = []
         self.unregistered: list[Any] = []
+        #: (host, job, name) of every role registration, in arrival order
+        self.registered: list[tuple[str, str, str]] = []
         self.hold = False
         self.server: grpc.Server | None = None
         self.address = ""
@@ -100,6 +102,8 @@ class FakeScheduler(control_pb2_grpc.SchedulerServicer):
         kind = m.WhichOneof("kind")
         if kind == "register_role":
             r = m.register_role
+            with self.lock:
+                self.registered.append((host, r.job, r.name))
             if r.role == control_pb2.ROLE_SERVER:
                 info = control_pb2.ServerInfo(
                     name=r.name, host=host, data_address=address, model=r.model, version=r.version
