@@ -82,7 +82,7 @@ solver's own search: CP-SAT alone ended 60 s with plans 3-8 % above those the lo
 finds in seconds (seed 1: 0.0881 s against 0.0825 s).
 
 Bound quality (``experiments/results/bench_ilp.md`` part 2, 60 s on 2 shared cores): 8 x 2
-is proven optimal in 2-6 s (was 17-60 s); 12 x 3 ends at a 2-6 % gap and 16 x 4 at 2-7 %
+is proven optimal in 2-6 s (was 17-60 s); 12 x 3 ends at a 4-6 % gap and 16 x 4 at 2-7 %
 (5-10 % before the local search, 22-35 % with the route-per-hop model). The target of 1 %
 at 16 x 4 is not met: the bound is the limit now. The root LP is 5-7 % below the best
 plans, and the bound moves little with time (16 x 4 seed 1: 0.0806 s at 60 s, 0.0813 s
