@@ -250,7 +250,7 @@ def improve_groups(
                 continue
             c = cost(candidate)
             temperature = temperature0 * (1 - k / length)
-            if c <= now_cost or rng.random() < math.exp((now_cost - c) / temperature):
+            if c <= now_cost or (temperature > 0 and rng.random() < math.exp((now_cost - c) / temperature)):
                 current, now_cost = candidate, c
                 if c < best_cost - 1e-12:
                     best, best_cost, improved = candidate, c, True
