@@ -20,7 +20,6 @@ Both return a :class:`~mlfabric.scheduler.schedule.Schedule` that passes the che
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import networkx as nx
@@ -31,12 +30,6 @@ from mlfabric.scheduler.stf import plan_stf
 from mlfabric.scheduler.timeline import Timelines
 
 __all__ = ["plan_aggregation", "plan_aggregation_sync"]
-
-
-def _transfer(pid: str, path: tuple[str, ...], nbytes: float, tls: Timelines, ready: float) -> Transfer:
-    links = tuple(itertools.pairwise(path))
-    start, end, res = tls.reserve(links, nbytes, ready, who=pid)
-    return Transfer(pid, path[0], path[-1], path, start, end, nbytes, res)
 
 
 def _avoid(graph: nx.DiGraph, pc: PathCache, server_host: str, first: Update) -> set[Link]:
@@ -113,10 +106,10 @@ def _plan_server(
                 if arrive > ahead_end:
                     break
                 members.append(
-                    _transfer(v.update_id, pc.path(v.src, agg), v.bytes, trial, max(v.ready_at, now))
+                    trial.transfer(v.update_id, pc.path(v.src, agg), v.bytes, max(v.ready_at, now))
                 )
         if agg is None or len(members) < 2:
-            t = _transfer(u.update_id, pc.path(u.src, u.dst), u.bytes, tls, max(u.ready_at, now))
+            t = tls.transfer(u.update_id, pc.path(u.src, u.dst), u.bytes, max(u.ready_at, now))
             transfers.append(t)
             ahead_end = max(ahead_end, t.end)
             direct += 1
@@ -125,7 +118,7 @@ def _plan_server(
         tls = trial
         aid = f"agg:{server_host}:{len(aggregates)}"
         size = max(t.bytes for t in members)
-        out = _transfer(aid, pc.path(agg, server_host), size, tls, max(t.end for t in members))
+        out = tls.transfer(aid, pc.path(agg, server_host), size, max(t.end for t in members))
         transfers.extend(members)
         transfers.append(out)
         aggregates.append(Aggregate(aid, agg, tuple(t.payload_id for t in members), size, server_host))

@@ -126,11 +126,10 @@ def _dfs(
             continue
         ready = max(ends[m] for m in mem) if mem else search.instance.update(pid).ready_at
         branch = tls.copy()
-        start, end, res = branch.reserve(links, size, ready, who=pid)
-        path = (links[0][0], *(v for _, v in links))
+        sent = branch.transfer(pid, (links[0][0], *(v for _, v in links)), size, ready)
         order.append(pid)
-        transfers.append(Transfer(pid, path[0], path[-1], path, start, end, size, res))
-        ends[pid] = end
+        transfers.append(sent)
+        ends[pid] = sent.end
         _dfs(search, branch, order, transfers, ends)
         del ends[pid]
         transfers.pop()

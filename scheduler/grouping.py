@@ -25,7 +25,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mlfabric.scheduler.graph import path_links
 from mlfabric.scheduler.instance import Instance, objective_of
 from mlfabric.scheduler.schedule import Aggregate, Schedule, Transfer
 from mlfabric.scheduler.timeline import Timelines
@@ -84,11 +83,8 @@ def plan_groups(instance: Instance, groups: Sequence[Group]) -> Schedule:
     update = {u.update_id: u for u in instance.updates}
 
     def send(pid: str, src: str, dst: str, nbytes: float, ready: float) -> Transfer:
-        path = instance.path(src, dst)
-        start, end, res = tls.reserve(path_links(list(path)), nbytes, ready, who=pid)
-        t = Transfer(pid, src, dst, path, start, end, nbytes, res)
-        transfers.append(t)
-        return t
+        transfers.append(tls.transfer(pid, instance.path(src, dst), nbytes, ready))
+        return transfers[-1]
 
     for g in groups:
         if g.aggregator is None:

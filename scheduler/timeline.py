@@ -14,13 +14,14 @@ graph it was built from.
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.schedule import Link, Reservation
+from mlfabric.scheduler.schedule import Link, Reservation, Transfer
 
 __all__ = ["LinkTimeline", "Timelines"]
 
@@ -273,6 +274,22 @@ class Timelines:
                 tl.reserve(lo, hi, rate, who=who)
                 reservations.append(Reservation(link, lo, hi, rate))
         return start, end, tuple(reservations)
+
+    def transfer(self, payload_id: str, path: Sequence[str], nbytes: float, ready: float) -> Transfer:
+        """Reserve ``nbytes`` along the node ``path`` from ``ready`` on (:meth:`reserve`) as a Transfer.
+
+        Examples
+        --------
+        >>> g = nx.DiGraph()
+        >>> g.add_edge("a", "b", capacity=4.0)
+        >>> t = Timelines(g).transfer("u1", ("a", "b"), 8.0, ready=1.0)
+        >>> t.src, t.dst, t.start, t.end
+        ('a', 'b', 1.0, 3.0)
+        """
+        hops = tuple(path)
+        links = list(itertools.pairwise(hops))
+        start, end, res = self.reserve(links, nbytes, ready, who=payload_id)
+        return Transfer(payload_id, hops[0], hops[-1], hops, start, end, nbytes, res)
 
     def reserve_until(
         self, links: Sequence[Link], start: float, end: float, *, who: str = ""
