@@ -134,7 +134,11 @@ def run_server(args: argparse.Namespace) -> int:
     status_path = Path(args.status_file) if args.status_file else None
     started = time.monotonic()
     delays: list[int] = []
-    state: dict[str, Any] = {"accuracy": accuracy(server.model, x_test, y_test), "reached_at": None}
+    state: dict[str, Any] = {
+        "accuracy": accuracy(server.model, x_test, y_test),
+        "reached_at": None,
+        "accuracy_at_target": None,
+    }
 
     @server.on_update
     def apply(update: dict[str, Any], meta: Any) -> None:
@@ -145,6 +149,7 @@ def run_server(args: argparse.Namespace) -> int:
             state["accuracy"] = accuracy(server.model, x_test, y_test)
             if state["reached_at"] is None and state["accuracy"] >= args.target_accuracy:
                 state["reached_at"] = time.time()
+                state["accuracy_at_target"] = state["accuracy"]
 
     def write_status(final: bool) -> None:
         if status_path is None:
@@ -157,6 +162,7 @@ def run_server(args: argparse.Namespace) -> int:
                 "dropped": server.dropped,
                 "accuracy": state["accuracy"],
                 "reached_at": state["reached_at"],  # unix time the target was reached
+                "accuracy_at_target": state["accuracy_at_target"],  # the evaluation that reached it
                 "elapsed": time.monotonic() - started,
                 "mean_delay": float(np.mean(delays)) if delays else 0.0,
                 "max_delay": max(delays, default=0),
