@@ -92,7 +92,13 @@ cardinality rows (at most ``N(t)`` updates complete by slot ``t``, ``N`` from sh
 CP-SAT solves: 12 x 3 LP 88.00 -> 88.15 slot-sums), a Dantzig-Wolfe relaxation with one
 block per aggregator (its plans priced exactly by CP-SAT: 6 x 2 LP 43.24 -> 43.33 against
 an optimum of 45; the LP's weakness is the time-indexed server, not the member sets), and
-dropping every capacity row but the server's and the aggregators' ingress (no faster).
+dropping every capacity row but the server's and the aggregators' ingress (no faster),
+bound-oriented CP-SAT portfolios (objective shaving, objective lower-bound search, LB tree
+search, max-LP workers: at 60 s on 16 x 4 seeds 1 and 2 exactly the default's bounds, 129 and
+131 slot-sums, the root LP rounded up; SCIP's cuts reach 127.5 in 180 s) and pair-cover cuts
+(two updates that cannot both reach the server directly by slot ``t`` and a column that would
+hold both: ``D[u,<=t] + D[w,<=t] + m[u,col] + m[w,col] - G[col] <= 1``; 5 x 2 LPs 28.5 ->
+28.75 and 30 -> 30.375 against optima 30 and 31, none violated on 16 x 4).
 
 Completions are counted at slot ends, so objective and bound are those of the slot model.
 On slot-aligned instances (every update a whole number of slots at full rate on every
