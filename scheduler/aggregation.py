@@ -29,7 +29,34 @@ from mlfabric.scheduler.schedule import Aggregate, Link, Schedule, Transfer, Upd
 from mlfabric.scheduler.stf import plan_stf
 from mlfabric.scheduler.timeline import Timelines
 
-__all__ = ["plan_aggregation", "plan_aggregation_sync"]
+__all__ = ["plan_aggregation", "plan_aggregation_sync", "send_aggregate"]
+
+
+def send_aggregate(
+    tls: Timelines, path: Sequence[str], members: Sequence[Transfer], index: int
+) -> tuple[Transfer, Aggregate]:
+    """Reserve the aggregate of ``members`` (their transfers into ``path[0]``) along ``path``.
+
+    It is one update's size, that of its largest member, and leaves once the last member is
+    in; its id is ``agg:<server>:<index>``, ``index`` counting the plan's aggregates.
+
+    Examples
+    --------
+    >>> g = nx.DiGraph()
+    >>> g.add_edge("w0", "x", capacity=1.0)
+    >>> g.add_edge("w1", "x", capacity=1.0)
+    >>> g.add_edge("x", "ps", capacity=1.0)
+    >>> tls = Timelines(g)
+    >>> ins = [tls.transfer("u0", ("w0", "x"), 1.0, 0.0), tls.transfer("u1", ("w1", "x"), 2.0, 0.0)]
+    >>> out, agg = send_aggregate(tls, ("x", "ps"), ins, 0)
+    >>> out.payload_id, out.start, out.end, agg.members, agg.bytes
+    ('agg:ps:0', 2.0, 4.0, ('u0', 'u1'), 2.0)
+    """
+    server = path[-1]
+    aid = f"agg:{server}:{index}"
+    size = max(t.bytes for t in members)
+    out = tls.transfer(aid, path, size, max(t.end for t in members))
+    return out, Aggregate(aid, path[0], tuple(t.payload_id for t in members), size, server)
 
 
 def _avoid(graph: nx.DiGraph, pc: PathCache, server_host: str, first: Update) -> set[Link]:
@@ -116,12 +143,10 @@ def _plan_server(
             i += 1
             continue
         tls = trial
-        aid = f"agg:{server_host}:{len(aggregates)}"
-        size = max(t.bytes for t in members)
-        out = tls.transfer(aid, pc.path(agg, server_host), size, max(t.end for t in members))
+        out, made = send_aggregate(tls, pc.path(agg, server_host), members, len(aggregates))
         transfers.extend(members)
         transfers.append(out)
-        aggregates.append(Aggregate(aid, agg, tuple(t.payload_id for t in members), size, server_host))
+        aggregates.append(made)
         ahead_end = max(ahead_end, out.end)
         i += len(members)
     return tls
@@ -190,9 +215,7 @@ def plan_aggregation(
         ids = {u.update_id: u for u in group}
         order = [ids[uid] for uid in stf.arrivals]
         tls = _plan_server(graph, order, tls, pc, aggregators, now, first_direct, transfers, aggregates)
-    done = [t for t in transfers if t.payload_id not in {m for a in aggregates for m in a.members}]
-    arrivals = tuple(t.payload_id for t in sorted(done, key=lambda t: t.end))
-    return Schedule(transfers=tuple(transfers), aggregates=tuple(aggregates), arrivals=arrivals)
+    return Schedule.aggregated(transfers, aggregates)
 
 
 def plan_aggregation_sync(

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mlfabric.scheduler.aggregation import send_aggregate
 from mlfabric.scheduler.instance import Instance, objective_of
 from mlfabric.scheduler.schedule import Aggregate, Schedule, Transfer
 from mlfabric.scheduler.timeline import Timelines
@@ -93,15 +94,10 @@ def plan_groups(instance: Instance, groups: Sequence[Group]) -> Schedule:
             send(uid, u.src, instance.server, u.bytes, u.ready_at)
             continue
         ins = [send(m, update[m].src, g.aggregator, update[m].bytes, update[m].ready_at) for m in g.members]
-        aid = f"agg:{instance.server}:{len(aggregates)}"
-        size = max(update[m].bytes for m in g.members)
-        send(aid, g.aggregator, instance.server, size, max(t.end for t in ins))
-        aggregates.append(Aggregate(aid, g.aggregator, g.members, size, instance.server))
-    summed = {m for a in aggregates for m in a.members}
-    done = sorted((t for t in transfers if t.payload_id not in summed), key=lambda t: t.end)
-    return Schedule(
-        transfers=tuple(transfers), aggregates=tuple(aggregates), arrivals=tuple(t.payload_id for t in done)
-    )
+        out, made = send_aggregate(tls, instance.path(g.aggregator, instance.server), ins, len(aggregates))
+        transfers.append(out)
+        aggregates.append(made)
+    return Schedule.aggregated(transfers, aggregates)
 
 
 def groups_of(instance: Instance, plan: Schedule) -> list[Group]:

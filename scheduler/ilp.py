@@ -307,7 +307,7 @@ def solve_ilp(
                 progress(Progress(time.monotonic() - started, objective_of(instance, hint), 0.0))
         if horizon_slots is None:
             length = hint.makespan() if hint is not None else _sequential_horizon(instance)
-            horizon_slots = max(1, math.ceil(length / instance.slot_seconds - 1e-9))
+            horizon_slots = _slots(instance, length)
         if stop.is_set() and hint is not None:  # Ctrl-C during the search: its best plan
             objective = objective_of(instance, hint)
             hosts = _hosts(hint, [u.update_id for u in instance.updates])
@@ -394,10 +394,15 @@ def _search(
     if cost >= objective_of(instance, hint):
         return hint, horizon_slots
     better = plan_groups(instance, found)
-    slots = max(1, math.ceil(max(hint.makespan(), better.makespan()) / instance.slot_seconds - 1e-9))
+    slots = _slots(instance, max(hint.makespan(), better.makespan()))
     if horizon_slots is not None and slots > horizon_slots:
         return hint, horizon_slots
     return better, horizon_slots or slots
+
+
+def _slots(instance: Instance, seconds: float) -> int:
+    """Slots (at least one) that hold ``seconds`` of the instance's time."""
+    return max(1, math.ceil(seconds / instance.slot_seconds - 1e-9))
 
 
 def _hosts(schedule: Schedule, updates: Iterable[str]) -> dict[str, str | None]:

@@ -21,9 +21,6 @@ from mlfabric.scheduler.schedule import Link, Schedule, Transfer
 
 __all__: list[str] = []
 
-Hop = tuple[str, int]  # (aggregator host, group index there)
-Route = Hop | None  # None: direct
-
 # ---------------------------------------------------------------------------------------------
 # Solver back ends: one small adapter per engine so that the model is written once.
 

@@ -249,6 +249,29 @@ class Schedule:
     aggregates: tuple[Aggregate, ...] = ()
     arrivals: tuple[str, ...] = ()
 
+    @classmethod
+    def aggregated(cls, transfers: Sequence[Transfer], aggregates: Sequence[Aggregate]) -> Schedule:
+        """A plan of direct sends and aggregates, ``arrivals`` in order of arrival at the servers.
+
+        The payloads that arrive are those not summed into an aggregate (direct updates and
+        the aggregates themselves), ordered by the end of their transfer.
+
+        Examples
+        --------
+        >>> ins = Transfer.at_rate("u", ("w", "x"), start=0, bytes=1, rate=1)
+        >>> out = Transfer.at_rate("agg", ("x", "ps"), start=1, bytes=1, rate=1)
+        >>> direct = Transfer.at_rate("v", ("w2", "ps"), start=0, bytes=1, rate=2)
+        >>> Schedule.aggregated([ins, out, direct], [Aggregate("agg", "x", ("u",), 1, "ps")]).arrivals
+        ('v', 'agg')
+        """
+        summed = {m for a in aggregates for m in a.members}
+        done = sorted((t for t in transfers if t.payload_id not in summed), key=lambda t: t.end)
+        return cls(
+            transfers=tuple(transfers),
+            aggregates=tuple(aggregates),
+            arrivals=tuple(t.payload_id for t in done),
+        )
+
     def delivery(self, payload_id: str) -> Transfer | None:
         """The (non-replica) transfer of ``payload_id``, or ``None``."""
         for t in self.transfers:
