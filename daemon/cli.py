@@ -77,7 +77,7 @@ def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
     Parameters
     ----------
     topology_path : str
-        Topology TOML (see :mod:`mlfabric.scheduler.graph`).
+        Topology TOML (see :mod:`mlfabric.scheduler.core.graph`).
     host : str
         A host of the topology.
 
@@ -91,7 +91,7 @@ def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
     ValueError
         The host is not in the topology or has no links.
     """
-    from mlfabric.scheduler.graph import load_topology
+    from mlfabric.scheduler.core.graph import load_topology
 
     graph = load_topology(topology_path)
     if host not in graph:

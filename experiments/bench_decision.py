@@ -52,9 +52,9 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from mlfabric.scheduler.graph import hosts, two_tier
-from mlfabric.scheduler.policy import InFlight, PendingUpdate, Snapshot
-from mlfabric.scheduler.stf import STFPolicy
+from mlfabric.scheduler.core.graph import hosts, two_tier
+from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
+from mlfabric.scheduler.policies.stf import STFPolicy
 
 RACKS, PER_RACK, OVERSUB = 32, 32, 4.0
 SERVERS = ("h0", "h33", "h66", "h99")

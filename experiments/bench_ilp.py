@@ -1,6 +1,6 @@
 """Benchmark the offline ILP (issue 4): solver choice, solve time and gap by size, heuristic gaps.
 
-Instances are random two-tier graphs (:func:`mlfabric.scheduler.instance.two_tier_instance`):
+Instances are random two-tier graphs (:func:`mlfabric.scheduler.plan.instance.two_tier_instance`):
 one server in its own rack, workers and aggregators round-robin over four racks, every link
 10 Gb/s, updates of 1-3 slots of 10 ms (12.5-37.5 MB) ready at 0-30 ms.
 
@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlfabric.scheduler.bruteforce import fair_schedule
-from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.ilp import solve_ilp
-from mlfabric.scheduler.instance import (
+from mlfabric.scheduler.core.checker import check_schedule
+from mlfabric.scheduler.plan.bruteforce import fair_schedule
+from mlfabric.scheduler.plan.ilp import solve_ilp
+from mlfabric.scheduler.plan.instance import (
     Instance,
     heuristic_plans,
     objective_of,

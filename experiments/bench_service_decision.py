@@ -28,18 +28,18 @@ import grpc
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
-from mlfabric.scheduler.batching import AdaptiveBatcher
-from mlfabric.scheduler.cli import build_policy
-from mlfabric.scheduler.dispatch import Dispatcher
-from mlfabric.scheduler.graph import hosts, two_tier
-from mlfabric.scheduler.service import (
+from mlfabric.scheduler.core.graph import hosts, two_tier
+from mlfabric.scheduler.policies.dispatch import Dispatcher
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.cli import build_policy
+from mlfabric.scheduler.service.core import (
     CLIENT_CHANNEL_OPTIONS,
     Metrics,
     SchedulerCore,
     StaticEstimator,
     start_server,
 )
-from mlfabric.scheduler.state import SchedulerState
+from mlfabric.scheduler.service.state import SchedulerState
 
 RACKS, PER_RACK, OVERSUB = 32, 32, 4.0
 SERVERS = ("h0", "h33", "h66", "h99")

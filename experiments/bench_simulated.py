@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.scheduler.policy import FairPolicy
-from mlfabric.scheduler.sim.aggregating import AggregationPolicy
+from mlfabric.scheduler.policies.aggregating import AggregationPolicy
+from mlfabric.scheduler.policies.base import FairPolicy
+from mlfabric.scheduler.policies.stf import STFPolicy
 from mlfabric.scheduler.sim.report import PolicyStats, format_table
 from mlfabric.scheduler.sim.scenario import Scenario, cluster, run_scenario
 from mlfabric.scheduler.sim.workload import ComputeModel, pick_stragglers
-from mlfabric.scheduler.stf import STFPolicy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRESETS = {

@@ -413,7 +413,7 @@ def plot(results: dict[str, dict], target: float, path: Path) -> None:
 
 
 def driver(args: argparse.Namespace) -> int:
-    from mlfabric.scheduler.graph import load_topology
+    from mlfabric.scheduler.core.graph import load_topology
     from mlfabric.testbed.cluster import Testbed
     from mlfabric.testbed.launch import write_transfer_csv
     from mlfabric.testbed.netns import SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mlfabric.scheduler.graph import load_topology
+from mlfabric.scheduler.core.graph import load_topology
 from mlfabric.testbed.cluster import Testbed
 from mlfabric.testbed.linkcheck import measure_transfer, plan_link_checks
 from mlfabric.testbed.netns import (

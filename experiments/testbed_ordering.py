@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.scheduler.graph import load_topology
+from mlfabric.scheduler.core.graph import load_topology
 from mlfabric.testbed.cluster import Testbed
 from mlfabric.testbed.launch import TestbedCluster, write_transfer_csv
 from mlfabric.testbed.netns import SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale

@@ -93,7 +93,7 @@ class LocalCluster:
     Parameters
     ----------
     topology : str or Path
-        A topology TOML file (see :mod:`mlfabric.scheduler.graph`); its hosts get daemons.
+        A topology TOML file (see :mod:`mlfabric.scheduler.core.graph`); its hosts get daemons.
     policy : str
         The scheduler's policy (``"fair"`` or ``"stf"``).
     workdir : str or Path
@@ -151,7 +151,7 @@ class LocalCluster:
     def hosts(self) -> list[str]:
         """The hosts that have (or will have) a daemon."""
         if self._hosts is None:
-            from mlfabric.scheduler.graph import hosts, load_topology
+            from mlfabric.scheduler.core.graph import hosts, load_topology
 
             self._hosts = hosts(load_topology(self.topology))
         return list(self._hosts)

@@ -2,5 +2,5 @@
 
 Pure, deterministic algorithm modules (graph, timelines, STF ordering, aggregation,
 replication, bandwidth estimation, the invariant checker) live beside the service
-(:mod:`mlfabric.scheduler.service`), which only does I/O and calls them.
+(:mod:`mlfabric.scheduler.service.core`), which only does I/O and calls them.
 """

@@ -1,4 +1,9 @@
-"""Every Examples section in the package's docstrings runs and gives what it shows."""
+"""Every Examples section in the package's docstrings runs and gives what it shows.
+
+Modules are discovered with :func:`pkgutil.walk_packages`, so a new module is covered
+without touching this file. The installed top-level packages live in separate folders
+(``package-dir``), so each is walked from its own path.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +13,24 @@ import pkgutil
 
 import pytest
 
-import mlfabric
-
-SKIP = {"mlfabric.__main__"}
-
-
-SUBPACKAGES = ("mlfabric.scheduler", "mlfabric.scheduler.sim", "mlfabric.daemon", "mlfabric.aggregators")
+#: the installed packages whose folders are walked
+ROOTS = ("mlfabric", "mlfabric.scheduler", "mlfabric.daemon", "mlfabric.aggregators")
+#: not importable on purpose (entry points) or generated
+SKIP_PREFIXES = ("mlfabric.__main__", "mlfabric.proto")
 
 
 def _modules() -> list[str]:
-    # the subpackages live in other folders (package-dir), so walk each one's own path
-    names = {info.name for info in pkgutil.iter_modules(mlfabric.__path__, "mlfabric.")}
-    for package in SUBPACKAGES:
-        names |= {
-            info.name
-            for info in pkgutil.iter_modules(importlib.import_module(package).__path__, package + ".")
-        }
-    names |= {"mlfabric.examples.digits", *SUBPACKAGES}
-    names |= {
-        info.name
-        for info in pkgutil.iter_modules(
-            importlib.import_module("mlfabric.testbed").__path__, "mlfabric.testbed."
-        )
-    }
-    return sorted(n for n in names if n not in SKIP and not n.startswith("mlfabric.proto"))
+    names: set[str] = set(ROOTS)
+    for root in ROOTS:
+        package = importlib.import_module(root)
+        names |= {info.name for info in pkgutil.walk_packages(package.__path__, root + ".")}
+    return sorted(n for n in names if not n.startswith(SKIP_PREFIXES))
+
+
+def test_discovery_finds_every_subsystem() -> None:
+    names = _modules()
+    for sub in ("core", "policies", "plan", "sim", "service"):
+        assert any(n.startswith(f"mlfabric.scheduler.{sub}.") for n in names), sub
 
 
 @pytest.mark.parametrize("name", _modules())

@@ -29,7 +29,7 @@ def test_wheel_holds_exactly_the_mlfabric_tree(tmp_path: Path) -> None:
         "mlfabric/__init__.py",
         "mlfabric/cli.py",
         "mlfabric/scheduler/__init__.py",
-        "mlfabric/scheduler/graph.py",
+        "mlfabric/scheduler/core/graph.py",
         "mlfabric/daemon/__init__.py",
         "mlfabric/aggregators/__init__.py",
         "mlfabric/proto/v1/control_pb2.py",
@@ -42,7 +42,7 @@ def test_wheel_holds_exactly_the_mlfabric_tree(tmp_path: Path) -> None:
 def test_core_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import mlfabric, mlfabric.api, mlfabric.scheduler.policy, mlfabric.scheduler.graph\n"
+        "import mlfabric, mlfabric.api, mlfabric.scheduler.policies.base, mlfabric.scheduler.core.graph\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

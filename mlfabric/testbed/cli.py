@@ -76,7 +76,7 @@ def _select(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from mlfabric.scheduler.graph import TopologyError, load_topology
+    from mlfabric.scheduler.core.graph import TopologyError, load_topology
     from mlfabric.testbed.cluster import Testbed
     from mlfabric.testbed.netns import CommandError, TestbedUnavailable, new_prefix
     from mlfabric.testbed.plan import LayoutError

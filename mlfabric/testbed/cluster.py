@@ -8,7 +8,7 @@ the namespaces.
 
 Examples
 --------
->>> from mlfabric.scheduler.graph import star
+>>> from mlfabric.scheduler.core.graph import star
 >>> tb = Testbed(star(["a", "b"], 50e6), prefix="mlf0000aa")   # no I/O yet
 >>> tb.address("b")
 '198.18.0.2'
@@ -61,7 +61,7 @@ class Testbed:
     Parameters
     ----------
     topology : networkx.DiGraph
-        The bandwidth graph (:func:`mlfabric.scheduler.graph.load_topology`).
+        The bandwidth graph (:func:`mlfabric.scheduler.core.graph.load_topology`).
     prefix : str
         Unique run prefix, ``mlf`` + 6 hex digits (:func:`~mlfabric.testbed.netns.new_prefix`).
     runner : Runner, optional

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from mlfabric.scheduler.graph import bottleneck, hosts, shortest_path
+from mlfabric.scheduler.core.graph import bottleneck, hosts, shortest_path
 from mlfabric.testbed.cluster import Testbed
 
 __all__ = ["LinkCheck", "Measurement", "measure_transfer", "plan_link_checks"]
@@ -76,7 +76,7 @@ def plan_link_checks(graph: nx.DiGraph) -> list[LinkCheck]:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> g = star(["a", "b"], 50e6)
     >>> [(c.link, c.src, c.dst, c.expected) for c in plan_link_checks(g)][:2]
     [(('sw', 'a'), 'b', 'a', 6250000.0), (('sw', 'b'), 'a', 'b', 6250000.0)]

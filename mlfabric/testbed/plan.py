@@ -1,6 +1,6 @@
 """The layout of an emulated cluster: namespaces, veth pairs, bridges, addresses (DESIGN §6).
 
-This module is pure: it turns a bandwidth graph (:mod:`mlfabric.scheduler.graph`) into a
+This module is pure: it turns a bandwidth graph (:mod:`mlfabric.scheduler.core.graph`) into a
 :class:`Layout` that says which network namespaces, bridges and veth ends to create and how
 to shape each end. :mod:`mlfabric.testbed.cluster` executes a layout with ``ip`` and ``tc``.
 
@@ -148,7 +148,7 @@ def plan_layout(graph: nx.DiGraph, prefix: str) -> Layout:
     Parameters
     ----------
     graph : networkx.DiGraph
-        A bandwidth graph from :func:`mlfabric.scheduler.graph.parse_topology`: nodes with
+        A bandwidth graph from :func:`mlfabric.scheduler.core.graph.parse_topology`: nodes with
         ``kind``, each direction of a link an edge with ``capacity`` (bytes/s) and
         ``latency`` (s).
     prefix : str
@@ -169,7 +169,7 @@ def plan_layout(graph: nx.DiGraph, prefix: str) -> Layout:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> layout = plan_layout(star(["ps", "w0"], 50e6), "mlf00beef")
     >>> layout.host_address["ps"], layout.host_namespace["w0"]
     ('198.18.0.1', 'mlf00beef-h1-w0')

@@ -120,7 +120,7 @@ def ns_schedule(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> g = star(["a", "b"], 8e6)
     >>> [(c.at, c.rate) for c in ns_schedule(g, [("a", "sw")], levels=[0.5], period=2,
     ...                                       duration=5, rng=random.Random(0))]

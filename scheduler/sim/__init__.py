@@ -6,10 +6,10 @@
   dispatcher, network and server around the real policy objects;
 * :mod:`~mlfabric.scheduler.sim.iteration` — asynchronous and synchronous SGD workers;
 * :mod:`~mlfabric.scheduler.sim.workload` — compute times, stragglers, bandwidth schedules;
-* :mod:`~mlfabric.scheduler.sim.aggregating` — aggregation groups as a simulator policy;
+* :mod:`~mlfabric.scheduler.policies.aggregating` — aggregation groups as a simulator policy;
 * :mod:`~mlfabric.scheduler.sim.scenario` — preset clusters and one-call runs;
 * :mod:`~mlfabric.scheduler.sim.report` — per-policy statistics and tables;
 * :mod:`~mlfabric.scheduler.sim.tracing` — a run as a checkable, traceable schedule.
 
-``mlfabric simulate`` (:mod:`mlfabric.scheduler.simcli`) is the command line.
+``mlfabric simulate`` (:mod:`mlfabric.scheduler.sim.cli`) is the command line.
 """

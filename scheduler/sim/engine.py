@@ -4,9 +4,9 @@
 system (DESIGN §3):
 
 * **the scheduler service**: ready updates are batched by the service's adaptive
-  batching rule (:class:`~mlfabric.scheduler.batching.BatchWindow`), then
+  batching rule (:class:`~mlfabric.scheduler.service.batching.BatchWindow`), then
   ``policy.decide(snapshot, pending)`` is called with *every* update not yet released;
-  the service's :class:`~mlfabric.scheduler.dispatch.Dispatcher` adopts the decision and
+  the service's :class:`~mlfabric.scheduler.policies.dispatch.Dispatcher` adopts the decision and
   releases each send when the transfers in its ``after`` are done; drops resolve the
   push as DROPPED. A later decision replaces the plan of every update still pending;
 * **the network**: released transfers start at once and share links max-min fairly
@@ -36,11 +36,11 @@ from typing import Any, Protocol
 
 import networkx as nx
 
-from mlfabric.scheduler.batching import BatchWindow
-from mlfabric.scheduler.dispatch import Dispatcher
-from mlfabric.scheduler.graph import PathCache
-from mlfabric.scheduler.policy import Decision, InFlight, PendingUpdate, Policy, Send, Snapshot
-from mlfabric.scheduler.schedule import Aggregate
+from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.schedule import Aggregate
+from mlfabric.scheduler.policies.base import Decision, InFlight, PendingUpdate, Policy, Send, Snapshot
+from mlfabric.scheduler.policies.dispatch import Dispatcher
+from mlfabric.scheduler.service.batching import BatchWindow
 from mlfabric.scheduler.sim.fluid import FluidNetwork
 from mlfabric.scheduler.sim.workload import BandwidthChange
 
@@ -137,11 +137,11 @@ class Simulator:
     tau_max : int
         Delay bound (< 0: unbounded).
     batch_window, batch_max_wait : float
-        Adaptive batching (:class:`~mlfabric.scheduler.batching.BatchWindow`): a batch of
+        Adaptive batching (:class:`~mlfabric.scheduler.service.batching.BatchWindow`): a batch of
         ready updates closes ``batch_window`` s after the latest arrival, at most
         ``batch_max_wait`` s after the first. 0 and 0: updates ready at the same instant.
     dispatch_margin : float
-        The dispatcher's margin (:class:`~mlfabric.scheduler.dispatch.Dispatcher`): a send
+        The dispatcher's margin (:class:`~mlfabric.scheduler.policies.dispatch.Dispatcher`): a send
         may go this long before its predecessors' expected end. 0 (the default) releases
         exactly when they are done: the fluid network has no control latency to hide.
     changes : iterable of BandwidthChange
@@ -157,8 +157,8 @@ class Simulator:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
-    >>> from mlfabric.scheduler.policy import FairPolicy
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.policies.base import FairPolicy
     >>> from mlfabric.scheduler.sim.iteration import AsyncSGD
     >>> from mlfabric.scheduler.sim.workload import ComputeModel
     >>> g = star(["ps", "w0", "w1"], 8e6)  # 1 MB/s NICs

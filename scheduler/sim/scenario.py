@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from mlfabric.scheduler import graph as bg
-from mlfabric.scheduler.batching import DEFAULT_MAX_WAIT, DEFAULT_WINDOW
-from mlfabric.scheduler.policy import Policy
+from mlfabric.scheduler.core import graph as bg
+from mlfabric.scheduler.policies.base import Policy
+from mlfabric.scheduler.service.batching import DEFAULT_MAX_WAIT, DEFAULT_WINDOW
 from mlfabric.scheduler.sim.engine import Simulator
 from mlfabric.scheduler.sim.iteration import AsyncSGD, SyncSGD
 from mlfabric.scheduler.sim.report import PolicyStats, summarize
@@ -229,7 +229,7 @@ def run_scenario(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.policy import FairPolicy
+    >>> from mlfabric.scheduler.policies.base import FairPolicy
     >>> c = cluster("star", 2, nic_bps=8e6)
     >>> compute = ComputeModel(dict.fromkeys(c.workers, 0.0))
     >>> sc = Scenario(c, compute, update_bytes=1e6, iterations=1, batch_window=0.0, batch_max_wait=0.0)

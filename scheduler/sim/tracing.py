@@ -1,11 +1,11 @@
-"""A simulated run as a :class:`~mlfabric.scheduler.schedule.Schedule` (traces and checks).
+"""A simulated run as a :class:`~mlfabric.scheduler.core.schedule.Schedule` (traces and checks).
 
 The fluid network records every transfer's rate over time
 (:class:`~mlfabric.scheduler.sim.engine.FlowRecord`). :func:`flows_to_schedule` turns the
 records into a schedule whose reservations are those rates on every link of each path:
 the same shape every planner produces, so the invariant checker
-(:func:`~mlfabric.scheduler.checker.check_schedule`) can verify a simulation and the trace
-writer (:mod:`mlfabric.scheduler.trace`) can draw it, one track per link.
+(:func:`~mlfabric.scheduler.core.checker.check_schedule`) can verify a simulation and the trace
+writer (:mod:`mlfabric.scheduler.core.trace`) can draw it, one track per link.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from mlfabric.scheduler.schedule import Aggregate, Reservation, Schedule, Transfer
+from mlfabric.scheduler.core.schedule import Aggregate, Reservation, Schedule, Transfer
 from mlfabric.scheduler.sim.engine import FlowRecord
 
 __all__ = ["flows_to_schedule"]

@@ -198,7 +198,7 @@ def parse_bandwidth_schedule(data: Mapping[str, Any], graph: nx.DiGraph) -> list
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> ch = parse_bandwidth_schedule({"change": [{"at": 1, "a": "h0", "b": "sw", "gbps": 8}]}, star(2, 8e9))
     >>> [(c.at, c.link) for c in ch]
     [(1.0, ('h0', 'sw')), (1.0, ('sw', 'h0'))]

@@ -119,7 +119,7 @@ def cluster(procs: Processes, sockdir: str, tmp_path: Path) -> dict[str, Any]:
     topology.write_text(TOPOLOGY)
     sched = procs.start(
         "scheduler",
-        "mlfabric.scheduler.cli",
+        "mlfabric.scheduler.service.cli",
         "--listen",
         "127.0.0.1:0",
         "--topology",
@@ -250,7 +250,9 @@ def test_daemon_without_scheduler_fails_with_the_reason(procs: Processes, sockdi
 
 
 def test_daemon_refused_by_the_scheduler_exits_at_once_naming_why(procs: Processes, sockdir: str) -> None:
-    sched = procs.start("scheduler", "mlfabric.scheduler.cli", "--listen", "127.0.0.1:0", "--star", "2")
+    sched = procs.start(
+        "scheduler", "mlfabric.scheduler.service.cli", "--listen", "127.0.0.1:0", "--star", "2"
+    )
     started = time.monotonic()
     with pytest.raises(AssertionError, match="exited with 1"):
         procs.start(

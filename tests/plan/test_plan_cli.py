@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from mlfabric.cli import main
-from mlfabric.scheduler.instance import two_tier_instance
-from mlfabric.scheduler.trace import trace_events
+from mlfabric.scheduler.core.trace import trace_events
+from mlfabric.scheduler.plan.instance import two_tier_instance
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "experiments" / "instances" / "example.json"
 
@@ -85,7 +85,7 @@ def test_invalid_instance_exits_2_naming_the_field(
 
 
 def test_trace_events_one_track_per_link() -> None:
-    from mlfabric.scheduler.schedule import Schedule, Transfer
+    from mlfabric.scheduler.core.schedule import Schedule, Transfer
 
     a = Transfer.at_rate("a", ("w1", "sw", "s"), start=0.0, bytes=2.0, rate=1.0)
     b = Transfer.at_rate("b", ("w2", "sw", "s"), start=2.0, bytes=1.0, rate=1.0)

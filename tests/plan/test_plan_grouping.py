@@ -10,11 +10,11 @@ import threading
 
 import pytest
 
-from mlfabric.scheduler.bruteforce import brute_force
-from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.grouping import Group, groups_of, improve_groups, plan_groups
-from mlfabric.scheduler.ilp import Progress, solve_ilp
-from mlfabric.scheduler.instance import heuristic_plans, objective_of, parse_instance, two_tier_instance
+from mlfabric.scheduler.core.checker import check_schedule
+from mlfabric.scheduler.plan.bruteforce import brute_force
+from mlfabric.scheduler.plan.grouping import Group, groups_of, improve_groups, plan_groups
+from mlfabric.scheduler.plan.ilp import Progress, solve_ilp
+from mlfabric.scheduler.plan.instance import heuristic_plans, objective_of, parse_instance, two_tier_instance
 
 
 def _inst(seed: int, workers: int = 5, aggregators: int = 2):

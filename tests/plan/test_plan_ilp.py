@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from mlfabric.scheduler.bruteforce import brute_force, fair_schedule
-from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.ilp import Progress, solve_ilp
-from mlfabric.scheduler.instance import (
+from mlfabric.scheduler.core.checker import check_schedule
+from mlfabric.scheduler.plan.bruteforce import brute_force, fair_schedule
+from mlfabric.scheduler.plan.ilp import Progress, solve_ilp
+from mlfabric.scheduler.plan.instance import (
     Instance,
     heuristic_plans,
     objective_of,
@@ -17,7 +17,7 @@ from mlfabric.scheduler.instance import (
     two_tier_instance,
     warm_start,
 )
-from mlfabric.scheduler.stf import plan_stf
+from mlfabric.scheduler.policies.stf import plan_stf
 
 MB = 1_000_000  # one slot at 8 Mb/s with 1 s slots
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric.scheduler.instance import InstanceError, load_instance, parse_instance, two_tier_instance
+from mlfabric.scheduler.plan.instance import InstanceError, load_instance, parse_instance, two_tier_instance
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "experiments" / "instances" / "example.json"
 

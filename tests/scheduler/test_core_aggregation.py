@@ -5,11 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.scheduler.aggregation import plan_aggregation, plan_aggregation_sync
-from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.graph import star, two_tier
-from mlfabric.scheduler.schedule import Schedule, Update
-from mlfabric.scheduler.stf import plan_stf
+from mlfabric.scheduler.core.checker import check_schedule
+from mlfabric.scheduler.core.graph import star, two_tier
+from mlfabric.scheduler.core.schedule import Schedule, Update
+from mlfabric.scheduler.policies.aggregation import plan_aggregation, plan_aggregation_sync
+from mlfabric.scheduler.policies.stf import plan_stf
 
 MB = 1e6
 

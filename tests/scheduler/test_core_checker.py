@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.scheduler.checker import ScheduleError, check_schedule
-from mlfabric.scheduler.graph import star
-from mlfabric.scheduler.schedule import Aggregate, Reservation, Schedule, Transfer, Update
+from mlfabric.scheduler.core.checker import ScheduleError, check_schedule
+from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.core.schedule import Aggregate, Reservation, Schedule, Transfer, Update
 
 G = star(["ps", "w1", "w2", "agg"], 8.0)  # every NIC 1 byte/s each way
 U1 = Update("u1", "w1", "ps", 2.0, base_version=0)

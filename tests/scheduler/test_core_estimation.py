@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.scheduler.estimation import BandwidthEstimator
-from mlfabric.scheduler.graph import star
+from mlfabric.scheduler.core.estimation import BandwidthEstimator
+from mlfabric.scheduler.core.graph import star
 
 GB = 1e9
 PATH = ["w", "sw", "ps"]

@@ -5,7 +5,15 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
-from mlfabric.scheduler.graph import PathCache, TopologyError, fat_tree, hosts, shortest_path, star, two_tier
+from mlfabric.scheduler.core.graph import (
+    PathCache,
+    TopologyError,
+    fat_tree,
+    hosts,
+    shortest_path,
+    star,
+    two_tier,
+)
 
 
 def test_two_tier_shape_and_oversubscribed_uplinks() -> None:

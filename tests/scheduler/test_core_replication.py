@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.scheduler.replication import divergence, plan_replication
+from mlfabric.scheduler.policies.replication import divergence, plan_replication
 
 
 def test_hold_and_preemptive_send() -> None:

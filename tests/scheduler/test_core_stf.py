@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.graph import PathCache, star, two_tier
-from mlfabric.scheduler.policy import InFlight, PendingUpdate, Snapshot, make_policy
-from mlfabric.scheduler.schedule import Update
-from mlfabric.scheduler.stf import STFPolicy, plan_stf, server_key
-from mlfabric.scheduler.timeline import Timelines
+from mlfabric.scheduler.core.checker import check_schedule
+from mlfabric.scheduler.core.graph import PathCache, star, two_tier
+from mlfabric.scheduler.core.schedule import Update
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot, make_policy
+from mlfabric.scheduler.policies.stf import STFPolicy, plan_stf, server_key
 
 MB = 1e6
 
@@ -206,9 +206,9 @@ def test_limit_and_horizon_give_the_head_of_the_full_order() -> None:
 
 def test_equal_transfers_go_first_come_first_served() -> None:
     """Ties in ten break on ready time before id, so no worker's ids starve it."""
-    from mlfabric.scheduler.graph import star
-    from mlfabric.scheduler.schedule import Update
-    from mlfabric.scheduler.stf import plan_stf
+    from mlfabric.scheduler.core.graph import star
+    from mlfabric.scheduler.core.schedule import Update
+    from mlfabric.scheduler.policies.stf import plan_stf
 
     g = star(["ps", "a", "z"], 8e6)
     # z's update is ready first; a's id sorts first; with ten equal, z must go first.

@@ -7,7 +7,7 @@ import itertools
 import networkx as nx
 import pytest
 
-from mlfabric.scheduler.timeline import LinkTimeline, Timelines
+from mlfabric.scheduler.core.timeline import LinkTimeline, Timelines
 
 MB = 1e6
 

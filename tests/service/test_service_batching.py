@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from mlfabric.scheduler.batching import AdaptiveBatcher, BatchWindow
+from mlfabric.scheduler.service.batching import AdaptiveBatcher, BatchWindow
 
 
 def test_window_extends_while_notifications_keep_coming() -> None:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
-from mlfabric.scheduler.service import CLIENT_CHANNEL_OPTIONS
+from mlfabric.scheduler.service.core import CLIENT_CHANNEL_OPTIONS
 
 TOPOLOGY = """
 hosts = ["ps", "w0"]
@@ -38,7 +38,7 @@ mbps = 200
 def _scheduler(*argv: str) -> list[str]:
     # the module's own entry point: same arguments as `mlfabric scheduler`, without
     # importing the other subcommands
-    return [sys.executable, "-m", "mlfabric.scheduler.cli", *argv]
+    return [sys.executable, "-m", "mlfabric.scheduler.service.cli", *argv]
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.scheduler.dispatch import Dispatcher
-from mlfabric.scheduler.policy import Decision, InFlight, Send
+from mlfabric.scheduler.policies.base import Decision, InFlight, Send
+from mlfabric.scheduler.policies.dispatch import Dispatcher
 
 
 def _send(uid: str, after: tuple[str, ...] = (), start: float = 0.0, end: float = 0.0) -> Send:

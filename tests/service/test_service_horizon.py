@@ -17,19 +17,19 @@ import pytest
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
-from mlfabric.scheduler.batching import AdaptiveBatcher
-from mlfabric.scheduler.cli import build_policy, main
-from mlfabric.scheduler.dispatch import Dispatcher, ReplanTrigger, low_water_mark
-from mlfabric.scheduler.graph import star
-from mlfabric.scheduler.policy import Decision, InFlight, Send
-from mlfabric.scheduler.service import (
+from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.policies.base import Decision, InFlight, Send
+from mlfabric.scheduler.policies.dispatch import Dispatcher, ReplanTrigger, low_water_mark
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.cli import build_policy, main
+from mlfabric.scheduler.service.core import (
     CLIENT_CHANNEL_OPTIONS,
     Metrics,
     SchedulerCore,
     StaticEstimator,
     start_server,
 )
-from mlfabric.scheduler.state import SchedulerState
+from mlfabric.scheduler.service.state import SchedulerState
 
 TIMEOUT = 5.0
 NIC_BPS = 8e6  # 1 MB/s: a 100 kB update is expected to take 0.1 s, far longer than a report's trip

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.scheduler.graph import parse_topology, star
-from mlfabric.scheduler.state import (
+from mlfabric.scheduler.core.graph import parse_topology, star
+from mlfabric.scheduler.service.state import (
     DuplicateServer,
     DuplicateUpdate,
     HostAlreadyConnected,

@@ -14,18 +14,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
-from mlfabric.scheduler.batching import AdaptiveBatcher
-from mlfabric.scheduler.dispatch import Dispatcher
-from mlfabric.scheduler.graph import star
-from mlfabric.scheduler.policy import make_policy
-from mlfabric.scheduler.service import (
+from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.policies.base import make_policy
+from mlfabric.scheduler.policies.dispatch import Dispatcher
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.core import (
     CLIENT_CHANNEL_OPTIONS,
     Metrics,
     SchedulerCore,
     StaticEstimator,
     start_server,
 )
-from mlfabric.scheduler.state import SchedulerState
+from mlfabric.scheduler.service.state import SchedulerState
 
 TIMEOUT = 5.0
 NIC_BPS = 8e6  # 1 MB/s per NIC: a 1 MB update takes a second on the server's ingress

@@ -8,17 +8,17 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from mlfabric.scheduler.checker import check_schedule
-from mlfabric.scheduler.graph import star
-from mlfabric.scheduler.policy import Decision, FairPolicy, PendingUpdate, Send, Snapshot
-from mlfabric.scheduler.schedule import Update
-from mlfabric.scheduler.sim.aggregating import AggregationPolicy
+from mlfabric.scheduler.core.checker import check_schedule
+from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.core.schedule import Update
+from mlfabric.scheduler.policies.aggregating import AggregationPolicy
+from mlfabric.scheduler.policies.base import Decision, FairPolicy, PendingUpdate, Send, Snapshot
+from mlfabric.scheduler.policies.stf import STFPolicy
 from mlfabric.scheduler.sim.engine import SimulationError, Simulator, UpdateRecord
 from mlfabric.scheduler.sim.iteration import AsyncSGD, SyncSGD
 from mlfabric.scheduler.sim.scenario import Cluster, Scenario, cluster, run_scenario
 from mlfabric.scheduler.sim.tracing import flows_to_schedule
 from mlfabric.scheduler.sim.workload import BandwidthChange, ComputeModel, pick_stragglers
-from mlfabric.scheduler.stf import STFPolicy
 
 MB = 1e6
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from mlfabric.scheduler.graph import load_topology, parse_topology
+from mlfabric.scheduler.core.graph import load_topology, parse_topology
 from mlfabric.testbed import cli
 from mlfabric.testbed.cluster import CONTROL, Testbed
 from mlfabric.testbed.linkcheck import measure_transfer
@@ -150,13 +150,13 @@ def test_cli_up_status_exec_down(
 # --------------------------------------------------------------- end to end (daemons)
 
 DAEMON_READY = all(
-    importlib.util.find_spec(m) is not None for m in ("mlfabric.daemon.cli", "mlfabric.scheduler.cli")
+    importlib.util.find_spec(m) is not None for m in ("mlfabric.daemon.cli", "mlfabric.scheduler.service.cli")
 )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("policy", "window"), [("fair", 1), ("stf", 2)])
-@pytest.mark.skipif(not DAEMON_READY, reason="mlfabric.daemon.cli / mlfabric.scheduler.cli do not exist yet")
+@pytest.mark.skipif(not DAEMON_READY, reason="daemon or scheduler CLI missing")
 def test_pushes_end_to_end_through_scheduler_and_daemons(
     make_testbed: Callable[[nx.DiGraph], Testbed],
     topology_file: Path,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric.scheduler.graph import parse_topology, star
+from mlfabric.scheduler.core.graph import parse_topology, star
 from mlfabric.testbed import cluster, linkcheck, netns, plan, probe, schedule, tc, topologies
 from mlfabric.testbed.netns import (
     missing_prerequisites,
@@ -245,7 +245,7 @@ def test_docstring_examples(module: object) -> None:
 
 
 def test_topology_tables_round_trip_through_toml(tmp_path: Path) -> None:
-    from mlfabric.scheduler.graph import load_topology
+    from mlfabric.scheduler.core.graph import load_topology
 
     table = topologies.two_tier([{"ps": 100, "w0": 50}, {"w1": 20}], uplink_mbps=[200, 30])
     path = tmp_path / "t.toml"

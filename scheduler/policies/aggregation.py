@@ -15,7 +15,7 @@ ties go to the aggregate's earliest arrival at ``S``, then the host name.
 :func:`plan_aggregation` is the asynchronous planner; :func:`plan_aggregation_sync` picks,
 for one synchronous iteration, the number of updates sent directly first that minimises the
 makespan (the time the last update is in), comparing with no aggregation at all.
-Both return a :class:`~mlfabric.scheduler.schedule.Schedule` that passes the checker.
+Both return a :class:`~mlfabric.scheduler.core.schedule.Schedule` that passes the checker.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.graph import PathCache
-from mlfabric.scheduler.schedule import Aggregate, Link, Schedule, Transfer, Update
-from mlfabric.scheduler.stf import plan_stf
-from mlfabric.scheduler.timeline import Timelines
+from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies.stf import plan_stf
 
 __all__ = ["plan_aggregation", "plan_aggregation_sync", "send_aggregate"]
 
@@ -192,7 +192,7 @@ def plan_aggregation(
     ``u0`` is on the server's link, ``u1`` to ``u3`` reach aggregator ``x``; one aggregate
     follows, and the last update is in at t=2 instead of t=4.
 
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> hosts = ["ps", "w0", "w1", "w2", "w3", "x"]
     >>> g = star(hosts, {"ps": 8e6, **{h: 32e6 for h in hosts[1:]}})
     >>> us = [Update(f"u{i}", f"w{i}", "ps", 1e6) for i in range(4)]
@@ -252,7 +252,7 @@ def plan_aggregation_sync(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> hosts = ["ps", "w0", "w1", "w2", "w3", "x"]
     >>> g = star(hosts, {"ps": 8e6, **{h: 32e6 for h in hosts[1:]}})
     >>> us = [Update(f"u{i}", f"w{i}", "ps", 1e6) for i in range(4)]

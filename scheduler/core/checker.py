@@ -1,6 +1,6 @@
 """The invariant checker every plan must pass (issue 3; like networkx's ``validate_flows``).
 
-:func:`check_schedule` verifies a :class:`~mlfabric.scheduler.schedule.Schedule` against
+:func:`check_schedule` verifies a :class:`~mlfabric.scheduler.core.schedule.Schedule` against
 its bandwidth graph and updates:
 
 1. every transfer follows links of the graph, its reservations lie on its path inside its
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from mlfabric.scheduler.schedule import Aggregate, Link, Schedule, Transfer, Update
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update
 
 __all__ = ["CheckResult", "ScheduleError", "check_schedule"]
 
@@ -163,8 +163,8 @@ def check_schedule(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
-    >>> from mlfabric.scheduler.schedule import Transfer, Update
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.core.schedule import Transfer, Update
     >>> g = star(["ps", "w1"], 8.0)                    # 1 byte/s links
     >>> u = Update("u1", "w1", "ps", 2.0)
     >>> s = Schedule(transfers=(Transfer.at_rate("u1", ("w1", "sw", "ps"), start=0, bytes=2, rate=1),))

@@ -41,7 +41,7 @@ SGD), or ``max_u C_u`` (makespan, synchronous).
 
 Valid rows that tighten the LP relaxation (every integer plan satisfies them):
 
-* Windows (:func:`~mlfabric.scheduler.ilp_model.add_direct` and friends): a payload that
+* Windows (:func:`~mlfabric.scheduler.plan.ilp_model.add_direct` and friends): a payload that
   must be complete by slot ``c`` at rate ``ρ`` has moved at least ``size - ρ·(c - t)`` by slot
   ``t``, at most ``size - 1`` quanta (``k_hi - 1`` for an aggregate) before ``c`` when ``c``
   is its true completion, and nothing after ``c``: the LP finishes payloads at the end of
@@ -54,7 +54,7 @@ Valid rows that tighten the LP relaxation (every integer plan satisfies them):
   scales with ``G``, not with the members: a fraction of a column can no longer serve whole
   updates while paying a fraction of the ingress (the weakness of a route-per-hop model,
   whose bound stayed 34 % below the plans on 16 x 4).
-* Twins (:func:`~mlfabric.scheduler.ilp_model.add_symmetry`): updates with the same size,
+* Twins (:func:`~mlfabric.scheduler.plan.ilp_model.add_symmetry`): updates with the same size,
   ready slot and shared links on every route complete in instance order; the warm start is
   remapped to respect it.
 
@@ -76,7 +76,7 @@ hint is returned.
 
 Warm start and local search: the hint is the better heuristic plan (STF or aggregation
 groups), improved for ``search_seconds`` (default a sixth of the limit, at most 10 s) by
-simulated annealing over aggregation groups (:mod:`mlfabric.scheduler.grouping`, ~1 ms a
+simulated annealing over aggregation groups (:mod:`mlfabric.scheduler.plan.grouping`, ~1 ms a
 plan at 16 x 4); CP-SAT takes the rest of the limit. On 16 x 4 this matters more than the
 solver's own search: CP-SAT alone ended 60 s with plans 3-8 % above those the local search
 finds in seconds (seed 1: 0.0881 s against 0.0825 s).
@@ -102,7 +102,7 @@ hold both: ``D[u,<=t] + D[w,<=t] + m[u,col] + m[w,col] - G[col] <= 1``; 5 x 2 LP
 
 Completions are counted at slot ends, so objective and bound are those of the slot model.
 On slot-aligned instances (every update a whole number of slots at full rate on every
-link, ready at slot boundaries; :func:`~mlfabric.scheduler.instance.two_tier_instance`
+link, ready at slot boundaries; :func:`~mlfabric.scheduler.plan.instance.two_tier_instance`
 makes such) the optimum matched the fluid brute force on every tested instance; otherwise
 pick ``slot_seconds`` small against the transfer times.
 
@@ -121,8 +121,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from mlfabric.scheduler.grouping import groups_of, improve_groups, plan_groups
-from mlfabric.scheduler.ilp_model import (
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.plan.grouping import groups_of, improve_groups, plan_groups
+from mlfabric.scheduler.plan.ilp_model import (
     Column,
     CpSat,
     Layout,
@@ -137,8 +138,7 @@ from mlfabric.scheduler.ilp_model import (
     layout,
     set_objective,
 )
-from mlfabric.scheduler.instance import Instance, objective_of
-from mlfabric.scheduler.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.plan.instance import Instance, objective_of
 
 __all__ = ["ENGINES", "IlpResult", "Progress", "aggregate_id", "solve_ilp"]
 
@@ -272,7 +272,7 @@ def solve_ilp(
         hop); default no limit; 1 is the paper's one aggregate per aggregator.
     search_seconds : float, optional
         Seconds of local search over aggregation groups
-        (:func:`~mlfabric.scheduler.grouping.improve_groups`) from the hint before the
+        (:func:`~mlfabric.scheduler.plan.grouping.improve_groups`) from the hint before the
         solver starts; its best plan becomes the hint. Part of ``time_limit``; default a
         sixth of it, at most 10 s (0 with no hint).
     progress : callable, optional
@@ -285,7 +285,7 @@ def solve_ilp(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.instance import parse_instance
+    >>> from mlfabric.scheduler.plan.instance import parse_instance
     >>> inst = parse_instance({
     ...     "topology": {"hosts": ["s", "w1", "w2"], "switches": ["sw"],
     ...                  "links": [{"a": h, "b": "sw", "mbps": 8} for h in ("s", "w1", "w2")]},

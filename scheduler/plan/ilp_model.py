@@ -1,5 +1,5 @@
 """Model building for the offline ILP (paper appendix 10.1, DESIGN §4): back ends, variables,
-constraints, objective and warm start. :mod:`mlfabric.scheduler.ilp` documents the model and
+constraints, objective and warm start. :mod:`mlfabric.scheduler.plan.ilp` documents the model and
 solves it; this module only writes it, once, for every engine. Internal: no public API.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 from ortools.linear_solver.python import model_builder as mb
 from ortools.sat.python import cp_model
 
-from mlfabric.scheduler.graph import path_links
-from mlfabric.scheduler.instance import Instance
-from mlfabric.scheduler.schedule import Link, Schedule, Transfer
+from mlfabric.scheduler.core.graph import path_links
+from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer
+from mlfabric.scheduler.plan.instance import Instance
 
 __all__: list[str] = []
 
@@ -255,7 +255,7 @@ def layout(instance: Instance, T: int, groups: int | None) -> Layout:
 
 @dataclass
 class Vars:
-    """The model's variables (see :mod:`mlfabric.scheduler.ilp`) and what the builders share.
+    """The model's variables (see :mod:`mlfabric.scheduler.plan.ilp`) and what the builders share.
 
     ``done[u, c]`` lists the 0/1 variables whose value 1 means ``u`` is at the server by
     the end of slot ``c`` and not before: ``D[u, c]`` and ``m[u, (a, s, c)]``.

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from mlfabric.scheduler.schedule import Link
+from mlfabric.scheduler.core.schedule import Link
 
 __all__ = ["BandwidthEstimator"]
 
@@ -70,7 +70,7 @@ class BandwidthEstimator:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> est = BandwidthEstimator(star(["ps", "w"], 8e9), recovery=float("inf"))  # 1 GB/s NICs
     >>> for t in range(3):
     ...     est.observe(["w", "sw", "ps"], 100_000_000, 0.4, now=float(t))  # 250 MB/s
@@ -173,7 +173,7 @@ class BandwidthEstimator:
 
         Examples
         --------
-        >>> from mlfabric.scheduler.graph import star
+        >>> from mlfabric.scheduler.core.graph import star
         >>> sorted(BandwidthEstimator(star(["a"], 8.0)).estimates().items())
         [(('a', 'sw'), 1.0), (('sw', 'a'), 1.0)]
         """

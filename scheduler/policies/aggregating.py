@@ -1,11 +1,11 @@
 """Aggregation groups as a policy the simulator can run (paper §5 Fig. 6, §7; DESIGN §4).
 
-:mod:`mlfabric.scheduler.aggregation` plans aggregation groups offline: a
-:class:`~mlfabric.scheduler.schedule.Schedule` whose transfers carry some updates to
+:mod:`mlfabric.scheduler.policies.aggregation` plans aggregation groups offline: a
+:class:`~mlfabric.scheduler.core.schedule.Schedule` whose transfers carry some updates to
 aggregator hops and whose ``aggregates`` say what each aggregator sums and forwards.
 :class:`AggregationPolicy` turns such a plan into a decision for the simulator, the way
-:class:`~mlfabric.scheduler.stf.STFPolicy` turns an STF plan into one: each transfer
-becomes a :class:`~mlfabric.scheduler.policy.Send` (to the server or to an aggregator)
+:class:`~mlfabric.scheduler.policies.stf.STFPolicy` turns an STF plan into one: each transfer
+becomes a :class:`~mlfabric.scheduler.policies.base.Send` (to the server or to an aggregator)
 whose ``after`` names the planned transfers that end on one of its links exactly when it
 starts; each aggregate becomes a :class:`PlannedAggregate` with its own ``after``.
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from mlfabric.scheduler.aggregation import plan_aggregation, plan_aggregation_sync
-from mlfabric.scheduler.graph import PathCache, hosts
-from mlfabric.scheduler.policy import Decision, PendingUpdate, Send, Snapshot
-from mlfabric.scheduler.schedule import Link, Schedule, Transfer, Update
-from mlfabric.scheduler.stf import plan_stf, server_key
+from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer, Update
+from mlfabric.scheduler.policies.aggregation import plan_aggregation, plan_aggregation_sync
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Send, Snapshot
+from mlfabric.scheduler.policies.stf import plan_stf, server_key
 
 __all__ = ["AggregatingDecision", "AggregationPolicy", "PlannedAggregate"]
 
@@ -54,7 +54,7 @@ class PlannedAggregate:
 
 @dataclass(frozen=True)
 class AggregatingDecision(Decision):
-    """A :class:`~mlfabric.scheduler.policy.Decision` that also names new aggregates."""
+    """A :class:`~mlfabric.scheduler.policies.base.Decision` that also names new aggregates."""
 
     aggregates: tuple[PlannedAggregate, ...] = ()
 
@@ -90,7 +90,7 @@ class AggregationPolicy:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> hs = ["ps", "w0", "w1", "w2", "w3", "x"]
     >>> g = star(hs, {"ps": 8e6, **{h: 32e6 for h in hs[1:]}})
     >>> mk = lambda i: PendingUpdate(f"u{i}", "j", "s", f"w{i}", f"w{i}", "ps", 10**6, 1.0, 0, 0.0)

@@ -49,7 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``simulate`` subcommand's arguments."""
     g = parser.add_argument_group("cluster")
     where = g.add_mutually_exclusive_group()
-    where.add_argument("--topology", type=Path, help="topology TOML file (see mlfabric.scheduler.graph)")
+    where.add_argument("--topology", type=Path, help="topology TOML file (see mlfabric.scheduler.core.graph)")
     where.add_argument(
         "--preset",
         choices=["star", "two-tier", "fat-tree"],
@@ -140,7 +140,7 @@ class _Progress:
 
 
 def _cluster(args: argparse.Namespace, rng: Any) -> Any:
-    from mlfabric.scheduler.graph import hosts, load_topology
+    from mlfabric.scheduler.core.graph import hosts, load_topology
     from mlfabric.scheduler.sim.scenario import Cluster, cluster
 
     if args.topology is not None:
@@ -178,8 +178,8 @@ def _policies(args: argparse.Namespace) -> list[str]:
 
 
 def _make_policy(name: str, mode: str) -> Any:
-    from mlfabric.scheduler.policy import make_policy
-    from mlfabric.scheduler.sim.aggregating import AggregationPolicy
+    from mlfabric.scheduler.policies.aggregating import AggregationPolicy
+    from mlfabric.scheduler.policies.base import make_policy
 
     if name == "stf+agg":
         return AggregationPolicy(sync=mode == "sync")
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     """Build the scenario, simulate every policy, print the table."""
     import numpy as np
 
-    from mlfabric.scheduler.graph import TopologyError
+    from mlfabric.scheduler.core.graph import TopologyError
     from mlfabric.scheduler.sim.report import format_table
     from mlfabric.scheduler.sim.scenario import Scenario, run_scenario
     from mlfabric.scheduler.sim.workload import ComputeModel, parse_bandwidth_schedule, pick_stragglers
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             events += _trace(sim, name, i + 1)
     print(format_table(stats))
     if args.trace is not None:
-        from mlfabric.scheduler.trace import write_trace
+        from mlfabric.scheduler.core.trace import write_trace
 
         write_trace(args.trace, events)
         print(f"# trace: {args.trace} (open in ui.perfetto.dev)")
@@ -260,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _trace(sim: Any, name: str, pid: int) -> list[dict[str, Any]]:
+    from mlfabric.scheduler.core.trace import trace_events
     from mlfabric.scheduler.sim.tracing import flows_to_schedule
-    from mlfabric.scheduler.trace import trace_events
 
     schedule = flows_to_schedule(sim.flows, include_models=True)
     capacities = {(u, v): c for u, v, c in sim.graph.edges(data="capacity")}

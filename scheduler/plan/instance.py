@@ -19,7 +19,7 @@ Fields:
 
 ``topology``
     A path to a topology TOML file (relative to the instance file; see
-    :mod:`mlfabric.scheduler.graph` for its format) or the same content inline:
+    :mod:`mlfabric.scheduler.core.graph` for its format) or the same content inline:
     ``{"hosts": [...], "switches": [...], "links": [{"a": "w1", "b": "tor", "gbps": 1.0}]}``.
     Links are full duplex with the given rate each way unless ``gbps_ba``/``mbps_ba`` gives
     the reverse rate.
@@ -54,8 +54,7 @@ from typing import Any
 
 import networkx as nx
 
-from mlfabric.scheduler.aggregation import plan_aggregation, plan_aggregation_sync
-from mlfabric.scheduler.graph import (
+from mlfabric.scheduler.core.graph import (
     TopologyError,
     hosts,
     load_topology,
@@ -63,8 +62,9 @@ from mlfabric.scheduler.graph import (
     path_links,
     shortest_path,
 )
-from mlfabric.scheduler.schedule import Link, Schedule, Update
-from mlfabric.scheduler.stf import plan_stf
+from mlfabric.scheduler.core.schedule import Link, Schedule, Update
+from mlfabric.scheduler.policies.aggregation import plan_aggregation, plan_aggregation_sync
+from mlfabric.scheduler.policies.stf import plan_stf
 
 __all__ = [
     "OBJECTIVES",
@@ -96,7 +96,7 @@ class Instance:
     Parameters
     ----------
     graph : networkx.DiGraph
-        Bandwidth graph (:func:`mlfabric.scheduler.graph.parse_topology`).
+        Bandwidth graph (:func:`mlfabric.scheduler.core.graph.parse_topology`).
     server : str
         Server host.
     aggregators : tuple of str
@@ -406,7 +406,7 @@ def objective_of(instance: Instance, schedule: Schedule) -> float:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.schedule import Transfer
+    >>> from mlfabric.scheduler.core.schedule import Transfer
     >>> inst = parse_instance({"topology": {"hosts": ["s", "w"], "links": [{"a": "w", "b": "s", "mbps": 8}]},
     ...                        "server": "s", "updates": [{"id": "u", "worker": "w", "bytes": 10}]})
     >>> plan = Schedule(transfers=(Transfer.at_rate("u", ("w", "s"), start=0, bytes=10, rate=5),))
@@ -422,7 +422,7 @@ def heuristic_plans(instance: Instance) -> dict[str, Schedule]:
     """The heuristics the ILP is the yardstick for: ``stf`` (Fig. 4) and, with aggregators,
     ``aggregation`` (groups over the STF order, Fig. 6; for the makespan objective chosen
     for one synchronous iteration by
-    :func:`~mlfabric.scheduler.aggregation.plan_aggregation_sync`).
+    :func:`~mlfabric.scheduler.policies.aggregation.plan_aggregation_sync`).
 
     Examples
     --------

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.schedule import Link, Reservation, Transfer
+from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer
 
 __all__ = ["LinkTimeline", "Timelines"]
 

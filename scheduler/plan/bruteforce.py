@@ -5,7 +5,7 @@ via one aggregator; one aggregate per aggregator, as in the ILP of appendix 10.1
 order in which the payloads (first legs and aggregates) take the network. Each order is
 played as a list schedule under network time-sharing (paper §3.1.1): the next payload takes
 the whole residual bandwidth of its path from the time it is ready on
-(:meth:`~mlfabric.scheduler.timeline.Timelines.reserve`, the ``ten`` of Fig. 4b); an
+(:meth:`~mlfabric.scheduler.core.timeline.Timelines.reserve`, the ``ten`` of Fig. 4b); an
 aggregate is ready when its last member arrived. The best plan is the optimum of the
 fluid, time-shared model; on slot-aligned instances (every update a whole number of slots
 on every link, ready at slot boundaries) it equals the ILP's optimum with ``groups=1``
@@ -23,12 +23,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlfabric.scheduler.graph import path_links
-from mlfabric.scheduler.ilp import aggregate_id
-from mlfabric.scheduler.instance import Instance
-from mlfabric.scheduler.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.core.graph import path_links
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.plan.ilp import aggregate_id
+from mlfabric.scheduler.plan.instance import Instance
 from mlfabric.scheduler.sim.fluid import max_min_rates
-from mlfabric.scheduler.timeline import Timelines
 
 __all__ = ["BruteForceResult", "brute_force", "fair_schedule"]
 
@@ -154,7 +154,7 @@ def brute_force(instance: Instance, *, max_updates: int = 7) -> BruteForceResult
     --------
     Two updates sharing the server's ingress: the smaller first (shortest transfer first).
 
-    >>> from mlfabric.scheduler.instance import parse_instance
+    >>> from mlfabric.scheduler.plan.instance import parse_instance
     >>> inst = parse_instance({
     ...     "topology": {"hosts": ["s", "w1", "w2"], "switches": ["sw"],
     ...                  "links": [{"a": h, "b": "sw", "mbps": 8} for h in ("s", "w1", "w2")]},
@@ -209,7 +209,7 @@ def fair_schedule(instance: Instance, updates: Sequence[str] | None = None) -> S
     --------
     Two equal updates sharing a link finish together, at twice the time of one.
 
-    >>> from mlfabric.scheduler.instance import parse_instance
+    >>> from mlfabric.scheduler.plan.instance import parse_instance
     >>> inst = parse_instance({
     ...     "topology": {"hosts": ["s", "w1", "w2"], "switches": ["sw"],
     ...                  "links": [{"a": h, "b": "sw", "mbps": 8} for h in ("s", "w1", "w2")]},

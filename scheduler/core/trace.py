@@ -1,6 +1,6 @@
 """Chrome trace of a plan: one track per link, one slice per reservation (paper §3.1.1, Fig. 4).
 
-:func:`trace_events` turns a :class:`~mlfabric.scheduler.schedule.Schedule` into Chrome
+:func:`trace_events` turns a :class:`~mlfabric.scheduler.core.schedule.Schedule` into Chrome
 trace-event dicts (pure); :func:`write_trace` writes them as the JSON that
 ``chrome://tracing`` and Perfetto (ui.perfetto.dev) open. Each directed link of the
 bandwidth graph is a track (a "thread" named ``u->v``); each reservation of a transfer is a
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlfabric.scheduler.schedule import Link, Schedule
+from mlfabric.scheduler.core.schedule import Link, Schedule
 
 __all__ = ["trace_events", "write_trace"]
 
@@ -55,7 +55,7 @@ def trace_events(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.schedule import Transfer
+    >>> from mlfabric.scheduler.core.schedule import Transfer
     >>> s = Schedule(transfers=(Transfer.at_rate("u1", ("w1", "sw", "ps"), start=0, bytes=2, rate=1),))
     >>> ev = trace_events(s)
     >>> [e["args"]["name"] for e in ev if e["ph"] == "M"]

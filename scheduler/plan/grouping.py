@@ -2,12 +2,12 @@
 
 A plan is described by an ordered list of *groups*: a direct update, or an aggregate (an
 aggregator and its members). :func:`plan_groups` turns such a list into a
-:class:`~mlfabric.scheduler.schedule.Schedule` on link timelines — group by group in list
+:class:`~mlfabric.scheduler.core.schedule.Schedule` on link timelines — group by group in list
 order, each payload taking the residual bandwidth of its path from its ready time (members
 first, then their aggregate once the last member is in), the way STF reserves (Fig. 4).
 :func:`improve_groups` searches that space by simulated annealing: move an update to
 another group (or alone, direct or at an aggregator), move a group in the order, change a
-group's aggregator, merge two groups. The ILP (:mod:`mlfabric.scheduler.ilp`) uses the
+group's aggregator, merge two groups. The ILP (:mod:`mlfabric.scheduler.plan.ilp`) uses the
 result as its hint; both heuristics of the paper (STF, aggregation) are points of the space
 and the search starts from the better of them.
 
@@ -25,10 +25,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mlfabric.scheduler.aggregation import send_aggregate
-from mlfabric.scheduler.instance import Instance, objective_of
-from mlfabric.scheduler.schedule import Aggregate, Schedule, Transfer
-from mlfabric.scheduler.timeline import Timelines
+from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.plan.instance import Instance, objective_of
+from mlfabric.scheduler.policies.aggregation import send_aggregate
 
 __all__ = ["PATIENCE", "STALE_ROUNDS", "Group", "groups_of", "improve_groups", "plan_groups"]
 
@@ -72,7 +72,7 @@ def plan_groups(instance: Instance, groups: Sequence[Group]) -> Schedule:
     Examples
     --------
     >>> import random
-    >>> from mlfabric.scheduler.instance import parse_instance, two_tier_instance
+    >>> from mlfabric.scheduler.plan.instance import parse_instance, two_tier_instance
     >>> inst = parse_instance(two_tier_instance(random.Random(1), 4, 1))
     >>> plan = plan_groups(inst, [Group(None, ("u0",)), Group("a0", ("u1", "u2", "u3"))])
     >>> [(a.aggregator, a.members) for a in plan.aggregates]
@@ -106,7 +106,7 @@ def groups_of(instance: Instance, plan: Schedule) -> list[Group]:
     Examples
     --------
     >>> import random
-    >>> from mlfabric.scheduler.instance import parse_instance, two_tier_instance
+    >>> from mlfabric.scheduler.plan.instance import parse_instance, two_tier_instance
     >>> inst = parse_instance(two_tier_instance(random.Random(1), 4, 1))
     >>> gs = [Group(None, ("u0",)), Group(None, ("u1",)), Group("a0", ("u2", "u3"))]
     >>> groups_of(inst, plan_groups(inst, gs)) == gs
@@ -196,7 +196,7 @@ def improve_groups(
     seed : int
         Random seed (the moves are reproducible; how many fit in ``seconds`` is not).
     groups : int, optional
-        Most aggregates per aggregator (as in :func:`~mlfabric.scheduler.ilp.solve_ilp`).
+        Most aggregates per aggregator (as in :func:`~mlfabric.scheduler.plan.ilp.solve_ilp`).
     patience : int, optional
         Moves per annealing round (default ``PATIENCE`` per update); each round starts from
         the best list, and the search stops after ``STALE_ROUNDS`` rounds in a row without
@@ -214,7 +214,7 @@ def improve_groups(
     Examples
     --------
     >>> import random
-    >>> from mlfabric.scheduler.instance import parse_instance, two_tier_instance
+    >>> from mlfabric.scheduler.plan.instance import parse_instance, two_tier_instance
     >>> inst = parse_instance(two_tier_instance(random.Random(1), 4, 1))
     >>> start = [Group(None, (u.update_id,)) for u in inst.updates]
     >>> best, cost = improve_groups(inst, start, seconds=0.2)

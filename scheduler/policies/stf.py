@@ -30,10 +30,10 @@ from typing import cast
 
 import networkx as nx
 
-from mlfabric.scheduler.graph import PathCache, TopologyError
-from mlfabric.scheduler.policy import Decision, Drop, PendingUpdate, Send, Snapshot
-from mlfabric.scheduler.schedule import Link, Schedule, Transfer, Update
-from mlfabric.scheduler.timeline import INF, Timelines
+from mlfabric.scheduler.core.graph import PathCache, TopologyError
+from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer, Update
+from mlfabric.scheduler.core.timeline import INF, Timelines
+from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, Send, Snapshot
 
 __all__ = ["STFPolicy", "drop_reason", "plan_stf", "server_key"]
 
@@ -410,7 +410,7 @@ def plan_stf(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> g = star(["ps", "a", "b"], 8e6)                        # 1 MB/s NICs
     >>> us = [Update("big", "a", "ps", 3e6), Update("small", "b", "ps", 1e6)]
     >>> s = plan_stf(g, us)
@@ -464,7 +464,7 @@ class STFPolicy:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> g = star(["ps", "a", "b"], 8e6)
     >>> mk = lambda uid, host, size: PendingUpdate(uid, "j", "s", host, host, "ps", size, 1.0, 0, 0.0)
     >>> d = STFPolicy().decide(Snapshot(now=0.0, graph=g), [mk("big", "a", 3e6), mk("small", "b", 1e6)])

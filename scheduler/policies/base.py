@@ -122,7 +122,7 @@ class FairPolicy:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> u = PendingUpdate("h1/1", "j", "ps", "w", "h1", "h0", 10, 1.0, 0, 0.0)
     >>> FairPolicy().decide(Snapshot(now=0.0, graph=star(2, 8e9)), [u]).sends[0].next_hop
     'h0'
@@ -131,7 +131,7 @@ class FairPolicy:
     name = "fair"
 
     def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
-        from mlfabric.scheduler.graph import shortest_path
+        from mlfabric.scheduler.core.graph import shortest_path
 
         sends = tuple(
             Send(
@@ -147,7 +147,7 @@ class FairPolicy:
 
 
 def _stf() -> Policy:
-    from mlfabric.scheduler.stf import STFPolicy
+    from mlfabric.scheduler.policies.stf import STFPolicy
 
     return STFPolicy()
 

@@ -3,7 +3,7 @@
     mlfabric plan INSTANCE.json [--solver ilp|stf|fair|all] [--time-limit S]
                   [--out plan.json] [--trace plan.trace.json] [--plot plan.png]
 
-The instance format is described in mlfabric.scheduler.instance (and the README).
+The instance format is described in mlfabric.scheduler.plan.instance (and the README).
 Prints, per plan, each update's route (hosts), start and finish, then the objective,
 status, bound and gap. --solver all runs ilp, stf, aggregation (groups over the STF order,
 when the instance has aggregators) and fair, and prints each one's gap to the ILP's bound,
@@ -142,17 +142,17 @@ def _plot(path: Path, instance: Any, plans: list[tuple[str, Any]]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan the instance with the chosen solver(s); print, and write the requested files."""
-    from mlfabric.scheduler.bruteforce import fair_schedule
-    from mlfabric.scheduler.checker import check_schedule
-    from mlfabric.scheduler.ilp import IlpResult, solve_ilp
-    from mlfabric.scheduler.instance import (
+    from mlfabric.scheduler.core.checker import check_schedule
+    from mlfabric.scheduler.core.trace import trace_events, write_trace
+    from mlfabric.scheduler.plan.bruteforce import fair_schedule
+    from mlfabric.scheduler.plan.ilp import IlpResult, solve_ilp
+    from mlfabric.scheduler.plan.instance import (
         InstanceError,
         heuristic_plans,
         load_instance,
         objective_of,
         warm_start,
     )
-    from mlfabric.scheduler.trace import trace_events, write_trace
 
     if args.plot is not None:
         try:

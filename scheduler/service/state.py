@@ -3,8 +3,8 @@
 :class:`SchedulerState` holds what the central scheduler knows: the bandwidth graph, the
 registered daemons (host -> data-plane address), the roles of every job (servers with
 their model spec, job params and model version; workers), the updates that are ready and
-not yet released (:class:`~mlfabric.scheduler.policy.PendingUpdate`), the transfers in
-flight (:class:`~mlfabric.scheduler.policy.InFlight`) and the outcome of each update.
+not yet released (:class:`~mlfabric.scheduler.policies.base.PendingUpdate`), the transfers in
+flight (:class:`~mlfabric.scheduler.policies.base.InFlight`) and the outcome of each update.
 
 Nothing here does I/O or reads a clock: times are passed in. Every domain problem is an
 exception subclassing :class:`SchedulerError` whose message names the host, job, server,
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from mlfabric.scheduler.graph import TopologyError, hosts, shortest_path
-from mlfabric.scheduler.policy import InFlight, PendingUpdate, Snapshot
+from mlfabric.scheduler.core.graph import TopologyError, hosts, shortest_path
+from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
 
 __all__ = [
     "Cleanup",
@@ -216,12 +216,12 @@ class SchedulerState:
     Parameters
     ----------
     graph : networkx.DiGraph
-        The bandwidth graph (see :mod:`mlfabric.scheduler.graph`); daemons may only say
+        The bandwidth graph (see :mod:`mlfabric.scheduler.core.graph`); daemons may only say
         hello for its hosts.
 
     Examples
     --------
-    >>> from mlfabric.scheduler.graph import star
+    >>> from mlfabric.scheduler.core.graph import star
     >>> s = SchedulerState(star(2, 8e9))
     >>> _ = s.connect("h0", "127.0.0.1:9000"); _ = s.connect("h1", "127.0.0.1:9001")
     >>> _ = s.register_server("h0", "j", "ps", (), JobParams(tau_max=4), version=0)
@@ -505,7 +505,7 @@ class SchedulerState:
 
         Examples
         --------
-        >>> from mlfabric.scheduler.graph import star
+        >>> from mlfabric.scheduler.core.graph import star
         >>> s = SchedulerState(star(3, 8e9))
         >>> s.in_flight = {u: InFlight(u, "j", "ps", (h, "sw", "h0"), 10, 0.0, 1.0)
         ...                for u, h in (("a", "h1"), ("b", "h2"))}

@@ -1,7 +1,7 @@
 """Releasing a policy's sends at the right moment (network time-sharing, paper §3.1.1).
 
-A policy's :class:`~mlfabric.scheduler.policy.Decision` is a plan: each
-:class:`~mlfabric.scheduler.policy.Send` may wait for the transfers in its ``after``.
+A policy's :class:`~mlfabric.scheduler.policies.base.Decision` is a plan: each
+:class:`~mlfabric.scheduler.policies.base.Send` may wait for the transfers in its ``after``.
 :class:`Dispatcher` holds the sends not yet released and, given the clock and the
 transfers in flight, says which go now. A send is released when every transfer in its
 ``after`` is done — reported, dropped, or otherwise no longer known — or *nearly* done:
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from mlfabric.scheduler.policy import Decision, InFlight, Send
+from mlfabric.scheduler.policies.base import Decision, InFlight, Send
 
 __all__ = ["DEFAULT_MARGIN", "Dispatcher", "Release", "ReplanTrigger", "low_water_mark"]
 
@@ -62,7 +62,7 @@ class Dispatcher:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.policy import Decision, Send
+    >>> from mlfabric.scheduler.policies.base import Decision, Send
     >>> d = Dispatcher(margin=0.001)
     >>> d.adopt(Decision(sends=(Send("a", "h0", ("h1", "h0"), (), 0.0, 1.0),
     ...                         Send("b", "h0", ("h2", "h0"), ("a",), 1.0, 2.0))))

@@ -47,11 +47,11 @@ scheduler is noticed; the server accepts pings that often.
 
 With a bounded-horizon policy (``STFPolicy(horizon=N)`` plans only the first N sends)
 the core also decides again, without a ready notification, when
-:class:`~mlfabric.scheduler.dispatch.ReplanTrigger` says so: the planned sends have
+:class:`~mlfabric.scheduler.policies.dispatch.ReplanTrigger` says so: the planned sends have
 fallen to its low-water mark while unplanned pending updates remain.
 
-Servicer methods only unpack messages, call :class:`~mlfabric.scheduler.state.SchedulerState`,
-:class:`~mlfabric.scheduler.dispatch.Dispatcher` and the policy, and build replies.
+Servicer methods only unpack messages, call :class:`~mlfabric.scheduler.service.state.SchedulerState`,
+:class:`~mlfabric.scheduler.policies.dispatch.Dispatcher` and the policy, and build replies.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
-from mlfabric.scheduler import wire
-from mlfabric.scheduler.batching import AdaptiveBatcher
-from mlfabric.scheduler.dispatch import Dispatcher, Release, ReplanTrigger
-from mlfabric.scheduler.policy import Decision, Policy
-from mlfabric.scheduler.state import (
+from mlfabric.scheduler.policies.base import Decision, Policy
+from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
+from mlfabric.scheduler.service import wire
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.state import (
     Cleanup,
     DuplicateUpdate,
     HostAlreadyConnected,
@@ -122,7 +122,7 @@ CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
 
 
 class Estimator(Protocol):
-    """Bandwidth estimation as the service uses it (``scheduler/estimation.py``)."""
+    """Bandwidth estimation as the service uses it (``scheduler/core/estimation.py``)."""
 
     def observe(
         self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
@@ -214,8 +214,8 @@ class SchedulerCore:
     --------
     Without gRPC: two daemons, a server, a worker and one update under ``fair``.
 
-    >>> from mlfabric.scheduler.graph import star
-    >>> from mlfabric.scheduler.policy import FairPolicy
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.policies.base import FairPolicy
     >>> g = star(["ps", "a"], 8e9)
     >>> core = SchedulerCore(SchedulerState(g), FairPolicy(), dispatcher=Dispatcher(),
     ...                      batcher=AdaptiveBatcher(), estimator=StaticEstimator(g), metrics=Metrics())
@@ -391,7 +391,7 @@ class SchedulerCore:
             log.debug("host %s: report ignored: %s", host, exc)
             return
         if result.ok and result.end > result.start:
-            # the one place measurements reach the bandwidth estimator (scheduler/estimation.py)
+            # the one place measurements reach the bandwidth estimator (scheduler/core/estimation.py)
             self.estimator.observe(f.path, result.bytes, result.end - result.start, now, shared=shared)
         elif not result.ok:
             log.info("host %s: transfer of %s failed: %s", host, result.update_id, result.error)

@@ -1,7 +1,7 @@
 """Plain-data transfer plans: what every planner produces and the checker verifies.
 
 A :class:`Schedule` is the output of every offline planner (STF, fair, aggregation groups,
-the ILP, brute force) and the input of :func:`mlfabric.scheduler.checker.check_schedule`.
+the ILP, brute force) and the input of :func:`mlfabric.scheduler.core.checker.check_schedule`.
 It says, for a set of :class:`Update` s, which are dropped (paper §5, Fig. 5), which are
 summed into an :class:`Aggregate` at an aggregator hop (Fig. 6), and for every payload
 that moves, one :class:`Transfer`: its path and the rate it reserves on each link of the

@@ -1,14 +1,14 @@
 """Conversions between the control stream's messages (``control.proto``) and the state's plain data.
 
-Split out of :mod:`mlfabric.scheduler.service`, whose servicer and core use them to unpack a
-daemon's messages for :class:`~mlfabric.scheduler.state.SchedulerState` and to build the
+Split out of :mod:`mlfabric.scheduler.service.core`, whose servicer and core use them to unpack a
+daemon's messages for :class:`~mlfabric.scheduler.service.state.SchedulerState` and to build the
 directives sent back. Pure: no I/O, no state.
 """
 
 from __future__ import annotations
 
 from mlfabric.proto.v1 import control_pb2 as pb
-from mlfabric.scheduler.state import JobParams, OutcomeKind, ServerRole, TransferResult
+from mlfabric.scheduler.service.state import JobParams, OutcomeKind, ServerRole, TransferResult
 
 __all__ = [
     "OUTCOMES",
@@ -19,7 +19,7 @@ __all__ = [
     "transfer_result",
 ]
 
-#: wire ``Outcome`` -> :class:`~mlfabric.scheduler.state.OutcomeKind` (``OUTCOME_UNSPECIFIED``: absent)
+#: wire ``Outcome`` -> :class:`~mlfabric.scheduler.service.state.OutcomeKind` (unspecified: absent)
 OUTCOMES = {pb.OUTCOME_APPLIED: OutcomeKind.APPLIED, pb.OUTCOME_DROPPED: OutcomeKind.DROPPED}
 
 
@@ -50,7 +50,7 @@ def server_info(s: ServerRole, address: str) -> pb.ServerInfo:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.state import TensorSpec
+    >>> from mlfabric.scheduler.service.state import TensorSpec
     >>> s = ServerRole("j", "ps", "h0", (TensorSpec("w", "float32", (2, 3)),), version=7)
     >>> m = server_info(s, "127.0.0.1:9000")
     >>> m.data_address, m.version, list(m.model[0].shape)

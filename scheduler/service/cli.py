@@ -167,14 +167,14 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON) -> tuple[Any
     >>> build_policy("stf", 0)[0].horizon is None
     True
     """
-    from mlfabric.scheduler.dispatch import ReplanTrigger, low_water_mark
-    from mlfabric.scheduler.policy import make_policy
+    from mlfabric.scheduler.policies.base import make_policy
+    from mlfabric.scheduler.policies.dispatch import ReplanTrigger, low_water_mark
 
     if stf_horizon < 0:
         raise ValueError(f"--stf-horizon must be >= 0, got {stf_horizon}")
     if name != "stf":
         return make_policy(name), ReplanTrigger()
-    from mlfabric.scheduler.stf import STFPolicy
+    from mlfabric.scheduler.policies.stf import STFPolicy
 
     horizon = stf_horizon or None
     return STFPolicy(horizon=horizon), ReplanTrigger(low_water_mark(horizon))
@@ -182,7 +182,7 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON) -> tuple[Any
 
 def run(args: argparse.Namespace) -> int:
     """Run the scheduler until SIGTERM/SIGINT; returns the exit code."""
-    from mlfabric.scheduler.graph import TopologyError, load_topology, star
+    from mlfabric.scheduler.core.graph import TopologyError, load_topology, star
 
     try:
         if args.topology:
@@ -204,14 +204,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _make_estimator(graph: Any) -> Any:
     """The bandwidth estimator fed by transfer reports (static capacities if none is available)."""
-    from mlfabric.scheduler.service import StaticEstimator
+    from mlfabric.scheduler.service.core import StaticEstimator
 
     try:
-        from mlfabric.scheduler.estimation import BandwidthEstimator
+        from mlfabric.scheduler.core.estimation import BandwidthEstimator
     except ModuleNotFoundError as exc:
-        if exc.name != "mlfabric.scheduler.estimation":
+        if exc.name != "mlfabric.scheduler.core.estimation":
             raise
-        log.warning("no bandwidth estimator (mlfabric.scheduler.estimation): using the static capacities")
+        log.warning(
+            "no bandwidth estimator (mlfabric.scheduler.core.estimation): using the static capacities"
+        )
         return StaticEstimator(graph)
     return BandwidthEstimator(graph)
 
@@ -219,10 +221,10 @@ def _make_estimator(graph: Any) -> Any:
 async def _serve(args: argparse.Namespace, graph: Any, policy: Any, replan: Any) -> int:
     from prometheus_client import start_http_server
 
-    from mlfabric.scheduler.batching import AdaptiveBatcher
-    from mlfabric.scheduler.dispatch import Dispatcher
-    from mlfabric.scheduler.service import Metrics, SchedulerCore, start_server
-    from mlfabric.scheduler.state import SchedulerState
+    from mlfabric.scheduler.policies.dispatch import Dispatcher
+    from mlfabric.scheduler.service.batching import AdaptiveBatcher
+    from mlfabric.scheduler.service.core import Metrics, SchedulerCore, start_server
+    from mlfabric.scheduler.service.state import SchedulerState
 
     metrics = Metrics()
     core = SchedulerCore(
@@ -275,7 +277,7 @@ async def _serve(args: argparse.Namespace, graph: Any, policy: Any, replan: Any)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run as ``python -m mlfabric.scheduler.cli`` (same arguments as ``mlfabric scheduler``)."""
+    """Run as ``python -m mlfabric.scheduler.service.cli`` (same arguments as ``mlfabric scheduler``)."""
     parser = argparse.ArgumentParser(
         prog="mlfabric scheduler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
