@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
 from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer, Update
 from mlfabric.scheduler.policies.aggregation import plan_aggregation, plan_aggregation_sync
-from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Send, Snapshot
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.stf import plan_stf, server_key
 
 __all__ = ["AggregatingDecision", "AggregationPolicy", "PlannedAggregate"]
@@ -39,24 +38,8 @@ __all__ = ["AggregatingDecision", "AggregationPolicy", "PlannedAggregate"]
 EXHAUSTIVE_UP_TO = 32
 
 
-@dataclass(frozen=True)
-class PlannedAggregate:
-    """An aggregate to make at ``aggregator`` from ``members`` and forward to ``dst``."""
-
-    aggregate_id: str
-    aggregator: str
-    members: tuple[str, ...]
-    bytes: float
-    dst: str
-    after: tuple[str, ...] = ()
-    path: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class AggregatingDecision(Decision):
-    """A :class:`~mlfabric.scheduler.policies.base.Decision` that also names new aggregates."""
-
-    aggregates: tuple[PlannedAggregate, ...] = ()
+#: kept for callers of the old name; a Decision carries aggregates itself
+AggregatingDecision: type[Decision] = Decision
 
 
 def _plan_sync(
@@ -110,7 +93,7 @@ class AggregationPolicy:
         self._count = 0
         self._paths: PathCache | None = None
 
-    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> AggregatingDecision:
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
         """Plan ``pending`` into direct sends, sends to aggregators and aggregates.
 
         Parameters
@@ -138,12 +121,12 @@ class AggregationPolicy:
                 sends.append(Send(m, agg.aggregator, self._path(snapshot, p.src_host, agg.aggregator)))
         self._committed = kept
         if not by_id:
-            return AggregatingDecision(sends=tuple(sends))
+            return Decision(sends=tuple(sends))
         schedule = self._plan(snapshot, list(by_id.values()))
         new_sends, aggregates = self._convert(schedule)
         for a in aggregates:
             self._committed[a.aggregate_id] = a
-        return AggregatingDecision(sends=(*sends, *new_sends), aggregates=aggregates)
+        return Decision(sends=(*sends, *new_sends), aggregates=aggregates)
 
     # -- internals ---------------------------------------------------------------------
     def _path(self, snapshot: Snapshot, src: str, dst: str) -> tuple[str, ...]:

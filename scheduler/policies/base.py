@@ -26,6 +26,7 @@ __all__ = [
     "FairPolicy",
     "InFlight",
     "PendingUpdate",
+    "PlannedAggregate",
     "Policy",
     "Send",
     "Snapshot",
@@ -98,11 +99,30 @@ class Drop:
 
 
 @dataclass(frozen=True)
+class PlannedAggregate:
+    """Sum ``members`` at ``aggregator`` and forward the sum (one update's size) to ``dst``.
+
+    The members are sent to ``aggregator`` by the decision's sends (whose ``next_hop``
+    is the aggregator); the aggregate leaves once every member is in and every transfer
+    in ``after`` is (nearly) done, along ``path``.
+    """
+
+    aggregate_id: str
+    aggregator: str
+    members: tuple[str, ...]
+    bytes: float
+    dst: str
+    after: tuple[str, ...] = ()
+    path: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Decision:
-    """A policy's answer: sends in the policy's order, and drops."""
+    """A policy's answer: sends in the policy's order, drops, and aggregates to make."""
 
     sends: tuple[Send, ...] = ()
     drops: tuple[Drop, ...] = ()
+    aggregates: tuple[PlannedAggregate, ...] = ()
 
 
 class Policy(Protocol):
