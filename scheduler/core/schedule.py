@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 __all__ = [
     "Aggregate",
+    "aggregate_id",
+    "is_aggregate_id",
     "Link",
     "Reservation",
     "Schedule",
@@ -37,6 +39,36 @@ __all__ = [
 ]
 
 Link = tuple[str, str]
+
+
+def aggregate_id(scope: str, index: int = 0) -> str:
+    """The payload id of the ``index``-th aggregate made in ``scope``.
+
+    The one spelling of aggregate ids in plans, decisions, the wire and the daemons:
+    ``agg:<scope>:<index>``. ``scope`` is what makes the id unique where it is used (a
+    server, an aggregator host, a planner's run); it must not contain ``:``-free
+    ambiguity beyond that, so the id is split from the right.
+
+    Parameters
+    ----------
+    scope : str
+        Server, aggregator or planner name.
+    index : int
+        Counter within ``scope``.
+
+    Examples
+    --------
+    >>> aggregate_id("ps", 3)
+    'agg:ps:3'
+    >>> is_aggregate_id(aggregate_id("a1")), is_aggregate_id("h1/7")
+    (True, False)
+    """
+    return f"agg:{scope}:{index}"
+
+
+def is_aggregate_id(payload_id: str) -> bool:
+    """True if ``payload_id`` names an aggregate (made by :func:`aggregate_id`)."""
+    return payload_id.startswith("agg:")
 
 
 @dataclass(frozen=True)
