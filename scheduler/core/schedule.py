@@ -29,13 +29,13 @@ from typing import NamedTuple
 
 __all__ = [
     "Aggregate",
-    "aggregate_id",
-    "is_aggregate_id",
     "Link",
     "Reservation",
     "Schedule",
     "Transfer",
     "Update",
+    "aggregate_id",
+    "is_aggregate_id",
 ]
 
 Link = tuple[str, str]
@@ -46,8 +46,7 @@ def aggregate_id(scope: str, index: int = 0) -> str:
 
     The one spelling of aggregate ids in plans, decisions, the wire and the daemons:
     ``agg:<scope>:<index>``. ``scope`` is what makes the id unique where it is used (a
-    server, an aggregator host, a planner's run); it must not contain ``:``-free
-    ambiguity beyond that, so the id is split from the right.
+    server, an aggregator host, a planner's run).
 
     Parameters
     ----------
