@@ -41,12 +41,30 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobParams(_message.Message):
-    __slots__ = ("tau_max", "div_max")
+    __slots__ = ("tau_max", "div_max", "sync_workers")
     TAU_MAX_FIELD_NUMBER: _ClassVar[int]
     DIV_MAX_FIELD_NUMBER: _ClassVar[int]
+    SYNC_WORKERS_FIELD_NUMBER: _ClassVar[int]
     tau_max: int
     div_max: float
-    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ...) -> None: ...
+    sync_workers: int
+    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ..., sync_workers: _Optional[int] = ...) -> None: ...
+
+class AggregateMember(_message.Message):
+    __slots__ = ("update_id", "worker", "base_version", "norm", "src_host", "bytes")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    SRC_HOST_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    worker: str
+    base_version: int
+    norm: float
+    src_host: str
+    bytes: int
+    def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., src_host: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("host", "data_address", "version")
@@ -109,7 +127,7 @@ class UpdateReady(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., ready_at: _Optional[float] = ...) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("update_id", "src_host", "dst_host", "bytes", "start", "end", "throughput", "ok", "error", "outcome", "delay", "server_version", "reason")
+    __slots__ = ("update_id", "src_host", "dst_host", "bytes", "start", "end", "throughput", "ok", "error", "outcome", "delay", "server_version", "reason", "member_verdicts")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_HOST_FIELD_NUMBER: _ClassVar[int]
     DST_HOST_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +141,7 @@ class TransferReport(_message.Message):
     DELAY_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_VERDICTS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     src_host: str
     dst_host: str
@@ -136,7 +155,30 @@ class TransferReport(_message.Message):
     delay: int
     server_version: int
     reason: str
-    def __init__(self, update_id: _Optional[str] = ..., src_host: _Optional[str] = ..., dst_host: _Optional[str] = ..., bytes: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., throughput: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., delay: _Optional[int] = ..., server_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    member_verdicts: _containers.RepeatedCompositeFieldContainer[MemberVerdict]
+    def __init__(self, update_id: _Optional[str] = ..., src_host: _Optional[str] = ..., dst_host: _Optional[str] = ..., bytes: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., throughput: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., delay: _Optional[int] = ..., server_version: _Optional[int] = ..., reason: _Optional[str] = ..., member_verdicts: _Optional[_Iterable[_Union[MemberVerdict, _Mapping]]] = ...) -> None: ...
+
+class MemberVerdict(_message.Message):
+    __slots__ = ("update_id", "outcome", "delay", "reason")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DELAY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    outcome: Outcome
+    delay: int
+    reason: str
+    def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., delay: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AggregateFailed(_message.Message):
+    __slots__ = ("aggregate_id", "reason", "arrived")
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    aggregate_id: str
+    reason: str
+    arrived: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aggregate_id: _Optional[str] = ..., reason: _Optional[str] = ..., arrived: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateResolved(_message.Message):
     __slots__ = ("update_id", "outcome", "reason")
@@ -149,20 +191,22 @@ class UpdateResolved(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DaemonMessage(_message.Message):
-    __slots__ = ("hello", "register_role", "unregister_role", "update_ready", "transfer_report", "update_resolved")
+    __slots__ = ("hello", "register_role", "unregister_role", "update_ready", "transfer_report", "update_resolved", "aggregate_failed")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     REGISTER_ROLE_FIELD_NUMBER: _ClassVar[int]
     UNREGISTER_ROLE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_READY_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_RESOLVED_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_FAILED_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     register_role: RegisterRole
     unregister_role: UnregisterRole
     update_ready: UpdateReady
     transfer_report: TransferReport
     update_resolved: UpdateResolved
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., register_role: _Optional[_Union[RegisterRole, _Mapping]] = ..., unregister_role: _Optional[_Union[UnregisterRole, _Mapping]] = ..., update_ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., update_resolved: _Optional[_Union[UpdateResolved, _Mapping]] = ...) -> None: ...
+    aggregate_failed: AggregateFailed
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., register_role: _Optional[_Union[RegisterRole, _Mapping]] = ..., unregister_role: _Optional[_Union[UnregisterRole, _Mapping]] = ..., update_ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., update_resolved: _Optional[_Union[UpdateResolved, _Mapping]] = ..., aggregate_failed: _Optional[_Union[AggregateFailed, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("policy",)
@@ -199,16 +243,50 @@ class RoleAck(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., params: _Optional[_Union[JobParams, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
 
 class SendDirective(_message.Message):
-    __slots__ = ("update_id", "next_hop_host", "next_hop_address", "dst_host")
+    __slots__ = ("update_id", "next_hop_host", "next_hop_address", "dst_host", "aggregate_id")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_HOST_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DST_HOST_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     next_hop_host: str
     next_hop_address: str
     dst_host: str
-    def __init__(self, update_id: _Optional[str] = ..., next_hop_host: _Optional[str] = ..., next_hop_address: _Optional[str] = ..., dst_host: _Optional[str] = ...) -> None: ...
+    aggregate_id: str
+    def __init__(self, update_id: _Optional[str] = ..., next_hop_host: _Optional[str] = ..., next_hop_address: _Optional[str] = ..., dst_host: _Optional[str] = ..., aggregate_id: _Optional[str] = ...) -> None: ...
+
+class AggregateDirective(_message.Message):
+    __slots__ = ("aggregate_id", "job", "server", "members", "dst_host", "dst_address", "timeout_seconds")
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DST_HOST_FIELD_NUMBER: _ClassVar[int]
+    DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    aggregate_id: str
+    job: str
+    server: str
+    members: _containers.RepeatedCompositeFieldContainer[AggregateMember]
+    dst_host: str
+    dst_address: str
+    timeout_seconds: float
+    def __init__(self, aggregate_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., members: _Optional[_Iterable[_Union[AggregateMember, _Mapping]]] = ..., dst_host: _Optional[str] = ..., dst_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ResolveDirective(_message.Message):
+    __slots__ = ("update_id", "outcome", "delay", "server_version", "reason")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DELAY_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    outcome: Outcome
+    delay: int
+    server_version: int
+    reason: str
+    def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., delay: _Optional[int] = ..., server_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DropDirective(_message.Message):
     __slots__ = ("update_id", "reason")
@@ -227,15 +305,19 @@ class JobUpdate(_message.Message):
     def __init__(self, job: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update")
+    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ROLE_ACK_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
     JOB_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    RESOLVE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     role_ack: RoleAck
     send: SendDirective
     drop: DropDirective
     job_update: JobUpdate
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ...) -> None: ...
+    aggregate: AggregateDirective
+    resolve: ResolveDirective
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ...) -> None: ...

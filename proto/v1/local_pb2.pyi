@@ -144,7 +144,7 @@ class ModelReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
 
 class DeliverUpdate(_message.Message):
-    __slots__ = ("update_id", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "has_payload")
+    __slots__ = ("update_id", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "has_payload", "members", "member_delays")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,8 @@ class DeliverUpdate(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     HAS_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_DELAYS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     worker: str
     base_version: int
@@ -161,7 +163,9 @@ class DeliverUpdate(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.TensorLayout]
     payload_bytes: int
     has_payload: bool
-    def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[_control_pb2.AggregateMember]
+    member_delays: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[_control_pb2.AggregateMember, _Mapping]]] = ..., member_delays: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LocalError(_message.Message):
     __slots__ = ("code", "message")
