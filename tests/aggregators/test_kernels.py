@@ -36,7 +36,7 @@ def _payload(tensors: dict[str, np.ndarray]) -> tuple[list[Layout], bytearray]:
 
 
 def _members(rng: np.random.Generator, n: int) -> list[dict[str, np.ndarray]]:
-    members = []
+    members: list[dict[str, np.ndarray]] = []
     for _ in range(n):
         members.append(
             {
@@ -70,8 +70,8 @@ def test_mixed_dtypes_match_the_reference(mean: bool) -> None:
     for name in ("h16", "h16b"):  # accumulated in float32, rounded once
         want32 = sum(m[name].astype(np.float32) for m in members) / np.float32(div)
         np.testing.assert_array_equal(got[name], want32.astype(np.float16))
-    want_bf = sum(_bf16_values(m["bf"]) for m in members) / np.float32(div)
-    np.testing.assert_array_equal(got["bf"], _bf16_words(want_bf))
+    want_bf = np.sum([_bf16_values(m["bf"]) for m in members], axis=0, dtype=np.float32) / np.float32(div)
+    np.testing.assert_array_equal(got["bf"], _bf16_words(np.asarray(want_bf)))
 
 
 def test_one_dtype_is_one_run_and_float32_sums_in_place() -> None:
