@@ -67,14 +67,16 @@ class AggregateMember(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., src_host: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("host", "data_address", "version")
+    __slots__ = ("host", "data_address", "version", "can_aggregate")
     HOST_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAN_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     host: str
     data_address: str
     version: str
-    def __init__(self, host: _Optional[str] = ..., data_address: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    can_aggregate: bool
+    def __init__(self, host: _Optional[str] = ..., data_address: _Optional[str] = ..., version: _Optional[str] = ..., can_aggregate: _Optional[bool] = ...) -> None: ...
 
 class RegisterRole(_message.Message):
     __slots__ = ("request_id", "job", "role", "name", "model", "params", "version", "replica_of")
