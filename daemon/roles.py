@@ -185,7 +185,7 @@ class PendingPush:
     ready_at: float
     request_id: int
     owner: int
-    state: str = "ready"  # ready -> sending -> (resolved: removed)
+    state: str = "ready"  # ready -> sending -> [held -> sending ->] (resolved: removed)
     #: CRC-32 of the payload as the pushing process computed it (None: computed while sending)
     crc32: int | None = None
 
@@ -221,13 +221,26 @@ class OutgoingPushes:
             self._pushes[push.update_id] = push
 
     def start_sending(self, update_id: str) -> PendingPush | None:
-        """Mark a held push as being sent; None if unknown or already sending."""
+        """Mark a push as being sent (ready, or held after an aggregator); None if unknown or sending."""
         with self._lock:
             push = self._pushes.get(update_id)
-            if push is None or push.state != "ready":
+            if push is None or push.state not in ("ready", "held"):
                 return None
             push.state = "sending"
             return push
+
+    def hold(self, update_id: str) -> bool:
+        """Keep a push sent to an aggregator until a resolve or a new send (state ``held``)."""
+        with self._lock:
+            push = self._pushes.get(update_id)
+            if push is not None:
+                push.state = "held"
+            return push is not None
+
+    def held(self) -> list[PendingPush]:
+        """The pushes held after a send to an aggregator."""
+        with self._lock:
+            return [p for p in self._pushes.values() if p.state == "held"]
 
     def take(self, update_id: str) -> PendingPush | None:
         """Remove and return a push to resolve it (the caller closes its fd)."""

@@ -241,6 +241,7 @@ class PushSender:
             num_updates=1,
             tensors=layouts_to_pb(push.layouts),
             src_host=self.host,
+            aggregate_id=send.aggregate_id,
         )
         span = FileSpan(push.fd, 0, push.payload_bytes)
         attempts = max(1, self._attempts)
@@ -251,6 +252,7 @@ class PushSender:
             bytes=push.payload_bytes,
         )
         errors: list[str] = []
+        received = False
         for attempt in range(attempts):
             if attempt and self._stopping.wait(self._backoff * 2 ** (attempt - 1)):
                 errors.append("daemon shutting down")
@@ -262,6 +264,7 @@ class PushSender:
                 errors.append(str(exc))
                 continue
             h = reply.header
+            received = h.kind == _ACK
             if h.kind == _ACK:
                 verdict = Verdict(h.outcome or _DROPPED, h.delay, h.version, h.reason)
             else:
@@ -278,12 +281,39 @@ class PushSender:
                 f"failed after {attempts} attempts: {errors[-1] if errors else 'no attempt'}"
             )
             report.ok, report.error = False, verdict.reason
+        if send.aggregate_id:  # to an aggregator: unresolved until a ResolveDirective or a new send
+            self._hold_for_aggregate(push, report, verdict, received)
+            return
         report.outcome, report.delay, report.server_version = verdict.outcome, verdict.delay, verdict.version
         report.reason = verdict.reason
         taken = self.outgoing.take(push.update_id)
         if taken is not None:
             self.finish(taken, verdict)
         self._report(report)
+
+    def _hold_for_aggregate(self, push: PendingPush, report: Any, verdict: Verdict, received: bool) -> None:
+        """After a send to an aggregator: keep the payload, report the transfer without an outcome.
+
+        An ACK (``received``) means the aggregator summed the update: ``ok`` and no outcome. An
+        ERROR (unknown or abandoned aggregate, not a member) or an unreachable aggregator reports
+        ``ok=False`` naming the problem. Either way the push waits, its payload kept, for a
+        ``ResolveDirective`` (the aggregate's verdict) or a new ``SendDirective``.
+        """
+        if not received:
+            report.ok, report.error = False, verdict.reason
+        self.outgoing.hold(push.update_id)
+        self._report(report)
+
+    def resolve(self, directive: Any) -> bool:
+        """A ``ResolveDirective``: resolve a held push with the scheduler's verdict; False if unknown."""
+        push = self.outgoing.take(directive.update_id)
+        if push is None:
+            return False
+        verdict = Verdict(
+            directive.outcome or _DROPPED, directive.delay, directive.server_version, directive.reason
+        )
+        self.finish(push, verdict)
+        return True
 
     def request(
         self, address: str, header: Any, payload: Any = None, alloc: Any = bytearray, crc32: int | None = None
