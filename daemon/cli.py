@@ -69,6 +69,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(update_id, src_host, dst_host, bytes, start, end, throughput, ok, error, outcome, delay, "
         "server_version, reason); off by default",
     )
+    parser.add_argument(
+        "--aggregator",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="whether this host may be an aggregator hop, summing other workers' updates (default: yes)",
+    )
+    parser.add_argument(
+        "--round-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a synchronous round of a server on this host is applied with the updates it has this "
+        "long after its first arrived (default 60)",
+    )
 
 
 def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
@@ -137,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         egress_rate=egress,
         ingress_rate=ingress,
         send_attempts=args.send_attempts,
+        aggregator=args.aggregator,
+        round_timeout=args.round_timeout,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric import __version__
+from mlfabric.daemon.aggregating import AggregatorRole
 from mlfabric.daemon.bufferpool import MemfdPool
 from mlfabric.daemon.control import ControlStream
 from mlfabric.daemon.dataplane import (
+    Frame,
     FrameError,
     FrameHeader,
     FrameLimits,
@@ -52,7 +54,7 @@ from mlfabric.daemon.roles import (
 )
 from mlfabric.daemon.serving import ServerRoles
 from mlfabric.daemon.transfers import PushSender, TransferReportLog
-from mlfabric.daemon.transport import DataPlaneListener, PeerPool
+from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb
 
@@ -92,6 +94,11 @@ class DaemonConfig:
         Largest accepted data-plane payload.
     receive_pool_bytes : int
         Capacity of released data-plane receive buffers kept for reuse (``MemfdPool``).
+    aggregator : bool
+        Whether this host may be an aggregator hop (announced as ``Hello.can_aggregate``).
+    round_timeout : float
+        Seconds a synchronous round of a server on this host waits for missing workers
+        before it is applied with the updates it has.
     """
 
     host: str
@@ -107,6 +114,8 @@ class DaemonConfig:
     io_timeout: float = 300.0
     max_payload_bytes: int = 4 << 30
     receive_pool_bytes: int = 1 << 30
+    aggregator: bool = True
+    round_timeout: float = 60.0
 
 
 def _error_code(message: str) -> str:
@@ -162,7 +171,7 @@ class Daemon:
         self.receive_buffers = MemfdPool(config.receive_pool_bytes, name="mlfabric-dataplane")
         self._listener = DataPlaneListener(
             config.data_listen,
-            self.serving.on_frame,
+            self._on_frame,
             limits,
             self._ingress,
             self._egress,
@@ -178,7 +187,12 @@ class Daemon:
         self._local = LocalApiServer(config.socket_path, self._on_request, self._on_close)
         self._control = ControlStream(
             config.scheduler,
-            lambda: control_pb2.Hello(host=self.host, data_address=self.data_address, version=__version__),
+            lambda: control_pb2.Hello(
+                host=self.host,
+                data_address=self.data_address,
+                version=__version__,
+                can_aggregate=config.aggregator,
+            ),
             self._on_directive,
             self._on_connected,
             self._on_disconnected,
@@ -200,6 +214,20 @@ class Daemon:
             config.send_attempts,
             config.retry_backoff,
         )
+        self.aggregator = AggregatorRole(
+            config.host,
+            self.receive_buffers.allocate,
+            lambda ready: self._control.send(control_pb2.DaemonMessage(update_ready=ready)),
+            lambda failed: self._control.send(control_pb2.DaemonMessage(aggregate_failed=failed)),
+            self._send_report,
+            self.sender.request,
+            clock=clock,
+            send_attempts=config.send_attempts,
+            retry_backoff=config.retry_backoff,
+            enabled=config.aggregator,
+        )
+        self.serving.aggregation.alloc = self.receive_buffers.allocate
+        self.serving.aggregation.round_timeout = config.round_timeout
         self.data_address: str = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -216,6 +244,7 @@ class Daemon:
         if self._report_log is not None:
             self._report_log.start()
         self.data_address = self._listener.start()
+        self.aggregator.start()
         self._local.start()
         self._control.start()
         deadline = time.monotonic() + timeout
@@ -235,6 +264,7 @@ class Daemon:
         self._control.stop()
         self._local.stop()
         self._listener.stop()
+        self.aggregator.stop()
         self.sender.stop()
         self._tasks.shutdown(wait=True, cancel_futures=True)
         for push in self.outgoing.take_all():
@@ -292,6 +322,7 @@ class Daemon:
             self._acks.clear()
         for on_ack in acks:
             on_ack(None)
+        self.aggregator.abandon_all(f"scheduler connection lost: {reason}")
         for push in self.outgoing.take_waiting():
             self.sender.finish(
                 push, Verdict.dropped(f"scheduler connection lost before {push.update_id} was sent: {reason}")
@@ -304,6 +335,14 @@ class Daemon:
                 on_ack = self._acks.pop(directive.role_ack.request_id, None)
             if on_ack is not None:
                 on_ack(directive.role_ack)
+        elif kind == "aggregate":
+            self.aggregator.on_directive(directive.aggregate)
+        elif kind == "resolve":
+            self.sender.resolve(directive.resolve)
+        elif kind == "send" and self.aggregator.owns(directive.send.update_id):
+            self._tasks.submit(self.aggregator.forward, directive.send)
+        elif kind == "drop" and self.aggregator.drop(directive.drop.update_id, directive.drop.reason):
+            pass  # an aggregate this host ran
         elif kind == "send":
             push = self.outgoing.start_sending(directive.send.update_id)
             if push is None:
@@ -319,6 +358,13 @@ class Daemon:
         elif kind == "job_update":
             # a JobUpdate lists the job's servers now: one that left is forgotten
             self.directory.update(directive.job_update.job, directive.job_update.servers, replace=True)
+
+    def _on_frame(self, frame: Frame) -> Response:
+        """The data-plane handler: a member for an aggregate here goes to the aggregator role."""
+        h = frame.header
+        if h.kind == _UPDATE and h.aggregate_id and h.update_id != h.aggregate_id:
+            return self.aggregator.on_frame(frame)
+        return self.serving.on_frame(frame)
 
     # ------------------------------------------------------------------ local API
 

@@ -394,6 +394,11 @@ class ServerHandoff:
         assert delivery.verdict is not None
         return delivery.verdict
 
+    def stored(self, update_id: str) -> Verdict | None:
+        """The verdict remembered for ``update_id`` (an update or an aggregate's member), or None."""
+        with self._lock:
+            return self._verdicts.get(update_id)
+
     def in_flight(self, update_id: str) -> bool:
         """Whether ``update_id`` was delivered and still awaits the process's verdict."""
         with self._lock:

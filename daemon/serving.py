@@ -21,6 +21,7 @@ from mlfabric.daemon.bufferpool import PooledBuffer
 from mlfabric.daemon.dataplane import Frame, FrameError, FrameHeader, FrameLimits, check_header, error_header
 from mlfabric.daemon.localapi import LocalConnection
 from mlfabric.daemon.roles import ModelSnapshot, ServerHandoff, Verdict, check_update, spec_from_pb
+from mlfabric.daemon.server_aggregates import ServerAggregation
 from mlfabric.daemon.transport import Response
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb, layouts_to_pb
@@ -85,6 +86,8 @@ class ServerRoles:
         self.host = host
         self._limits = limits
         self._verdict_timeout = verdict_timeout
+        #: aggregates' members and synchronous rounds (its ``alloc``/``round_timeout`` may be set)
+        self.aggregation = ServerAggregation(MemfdBuffer.allocate)
         self._lock = threading.Lock()
         self._roles: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
 
@@ -103,6 +106,9 @@ class ServerRoles:
                     tensors=header.tensors,
                     payload_bytes=header.payload_bytes,
                     has_payload=True,
+                    members=header.members,
+                    # the daemon's view at hand-off; the process computes them at apply time
+                    member_delays=[handoff.version - m.base_version for m in header.members],
                 )
             )
             if not conn.send(event, payload_fd):
@@ -250,16 +256,25 @@ class ServerRoles:
         problem = check_update(handoff.spec, layouts_from_pb(h.tensors), where)
         if problem is not None:
             return self._error(problem, h.update_id)
-        buffer = frame.buffer
-        if not isinstance(buffer, MemfdBuffer | PooledBuffer):
-            buffer = MemfdBuffer.allocate(0)
+
+        def hand_off(update_id: str, header: Any, given: Any) -> Verdict:
+            buffer = given
+            if not isinstance(buffer, MemfdBuffer | PooledBuffer):
+                buffer = MemfdBuffer.allocate(0)
+            try:
+                return handoff.handle(update_id, header, buffer.fd, self._verdict_timeout)
+            finally:
+                if buffer is not given:
+                    buffer.release()  # the empty stand-in
+                elif isinstance(buffer, PooledBuffer) and handoff.in_flight(update_id):
+                    buffer.discard()  # no verdict yet (timeout): the process may still read it
+                elif given is not frame.buffer:
+                    given.release()  # a synchronous round's sum (the frame's buffer: on_frame's)
+
         try:
-            verdict = handoff.handle(h.update_id, h, buffer.fd, self._verdict_timeout)
-        finally:
-            if buffer is not frame.buffer:
-                buffer.release()
-            elif isinstance(buffer, PooledBuffer) and handoff.in_flight(h.update_id):
-                buffer.discard()  # no verdict yet (timeout): the process may still read it
+            verdict, members = self.aggregation.handle(frame, handoff, entry[2], hand_off)
+        except ValueError as exc:  # a payload that cannot be summed into the open round
+            return self._error(str(exc), h.update_id)
         ack = FrameHeader(
             kind=_ACK,
             update_id=h.update_id,
@@ -271,6 +286,8 @@ class ServerRoles:
             reason=verdict.reason,
             src_host=self.host,
             receive_seconds=frame.stats.seconds,
+            aggregate_id=h.aggregate_id,
+            member_verdicts=members,
         )
         return Response(ack)
 

@@ -308,6 +308,7 @@ class PushSender:
         """A ``ResolveDirective``: resolve a held push with the scheduler's verdict; False if unknown."""
         push = self.outgoing.take(directive.update_id)
         if push is None:
+            _LOG.warning("resolve directive for unknown update %r", directive.update_id)
             return False
         verdict = Verdict(
             directive.outcome or _DROPPED, directive.delay, directive.server_version, directive.reason
