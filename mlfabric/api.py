@@ -294,8 +294,19 @@ class UpdateMeta:
     delay : int
         Server version now minus ``base_version`` (at most ``tau_max``).
     num_updates : int
-        Worker updates summed in it (1 for a plain update, more for an aggregate).
+        Worker updates summed in it (1 for a plain update, more for an aggregate or a
+        synchronous round).
     norm : float
+        The update's norm (for an aggregate: the sum of its members' norms).
+    member_ids, workers : tuple of str
+        The worker updates summed in it and their workers, in order (one entry for a plain
+        update).
+    member_delays : tuple of int
+        Each member's delay: server version now minus its base version (``delay`` is the
+        largest, the oldest member's).
+    partial_round : bool
+        A synchronous round applied with fewer than ``Params.sync_workers`` updates because the
+        others did not arrive within the round timeout (a worker vanished or straggled).
     """
 
     update_id: str
@@ -304,6 +315,10 @@ class UpdateMeta:
     delay: int
     num_updates: int
     norm: float
+    member_ids: tuple[str, ...] = ()
+    workers: tuple[str, ...] = ()
+    member_delays: tuple[int, ...] = ()
+    partial_round: bool = False
 
 
 class Server:
@@ -448,6 +463,22 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _meta(self, deliver: Any, delay: int) -> UpdateMeta:
+        members = list(deliver.members)
+        num_updates = int(deliver.num_updates or 1)
+        return UpdateMeta(
+            deliver.update_id,
+            deliver.worker,
+            int(deliver.base_version),
+            delay,
+            num_updates,
+            float(deliver.norm),
+            member_ids=tuple(m.update_id for m in members) or (deliver.update_id,),
+            workers=tuple(m.worker for m in members) or (deliver.worker,),
+            member_delays=tuple(self.version - int(m.base_version) for m in members) or (delay,),
+            partial_round=0 < num_updates < self.params.sync_workers,
+        )
+
     def _handle(self, deliver: Any, fd: int | None) -> None:
         delay = self.version - int(deliver.base_version)
         tau_max = self.params.tau_max
@@ -464,14 +495,7 @@ class Server:
             self.dropped += 1
         else:
             update, mapping = tcodec.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
-            meta = UpdateMeta(
-                deliver.update_id,
-                deliver.worker,
-                int(deliver.base_version),
-                delay,
-                int(deliver.num_updates or 1),
-                float(deliver.norm),
-            )
+            meta = self._meta(deliver, delay)
             replaced = None
             try:
                 if self._update_fn is None:  # the default on_update: model[k] -= update[k]

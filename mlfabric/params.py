@@ -24,6 +24,10 @@ class Params:
         ``tau_max`` is ever applied. None: unbounded.
     div_max : float or None
         Bound on the sum of norms applied at a server and not yet at its replica. None: unbounded.
+    sync_workers : int
+        Synchronous training when > 0: the server applies one step per round, the sum of this
+        many worker updates (its daemon sums them as they arrive); every push of a round
+        resolves when the round is applied. 0 (default): asynchronous, one step per update.
 
     Examples
     --------
@@ -31,22 +35,30 @@ class Params:
     4
     >>> Params().to_pb().tau_max
     -1
+    >>> Params.from_pb(Params(sync_workers=4).to_pb()).sync_workers
+    4
     """
 
     tau_max: int | None = None
     div_max: float | None = None
+    sync_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
             raise ValueError(f"tau_max must be an integer >= 0 or None (unbounded), got {self.tau_max!r}")
         if self.div_max is not None and not float(self.div_max) > 0:
             raise ValueError(f"div_max must be a number > 0 or None (unbounded), got {self.div_max!r}")
+        if isinstance(self.sync_workers, bool) or int(self.sync_workers) < 0:
+            raise ValueError(
+                f"sync_workers must be an integer >= 0 (0: asynchronous), got {self.sync_workers!r}"
+            )
 
     def to_pb(self) -> Any:
         """The ``JobParams`` message (``-1`` / ``0`` for unbounded)."""
         return control_pb2.JobParams(
             tau_max=-1 if self.tau_max is None else int(self.tau_max),
             div_max=0.0 if self.div_max is None else float(self.div_max),
+            sync_workers=int(self.sync_workers),
         )
 
     @classmethod
@@ -55,4 +67,5 @@ class Params:
         return cls(
             tau_max=None if message.tau_max < 0 else int(message.tau_max),
             div_max=None if message.div_max <= 0 else float(message.div_max),
+            sync_workers=int(message.sync_workers),
         )
