@@ -1,4 +1,4 @@
-"""Synchronous rounds at the server's daemon: N worker updates summed, one step, all pushes resolve with it."""
+"""Synchronous rounds at the server's daemon: N updates summed, one step, all pushes resolve with it."""
 
 from __future__ import annotations
 
