@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.dataplane import Frame, FrameHeader, error_header
+from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, error_header
 from mlfabric.daemon.transfers import wire_timing
 from mlfabric.daemon.transport import PeerUnavailable, Reply, Response
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
@@ -450,7 +450,11 @@ class AggregatorRole:
             bytes=agg.payload_bytes,
         )
         reply, errors = None, []
-        payload = memoryview(agg.buffer)[: agg.payload_bytes] if agg.payload_bytes else b""
+        payload: Any = b""
+        if agg.payload_bytes and getattr(agg.buffer, "fd", -1) >= 0:
+            payload = FileSpan(agg.buffer.fd, 0, agg.payload_bytes)  # sendfile from the pooled memfd
+        elif agg.payload_bytes:
+            payload = memoryview(agg.buffer)[: agg.payload_bytes]
         try:
             for attempt in range(self._attempts):
                 if attempt and self._stopping.wait(self._backoff * 2 ** (attempt - 1)):

@@ -309,6 +309,8 @@ class Daemon:
         ]
         for message in messages:
             self._register(message, functools.partial(self._log_reregistration, message.job, message.name))
+        for ready in self.sender.unhold():  # summed into an aggregate the new session never saw
+            self._control.send(control_pb2.DaemonMessage(update_ready=ready))
 
     def _log_reregistration(self, job: str, name: str, ack: Any) -> None:
         if ack is None or not ack.ok:

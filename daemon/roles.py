@@ -237,10 +237,13 @@ class OutgoingPushes:
                 push.state = "held"
             return push is not None
 
-    def held(self) -> list[PendingPush]:
-        """The pushes held after a send to an aggregator."""
+    def unhold(self) -> list[PendingPush]:
+        """Make every push held after a send to an aggregator ready again; return them."""
         with self._lock:
-            return [p for p in self._pushes.values() if p.state == "held"]
+            held = [p for p in self._pushes.values() if p.state == "held"]
+            for p in held:
+                p.state = "ready"
+            return held
 
     def take(self, update_id: str) -> PendingPush | None:
         """Remove and return a push to resolve it (the caller closes its fd)."""

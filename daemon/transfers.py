@@ -304,6 +304,30 @@ class PushSender:
         self.outgoing.hold(push.update_id)
         self._report(report)
 
+    def unhold(self) -> list[Any]:
+        """Make every held push ready again; their ``UpdateReady`` messages (a new scheduler session).
+
+        A push held after a send to an aggregator waits for a directive from the session that
+        planned the aggregate; a new session never planned it, so the push is announced again.
+        If the aggregate was applied meanwhile, the server's daemon answers the re-sent update
+        from its memory of the members' verdicts, so it is still applied only once.
+        """
+        messages = []
+        for push in self.outgoing.unhold():
+            messages.append(
+                control_pb2.UpdateReady(
+                    update_id=push.update_id,
+                    job=push.job,
+                    server=push.server,
+                    worker=push.worker,
+                    bytes=push.payload_bytes,
+                    norm=push.norm,
+                    base_version=push.base_version,
+                    ready_at=push.ready_at,
+                )
+            )
+        return messages
+
     def resolve(self, directive: Any) -> bool:
         """A ``ResolveDirective``: resolve a held push with the scheduler's verdict; False if unknown."""
         push = self.outgoing.take(directive.update_id)

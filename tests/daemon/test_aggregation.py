@@ -350,3 +350,30 @@ def test_aggregator_killed_mid_aggregate_members_go_direct_exactly_once(
     assert [h.wait(10).status for h in (h0, h1)] == [mlfabric.APPLIED] * 2
     np.testing.assert_array_equal(_model(c)["w"], MODEL["w"] - 3.0)
     assert c["server"].version == 2
+
+
+def test_held_members_are_announced_again_to_a_new_scheduler_session(
+    cluster: dict[str, Any], scheduler: AggScheduler
+) -> None:
+    """The scheduler restarts after the aggregate was applied, before it resolved the members."""
+    c = cluster
+    (h0, r0), (h1, r1) = (_push(c, scheduler, f"w{i}", float(i + 1)) for i in range(2))
+    agg_id = "agg:job:8"
+    _aggregate(scheduler, agg_id, [r0, r1])
+    for r in (r0, r1):
+        _send(scheduler, r.update_id, "agg", agg_id)
+    wait_until(lambda: scheduler.ready_for(agg_id))
+    _send(scheduler, agg_id, "ps")
+    wait_until(lambda: scheduler.report_for(agg_id))
+    port = int(scheduler.address.rsplit(":", 1)[1])
+    scheduler.stop()
+    fresh = AggScheduler()  # releases every announced update straight to the server
+    fresh.start(port)
+    try:
+        results = [h.wait(15) for h in (h0, h1)]
+        assert [(x.status, x.version) for x in results] == [(mlfabric.APPLIED, 1)] * 2
+        assert {r0.update_id, r1.update_id} <= {r.update_id for r in fresh.ready}
+        assert c["server"].version == 1 and len(c["metas"]) == 1
+        np.testing.assert_array_equal(_model(c)["w"], MODEL["w"] - 3.0)
+    finally:
+        fresh.stop()
