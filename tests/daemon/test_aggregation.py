@@ -84,8 +84,13 @@ def _update(value: float) -> dict[str, np.ndarray]:
     return {"w": np.full((2, 3), value), "b": np.arange(4, dtype=np.float64) * value}
 
 
-def _cluster(make_daemon: Any, params: mlfabric.Params, **ps_config: Any) -> dict[str, Any]:
-    daemons = {h: make_daemon(h, **(ps_config if h == "ps" else {})) for h in ("ps", "w0", "w1", "w2", "agg")}
+def _cluster(
+    make_daemon: Any,
+    params: mlfabric.Params,
+    hosts: tuple[str, ...] = ("ps", "w0", "w1", "w2", "agg"),
+    **ps_config: Any,
+) -> dict[str, Any]:
+    daemons = {h: make_daemon(h, **(ps_config if h == "ps" else {})) for h in hosts}
     server = mlfabric.register_as_server(
         "job", "ps0", {k: v.copy() for k, v in MODEL.items()}, params, daemon=daemons["ps"].config.socket_path
     )
