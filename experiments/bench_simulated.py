@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.scheduler.policies.aggregating import AggregationPolicy
-from mlfabric.scheduler.policies.base import FairPolicy
+from mlfabric.scheduler.policies.aggregation import AggregationPolicy
+from mlfabric.scheduler.policies.fair import FairPolicy
 from mlfabric.scheduler.policies.stf import STFPolicy
 from mlfabric.scheduler.sim.report import PolicyStats, format_table
 from mlfabric.scheduler.sim.scenario import Scenario, cluster, run_scenario

@@ -16,6 +16,16 @@ ties go to the aggregate's earliest arrival at ``S``, then the host name.
 for one synchronous iteration, the number of updates sent directly first that minimises the
 makespan (the time the last update is in), comparing with no aggregation at all.
 Both return a :class:`~mlfabric.scheduler.core.schedule.Schedule` that passes the checker.
+
+:class:`AggregationPolicy` (``stf+agg``) runs them online: every decision plans the pending
+updates afresh into direct sends, sends to aggregators and aggregates. An aggregate some of
+whose members have already been released is *committed*: its remaining members keep going
+to its aggregator; earlier uncommitted aggregates are replaced.
+
+Limitations of the policy: the planners start from empty link timelines, so transfers
+already in flight are not reserved (a new plan may overlap them; the network then shares
+the links); and the planners do not drop (no ``tau_max``): the policy is meant for
+synchronous SGD, where updates are never stale.
 """
 
 from __future__ import annotations
@@ -24,12 +34,17 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.core.graph import PathCache
-from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update
+from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.policies.stf import plan_stf
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
+from mlfabric.scheduler.policies.convert import schedule_to_decision
+from mlfabric.scheduler.policies.stf import plan_stf, server_key
 
-__all__ = ["plan_aggregation", "plan_aggregation_sync", "send_aggregate"]
+__all__ = ["AggregationPolicy", "plan_aggregation", "plan_aggregation_sync", "send_aggregate"]
+
+#: above this many updates, the policy tries only direct-group sizes 1, 2, 4, ...
+EXHAUSTIVE_UP_TO = 32
 
 
 def send_aggregate(
@@ -38,7 +53,7 @@ def send_aggregate(
     """Reserve the aggregate of ``members`` (their transfers into ``path[0]``) along ``path``.
 
     It is one update's size, that of its largest member, and leaves once the last member is
-    in; its id is ``agg:<server>:<index>``, ``index`` counting the plan's aggregates.
+    in; its id is ``aggregate_id(server, index)``, ``index`` counting the plan's aggregates.
 
     Examples
     --------
@@ -53,7 +68,7 @@ def send_aggregate(
     ('agg:ps:0', 2.0, 4.0, ('u0', 'u1'), 2.0)
     """
     server = path[-1]
-    aid = f"agg:{server}:{index}"
+    aid = aggregate_id(server, index)
     size = max(t.bytes for t in members)
     out = tls.transfer(aid, path, size, max(t.end for t in members))
     return out, Aggregate(aid, path[0], tuple(t.payload_id for t in members), size, server)
@@ -268,3 +283,122 @@ def plan_aggregation_sync(
         if key < best_key:
             best, best_key = plan, key
     return best
+
+
+def _plan_sync(
+    graph: nx.DiGraph, updates: Sequence[Update], aggregators: Sequence[str], now: float
+) -> Schedule:
+    """Smallest-makespan grouping; exhaustive like ``plan_aggregation_sync`` for small batches."""
+    pc = PathCache(graph)
+    if len(updates) <= EXHAUSTIVE_UP_TO:
+        return plan_aggregation_sync(graph, updates, aggregators=aggregators, now=now, paths=pc)
+    best = plan_stf(graph, updates, now=now, paths=pc)
+    best_key = (best.makespan(), 0, len(updates))
+    sizes = [2**i for i in range(len(updates).bit_length())]
+    for k in (k for k in sizes if k < len(updates)):
+        plan = plan_aggregation(graph, updates, aggregators=aggregators, now=now, first_direct=k, paths=pc)
+        key = (plan.makespan(), len(plan.aggregates), k)
+        if key < best_key:
+            best, best_key = plan, key
+    return best
+
+
+class AggregationPolicy:
+    """The ``stf+agg`` policy: STF order with aggregation groups (Fig. 6).
+
+    Parameters
+    ----------
+    sync : bool
+        Use the synchronous planner (smallest makespan over the number of updates sent
+        directly first); otherwise the asynchronous one (shortest first group).
+    aggregators : sequence of str, optional
+        Hosts that may aggregate; default every host but the pending updates' servers.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> hs = ["ps", "w0", "w1", "w2", "w3", "x"]
+    >>> g = star(hs, {"ps": 8e6, **{h: 32e6 for h in hs[1:]}})
+    >>> mk = lambda i: PendingUpdate(f"u{i}", "j", "s", f"w{i}", f"w{i}", "ps", 10**6, 1.0, 0, 0.0)
+    >>> d = AggregationPolicy(aggregators=["x"]).decide(Snapshot(0.0, g), [mk(i) for i in range(4)])
+    >>> [(s.update_id, s.next_hop) for s in d.sends]
+    [('u0', 'ps'), ('u1', 'x'), ('u2', 'x'), ('u3', 'x')]
+    >>> [(a.aggregate_id, a.aggregator, a.members, a.after) for a in d.aggregates]
+    [('agg:ps:0', 'x', ('u1', 'u2', 'u3'), ('u0',))]
+    """
+
+    name = "stf+agg"
+
+    def __init__(self, *, sync: bool = True, aggregators: Sequence[str] | None = None) -> None:
+        self.sync = sync
+        self.aggregators = tuple(aggregators) if aggregators is not None else None
+        self._committed: dict[str, PlannedAggregate] = {}
+        self._count = 0
+        self._paths: PathCache | None = None
+
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
+        """Plan ``pending`` into direct sends, sends to aggregators and aggregates.
+
+        Parameters
+        ----------
+        snapshot : Snapshot
+            Time and graph (in-flight transfers are not reserved; see the module notes).
+        pending : sequence of PendingUpdate
+            Every update not yet released.
+
+        Returns
+        -------
+        Decision
+            Aggregate ids are unique across the decisions of this policy object.
+        """
+        by_id = {p.update_id: p for p in pending}
+        sends: list[Send] = []
+        kept: dict[str, PlannedAggregate] = {}
+        for aid, agg in self._committed.items():
+            waiting = [m for m in agg.members if m in by_id]
+            if len(waiting) == len(agg.members):
+                continue  # nothing released yet: plan its members again
+            if waiting:
+                kept[aid] = agg
+            for m in waiting:
+                p = by_id.pop(m)
+                sends.append(Send(m, agg.aggregator, self._path(snapshot, p.src_host, agg.aggregator)))
+        self._committed = kept
+        if not by_id:
+            return Decision(sends=tuple(sends))
+        schedule = self._plan(snapshot, list(by_id.values()))
+        ids = {}
+        for a in schedule.aggregates:
+            ids[a.aggregate_id] = aggregate_id(a.dst, self._count)
+            self._count += 1
+        planned = schedule_to_decision(schedule, aggregate_ids=ids)
+        for a in planned.aggregates:
+            self._committed[a.aggregate_id] = a
+        return Decision(sends=(*sends, *planned.sends), aggregates=planned.aggregates)
+
+    # -- internals ---------------------------------------------------------------------
+    def _path(self, snapshot: Snapshot, src: str, dst: str) -> tuple[str, ...]:
+        if self._paths is None or not self._paths.same_topology(snapshot.graph):
+            self._paths = PathCache(snapshot.graph)
+        return self._paths.path(src, dst)
+
+    def _plan(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Schedule:
+        graph = snapshot.graph
+        updates = [
+            Update(
+                p.update_id,
+                p.src_host,
+                p.dst_host,
+                p.bytes,
+                p.ready_at,
+                p.norm,
+                p.base_version,
+                server_key(p.job, p.server),
+            )
+            for p in pending
+        ]
+        servers = {p.dst_host for p in pending}
+        aggregators = self.aggregators or tuple(h for h in hosts(graph) if h not in servers)
+        if self.sync:
+            return _plan_sync(graph, updates, aggregators, snapshot.now)
+        return plan_aggregation(graph, updates, aggregators=aggregators, now=snapshot.now)

@@ -8,29 +8,29 @@ their ``after`` transfers finish (or nearly finish, so a bottleneck never idles 
 control latency). Every call sees *all* pending updates, so later arrivals can be
 ordered ahead of earlier ones that have not started yet.
 
-Policies are registered in :data:`POLICIES` by name (``fair``, ``stf``).
+The policies are built by name, with the re-plan trigger the service and the simulator
+run them with, by :func:`mlfabric.scheduler.policies.registry.make_policy`; decisions are
+adopted and released by :class:`mlfabric.scheduler.policies.runner.DecisionRunner`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import networkx as nx
 
 __all__ = [
-    "POLICIES",
     "Decision",
     "Drop",
-    "FairPolicy",
     "InFlight",
     "PendingUpdate",
     "PlannedAggregate",
     "Policy",
+    "ReplicaSend",
     "Send",
     "Snapshot",
-    "make_policy",
 ]
 
 ServerKey = tuple[str, str]  # (job, server)
@@ -117,12 +117,47 @@ class PlannedAggregate:
 
 
 @dataclass(frozen=True)
+class ReplicaSend:
+    """Copy ``update_id`` (an update or an aggregate) from ``src`` to the replica host ``replica``.
+
+    Replication with bounded divergence (paper §4, Fig. 3): every payload applied at a
+    server must also reach the server's replica, sent from wherever it already is, along
+    ``path``, once every transfer in ``after`` is (nearly) done. The copy does not count
+    as the payload's delivery: the push resolves when the server applies it.
+    """
+
+    update_id: str
+    src: str
+    replica: str
+    path: tuple[str, ...]
+    after: tuple[str, ...] = ()
+    expected_start: float = 0.0
+    expected_end: float = 0.0
+
+
+@dataclass(frozen=True)
 class Decision:
-    """A policy's answer: sends in the policy's order, drops, and aggregates to make."""
+    """A policy's answer about the pending updates it was given.
+
+    Attributes
+    ----------
+    sends : tuple of Send
+        Updates to move, in the policy's order (to their server or to an aggregator).
+    drops : tuple of Drop
+        Updates not to move; their pushes resolve DROPPED with the reason.
+    aggregates : tuple of PlannedAggregate
+        Sums to make at aggregator hops; ids unique across the decisions of one run.
+    replicas : tuple of ReplicaSend
+        Copies to send to replica servers (no policy produces them yet).
+
+    Pending updates in none of ``sends`` and ``drops`` are *undecided* (a bounded-horizon
+    policy plans only the head of its order); they are offered again at the next decision.
+    """
 
     sends: tuple[Send, ...] = ()
     drops: tuple[Drop, ...] = ()
     aggregates: tuple[PlannedAggregate, ...] = ()
+    replicas: tuple[ReplicaSend, ...] = ()
 
 
 class Policy(Protocol):
@@ -133,56 +168,3 @@ class Policy(Protocol):
     def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
         """Decide what to do with ``pending`` given ``snapshot``."""
         ...
-
-
-class FairPolicy:
-    """The network-agnostic baseline (DESIGN §4 ``fair``): send every ready update at once.
-
-    Every update goes straight to its server's host; TCP shares the bottleneck.
-
-    Examples
-    --------
-    >>> from mlfabric.scheduler.core.graph import star
-    >>> u = PendingUpdate("h1/1", "j", "ps", "w", "h1", "h0", 10, 1.0, 0, 0.0)
-    >>> FairPolicy().decide(Snapshot(now=0.0, graph=star(2, 8e9)), [u]).sends[0].next_hop
-    'h0'
-    """
-
-    name = "fair"
-
-    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
-        from mlfabric.scheduler.core.graph import shortest_path
-
-        sends = tuple(
-            Send(
-                update_id=u.update_id,
-                next_hop=u.dst_host,
-                path=tuple(shortest_path(snapshot.graph, u.src_host, u.dst_host)),
-                expected_start=snapshot.now,
-                expected_end=snapshot.now,
-            )
-            for u in pending
-        )
-        return Decision(sends=sends)
-
-
-def _stf() -> Policy:
-    from mlfabric.scheduler.policies.stf import STFPolicy
-
-    return STFPolicy()
-
-
-#: policy name -> factory
-POLICIES: dict[str, Callable[[], Policy]] = {
-    "fair": FairPolicy,
-    "stf": _stf,
-}
-
-
-def make_policy(name: str) -> Policy:
-    """A fresh policy by name; raises ``ValueError`` naming the known policies."""
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy '{name}' (known: {', '.join(sorted(POLICIES))})") from None
-    return factory()

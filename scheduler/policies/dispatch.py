@@ -21,6 +21,10 @@ again without a new ready notification: when the planned-but-unreleased sends ha
 fallen to a low-water mark while unplanned pending updates remain, and something moved
 (a send was released or a transfer ended) since the last decision.
 
+Batching: :class:`BatchWindow` is the adaptive batching rule of ready notifications (a
+burst of pushes is decided together: DESIGN §3, paper §4): a batch closes ``window``
+after its latest notification, at most ``max_wait`` after its first.
+
 Pure: no I/O, the clock is an argument.
 """
 
@@ -31,7 +35,16 @@ from dataclasses import dataclass
 
 from mlfabric.scheduler.policies.base import Decision, InFlight, Send
 
-__all__ = ["DEFAULT_MARGIN", "Dispatcher", "Release", "ReplanTrigger", "low_water_mark"]
+__all__ = [
+    "DEFAULT_MARGIN",
+    "DEFAULT_MAX_WAIT",
+    "DEFAULT_WINDOW",
+    "BatchWindow",
+    "Dispatcher",
+    "Release",
+    "ReplanTrigger",
+    "low_water_mark",
+]
 
 #: seconds before a predecessor's expected end at which its successor may be released
 DEFAULT_MARGIN = 0.002
@@ -253,3 +266,65 @@ class ReplanTrigger:
         bool
         """
         return self._moved and unplanned > 0 and planned <= self.low_water
+
+
+#: seconds of quiet after the latest notification that close a batch
+DEFAULT_WINDOW = 300e-6
+#: seconds after the first notification at which a batch closes regardless
+DEFAULT_MAX_WAIT = 5e-3
+
+
+@dataclass
+class BatchWindow:
+    """The open batch: when it started, when its latest notification came, how many.
+
+    Parameters
+    ----------
+    window : float
+        Quiet time (s) after the latest arrival that closes the batch.
+    max_wait : float
+        Longest time (s) a batch stays open after its first arrival.
+
+    Examples
+    --------
+    >>> w = BatchWindow(window=0.001, max_wait=0.005)
+    >>> w.arrive(0.0); w.arrive(0.0008); w.deadline()
+    0.0018
+    >>> w.due(0.0017), w.due(0.0018)
+    (False, True)
+    """
+
+    window: float = DEFAULT_WINDOW
+    max_wait: float = DEFAULT_MAX_WAIT
+    first: float | None = None
+    last: float | None = None
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 0 or self.max_wait < 0:
+            raise ValueError(f"window and max_wait must be >= 0, got {self.window}, {self.max_wait}")
+
+    def arrive(self, now: float) -> None:
+        """Count a notification arriving at ``now`` (opens the batch if none is open)."""
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.count += 1
+
+    def deadline(self) -> float | None:
+        """When the open batch closes if nothing else arrives (``None``: no batch open)."""
+        if self.first is None or self.last is None:
+            return None
+        return min(self.last + self.window, self.first + self.max_wait)
+
+    def due(self, now: float) -> bool:
+        """Whether the open batch is to be decided at ``now``."""
+        deadline = self.deadline()
+        return deadline is not None and now >= deadline
+
+    def close(self) -> int:
+        """Close the batch; returns how many notifications it held."""
+        count = self.count
+        self.first = self.last = None
+        self.count = 0
+        return count

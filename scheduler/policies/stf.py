@@ -33,7 +33,8 @@ import networkx as nx
 from mlfabric.scheduler.core.graph import PathCache, TopologyError
 from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer, Update
 from mlfabric.scheduler.core.timeline import INF, Timelines
-from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, Send, Snapshot
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Snapshot
+from mlfabric.scheduler.policies.convert import schedule_to_decision
 
 __all__ = ["STFPolicy", "drop_reason", "plan_stf", "server_key"]
 
@@ -504,7 +505,7 @@ class STFPolicy:
         graph = snapshot.graph
         paths = self._path_cache(graph)
         tls = Timelines(graph, start=now)
-        ends: dict[Link, dict[float, list[str]]] = defaultdict(lambda: defaultdict(list))
+        busy: list[tuple[str, tuple[Link, ...], float]] = []
         ahead: Counter[str] = Counter()
         for f in sorted(snapshot.in_flight, key=lambda f: (f.expected_end, f.update_id)):
             links = tuple(itertools.pairwise(f.path))
@@ -512,8 +513,7 @@ class STFPolicy:
             if links and not all(graph.has_edge(*link) for link in links):
                 continue  # the topology changed under it; it no longer reserves anything
             tls.reserve_until(links, now, end, who=f.update_id)
-            for link in links:
-                ends[link][end].append(f.update_id)
+            busy.append((f.update_id, links, end))
             ahead[server_key(f.job, f.server)] += 1
         updates = []
         tau: dict[str, int] = {}
@@ -536,23 +536,4 @@ class STFPolicy:
             ahead=ahead,
             limit=self.horizon,
         )
-        sends = []
-        for t in plan.transfers:
-            links = t.links
-            after: set[str] = set()
-            for link in links:
-                after.update(ends[link].get(t.start, ()))
-            for link in links:
-                ends[link][t.end].append(t.payload_id)
-            sends.append(
-                Send(
-                    update_id=t.payload_id,
-                    next_hop=t.dst,
-                    path=t.path,
-                    after=tuple(sorted(after)),
-                    expected_start=t.start,
-                    expected_end=t.end,
-                )
-            )
-        drops = tuple(Drop(uid, reason) for uid, reason in sorted(plan.drops.items()))
-        return Decision(sends=tuple(sends), drops=drops)
+        return schedule_to_decision(plan, busy=busy)

@@ -7,8 +7,9 @@ scheduler therefore keeps collecting notifications while another arrives within 
 ``max_wait`` has passed since the first, so a steady stream cannot postpone decisions
 forever.
 
-:class:`BatchWindow` is the pure timing rule (times passed in); :class:`AdaptiveBatcher`
-applies it on an asyncio event loop. The service may also :meth:`AdaptiveBatcher.request`
+The pure timing rule is :class:`~mlfabric.scheduler.policies.dispatch.BatchWindow` (times
+passed in; the simulator applies it on simulated time); :class:`AdaptiveBatcher` applies it
+on an asyncio event loop. The service may also :meth:`AdaptiveBatcher.request`
 a decision without a notification (bounded-horizon planning: the planned sends are
 running out); an open batch still closes on its own timing, and its decision serves the
 request.
@@ -19,70 +20,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MAX_WAIT", "DEFAULT_WINDOW", "AdaptiveBatcher", "BatchWindow"]
+from mlfabric.scheduler.policies.dispatch import DEFAULT_MAX_WAIT, DEFAULT_WINDOW, BatchWindow
 
-#: seconds of quiet after the latest notification that close a batch
-DEFAULT_WINDOW = 300e-6
-#: seconds after the first notification at which a batch closes regardless
-DEFAULT_MAX_WAIT = 5e-3
-
-
-@dataclass
-class BatchWindow:
-    """The open batch: when it started, when its latest notification came, how many.
-
-    Parameters
-    ----------
-    window : float
-        Quiet time (s) after the latest arrival that closes the batch.
-    max_wait : float
-        Longest time (s) a batch stays open after its first arrival.
-
-    Examples
-    --------
-    >>> w = BatchWindow(window=0.001, max_wait=0.005)
-    >>> w.arrive(0.0); w.arrive(0.0008); w.deadline()
-    0.0018
-    >>> w.due(0.0017), w.due(0.0018)
-    (False, True)
-    """
-
-    window: float = DEFAULT_WINDOW
-    max_wait: float = DEFAULT_MAX_WAIT
-    first: float | None = None
-    last: float | None = None
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if self.window < 0 or self.max_wait < 0:
-            raise ValueError(f"window and max_wait must be >= 0, got {self.window}, {self.max_wait}")
-
-    def arrive(self, now: float) -> None:
-        """Count a notification arriving at ``now`` (opens the batch if none is open)."""
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.count += 1
-
-    def deadline(self) -> float | None:
-        """When the open batch closes if nothing else arrives (``None``: no batch open)."""
-        if self.first is None or self.last is None:
-            return None
-        return min(self.last + self.window, self.first + self.max_wait)
-
-    def due(self, now: float) -> bool:
-        """Whether the open batch is to be decided at ``now``."""
-        deadline = self.deadline()
-        return deadline is not None and now >= deadline
-
-    def close(self) -> int:
-        """Close the batch; returns how many notifications it held."""
-        count = self.count
-        self.first = self.last = None
-        self.count = 0
-        return count
+__all__ = ["AdaptiveBatcher"]
 
 
 class AdaptiveBatcher:
@@ -91,7 +32,7 @@ class AdaptiveBatcher:
     Parameters
     ----------
     window, max_wait : float
-        See :class:`BatchWindow`.
+        See :class:`~mlfabric.scheduler.policies.dispatch.BatchWindow`.
     clock : callable
         Monotonic seconds; injectable for tests.
 

@@ -31,15 +31,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_policy", "configure", "main", "run", "write_ready_file"]
+from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON, PolicySetup, make_policy
+
+__all__ = ["SERVICE_POLICIES", "build_policy", "configure", "main", "run", "write_ready_file"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:7077"
 #: hosts of the star used when neither --topology nor --star is given
 DEFAULT_STAR = 4
-#: sends the stf policy plans per decision (--stf-horizon)
-DEFAULT_STF_HORIZON = 256
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -138,46 +138,45 @@ def _fail(message: str) -> int:
     return 2
 
 
-def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON) -> tuple[Any, Any]:
-    """The policy named ``name`` and the service's re-decision trigger for it.
+#: policies the service can execute (aggregates are not yet executed by the daemons)
+SERVICE_POLICIES = ("fair", "stf")
+
+
+def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON) -> PolicySetup:
+    """The policy named ``name`` and its re-plan trigger, from the one policy factory.
 
     Parameters
     ----------
     name : str
-        ``fair``, ``stf`` or another name known to ``make_policy``.
+        ``fair`` or ``stf`` (see :data:`SERVICE_POLICIES`).
     stf_horizon : int
         For ``stf``: sends planned per decision; 0 plans every pending update.
 
     Returns
     -------
-    (Policy, ReplanTrigger)
-        ``STFPolicy(horizon=stf_horizon)`` with a trigger at a quarter of the horizon for
-        ``stf``; otherwise ``make_policy(name)`` with a trigger at 0 planned sends.
+    PolicySetup
+        :func:`~mlfabric.scheduler.policies.registry.make_policy`'s answer.
 
     Raises
     ------
     ValueError
-        For an unknown policy name or a negative horizon.
+        For a policy the service cannot run or a negative horizon.
 
     Examples
     --------
-    >>> policy, replan = build_policy("stf", 8)
-    >>> policy.horizon, replan.low_water
+    >>> setup = build_policy("stf", 8)
+    >>> setup.policy.horizon, setup.trigger.low_water
     (8, 2)
-    >>> build_policy("stf", 0)[0].horizon is None
-    True
     """
-    from mlfabric.scheduler.policies.base import make_policy
-    from mlfabric.scheduler.policies.dispatch import ReplanTrigger, low_water_mark
-
     if stf_horizon < 0:
         raise ValueError(f"--stf-horizon must be >= 0, got {stf_horizon}")
-    if name != "stf":
-        return make_policy(name), ReplanTrigger()
-    from mlfabric.scheduler.policies.stf import STFPolicy
-
-    horizon = stf_horizon or None
-    return STFPolicy(horizon=horizon), ReplanTrigger(low_water_mark(horizon))
+    if name not in SERVICE_POLICIES:
+        make_policy(name)  # an unknown name: the factory's error lists the known ones
+        raise ValueError(
+            f"policy '{name}' plans aggregates, which the service does not execute yet "
+            f"(service policies: {', '.join(SERVICE_POLICIES)})"
+        )
+    return make_policy(name, horizon=stf_horizon)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             graph = load_topology(args.topology)
         else:
             graph = star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
-        policy, replan = build_policy(args.policy, args.stf_horizon)
+        setup = build_policy(args.policy, args.stf_horizon)
     except (TopologyError, ValueError) as exc:
         return _fail(str(exc))
     except ImportError as exc:
@@ -199,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--listen must be HOST:PORT, got '{args.listen}'")
     if args.batch_window_us < 0 or args.batch_max_wait_us < 0 or args.release_margin_us < 0:
         return _fail("--batch-window-us, --batch-max-wait-us and --release-margin-us must be >= 0")
-    return asyncio.run(_serve(args, graph, policy, replan))
+    return asyncio.run(_serve(args, graph, setup))
 
 
 def _make_estimator(graph: Any) -> Any:
@@ -218,7 +217,7 @@ def _make_estimator(graph: Any) -> Any:
     return BandwidthEstimator(graph)
 
 
-async def _serve(args: argparse.Namespace, graph: Any, policy: Any, replan: Any) -> int:
+async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> int:
     from prometheus_client import start_http_server
 
     from mlfabric.scheduler.policies.dispatch import Dispatcher
@@ -227,6 +226,7 @@ async def _serve(args: argparse.Namespace, graph: Any, policy: Any, replan: Any)
     from mlfabric.scheduler.service.state import SchedulerState
 
     metrics = Metrics()
+    policy = setup.policy
     core = SchedulerCore(
         SchedulerState(graph),
         policy,
@@ -234,7 +234,7 @@ async def _serve(args: argparse.Namespace, graph: Any, policy: Any, replan: Any)
         batcher=AdaptiveBatcher(window=args.batch_window_us * 1e-6, max_wait=args.batch_max_wait_us * 1e-6),
         estimator=_make_estimator(graph),
         metrics=metrics,
-        replan=replan,
+        replan=setup.trigger,
     )
     try:
         server, port = await start_server(core, args.listen)

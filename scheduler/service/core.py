@@ -45,13 +45,15 @@ Clients should open their channel with :data:`CLIENT_CHANNEL_OPTIONS` (keepalive
 every 10 s, allowed without calls) so idle streams survive middleboxes and a dead
 scheduler is noticed; the server accepts pings that often.
 
-With a bounded-horizon policy (``STFPolicy(horizon=N)`` plans only the first N sends)
-the core also decides again, without a ready notification, when
+Deciding, adopting and releasing go through
+:class:`~mlfabric.scheduler.policies.runner.DecisionRunner`, the code path the simulator
+runs too. With a bounded-horizon policy (``STFPolicy(horizon=N)`` plans only the first N
+sends) the core also decides again, without a ready notification, when the runner's
 :class:`~mlfabric.scheduler.policies.dispatch.ReplanTrigger` says so: the planned sends have
 fallen to its low-water mark while unplanned pending updates remain.
 
-Servicer methods only unpack messages, call :class:`~mlfabric.scheduler.service.state.SchedulerState`,
-:class:`~mlfabric.scheduler.policies.dispatch.Dispatcher` and the policy, and build replies.
+Servicer methods only unpack messages, call :class:`~mlfabric.scheduler.service.state.SchedulerState`
+and the runner, and build replies.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
 from mlfabric.scheduler.policies.base import Decision, Policy
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
+from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service import wire
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.state import (
@@ -215,7 +218,7 @@ class SchedulerCore:
     Without gRPC: two daemons, a server, a worker and one update under ``fair``.
 
     >>> from mlfabric.scheduler.core.graph import star
-    >>> from mlfabric.scheduler.policies.base import FairPolicy
+    >>> from mlfabric.scheduler.policies.fair import FairPolicy
     >>> g = star(["ps", "a"], 8e9)
     >>> core = SchedulerCore(SchedulerState(g), FairPolicy(), dispatcher=Dispatcher(),
     ...                      batcher=AdaptiveBatcher(), estimator=StaticEstimator(g), metrics=Metrics())
@@ -244,15 +247,29 @@ class SchedulerCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = state
-        self.policy = policy
-        self.dispatcher = dispatcher
+        #: the decision pipeline shared with the simulator: policy, dispatcher, trigger
+        self.runner = DecisionRunner(policy, dispatcher=dispatcher, trigger=replan)
         self.batcher = batcher
         self.estimator = estimator
         self.metrics = metrics
-        self.replan = ReplanTrigger() if replan is None else replan
         self.clock = clock
         self.sessions: dict[str, DaemonSession] = {}
         self._wake = asyncio.Event()
+
+    @property
+    def policy(self) -> Policy:
+        """The policy the runner decides with."""
+        return self.runner.policy
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The runner's dispatcher (the unreleased sends)."""
+        return self.runner.dispatcher
+
+    @property
+    def replan(self) -> ReplanTrigger:
+        """The runner's re-plan trigger."""
+        return self.runner.trigger
 
     # -------------------------------------------------------------- sessions
 
@@ -295,7 +312,7 @@ class SchedulerCore:
             except UnknownUpdate as exc:
                 log.warning("host %s: %s", host, exc)
                 return
-            self.dispatcher.forget([r.update_id])
+            self.runner.forget([r.update_id])
             self._count(kind_)
             self._moved()
         elif kind == "hello":
@@ -347,7 +364,7 @@ class SchedulerCore:
                 session.send(pb.Directive(job_update=pb.JobUpdate(job=job, servers=servers)))
 
     def _apply_cleanup(self, cleanup: Cleanup) -> None:
-        self.dispatcher.forget(u.update_id for u, _ in cleanup.dropped)
+        self.runner.forget(u.update_id for u, _ in cleanup.dropped)
         for u, reason in cleanup.dropped:
             self.metrics.updates_dropped.inc()
             self._send_to(u.src_host, wire.drop_directive(u.update_id, reason))
@@ -414,23 +431,21 @@ class SchedulerCore:
         now = self.clock()
         snapshot = self.state.snapshot(now, self.estimator.estimated_graph())
         t0 = time.perf_counter()
-        decision = self.policy.decide(snapshot, pending) if pending else Decision()
+        decision = self.runner.decide(snapshot, pending)
         seconds = time.perf_counter() - t0
         self.metrics.decision_seconds.observe(seconds)
         log.debug("decided %d pending in %.2f ms, %d sends", len(pending), seconds * 1e3, len(decision.sends))
-        self.replan.decided()
         for d in decision.drops:
             src = self.state.source_host(d.update_id)
             self.state.drop(d.update_id, d.reason)
             self.metrics.updates_dropped.inc()
             self._send_to(src, wire.drop_directive(d.update_id, d.reason))
-        self.dispatcher.adopt(decision)
         self.release()
         return decision
 
     def release(self) -> list[Release]:
         """Send every planned transfer whose predecessors are (nearly) done."""
-        released = self.dispatcher.release(self.clock(), self.state.in_flight)
+        released = list(self.runner.release(self.clock(), self.state.in_flight).sends)
         for r in released:
             s = r.send
             src = self.state.source_host(s.update_id)
@@ -455,9 +470,7 @@ class SchedulerCore:
 
     def _moved(self) -> None:
         """Something left the plan or the network: ask for a decision if the plan runs low."""
-        self.replan.moved()
-        planned = len(self.dispatcher)
-        if self.replan.due(planned, len(self.state.pending) - planned):
+        if self.runner.moved(len(self.state.pending)):
             self.batcher.request()
 
     def _send_to(self, host: str, directive: pb.Directive) -> None:
@@ -480,7 +493,7 @@ class SchedulerCore:
 
     async def _release_loop(self) -> None:
         while True:
-            wake = self.dispatcher.next_wakeup(self.state.in_flight)
+            wake = self.runner.next_wakeup(self.state.in_flight)
             timeout = None if wake is None else max(0.0, wake - self.clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)

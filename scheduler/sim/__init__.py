@@ -6,7 +6,6 @@
   dispatcher, network and server around the real policy objects;
 * :mod:`~mlfabric.scheduler.sim.iteration` — asynchronous and synchronous SGD workers;
 * :mod:`~mlfabric.scheduler.sim.workload` — compute times, stragglers, bandwidth schedules;
-* :mod:`~mlfabric.scheduler.policies.aggregating` — aggregation groups as a simulator policy;
 * :mod:`~mlfabric.scheduler.sim.scenario` — preset clusters and one-call runs;
 * :mod:`~mlfabric.scheduler.sim.report` — per-policy statistics and tables;
 * :mod:`~mlfabric.scheduler.sim.tracing` — a run as a checkable, traceable schedule.

@@ -178,12 +178,9 @@ def _policies(args: argparse.Namespace) -> list[str]:
 
 
 def _make_policy(name: str, mode: str) -> Any:
-    from mlfabric.scheduler.policies.aggregating import AggregationPolicy
-    from mlfabric.scheduler.policies.base import make_policy
+    from mlfabric.scheduler.policies.registry import make_policy
 
-    if name == "stf+agg":
-        return AggregationPolicy(sync=mode == "sync")
-    return make_policy(name)
+    return make_policy(name, horizon=0, sync=mode == "sync").policy
 
 
 def run(args: argparse.Namespace) -> int:

@@ -158,7 +158,7 @@ class Simulator:
     Examples
     --------
     >>> from mlfabric.scheduler.core.graph import star
-    >>> from mlfabric.scheduler.policies.base import FairPolicy
+    >>> from mlfabric.scheduler.policies.fair import FairPolicy
     >>> from mlfabric.scheduler.sim.iteration import AsyncSGD
     >>> from mlfabric.scheduler.sim.workload import ComputeModel
     >>> g = star(["ps", "w0", "w1"], 8e6)  # 1 MB/s NICs

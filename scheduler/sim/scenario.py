@@ -229,7 +229,7 @@ def run_scenario(
 
     Examples
     --------
-    >>> from mlfabric.scheduler.policies.base import FairPolicy
+    >>> from mlfabric.scheduler.policies.fair import FairPolicy
     >>> c = cluster("star", 2, nic_bps=8e6)
     >>> compute = ComputeModel(dict.fromkeys(c.workers, 0.0))
     >>> sc = Scenario(c, compute, update_bytes=1e6, iterations=1, batch_window=0.0, batch_max_wait=0.0)

@@ -14,7 +14,8 @@ from mlfabric.scheduler.core.checker import check_schedule
 from mlfabric.scheduler.core.graph import PathCache, star, two_tier
 from mlfabric.scheduler.core.schedule import Update
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot, make_policy
+from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
+from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.policies.stf import STFPolicy, plan_stf, server_key
 
 MB = 1e6
@@ -154,7 +155,7 @@ def test_policy_follows_in_flight_and_counts_it_ahead() -> None:
         server_versions={("j", "ps"): 5},
         tau_max={"j": 1},
     )
-    policy = make_policy("stf")
+    policy = make_policy("stf").policy
     assert isinstance(policy, STFPolicy)
     d = policy.decide(
         snap, [pending("u1", "a", 2, base=5), pending("u2", "b", 1, base=4), pending("u3", "b", 3, base=5)]

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from mlfabric.scheduler.service.batching import AdaptiveBatcher, BatchWindow
+from mlfabric.scheduler.policies.dispatch import BatchWindow
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
 
 
 def test_window_extends_while_notifications_keep_coming() -> None:

@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
 from mlfabric.scheduler.core.graph import star
-from mlfabric.scheduler.policies.base import make_policy
 from mlfabric.scheduler.policies.dispatch import Dispatcher
+from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import (
     CLIENT_CHANNEL_OPTIONS,
@@ -138,13 +138,15 @@ class RecordingEstimator(StaticEstimator):
 @contextlib.asynccontextmanager
 async def cluster(policy: str = "fair", window: float = 0.05) -> AsyncIterator[Cluster]:
     graph = star(["ps", "a", "b"], NIC_BPS)
+    setup = make_policy(policy)
     core = SchedulerCore(
         SchedulerState(graph),
-        make_policy(policy),
+        setup.policy,
         dispatcher=Dispatcher(margin=0.001),
         batcher=AdaptiveBatcher(window=window, max_wait=0.2),
         estimator=RecordingEstimator(graph),
         metrics=Metrics(),
+        replan=setup.trigger,
     )
     server, port = await start_server(core, "127.0.0.1:0")
     task = asyncio.create_task(core.run())

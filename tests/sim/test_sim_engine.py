@@ -11,8 +11,9 @@ import pytest
 from mlfabric.scheduler.core.checker import check_schedule
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.core.schedule import Update
-from mlfabric.scheduler.policies.aggregating import AggregationPolicy
-from mlfabric.scheduler.policies.base import Decision, FairPolicy, PendingUpdate, Send, Snapshot
+from mlfabric.scheduler.policies.aggregation import AggregationPolicy
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Send, Snapshot
+from mlfabric.scheduler.policies.fair import FairPolicy
 from mlfabric.scheduler.policies.stf import STFPolicy
 from mlfabric.scheduler.sim.engine import SimulationError, Simulator, UpdateRecord
 from mlfabric.scheduler.sim.iteration import AsyncSGD, SyncSGD

@@ -1,0 +1,114 @@
+"""From a planned :class:`~mlfabric.scheduler.core.schedule.Schedule` to a :class:`Decision`.
+
+The planners (STF, aggregation groups) reserve link bandwidth over time; the service and
+the simulator execute sends released as the transfers they follow end (network
+time-sharing, paper §3.1.1). :func:`schedule_to_decision` is the one adapter between the
+two, used by every policy that plans a schedule:
+
+* each transfer of an update becomes a :class:`~mlfabric.scheduler.policies.base.Send` to
+  its next hop (the server, or an aggregator), in the schedule's order;
+* each aggregate becomes a :class:`~mlfabric.scheduler.policies.base.PlannedAggregate`
+  whose ``dst`` and ``path`` are those of its transfer;
+* each replica transfer becomes a :class:`~mlfabric.scheduler.policies.base.ReplicaSend`;
+* each drop becomes a :class:`~mlfabric.scheduler.policies.base.Drop`, by update id.
+
+A payload's ``after`` names the transfers — already on the network or planned to start
+before it — that end on one of its links exactly when it is planned to start: the
+transfers it follows on its bottleneck.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer
+from mlfabric.scheduler.policies.base import Decision, Drop, PlannedAggregate, ReplicaSend, Send
+
+__all__ = ["schedule_to_decision"]
+
+
+def schedule_to_decision(
+    schedule: Schedule,
+    *,
+    busy: Iterable[tuple[str, Sequence[Link], float]] = (),
+    aggregate_ids: Mapping[str, str] | None = None,
+) -> Decision:
+    """The decision executing ``schedule``.
+
+    Parameters
+    ----------
+    schedule : Schedule
+        A plan (possibly partial: the updates it neither moves nor drops stay undecided).
+    busy : iterable of (str, sequence of Link, float)
+        Transfers already on the network: id, links and expected end (a planned transfer
+        starting exactly then on one of those links follows it).
+    aggregate_ids : mapping, optional
+        Planner's aggregate id -> the id the decision gives it (unique across the
+        decisions of a run, see :func:`~mlfabric.scheduler.core.schedule.aggregate_id`).
+        Default: the planner's ids.
+
+    Returns
+    -------
+    Decision
+        Sends in the schedule's order, drops sorted by update id, aggregates and replica
+        sends in the schedule's order.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.schedule import Aggregate
+    >>> a = Transfer.at_rate("a", ("w0", "ps"), start=0, bytes=1, rate=1)
+    >>> b = Transfer.at_rate("b", ("w0", "ps"), start=1, bytes=1, rate=1)
+    >>> d = schedule_to_decision(Schedule((a, b), drops={"c": "stale"}), busy=[("f", [("w0", "ps")], 0.0)])
+    >>> [(s.update_id, s.next_hop, s.after) for s in d.sends], d.drops
+    ([('a', 'ps', ('f',)), ('b', 'ps', ('a',))], (Drop(update_id='c', reason='stale'),))
+    >>> m = [Transfer.at_rate(u, (u, "x"), start=0, bytes=1, rate=1) for u in ("w2", "w3")]
+    >>> out = Transfer.at_rate("agg:ps:0", ("x", "ps"), start=1, bytes=1, rate=1)
+    >>> plan = Schedule.aggregated([*m, out], [Aggregate("agg:ps:0", "x", ("w2", "w3"), 1, "ps")])
+    >>> d = schedule_to_decision(plan, aggregate_ids={"agg:ps:0": "agg:ps:7"})
+    >>> [s.next_hop for s in d.sends], d.aggregates[0].aggregate_id, d.aggregates[0].path
+    (['x', 'x'], 'agg:ps:7', ('x', 'ps'))
+    """
+    ids = dict(aggregate_ids or {})
+    transfers = schedule.transfers
+    ends: dict[Link, dict[float, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for fid, links, end in busy:
+        for link in links:
+            ends[link][end].append(fid)
+    # in order of start (then the schedule's order), so a transfer follows only transfers
+    # that started before it or with it but earlier in the plan: never a cycle
+    after: dict[int, tuple[str, ...]] = {}
+    for i in sorted(range(len(transfers)), key=lambda i: (transfers[i].start, i)):
+        t = transfers[i]
+        found = {p for link in t.links for p in ends[link].get(t.start, ()) if p != t.payload_id}
+        after[i] = tuple(sorted(ids.get(p, p) for p in found))
+        for link in t.links:
+            ends[link][t.end].append(t.payload_id)
+    planned = {a.aggregate_id for a in schedule.aggregates}
+    sends: list[Send] = []
+    replicas: list[ReplicaSend] = []
+    carried: dict[str, tuple[Transfer, tuple[str, ...]]] = {}
+    for i, t in enumerate(transfers):
+        pid = ids.get(t.payload_id, t.payload_id)
+        if t.replica:
+            replicas.append(ReplicaSend(pid, t.src, t.dst, t.path, after[i], t.start, t.end))
+        elif t.payload_id in planned:
+            carried[t.payload_id] = (t, after[i])
+        else:
+            sends.append(Send(pid, t.dst, t.path, after[i], t.start, t.end))
+    aggregates = []
+    for a in schedule.aggregates:
+        out, deps = carried.get(a.aggregate_id, (None, ()))
+        aggregates.append(
+            PlannedAggregate(
+                aggregate_id=ids.get(a.aggregate_id, a.aggregate_id),
+                aggregator=a.aggregator,
+                members=tuple(a.members),
+                bytes=a.bytes,
+                dst=out.dst if out is not None else a.dst,
+                after=tuple(p for p in deps if p not in a.members),
+                path=out.path if out is not None else (),
+            )
+        )
+    drops = tuple(Drop(uid, reason) for uid, reason in sorted(schedule.drops.items()))
+    return Decision(sends=tuple(sends), drops=drops, aggregates=tuple(aggregates), replicas=tuple(replicas))

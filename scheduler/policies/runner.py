@@ -1,0 +1,263 @@
+"""Decide, adopt, release: the one decision pipeline of the service and the simulator.
+
+The scheduler service (:class:`~mlfabric.scheduler.service.core.SchedulerCore`) and the
+simulator (:class:`~mlfabric.scheduler.sim.engine.Simulator`) both hold a
+:class:`DecisionRunner` and differ only in what they do around it (gRPC directives and
+daemons; a fluid network and a simulated server). The runner
+
+* calls ``policy.decide(snapshot, pending)`` with every update not yet released and
+  adopts the decision: its sends replace the unreleased plan of the
+  :class:`~mlfabric.scheduler.policies.dispatch.Dispatcher`, its aggregates join those
+  being gathered (an earlier aggregate not listed again, none of whose members has been
+  released, is replaced); executing the drops is the caller's;
+* releases, given the clock and the transfers in flight, the sends whose ``after`` are
+  (nearly) done, and the aggregates whose members are all in at their aggregator and
+  whose ``after`` are done. An aggregate being gathered counts as a transfer in flight
+  that will not end soon, so a send planned after it waits for it;
+* says, through its :class:`~mlfabric.scheduler.policies.dispatch.ReplanTrigger`, when to
+  decide again without a new ready update (bounded-horizon planning).
+
+Pure: no I/O; the clock and the in-flight transfers are arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from mlfabric.scheduler.policies.base import (
+    Decision,
+    InFlight,
+    PendingUpdate,
+    PlannedAggregate,
+    Policy,
+    Snapshot,
+)
+from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
+
+__all__ = ["DecisionError", "DecisionRunner", "Released"]
+
+
+class DecisionError(ValueError):
+    """A policy's decision cannot be executed (it names an update that is not pending)."""
+
+
+@dataclass(frozen=True)
+class Released:
+    """What goes now: sends (in the plan's order) and aggregates to forward from their aggregator."""
+
+    sends: tuple[Release, ...] = ()
+    aggregates: tuple[PlannedAggregate, ...] = ()
+
+    def __bool__(self) -> bool:
+        """Whether anything was released."""
+        return bool(self.sends or self.aggregates)
+
+
+@dataclass
+class _Gathering:
+    planned: PlannedAggregate
+    members: list[str]
+    arrived: set[str] = field(default_factory=set)
+    started: bool = False  # a member has been released
+
+    def placeholder(self) -> InFlight:
+        """The aggregate as a transfer in flight that ends at no known time."""
+        return InFlight(self.planned.aggregate_id, "", "", (), int(self.planned.bytes), math.inf, math.inf)
+
+
+class DecisionRunner:
+    """One policy's decisions, adopted and released as the network moves.
+
+    Parameters
+    ----------
+    policy : Policy
+        Decides on every pending update (see :mod:`mlfabric.scheduler.policies.registry`).
+    dispatcher : Dispatcher, optional
+        Holds the unreleased sends (default: ``Dispatcher()``, the default margin).
+    trigger : ReplanTrigger, optional
+        When to decide again with no new ready update (default: low-water 0).
+
+    Examples
+    --------
+    Two updates behind one 1 MB/s bottleneck under ``stf``: the small one goes first, the
+    big one once the small one is (nearly) done.
+
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.policies.registry import make_policy
+    >>> setup = make_policy("stf")
+    >>> r = DecisionRunner(setup.policy, dispatcher=Dispatcher(margin=0.0), trigger=setup.trigger)
+    >>> mk = lambda uid, host, size: PendingUpdate(uid, "j", "s", host, host, "ps", size, 1.0, 0, 0.0)
+    >>> d = r.decide(Snapshot(0.0, star(["ps", "a", "b"], 8e6)), [mk("big", "a", 3e6), mk("small", "b", 1e6)])
+    >>> [x.send.update_id for x in r.release(0.0, {}).sends]
+    ['small']
+    >>> small = InFlight("small", "j", "s", ("b", "sw", "ps"), 10**6, 0.0, 1.0)
+    >>> r.release(0.5, {"small": small}), [x.send.update_id for x in r.release(1.0, {}).sends]
+    (Released(sends=(), aggregates=()), ['big'])
+    """
+
+    def __init__(
+        self, policy: Policy, *, dispatcher: Dispatcher | None = None, trigger: ReplanTrigger | None = None
+    ) -> None:
+        self.policy = policy
+        self.dispatcher = Dispatcher() if dispatcher is None else dispatcher
+        self.trigger = ReplanTrigger() if trigger is None else trigger
+        #: decisions made (calls of the policy)
+        self.decisions = 0
+        self._gathering: dict[str, _Gathering] = {}
+        self._member_of: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ deciding
+
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
+        """Run the policy on ``pending`` and adopt its decision (the caller executes the drops).
+
+        Parameters
+        ----------
+        snapshot : Snapshot
+            What the policy may look at.
+        pending : sequence of PendingUpdate
+            Every update not yet released.
+
+        Returns
+        -------
+        Decision
+            The policy's decision (empty, without calling the policy, if nothing is pending).
+
+        Raises
+        ------
+        DecisionError
+            If a send names an update that is not in ``pending``.
+        """
+        decision = Decision()
+        if pending:
+            decision = self.policy.decide(snapshot, pending)
+            self.decisions += 1
+        ids = {p.update_id for p in pending}
+        for s in decision.sends:
+            if s.update_id not in ids:
+                raise DecisionError(f"policy {self.policy.name!r} sent '{s.update_id}', which is not pending")
+        self.trigger.decided()
+        self.adopt(decision)
+        return decision
+
+    def adopt(self, decision: Decision) -> None:
+        """Make ``decision`` the plan of every update not yet released."""
+        listed = {a.aggregate_id for a in decision.aggregates}
+        for aid in [a for a, g in self._gathering.items() if a not in listed and not g.started]:
+            self._drop_aggregate(aid)
+        for a in decision.aggregates:
+            if a.aggregate_id not in self._gathering:
+                self._gathering[a.aggregate_id] = _Gathering(a, list(a.members))
+                for m in a.members:
+                    self._member_of[m] = a.aggregate_id
+        self.dispatcher.adopt(decision)
+        self.forget(d.update_id for d in decision.drops)
+
+    def forget(self, update_ids: Iterable[str]) -> None:
+        """Updates that went away unreleased (dropped, their daemon left): out of the plan.
+
+        An aggregate no longer waits for a member that went away; one left with no member
+        is forgotten.
+        """
+        ids = list(update_ids)
+        self.dispatcher.forget(ids)
+        for uid in ids:
+            aid = self._member_of.pop(uid, None)
+            g = self._gathering.get(aid) if aid is not None else None
+            if g is None:
+                continue
+            g.members = [m for m in g.members if m != uid]
+            g.arrived.discard(uid)
+            if not g.members:
+                self._drop_aggregate(g.planned.aggregate_id)
+
+    def _drop_aggregate(self, aid: str) -> None:
+        g = self._gathering.pop(aid)
+        for m in g.members:
+            if self._member_of.get(m) == aid:
+                del self._member_of[m]
+
+    # ----------------------------------------------------------------- releasing
+
+    def arrived(self, member_id: str) -> None:
+        """Member ``member_id`` is in at its aggregator (ignored if it belongs to no aggregate)."""
+        aid = self._member_of.get(member_id)
+        if aid is not None and aid in self._gathering:
+            self._gathering[aid].arrived.add(member_id)
+
+    def aggregate_of(self, update_id: str) -> PlannedAggregate | None:
+        """The aggregate being gathered that ``update_id`` is a member of, if any."""
+        aid = self._member_of.get(update_id)
+        g = self._gathering.get(aid) if aid is not None else None
+        return None if g is None else replace(g.planned, members=tuple(g.members))
+
+    @property
+    def gathering(self) -> tuple[PlannedAggregate, ...]:
+        """Aggregates planned and not yet forwarded (members as they stand)."""
+        return tuple(replace(g.planned, members=tuple(g.members)) for g in self._gathering.values())
+
+    def release(self, now: float, in_flight: Mapping[str, InFlight]) -> Released:
+        """Take out every aggregate and send that may go at ``now``.
+
+        Parameters
+        ----------
+        now : float
+            The current time, on the clock the plan's expected times use.
+        in_flight : mapping
+            id -> :class:`InFlight`, the transfers (updates and aggregates) released and not
+            yet reported done.
+
+        Returns
+        -------
+        Released
+            Aggregates whose members are all in and whose ``after`` are done (neither in
+            flight, nor planned, nor gathered), then sends whose ``after`` are (nearly) done
+            (see :meth:`Dispatcher.release`).
+        """
+        busy = set(in_flight) | set(self._gathering)
+        busy.update(s.update_id for s in self.dispatcher.planned)
+        forwarded: list[_Gathering] = []
+        for aid, g in list(self._gathering.items()):
+            if len(g.arrived) < len(g.members) or any(a in busy for a in g.planned.after):
+                continue
+            forwarded.append(self._gathering.pop(aid))
+            for m in g.members:
+                self._member_of.pop(m, None)
+        flying = {**in_flight, **self._placeholders(forwarded)}
+        sends = self.dispatcher.release(now, flying)
+        for r in sends:
+            of = self._member_of.get(r.send.update_id)
+            if of is not None:
+                self._gathering[of].started = True
+        aggregates = tuple(replace(g.planned, members=tuple(g.members)) for g in forwarded)
+        return Released(tuple(sends), aggregates)
+
+    def next_wakeup(self, in_flight: Mapping[str, InFlight]) -> float | None:
+        """The earliest time a planned send may become releasable by the clock alone (or ``None``)."""
+        wake = self.dispatcher.next_wakeup({**in_flight, **self._placeholders()})
+        return None if wake is None or math.isinf(wake) else wake
+
+    def _placeholders(self, extra: Iterable[_Gathering] = ()) -> dict[str, InFlight]:
+        gs = [*self._gathering.values(), *extra]
+        return {g.planned.aggregate_id: g.placeholder() for g in gs}
+
+    # -------------------------------------------------------------- re-planning
+
+    def moved(self, pending: int) -> bool:
+        """Something moved (a send released, a transfer ended, an update went away).
+
+        Parameters
+        ----------
+        pending : int
+            Updates not yet released (planned or not).
+
+        Returns
+        -------
+        bool
+            Whether a decision is due now (:meth:`ReplanTrigger.due`).
+        """
+        self.trigger.moved()
+        planned = len(self.dispatcher)
+        return self.trigger.due(planned, pending - planned)
