@@ -19,7 +19,6 @@ re-registers.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -308,9 +307,24 @@ class Daemon:
             control_pb2.RegisterRole(job=c.job, name=c.name, role=control_pb2.ROLE_WORKER) for c in workers
         ]
         for message in messages:
-            self._register(message, functools.partial(self._log_reregistration, message.job, message.name))
-        for ready in self.sender.unhold():  # summed into an aggregate the new session never saw
-            self._control.send(control_pb2.DaemonMessage(update_ready=ready))
+            self._reregister(message, self._clock() + 30.0)
+
+    def _reregister(self, message: Any, deadline: float, pause: float = 0.0) -> None:
+        """Register ``message`` again; a worker refused (its job's server not back yet) retries."""
+        if self._stopping.wait(pause):
+            return
+
+        def on_ack(ack: Any) -> None:
+            worker = message.role == control_pb2.ROLE_WORKER
+            if worker and ack is not None and not ack.ok and self._clock() < deadline:
+                self._tasks.submit(self._reregister, message, deadline, 0.2)
+                return
+            self._log_reregistration(message.job, message.name, ack)
+            if worker and ack is not None and ack.ok:  # pushes held for an aggregate it never saw
+                for ready in self.sender.unhold(message.job, message.name):
+                    self._control.send(control_pb2.DaemonMessage(update_ready=ready))
+
+        self._register(message, on_ack)
 
     def _log_reregistration(self, job: str, name: str, ack: Any) -> None:
         if ack is None or not ack.ok:

@@ -237,10 +237,12 @@ class OutgoingPushes:
                 push.state = "held"
             return push is not None
 
-    def unhold(self) -> list[PendingPush]:
-        """Make every push held after a send to an aggregator ready again; return them."""
+    def unhold(self, job: str, worker: str) -> list[PendingPush]:
+        """Make the pushes of a worker held after a send to an aggregator ready again; return them."""
         with self._lock:
-            held = [p for p in self._pushes.values() if p.state == "held"]
+            held = [
+                p for p in self._pushes.values() if p.state == "held" and (p.job, p.worker) == (job, worker)
+            ]
             for p in held:
                 p.state = "ready"
             return held

@@ -304,8 +304,8 @@ class PushSender:
         self.outgoing.hold(push.update_id)
         self._report(report)
 
-    def unhold(self) -> list[Any]:
-        """Make every held push ready again; their ``UpdateReady`` messages (a new scheduler session).
+    def unhold(self, job: str, worker: str) -> list[Any]:
+        """Make the held pushes of a worker ready again; their ``UpdateReady`` messages (a new session).
 
         A push held after a send to an aggregator waits for a directive from the session that
         planned the aggregate; a new session never planned it, so the push is announced again.
@@ -313,7 +313,7 @@ class PushSender:
         from its memory of the members' verdicts, so it is still applied only once.
         """
         messages = []
-        for push in self.outgoing.unhold():
+        for push in self.outgoing.unhold(job, worker):
             messages.append(
                 control_pb2.UpdateReady(
                     update_id=push.update_id,
