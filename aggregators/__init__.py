@@ -1,5 +1,8 @@
-"""Aggregator hops: summing several updates into one aggregate before the server.
+"""Aggregator hops: summing several updates into one aggregate before the server (paper §5).
 
-Executing aggregation in daemons comes with a later issue; the plans are made by
+:mod:`mlfabric.aggregators.kernels` holds the summing kernels (in place, vectorised, float16
+and bfloat16 accumulated in float32). The daemons run them: an aggregator hop's daemon
+(:mod:`mlfabric.daemon.aggregating`) and, for synchronous rounds, the server's daemon
+(:mod:`mlfabric.daemon.server_aggregates`). The plans are made by
 :mod:`mlfabric.scheduler.policies.aggregation`.
 """
