@@ -382,3 +382,54 @@ def test_held_members_are_announced_again_to_a_new_scheduler_session(
         np.testing.assert_array_equal(_model(c)["w"], MODEL["w"] - 3.0)
     finally:
         fresh.stop()
+
+
+def test_mixed_dtype_members_are_summed_per_dtype(make_daemon: Any, scheduler: AggScheduler) -> None:
+    """float32, bfloat16 (raw uint16 words) and float16 tensors in one model: each summed in its dtype."""
+    daemons = {h: make_daemon(h) for h in ("ps", "w0", "w1", "agg")}
+    model = {"f": np.zeros(5, np.float32), "bf": np.zeros(5, np.uint16), "h": np.zeros(5, np.float16)}
+    server = mlfabric.register_as_server("job", "ps0", model, daemon=daemons["ps"].config.socket_path)
+    got: list[dict[str, np.ndarray]] = []
+
+    @server.on_update
+    def keep(update: dict[str, Any], meta: Any) -> None:
+        got.append({k: np.array(v) for k, v in update.items()})
+
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    c = {
+        "workers": {
+            w: mlfabric.register_as_worker("job", name=w, daemon=daemons[w].config.socket_path, wait=5)
+            for w in ("w0", "w1")
+        },
+        "server": server,
+        "thread": thread,
+    }
+    try:
+        values = [
+            np.float32(1.0 + 2**-8),
+            np.float32(1.0 + 2**-8),
+        ]  # bfloat16 keeps 7 bits: 1 + 2**-8 is a tie
+
+        def update(v: np.float32) -> dict[str, np.ndarray]:
+            f = np.full(5, v, np.float32)
+            return {"f": f, "bf": (f.view(np.uint32) >> 16).astype(np.uint16), "h": f.astype(np.float16)}
+
+        handles = [c["workers"][f"w{i}"].push("ps0", update(v)) for i, v in enumerate(values)]
+        ready = [
+            wait_until(lambda w=w: [r for r in scheduler.ready if r.worker == w])[0] for w in ("w0", "w1")
+        ]
+        _aggregate(scheduler, "agg:job:h", ready)
+        for r in ready:
+            _send(scheduler, r.update_id, "agg", "agg:job:h")
+        wait_until(lambda: scheduler.ready_for("agg:job:h"))
+        _send(scheduler, "agg:job:h", "ps")
+        assert wait_until(lambda: scheduler.report_for("agg:job:h"))[0].outcome == APPLIED
+        (summed,) = got
+        assert summed["f"].tolist() == [2 * (1.0 + 2**-8)] * 5
+        # each member's bfloat16 word is 1.0 (0x3F80: truncated); their float32 sum 2.0 is 0x4000
+        assert summed["bf"].tolist() == [0x4000] * 5
+        assert summed["h"].tolist() == [np.float16(2 * (1.0 + 2**-8))] * 5
+        assert not any(h.done() for h in handles)  # the scheduler never resolved them
+    finally:
+        _close(c)
