@@ -205,7 +205,7 @@ class SyncRounds:
                 self._current = None
         if mine:
             self._deliver(r, hand_off)
-        while not r.done.wait(max(0.0, min(0.1, r.deadline - self._clock()))):
+        while not r.done.wait(max(0.01, min(0.1, r.deadline - self._clock()))):
             if self._clock() >= r.deadline:
                 with self._lock:
                     mine = self._current is r
