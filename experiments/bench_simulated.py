@@ -34,9 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.scheduler.policies.aggregation import AggregationPolicy
-from mlfabric.scheduler.policies.fair import FairPolicy
-from mlfabric.scheduler.policies.stf import STFPolicy
+from mlfabric.scheduler.policies.registry import PolicySetup, make_policy
 from mlfabric.scheduler.sim.report import PolicyStats, format_table
 from mlfabric.scheduler.sim.scenario import Scenario, cluster, run_scenario
 from mlfabric.scheduler.sim.workload import ComputeModel, pick_stragglers
@@ -74,12 +72,9 @@ def _progress(label: str) -> Any:
 AT_1024 = {("star", "async"): 2, ("two-tier", "async"): 2, ("star", "sync"): 1, ("two-tier", "sync"): 1}
 
 
-def _policy(name: str) -> Any:
-    if name == "fair":
-        return FairPolicy()
-    if name == "stf":
-        return STFPolicy()
-    return AggregationPolicy(sync=True)
+def _policy(name: str) -> PolicySetup:
+    """The policy and its re-plan trigger, as the scheduler service builds them."""
+    return make_policy(name, sync=True)
 
 
 def run(
@@ -97,7 +92,10 @@ def run(
                     if (preset, n, mode, name) in have:
                         continue
                     label = f"{preset} n={n} {mode} {name}"
-                    s, _ = run_scenario(sc, _policy(name), clock=time.perf_counter, progress=_progress(label))
+                    policy, replan = _policy(name)
+                    s, _ = run_scenario(
+                        sc, policy, replan=replan, clock=time.perf_counter, progress=_progress(label)
+                    )
                     print(f"  {label}: {s.wall_s:.1f} s wall", file=sys.stderr)
                     rows.append({"preset": preset, "workers": n, "mode": mode, **s.as_dict()})
                     checkpoint.write_text(json.dumps(rows, indent=1))

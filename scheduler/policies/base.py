@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import networkx as nx
+if TYPE_CHECKING:  # only in annotations: importing this module stays light (CLI --help)
+    import networkx as nx
 
 __all__ = [
     "Decision",

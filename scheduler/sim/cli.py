@@ -33,6 +33,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON
+
 __all__ = ["configure", "run"]
 
 
@@ -111,6 +113,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="async workers compute the next update right after pushing (default: wait for the model)",
     )
+    w.add_argument(
+        "--stf-horizon",
+        type=int,
+        default=DEFAULT_STF_HORIZON,
+        metavar="N",
+        help="stf: plan the first N sends per decision and decide again once N/4 remain planned, "
+        f"as the scheduler service does; 0 plans every pending update (default {DEFAULT_STF_HORIZON})",
+    )
     w.add_argument("--batch-window-us", type=float, default=300.0, help="adaptive batching quiet time")
     w.add_argument("--batch-max-wait-ms", type=float, default=5.0, help="adaptive batching maximum wait")
     w.add_argument(
@@ -168,19 +178,23 @@ def _cluster(args: argparse.Namespace, rng: Any) -> Any:
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
+    from mlfabric.scheduler.policies.registry import POLICIES
+
     names = [p.strip() for p in args.policy.split(",") if p.strip()]
     if args.aggregation and "stf+agg" not in names:
         names.append("stf+agg")
     for n in names:
-        if n not in ("fair", "stf", "stf+agg"):
-            raise ValueError(f"unknown policy {n!r} (fair, stf, stf+agg)")
+        if n not in POLICIES:
+            raise ValueError(f"unknown policy {n!r} ({', '.join(POLICIES)})")
+    if args.stf_horizon < 0:
+        raise ValueError(f"--stf-horizon must be >= 0, got {args.stf_horizon}")
     return names
 
 
-def _make_policy(name: str, mode: str) -> Any:
+def _make_policy(name: str, args: argparse.Namespace) -> Any:
     from mlfabric.scheduler.policies.registry import make_policy
 
-    return make_policy(name, horizon=0, sync=mode == "sync").policy
+    return make_policy(name, horizon=args.stf_horizon, sync=args.mode == "sync")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,9 +244,11 @@ def run(args: argparse.Namespace) -> int:
     stats, events = [], []
     for i, name in enumerate(names):
         progress = None if args.quiet else _Progress(name)
+        setup = _make_policy(name, args)
         s, sim = run_scenario(
             scenario,
-            _make_policy(name, args.mode),
+            setup.policy,
+            replan=setup.trigger,
             clock=time.perf_counter,
             progress=progress,
             record_flows=args.trace is not None,

@@ -4,18 +4,20 @@
 system (DESIGN §3):
 
 * **the scheduler service**: ready updates are batched by the service's adaptive
-  batching rule (:class:`~mlfabric.scheduler.service.batching.BatchWindow`), then
-  ``policy.decide(snapshot, pending)`` is called with *every* update not yet released;
-  the service's :class:`~mlfabric.scheduler.policies.dispatch.Dispatcher` adopts the decision and
-  releases each send when the transfers in its ``after`` are done; drops resolve the
-  push as DROPPED. A later decision replaces the plan of every update still pending;
+  batching rule (:class:`~mlfabric.scheduler.policies.dispatch.BatchWindow`), then the
+  service's :class:`~mlfabric.scheduler.policies.runner.DecisionRunner` decides on *every*
+  update not yet released, adopts the decision and releases each send when the transfers
+  in its ``after`` are done; drops resolve the push as DROPPED. A later decision replaces
+  the plan of every update still pending. As in the service, the runner's re-plan trigger
+  asks for a decision without a new ready update when a bounded-horizon plan runs low;
 * **the network**: released transfers start at once and share links max-min fairly
   (:class:`~mlfabric.scheduler.sim.fluid.FluidNetwork`); link capacities follow a
   schedule of :class:`~mlfabric.scheduler.sim.workload.BandwidthChange`; a payload
   arrives one path latency after its last byte leaves the bottleneck;
 * **aggregator hops** (paper Fig. 6): a send whose next hop is not the server carries
   its update to the aggregator named by one of the decision's ``aggregates``; once all
-  members are in, the aggregate (one update's size) goes on to the server;
+  members are in (and its ``after`` are done), the runner releases the aggregate (one
+  update's size) and it goes on to the server;
 * **the server**: applies payloads in arrival order; the model version goes up by one
   per applied update or aggregate (or once per iteration, for synchronous SGD); an
   update whose delay (version at apply - base version) exceeds ``tau_max`` is dropped
@@ -31,16 +33,16 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
 from mlfabric.scheduler.core.schedule import Aggregate
-from mlfabric.scheduler.policies.base import Decision, InFlight, PendingUpdate, Policy, Send, Snapshot
-from mlfabric.scheduler.policies.dispatch import Dispatcher
-from mlfabric.scheduler.service.batching import BatchWindow
+from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, PlannedAggregate, Policy, Send, Snapshot
+from mlfabric.scheduler.policies.dispatch import BatchWindow, Dispatcher, ReplanTrigger
+from mlfabric.scheduler.policies.runner import DecisionError, DecisionRunner
 from mlfabric.scheduler.sim.fluid import FluidNetwork
 from mlfabric.scheduler.sim.workload import BandwidthChange
 
@@ -102,18 +104,6 @@ class IterationModel(Protocol):
         ...
 
 
-@dataclass
-class _Aggregate:
-    aggregate_id: str
-    aggregator: str
-    members: tuple[str, ...]
-    bytes: float
-    dst: str
-    after: tuple[str, ...] = ()
-    path: tuple[str, ...] = ()
-    arrived: set[str] = field(default_factory=set)
-
-
 class Simulator:
     """Discrete-event fluid simulation of one job under one policy (DESIGN §6).
 
@@ -122,7 +112,8 @@ class Simulator:
     graph : networkx.DiGraph
         The bandwidth graph (capacities in bytes/s).
     policy : Policy
-        The scheduling policy, the same object the service would run.
+        The scheduling policy, the same object the service would run
+        (:func:`~mlfabric.scheduler.policies.registry.make_policy`).
     iteration : IterationModel
         Asynchronous or synchronous SGD workers.
     server_host : str
@@ -137,13 +128,17 @@ class Simulator:
     tau_max : int
         Delay bound (< 0: unbounded).
     batch_window, batch_max_wait : float
-        Adaptive batching (:class:`~mlfabric.scheduler.service.batching.BatchWindow`): a batch of
+        Adaptive batching (:class:`~mlfabric.scheduler.policies.dispatch.BatchWindow`): a batch of
         ready updates closes ``batch_window`` s after the latest arrival, at most
         ``batch_max_wait`` s after the first. 0 and 0: updates ready at the same instant.
     dispatch_margin : float
         The dispatcher's margin (:class:`~mlfabric.scheduler.policies.dispatch.Dispatcher`): a send
         may go this long before its predecessors' expected end. 0 (the default) releases
         exactly when they are done: the fluid network has no control latency to hide.
+    replan : ReplanTrigger, optional
+        When to decide again without a new ready update (the policy's trigger from
+        :func:`~mlfabric.scheduler.policies.registry.make_policy`; default: low-water 0).
+        Each run starts from a fresh trigger with its low-water mark.
     changes : iterable of BandwidthChange
         Link capacity changes over time.
     until : float
@@ -182,6 +177,7 @@ class Simulator:
         batch_window: float = 0.0,
         batch_max_wait: float = 0.0,
         dispatch_margin: float = 0.0,
+        replan: ReplanTrigger | None = None,
         changes: Iterable[BandwidthChange] = (),
         until: float = math.inf,
         record_flows: bool = False,
@@ -201,6 +197,7 @@ class Simulator:
         self.batch_window = batch_window
         self.batch_max_wait = max(batch_max_wait, batch_window)
         self.dispatch_margin = dispatch_margin
+        self.low_water = 0 if replan is None else replan.low_water
         self.changes = sorted(changes, key=lambda c: c.at)
         self.until = until
         self.record_flows = record_flows
@@ -213,7 +210,6 @@ class Simulator:
         self.flows: list[FlowRecord] = []
         self.aggregates: list[Aggregate] = []
         self.events = 0
-        self.decisions = 0
         self._reset()  # the run state; run() starts from a fresh one
 
     # -- API for iteration models ----------------------------------------------------
@@ -288,10 +284,11 @@ class Simulator:
                 break
             self._now = t
             done = net.advance_to(t)
-            for fid in done:
-                self._flow_done(fid)
+            moved = [self._flow_done(fid) for fid in done]
             if done:
                 self._release()
+            if any(moved):
+                self._moved()
             if heap and heap[0][0] <= t:
                 _, _, _, action = heapq.heappop(heap)
                 action()
@@ -299,6 +296,11 @@ class Simulator:
             if self.progress is not None and self.events % self.progress_every == 0:
                 self.progress(t, self.events)
         return self.records
+
+    @property
+    def decisions(self) -> int:
+        """Decisions made in the run (policy calls)."""
+        return self.runner.decisions
 
     @property
     def unresolved(self) -> int:
@@ -315,15 +317,17 @@ class Simulator:
         self._seq = 0
         self._policy_graph = self.graph
         self._pending: dict[str, PendingUpdate] = {}
-        self._dispatch = Dispatcher(self.dispatch_margin)
+        #: the service's decision pipeline: policy, dispatcher, re-plan trigger
+        self.runner = DecisionRunner(
+            self.policy, dispatcher=Dispatcher(self.dispatch_margin), trigger=ReplanTrigger(self.low_water)
+        )
         self._batch = BatchWindow(self.batch_window, self.batch_max_wait)
+        self._requested = False
         self._inflight: dict[str, tuple[str, tuple[str, ...], float, float]] = {}  # kind, path, bytes, t0
         self._moving: dict[str, InFlight] = {}  # update and aggregate transfers, expected_end = inf
-        self._gathering: dict[str, InFlight] = {}  # aggregates waiting for members
         self._rate_log: dict[str, list[tuple[float, float]]] = {}
-        self._aggs: dict[str, _Aggregate] = {}
-        self._member_of: dict[str, str] = {}
-        self._agg_waiting: dict[str, _Aggregate] = {}
+        self._made: dict[str, PlannedAggregate] = {}  # aggregates forwarded, by id
+        self._to_aggregator: set[str] = set()  # updates released to an aggregator
         self._model_cb: dict[str, Callable[[], None]] = {}
         self._model_seq = 0
         self._rec: dict[str, UpdateRecord] = {}
@@ -334,7 +338,6 @@ class Simulator:
         self.flows = []
         self.aggregates = []
         self.events = 0
-        self.decisions = 0
 
     def _schedule(self, t: float, prio: int, action: Callable[[], None]) -> None:
         self._seq += 1
@@ -371,112 +374,63 @@ class Simulator:
             self._decide_scheduled = True
             self._schedule(self._batch.deadline() or self._now, 1, self._decide)
 
+    def _moved(self) -> None:
+        """Something left the plan or the network: ask for a decision if the plan runs low."""
+        if self.runner.moved(len(self._pending)):
+            self._requested = True  # an open batch's decision serves the request
+            if not self._decide_scheduled:
+                self._decide_scheduled = True
+                self._schedule(self._now, 1, self._decide)
+
     def _decide(self) -> None:
         self._decide_scheduled = False
-        if not self._batch.due(self._now):
+        deadline = self._batch.deadline()
+        if deadline is not None and self._now < deadline:
             self._decide_scheduled = True
-            self._schedule(self._batch.deadline() or self._now, 1, self._decide)
+            self._schedule(deadline, 1, self._decide)
             return
+        if deadline is None and not self._requested:
+            return
+        self._requested = False
         self._batch.close()
-        if not self._pending:
-            return
-        self.decisions += 1
-        decision = self.policy.decide(self._snapshot(), list(self._pending.values()))
-        self._apply(decision)
-
-    def _apply(self, decision: Decision) -> None:
-        listed = getattr(decision, "aggregates", ())
-        self._forget_aggregates({a.aggregate_id for a in listed})
-        for agg in listed:
-            if agg.aggregate_id not in self._aggs:
-                self._add_aggregate(agg)
-        for send in decision.sends:
-            if send.update_id not in self._pending:
-                raise SimulationError(
-                    f"policy {self.policy.name!r} sent '{send.update_id}', which is not pending"
-                )
-        dropped = [d for d in decision.drops if d.update_id in self._pending]
-        self._dispatch.adopt(decision)
-        self._dispatch.forget(d.update_id for d in dropped)
-        for drop in dropped:
-            del self._pending[drop.update_id]
-            self._leave_aggregate(drop.update_id)
-            self._resolve(drop.update_id, DROPPED, f"policy: {drop.reason}")
+        try:
+            decision = self.runner.decide(self._snapshot(), list(self._pending.values()))
+        except DecisionError as exc:
+            raise SimulationError(str(exc)) from exc
+        for drop in decision.drops:
+            if self._pending.pop(drop.update_id, None) is not None:
+                self._resolve(drop.update_id, DROPPED, f"policy: {drop.reason}")
         self._release()
 
-    def _add_aggregate(self, agg: Any) -> None:
-        state = _Aggregate(
-            aggregate_id=agg.aggregate_id,
-            aggregator=agg.aggregator,
-            members=tuple(agg.members),
-            bytes=float(agg.bytes) if agg.bytes else self.update_bytes,
-            dst=agg.dst or self.server_host,
-            after=tuple(getattr(agg, "after", ())),
-            path=tuple(getattr(agg, "path", ())),
-        )
-        self._aggs[state.aggregate_id] = state
-        # not moving yet, but not done either: sends after it must wait
-        self._gathering[state.aggregate_id] = InFlight(
-            state.aggregate_id, self.job, self.server, (), int(state.bytes), math.inf, math.inf
-        )
-        for m in state.members:
-            self._member_of[m] = state.aggregate_id
-
-    def _forget_aggregates(self, keep: set[str]) -> None:
-        """Aggregates a new decision replaced: those not relisted none of whose members left."""
-        for aid in [a for a in self._gathering if a not in keep]:
-            agg = self._aggs[aid]
-            if all(m in self._pending for m in agg.members):
-                del self._aggs[aid], self._gathering[aid]
-                for m in agg.members:
-                    if self._member_of.get(m) == aid:
-                        del self._member_of[m]
-
-    def _leave_aggregate(self, uid: str) -> None:
-        """A dropped member no longer holds its aggregate back."""
-        aid = self._member_of.pop(uid, None)
-        if aid is None:
-            return
-        agg = self._aggs[aid]
-        agg.members = tuple(m for m in agg.members if m != uid)
-        if not agg.members:
-            del self._aggs[aid], self._gathering[aid]
-        else:
-            self._forward(agg)
-
-    def _forward(self, agg: _Aggregate) -> None:
-        """Send ``agg`` on once all its members are in and its ``after`` transfers are done."""
-        if agg.aggregate_id not in self._gathering or len(agg.arrived) < len(agg.members):
-            return
-        busy = self._moving.keys() | self._pending.keys() | self._gathering.keys()
-        if any(a in busy for a in agg.after):
-            self._agg_waiting[agg.aggregate_id] = agg
-            return
-        self._agg_waiting.pop(agg.aggregate_id, None)
-        del self._gathering[agg.aggregate_id]
-        self.aggregates.append(Aggregate(agg.aggregate_id, agg.aggregator, agg.members, agg.bytes, agg.dst))
-        path = agg.path or self._path(agg.aggregator, agg.dst)
-        self._start_flow(agg.aggregate_id, "aggregate", path, agg.bytes)
-
     def _release(self) -> None:
-        """Start every planned send whose ``after`` transfers are done (the dispatcher's rule)."""
-        for agg in list(self._agg_waiting.values()):
-            self._forward(agg)
-        if not self._dispatch.planned:
-            return
-        if self._dispatch.margin > 0:
+        """Start every aggregate and send the runner releases now (the service's rule)."""
+        if self.dispatch_margin > 0:
             net = self._net
             moving: Mapping[str, InFlight] = {
                 fid: replace(f, expected_end=net.expected_end(fid)) for fid, f in self._moving.items()
             }
         else:
             moving = self._moving  # expected_end = inf: released only when really done
-        for r in self._dispatch.release(self._now, {**moving, **self._gathering}):
+        released = self.runner.release(self._now, moving)
+        for agg in released.aggregates:
+            self._forward(agg)
+        for r in released.sends:
             self._start_update(r.send)
-        if self._dispatch.margin > 0:
-            wake = self._dispatch.next_wakeup({**moving, **self._gathering})
+        if self.dispatch_margin > 0:
+            wake = self.runner.next_wakeup(moving)
             if wake is not None and wake > self._now:
                 self._schedule(wake, 1, self._release)
+        if released:
+            self._moved()
+
+    def _forward(self, agg: PlannedAggregate) -> None:
+        """Send the aggregate ``agg`` on from its aggregator (all its members are in)."""
+        nbytes = float(agg.bytes) if agg.bytes else self.update_bytes
+        agg = replace(agg, bytes=nbytes, dst=agg.dst or self.server_host)
+        self._made[agg.aggregate_id] = agg
+        self.aggregates.append(Aggregate(agg.aggregate_id, agg.aggregator, agg.members, nbytes, agg.dst))
+        path = agg.path or self._path(agg.aggregator, agg.dst)
+        self._start_flow(agg.aggregate_id, "aggregate", path, nbytes)
 
     def _start_update(self, send: Send) -> None:
         uid = send.update_id
@@ -486,7 +440,9 @@ class Simulator:
             raise SimulationError(
                 f"send of '{uid}': path {path} does not run {update.src_host}->{send.next_hop}"
             )
-        if send.next_hop != update.dst_host and uid not in self._member_of:
+        if self.runner.aggregate_of(uid) is not None:
+            self._to_aggregator.add(uid)
+        elif send.next_hop != update.dst_host:
             raise SimulationError(
                 f"send of '{uid}' goes to '{send.next_hop}', which aggregates nothing for it"
             )
@@ -511,7 +467,8 @@ class Simulator:
             log.append((t, rate))
 
     # -- internals: the network and the server ---------------------------------------
-    def _flow_done(self, fid: str) -> None:
+    def _flow_done(self, fid: str) -> bool:
+        """Transfer ``fid`` left its last link; True if it was an update or an aggregate."""
         kind, path, nbytes, t0 = self._inflight.pop(fid)
         if self.record_flows:
             self.flows.append(
@@ -521,19 +478,21 @@ class Simulator:
         if kind == "model":
             cb = self._model_cb.pop(fid)
             self._schedule(self._now + latency, 0, cb)
-        elif path[-1] == self.server_host and fid not in self._member_of:
-            self._schedule(self._now + latency, 0, lambda: self._arrive(fid))
-        else:
+            return False
+        if fid in self._to_aggregator:
+            self._to_aggregator.discard(fid)
             self._schedule(self._now + latency, 0, lambda: self._at_aggregator(fid))
+        else:
+            self._schedule(self._now + latency, 0, lambda: self._arrive(fid))
         self._moving.pop(fid, None)
+        return True
 
     def _at_aggregator(self, fid: str) -> None:
-        agg = self._aggs[self._member_of[fid]]
-        agg.arrived.add(fid)
-        self._forward(agg)
+        self.runner.arrived(fid)
+        self._release()
 
     def _updates_in(self, payload: str) -> list[str]:
-        agg = self._aggs.get(payload)
+        agg = self._made.get(payload)
         if agg is None:
             return [payload]
         return [u for m in agg.members for u in self._updates_in(m)]

@@ -18,7 +18,7 @@ import numpy as np
 
 from mlfabric.scheduler.core import graph as bg
 from mlfabric.scheduler.policies.base import Policy
-from mlfabric.scheduler.service.batching import DEFAULT_MAX_WAIT, DEFAULT_WINDOW
+from mlfabric.scheduler.policies.dispatch import DEFAULT_MAX_WAIT, DEFAULT_WINDOW, ReplanTrigger
 from mlfabric.scheduler.sim.engine import Simulator
 from mlfabric.scheduler.sim.iteration import AsyncSGD, SyncSGD
 from mlfabric.scheduler.sim.report import PolicyStats, summarize
@@ -203,6 +203,7 @@ def run_scenario(
     scenario: Scenario,
     policy: Policy,
     *,
+    replan: ReplanTrigger | None = None,
     clock: Callable[[], float] | None = None,
     progress: Callable[[float, int], None] | None = None,
     record_flows: bool = False,
@@ -215,6 +216,8 @@ def run_scenario(
         The comparison's fixed part.
     policy : Policy
         A fresh policy object.
+    replan : ReplanTrigger, optional
+        Its re-plan trigger (``make_policy(name)`` gives both; default: low-water 0).
     clock : callable, optional
         Wall clock (e.g. ``time.perf_counter``) to time the run; none: ``wall_s`` is NaN.
     progress : callable, optional
@@ -255,6 +258,7 @@ def run_scenario(
         batch_window=scenario.batch_window,
         batch_max_wait=scenario.batch_max_wait,
         dispatch_margin=scenario.dispatch_margin,
+        replan=replan,
         changes=scenario.changes,
         until=scenario.duration,
         record_flows=record_flows,
