@@ -24,20 +24,21 @@ to its aggregator; earlier uncommitted aggregates are replaced.
 
 Limitations of the policy: the planners start from empty link timelines, so transfers
 already in flight are not reserved (a new plan may overlap them; the network then shares
-the links); and the planners do not drop (no ``tau_max``): the policy is meant for
-synchronous SGD, where updates are never stale.
+the links). The policy drops a pending update whose delay at its server's current version
+already exceeds ``tau_max`` (so no member beyond ``tau_max`` is ever summed); the planners
+themselves do not predict delays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
 from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
+from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.stf import plan_stf, server_key
 
@@ -303,6 +304,20 @@ def _plan_sync(
     return best
 
 
+def _stale(snapshot: Snapshot, pending: Iterable[PendingUpdate]) -> list[Drop]:
+    """Drops for the updates already staler than their job's ``tau_max`` at the server's version."""
+    drops = []
+    for p in pending:
+        tau = snapshot.tau_max.get(p.job, -1)
+        version = snapshot.server_versions.get((p.job, p.server))
+        if tau < 0 or version is None or version - p.base_version <= tau:
+            continue
+        delay = version - p.base_version
+        reason = f"delay {delay} > tau_max {tau} (server version {version}, base_version {p.base_version})"
+        drops.append(Drop(p.update_id, reason))
+    return drops
+
+
 class AggregationPolicy:
     """The ``stf+agg`` policy: STF order with aggregation groups (Fig. 6).
 
@@ -352,6 +367,9 @@ class AggregationPolicy:
             Aggregate ids are unique across the decisions of this policy object.
         """
         by_id = {p.update_id: p for p in pending}
+        drops = tuple(_stale(snapshot, by_id.values()))
+        for d in drops:
+            del by_id[d.update_id]
         sends: list[Send] = []
         kept: dict[str, PlannedAggregate] = {}
         for aid, agg in self._committed.items():
@@ -365,7 +383,7 @@ class AggregationPolicy:
                 sends.append(Send(m, agg.aggregator, self._path(snapshot, p.src_host, agg.aggregator)))
         self._committed = kept
         if not by_id:
-            return Decision(sends=tuple(sends))
+            return Decision(sends=tuple(sends), drops=drops)
         schedule = self._plan(snapshot, list(by_id.values()))
         ids = {}
         for a in schedule.aggregates:
@@ -374,7 +392,11 @@ class AggregationPolicy:
         planned = schedule_to_decision(schedule, aggregate_ids=ids)
         for a in planned.aggregates:
             self._committed[a.aggregate_id] = a
-        return Decision(sends=(*sends, *planned.sends), aggregates=planned.aggregates)
+        return Decision(sends=(*sends, *planned.sends), drops=drops, aggregates=planned.aggregates)
+
+    def abandon(self, aggregate_id: str) -> None:
+        """Forget aggregate ``aggregate_id`` (its aggregator failed): its members are planned afresh."""
+        self._committed.pop(aggregate_id, None)
 
     # -- internals ---------------------------------------------------------------------
     def _path(self, snapshot: Snapshot, src: str, dst: str) -> tuple[str, ...]:
@@ -399,6 +421,8 @@ class AggregationPolicy:
         ]
         servers = {p.dst_host for p in pending}
         aggregators = self.aggregators or tuple(h for h in hosts(graph) if h not in servers)
+        if snapshot.aggregators is not None:
+            aggregators = tuple(h for h in aggregators if h in snapshot.aggregators)
         if self.sync:
             return _plan_sync(graph, updates, aggregators, snapshot.now)
         return plan_aggregation(graph, updates, aggregators=aggregators, now=snapshot.now)

@@ -77,6 +77,8 @@ class Snapshot:
     server_versions: Mapping[ServerKey, int] = field(default_factory=dict)
     #: job -> tau_max (< 0: unbounded)
     tau_max: Mapping[str, int] = field(default_factory=dict)
+    #: hosts that may be aggregator hops now (daemon connected and willing); ``None``: any host
+    aggregators: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
