@@ -121,6 +121,10 @@ def test_build_policy_passes_the_horizon_to_stf() -> None:
     assert (policy.name, replan.low_water) == ("fair", 0)
     with pytest.raises(ValueError, match="stf-horizon"):
         build_policy("stf", -1)
+    with pytest.raises(ValueError, match="unknown policy 'lifo' "):
+        build_policy("lifo")
+    with pytest.raises(ValueError, match="'stf\\+agg' plans aggregates, which the service does not execute"):
+        build_policy("stf+agg")
 
 
 def test_stf_horizon_is_documented_and_validated(capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,6 +72,7 @@ def test_other_presets_run(preset: str, capsys: pytest.CaptureFixture[str]) -> N
         (["--policy", "magic"], "unknown policy"),
         (["--preset", "fat-tree", "--slow-nics", "0.5:2"], "one link rate"),
         (["--straggler", "2:3"], "fraction"),
+        (["--stf-horizon", "-1"], "--stf-horizon must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(
@@ -79,3 +80,16 @@ def test_bad_input_exits_2_with_a_message(
 ) -> None:
     assert main(["simulate", "--workers", "4", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_stf_horizon_replans_and_changes_no_outcome(tmp_path: Path) -> None:
+    """As in the service, ``stf`` plans the head of its order and decides again (DESIGN §4)."""
+    argv = ["simulate", "--workers", "16", "--iterations", "2", "--policy", "stf", "--quiet"]
+    runs = {}
+    for horizon in ("0", "2"):
+        out = tmp_path / f"h{horizon}.json"
+        assert main([*argv, "--stf-horizon", horizon, "--json", str(out)]) == 0
+        runs[horizon] = json.loads(out.read_text())[0]
+    assert runs["2"]["decisions"] > runs["0"]["decisions"]
+    same = ("applied", "dropped_policy", "completion_mean", "delay_mean")
+    assert {k: runs["2"][k] for k in same} == {k: runs["0"][k] for k in same}
