@@ -335,7 +335,7 @@ class SchedulerCore:
             else:
                 raise SchedulerError(f"role {pb.Role.Name(m.role)} is not supported by this scheduler")
         except SchedulerError as exc:
-            session.send(pb.Directive(role_ack=pb.RoleAck(request_id=m.request_id, ok=False, error=str(exc))))
+            session.send(wire.role_refused(m.request_id, exc))
             return
         ack.params.CopyFrom(wire.job_params_pb(job.params))
         ack.servers.extend(self._server_infos(m.job))
@@ -394,7 +394,7 @@ class SchedulerCore:
             return
         except SchedulerError as exc:
             self.metrics.updates_dropped.inc()
-            session.send(wire.drop_directive(m.update_id, str(exc)))
+            session.send(wire.drop_directive(m.update_id, str(exc), wire.error_code(exc)))
             return
         self.batcher.notify()
 
@@ -444,7 +444,11 @@ class SchedulerCore:
         return decision
 
     def release(self) -> list[Release]:
-        """Send every planned transfer whose predecessors are (nearly) done."""
+        """Send every planned transfer whose predecessors are (nearly) done.
+
+        The runner's released aggregates (``Released.aggregates``) are not executed yet:
+        the service runs only policies that plan none (``service.cli.SERVICE_POLICIES``).
+        """
         released = list(self.runner.release(self.clock(), self.state.in_flight).sends)
         for r in released:
             s = r.send
@@ -455,7 +459,7 @@ class SchedulerCore:
             except SchedulerError as exc:
                 self.state.drop(s.update_id, str(exc))
                 self.metrics.updates_dropped.inc()
-                self._send_to(src, wire.drop_directive(s.update_id, str(exc)))
+                self._send_to(src, wire.drop_directive(s.update_id, str(exc), wire.error_code(exc)))
                 continue
             self.state.release(s.update_id, s.path, r.started_at, r.expected_end)
             self.metrics.transfers_released.inc()
