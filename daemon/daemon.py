@@ -1,7 +1,8 @@
 """The host daemon: wires the local API, the control stream and the data plane (DESIGN.md §3).
 
 The life of a push (MLfabric §4): a worker process hands its update to the daemon in a memfd;
-the daemon checks it against the server's model spec, gives it the id ``"<host>/<seq>"``,
+the daemon checks it against the server's model spec, gives it the id
+``"<host>/<incarnation>/<seq>"`` (unique across daemon restarts),
 tells the scheduler ``UpdateReady`` and keeps the memfd until the update resolves. On a
 ``SendDirective`` it sends the bytes to the next hop with ``sendfile`` through the data plane,
 retrying a vanished peer a bounded number of times with backoff (the receiver de-duplicates,
@@ -49,6 +50,7 @@ from mlfabric.daemon.roles import (
     ServerLocation,
     Verdict,
     check_update,
+    new_incarnation,
     spec_from_pb,
 )
 from mlfabric.daemon.serving import ServerRoles
@@ -115,15 +117,6 @@ class DaemonConfig:
     receive_pool_bytes: int = 1 << 30
     aggregator: bool = True
     round_timeout: float = 60.0
-
-
-def _error_code(message: str) -> str:
-    lower = message.lower()
-    if "unknown job" in lower or "no servers" in lower:
-        return "unknown_job"
-    if "unknown server" in lower:
-        return "unknown_server"
-    return "refused"
 
 
 class Daemon:
@@ -204,7 +197,7 @@ class Daemon:
         self._roles: dict[int, LocalConnection] = {}
         self._stopping = threading.Event()
         self.directory = Directory()
-        self.outgoing = OutgoingPushes(config.host)
+        self.outgoing = OutgoingPushes(config.host, new_incarnation())
         self.sender = PushSender(
             config.host,
             self._pool,
@@ -316,7 +309,8 @@ class Daemon:
 
         def on_ack(ack: Any) -> None:
             worker = message.role == control_pb2.ROLE_WORKER
-            if worker and ack is not None and not ack.ok and self._clock() < deadline:
+            waiting = ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB
+            if worker and waiting and self._clock() < deadline:
                 self._tasks.submit(self._reregister, message, deadline, 0.2)
                 return
             self._log_reregistration(message.job, message.name, ack)
@@ -430,13 +424,18 @@ class Daemon:
                     self._roles[conn.conn_id] = conn
                 self.directory.update(req.job, ack.servers)
                 self._tasks.submit(reply_when_servers, ack.params)
-            elif self._clock() < deadline and not self._stopping.is_set():
+            elif (
+                ack is not None
+                and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB
+                and self._clock() < deadline
+                and not self._stopping.is_set()
+            ):  # the job has no server yet: wait for one
                 self._tasks.submit(retry)
             else:
                 error = (
                     ack.error if ack is not None else f"scheduler at {self.config.scheduler} is not connected"
                 )
-                conn.error(rid, "unavailable" if ack is None else _error_code(error), error)
+                conn.error(rid, "unavailable" if ack is None else local_error_code(ack.code), error)
 
         def retry() -> None:
             self._stopping.wait(0.2)
@@ -499,7 +498,7 @@ class Daemon:
                 error = (
                     ack.error if ack is not None else f"scheduler at {self.config.scheduler} is not connected"
                 )
-                conn.error(rid, "unavailable" if ack is None else _error_code(error), error)
+                conn.error(rid, "unavailable" if ack is None else local_error_code(ack.code), error)
                 return
             taken = self.serving.add(conn, req)
             if taken is not None:

@@ -20,6 +20,7 @@ import collections
 import itertools
 import mmap
 import os
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ __all__ = [
     "Spec",
     "Verdict",
     "check_update",
+    "new_incarnation",
 ]
 
 #: Model spec: tensor name -> (dtype, shape).
@@ -190,30 +192,52 @@ class PendingPush:
     crc32: int | None = None
 
 
+def new_incarnation() -> str:
+    """A random 64-bit daemon incarnation (16 hex digits), fresh at every daemon start.
+
+    Examples
+    --------
+    >>> a, b = new_incarnation(), new_incarnation()
+    >>> len(a), a != b
+    (16, True)
+    """
+    return secrets.token_hex(8)
+
+
 class OutgoingPushes:
-    """The pushes this daemon holds until they resolve; assigns ``"<host>/<sequence>"`` ids.
+    """The pushes this daemon holds until they resolve; assigns ``"<host>/<incarnation>/<seq>"`` ids.
+
+    The incarnation makes ids unique across restarts of the daemon: a restarted daemon numbers
+    its updates from 1 again, and without it the server's daemon would answer them from its
+    de-duplication memory with the verdicts of the previous incarnation's updates.
 
     Parameters
     ----------
     host : str
         This daemon's host name.
+    incarnation : str
+        This daemon run's identity (:func:`new_incarnation`); empty: ids are ``"<host>/<seq>"``.
 
     Examples
     --------
-    >>> book = OutgoingPushes("h1")
+    >>> book = OutgoingPushes("h1", "9f3a")
     >>> book.new_update_id(), book.new_update_id()
-    ('h1/1', 'h1/2')
+    ('h1/9f3a/1', 'h1/9f3a/2')
+    >>> OutgoingPushes("h1").new_update_id()
+    'h1/1'
     """
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, incarnation: str = "") -> None:
         self.host = host
+        self.incarnation = incarnation
+        self._prefix = f"{host}/{incarnation}/" if incarnation else f"{host}/"
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._pushes: dict[str, PendingPush] = {}
 
     def new_update_id(self) -> str:
-        """A fresh, host-unique update id."""
-        return f"{self.host}/{next(self._seq)}"
+        """A fresh update id, unique to this host and this daemon run."""
+        return f"{self._prefix}{next(self._seq)}"
 
     def add(self, push: PendingPush) -> None:
         """Hold ``push`` (the book owns its fd from now on)."""

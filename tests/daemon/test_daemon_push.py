@@ -85,9 +85,11 @@ def test_update_ids_and_ready_notifications(cluster: dict[str, Any], scheduler: 
         worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}, norm=2.5) for _ in range(2)
     ]
     results = [h.wait(10) for h in handles]
-    assert [r.update_id for r in results] == ["w0/1", "w0/2"]
+    incarnation = cluster["w0"].outgoing.incarnation
+    assert len(incarnation) == 16
+    assert [r.update_id for r in results] == [f"w0/{incarnation}/1", f"w0/{incarnation}/2"]
     ready = scheduler.ready
-    assert [r.update_id for r in ready] == ["w0/1", "w0/2"]
+    assert [r.update_id for r in ready] == [r.update_id for r in results]
     assert all(r.norm == 2.5 and r.worker == "w0" and r.server == "ps0" and r.job == "job" for r in ready)
 
 
