@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
+from mlfabric.readyfile import write_ready_file
 from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON, PolicySetup, make_policy
 
-__all__ = ["SERVICE_POLICIES", "build_policy", "configure", "main", "run", "write_ready_file"]
+__all__ = ["SERVICE_POLICIES", "build_policy", "configure", "main", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +66,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="fair",
-        help="scheduling policy: fair (send at once, TCP shares) or stf (shortest transfer "
-        "first with network time-sharing) (default fair)",
+        help="scheduling policy: fair (send at once, TCP shares), stf (shortest transfer "
+        "first with network time-sharing) or stf+agg (stf with aggregation groups summed at "
+        "aggregator hops, paper Fig. 6) (default fair)",
+    )
+    parser.add_argument(
+        "--aggregate-plan",
+        choices=["async", "sync"],
+        default="async",
+        help="stf+agg: async plans the shortest first group (Fig. 6); sync picks, per decision, "
+        "the number of direct sends that makes the last update arrive earliest (default async)",
+    )
+    parser.add_argument(
+        "--aggregate-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="stf+agg: seconds an aggregator waits for an aggregate's members before the "
+        "members are planned afresh (default 60)",
     )
     parser.add_argument(
         "--stf-horizon",
@@ -112,45 +126,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, metavar="P", help="expose Prometheus metrics on port P")
 
 
-def write_ready_file(path: str | Path, info: dict[str, Any]) -> None:
-    """Write ``info`` as JSON to ``path`` atomically (temp file in the same directory, rename).
-
-    Examples
-    --------
-    >>> import tempfile, json, pathlib
-    >>> d = tempfile.mkdtemp(); p = pathlib.Path(d, "ready.json")
-    >>> write_ready_file(p, {"pid": 1}); json.loads(p.read_text())
-    {'pid': 1}
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _fail(message: str) -> int:
     print(f"mlfabric scheduler: error: {message}", file=sys.stderr)
     return 2
 
 
-#: policies the service can execute (aggregates are not yet executed by the daemons)
-SERVICE_POLICIES = ("fair", "stf")
+#: policies the service can execute
+SERVICE_POLICIES = ("fair", "stf", "stf+agg")
 
 
-def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON) -> PolicySetup:
+def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: bool = False) -> PolicySetup:
     """The policy named ``name`` and its re-plan trigger, from the one policy factory.
 
     Parameters
     ----------
     name : str
-        ``fair`` or ``stf`` (see :data:`SERVICE_POLICIES`).
+        ``fair``, ``stf`` or ``stf+agg`` (see :data:`SERVICE_POLICIES`).
     stf_horizon : int
         For ``stf``: sends planned per decision; 0 plans every pending update.
+    sync : bool
+        For ``stf+agg``: the synchronous planner (smallest makespan) instead of Fig. 6's.
 
     Returns
     -------
@@ -176,7 +171,7 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON) -> PolicySet
             f"policy '{name}' plans aggregates, which the service does not execute yet "
             f"(service policies: {', '.join(SERVICE_POLICIES)})"
         )
-    return make_policy(name, horizon=stf_horizon)
+    return make_policy(name, horizon=stf_horizon, sync=sync)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             graph = load_topology(args.topology)
         else:
             graph = star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
-        setup = build_policy(args.policy, args.stf_horizon)
+        setup = build_policy(args.policy, args.stf_horizon, sync=args.aggregate_plan == "sync")
     except (TopologyError, ValueError) as exc:
         return _fail(str(exc))
     except ImportError as exc:
@@ -235,6 +230,7 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         estimator=_make_estimator(graph),
         metrics=metrics,
         replan=setup.trigger,
+        aggregate_timeout=args.aggregate_timeout,
     )
     try:
         server, port = await start_server(core, args.listen)

@@ -61,9 +61,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import grpc
@@ -77,6 +78,7 @@ from mlfabric.scheduler.policies.base import Decision, Policy
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
 from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service import wire
+from mlfabric.scheduler.service.aggregates import DEFAULT_TIMEOUT, AggregateBook, Effects
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.state import (
     Cleanup,
@@ -212,6 +214,8 @@ class SchedulerCore:
         only when nothing is planned and some pending update has no send).
     clock : callable
         Monotonic seconds, the time base of pending/in-flight times and of the plan.
+    aggregate_timeout : float
+        Seconds an aggregator waits for an aggregate's members (:mod:`.aggregates`).
 
     Examples
     --------
@@ -245,10 +249,13 @@ class SchedulerCore:
         metrics: Metrics,
         replan: ReplanTrigger | None = None,
         clock: Callable[[], float] = time.monotonic,
+        aggregate_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.state = state
         #: the decision pipeline shared with the simulator: policy, dispatcher, trigger
         self.runner = DecisionRunner(policy, dispatcher=dispatcher, trigger=replan)
+        #: aggregates executed by the daemons (stf+agg)
+        self.aggregates = AggregateBook(state, self.runner, timeout=aggregate_timeout)
         self.batcher = batcher
         self.estimator = estimator
         self.metrics = metrics
@@ -277,6 +284,7 @@ class SchedulerCore:
         """Open the session of ``m.host``; raises :class:`SchedulerError` naming the problem."""
         self.state.connect(m.host, m.data_address, m.version)
         session = self.sessions[m.host] = DaemonSession(m.host)
+        self.aggregates.hello(m.host, m.can_aggregate)
         log.info("daemon of host %s connected (data plane %s)", m.host, m.data_address)
         return session
 
@@ -286,6 +294,7 @@ class SchedulerCore:
             return
         del self.sessions[session.host]
         self._apply_cleanup(self.state.disconnect(session.host))
+        self._execute(self.aggregates.host_lost(session.host, self.clock()))
         log.info("daemon of host %s disconnected", session.host)
 
     def welcome(self) -> pb.Directive:
@@ -314,7 +323,10 @@ class SchedulerCore:
                 return
             self.runner.forget([r.update_id])
             self._count(kind_)
+            self._execute(self.aggregates.reconcile(self.clock()))
             self._moved()
+        elif kind == "aggregate_failed":
+            self._execute(self.aggregates.failed(host, m.aggregate_failed, self.clock()))
         elif kind == "hello":
             log.warning("host %s: a second Hello on an open session is ignored", host)
         else:
@@ -370,12 +382,17 @@ class SchedulerCore:
             self._send_to(u.src_host, wire.drop_directive(u.update_id, reason))
         for job in cleanup.jobs_changed:
             self._announce(job)
+        self._execute(self.aggregates.reconcile(self.clock()))
         self._wake.set()
         self._moved()
 
     # --------------------------------------------------------------- updates
 
     def _update_ready(self, session: DaemonSession, m: pb.UpdateReady) -> None:
+        if not m.worker and self.aggregates.is_aggregate(m.update_id):  # an aggregator: all members in
+            self._execute(self.aggregates.ready(session.host, m.update_id))
+            self.release()
+            return
         self.metrics.updates_ready.inc()
         try:
             self.state.add_update(
@@ -402,6 +419,19 @@ class SchedulerCore:
         result = wire.transfer_result(host, m)
         now = self.clock()
         shared = self.state.sharing(result.update_id, now)
+        book = self.aggregates
+        if book.is_aggregate(m.update_id) or book.is_member_send(m.update_id):
+            if book.is_aggregate(m.update_id):
+                effects = book.aggregate_report(m, host, now)
+            else:
+                effects = book.member_report(result, now)
+            f = effects.closed
+            if f is not None and result.end > result.start:
+                self.estimator.observe(f.path, result.bytes, result.end - result.start, now, shared=shared)
+            self._execute(effects)
+            self.release()
+            self._moved()
+            return
         try:
             f = self.state.report(result)
         except UnknownUpdate as exc:
@@ -430,6 +460,7 @@ class SchedulerCore:
         pending = list(self.state.pending.values())
         now = self.clock()
         snapshot = self.state.snapshot(now, self.estimator.estimated_graph())
+        snapshot = replace(snapshot, aggregators=self.aggregates.eligible())
         t0 = time.perf_counter()
         decision = self.runner.decide(snapshot, pending)
         seconds = time.perf_counter() - t0
@@ -440,6 +471,7 @@ class SchedulerCore:
             self.state.drop(d.update_id, d.reason)
             self.metrics.updates_dropped.inc()
             self._send_to(src, wire.drop_directive(d.update_id, d.reason))
+        self._execute(self.aggregates.reconcile(now))
         self.release()
         return decision
 
@@ -449,9 +481,18 @@ class SchedulerCore:
         The runner's released aggregates (``Released.aggregates``) are not executed yet:
         the service runs only policies that plan none (``service.cli.SERVICE_POLICIES``).
         """
-        released = list(self.runner.release(self.clock(), self.state.in_flight).sends)
+        now = self.clock()
+        out = self.runner.release(now, self.state.in_flight)
+        for agg in out.aggregates:
+            self._execute(self.aggregates.forward(agg, now))
+        released = list(out.sends)
         for r in released:
             s = r.send
+            planned = self.runner.aggregate_of(s.update_id)
+            if planned is not None and s.next_hop == planned.aggregator:
+                self.metrics.transfers_released.inc()
+                self._execute(self.aggregates.send_member(r, planned, now))
+                continue
             src = self.state.source_host(s.update_id)
             dst = self.state.pending[s.update_id].dst_host
             try:
@@ -467,10 +508,19 @@ class SchedulerCore:
                 update_id=s.update_id, next_hop_host=s.next_hop, next_hop_address=address, dst_host=dst
             )
             self._send_to(src, pb.Directive(send=directive))
-        if released:
+        if out:
             self._wake.set()
             self._moved()
         return released
+
+    def _execute(self, effects: Effects) -> None:
+        """Send the aggregate book's directives, count its outcomes, decide on what it re-queued."""
+        for host, directive in effects.directives:
+            self._send_to(host, directive)
+        for kind in effects.resolved:
+            self._count(kind)
+        if effects.requeued:
+            self.batcher.notify()
 
     def _moved(self) -> None:
         """Something left the plan or the network: ask for a decision if the plan runs low."""
@@ -497,11 +547,17 @@ class SchedulerCore:
 
     async def _release_loop(self) -> None:
         while True:
-            wake = self.runner.next_wakeup(self.state.in_flight)
-            timeout = None if wake is None else max(0.0, wake - self.clock())
+            wakes = [
+                w
+                for w in (self.runner.next_wakeup(self.state.in_flight), self.aggregates.next_deadline())
+                if w
+            ]
+            wake = min(wakes, default=None)
+            timeout = None if wake is None or math.isinf(wake) else max(0.0, wake - self.clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
+            self._execute(self.aggregates.expire(self.clock()))
             self.release()
 
 

@@ -480,6 +480,29 @@ class SchedulerState:
         self._resolve(update_id, kind, reason)
         return u
 
+    def requeue(self, u: PendingUpdate) -> PendingUpdate:
+        """Make ``u`` pending again (its aggregate failed; its source still holds the payload).
+
+        Raises ``UnknownDaemon``/``UnknownJob``/``UnknownServer`` if its source, job or server
+        is gone, ``DuplicateUpdate`` if it is pending or in flight already.
+        """
+        self._require_daemon(u.src_host)
+        self._server(u.job, u.server)
+        if u.update_id in self.pending or u.update_id in self.in_flight:
+            raise DuplicateUpdate(f"update '{u.update_id}' is already pending or in flight")
+        self.pending[u.update_id] = u
+        return u
+
+    def track(self, f: InFlight | None, untrack: str = "") -> InFlight | None:
+        """Count ``f`` (an aggregate leaving its aggregator) in flight; forget ``untrack``'s entry."""
+        if f is not None:
+            self.in_flight[f.update_id] = f
+        return self.in_flight.pop(untrack, None) if untrack else f
+
+    def record(self, update_id: str, kind: OutcomeKind, reason: str, delay: int, version: int) -> None:
+        """Record how the push of ``update_id`` (a member of an aggregate) resolved."""
+        self._resolve(update_id, kind, reason, delay, version)
+
     # ----------------------------------------------------------------- queries
 
     def path(self, src: str, dst: str) -> tuple[str, ...]:

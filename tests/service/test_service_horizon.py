@@ -123,8 +123,8 @@ def test_build_policy_passes_the_horizon_to_stf() -> None:
         build_policy("stf", -1)
     with pytest.raises(ValueError, match="unknown policy 'lifo' "):
         build_policy("lifo")
-    with pytest.raises(ValueError, match="'stf\\+agg' plans aggregates, which the service does not execute"):
-        build_policy("stf+agg")
+    policy, replan = build_policy("stf+agg")
+    assert (policy.name, policy.sync) == ("stf+agg", False)
 
 
 def test_stf_horizon_is_documented_and_validated(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,234 @@
+"""The service executes stf+agg aggregates through daemons' directives (paper §5, Fig. 6).
+
+The core runs without gRPC: each test plays the daemons' messages and reads the directives
+queued for them. Hosts: server ``ps`` (1 MB/s NIC), workers ``w0..w3`` and aggregator ``x``
+(4 MB/s NICs); while ``u0`` goes to ``ps`` directly, ``u1..u3`` are summed at ``x``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.policies.dispatch import Dispatcher
+from mlfabric.scheduler.policies.registry import make_policy
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.core import DaemonSession, Metrics, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.state import OutcomeKind, SchedulerState
+
+HOSTS = ["ps", "w0", "w1", "w2", "w3", "x"]
+msg = pb.DaemonMessage
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def env() -> dict[str, Any]:
+    graph = star(HOSTS, {"ps": 8e6, **{h: 32e6 for h in HOSTS[1:]}})
+    clock = Clock()
+    setup = make_policy("stf+agg", sync=False)
+    core = SchedulerCore(
+        SchedulerState(graph),
+        setup.policy,
+        dispatcher=Dispatcher(margin=0.0),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(graph),
+        metrics=Metrics(),
+        replan=setup.trigger,
+        clock=clock,
+    )
+    sessions = {
+        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h == "x"))
+        for i, h in enumerate(HOSTS)
+    }
+    core.on_message(
+        sessions["ps"], msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s"))
+    )
+    for i in range(4):
+        reg = pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=f"w{i}")
+        core.on_message(sessions[f"w{i}"], msg(register_role=reg))
+    drain(sessions)
+    for i in range(4):
+        ready = pb.UpdateReady(update_id=f"u{i}", job="j", server="s", worker=f"w{i}", bytes=10**6)
+        core.on_message(sessions[f"w{i}"], msg(update_ready=ready))
+    core.decide()
+    return {"core": core, "s": sessions, "clock": clock}
+
+
+def drain(sessions: dict[str, DaemonSession]) -> dict[str, list[Any]]:
+    """host -> the directives queued for it (as (kind, message) pairs), emptying the queues."""
+    out: dict[str, list[Any]] = {}
+    for h, s in sessions.items():
+        while s.queue.qsize():
+            d = s.queue.get_nowait()
+            if d is not None:
+                kind = d.WhichOneof("kind")
+                out.setdefault(h, []).append((kind, getattr(d, kind)))
+    return out
+
+
+def report(core: SchedulerCore, s: DaemonSession, uid: str, dst: str, **kw: Any) -> None:
+    kw.setdefault("ok", True)
+    m = pb.TransferReport(update_id=uid, dst_host=dst, bytes=10**6, start=0.0, end=0.25, **kw)
+    core.on_message(s, msg(transfer_report=m))
+
+
+def members_in(env: dict[str, Any], ids: tuple[str, ...] = ("u1", "u2", "u3")) -> None:
+    core, s = env["core"], env["s"]
+    for uid in ids:
+        report(core, s[f"w{uid[1]}"], uid, "x")
+    core.on_message(s["x"], msg(update_ready=pb.UpdateReady(update_id="agg:ps:0", job="j", server="s")))
+
+
+def test_an_aggregate_is_directed_forwarded_and_resolves_each_member(env: dict[str, Any]) -> None:
+    core, s = env["core"], env["s"]
+    out = drain(s)
+    assert out["w0"] == [
+        (
+            "send",
+            pb.SendDirective(
+                update_id="u0", next_hop_host="ps", next_hop_address="127.0.0.1:9000", dst_host="ps"
+            ),
+        )
+    ]
+    [(kind, directive)] = out["x"]
+    assert kind == "aggregate" and directive.aggregate_id == "agg:ps:0"
+    assert [m.update_id for m in directive.members] == ["u1", "u2", "u3"]
+    assert (directive.dst_host, directive.dst_address, directive.timeout_seconds) == (
+        "ps",
+        "127.0.0.1:9000",
+        60,
+    )
+    [(kind, send)] = out["w1"]  # the members share x's downlink: one after the other
+    assert (send.next_hop_host, send.aggregate_id) == ("x", "agg:ps:0")
+    for i in (2, 3):
+        report(core, s[f"w{i - 1}"], f"u{i - 1}", "x")
+        [(kind, send)] = drain(s)[f"w{i}"]
+        assert (send.update_id, send.next_hop_host, send.aggregate_id) == (f"u{i}", "x", "agg:ps:0")
+    members_in(env, ("u3",))
+    assert "x" not in drain(s)  # after u0, which is still on the server's link
+    report(core, s["w0"], "u0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=1)
+    [(kind, send)] = drain(s)["x"]
+    assert (kind, send.update_id, send.next_hop_host) == ("send", "agg:ps:0", "ps")
+    verdicts = [
+        pb.MemberVerdict(update_id="u1", outcome=pb.OUTCOME_APPLIED, delay=1),
+        pb.MemberVerdict(update_id="u2", outcome=pb.OUTCOME_APPLIED, delay=1),
+        pb.MemberVerdict(update_id="u3", outcome=pb.OUTCOME_DROPPED, delay=9, reason="stale"),
+    ]
+    report(
+        core, s["x"], "agg:ps:0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=2, member_verdicts=verdicts
+    )
+    out = drain(s)
+    resolves = {h: d[0][1] for h, d in out.items()}
+    assert {h: (r.update_id, r.outcome, r.delay) for h, r in resolves.items()} == {
+        "w1": ("u1", pb.OUTCOME_APPLIED, 1),
+        "w2": ("u2", pb.OUTCOME_APPLIED, 1),
+        "w3": ("u3", pb.OUTCOME_DROPPED, 9),
+    }
+    outcomes = core.state.outcomes
+    assert [outcomes[u].kind for u in ("u0", "u1", "u2", "u3")] == [OutcomeKind.APPLIED] * 3 + [
+        OutcomeKind.DROPPED
+    ]
+    assert outcomes["u3"].reason == "stale"
+    assert not core.aggregates.executions and not core.state.in_flight and not core.state.pending
+
+
+def test_a_member_whose_source_leaves_is_removed_from_the_directive(env: dict[str, Any]) -> None:
+    core, s = env["core"], env["s"]
+    drain(s)
+    core.goodbye(s["w2"])
+    [(kind, directive)] = drain(s)["x"]
+    assert kind == "aggregate" and [m.update_id for m in directive.members] == ["u1", "u3"]
+    members_in(env, ("u1", "u3"))
+    report(core, s["w0"], "u0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=1)
+    assert drain(s)["x"][0][1].update_id == "agg:ps:0"
+
+
+def test_an_aggregate_whose_members_all_leave_is_cancelled(env: dict[str, Any]) -> None:
+    core, s = env["core"], env["s"]
+    drain(s)
+    for h in ("w1", "w2", "w3"):
+        core.goodbye(s[h])
+    directives = drain(s)["x"]
+    kind, last = directives[-1]
+    assert kind == "aggregate" and last.aggregate_id == "agg:ps:0" and not last.members
+    assert not core.aggregates.executions
+
+
+def test_a_lost_aggregator_has_its_members_sent_directly(env: dict[str, Any]) -> None:
+    core, s = env["core"], env["s"]
+    drain(s)
+    report(core, s["w1"], "u1", "x")  # in at x; u2 on its way, u3 not released
+    core.goodbye(s["x"])
+    assert set(core.state.pending) == {"u1", "u3"}
+    report(core, s["w2"], "u2", "x", ok=False, error="connection refused")
+    assert set(core.state.pending) == {"u1", "u2", "u3"}
+    drain(s)
+    decision = core.decide()
+    assert [(d.update_id, d.next_hop) for d in decision.sends] == [("u1", "ps"), ("u2", "ps"), ("u3", "ps")]
+    assert not decision.aggregates  # no host may aggregate any more
+    [(kind, send)] = drain(s)["w1"]
+    assert (kind, send.update_id, send.next_hop_host, send.aggregate_id) == ("send", "u1", "ps", "")
+
+
+def test_aggregate_failed_replans_the_members(env: dict[str, Any]) -> None:
+    core, s = env["core"], env["s"]
+    drain(s)
+    members_in(env)
+    failed = pb.AggregateFailed(aggregate_id="agg:ps:0", reason="timeout", arrived=["u1", "u2", "u3"])
+    core.on_message(s["x"], msg(aggregate_failed=failed))
+    assert set(core.state.pending) == {"u1", "u2", "u3"}
+    assert core.aggregates.failures == 1 and not core.aggregates.executions
+
+
+def test_the_scheduler_gives_up_an_aggregate_after_its_timeout(env: dict[str, Any]) -> None:
+    core, s, clock = env["core"], env["s"], env["clock"]
+    drain(s)
+    for uid in ("u1", "u2"):
+        report(core, s[f"w{uid[1]}"], uid, "x")
+    clock.now = 1000.0
+    core._execute(core.aggregates.expire(clock.now))
+    out = drain(s)
+    assert out["x"] == [("drop", pb.DropDirective(update_id="agg:ps:0", reason=out["x"][0][1].reason))]
+    assert "timed out" in out["x"][0][1].reason
+    assert set(core.state.pending) == {"u1", "u2"}  # u3 goes back when its source reports
+    report(core, s["w3"], "u3", "x")
+    assert set(core.state.pending) == {"u1", "u2", "u3"}
+
+
+def test_a_member_staler_than_tau_max_is_dropped_not_summed() -> None:
+    graph = star(HOSTS, {"ps": 8e6, **{h: 32e6 for h in HOSTS[1:]}})
+    setup = make_policy("stf+agg", sync=False)
+    core = SchedulerCore(
+        SchedulerState(graph),
+        setup.policy,
+        dispatcher=Dispatcher(margin=0.0),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(graph),
+        metrics=Metrics(),
+    )
+    s = {h: core.hello(pb.Hello(host=h, data_address="127.0.0.1:1", can_aggregate=True)) for h in HOSTS}
+    params = pb.JobParams(tau_max=2)
+    reg = pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=params, version=10)
+    core.on_message(s["ps"], msg(register_role=reg))
+    for i in range(4):
+        core.on_message(
+            s[f"w{i}"], msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=f"w{i}"))
+        )
+    for i, base in enumerate((10, 9, 7, 10)):
+        ready = pb.UpdateReady(
+            update_id=f"u{i}", job="j", server="s", worker=f"w{i}", bytes=10**6, base_version=base
+        )
+        core.on_message(s[f"w{i}"], msg(update_ready=ready))
+    decision = core.decide()
+    assert [d.update_id for d in decision.drops] == ["u2"]
+    assert all("u2" not in a.members for a in decision.aggregates)
