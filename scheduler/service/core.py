@@ -478,8 +478,8 @@ class SchedulerCore:
     def release(self) -> list[Release]:
         """Send every planned transfer whose predecessors are (nearly) done.
 
-        The runner's released aggregates (``Released.aggregates``) are not executed yet:
-        the service runs only policies that plan none (``service.cli.SERVICE_POLICIES``).
+        Sends to an aggregator and the runner's released aggregates go through the
+        :class:`~mlfabric.scheduler.service.aggregates.AggregateBook`.
         """
         now = self.clock()
         out = self.runner.release(now, self.state.in_flight)
