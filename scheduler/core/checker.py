@@ -1,4 +1,4 @@
-"""The invariant checker every plan must pass (issue 3; like networkx's ``validate_flows``).
+"""The invariant checker every plan must pass (like networkx's ``validate_flows``).
 
 :func:`check_schedule` verifies a :class:`~mlfabric.scheduler.core.schedule.Schedule` against
 its bandwidth graph and updates:
