@@ -1,4 +1,4 @@
-"""Token buckets that make a daemon enforce its host's NIC rates (issue 2, "Daemon").
+"""Token buckets that make a daemon enforce its host's NIC rates (DESIGN §6, §9).
 
 On loopback every transfer runs at memory speed, so the demo would have no bottleneck. A daemon
 started with ``--enforce-nic-rates`` therefore shares one egress and one ingress
