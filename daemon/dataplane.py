@@ -1,4 +1,4 @@
-"""Data-plane framing: daemon <-> daemon bulk transfer of updates and models (issue 2, "Data plane").
+"""Data-plane framing: daemon <-> daemon bulk transfer of updates and models (DESIGN §7, §9).
 
 NOTE (changes after the API was published, all additive): ``send_frame`` computes a missing CRC
 while sending and appends it as a trailer (new ``FrameHeader.crc_trailer``); ``recv_frame``
@@ -81,7 +81,7 @@ MAGIC = b"MLF1"
 _PREFIX = struct.Struct(">4sI")
 _CRC = struct.Struct(">I")
 
-#: Bytes per element of the dtypes a tensor layout may name (issue 2, "Tensors").
+#: Bytes per element of the dtypes a tensor layout may name (DESIGN §7).
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float32": 4,
     "float16": 2,
