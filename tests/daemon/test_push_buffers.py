@@ -1,4 +1,4 @@
-"""Reused memfds on the push path (issue 2, "Performance"): a buffer is recycled only when nobody reads it."""
+"""Reused memfds on the push path: a buffer is recycled only when nobody reads it."""
 
 from __future__ import annotations
 
