@@ -1,4 +1,4 @@
-"""The invariant checker rejects every kind of violation (issue 3) and accepts valid plans."""
+"""The invariant checker rejects every kind of violation and accepts valid plans."""
 
 from __future__ import annotations
 
