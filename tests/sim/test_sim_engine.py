@@ -1,4 +1,4 @@
-"""The simulator drives the real policies over the fluid network (issue 3, item 9)."""
+"""The simulator drives the real policies over the fluid network (DESIGN §6)."""
 
 from __future__ import annotations
 
