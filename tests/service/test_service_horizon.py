@@ -1,4 +1,4 @@
-"""Bounded-horizon STF in the service: re-deciding as the plan runs low (issue 3, item 8).
+"""Bounded-horizon STF in the service: re-deciding as the plan runs low (DESIGN §4, §8).
 
 Pure parts (:class:`ReplanTrigger` with the dispatcher on a fake clock, the batcher's
 requested decisions, ``--stf-horizon``) and the grpc.aio service in-process on
