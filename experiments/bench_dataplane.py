@@ -1,4 +1,4 @@
-"""Data-plane throughput on loopback, side by side (issue 2, "Performance"; DESIGN.md §5).
+"""Data-plane throughput on loopback, side by side (DESIGN §5, §9).
 
 In one run, for the same payload (default 256 MiB), between two processes on 127.0.0.1:
 
