@@ -1,4 +1,4 @@
-"""Decision latency of the ``stf`` policy (issue 3 measurements; DESIGN §5 "scheduler").
+"""Decision latency of the ``stf`` policy (DESIGN §5, "scheduler").
 
 Times :meth:`STFPolicy.decide` for batches of 100, 1,000 and 10,000 ready updates on a
 1,024-host two-tier graph (32 racks x 32 hosts, 4:1 oversubscribed uplinks), with a few
