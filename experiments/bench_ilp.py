@@ -1,4 +1,4 @@
-"""Benchmark the offline ILP (issue 4): solver choice, solve time and gap by size, heuristic gaps.
+"""Benchmark the offline ILP (DESIGN §4, §5): solver choice, solve time and gap by size, heuristic gaps.
 
 Instances are random two-tier graphs (:func:`mlfabric.scheduler.plan.instance.two_tier_instance`):
 one server in its own rack, workers and aggregators round-robin over four racks, every link
