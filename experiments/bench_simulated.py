@@ -1,4 +1,4 @@
-"""Simulated benefit of stf over fair, and of aggregation groups (issue 3, "Simulated benefit").
+"""Simulated benefit of stf over fair, and of aggregation groups (DESIGN §5, §6).
 
 For 16 to 1,024 workers on two clusters with heterogeneous NICs (a quarter of the workers'
 NICs 4x slower) and compute stragglers (a tenth of the workers 3x slower, log-normal jitter):
