@@ -1,4 +1,4 @@
-"""End-to-end asynchronous SGD on the namespace testbed under changing bandwidth (issue 5, exp. 3).
+"""End-to-end asynchronous SGD on the namespace testbed under changing bandwidth (DESIGN §5, §6).
 
 The digits MLP widened to 64-1024-1024-10 (4.5 MB of float32 per update) trains with an
 asynchronous parameter server until a target test accuracy, three ways, on the same
