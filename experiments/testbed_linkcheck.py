@@ -1,4 +1,4 @@
-"""Link check on the namespace testbed: one transfer per link vs its configured rate (issue 5, exp. 1).
+"""Link check on the namespace testbed: one transfer per link vs its configured rate (DESIGN §5, §6).
 
 Builds a testbed (root, ``ip``, ``tc``), then for every directed link runs one bulk TCP
 transfer between two hosts whose path crosses it (plain sockets, no mlfabric daemon) and
