@@ -1,4 +1,4 @@
-"""Update ordering on the namespace testbed: stf vs fair behind one bottleneck (issue 5, exp. 2).
+"""Update ordering on the namespace testbed: stf vs fair behind one bottleneck (DESIGN §4, §6).
 
 Workers with heterogeneous uplinks push asynchronously to one server whose ingress is the
 bottleneck, through the real scheduler and daemons (one per network namespace). Network
