@@ -1,5 +1,5 @@
 """Run a host daemon (one per host): the local API for training processes, the data plane
-for peer daemons and the control stream to the scheduler (DESIGN.md §3).
+for peer daemons and the control stream to the scheduler (DESIGN §3).
 
 Once the scheduler has welcomed it, the daemon writes ``--ready-file`` (JSON
 ``{"pid", "socket", "data_address", "host"}``, atomically). SIGTERM or SIGINT stops it
