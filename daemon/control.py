@@ -2,7 +2,7 @@
 
 The daemon says ``Hello``; the scheduler answers ``Welcome``; then role registrations,
 update-ready notifications and transfer reports go up, and role acks and directives (send,
-drop, job updates) come down, all on the one stream (DESIGN.md §3; MLfabric §4: the
+drop, job updates) come down, all on the one stream (DESIGN §3, §7; MLfabric §4: the
 scheduler sees only control messages, never tensor bytes).
 
 A scheduler that refuses the ``Hello`` (INVALID_ARGUMENT, e.g. a host name not in its
