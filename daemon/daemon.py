@@ -1,4 +1,4 @@
-"""The host daemon: wires the local API, the control stream and the data plane (DESIGN.md §3).
+"""The host daemon: wires the local API, the control stream and the data plane (DESIGN §3).
 
 The life of a push (MLfabric §4): a worker process hands its update to the daemon in a memfd;
 the daemon checks it against the server's model spec, gives it the id
