@@ -1,4 +1,4 @@
-"""The daemon's books on roles: a worker's pushes in flight and a server's hand-off (DESIGN.md §3).
+"""The daemon's books on roles: a worker's pushes in flight and a server's hand-off (DESIGN §3, §10).
 
 - :func:`check_update` compares a push's tensors with the server's model spec and names the
   first mismatch (tensor, both shapes and dtypes), so a bad push is refused at the worker's
