@@ -1,4 +1,4 @@
-"""The server roles a daemon hosts: hand-off of arriving updates and the published model (DESIGN.md §3).
+"""The server roles a daemon hosts: hand-off of arriving updates and the published model (DESIGN §3).
 
 On the server's host the daemon passes each update arriving on the data plane (its memfd,
 filled by the data plane's ``alloc``) to the server process as ``DeliverUpdate``, waits for
