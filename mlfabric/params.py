@@ -15,7 +15,7 @@ __all__ = ["Params"]
 
 @dataclass(frozen=True)
 class Params:
-    """A job's bounds (paper Table 1, ``params``; DESIGN.md §4).
+    """A job's bounds (paper Table 1, ``params``; DESIGN §4).
 
     Parameters
     ----------
