@@ -1,4 +1,4 @@
-"""The tensor codec: named tensors <-> a flat payload in a memfd (DESIGN.md §3).
+"""The tensor codec: named tensors <-> a flat payload in a memfd (DESIGN §7).
 
 An update or a model is a dict of name -> tensor (numpy array or torch tensor) with
 dtype ``float32``, ``float16``, ``bfloat16`` or ``float64``. On its way between a
