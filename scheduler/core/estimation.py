@@ -1,4 +1,4 @@
-"""Bandwidth estimation from transfer reports (paper §1 and §5: dynamic clusters; DESIGN §3).
+"""Bandwidth estimation from transfer reports (paper §1 and §5: dynamic clusters; DESIGN §4).
 
 Daemons measure every transfer (bytes, duration, path) and report it; the scheduler's link
 capacities follow the measurements so that ``ten(g)`` and the STF order (Fig. 4) use the
