@@ -21,7 +21,7 @@ There is no per-tensor Python loop on the hot path: adjacent tensors of one dtyp
 (memfd mappings, receive buffers); a model of one dtype is one call per member. Widening
 runs go through a bounded scratch in chunks, so a member costs no allocation of its size.
 
-Nothing here does I/O: the daemon passes the buffers in (DESIGN §3).
+Nothing here does I/O: the daemon passes the buffers in (DESIGN §9).
 """
 
 from __future__ import annotations
