@@ -1,4 +1,4 @@
-"""Pushes through two in-process daemons and an in-test scheduler: the life of a push (DESIGN.md §3)."""
+"""Pushes through two in-process daemons and an in-test scheduler: the life of a push (DESIGN §3)."""
 
 from __future__ import annotations
 
