@@ -36,16 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from mlfabric.scheduler.core.checker import check_schedule
-from mlfabric.scheduler.plan.bruteforce import fair_schedule
+from mlfabric.scheduler.plan.heuristics import fair_schedule, heuristic_plans, warm_start
 from mlfabric.scheduler.plan.ilp import solve_ilp
-from mlfabric.scheduler.plan.instance import (
-    Instance,
-    heuristic_plans,
-    objective_of,
-    parse_instance,
-    two_tier_instance,
-    warm_start,
-)
+from mlfabric.scheduler.plan.instance import Instance, objective_of, parse_instance, two_tier_instance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

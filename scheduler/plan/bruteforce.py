@@ -1,4 +1,4 @@
-"""Fluid reference plans: exhaustive enumeration (the ILP's check) and fair sharing (DESIGN §4).
+"""Exhaustive enumeration of tiny instances: the ILP's check (DESIGN §4).
 
 :func:`brute_force` enumerates, for a tiny instance, every route of every update (direct, or
 via one aggregator; one aggregate per aggregator, as in the ILP of appendix 10.1) and every
@@ -10,27 +10,20 @@ aggregate is ready when its last member arrived. The best plan is the optimum of
 fluid, time-shared model; on slot-aligned instances (every update a whole number of slots
 on every link, ready at slot boundaries) it equals the ILP's optimum with ``groups=1``
 (``tests/plan/test_plan_ilp.py`` checks this on random tiny instances).
-
-:func:`fair_schedule` is the network-agnostic baseline ``fair``: every update goes at once,
-directly, and the links are shared max-min fairly (progressive filling, the simulator's
-:func:`~mlfabric.scheduler.sim.fluid.max_min_rates`), as TCP would.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlfabric.scheduler.core.graph import path_links
-from mlfabric.scheduler.core.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.plan.ilp import aggregate_id
 from mlfabric.scheduler.plan.instance import Instance
-from mlfabric.scheduler.sim.fluid import max_min_rates
 
-__all__ = ["BruteForceResult", "brute_force", "fair_schedule"]
+__all__ = ["BruteForceResult", "brute_force"]
 
 Route = str | None
 
@@ -182,69 +175,9 @@ def brute_force(instance: Instance, *, max_updates: int = 7) -> BruteForceResult
     assert best is not None and best.best_plan is not None
     order, transfers = best.best_plan
     aggregates = tuple(
-        Aggregate(pid, pid.removeprefix(aggregate_id("")), mem, size, instance.server)
+        Aggregate(pid, best.routes[mem[0]] or instance.server, mem, size, instance.server)
         for pid, (_, size, mem) in best.payloads.items()
         if mem
     )
     schedule = Schedule(transfers=tuple(transfers), aggregates=aggregates)
     return BruteForceResult(schedule, best.best, best.routes, order, explored)
-
-
-def fair_schedule(instance: Instance, updates: Sequence[str] | None = None) -> Schedule:
-    """The ``fair`` baseline: every update direct, as soon as ready, max-min fair sharing.
-
-    Parameters
-    ----------
-    instance : Instance
-        The instance.
-    updates : sequence of str, optional
-        Which updates (default: all).
-
-    Returns
-    -------
-    Schedule
-        Transfers whose reservations change at every arrival and completion.
-
-    Examples
-    --------
-    Two equal updates sharing a link finish together, at twice the time of one.
-
-    >>> from mlfabric.scheduler.plan.instance import parse_instance
-    >>> inst = parse_instance({
-    ...     "topology": {"hosts": ["s", "w1", "w2"], "switches": ["sw"],
-    ...                  "links": [{"a": h, "b": "sw", "mbps": 8} for h in ("s", "w1", "w2")]},
-    ...     "server": "s", "updates": [{"id": "a", "worker": "w1", "bytes": 1000000},
-    ...                                {"id": "b", "worker": "w2", "bytes": 1000000}]})
-    >>> sorted(fair_schedule(inst).completion_times().values())
-    [2.0, 2.0]
-    """
-    chosen = [instance.update(uid) for uid in updates] if updates is not None else list(instance.updates)
-    links = {u.update_id: path_links(list(instance.direct_path(u.update_id))) for u in chosen}
-    capacity = {e: instance.capacity(e) for ls in links.values() for e in ls}
-    remaining = {u.update_id: u.bytes for u in chosen}
-    pieces: dict[str, list[tuple[float, float, float]]] = {uid: [] for uid in remaining}
-    waiting = sorted(chosen, key=lambda u: u.ready_at)
-    now = waiting[0].ready_at if waiting else 0.0
-    active: set[str] = set()
-    while waiting or active:
-        while waiting and waiting[0].ready_at <= now + 1e-12:
-            active.add(waiting.pop(0).update_id)
-        rates = max_min_rates({f: links[f] for f in active}, capacity)
-        step = min((remaining[f] / rates[f] for f in active), default=math.inf)
-        if waiting:
-            step = min(step, waiting[0].ready_at - now)
-        for f in active:
-            if step > 0:
-                pieces[f].append((now, now + step, rates[f]))
-            remaining[f] -= rates[f] * step
-        now += step
-        active = {f for f in active if remaining[f] > 1e-9 * instance.update(f).bytes}
-    transfers = []
-    for u in chosen:
-        path = instance.direct_path(u.update_id)
-        ps = pieces[u.update_id]
-        res = tuple(Reservation(e, lo, hi, rate) for lo, hi, rate in ps for e in links[u.update_id])
-        transfers.append(
-            Transfer(u.update_id, u.src, instance.server, path, ps[0][0], ps[-1][1], u.bytes, res)
-        )
-    return Schedule(transfers=tuple(transfers))

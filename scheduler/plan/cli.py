@@ -18,9 +18,13 @@ the solver and keeps its best plan.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,19 +144,29 @@ def _plot(path: Path, instance: Any, plans: list[tuple[str, Any]]) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def _ctrl_c_sets() -> Iterator[threading.Event]:
+    """SIGINT sets the yielded event while the block runs (instead of KeyboardInterrupt).
+
+    ``solve_ilp`` polls the event and returns its best plan: no KeyboardInterrupt that
+    could escape between the local search and the solver, or leave CP-SAT's search thread
+    running behind an exiting interpreter.
+    """
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan the instance with the chosen solver(s); print, and write the requested files."""
     from mlfabric.scheduler.core.checker import check_schedule
     from mlfabric.scheduler.core.trace import trace_events, write_trace
-    from mlfabric.scheduler.plan.bruteforce import fair_schedule
-    from mlfabric.scheduler.plan.ilp import IlpResult, solve_ilp
-    from mlfabric.scheduler.plan.instance import (
-        InstanceError,
-        heuristic_plans,
-        load_instance,
-        objective_of,
-        warm_start,
-    )
+    from mlfabric.scheduler.plan.heuristics import fair_schedule, heuristic_plans, warm_start
+    from mlfabric.scheduler.plan.ilp import solve_ilp
+    from mlfabric.scheduler.plan.instance import InstanceError, load_instance, objective_of
 
     if args.plot is not None:
         try:
@@ -174,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     bound: float | None = None
     if "ilp" in wanted:
-        try:
+        with _ctrl_c_sets() as stop:
             result = solve_ilp(
                 instance,
                 hint=hint,
@@ -185,11 +199,8 @@ def run(args: argparse.Namespace) -> int:
                 groups=args.groups,
                 search_seconds=args.search_seconds,
                 progress=_progress_printer(args.progress_every),
+                stop=stop,
             )
-        except KeyboardInterrupt:  # before solve_ilp took over SIGINT: the warm start is the best
-            print("interrupted before the search started: reporting the warm start", file=sys.stderr)
-            objective = objective_of(instance, hint)
-            result = IlpResult(hint, objective, 0.0, 1.0, "INTERRUPTED", 0.0, {}, args.engine, 0)
         if result.schedule is None or result.objective is None:
             print(f"error: the ILP found no plan ({result.status}) in {args.time_limit:g} s", file=sys.stderr)
             return 1

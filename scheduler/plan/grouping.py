@@ -1,4 +1,4 @@
-"""Local search over aggregation groups: a better warm start for the ILP (issue 4).
+"""Local search over aggregation groups: a better warm start for the ILP (DESIGN §4).
 
 A plan is described by an ordered list of *groups*: a direct update, or an aggregate (an
 aggregator and its members). :func:`plan_groups` turns such a list into a

@@ -11,11 +11,7 @@ by the end of slot ``c``. Indexing aggregates by their completion slot makes eac
 completion a constant of the column, so the objective is linear and tight, and an
 aggregator may make any number of aggregates (``groups`` caps it; 1 is the paper's one
 aggregate per aggregator). Classes by slots rather than exact sizes keep the model smaller
-when sizes are off the slot grid (one 12 x 3 instance, 30 s: gap 7.9 % against 63 % with a
-column per exact size). Off the grid with many slots the model is still large: at 16 x 4
-with 37-46 slots its LP does not finish in 60 s and the route-per-hop model of the first
-version did better (``bench_ilp.md``, "Off the slot grid"); pick a coarser
-``slot_seconds`` there.
+when sizes are off the slot grid; there, pick a coarser ``slot_seconds`` for many slots.
 
 Variables (all 0/1 except the byte counts):
 
@@ -58,47 +54,17 @@ Valid rows that tighten the LP relaxation (every integer plan satisfies them):
   ready slot and shared links on every route complete in instance order; the warm start is
   remapped to respect it.
 
-Solver choice, by measurement on this 2-core machine (``experiments/bench_ilp.py`` part 1,
-``experiments/results/bench_ilp.md``; same model, hint and limit): CP-SAT on the
-integer-scaled model against the model with continuous bytes under OR-Tools'
-model_builder SCIP and HiGHS. With this model all four prove 6 x 2 and 8 x 2 optimal
-within 30 s: CP-SAT with 8 search workers in 0.7 s and 3.2 s, SCIP in 5.5 s and 14.7 s,
-HiGHS in 6.6 s and 16.4 s, CP-SAT with 2 workers in 2.8 s and not within 30 s (20 % gap).
-(With the earlier route-per-hop model only CP-SAT/8 proved 6 x 2, and on 8 x 2 it ended
-at 9 %, SCIP at 20 %, HiGHS without a bound: CP-SAT's portfolio of LP, core-guided and
-local-search workers sharing bounds and solutions copes best with a weak LP.) CP-SAT also
-takes the warm start as a hint (HiGHS crashes when given one in 9.15, so it runs without),
-reports progress through solution and bound callbacks, and stops cleanly on Ctrl-C with
-its best solution. It is the default, with 8 search workers even on 2 cores (the
-portfolio matters more than the threads); ``"scip"`` and ``"highs"`` stay selectable.
-Should the solver stop before its first solution, or with a worse one than the hint, the
-hint is returned.
+Solver: CP-SAT on the integer-scaled model (default, 8 search workers even on 2 cores),
+or the model with continuous bytes under OR-Tools' model_builder SCIP or HiGHS. CP-SAT takes
+the warm start as a hint (HiGHS runs without: it crashes on hints in 9.15), reports progress
+through solution and bound callbacks, and polls ``stop``. Should the solver stop before its
+first solution, or with a worse one than the hint, the hint is returned. Why CP-SAT, and the
+measured bounds and gaps: ``experiments/results/bench_ilp.md``.
 
 Warm start and local search: the hint is the better heuristic plan (STF or aggregation
 groups), improved for ``search_seconds`` (default a sixth of the limit, at most 10 s) by
 simulated annealing over aggregation groups (:mod:`mlfabric.scheduler.plan.grouping`, ~1 ms a
-plan at 16 x 4); CP-SAT takes the rest of the limit. On 16 x 4 this matters more than the
-solver's own search: CP-SAT alone ended 60 s with plans 3-8 % above those the local search
-finds in seconds (seed 1: 0.0881 s against 0.0825 s).
-
-Bound quality (``experiments/results/bench_ilp.md`` part 2, 60 s on 2 shared cores): 8 x 2
-is proven optimal in 2-6 s (was 17-60 s); 12 x 3 ends at a 4-6 % gap and 16 x 4 at 2-7 %
-(5-10 % before the local search, 22-35 % with the route-per-hop model). The target of 1 %
-at 16 x 4 is not met: the bound is the limit now. The root LP is 5-7 % below the best
-plans, and the bound moves little with time (16 x 4 seed 1: 0.0806 s at 60 s, 0.0813 s
-at 600 s). Tried and left out because they did not move it: aggregator-wide and
-server-wide rounded energy rows, counting rows (at most ``n`` members of size >= ``σ``),
-cardinality rows (at most ``N(t)`` updates complete by slot ``t``, ``N`` from short
-CP-SAT solves: 12 x 3 LP 88.00 -> 88.15 slot-sums), a Dantzig-Wolfe relaxation with one
-block per aggregator (its plans priced exactly by CP-SAT: 6 x 2 LP 43.24 -> 43.33 against
-an optimum of 45; the LP's weakness is the time-indexed server, not the member sets), and
-dropping every capacity row but the server's and the aggregators' ingress (no faster),
-bound-oriented CP-SAT portfolios (objective shaving, objective lower-bound search, LB tree
-search, max-LP workers: at 60 s on 16 x 4 seeds 1 and 2 exactly the default's bounds, 129 and
-131 slot-sums, the root LP rounded up; SCIP's cuts reach 127.5 in 180 s) and pair-cover cuts
-(two updates that cannot both reach the server directly by slot ``t`` and a column that would
-hold both: ``D[u,<=t] + D[w,<=t] + m[u,col] + m[w,col] - G[col] <= 1``; 5 x 2 LPs 28.5 ->
-28.75 and 30 -> 30.375 against optima 30 and 31, none violated on 16 x 4).
+plan at 16 x 4); CP-SAT takes the rest of the limit.
 
 Completions are counted at slot ends, so objective and bound are those of the slot model.
 On slot-aligned instances (every update a whole number of slots at full rate on every
@@ -113,15 +79,13 @@ capacities round down and sizes up, so a plan is always feasible in real bytes.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from mlfabric.scheduler.core.schedule import Aggregate, Link, Reservation, Schedule, Transfer
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Reservation, Schedule, Transfer, aggregate_id
 from mlfabric.scheduler.plan.grouping import groups_of, improve_groups, plan_groups
 from mlfabric.scheduler.plan.ilp_model import (
     Column,
@@ -140,24 +104,13 @@ from mlfabric.scheduler.plan.ilp_model import (
 )
 from mlfabric.scheduler.plan.instance import Instance, objective_of
 
-__all__ = ["ENGINES", "IlpResult", "Progress", "aggregate_id", "solve_ilp"]
+__all__ = ["ENGINES", "IlpResult", "Progress", "solve_ilp"]
 
 #: Solver engines: CP-SAT (default) and MathOpt/model_builder MIP back ends.
 ENGINES = ("cp-sat", "highs", "scip")
 
 #: Most seconds of local search over aggregation groups before the solver (``search_seconds``).
 SEARCH_SECONDS = 10.0
-
-
-def aggregate_id(aggregator: str, group: int = 0) -> str:
-    """Payload id of the ``group``-th aggregate an aggregator makes.
-
-    Examples
-    --------
-    >>> aggregate_id("a1"), aggregate_id("a1", 1)
-    ('agg@a1', 'agg@a1#1')
-    """
-    return f"agg@{aggregator}" + (f"#{group}" if group else "")
 
 
 @dataclass(frozen=True)
@@ -184,7 +137,7 @@ class IlpResult:
     gap : float
         ``(objective - bound) / objective`` (``inf`` without a plan).
     status : str
-        ``OPTIMAL``, ``FEASIBLE``, ``INFEASIBLE`` or ``UNKNOWN``.
+        ``OPTIMAL``, ``FEASIBLE``, ``INFEASIBLE``, ``UNKNOWN`` or ``INTERRUPTED``.
     wall_seconds : float
         Solve time.
     routes : dict
@@ -247,6 +200,7 @@ def solve_ilp(
     groups: int | None = None,
     search_seconds: float | None = None,
     progress: Callable[[Progress], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> IlpResult:
     """Solve the time-indexed ILP of appendix 10.1 for ``instance`` (see the module docstring).
 
@@ -277,6 +231,10 @@ def solve_ilp(
         sixth of it, at most 10 s (0 with no hint).
     progress : callable, optional
         Called with a :class:`Progress` on every new solution and bound (CP-SAT only).
+    stop : threading.Event, optional
+        Polled by the local search (between rounds) and by CP-SAT (its callback): once set,
+        the solve ends with its best plan so far (status ``INTERRUPTED`` when set during the
+        local search). ``mlfabric plan`` sets it on Ctrl-C. HiGHS and SCIP do not poll it.
 
     Returns
     -------
@@ -299,39 +257,49 @@ def solve_ilp(
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     started = time.monotonic()
-    with _ctrl_c() as stop:
-        if hint is not None:
-            seconds = min(time_limit / 6, SEARCH_SECONDS) if search_seconds is None else search_seconds
-            hint, horizon_slots = _search(instance, hint, horizon_slots, groups, seconds, seed, stop)
-            if progress is not None and seconds > 0:
-                progress(Progress(time.monotonic() - started, objective_of(instance, hint), 0.0))
-        if horizon_slots is None:
-            length = hint.makespan() if hint is not None else _sequential_horizon(instance)
-            horizon_slots = _slots(instance, length)
-        if stop.is_set() and hint is not None:  # Ctrl-C during the search: its best plan
-            objective = objective_of(instance, hint)
-            hosts = _hosts(hint, [u.update_id for u in instance.updates])
-            wall = time.monotonic() - started
-            return IlpResult(hint, objective, 0.0, 1.0, "INTERRUPTED", wall, hosts, engine, horizon_slots)
-        lay = layout(instance, horizon_slots, groups)
-        T = lay.T
-        m: CpSat | Mip = CpSat() if engine == "cp-sat" else Mip(engine)
-        v = Vars(integer=engine == "cp-sat")
-        add_first_legs(m, lay, v)
-        add_direct(m, lay, v)
-        add_columns(m, lay, v)
-        add_capacity(m, lay, v)
-        add_symmetry(m, lay, v)
-        to_seconds = set_objective(m, instance, lay, v)
-        if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)
-            add_hint(m, instance, hint, lay, v)
+    stop = stop if stop is not None else threading.Event()
+    if hint is not None:
+        seconds = min(time_limit / 6, SEARCH_SECONDS) if search_seconds is None else search_seconds
+        hint, horizon_slots = _search(instance, hint, horizon_slots, groups, seconds, seed, stop)
+        if progress is not None and seconds > 0:
+            progress(Progress(time.monotonic() - started, objective_of(instance, hint), 0.0))
+    if horizon_slots is None:
+        length = hint.makespan() if hint is not None else _sequential_horizon(instance)
+        horizon_slots = _slots(instance, length)
+    if stop.is_set() and hint is not None:  # Ctrl-C during the search: its best plan
+        objective = objective_of(instance, hint)
+        hosts = _hosts(hint, [u.update_id for u in instance.updates])
+        wall = time.monotonic() - started
+        return IlpResult(
+            schedule=hint,
+            objective=objective,
+            bound=0.0,
+            gap=1.0,
+            status="INTERRUPTED",
+            wall_seconds=wall,
+            routes=hosts,
+            engine=engine,
+            horizon_slots=horizon_slots,
+        )
+    lay = layout(instance, horizon_slots, groups)
+    T = lay.T
+    m: CpSat | Mip = CpSat() if engine == "cp-sat" else Mip(engine)
+    v = Vars(integer=engine == "cp-sat")
+    add_first_legs(m, lay, v)
+    add_direct(m, lay, v)
+    add_columns(m, lay, v)
+    add_capacity(m, lay, v)
+    add_symmetry(m, lay, v)
+    to_seconds = set_objective(m, instance, lay, v)
+    if hint is not None and engine != "highs":  # model_builder's HiGHS crashes on hints (9.15)
+        add_hint(m, instance, hint, lay, v)
 
-        def report(objective: float, bound: float) -> None:
-            if progress is not None:
-                obj = None if math.isnan(objective) else objective * to_seconds
-                progress(Progress(time.monotonic() - started, obj, bound * to_seconds))
+    def report(objective: float, bound: float) -> None:
+        if progress is not None:
+            obj = None if math.isnan(objective) else objective * to_seconds
+            progress(Progress(time.monotonic() - started, obj, bound * to_seconds))
 
-        status = m.solve(max(0.01, time_limit - (time.monotonic() - started)), seed, workers, report, stop)
+    status = m.solve(max(0.01, time_limit - (time.monotonic() - started)), seed, workers, report, stop)
     wall = time.monotonic() - started
     bound = m.bound() * to_seconds if status != "INFEASIBLE" else math.inf
     bound = bound if math.isfinite(bound) and status != "INFEASIBLE" else 0.0
@@ -342,7 +310,17 @@ def solve_ilp(
     elif hint is not None:  # stopped before the first solution: the warm start is the best plan
         schedule, status, hosts = hint, "FEASIBLE", _hosts(hint, routes)
     else:
-        return IlpResult(None, None, bound, math.inf, status, wall, {}, engine, T)
+        return IlpResult(
+            schedule=None,
+            objective=None,
+            bound=bound,
+            gap=math.inf,
+            status=status,
+            wall_seconds=wall,
+            routes={},
+            engine=engine,
+            horizon_slots=T,
+        )
     objective = objective_of(instance, schedule)
     if hint is not None and objective_of(instance, hint) < objective:  # stopped before using the hint
         schedule, objective, hosts = hint, objective_of(instance, hint), _hosts(hint, routes)
@@ -350,26 +328,17 @@ def solve_ilp(
     gap = (objective - bound) / objective if objective > 0 else 0.0
     if gap <= 1e-9:
         status = "OPTIMAL"
-    return IlpResult(schedule, objective, bound, gap, status, wall, hosts, engine, T)
-
-
-@contextlib.contextmanager
-def _ctrl_c() -> Iterator[threading.Event]:
-    """SIGINT sets the event while the block runs (in the main thread; elsewhere it never does).
-
-    The local search and the solver poll it and stop with their best plan: no
-    KeyboardInterrupt that could escape between them, or leave CP-SAT's search thread
-    running behind an exiting interpreter.
-    """
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    return IlpResult(
+        schedule=schedule,
+        objective=objective,
+        bound=bound,
+        gap=gap,
+        status=status,
+        wall_seconds=wall,
+        routes=hosts,
+        engine=engine,
+        horizon_slots=T,
+    )
 
 
 def _search(

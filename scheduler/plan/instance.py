@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,19 +63,15 @@ from mlfabric.scheduler.core.graph import (
     shortest_path,
 )
 from mlfabric.scheduler.core.schedule import Link, Schedule, Update
-from mlfabric.scheduler.policies.aggregation import plan_aggregation, plan_aggregation_sync
-from mlfabric.scheduler.policies.stf import plan_stf
 
 __all__ = [
     "OBJECTIVES",
     "Instance",
     "InstanceError",
-    "heuristic_plans",
     "load_instance",
     "objective_of",
     "parse_instance",
     "two_tier_instance",
-    "warm_start",
 ]
 
 #: Objectives the planners minimise.
@@ -416,36 +412,3 @@ def objective_of(instance: Instance, schedule: Schedule) -> float:
     done = schedule.update_completion_times(list(instance.updates))
     times = [done[u.update_id] for u in instance.updates]
     return max(times) if instance.objective == "makespan" else sum(times) / len(times)
-
-
-def heuristic_plans(instance: Instance) -> dict[str, Schedule]:
-    """The heuristics the ILP is the yardstick for: ``stf`` (Fig. 4) and, with aggregators,
-    ``aggregation`` (groups over the STF order, Fig. 6; for the makespan objective chosen
-    for one synchronous iteration by
-    :func:`~mlfabric.scheduler.policies.aggregation.plan_aggregation_sync`).
-
-    Examples
-    --------
-    >>> sorted(heuristic_plans(parse_instance(two_tier_instance(random.Random(0), 4, 1))))
-    ['aggregation', 'stf']
-    """
-    updates = list(instance.updates)
-    plans = {"stf": plan_stf(instance.graph, updates)}
-    if instance.aggregators:
-        group = plan_aggregation_sync if instance.objective == "makespan" else plan_aggregation
-        plans["aggregation"] = group(instance.graph, updates, aggregators=list(instance.aggregators))
-    return plans
-
-
-def warm_start(instance: Instance, plans: Iterable[Schedule] | None = None) -> Schedule:
-    """The best of the heuristic plans (default :func:`heuristic_plans`): the ILP's hint.
-
-    Examples
-    --------
-    >>> inst = parse_instance(two_tier_instance(random.Random(0), 8, 2))
-    >>> plan = warm_start(inst)
-    >>> objective_of(inst, plan) <= objective_of(inst, plan_stf(inst.graph, list(inst.updates)))
-    True
-    """
-    candidates = list(plans) if plans is not None else list(heuristic_plans(instance).values())
-    return min(candidates, key=lambda plan: objective_of(instance, plan))

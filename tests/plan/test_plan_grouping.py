@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import os
 import random
-import signal
 import threading
 
 import pytest
@@ -13,8 +11,9 @@ import pytest
 from mlfabric.scheduler.core.checker import check_schedule
 from mlfabric.scheduler.plan.bruteforce import brute_force
 from mlfabric.scheduler.plan.grouping import Group, groups_of, improve_groups, plan_groups
+from mlfabric.scheduler.plan.heuristics import heuristic_plans
 from mlfabric.scheduler.plan.ilp import Progress, solve_ilp
-from mlfabric.scheduler.plan.instance import heuristic_plans, objective_of, parse_instance, two_tier_instance
+from mlfabric.scheduler.plan.instance import objective_of, parse_instance, two_tier_instance
 
 
 def _inst(seed: int, workers: int = 5, aggregators: int = 2):
@@ -85,10 +84,11 @@ def test_the_ilp_starts_from_the_search_and_reports_it() -> None:
 def test_ctrl_c_during_the_search_returns_its_best_plan() -> None:
     inst = _inst(1, 16, 4)
     hint = heuristic_plans(inst)["stf"]
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    stop = threading.Event()
+    timer = threading.Timer(1.0, stop.set)
     timer.start()
     try:
-        result = solve_ilp(inst, hint=hint, time_limit=600, search_seconds=60, workers=2)
+        result = solve_ilp(inst, hint=hint, time_limit=600, search_seconds=60, workers=2, stop=stop)
     finally:
         timer.cancel()
     assert result.status == "INTERRUPTED" and result.wall_seconds < 30

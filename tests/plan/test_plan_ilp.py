@@ -7,16 +7,10 @@ import random
 import pytest
 
 from mlfabric.scheduler.core.checker import check_schedule
-from mlfabric.scheduler.plan.bruteforce import brute_force, fair_schedule
+from mlfabric.scheduler.plan.bruteforce import brute_force
+from mlfabric.scheduler.plan.heuristics import fair_schedule, heuristic_plans, warm_start
 from mlfabric.scheduler.plan.ilp import Progress, solve_ilp
-from mlfabric.scheduler.plan.instance import (
-    Instance,
-    heuristic_plans,
-    objective_of,
-    parse_instance,
-    two_tier_instance,
-    warm_start,
-)
+from mlfabric.scheduler.plan.instance import Instance, objective_of, parse_instance, two_tier_instance
 from mlfabric.scheduler.policies.stf import plan_stf
 
 MB = 1_000_000  # one slot at 8 Mb/s with 1 s slots
