@@ -26,11 +26,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 #: (importing module, imported module) pairs allowed for now, each with the reason
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    # max-min fair rates belong in core (the planner's fair baseline and the simulator's
-    # fluid network both use them); until they move, the planner borrows the simulator's
-    ("mlfabric.scheduler.plan.bruteforce", "mlfabric.scheduler.sim.fluid"): "max_min_rates not yet in core",
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:
