@@ -46,9 +46,11 @@ from typing import Any
 from mlfabric import tensors as tcodec
 from mlfabric.daemon.bufferpool import MemfdPool, privatize
 from mlfabric.daemon.payloadio import crc32 as payload_crc32
+from mlfabric.daemon.roles import check_update
 from mlfabric.localclient import (
     APPLIED,
     DROPPED,
+    MAX_LOCAL_MESSAGE,
     LocalClient,
     MlfabricError,
     PushHandle,
@@ -79,6 +81,17 @@ PUSH_POOL_BYTES = 1 << 30
 Tensors = Mapping[str, Any]
 UpdateFn = Callable[[dict[str, Any], "UpdateMeta"], "Mapping[str, Any] | None"]
 RequestFn = Callable[[], "Mapping[str, Any] | None"]
+
+
+def _check_size(request: Any, what: str) -> None:
+    """Refuse a local request larger than the local message limit, naming the limit."""
+    size = request.ByteSize()
+    if size > MAX_LOCAL_MESSAGE:
+        raise MlfabricError(
+            f"{what} is {size} bytes, over the {MAX_LOCAL_MESSAGE}-byte limit of a local message "
+            "(shorten the job, server or worker name)",
+            code="bad_request",
+        )
 
 
 def _connect(daemon: str | None) -> LocalClient:
@@ -142,8 +155,14 @@ class Worker:
 
         Raises
         ------
+        TypeError
+            ``update`` is not a dict (mapping) of name -> tensor.
         TensorError
             A tensor of an unsupported dtype (checked before anything is sent).
+        MlfabricError
+            With code ``bad_tensor``: a tensor's name, shape or dtype differs from the
+            server's model (checked before the update is copied; the message names the tensor
+            and both shapes and dtypes).
 
         Examples
         --------
@@ -152,6 +171,7 @@ class Worker:
         >>> r.status, r.delay, r.version                               # doctest: +SKIP
         ('APPLIED', 0, 1)
         """
+        self._check_update(server, update)
         if norm is None:
             norm = tcodec.l2_norm(update)
         base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
@@ -184,6 +204,24 @@ class Worker:
         if handle.done():
             self._client.forget(ids[0])
         return handle
+
+    def _check_update(self, server: str, update: Any) -> None:
+        """Refuse an update that is not a dict, or does not match the server's model, before any copy."""
+        if not isinstance(update, Mapping):
+            raise TypeError(
+                f"push() takes the update as a dict of tensor name -> numpy array or torch tensor, "
+                f"got {type(update).__name__}"
+            )
+        known = self.servers.get(server)
+        if known is None:  # a server that joined after registration: its daemon checks
+            return
+        layouts = [
+            tcodec.Layout(str(name), tcodec.dtype_name(value), tuple(value.shape), 0, 0)
+            for name, value in update.items()
+        ]
+        problem = check_update(known["model"], layouts, f"server {server!r} of job {self.job!r}")
+        if problem is not None:
+            raise MlfabricError(problem, code="bad_tensor")
 
     def get(self, server: str, *, as_torch: bool = False, timeout: float | None = 60.0) -> tuple[int, dict]:
         """The server's current model (paper Table 1, ``get``).
@@ -267,11 +305,12 @@ def register_as_worker(
     ['ps0']
     """
     del params
-    client = _connect(daemon)
     worker_name = name or f"{os.uname().nodename}-{os.getpid()}"
     request = local_pb2.LocalRequest(
         register_worker=local_pb2.RegisterWorkerRequest(job=job, name=worker_name, wait_seconds=wait)
     )
+    _check_size(request, "the worker registration")
+    client = _connect(daemon)
     try:
         event, _ = client.call(request, timeout=wait + 30.0)
     except BaseException:
@@ -479,50 +518,78 @@ class Server:
             partial_round=0 < num_updates < self.params.sync_workers,
         )
 
-    def _handle(self, deliver: Any, fd: int | None) -> None:
-        delay = self.version - int(deliver.base_version)
+    def _refusal(self, deliver: Any, delay: int) -> str | None:
+        """Why an update must not be applied before its payload is read (stale or forged), or None."""
+        bases = [int(deliver.base_version)] + [int(m.base_version) for m in deliver.members]
+        if max(bases) > self.version:
+            return (
+                f"base version {max(bases)} is ahead of server {self.name!r} at version {self.version} "
+                "(a base version comes from a get of this server)"
+            )
         tau_max = self.params.tau_max
-        verdict = local_pb2.UpdateVerdict(update_id=deliver.update_id, delay=delay)
         if tau_max is not None and delay > tau_max:
-            if fd is not None:
-                os.close(fd)
-            verdict.outcome = control_pb2.OUTCOME_DROPPED
-            verdict.version = self.version
-            verdict.reason = (
+            return (
                 f"delay {delay} exceeds tau_max {tau_max} (server {self.name!r} at version {self.version}, "
                 f"update base version {deliver.base_version})"
             )
-            self.dropped += 1
-        else:
-            update, mapping = tcodec.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
-            meta = self._meta(deliver, delay)
-            replaced = None
-            try:
-                if self._update_fn is None:  # the default on_update: model[k] -= update[k]
-                    for key in update:  # (no loop variable left holding a view of the buffer)
-                        self.model[key] -= update[key]
-                else:
-                    replaced = self._update_fn(update, meta)
-            except BaseException as exc:
-                # the sender learns why instead of waiting out the daemon's verdict timeout
-                verdict.outcome, verdict.version = control_pb2.OUTCOME_DROPPED, self.version
-                verdict.reason = f"on_update of server {self.name!r} raised {exc!r}"
-                self._client.send(local_pb2.LocalRequest(verdict=verdict))
-                raise
-            finally:
-                del update
-                if mapping is not None:
-                    try:
-                        mapping.close()
-                    except BufferError:  # on_update kept a view: copy before the daemon reuses the buffer
-                        privatize(mapping)
-            if replaced is not None:
-                self.model = dict(replaced)
-            self.version += 1
-            self.applied += 1
-            verdict.outcome = control_pb2.OUTCOME_APPLIED
-            verdict.version = self.version
-            self.publish()
+        return None
+
+    def _drop(self, verdict: Any, reason: str) -> None:
+        verdict.outcome = control_pb2.OUTCOME_DROPPED
+        verdict.version = self.version
+        verdict.reason = reason
+        self.dropped += 1
+        self._client.send(local_pb2.LocalRequest(verdict=verdict))
+
+    def _handle(self, deliver: Any, fd: int | None) -> None:
+        delay = self.version - int(deliver.base_version)
+        verdict = local_pb2.UpdateVerdict(update_id=deliver.update_id, delay=delay)
+        refusal = self._refusal(deliver, delay)
+        if refusal is not None:
+            if fd is not None:
+                os.close(fd)
+            self._drop(verdict, refusal)
+            return
+        update, mapping = tcodec.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
+        bad = tcodec.first_non_finite(update) if self.params.refuse_non_finite else None
+        if bad is not None:
+            del update
+            if mapping is not None:
+                mapping.close()
+            self._drop(
+                verdict,
+                f"tensor {bad!r} of {deliver.update_id} holds non-finite values (NaN or inf); server "
+                f"{self.name!r} refuses them (Params(refuse_non_finite=False) allows them)",
+            )
+            return
+        meta = self._meta(deliver, delay)
+        replaced = None
+        try:
+            if self._update_fn is None:  # the default on_update: model[k] -= update[k]
+                for key in update:  # (no loop variable left holding a view of the buffer)
+                    self.model[key] -= update[key]
+            else:
+                replaced = self._update_fn(update, meta)
+        except BaseException as exc:
+            # the sender learns why instead of waiting out the daemon's verdict timeout
+            verdict.outcome, verdict.version = control_pb2.OUTCOME_DROPPED, self.version
+            verdict.reason = f"on_update of server {self.name!r} raised {exc!r}"
+            self._client.send(local_pb2.LocalRequest(verdict=verdict))
+            raise
+        finally:
+            del update
+            if mapping is not None:
+                try:
+                    mapping.close()
+                except BufferError:  # on_update kept a view: copy before the daemon reuses the buffer
+                    privatize(mapping)
+        if replaced is not None:
+            self.model = dict(replaced)
+        self.version += 1
+        self.applied += 1
+        verdict.outcome = control_pb2.OUTCOME_APPLIED
+        verdict.version = self.version
+        self.publish()
         self._client.send(local_pb2.LocalRequest(verdict=verdict))
 
 
@@ -546,7 +613,8 @@ def register_as_server(
     model : dict
         name -> numpy array or torch tensor; defines the model spec pushes are checked against.
     params : Params, optional
-        ``tau_max`` and ``div_max``; default unbounded.
+        The job's bounds; default unbounded ``tau_max``, non-finite updates refused.
+        ``div_max`` must be None (unbounded) until replication runs: a bounded one raises.
     daemon : str, optional
         The daemon's socket; default ``$MLFABRIC_DAEMON``, else the default socket path.
     version : int
@@ -560,7 +628,9 @@ def register_as_server(
     Raises
     ------
     MlfabricError
-        No daemon at the socket, or the scheduler refused the registration (e.g. duplicate name).
+        No daemon at the socket, or the scheduler refused the registration (e.g. duplicate name),
+        or ``params.div_max`` is bounded (not enforced yet), or the names and model spec exceed
+        the local message limit.
 
     Examples
     --------
@@ -572,15 +642,22 @@ def register_as_server(
     100
     """
     params = params or Params()
+    if params.div_max is not None:
+        raise MlfabricError(
+            f"div_max {params.div_max} cannot be enforced yet: it bounds what a server applied and its "
+            "replica did not, and replication does not run; register with div_max=None (unbounded)",
+            code="bad_request",
+        )
     model_dict = dict(model)
     layouts, _ = tcodec.plan_layout(model_dict)
-    client = _connect(daemon)
     spec = [control_pb2.TensorSpec(name=x.name, dtype=x.dtype, shape=list(x.shape)) for x in layouts]
     request = local_pb2.LocalRequest(
         register_server=local_pb2.RegisterServerRequest(
             job=job, name=name, model=spec, params=params.to_pb(), version=version
         )
     )
+    _check_size(request, "the server registration")
+    client = _connect(daemon)
     server = Server(client, job, name, model_dict, params, version)
     client.set_unsolicited(lambda event, fd: server._inbox.put((event, fd)))
     try:

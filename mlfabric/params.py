@@ -28,6 +28,14 @@ class Params:
         Synchronous training when > 0: the server applies one step per round, the sum of this
         many worker updates (its daemon sums them as they arrive); every push of a round
         resolves when the round is applied. 0 (default): asynchronous, one step per update.
+    refuse_non_finite : bool
+        True (default): the server refuses (DROPPED, naming the tensor) an update holding a
+        NaN or an infinity instead of applying it to the model. False: such updates are applied.
+
+    Notes
+    -----
+    ``div_max`` needs replicas (DESIGN §4); until replication runs, a server registration with
+    a bounded ``div_max`` is refused rather than silently not enforced.
 
     Examples
     --------
@@ -37,11 +45,14 @@ class Params:
     -1
     >>> Params.from_pb(Params(sync_workers=4).to_pb()).sync_workers
     4
+    >>> Params.from_pb(Params(refuse_non_finite=False).to_pb()).refuse_non_finite
+    False
     """
 
     tau_max: int | None = None
     div_max: float | None = None
     sync_workers: int = 0
+    refuse_non_finite: bool = True
 
     def __post_init__(self) -> None:
         if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
@@ -59,6 +70,7 @@ class Params:
             tau_max=-1 if self.tau_max is None else int(self.tau_max),
             div_max=0.0 if self.div_max is None else float(self.div_max),
             sync_workers=int(self.sync_workers),
+            allow_non_finite=not self.refuse_non_finite,
         )
 
     @classmethod
@@ -68,4 +80,5 @@ class Params:
             tau_max=None if message.tau_max < 0 else int(message.tau_max),
             div_max=None if message.div_max <= 0 else float(message.div_max),
             sync_workers=int(message.sync_workers),
+            refuse_non_finite=not message.allow_non_finite,
         )

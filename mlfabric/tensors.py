@@ -32,6 +32,7 @@ __all__ = [
     "dtype_name",
     "encode_into",
     "encode_pooled",
+    "first_non_finite",
     "from_fd",
     "l2_norm",
     "layouts_from_pb",
@@ -279,6 +280,50 @@ def l2_norm(tensors: Mapping[str, object]) -> float:
         flat = arr.reshape(-1).astype(np.float64)
         total += float(np.dot(flat, flat))
     return float(np.sqrt(total))
+
+
+#: Elements per block of :func:`first_non_finite` (a block's temporaries stay in cache).
+_FINITE_BLOCK = 1 << 16
+
+
+def first_non_finite(tensors: Mapping[str, object]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, or None when all are finite.
+
+    One read of each tensor, block by block: a block whose sum is finite holds only finite
+    values (a NaN or an infinity makes the sum non-finite), so the exact per-element test runs
+    only on blocks whose sum is not (a non-finite value, or a sum that overflowed). bfloat16
+    travels as raw words: a word is non-finite when its exponent bits are all ones.
+
+    Parameters
+    ----------
+    tensors : Mapping[str, numpy.ndarray or torch.Tensor]
+        The update.
+
+    Examples
+    --------
+    >>> first_non_finite({"a": np.ones(3), "b": np.array([1.0, np.nan], np.float32)})
+    'b'
+    >>> first_non_finite({"a": np.array([np.finfo(np.float16).max] * 2, np.float16)}) is None
+    True
+    >>> first_non_finite({"raw": np.array([0x3F80, 0x7F80], np.uint16)})  # bfloat16 1.0, +inf
+    'raw'
+    """
+    for name, value in tensors.items():
+        if _is_torch(value):
+            import torch
+
+            if not bool(torch.isfinite(value).all()):  # type: ignore[arg-type]
+                return name
+            continue
+        flat = np.asarray(value).reshape(-1)
+        for start in range(0, flat.size, _FINITE_BLOCK):
+            block = flat[start : start + _FINITE_BLOCK]
+            if block.dtype == np.uint16:
+                if bool((np.bitwise_and(block, 0x7F80) == 0x7F80).any()):
+                    return name
+            elif not np.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all()):
+                return name
+    return None
 
 
 def to_memfd(tensors: Mapping[str, object], name: str = "mlfabric-tensors") -> tuple[int, list[Layout], int]:

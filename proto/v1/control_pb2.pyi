@@ -21,6 +21,7 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
     OUTCOME_APPLIED: _ClassVar[Outcome]
     OUTCOME_DROPPED: _ClassVar[Outcome]
+    OUTCOME_UNKNOWN: _ClassVar[Outcome]
 ROLE_UNSPECIFIED: Role
 ROLE_WORKER: Role
 ROLE_SERVER: Role
@@ -29,6 +30,7 @@ ROLE_AGGREGATOR: Role
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_APPLIED: Outcome
 OUTCOME_DROPPED: Outcome
+OUTCOME_UNKNOWN: Outcome
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -41,14 +43,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobParams(_message.Message):
-    __slots__ = ("tau_max", "div_max", "sync_workers")
+    __slots__ = ("tau_max", "div_max", "sync_workers", "allow_non_finite")
     TAU_MAX_FIELD_NUMBER: _ClassVar[int]
     DIV_MAX_FIELD_NUMBER: _ClassVar[int]
     SYNC_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     tau_max: int
     div_max: float
     sync_workers: int
-    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ..., sync_workers: _Optional[int] = ...) -> None: ...
+    allow_non_finite: bool
+    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ..., sync_workers: _Optional[int] = ..., allow_non_finite: _Optional[bool] = ...) -> None: ...
 
 class AggregateMember(_message.Message):
     __slots__ = ("update_id", "worker", "base_version", "norm", "src_host", "bytes")

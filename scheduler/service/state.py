@@ -14,6 +14,7 @@ worker or update at fault; the service turns them into replies.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -50,6 +51,32 @@ __all__ = [
 
 #: outcomes kept for inspection (oldest forgotten first)
 MAX_OUTCOMES = 100_000
+
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with a data-plane address ``"ip:port"`` (``"[ipv6]:port"``), or None.
+
+    Examples
+    --------
+    >>> address_problem("127.0.0.1:9000") is None, address_problem("[::1]:9000") is None
+    (True, True)
+    >>> address_problem("127.0.0.1:0")
+    'has port 0, not 1-65535'
+    >>> address_problem("localhost:9000")
+    "is not 'ip:port' (the host part 'localhost' is not an IP address)"
+    """
+    ip, sep, port = address.rpartition(":")
+    if not sep or not ip:
+        return "is not 'ip:port'"
+    try:
+        ipaddress.ip_address(ip[1:-1] if ip.startswith("[") and ip.endswith("]") else ip)
+    except ValueError:
+        return f"is not 'ip:port' (the host part {ip!r} is not an IP address)"
+    if not port.isdigit():
+        return f"is not 'ip:port' (the port {port!r} is not a number)"
+    if not 1 <= int(port) <= 65535:
+        return f"has port {int(port)}, not 1-65535"
+    return None
 
 
 class SchedulerError(Exception):
@@ -113,11 +140,13 @@ class TensorSpec:
 class JobParams:
     """Delay and divergence bounds of a job (paper Table 1 ``params``).
 
-    ``tau_max < 0`` and ``div_max <= 0`` mean unbounded.
+    ``tau_max < 0`` and ``div_max <= 0`` mean unbounded. ``allow_non_finite``: servers apply
+    updates holding NaN or inf (default: they refuse them).
     """
 
     tau_max: int = -1
     div_max: float = 0.0
+    allow_non_finite: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,6 +280,8 @@ class SchedulerState:
             ``host`` is not a host of the bandwidth graph.
         HostAlreadyConnected
             ``host`` already has a connected daemon.
+        SchedulerError
+            ``data_address`` is not ``"ip:port"`` with a port 1-65535 (the message names it).
         """
         if host not in self._graph_hosts:
             known = ", ".join(sorted(self._graph_hosts))
@@ -259,6 +290,9 @@ class SchedulerState:
             raise HostAlreadyConnected(f"host '{host}' already has a connected daemon")
         if not data_address:
             raise SchedulerError(f"host '{host}': hello without a data-plane address")
+        problem = address_problem(data_address)
+        if problem is not None:
+            raise SchedulerError(f"host '{host}': data-plane address {data_address!r} {problem}")
         info = DaemonInfo(host, data_address, version)
         self.daemons[host] = info
         return info
@@ -318,10 +352,17 @@ class SchedulerState:
             The job already has a server called ``name``.
         ParamsMismatch
             ``params`` differ from the params the job's first server gave.
+        SchedulerError
+            A bounded ``div_max``: it needs replicas, which do not run yet (DESIGN §4).
         """
         self._require_daemon(host)
         if not name:
             raise SchedulerError(f"job '{job}': a server needs a name")
+        if params.div_max > 0:
+            raise SchedulerError(
+                f"job '{job}': server '{name}' sets div_max {params.div_max}, which cannot be enforced "
+                "until replication runs; register with div_max <= 0 (unbounded)"
+            )
         record = self.jobs.get(job)
         if record is None:
             record = self.jobs[job] = Job(job, params)

@@ -29,9 +29,9 @@ def job_params(p: pb.JobParams) -> JobParams:
     Examples
     --------
     >>> job_params(pb.JobParams(tau_max=4, div_max=0.5))
-    JobParams(tau_max=4, div_max=0.5)
+    JobParams(tau_max=4, div_max=0.5, allow_non_finite=False)
     """
-    return JobParams(tau_max=p.tau_max, div_max=p.div_max)
+    return JobParams(tau_max=p.tau_max, div_max=p.div_max, allow_non_finite=p.allow_non_finite)
 
 
 def job_params_pb(p: JobParams) -> pb.JobParams:
@@ -41,8 +41,10 @@ def job_params_pb(p: JobParams) -> pb.JobParams:
     --------
     >>> job_params_pb(JobParams(tau_max=4)).tau_max
     4
+    >>> job_params_pb(JobParams(allow_non_finite=True)).allow_non_finite
+    True
     """
-    return pb.JobParams(tau_max=p.tau_max, div_max=p.div_max)
+    return pb.JobParams(tau_max=p.tau_max, div_max=p.div_max, allow_non_finite=p.allow_non_finite)
 
 
 def server_info(s: ServerRole, address: str) -> pb.ServerInfo:

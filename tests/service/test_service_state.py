@@ -13,6 +13,7 @@ from mlfabric.scheduler.service.state import (
     NoPath,
     OutcomeKind,
     ParamsMismatch,
+    SchedulerError,
     SchedulerState,
     TensorSpec,
     TransferResult,
@@ -101,8 +102,8 @@ def test_no_path_is_a_domain_error() -> None:
         }
     )
     s = SchedulerState(g)
-    s.connect("a", "x:1")
-    s.connect("c", "x:2")
+    s.connect("a", "127.0.0.1:1")
+    s.connect("c", "127.0.0.1:2")
     s.register_server("a", "j", "ps", MODEL, JobParams(), version=0)
     s.register_worker("c", "j", "w")
     with pytest.raises(NoPath, match="'c' to 'a'"):
@@ -213,3 +214,29 @@ def test_sharing_weights_other_transfers_by_their_overlap() -> None:
     assert s.sharing("u1", now=1.0) == 1  # v1 overlapped a quarter of u1's time on sw->h0
     assert s.sharing("u1", now=3.0) == 2  # ... and three quarters here
     assert s.sharing("unknown", now=1.0) == 1
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["nonsense", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", "127.0.0.1:http", ":9000", "999.1.1.1:9"],
+)
+def test_hello_with_a_malformed_data_address_is_refused_naming_it(address: str) -> None:
+    s = SchedulerState(star(2, 8e9))
+    with pytest.raises(SchedulerError, match=f"'{address}'"):
+        s.connect("h0", address)
+    assert "h0" not in s.daemons
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "198.18.0.2:65535", "[::1]:9000"])
+def test_hello_with_a_well_formed_data_address_is_accepted(address: str) -> None:
+    s = SchedulerState(star(2, 8e9))
+    assert s.connect("h0", address).data_address == address
+
+
+def test_bounded_div_max_is_refused_until_replication_runs() -> None:
+    s = SchedulerState(star(2, 8e9))
+    s.connect("h0", "127.0.0.1:1")
+    with pytest.raises(SchedulerError, match="div_max 0.5"):
+        s.register_server("h0", "j", "ps", MODEL, JobParams(div_max=0.5), version=0)
+    assert "j" not in s.jobs
+    s.register_server("h0", "j", "ps", MODEL, JobParams(div_max=0.0), version=0)  # unbounded
