@@ -86,7 +86,7 @@ def serve(name: str, pending: Sequence[PendingUpdate]) -> tuple[Recording, Sched
         clock=lambda: 0.0,
     )
     sessions = {
-        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}"))
+        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=True))
         for i, h in enumerate(["ps", *WORKERS, "x"])
     }
     msg = pb.DaemonMessage
