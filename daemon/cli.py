@@ -16,14 +16,14 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import threading
-from typing import Any
 
-__all__ = ["configure", "host_nic_rates", "run", "write_ready_file"]
+from mlfabric.readyfile import write_ready_file
+
+__all__ = ["configure", "host_nic_rates", "run"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 
@@ -117,19 +117,11 @@ def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
     return egress, ingress
 
 
-def write_ready_file(path: str, content: dict[str, Any]) -> None:
-    """Write ``content`` as JSON to ``path`` atomically (temp file + rename)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(content, f)
-    os.replace(tmp, path)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
     from mlfabric.daemon.daemon import Daemon, DaemonConfig
     from mlfabric.daemon.transfers import TransferReportLog
-    from mlfabric.localclient import default_socket_path
+    from mlfabric.wire.framing import default_socket_path
 
     socket_path = default_socket_path(args.socket)
 

@@ -9,8 +9,10 @@ A scheduler that refuses the ``Hello`` (INVALID_ARGUMENT, e.g. a host name not i
 bandwidth graph) is not retried. When the stream breaks, :class:`ControlStream` tells the
 daemon (which resolves the pushes that were waiting for a directive, so none is silently
 lost) and reconnects with exponential backoff; after each ``Welcome`` the daemon
-re-registers its roles. Keepalive pings keep idle streams alive through proxies and
-detect a dead scheduler.
+re-registers its roles. Keepalive pings (:mod:`mlfabric.wire.keepalive`, the setting the
+scheduler's server expects) keep idle streams alive through proxies and detect a dead
+scheduler. A refused ``RegisterRole`` carries an ``ErrorCode``; :func:`local_error_code`
+turns it into the local API's code.
 """
 
 from __future__ import annotations
@@ -24,18 +26,32 @@ from typing import Any
 import grpc
 
 from mlfabric.proto.v1 import control_pb2, control_pb2_grpc
+from mlfabric.wire.keepalive import CHANNEL_OPTIONS
 
-__all__ = ["KEEPALIVE_OPTIONS", "ControlStream"]
+__all__ = ["ControlStream", "local_error_code"]
 
 _LOG = logging.getLogger("mlfabric.daemon.control")
 
-#: gRPC channel options: ping every 20 s (even with no call active), give up after 10 s silence.
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+
+def local_error_code(code: int) -> str:
+    """The local API's error code (``LocalError.code``) for a scheduler's refusal ``code``.
+
+    ``ERROR_CODE_<NAME>`` becomes ``"<name>"``; a code this daemon does not know (a newer
+    scheduler) or none at all becomes ``"refused"``.
+
+    Examples
+    --------
+    >>> local_error_code(control_pb2.ERROR_CODE_UNKNOWN_JOB)
+    'unknown_job'
+    >>> local_error_code(control_pb2.ERROR_CODE_DUPLICATE_SERVER)
+    'duplicate_server'
+    >>> local_error_code(control_pb2.ERROR_CODE_UNSPECIFIED), local_error_code(999)
+    ('refused', 'refused')
+    """
+    if code == control_pb2.ERROR_CODE_UNSPECIFIED or code not in control_pb2.ErrorCode.values():
+        return "refused"
+    return control_pb2.ErrorCode.Name(code).removeprefix("ERROR_CODE_").lower()
+
 
 _CLOSE = object()
 
@@ -88,7 +104,7 @@ class ControlStream:
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
         self._channel_factory = channel_factory or (
-            lambda t: grpc.insecure_channel(t, options=KEEPALIVE_OPTIONS)
+            lambda t: grpc.insecure_channel(t, options=CHANNEL_OPTIONS)
         )
         self._lock = threading.Lock()
         self._outbox: queue.Queue[Any] | None = None

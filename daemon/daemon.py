@@ -32,8 +32,7 @@ from typing import Any
 
 from mlfabric import __version__
 from mlfabric.daemon.aggregating import AggregatorRole
-from mlfabric.daemon.bufferpool import MemfdPool
-from mlfabric.daemon.control import ControlStream
+from mlfabric.daemon.control import ControlStream, local_error_code
 from mlfabric.daemon.dataplane import (
     Frame,
     FrameError,
@@ -58,6 +57,7 @@ from mlfabric.daemon.transfers import PushSender, TransferReportLog
 from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb
+from mlfabric.wire.memfd import MemfdPool
 
 __all__ = ["Daemon", "DaemonConfig"]
 

@@ -12,7 +12,7 @@ A frame on the wire (see ``proto/mlfabric/v1/dataplane.proto``)::
 
 The payload is the update's (or aggregate's, or model's) tensors concatenated as the header's
 ``tensors`` layout lists them, protected by a CRC-32 (zlib's checksum; computed with ISA-L when
-``isal`` is installed, see :func:`~mlfabric.daemon.payloadio.crc32`) carried in the header, or in
+``isal`` is installed, see :func:`~mlfabric.wire.crc.crc32`) carried in the header, or in
 a 4-byte trailer when the sender did not know it in advance. The bytes move over plain TCP
 sockets, not gRPC, so that one transfer runs at link speed (MLfabric §4: the daemons, not the
 training processes, move the bytes; the scheduler only sees reports).
@@ -20,7 +20,7 @@ training processes, move the bytes; the scheduler only sees reports).
 Sending takes the payload either as a buffer or as a :class:`FileSpan` of a memfd (mapped and
 sent with ``sendall``, or ``os.sendfile``). Receiving goes into a buffer the caller allocates
 (``alloc(nbytes)``; the daemon hands out memfd-backed mmaps, see
-:mod:`mlfabric.daemon.bufferpool`, so it can pass the fd on to the server process),
+:mod:`mlfabric.wire.memfd`, so it can pass the fd on to the server process),
 ``recv_into`` in large chunks, with the CRC computed on a helper thread right behind the copy.
 Pass the CRC in when it is known (e.g. computed when the update was handed to the daemon): the
 sender then never reads the payload itself.
@@ -42,7 +42,6 @@ from typing import Any, TypeAlias
 
 from google.protobuf.message import DecodeError
 
-from mlfabric.daemon import payloadio
 from mlfabric.daemon.payloadio import (
     Crc32Follower,
     FileSpan,
@@ -54,6 +53,7 @@ from mlfabric.daemon.payloadio import (
 )
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
+from mlfabric.wire.crc import crc32 as _crc32
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -359,7 +359,7 @@ def send_frame(
         return TransferStats(bytes=0, start=start, end=time.time())
     if not isinstance(payload, FileSpan) and size <= 64 * 1024 and (bucket is None or not bucket.enabled):
         small = memoryview(payload).cast("B")  # one segment
-        tail = _CRC.pack(payloadio.crc32(small)) if trailer else b""
+        tail = _CRC.pack(_crc32(small)) if trailer else b""
         sock.sendall(b"".join((prefix, small, tail)))
         return TransferStats(bytes=size, start=start, end=time.time())
     sock.sendall(prefix)

@@ -2,7 +2,7 @@
 
 Each connection carries one process's role (worker or server of one job). Messages are
 length-prefixed ``LocalRequest``/``LocalEvent`` protobufs with tensor memfds passed as
-SCM_RIGHTS (see :mod:`mlfabric.localclient`, which holds the framing both ends share).
+SCM_RIGHTS (see :mod:`mlfabric.wire.framing`, the framing both ends share).
 One reader thread per connection calls the daemon's ``on_request(conn, request, fd)``;
 replies go out through :meth:`LocalConnection.send`, which any thread may call.
 
@@ -24,8 +24,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from mlfabric.localclient import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, send_message
 from mlfabric.proto.v1 import local_pb2
+from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, send_message
 
 __all__ = ["LocalApiServer", "LocalConnection"]
 

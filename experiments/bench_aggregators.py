@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.bufferpool import MemfdPool
 from mlfabric.tensors import DTYPES, Layout
+from mlfabric.wire.memfd import MemfdPool
 
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
 

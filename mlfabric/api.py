@@ -19,7 +19,7 @@ tensors go in a memfd, see :mod:`mlfabric.localclient`)::
     server.serve()
 
 The daemon's socket: the ``daemon`` argument, else the ``MLFABRIC_DAEMON`` environment
-variable, else :data:`mlfabric.localclient.DEFAULT_SOCKET`
+variable, else :data:`mlfabric.wire.framing.DEFAULT_SOCKET`
 (``$TMPDIR/mlfabric-<uid>/daemon.sock``).
 
 Tensors are dicts of name -> numpy array or torch tensor, dtype float32, float16, bfloat16
@@ -44,22 +44,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric import tensors as tcodec
-from mlfabric.daemon.bufferpool import MemfdPool, privatize
-from mlfabric.daemon.payloadio import crc32 as payload_crc32
 from mlfabric.daemon.roles import check_update
 from mlfabric.localclient import (
     APPLIED,
     DROPPED,
-    MAX_LOCAL_MESSAGE,
     LocalClient,
     MlfabricError,
     PushHandle,
     PushResult,
-    default_socket_path,
     raise_for_error,
 )
 from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, local_pb2
+from mlfabric.wire.crc import crc32 as payload_crc32
+from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, default_socket_path
+from mlfabric.wire.memfd import MemfdPool, privatize
 
 __all__ = [
     "APPLIED",

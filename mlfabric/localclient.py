@@ -1,61 +1,34 @@
-"""The local API's wire: a training process's connection to its host's daemon (DESIGN.md §3).
+"""The training-process end of the local API: a connection to its host's daemon (DESIGN §3, §7).
 
-Messages travel over a Unix stream socket as a 4-byte big-endian length followed by a
-serialized ``LocalRequest`` (process -> daemon) or ``LocalEvent`` (daemon -> process),
-``proto/mlfabric/v1/local.proto``. Tensor bytes never travel in a message: they sit in
-a memfd whose descriptor rides on the same ``sendmsg`` as SCM_RIGHTS ancillary data,
-and the message says so with ``has_payload``. The kernel hands ancillary data out with
-the first byte of the write that carried it, so descriptors arrive in message order;
-:class:`MessageReader` queues them and each payload-carrying message takes the next.
-
-The framing helpers here are shared by both ends (the daemon's :mod:`mlfabric.daemon.localapi`
-imports them); :class:`LocalClient` is the training-process end, and :class:`PushHandle` /
-:class:`PushResult` are how a push's outcome (APPLIED or DROPPED) comes back to it.
+:class:`LocalClient` sends ``LocalRequest`` messages and reads ``LocalEvent`` messages with
+the framing of :mod:`mlfabric.wire.framing` (shared with the daemon's
+:mod:`mlfabric.daemon.localapi`); tensor bytes go in a memfd passed alongside.
+:class:`PushHandle` / :class:`PushResult` are how a push's outcome (APPLIED or DROPPED)
+comes back to it.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import os
 import socket
-import struct
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mlfabric.proto.v1 import control_pb2, local_pb2
+from mlfabric.wire.framing import MessageReader, ProtocolError, send_message
 
 __all__ = [
     "APPLIED",
-    "DEFAULT_SOCKET",
     "DROPPED",
-    "ENV_DAEMON",
-    "MAX_LOCAL_MESSAGE",
     "LocalClient",
-    "MessageReader",
     "MlfabricError",
-    "ProtocolError",
     "PushHandle",
     "PushResult",
-    "default_socket_path",
-    "send_message",
 ]
-
-#: Environment variable naming the daemon's socket.
-ENV_DAEMON = "MLFABRIC_DAEMON"
-
-#: The socket path used when neither an argument nor ``MLFABRIC_DAEMON`` names one.
-DEFAULT_SOCKET = os.path.join(tempfile.gettempdir(), f"mlfabric-{os.getuid()}", "daemon.sock")
-
-#: Largest local message (the protobuf, not the tensors, which go in a memfd).
-MAX_LOCAL_MESSAGE = 16 << 20
-
-_LEN = struct.Struct(">I")
-_MAX_FDS = 16
 
 
 class MlfabricError(RuntimeError):
@@ -64,119 +37,14 @@ class MlfabricError(RuntimeError):
     Attributes
     ----------
     code : str
-        Machine-readable: ``unknown_job``, ``unknown_server``, ``bad_tensor``, ``bad_request``,
-        ``unavailable``, ``no_daemon``, ``disconnected``, ...
+        Machine-readable: ``unknown_job``, ``unknown_server``, ``duplicate_server``,
+        ``params_mismatch`` (the scheduler's ``ErrorCode`` in lower case), ``bad_tensor``,
+        ``bad_request``, ``unavailable``, ``no_daemon``, ``disconnected``, ...
     """
 
     def __init__(self, message: str, code: str = "error") -> None:
         super().__init__(message)
         self.code = code
-
-
-class ProtocolError(ValueError):
-    """A local message that breaks the framing (too long, or a payload without a descriptor)."""
-
-
-def default_socket_path(explicit: str | None = None) -> str:
-    """The daemon socket to use: ``explicit``, else ``$MLFABRIC_DAEMON``, else :data:`DEFAULT_SOCKET`.
-
-    Parameters
-    ----------
-    explicit : str, optional
-        A path given by the caller.
-
-    Returns
-    -------
-    str
-
-    Examples
-    --------
-    >>> default_socket_path("/tmp/x.sock")
-    '/tmp/x.sock'
-    """
-    return explicit or os.environ.get(ENV_DAEMON) or DEFAULT_SOCKET
-
-
-def send_message(sock: socket.socket, message: Any, fd: int | None = None) -> None:
-    """Write one length-prefixed message, with ``fd`` (if any) as SCM_RIGHTS on the same write.
-
-    Parameters
-    ----------
-    sock : socket.socket
-        A connected Unix stream socket. Callers serialise writes (one writer at a time).
-    message : LocalRequest or LocalEvent
-        The protobuf message.
-    fd : int, optional
-        A descriptor to pass (the receiver gets its own copy; the caller still owns ``fd``).
-    """
-    body = message.SerializeToString()
-    data = _LEN.pack(len(body)) + body
-    if fd is None:
-        sock.sendall(data)
-        return
-    sent = socket.send_fds(sock, [data], [fd])
-    if sent < len(data):
-        sock.sendall(data[sent:])
-
-
-class MessageReader:
-    """Reads length-prefixed messages and the descriptors passed with them from one socket.
-
-    Parameters
-    ----------
-    sock : socket.socket
-        A connected Unix stream socket.
-    max_message : int
-        Messages longer than this raise :class:`ProtocolError`.
-    """
-
-    def __init__(self, sock: socket.socket, max_message: int = MAX_LOCAL_MESSAGE) -> None:
-        self._sock = sock
-        self._max = max_message
-        self._buf = bytearray()
-        self._fds: collections.deque[int] = collections.deque()
-
-    def read(self) -> bytes | None:
-        """The next message's bytes, or None at end of stream.
-
-        Raises
-        ------
-        ProtocolError
-            When the length prefix exceeds the limit.
-        OSError
-            When the socket fails.
-        """
-        while True:
-            if len(self._buf) >= _LEN.size:
-                (length,) = _LEN.unpack_from(self._buf)
-                if length > self._max:
-                    raise ProtocolError(f"local message of {length} bytes exceeds the {self._max}-byte limit")
-                if len(self._buf) >= _LEN.size + length:
-                    body = bytes(self._buf[_LEN.size : _LEN.size + length])
-                    del self._buf[: _LEN.size + length]
-                    return body
-            data, fds, _flags, _addr = socket.recv_fds(self._sock, 1 << 16, _MAX_FDS)
-            self._fds.extend(fds)
-            if not data:
-                return None
-            self._buf += data
-
-    def take_fd(self) -> int:
-        """The descriptor passed with the message just read (the caller owns it).
-
-        Raises
-        ------
-        ProtocolError
-            When no descriptor came with the message.
-        """
-        if not self._fds:
-            raise ProtocolError("message says has_payload but no file descriptor came with it")
-        return self._fds.popleft()
-
-    def close(self) -> None:
-        """Close descriptors received but never taken."""
-        while self._fds:
-            os.close(self._fds.popleft())
 
 
 #: A push whose update the server applied.

@@ -368,7 +368,7 @@ def write_fd(fd: int, tensors: Mapping[str, object], layouts: Sequence[Layout]) 
     """Copy the tensors' bytes into a file (a reused memfd) at the offsets of ``layouts``.
 
     One copy per tensor with ``pwrite``: the file must already be at least as large as the
-    payload (a pooled memfd, see :class:`mlfabric.daemon.bufferpool.MemfdPool`).
+    payload (a pooled memfd, see :class:`mlfabric.wire.memfd.MemfdPool`).
 
     Parameters
     ----------
@@ -397,14 +397,14 @@ def encode_pooled(pool: Any, tensors: Mapping[str, object]) -> tuple[Any, list[L
 
     Parameters
     ----------
-    pool : mlfabric.daemon.bufferpool.MemfdPool
+    pool : mlfabric.wire.memfd.MemfdPool
         Where the buffer comes from.
     tensors : Mapping[str, numpy.ndarray or torch.Tensor]
         The update.
 
     Returns
     -------
-    buf : mlfabric.daemon.bufferpool.PooledBuffer
+    buf : mlfabric.wire.memfd.PooledBuffer
         Holds the payload in its first ``total`` bytes; ``buf.fd`` is its memfd. The caller
         releases it (``buf.release()``) when no reader is left.
     layouts : list of Layout
@@ -414,7 +414,7 @@ def encode_pooled(pool: Any, tensors: Mapping[str, object]) -> tuple[Any, list[L
 
     Examples
     --------
-    >>> from mlfabric.daemon.bufferpool import MemfdPool
+    >>> from mlfabric.wire.memfd import MemfdPool
     >>> pool = MemfdPool()
     >>> buf, layouts, n = encode_pooled(pool, {"w": np.ones(4, np.float32)})
     >>> read_memfd(buf.fd, layouts)["w"].sum(), n

@@ -16,6 +16,22 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_REPLICA: _ClassVar[Role]
     ROLE_AGGREGATOR: _ClassVar[Role]
 
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    ERROR_CODE_REFUSED: _ClassVar[ErrorCode]
+    ERROR_CODE_UNKNOWN_HOST: _ClassVar[ErrorCode]
+    ERROR_CODE_HOST_ALREADY_CONNECTED: _ClassVar[ErrorCode]
+    ERROR_CODE_UNKNOWN_DAEMON: _ClassVar[ErrorCode]
+    ERROR_CODE_UNKNOWN_JOB: _ClassVar[ErrorCode]
+    ERROR_CODE_UNKNOWN_SERVER: _ClassVar[ErrorCode]
+    ERROR_CODE_UNKNOWN_WORKER: _ClassVar[ErrorCode]
+    ERROR_CODE_DUPLICATE_SERVER: _ClassVar[ErrorCode]
+    ERROR_CODE_PARAMS_MISMATCH: _ClassVar[ErrorCode]
+    ERROR_CODE_DUPLICATE_UPDATE: _ClassVar[ErrorCode]
+    ERROR_CODE_UNKNOWN_UPDATE: _ClassVar[ErrorCode]
+    ERROR_CODE_NO_PATH: _ClassVar[ErrorCode]
+
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
@@ -27,6 +43,19 @@ ROLE_WORKER: Role
 ROLE_SERVER: Role
 ROLE_REPLICA: Role
 ROLE_AGGREGATOR: Role
+ERROR_CODE_UNSPECIFIED: ErrorCode
+ERROR_CODE_REFUSED: ErrorCode
+ERROR_CODE_UNKNOWN_HOST: ErrorCode
+ERROR_CODE_HOST_ALREADY_CONNECTED: ErrorCode
+ERROR_CODE_UNKNOWN_DAEMON: ErrorCode
+ERROR_CODE_UNKNOWN_JOB: ErrorCode
+ERROR_CODE_UNKNOWN_SERVER: ErrorCode
+ERROR_CODE_UNKNOWN_WORKER: ErrorCode
+ERROR_CODE_DUPLICATE_SERVER: ErrorCode
+ERROR_CODE_PARAMS_MISMATCH: ErrorCode
+ERROR_CODE_DUPLICATE_UPDATE: ErrorCode
+ERROR_CODE_UNKNOWN_UPDATE: ErrorCode
+ERROR_CODE_NO_PATH: ErrorCode
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_APPLIED: Outcome
 OUTCOME_DROPPED: Outcome
@@ -235,18 +264,20 @@ class ServerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RoleAck(_message.Message):
-    __slots__ = ("request_id", "ok", "error", "params", "servers")
+    __slots__ = ("request_id", "ok", "error", "params", "servers", "code")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     ok: bool
     error: str
     params: JobParams
     servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
-    def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., params: _Optional[_Union[JobParams, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
+    code: ErrorCode
+    def __init__(self, request_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., params: _Optional[_Union[JobParams, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., code: _Optional[_Union[ErrorCode, str]] = ...) -> None: ...
 
 class SendDirective(_message.Message):
     __slots__ = ("update_id", "next_hop_host", "next_hop_address", "dst_host", "aggregate_id")
@@ -295,12 +326,14 @@ class ResolveDirective(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., delay: _Optional[int] = ..., server_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DropDirective(_message.Message):
-    __slots__ = ("update_id", "reason")
+    __slots__ = ("update_id", "reason", "code")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     reason: str
-    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    code: ErrorCode
+    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ...) -> None: ...
 
 class JobUpdate(_message.Message):
     __slots__ = ("job", "servers")

@@ -90,6 +90,7 @@ from mlfabric.scheduler.service.state import (
     TensorSpec,
     UnknownUpdate,
 )
+from mlfabric.wire.keepalive import CHANNEL_OPTIONS, MIN_PING_INTERVAL_MS
 
 __all__ = [
     "CLIENT_CHANNEL_OPTIONS",
@@ -111,19 +112,15 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 0),
     # a second scheduler on the same port must fail, not share the port
     ("grpc.so_reuseport", 0),
 ]
 
-#: options for a daemon's channel to the scheduler (``grpc.insecure_channel(addr, options=...)``)
-CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+#: options for a daemon's channel to the scheduler (``grpc.insecure_channel(addr, options=...)``);
+#: the one definition is :data:`mlfabric.wire.keepalive.CHANNEL_OPTIONS`, which daemons import
+CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = CHANNEL_OPTIONS
 
 
 class Estimator(Protocol):

@@ -18,6 +18,7 @@ import ipaddress
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import networkx as nx
 
@@ -82,49 +83,74 @@ def address_problem(address: str) -> str | None:
 class SchedulerError(Exception):
     """A request the scheduler cannot honour; the message names the culprit."""
 
+    #: the wire code (``mlfabric.v1.ErrorCode`` ``ERROR_CODE_<code>``) daemons switch on
+    code: ClassVar[str] = "REFUSED"
+
 
 class UnknownHost(SchedulerError):
     """A daemon said hello with a host name that is not a host of the bandwidth graph."""
+
+    code = "UNKNOWN_HOST"
 
 
 class HostAlreadyConnected(SchedulerError):
     """A second daemon said hello for a host that already has one."""
 
+    code = "HOST_ALREADY_CONNECTED"
+
 
 class UnknownDaemon(SchedulerError):
     """A message came for a host whose daemon is not (or no longer) connected."""
+
+    code = "UNKNOWN_DAEMON"
 
 
 class UnknownJob(SchedulerError):
     """A worker or update names a job that has no server."""
 
+    code = "UNKNOWN_JOB"
+
 
 class UnknownServer(SchedulerError):
     """An update names a server that its job does not have."""
+
+    code = "UNKNOWN_SERVER"
 
 
 class UnknownWorker(SchedulerError):
     """An update comes from a worker that did not register on that host."""
 
+    code = "UNKNOWN_WORKER"
+
 
 class DuplicateServer(SchedulerError):
     """A server registers with the name of a server its job already has."""
+
+    code = "DUPLICATE_SERVER"
 
 
 class ParamsMismatch(SchedulerError):
     """A server registers with job params different from its job's."""
 
+    code = "PARAMS_MISMATCH"
+
 
 class DuplicateUpdate(SchedulerError):
     """An update id is announced while the same id is still pending or in flight."""
+
+    code = "DUPLICATE_UPDATE"
 
 
 class UnknownUpdate(SchedulerError):
     """An operation names an update that is neither pending nor in flight."""
 
+    code = "UNKNOWN_UPDATE"
+
 
 class NoPath(SchedulerError):
     """The bandwidth graph has no path from a worker's host to its server's host."""
+
+    code = "NO_PATH"
 
 
 @dataclass(frozen=True)

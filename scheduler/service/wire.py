@@ -8,13 +8,21 @@ directives sent back. Pure: no I/O, no state.
 from __future__ import annotations
 
 from mlfabric.proto.v1 import control_pb2 as pb
-from mlfabric.scheduler.service.state import JobParams, OutcomeKind, ServerRole, TransferResult
+from mlfabric.scheduler.service.state import (
+    JobParams,
+    OutcomeKind,
+    SchedulerError,
+    ServerRole,
+    TransferResult,
+)
 
 __all__ = [
     "OUTCOMES",
     "drop_directive",
+    "error_code",
     "job_params",
     "job_params_pb",
+    "role_refused",
     "server_info",
     "transfer_result",
 ]
@@ -88,12 +96,43 @@ def transfer_result(host: str, m: pb.TransferReport) -> TransferResult:
     )
 
 
-def drop_directive(update_id: str, reason: str) -> pb.Directive:
-    """The directive dropping update ``update_id`` for ``reason``.
+def error_code(exc: SchedulerError) -> pb.ErrorCode.ValueType:
+    """The wire ``ErrorCode`` of a scheduler error: the one its class declares (``code``).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.service.state import UnknownJob
+    >>> pb.ErrorCode.Name(error_code(UnknownJob("unknown job 'j'")))
+    'ERROR_CODE_UNKNOWN_JOB'
+    >>> pb.ErrorCode.Name(error_code(SchedulerError("a server needs a name")))
+    'ERROR_CODE_REFUSED'
+    """
+    return pb.ErrorCode.Value(f"ERROR_CODE_{exc.code}")
+
+
+def role_refused(request_id: int, exc: SchedulerError) -> pb.Directive:
+    """The ``RoleAck`` refusing registration ``request_id``: the error's code and message.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.service.state import DuplicateServer
+    >>> ack = role_refused(7, DuplicateServer("job 'j' already has a server 'ps'")).role_ack
+    >>> ack.ok, pb.ErrorCode.Name(ack.code), ack.error
+    (False, 'ERROR_CODE_DUPLICATE_SERVER', "job 'j' already has a server 'ps'")
+    """
+    return pb.Directive(
+        role_ack=pb.RoleAck(request_id=request_id, ok=False, error=str(exc), code=error_code(exc))
+    )
+
+
+def drop_directive(
+    update_id: str, reason: str, code: pb.ErrorCode.ValueType = pb.ERROR_CODE_UNSPECIFIED
+) -> pb.Directive:
+    """The directive dropping update ``update_id`` for ``reason`` (``code``: set for a refusal).
 
     Examples
     --------
     >>> drop_directive("a/1", "no path").drop.reason
     'no path'
     """
-    return pb.Directive(drop=pb.DropDirective(update_id=update_id, reason=reason))
+    return pb.Directive(drop=pb.DropDirective(update_id=update_id, reason=reason, code=code))

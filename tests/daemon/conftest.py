@@ -124,7 +124,10 @@ class FakeScheduler(control_pb2_grpc.SchedulerServicer):
                     params = self.params.get(r.job)
                 if not servers:
                     ack = control_pb2.RoleAck(
-                        request_id=r.request_id, ok=False, error=f"unknown job {r.job!r}"
+                        request_id=r.request_id,
+                        ok=False,
+                        error=f"unknown job {r.job!r}",
+                        code=control_pb2.ERROR_CODE_UNKNOWN_JOB,
                     )
                 else:
                     ack = control_pb2.RoleAck(

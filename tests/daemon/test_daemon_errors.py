@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.localclient import LocalClient, MessageReader
+from mlfabric.localclient import LocalClient
 from mlfabric.proto.v1 import local_pb2
+from mlfabric.wire.framing import MessageReader
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 import mlfabric
 import mlfabric.api
 from mlfabric.api import Worker
-from mlfabric.daemon.bufferpool import MemfdPool
 from mlfabric.proto.v1 import control_pb2, local_pb2
 from mlfabric.tensors import Layout, from_fd, map_memfd, plan_layout, read_memfd, write_fd
+from mlfabric.wire.memfd import MemfdPool
 
 
 class RecordingClient:

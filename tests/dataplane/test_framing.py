@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mlfabric.daemon import payloadio
 from mlfabric.daemon.dataplane import (
     MAGIC,
     FileSpan,
@@ -26,6 +25,7 @@ from mlfabric.daemon.dataplane import (
     send_frame,
 )
 from mlfabric.proto.v1 import dataplane_pb2
+from mlfabric.wire import crc
 
 LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=64 << 20)
 
@@ -299,24 +299,24 @@ def test_crc32_matches_zlib_in_pieces() -> None:
     data = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
     running = 0
     for start in range(0, len(data), 77_777):
-        running = payloadio.crc32(memoryview(data)[start : start + 77_777], running)
+        running = crc.crc32(memoryview(data)[start : start + 77_777], running)
     assert running == zlib.crc32(data) == payload_crc32(data)
 
 
 @pytest.mark.parametrize("name", ["isal", "zlib"])
 def test_every_crc32_implementation_is_zlibs(name: str) -> None:
-    before = payloadio.crc32_implementation()
+    before = crc.crc32_implementation()
     if name == "isal" and before != "isal":
         pytest.skip("isal is not installed")
     data = np.random.default_rng(8).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
     try:
-        payloadio.use_crc32(name)
-        assert payloadio.crc32_implementation() == name
-        assert payloadio.crc32(data[1000:], payloadio.crc32(data[:1000])) == zlib.crc32(data)
+        crc.use_crc32(name)
+        assert crc.crc32_implementation() == name
+        assert crc.crc32(data[1000:], crc.crc32(data[:1000])) == zlib.crc32(data)
     finally:
-        payloadio.use_crc32(before)
+        crc.use_crc32(before)
 
 
 def test_unknown_crc32_implementation() -> None:
     with pytest.raises(ValueError, match="'crc32c' not available; have"):
-        payloadio.use_crc32("crc32c")
+        crc.use_crc32("crc32c")

@@ -1,4 +1,4 @@
-"""Recycled memfd-backed buffers for received payloads (issue 2, "Data plane", "Performance").
+"""Recycled memfd-backed buffers for payloads: the one pool the daemon and the client share.
 
 A daemon receives every update into a memfd so that it can pass the fd on to the server process
 (DEVELOPERS.md, "shared memory"). Fresh memory is expensive: on loopback, receiving into new

@@ -1,4 +1,4 @@
-"""Recycled memfd buffers (daemon/bufferpool.py), alone and as the listener's allocator."""
+"""Recycled memfd buffers (mlfabric/wire/memfd.py), alone and as the listener's allocator."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from mlfabric.daemon.bufferpool import MemfdPool, size_class
 from mlfabric.daemon.dataplane import Frame, FrameHeader, FrameLimits
 from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
 from mlfabric.proto.v1 import dataplane_pb2
+from mlfabric.wire.memfd import MemfdPool, size_class
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,11 @@
+"""What the client and the daemon share on the host: one definition, imported by both sides.
+
+- :mod:`mlfabric.wire.framing`: the local API's length-prefixed messages with a memfd
+  descriptor alongside, and where the daemon's socket is;
+- :mod:`mlfabric.wire.memfd`: the pool of recycled memfd-backed buffers payloads travel in;
+- :mod:`mlfabric.wire.crc`: the CRC-32 of payloads (ISA-L when installed);
+- :mod:`mlfabric.wire.keepalive`: the control stream's gRPC keepalive.
+
+Nothing here imports the client (:mod:`mlfabric.api`, :mod:`mlfabric.localclient`), the
+daemon (:mod:`mlfabric.daemon`) or the scheduler; they import this package.
+"""
