@@ -310,6 +310,11 @@ class Verdict:
         """A DROPPED verdict with ``reason``."""
         return cls(control_pb2.OUTCOME_DROPPED, 0, version, reason)
 
+    @classmethod
+    def unknown(cls, reason: str, version: int = 0) -> Verdict:
+        """An UNKNOWN verdict: whether the update was applied cannot be known; ``reason`` says why."""
+        return cls(control_pb2.OUTCOME_UNKNOWN, 0, version, reason)
+
 
 @dataclass
 class ModelSnapshot:
@@ -396,7 +401,9 @@ class ServerHandoff:
         """The verdict on an arriving update: stored, awaited, or delivered now and awaited.
 
         ``timeout`` None waits until the process answers or disconnects. A timeout answers
-        DROPPED while the process may still apply the update later, so it is for tests only.
+        UNKNOWN (the process may still apply the update later), as does a process that
+        disconnects after the update was handed to it; an update never handed over (the
+        process was gone already) is DROPPED.
 
         The caller keeps ownership of ``fd`` (the process gets its own copy).
         """
@@ -416,8 +423,9 @@ class ServerHandoff:
             except OSError as exc:
                 self.resolve(update_id, Verdict.dropped(f"server process {self.name!r} unreachable: {exc}"))
         if not delivery.done.wait(timeout):
-            return Verdict.dropped(
-                f"server process {self.name!r} gave no verdict on {update_id} within {timeout} s",
+            return Verdict.unknown(
+                f"server process {self.name!r} gave no verdict on {update_id} within {timeout} s "
+                "(it may still apply it)",
                 self.version,
             )
         assert delivery.verdict is not None
@@ -447,13 +455,24 @@ class ServerHandoff:
             delivery.done.set()
 
     def close(self, reason: str) -> None:
-        """The process went away: resolve every waiting delivery DROPPED with ``reason``."""
+        """The process went away: every update handed to it without a verdict resolves UNKNOWN.
+
+        It may have been applied just before the process went (its verdict lost), so neither
+        APPLIED nor DROPPED would be true. Updates arriving later are DROPPED with ``reason``.
+        """
         with self._lock:
             self._closed_reason = reason
             pending = list(self._inflight)
             snapshot, self._snapshot = self._snapshot, None
         for update_id in pending:
-            self.resolve(update_id, Verdict.dropped(reason, self.version))
+            self.resolve(
+                update_id,
+                Verdict.unknown(
+                    f"{reason} after {update_id} was handed to it and before its verdict: "
+                    "whether it was applied is unknown",
+                    self.version,
+                ),
+            )
         if snapshot is not None:
             snapshot.close()
 

@@ -30,6 +30,7 @@ _API = {
     "MlfabricError",
     "APPLIED",
     "DROPPED",
+    "UNKNOWN",
 }
 
 __all__ = sorted(_API | {"__version__"})

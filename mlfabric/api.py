@@ -9,6 +9,7 @@ tensors go in a memfd, see :mod:`mlfabric.localclient`)::
     version, model = worker.get("ps0")
     handle = worker.push("ps0", {"w": grad})          # norm defaults to the L2 norm
     result = handle.wait(timeout=30)                   # APPLIED (delay, version) or DROPPED (reason)
+                                                       # (or UNKNOWN: the server went away mid-apply)
 
     server = mlfabric.register_as_server("job1", "ps0", {"w": w0}, mlfabric.Params(tau_max=8))
 
@@ -48,6 +49,7 @@ from mlfabric.daemon.roles import check_update
 from mlfabric.localclient import (
     APPLIED,
     DROPPED,
+    UNKNOWN,
     LocalClient,
     MlfabricError,
     PushHandle,
@@ -63,6 +65,7 @@ from mlfabric.wire.memfd import MemfdPool, privatize
 __all__ = [
     "APPLIED",
     "DROPPED",
+    "UNKNOWN",
     "MlfabricError",
     "Params",
     "PushHandle",
@@ -150,7 +153,9 @@ class Worker:
         Returns
         -------
         PushHandle
-            ``wait()`` gives APPLIED (delay, version) or DROPPED (reason).
+            ``wait()`` gives APPLIED (delay, version) or DROPPED (reason); UNKNOWN (reason)
+            when the server process went away after the update was handed to it and before
+            its verdict, so whether it was applied cannot be known (never a false DROPPED).
 
         Raises
         ------

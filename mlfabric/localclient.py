@@ -24,6 +24,7 @@ from mlfabric.wire.framing import MessageReader, ProtocolError, send_message
 __all__ = [
     "APPLIED",
     "DROPPED",
+    "UNKNOWN",
     "LocalClient",
     "MlfabricError",
     "PushHandle",
@@ -51,8 +52,16 @@ class MlfabricError(RuntimeError):
 APPLIED = "APPLIED"
 #: A push whose update was not applied (``PushResult.reason`` says why).
 DROPPED = "DROPPED"
+#: A push whose update may or may not have been applied: the server process went away after
+#: the update was handed to it and before its verdict (``PushResult.reason`` says what
+#: happened; compare the model's version to find out). Never reported as DROPPED.
+UNKNOWN = "UNKNOWN"
 
-_OUTCOME_NAMES = {control_pb2.OUTCOME_APPLIED: APPLIED, control_pb2.OUTCOME_DROPPED: DROPPED}
+_OUTCOME_NAMES = {
+    control_pb2.OUTCOME_APPLIED: APPLIED,
+    control_pb2.OUTCOME_DROPPED: DROPPED,
+    control_pb2.OUTCOME_UNKNOWN: UNKNOWN,
+}
 
 
 @dataclass(frozen=True)
@@ -62,13 +71,14 @@ class PushResult:
     Attributes
     ----------
     status : str
-        :data:`APPLIED` or :data:`DROPPED`.
+        :data:`APPLIED`, :data:`DROPPED`, or :data:`UNKNOWN` (whether the server applied it
+        cannot be known; ``reason`` says why).
     delay : int
         The update's delay at the server (version at apply time minus base version).
     version : int
         The server's model version after the update (applied) or when it was dropped.
     reason : str
-        Why it was dropped ("" when applied).
+        Why it was dropped, or why its outcome is unknown ("" when applied).
     update_id : str
         ``"<host>/<sequence>"``.
     """

@@ -84,7 +84,8 @@ def test_concurrent_retries_deliver_once_and_share_the_verdict() -> None:
     assert handoff.version == 1
 
 
-def test_closed_server_drops_waiting_and_new_updates() -> None:
+def test_closed_server_answers_delivered_updates_unknown_and_drops_new_ones() -> None:
+    """Handed over but no verdict: applied or not cannot be known, so UNKNOWN, never DROPPED."""
     handoff = ServerHandoff("j", "ps0", {}, 3, lambda *a: None)
     results: list[Verdict] = []
     t = threading.Thread(target=lambda: results.append(handoff.handle("u", None, -1, 5)))
@@ -92,9 +93,20 @@ def test_closed_server_drops_waiting_and_new_updates() -> None:
     threading.Event().wait(0.05)
     handoff.close("server process gone")
     t.join(5)
-    assert results[0].outcome == control_pb2.OUTCOME_DROPPED and results[0].reason == "server process gone"
-    again = handoff.handle("v", None, -1, 5)
+    assert results[0].outcome == control_pb2.OUTCOME_UNKNOWN and "server process gone" in results[0].reason
+    assert handoff.handle("u", None, -1, 5).outcome == control_pb2.OUTCOME_UNKNOWN  # a retry: the same
+    again = handoff.handle("v", None, -1, 5)  # never handed over: certainly not applied
     assert again.outcome == control_pb2.OUTCOME_DROPPED and "gone" in again.reason
+
+
+def test_failed_hand_off_is_dropped_and_a_verdict_timeout_is_unknown() -> None:
+    def unreachable(*args: Any) -> None:
+        raise ConnectionError("server process 'ps0' disconnected")
+
+    failed = ServerHandoff("j", "ps0", {}, 0, unreachable).handle("u", None, -1, 5)
+    assert failed.outcome == control_pb2.OUTCOME_DROPPED and "disconnected" in failed.reason
+    silent = ServerHandoff("j", "ps0", {}, 0, lambda *a: None).handle("u", None, -1, 0.05)
+    assert silent.outcome == control_pb2.OUTCOME_UNKNOWN and "no verdict" in silent.reason
 
 
 def test_verdict_cache_is_bounded() -> None:
@@ -102,4 +114,4 @@ def test_verdict_cache_is_bounded() -> None:
     for i in range(3):
         handoff.resolve(f"u{i}", Verdict(control_pb2.OUTCOME_APPLIED, 0, i + 1, ""))
     assert handoff.handle("u2", None, -1, 1).version == 3
-    assert handoff.handle("u0", None, -1, 0.05).outcome == control_pb2.OUTCOME_DROPPED  # forgotten: times out
+    assert handoff.handle("u0", None, -1, 0.05).outcome == control_pb2.OUTCOME_UNKNOWN  # forgotten: times out
