@@ -1,7 +1,8 @@
 """Changing bandwidth and compute stragglers: the paper's NS and CS settings (§6).
 
 A *rate schedule* is a list of :class:`RateChange` (at time ``at`` seconds after the start,
-set a link's rate). :func:`parse_schedule` reads one from TOML-like data,
+set a link's rate). :func:`parse_schedule` reads one from a bandwidth-schedule file (the one
+format the simulator reads too, :mod:`mlfabric.scheduler.core.bandwidth_schedule`),
 :func:`ns_schedule` draws a random one (each chosen link takes a random fraction of its
 configured rate every ``period`` seconds — a cluster whose available bandwidth changes), and
 :class:`ScheduleRunner` applies one in a background thread with an injected clock.
@@ -12,9 +13,13 @@ Schedule files::
 
     [[change]]
     at = 5.0              # seconds after the start
-    link = ["ps", "tor"]
-    direction = "both"    # forward (a -> b), reverse or both; default both
+    a = "ps"              # the link's ends
+    b = "tor"
+    direction = "both"    # both, or ab (only a -> b); default both
     mbps = 20
+
+The former testbed form (``link = ["ps", "tor"]``, direction forward/reverse/both) is still
+read, with a :class:`DeprecationWarning` naming the form above.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 
 import networkx as nx
 
+from mlfabric.scheduler.core.bandwidth_schedule import parse_bandwidth_schedule
+
 __all__ = [
     "RateChange",
     "ScheduleRunner",
@@ -35,8 +42,6 @@ __all__ = [
     "ns_schedule",
     "parse_schedule",
 ]
-
-BITS_PER_BYTE = 8
 
 
 @dataclass(frozen=True)
@@ -55,37 +60,30 @@ def parse_schedule(data: Mapping[str, Any], graph: nx.DiGraph | None = None) -> 
     Parameters
     ----------
     data : mapping
-        With a list ``change`` of tables ``at``, ``link``, ``mbps`` or ``gbps``, ``direction``.
+        With a list ``change`` of tables ``at``, ``a``, ``b``, ``mbps`` or ``gbps``, ``direction``.
     graph : networkx.DiGraph, optional
         If given, every link must be one of its links.
+
+    Returns
+    -------
+    list of RateChange
+        One per directed link (``direction = "forward"``), sorted by time.
 
     Raises
     ------
     ValueError
-        Naming the offending entry.
+        Naming the offending entry; also for a rate of 0 (a testbed link cannot be taken down).
 
     Examples
     --------
-    >>> parse_schedule({"change": [{"at": 1, "link": ["a", "sw"], "mbps": 8}]})
-    [RateChange(at=1.0, link=('a', 'sw'), rate=1000000.0, direction='both')]
+    >>> parse_schedule({"change": [{"at": 1, "a": "a", "b": "sw", "mbps": 8, "direction": "ab"}]})
+    [RateChange(at=1.0, link=('a', 'sw'), rate=1000000.0, direction='forward')]
     """
-    changes = []
-    for i, entry in enumerate(data.get("change", [])):
-        where = f"change[{i}]"
-        link = entry.get("link")
-        if not (isinstance(link, list | tuple) and len(link) == 2 and all(isinstance(x, str) for x in link)):
-            raise ValueError(f"{where}: link must be [a, b], got {link!r}")
-        if graph is not None and not graph.has_edge(link[0], link[1]):
-            raise ValueError(f"{where}: no link {link[0]} - {link[1]} in the topology")
-        if ("mbps" in entry) == ("gbps" in entry):
-            raise ValueError(f"{where}: give mbps or gbps")
-        bits = entry["mbps"] * 1e6 if "mbps" in entry else entry["gbps"] * 1e9
-        at = float(entry.get("at", -1))
-        direction = entry.get("direction", "both")
-        if at < 0 or bits <= 0 or direction not in ("forward", "reverse", "both"):
-            raise ValueError(f"{where}: need at >= 0, a positive rate and a valid direction")
-        changes.append(RateChange(at, (link[0], link[1]), bits / BITS_PER_BYTE, direction))
-    return sorted(changes, key=lambda c: c.at)
+    changes = parse_bandwidth_schedule(data, graph)
+    for c in changes:
+        if c.capacity <= 0:
+            raise ValueError(f"link {c.link[0]}-{c.link[1]} at {c.at} s: the testbed needs a rate > 0")
+    return [RateChange(c.at, c.link, c.capacity, "forward") for c in changes]
 
 
 def ns_schedule(

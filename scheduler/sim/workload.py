@@ -8,7 +8,9 @@ own stream of a seeded generator, so the k-th compute time of a worker is the sa
 every policy: a comparison of policies sees exactly the same compute.
 
 :class:`BandwidthChange` is one step of a link's capacity over time (a dynamic cluster,
-paper §6 settings NS1-NS3).
+paper §6 settings NS1-NS3); it and the schedule file's parser,
+:func:`parse_bandwidth_schedule`, live in :mod:`mlfabric.scheduler.core.bandwidth_schedule`
+(the one format the simulator and the testbed read) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import networkx as nx
 import numpy as np
+
+from mlfabric.scheduler.core.bandwidth_schedule import BandwidthChange, parse_bandwidth_schedule
 
 __all__ = [
     "BandwidthChange",
@@ -28,8 +30,6 @@ __all__ = [
     "parse_bandwidth_schedule",
     "pick_stragglers",
 ]
-
-BITS_PER_BYTE = 8
 
 
 @dataclass(frozen=True)
@@ -139,93 +139,3 @@ def pick_stragglers(
     k = round(fraction * len(workers))
     slow = set(rng.choice(len(workers), size=k, replace=False).tolist()) if k else set()
     return {w: base * factor if i in slow else base for i, w in enumerate(workers)}
-
-
-@dataclass(frozen=True, order=True)
-class BandwidthChange:
-    """From time ``at`` on, directed link ``link`` has ``capacity`` bytes/s.
-
-    Examples
-    --------
-    >>> BandwidthChange(2.0, ("h1", "sw"), 1.25e8).capacity
-    125000000.0
-    """
-
-    at: float
-    link: tuple[str, str]
-    capacity: float
-
-
-def _change_rate(entry: Mapping[str, Any], where: str) -> float:
-    gbps, mbps = entry.get("gbps"), entry.get("mbps")
-    if (gbps is None) == (mbps is None):
-        raise ValueError(f"{where}: give exactly one of gbps or mbps")
-    rate, scale = (gbps, 1e9) if gbps is not None else (mbps, 1e6)
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or rate < 0:
-        raise ValueError(f"{where}: rate must be a number >= 0")
-    return float(rate) * scale / BITS_PER_BYTE
-
-
-def parse_bandwidth_schedule(data: Mapping[str, Any], graph: nx.DiGraph) -> list[BandwidthChange]:
-    """Bandwidth changes from a parsed TOML table (the ``--bandwidth-schedule`` file).
-
-    The file holds ``[[change]]`` tables with ``at`` (s), the link ends ``a`` and ``b``,
-    a rate ``gbps`` or ``mbps`` (0 takes the link down) and optional ``direction``:
-    ``"both"`` (default) or ``"ab"`` (only a -> b)::
-
-        [[change]]
-        at = 2.0
-        a = "h3"
-        b = "sw"
-        mbps = 100
-
-    Parameters
-    ----------
-    data : mapping
-        The parsed file.
-    graph : networkx.DiGraph
-        The bandwidth graph the links must belong to.
-
-    Returns
-    -------
-    list of BandwidthChange
-        Sorted by time (stable for equal times).
-
-    Raises
-    ------
-    ValueError
-        Naming the offending entry.
-
-    Examples
-    --------
-    >>> from mlfabric.scheduler.core.graph import star
-    >>> ch = parse_bandwidth_schedule({"change": [{"at": 1, "a": "h0", "b": "sw", "gbps": 8}]}, star(2, 8e9))
-    >>> [(c.at, c.link) for c in ch]
-    [(1.0, ('h0', 'sw')), (1.0, ('sw', 'h0'))]
-    """
-    entries = data.get("change", [])
-    if not isinstance(entries, list):
-        raise ValueError("'change' must be a list of tables")
-    out: list[BandwidthChange] = []
-    for i, entry in enumerate(entries):
-        where = f"change[{i}]"
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}: expected a table")
-        extra = set(entry) - {"at", "a", "b", "gbps", "mbps", "direction"}
-        if extra:
-            raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
-        at = entry.get("at")
-        if isinstance(at, bool) or not isinstance(at, int | float) or at < 0:
-            raise ValueError(f"{where}: 'at' must be a time >= 0 (s)")
-        a, b = str(entry.get("a")), str(entry.get("b"))
-        if not graph.has_edge(a, b):
-            raise ValueError(f"{where}: no link {a}-{b} in the bandwidth graph")
-        direction = entry.get("direction", "both")
-        if direction not in ("both", "ab"):
-            raise ValueError(f"{where}: direction must be 'both' or 'ab', got {direction!r}")
-        rate = _change_rate(entry, where)
-        out.append(BandwidthChange(float(at), (a, b), rate))
-        if direction == "both":
-            out.append(BandwidthChange(float(at), (b, a), rate))
-    out.sort(key=lambda c: c.at)
-    return out

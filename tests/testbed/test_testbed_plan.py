@@ -183,27 +183,38 @@ def test_stale_prefixes_and_new_prefix() -> None:
     assert all(len(p) == 9 and p.startswith("mlf") for p in prefixes)
 
 
-def test_parse_schedule_checks_entries() -> None:
+def test_parse_schedule_reads_the_one_bandwidth_schedule_format() -> None:
     g = star(["a", "b"], 8e6)
     changes = parse_schedule(
         {
             "change": [
-                {"at": 3, "link": ["a", "sw"], "gbps": 1, "direction": "forward"},
-                {"at": 1, "link": ["sw", "b"], "mbps": 4},
+                {"at": 3, "a": "a", "b": "sw", "gbps": 1, "direction": "ab"},
+                {"at": 1, "a": "sw", "b": "b", "mbps": 4},
             ]
         },
         g,
     )
-    assert [c.at for c in changes] == [1.0, 3.0]
-    assert changes[1] == RateChange(3.0, ("a", "sw"), 1e9 / 8, "forward")
+    assert [(c.at, c.link) for c in changes] == [(1.0, ("sw", "b")), (1.0, ("b", "sw")), (3.0, ("a", "sw"))]
+    assert changes[2] == RateChange(3.0, ("a", "sw"), 1e9 / 8, "forward")
     for bad in (
-        {"at": 1, "link": ["a", "b"], "mbps": 1},
-        {"at": 1, "link": ["a", "sw"]},
-        {"at": -1, "link": ["a", "sw"], "mbps": 1},
-        {"at": 1, "link": ["a", "sw"], "mbps": 1, "direction": "up"},
+        {"at": 1, "a": "a", "b": "b", "mbps": 1},
+        {"at": 1, "a": "a", "b": "sw"},
+        {"at": -1, "a": "a", "b": "sw", "mbps": 1},
+        {"at": 1, "a": "a", "b": "sw", "mbps": 1, "direction": "up"},
+        {"at": 1, "a": "a", "b": "sw", "mbps": 0},
     ):
         with pytest.raises(ValueError):
             parse_schedule({"change": [bad]}, g)
+
+
+def test_parse_schedule_reads_the_old_testbed_form_with_a_deprecation_warning() -> None:
+    g = star(["a", "b"], 8e6)
+    old = {"at": 3, "link": ["a", "sw"], "gbps": 1, "direction": "reverse"}
+    with pytest.warns(DeprecationWarning, match='write a = "sw", b = "a", direction = "ab" instead'):
+        changes = parse_schedule({"change": [old]}, g)
+    assert changes == [RateChange(3.0, ("sw", "a"), 1e9 / 8, "forward")]
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="no link a-b"):
+        parse_schedule({"change": [{"at": 1, "link": ["a", "b"], "mbps": 1}]}, g)
 
 
 def test_ns_schedule_and_compute_delays_are_seeded() -> None:
