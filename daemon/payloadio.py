@@ -77,6 +77,7 @@ def payload_crc32(payload: Payload | None) -> int:
 
     Examples
     --------
+    >>> import zlib
     >>> payload_crc32(b"hello") == zlib.crc32(b"hello")
     True
     """
