@@ -229,7 +229,50 @@ class PushSender:
         push.owner.send(local_pb2.LocalEvent(request_id=push.request_id, push_result=result))
 
     def transfer(self, push: PendingPush, send: Any) -> None:
-        """Move one update to its next hop (retrying a vanished peer), then resolve and report it."""
+        """Move one update to its next hop (retrying a vanished peer), then resolve and report it.
+
+        The push resolves whatever happens: a memfd the pushing process shrank after the push
+        was accepted (a short read) resolves DROPPED naming both sizes, without a retry, and
+        so does any other error while sending (named in the reason).
+        """
+        size = os.fstat(push.fd).st_size
+        if size < push.payload_bytes:
+            self._fail(push, send, self._short(push, size))
+            return
+        try:
+            self._transfer(push, send)
+        except EOFError as exc:  # the memfd shrank while it was being sent
+            self._fail(push, send, self._short(push, os.fstat(push.fd).st_size, exc))
+        except Exception as exc:  # noqa: BLE001 - resolved DROPPED naming the error: a push never hangs
+            _LOG.exception("transfer of %s failed", push.update_id)
+            self._fail(push, send, f"transfer of {push.update_id} failed: {exc!r}")
+
+    def _short(self, push: PendingPush, size: int, exc: BaseException | None = None) -> str:
+        return (
+            f"the payload memfd of {push.update_id} holds {size} bytes, fewer than the "
+            f"{push.payload_bytes} the push announced (shrunk by the pushing process after the "
+            f"push was accepted){f': {exc}' if exc else ''}"
+        )
+
+    def _fail(self, push: PendingPush, send: Any, reason: str) -> None:
+        """Resolve ``push`` DROPPED with ``reason`` and report the failed transfer."""
+        verdict = Verdict.dropped(reason)
+        report = control_pb2.TransferReport(
+            update_id=push.update_id,
+            src_host=self.host,
+            dst_host=send.next_hop_host,
+            bytes=push.payload_bytes,
+            ok=False,
+            error=reason,
+            outcome=verdict.outcome,
+            reason=reason,
+        )
+        taken = self.outgoing.take(push.update_id)
+        if taken is not None:
+            self.finish(taken, verdict)
+        self._report(report)
+
+    def _transfer(self, push: PendingPush, send: Any) -> None:
         header = FrameHeader(
             kind=_UPDATE,
             update_id=push.update_id,

@@ -423,7 +423,10 @@ def encode_pooled(pool: Any, tensors: Mapping[str, object]) -> tuple[Any, list[L
     """
     layouts, total = plan_layout(tensors)
     buf = pool.allocate(total)
-    try:  # fresh pages: pwrite (no page faults); pages this process mapped before: memcpy
+    try:
+        if buf.uses > 1 and os.fstat(buf.fd).st_size < total:
+            os.ftruncate(buf.fd, total)  # shrunk by someone since its last use: writing would SIGBUS
+        # fresh pages: pwrite (no page faults); pages this process mapped before: memcpy
         if buf.uses > 1:
             encode_into(buf, tensors, layouts)
         else:

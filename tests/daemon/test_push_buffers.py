@@ -128,14 +128,14 @@ def test_daemon_recycles_receive_buffers(make_daemon: Any, monkeypatch: pytest.M
 
 
 def test_receive_buffer_without_verdict_is_not_recycled(make_daemon: Any) -> None:
-    """A verdict timeout answers DROPPED while the process may still read the update: no reuse."""
+    """A verdict timeout answers UNKNOWN while the process may still read the update: no reuse."""
     ps, w0 = make_daemon("ps", verdict_timeout=0.3), make_daemon("w0")
     server = mlfabric.register_as_server("job", "ps0", {"w": np.zeros(1000)}, daemon=ps.config.socket_path)
     worker = mlfabric.register_as_worker("job", name="w0", daemon=w0.config.socket_path, wait=5)
     try:  # the server never serves: its deliveries wait in its inbox, unread
         for value in (1.0, 2.0):
             result = worker.push("ps0", {"w": np.full(1000, value)}).wait(10)
-            assert result.status == mlfabric.DROPPED and "gave no verdict" in result.reason
+            assert result.status == mlfabric.UNKNOWN and "gave no verdict" in result.reason
         event, fd = server._inbox.get(timeout=5)
         np.testing.assert_array_equal(from_fd(event.deliver.tensors, fd)["w"], 1.0)  # not overwritten
         assert ps.receive_buffers.reused == 0

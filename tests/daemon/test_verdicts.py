@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -27,3 +28,24 @@ def test_server_gone_after_the_hand_off_resolves_unknown(served: dict[str, Any])
     release.set()
     assert result.status == mlfabric.UNKNOWN
     assert "disconnected" in result.reason and "unknown" in result.reason
+
+
+def test_memfd_shrunk_after_accept_resolves_dropped_quickly(served: dict[str, Any], scheduler: Any) -> None:  # noqa: F811
+    """The pushing process truncates its update's memfd after the daemon accepted the push."""
+    worker, w0, server = served["worker"], served["w0"], served["server"]
+    scheduler.hold = True
+    handle = worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)})
+    for _ in range(500):
+        if scheduler.ready:
+            break
+        threading.Event().wait(0.01)
+    ready = scheduler.ready[-1]
+    pending = w0.outgoing._pushes[ready.update_id]
+    os.ftruncate(pending.fd, 8)  # same file as the process's memfd: what a shrink does
+    scheduler.send_to_server(ready)
+    result = handle.wait(10)
+    assert result.status == mlfabric.DROPPED
+    assert "memfd" in result.reason and "8 bytes" in result.reason
+    assert server.version == 0
+    scheduler.hold = False
+    assert worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}).wait(10).applied
