@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 
+from mlfabric.config import add_config_argument
 from mlfabric.readyfile import write_ready_file
 
 __all__ = ["configure", "host_nic_rates", "run"]
@@ -30,8 +31,12 @@ _LOG = logging.getLogger("mlfabric.daemon")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``mlfabric daemon`` arguments to ``parser``."""
-    parser.add_argument("--host", required=True, help="this host's name in the scheduler's bandwidth graph")
-    parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
+    parser.add_argument(
+        "--host", help="this host's name in the scheduler's bandwidth graph (required: here or in --config)"
+    )
+    parser.add_argument(
+        "--scheduler", metavar="HOST:PORT", help="the scheduler's address (required: here or in --config)"
+    )
     parser.add_argument(
         "--socket",
         metavar="PATH",
@@ -83,6 +88,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a synchronous round of a server on this host is applied with the updates it has this "
         "long after its first arrived (default 60)",
     )
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on port P (0: any free port)"
+    )
+    add_config_argument(parser, "daemon")
 
 
 def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
@@ -120,9 +129,14 @@ def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
     from mlfabric.daemon.daemon import Daemon, DaemonConfig
+    from mlfabric.daemon.service import DaemonService
     from mlfabric.daemon.transfers import TransferReportLog
     from mlfabric.wire.framing import default_socket_path
 
+    for required in ("host", "scheduler"):
+        if not getattr(args, required):
+            _LOG.error("--%s is required (on the command line or as '%s' in --config)", required, required)
+            return 2
     socket_path = default_socket_path(args.socket)
 
     egress = ingress = None
@@ -149,12 +163,23 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    report_log = TransferReportLog(args.report_file) if args.report_file else None
-    daemon = Daemon(config, report_log=report_log)
+    service = DaemonService(args)
+    signal.signal(signal.SIGHUP, lambda *_: service.reload_requested.set())
+    if args.metrics_port is not None:
+        daemon: Daemon = service.metered_daemon(config)
+    else:
+        report_log = TransferReportLog(args.report_file) if args.report_file else None
+        daemon = Daemon(config, report_log=report_log)
     try:
         daemon.start(timeout=args.connect_timeout)
     except (TimeoutError, OSError) as exc:
         _LOG.error("daemon of host %r could not start: %s", args.host, exc)
+        return 1
+    try:
+        service.start_metrics()
+    except OSError as exc:
+        _LOG.error("daemon of host %r cannot serve metrics on port %s: %s", args.host, args.metrics_port, exc)
+        daemon.stop()
         return 1
     try:
         if args.ready_file:
@@ -165,11 +190,15 @@ def run(args: argparse.Namespace) -> int:
                     "socket": socket_path,
                     "data_address": daemon.data_address,
                     "host": args.host,
+                    **service.ready_info(),
                 },
             )
         _LOG.info("daemon %s: socket %s, data plane %s", args.host, socket_path, daemon.data_address)
-        while not stop.wait(0.5):
-            pass
+        service.ready(daemon)
+        while not stop.wait(service.tick):
+            service.tick_once(daemon)
     finally:
+        service.stopping()
         daemon.stop()
+        service.stop()
     return 0

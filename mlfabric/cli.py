@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("mlfabric.scheduler.sim.cli", "simulate policies on large clusters (fluid, discrete-event)"),
     "plan": ("mlfabric.scheduler.plan.cli", "plan an instance offline: ILP, STF, fair, and their gaps"),
     "testbed": ("mlfabric.testbed.cli", "build an emulated cluster of network namespaces (root)"),
+    "config": ("mlfabric.config", "check a scheduler or daemon config file; list the config keys"),
+    "install-units": ("mlfabric.units", "write the systemd unit files (mlfabric-scheduler, mlfabric-daemon)"),
 }
 
 
@@ -51,7 +52,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             name, help=help_text, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         module.configure(p)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
     return parser
 
 
@@ -59,11 +60,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mlfabric`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in SUBCOMMANDS), None)
-    args = build_parser(command).parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) and command in ("scheduler", "daemon"):
+        from mlfabric.config import ConfigError, parse_args_with_config
+
+        try:
+            args = parse_args_with_config(parser, argv, command, subparser=args._parser)
+        except ConfigError as exc:
+            print(f"mlfabric {command}: error: {exc}", file=sys.stderr)
+            return 2
+    from mlfabric.systemd import configure_logging
+
+    configure_logging(args.log_level)
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:

@@ -28,8 +28,10 @@ import signal
 import sys
 from typing import Any
 
+from mlfabric.config import ConfigError, add_config_argument, load_config, load_graph, parse_args_with_config
 from mlfabric.readyfile import write_ready_file
 from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON, PolicySetup, make_policy
+from mlfabric.systemd import configure_logging
 
 __all__ = ["SERVICE_POLICIES", "build_policy", "configure", "main", "run"]
 
@@ -123,7 +125,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help='once serving, write {"pid", "address", ...} as JSON to F (atomically)',
     )
-    parser.add_argument("--metrics-port", type=int, metavar="P", help="expose Prometheus metrics on port P")
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on port P (0: any free port)"
+    )
+    add_config_argument(parser, "scheduler")
 
 
 def _fail(message: str) -> int:
@@ -176,15 +181,10 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: boo
 
 def run(args: argparse.Namespace) -> int:
     """Run the scheduler until SIGTERM/SIGINT; returns the exit code."""
-    from mlfabric.scheduler.core.graph import TopologyError, load_topology, star
-
     try:
-        if args.topology:
-            graph = load_topology(args.topology)
-        else:
-            graph = star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
+        graph = _graph(args)
         setup = build_policy(args.policy, args.stf_horizon, sync=args.aggregate_plan == "sync")
-    except (TopologyError, ValueError) as exc:
+    except ValueError as exc:  # TopologyError and ConfigError are ValueErrors
         return _fail(str(exc))
     except ImportError as exc:
         return _fail(f"policy '{args.policy}' is not available: {exc}")
@@ -194,6 +194,27 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_window_us < 0 or args.batch_max_wait_us < 0 or args.release_margin_us < 0:
         return _fail("--batch-window-us, --batch-max-wait-us and --release-margin-us must be >= 0")
     return asyncio.run(_serve(args, graph, setup))
+
+
+def _graph(args: argparse.Namespace) -> Any:
+    """The bandwidth graph of ``--topology`` (a path, or an inline table from ``--config``) or ``--star``."""
+    from mlfabric.scheduler.core.graph import star
+
+    if args.topology:
+        return load_graph(args.topology, args.config or "--topology")
+    return star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
+
+
+def _reload(args: argparse.Namespace, core: Any) -> str:
+    """SIGHUP: re-read ``--config`` (if any) and the topology, swap the graph; a status line."""
+    from mlfabric.scheduler.service.lifecycle import reload_topology
+
+    if args.config:
+        values = load_config(args.config, "scheduler")
+        # only the topology is re-read: the other keys need a restart (listening address, policy...)
+        args.topology, args.star = values.get("topology", args.topology), values.get("star", args.star)
+    reload_topology(core, _graph(args), _make_estimator)
+    return "reloaded"
 
 
 def _make_estimator(graph: Any) -> Any:
@@ -213,21 +234,23 @@ def _make_estimator(graph: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> int:
-    from prometheus_client import start_http_server
-
     from mlfabric.scheduler.policies.dispatch import Dispatcher
     from mlfabric.scheduler.service.batching import AdaptiveBatcher
     from mlfabric.scheduler.service.core import Metrics, SchedulerCore, start_server
+    from mlfabric.scheduler.service.lifecycle import status_line, supervise
+    from mlfabric.scheduler.service.metrics import MeteredEstimator, ServiceCollector, serve_metrics
     from mlfabric.scheduler.service.state import SchedulerState
+    from mlfabric.systemd import Notifier, watchdog_interval
 
     metrics = Metrics()
+    notifier = Notifier()
     policy = setup.policy
     core = SchedulerCore(
         SchedulerState(graph),
         policy,
         dispatcher=Dispatcher(margin=args.release_margin_us * 1e-6),
         batcher=AdaptiveBatcher(window=args.batch_window_us * 1e-6, max_wait=args.batch_max_wait_us * 1e-6),
-        estimator=_make_estimator(graph),
+        estimator=MeteredEstimator(_make_estimator(graph), metrics.registry),
         metrics=metrics,
         replan=setup.trigger,
         aggregate_timeout=args.aggregate_timeout,
@@ -240,10 +263,9 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     address = f"{host}:{port}"
     metrics_server = None
     if args.metrics_port is not None:
+        metrics.registry.register(ServiceCollector(core))
         try:
-            metrics_server, _ = start_http_server(
-                args.metrics_port, addr=host.strip("[]"), registry=metrics.registry
-            )
+            metrics_server = await serve_metrics(metrics.registry, host.strip("[]"), args.metrics_port)
         except OSError as exc:
             await server.stop(None)
             return _fail(f"cannot serve metrics on port {args.metrics_port}: {exc}")
@@ -251,21 +273,38 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def on_hup() -> None:
+        notifier.reloading()
+        try:
+            _reload(args, core)
+        except ValueError as exc:  # a bad config or topology: keep serving the old one
+            log.error("reload failed: %s", exc)
+            notifier.ready(f"reload failed: {exc}".splitlines()[0])
+            return
+        log.warning("reloaded the topology: %s", status_line(core))
+        notifier.ready(status_line(core))
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     core_task = asyncio.create_task(core.run())
     if args.ready_file:
         info: dict[str, Any] = {"pid": os.getpid(), "address": address, "policy": policy.name}
         if metrics_server is not None:
-            info["metrics_port"] = metrics_server.server_port
+            info["metrics_port"] = metrics_server.sockets[0].getsockname()[1]
         write_ready_file(args.ready_file, info)
     print(f"mlfabric scheduler: serving on {address} (policy {policy.name})", file=sys.stderr, flush=True)
+    notifier.ready(f"serving on {address}; {status_line(core)}")
+    supervisor = asyncio.create_task(supervise(core, notifier, watchdog_interval()))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({core_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    notifier.stopping()
     failed = core_task.done()  # the core's loops only end by failing
     core_task.cancel()
     stopper.cancel()
+    supervisor.cancel()
     await server.stop(grace=1.0)
     if metrics_server is not None:
-        metrics_server.shutdown()
+        metrics_server.close()
     if failed:
         log.error("scheduler core failed", exc_info=core_task.exception())
         return 1
@@ -279,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     configure(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        args = parse_args_with_config(parser, sys.argv[1:] if argv is None else argv, "scheduler")
+    except ConfigError as exc:
+        return _fail(str(exc))
+    configure_logging(args.log_level)
     return run(args)
 
 
