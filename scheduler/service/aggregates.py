@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from mlfabric.scheduler.service.state import (
 )
 
 __all__ = ["AggregateBook", "Effects", "Execution"]
+
+log = logging.getLogger(__name__)
 
 #: seconds an aggregator waits for the members of an aggregate (``AggregateDirective.timeout_seconds``)
 DEFAULT_TIMEOUT = 60.0
@@ -458,6 +461,14 @@ class AggregateBook:
                 back.append(e.members[uid])
         out += self._requeue(back)
         out.requeued += 1  # the aggregate's planned members need a decision too
+        later = sum(stage is Stage.SENT for stage in e.stage.values())
+        log.info(
+            "aggregate %s failed (%s): %d members planned afresh, %d once their sources report",
+            e.aggregate_id,
+            reason,
+            len(e.members) - later,
+            later,
+        )
         return out
 
     def _requeue(self, updates: Iterable[PendingUpdate]) -> Effects:
