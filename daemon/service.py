@@ -102,6 +102,7 @@ class DaemonService:
         if level is not None and level != self.args.log_level:
             logging.getLogger().setLevel(level)
             self.args.log_level = level
+            _LOG.warning("reload: log level now %s", level)
         restart = sorted(k for k, v in values.items() if getattr(self.args, k, v) != v)
         if restart:
             _LOG.warning("reload: changed keys need a restart to take effect: %s", ", ".join(restart))
