@@ -195,6 +195,8 @@ class Daemon:
         self._acks: dict[int, Callable[[Any], None]] = {}
         self._ack_ids = itertools.count(1)
         self._roles: dict[int, LocalConnection] = {}
+        #: workers (by connection) not registered with the scheduler: (for good, why)
+        self._unregistered: dict[int, tuple[bool, str]] = {}
         self._stopping = threading.Event()
         self.directory = Directory()
         self.outgoing = OutgoingPushes(config.host, new_incarnation())
@@ -295,26 +297,42 @@ class Daemon:
         """A (re)welcomed session: re-register the roles of this host's processes."""
         with self._lock:
             workers = [c for c in self._roles.values() if c.role == "worker"]
-        messages = self.serving.registrations()
-        messages += [
-            control_pb2.RegisterRole(job=c.job, name=c.name, role=control_pb2.ROLE_WORKER) for c in workers
-        ]
-        for message in messages:
-            self._reregister(message, self._clock() + 30.0)
+            for c in workers:
+                self._unregistered[c.conn_id] = (False, "re-registering after the scheduler restarted")
+        for message in self.serving.registrations():
+            self._reregister(message, None)
+        for c in workers:
+            message = control_pb2.RegisterRole(job=c.job, name=c.name, role=control_pb2.ROLE_WORKER)
+            self._reregister(message, c)
 
-    def _reregister(self, message: Any, deadline: float, pause: float = 0.0) -> None:
-        """Register ``message`` again; a worker refused (its job's server not back yet) retries."""
+    def _reregister(self, message: Any, conn: LocalConnection | None, pause: float = 0.0) -> None:
+        """Register ``message`` again (``conn``: the worker's connection, None for a server).
+
+        A worker refused because its job has no server (the server's daemon is not back yet)
+        retries with backoff (0.2 s doubling to 2 s) for as long as its process is connected,
+        whatever the order daemons come back in; until then its pushes resolve DROPPED naming
+        that. Refused for another reason, its role is gone for good: its pushes get an error.
+        """
         if self._stopping.wait(pause):
             return
 
         def on_ack(ack: Any) -> None:
-            worker = message.role == control_pb2.ROLE_WORKER
-            waiting = ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB
-            if worker and waiting and self._clock() < deadline:
-                self._tasks.submit(self._reregister, message, deadline, 0.2)
-                return
+            if conn is not None:
+                with self._lock:
+                    if self._roles.get(conn.conn_id) is not conn:
+                        return  # the worker's process went away meanwhile
+                    if ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB:
+                        why = f"refused ({ack.error}); retrying until the job's server is back"
+                        self._unregistered[conn.conn_id] = (False, why)
+                    elif ack is not None and ack.ok:
+                        self._unregistered.pop(conn.conn_id, None)
+                    elif ack is not None:
+                        self._unregistered[conn.conn_id] = (True, ack.error)
+                if ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB:
+                    self._tasks.submit(self._reregister, message, conn, min(2.0, max(0.2, 2 * pause)))
+                    return
             self._log_reregistration(message.job, message.name, ack)
-            if worker and ack is not None and ack.ok:  # pushes held for an aggregate it never saw
+            if conn is not None and ack is not None and ack.ok:  # pushes held for an aggregate it never saw
                 for ready in self.sender.unhold(message.job, message.name):
                     self._control.send(control_pb2.DaemonMessage(update_ready=ready))
 
@@ -398,6 +416,7 @@ class Daemon:
     def _on_close(self, conn: LocalConnection) -> None:
         with self._lock:
             self._roles.pop(conn.conn_id, None)
+            self._unregistered.pop(conn.conn_id, None)
         if conn.role == "server":
             self.serving.remove(conn)
         if conn.role:
@@ -521,6 +540,19 @@ class Daemon:
         req, rid = request.push, request.request_id
         if conn.role != "worker":
             conn.error(rid, "bad_request", "push before register_as_worker on this connection")
+            return fd
+        with self._lock:
+            lost, why = self._unregistered.get(conn.conn_id, (None, ""))
+        where = (
+            f"worker {conn.name!r} of job {conn.job!r} is {{}} registered with the scheduler at "
+            f"{self.config.scheduler}: {why}"
+        )
+        if lost:
+            conn.error(rid, "role_lost", where.format("no longer") + " (register again)")
+            return fd
+        if lost is not None:  # re-registration in progress: the scheduler would not know the worker
+            result = local_pb2.PushResult(outcome=control_pb2.OUTCOME_DROPPED, reason=where.format("not"))
+            conn.send(local_pb2.LocalEvent(request_id=rid, push_result=result))
             return fd
         loc = self.directory.lookup(conn.job, req.server)
         if loc is None:
