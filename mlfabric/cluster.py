@@ -29,7 +29,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-__all__ = ["ClusterError", "LocalCluster", "ManagedProcess", "stop_processes", "wait_for_ready_file"]
+__all__ = [
+    "ClusterError",
+    "LocalCluster",
+    "ManagedProcess",
+    "ingress_bytes",
+    "read_reports",
+    "stop_processes",
+    "wait_for_ready_file",
+]
 
 
 class ClusterError(RuntimeError):
@@ -87,6 +95,34 @@ def stop_processes(procs: Sequence[ManagedProcess], grace: float = 10.0) -> None
             proc._log.close()
 
 
+def read_reports(directory: Path) -> list[dict[str, Any]]:
+    """Every transfer report in the daemons' report files (``*.jsonl``) under ``directory``.
+
+    A line cut short by a daemon that was killed while writing it is skipped.
+    """
+    reports = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                reports.append(dict(json.loads(line)))
+            except json.JSONDecodeError:
+                continue
+    return reports
+
+
+def ingress_bytes(reports: Sequence[Mapping[str, Any]], host: str) -> int:
+    """Bytes delivered into ``host`` by successful transfers (updates and aggregates).
+
+    Examples
+    --------
+    >>> ingress_bytes([{"dst_host": "ps", "bytes": 8, "ok": True},
+    ...                {"dst_host": "x", "bytes": 8, "ok": True},
+    ...                {"dst_host": "ps", "bytes": 8, "ok": False}], "ps")
+    8
+    """
+    return sum(int(r["bytes"]) for r in reports if r.get("dst_host") == host and r.get("ok"))
+
+
 class LocalCluster:
     """A scheduler and one daemon per host, as child processes on loopback.
 
@@ -107,6 +143,9 @@ class LocalCluster:
         The interpreter for the child processes.
     extra_scheduler_args : sequence of str
         More arguments for ``mlfabric scheduler``.
+    report_files : bool
+        Daemons append their transfer reports to ``workdir/reports/<host>.jsonl``
+        (:func:`read_reports` reads them back).
     ready_timeout : float
         Seconds to wait for each ready file.
     log_level : str
@@ -130,6 +169,7 @@ class LocalCluster:
         enforce_nic_rates: bool = False,
         python: str = sys.executable,
         extra_scheduler_args: Sequence[str] = (),
+        report_files: bool = False,
         ready_timeout: float = 30.0,
         log_level: str = "INFO",
     ) -> None:
@@ -140,6 +180,7 @@ class LocalCluster:
         self.enforce_nic_rates = enforce_nic_rates
         self.python = python
         self.extra_scheduler_args = list(extra_scheduler_args)
+        self.report_files = report_files
         self.ready_timeout = ready_timeout
         self.log_level = log_level
         self.scheduler_address: str | None = None
@@ -250,7 +291,10 @@ class LocalCluster:
 
     def _daemon_args(self, host: str) -> list[str]:
         """More ``mlfabric daemon`` arguments for ``host``."""
-        return ["--topology", str(self.topology), "--enforce-nic-rates"] if self.enforce_nic_rates else []
+        args = ["--topology", str(self.topology), "--enforce-nic-rates"] if self.enforce_nic_rates else []
+        if self.report_files:
+            args += ["--report-file", str(self.workdir / "reports" / f"{host}.jsonl")]
+        return args
 
     def _popen(
         self, host: str | None, argv: list[str], env: dict[str, str], log: IO[bytes]

@@ -3,10 +3,15 @@
 Starts, on loopback and in a temporary directory (no root, no set-up), a scheduler, one
 daemon per emulated host, a parameter server and several workers running asynchronous
 SGD on the digits MLP (:mod:`mlfabric.examples.digits`); trains to a target accuracy with
-each policy (``stf`` and ``fair`` by default); prints progress while it runs and then a
-table per policy: wall time to the target, updates applied and dropped, mean and max
-delay, the accuracy of the evaluation that reached the target ("at target") and the final
-accuracy (the model after the last update, which asynchronous SGD can move either way).
+each policy (``fair``, ``stf`` and ``stf+agg`` by default; ``--runs N`` repeats each, the
+policies interleaved); prints progress while it runs and then a table per policy: wall
+time to the target, worker updates applied (and the payloads that carried them: an
+aggregate carries several) and dropped, the bytes that crossed the server's ingress per
+applied worker update, mean and max delay, the accuracy of the evaluation that reached the
+target ("at target") and the final accuracy (the model after the last update, which
+asynchronous SGD can move either way). With several runs, a summary gives each policy's
+median time to the target, its spread and its speed-up over ``fair``. ``--sync`` trains
+synchronously (one step per round of every worker's update).
 
 The emulated cluster is a star whose server ingress is the bottleneck and whose workers
 have unequal uplinks. The daemons enforce these NIC rates themselves (a token bucket per
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,15 +84,22 @@ class PolicyResult:
     accuracy_at_target: float | None
     pushes: int
     unresolved: int
+    #: worker updates in the payloads applied (an aggregate or a round carries several)
+    worker_updates: int | None = None
+    #: bytes into the server's host per applied worker update
+    ingress_per_update: float | None = None
 
     def row(self) -> list[str]:
         """The table row."""
         wall = f"{self.wall_time:.1f}" if self.wall_time is not None else "not reached"
+        updates = self.worker_updates if self.worker_updates is not None else self.applied
+        per_update = f"{self.ingress_per_update / 1e3:.0f}" if self.ingress_per_update is not None else "-"
         return [
             self.policy,
             wall,
-            str(self.applied),
+            f"{updates} ({self.applied})",
             str(self.dropped),
+            per_update,
             f"{self.mean_delay:.2f}",
             str(self.max_delay),
             f"{self.accuracy_at_target:.3f}" if self.accuracy_at_target is not None else "-",
@@ -111,7 +124,7 @@ def _progress(policy: str, status: dict[str, Any], started: float, target: float
 
 def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyResult:
     """Run the whole training once with ``policy`` in ``workdir``; every process is reaped."""
-    from mlfabric.cluster import ClusterError, LocalCluster
+    from mlfabric.cluster import ClusterError, LocalCluster, ingress_bytes, read_reports
 
     workdir.mkdir(parents=True, exist_ok=True)
     topology = workdir / "topology.toml"
@@ -127,9 +140,20 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
         "demo",
     ]
     tty = sys.stdout.isatty()
-    with LocalCluster(topology, policy=policy, workdir=workdir, enforce_nic_rates=True) as cluster:
+    sync = ["--aggregate-plan", "sync"] if args.sync else []
+    cluster = LocalCluster(
+        topology,
+        policy=policy,
+        workdir=workdir,
+        enforce_nic_rates=True,
+        report_files=True,
+        extra_scheduler_args=sync if policy == "stf+agg" else [],
+    )
+    with cluster:
         server_argv = [*example, "server", "--status-file", str(status_path)]
         server_argv += ["--target-accuracy", str(args.target_accuracy)]
+        if args.sync:
+            server_argv += ["--sync-workers", str(args.workers)]
         if args.tau_max is not None:
             server_argv += ["--tau-max", str(args.tau_max)]
         server = cluster.spawn("ps", server_argv, name="server")
@@ -207,6 +231,8 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
     ]
     unresolved = sum(1 for p in pushes if p["status"] not in ("APPLIED", "DROPPED"))
     reached, at_target = final.get("reached_at"), final.get("accuracy_at_target")
+    updates = final.get("worker_updates")
+    into_server = ingress_bytes(read_reports(workdir / "reports"), "ps")
     return PolicyResult(
         policy=policy,
         wall_time=(reached - started_unix) if reached is not None else None,
@@ -218,12 +244,15 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
         accuracy_at_target=float(at_target) if at_target is not None else None,
         pushes=len(pushes),
         unresolved=unresolved,
+        worker_updates=int(updates) if updates is not None else None,
+        ingress_per_update=into_server / updates if updates else None,
     )
 
 
 def format_table(results: list[PolicyResult]) -> str:
     """A plain-text table of the results."""
-    header = ["policy", "wall time (s)", "applied", "dropped", "mean delay", "max delay"]
+    header = ["policy", "wall time (s)", "applied (payloads)", "dropped", "server in kB/update"]
+    header += ["mean delay", "max delay"]
     header += ["at target", "final accuracy"]
     rows = [header, *(r.row() for r in results)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -232,10 +261,57 @@ def format_table(results: list[PolicyResult]) -> str:
     return "\n".join(lines)
 
 
+def format_summary(results: list[PolicyResult]) -> str:
+    """Per policy: median time to the target, min-max, speed-up over ``fair``'s median.
+
+    Examples
+    --------
+    >>> rs = [PolicyResult(p, t, 1, 0, 0.0, 0, 0.9, 0.95, 1, 0) for p, t in
+    ...       [("fair", 9.0), ("fair", 10.0), ("fair", 12.0), ("stf+agg", 5.0), ("stf+agg", None)]]
+    >>> print(format_summary(rs))
+     policy  runs  reached  median (s)  min-max (s)  vs fair
+    -------  ----  -------  ----------  -----------  -------
+       fair     3        3        10.0     9.0-12.0    1.00x
+    stf+agg     2        1         5.0      5.0-5.0    2.00x
+    """
+    by_policy: dict[str, list[PolicyResult]] = {}
+    for r in results:
+        by_policy.setdefault(r.policy, []).append(r)
+    medians = {
+        p: float(statistics.median(t))
+        if (t := [r.wall_time for r in rs if r.wall_time is not None])
+        else None
+        for p, rs in by_policy.items()
+    }
+    base = medians.get("fair")
+    rows = [["policy", "runs", "reached", "median (s)", "min-max (s)", "vs fair"]]
+    for p, rs in by_policy.items():
+        times = [r.wall_time for r in rs if r.wall_time is not None]
+        m = medians[p]
+        rows.append(
+            [
+                p,
+                str(len(rs)),
+                str(len(times)),
+                f"{m:.1f}" if m is not None else "-",
+                f"{min(times):.1f}-{max(times):.1f}" if times else "-",
+                f"{base / m:.2f}x" if base is not None and m else "-",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``mlfabric demo``."""
-    parser.add_argument("--policies", default="stf,fair", help="comma-separated policies to compare")
-    parser.add_argument("--workers", type=int, default=4, help="number of workers (one host each)")
+    parser.add_argument("--policies", default="fair,stf,stf+agg", help="comma-separated policies to compare")
+    parser.add_argument("--runs", type=int, default=1, help="runs per policy (medians and spread)")
+    parser.add_argument(
+        "--sync", action="store_true", help="synchronous SGD: one step per round of every worker's update"
+    )
+    parser.add_argument("--workers", type=int, default=8, help="number of workers (one host each)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden units of the MLP (update size)")
     parser.add_argument(
         "--target-accuracy", type=float, default=0.95, help="stop when the test accuracy reaches it"
@@ -267,11 +343,16 @@ def run(args: argparse.Namespace) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-demo-") as tmp:
         root = args.workdir or Path(tmp)
-        for policy in policies:
-            print(f"policy {policy}: starting scheduler, {args.workers + 1} daemons, server, workers")
-            results.append(run_policy(policy, args, root / policy))
+        for run_index in range(args.runs):
+            for policy in policies:
+                where = root / policy if args.runs == 1 else root / f"{policy}-{run_index}"
+                print(f"policy {policy}: starting scheduler, {args.workers + 1} daemons, server, workers")
+                results.append(run_policy(policy, args, where))
     print()
     print(format_table(results))
+    if args.runs > 1:
+        print()
+        print(format_summary(results))
     problems = [r for r in results if r.unresolved]
     for r in problems:
         print(f"error: {r.unresolved} of {r.pushes} pushes under {r.policy} did not resolve", file=sys.stderr)

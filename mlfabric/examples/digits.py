@@ -12,11 +12,14 @@ Run a server and N workers, each next to its host's daemon (``MLFABRIC_DAEMON`` 
     ...
 
 The server applies each update (the worker already scaled its gradient by the learning
-rate), refuses any whose delay exceeds ``--tau-max``, evaluates test accuracy every few
+rate; an aggregate or a synchronous round is the sum of its members' updates), refuses any
+whose delay exceeds ``--tau-max``, evaluates test accuracy every few
 updates and writes its progress to ``--status-file``. A worker loops *get the model,
 compute a gradient on a mini-batch of its shard, push it, wait for the verdict* until
 ``--stop-file`` exists or ``--max-pushes`` is reached, then writes its push results to
-``--stats-file``. ``mlfabric demo`` runs exactly this on an emulated cluster.
+``--stats-file``. With ``server --sync-workers N`` training is synchronous: the server's
+daemon sums N workers' updates into one step per round, and a worker's push returns when
+its round is applied. ``mlfabric demo`` runs exactly this on an emulated cluster.
 """
 
 from __future__ import annotations
@@ -128,12 +131,16 @@ def run_server(args: argparse.Namespace) -> int:
         args.job,
         args.name,
         init_model(args.hidden, args.seed),
-        mlfabric.Params(tau_max=args.tau_max if args.tau_max is not None and args.tau_max >= 0 else None),
+        mlfabric.Params(
+            tau_max=args.tau_max if args.tau_max is not None and args.tau_max >= 0 else None,
+            sync_workers=args.sync_workers,
+        ),
         daemon=args.daemon,
     )
     status_path = Path(args.status_file) if args.status_file else None
     started = time.monotonic()
     delays: list[int] = []
+    counts = {"updates": 0, "aggregated": 0}  # worker updates applied, those applied in a sum
     state: dict[str, Any] = {
         "accuracy": accuracy(server.model, x_test, y_test),
         "reached_at": None,
@@ -145,6 +152,8 @@ def run_server(args: argparse.Namespace) -> int:
         for key, value in update.items():
             server.model[key] -= value
         delays.append(meta.delay)
+        counts["updates"] += meta.num_updates
+        counts["aggregated"] += meta.num_updates if meta.num_updates > 1 else 0
         if len(delays) % args.eval_every == 0:
             state["accuracy"] = accuracy(server.model, x_test, y_test)
             if state["reached_at"] is None and state["accuracy"] >= args.target_accuracy:
@@ -159,6 +168,8 @@ def run_server(args: argparse.Namespace) -> int:
             {
                 "version": server.version,
                 "applied": server.applied,
+                "worker_updates": counts["updates"],  # worker updates in the payloads applied
+                "aggregated_updates": counts["aggregated"],
                 "dropped": server.dropped,
                 "accuracy": state["accuracy"],
                 "reached_at": state["reached_at"],  # unix time the target was reached
@@ -237,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tau-max", type=int, default=None, help="delay bound (default or < 0: unbounded)")
     server.add_argument("--target-accuracy", type=float, default=0.95)
     server.add_argument("--eval-every", type=int, default=5, help="evaluate every N applied updates")
+    server.add_argument(
+        "--sync-workers",
+        type=int,
+        default=0,
+        help="synchronous SGD: one step per round of N workers' updates (default 0: asynchronous)",
+    )
     server.add_argument("--status-file", help="JSON progress file, rewritten as training goes")
     server.set_defaults(run=run_server)
     worker = sub.add_parser("worker", help="compute and push updates")

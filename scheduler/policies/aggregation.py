@@ -31,7 +31,9 @@ themselves do not predict delays.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -124,14 +126,21 @@ def _plan_server(
     first_direct: int | None,
     transfers: list[Transfer],
     aggregates: list[Aggregate],
+    ahead_until: float | None = None,
 ) -> Timelines:
-    """Plan one server's STF ``order``; returns the timelines holding every reservation."""
+    """Plan one server's STF ``order``; returns the timelines holding every reservation.
+
+    ``ahead_until``: when the transfers already on their way into ``S`` end (a group is
+    ahead, so the first update may be gathered at an aggregator meanwhile).
+    """
     if not order:
         return tls
     server_host = order[0].dst
     avoid = _avoid(graph, pc, server_host, order[0])
     ahead_end = now  # when the group ahead finishes arriving at S
     direct = 0
+    if ahead_until is not None and ahead_until > now:
+        ahead_end, direct = ahead_until, 1
     i = 0
     while i < len(order):
         u = order[i]
@@ -176,6 +185,8 @@ def plan_aggregation(
     now: float = 0.0,
     first_direct: int | None = None,
     paths: PathCache | None = None,
+    timelines: Timelines | None = None,
+    ahead_until: Mapping[str, float] | None = None,
 ) -> Schedule:
     """Group the STF order to each server into direct sends and aggregates (Fig. 6).
 
@@ -195,6 +206,11 @@ def plan_aggregation(
         first group is as short as aggregation allows).
     paths : PathCache, optional
         Path cache for ``graph``.
+    timelines : Timelines, optional
+        Link timelines to plan on (holding the transfers already in flight); default empty.
+    ahead_until : mapping, optional
+        Server host -> when the transfers already in flight into it end: the next group to
+        it may then be gathered at an aggregator at once (online planning).
 
     Returns
     -------
@@ -217,7 +233,8 @@ def plan_aggregation(
     ([('x', ('u1', 'u2', 'u3'))], 2.0)
     """
     pc = paths if paths is not None else PathCache(graph)
-    tls = Timelines(graph, start=now)
+    tls = timelines if timelines is not None else Timelines(graph, start=now)
+    until = ahead_until or {}
     transfers: list[Transfer] = []
     aggregates: list[Aggregate] = []
     by_server: dict[str, list[Update]] = {}
@@ -230,7 +247,10 @@ def plan_aggregation(
             raise ValueError(f"cannot plan aggregation for server {server}: {stf.drops}")
         ids = {u.update_id: u for u in group}
         order = [ids[uid] for uid in stf.arrivals]
-        tls = _plan_server(graph, order, tls, pc, aggregators, now, first_direct, transfers, aggregates)
+        host = order[0].dst if order else ""
+        tls = _plan_server(
+            graph, order, tls, pc, aggregators, now, first_direct, transfers, aggregates, until.get(host)
+        )
     return Schedule.aggregated(transfers, aggregates)
 
 
@@ -384,12 +404,12 @@ class AggregationPolicy:
         self._committed = kept
         if not by_id:
             return Decision(sends=tuple(sends), drops=drops)
-        schedule = self._plan(snapshot, list(by_id.values()))
+        schedule, busy = self._plan(snapshot, list(by_id.values()))
         ids = {}
         for a in schedule.aggregates:
             ids[a.aggregate_id] = aggregate_id(a.dst, self._count)
             self._count += 1
-        planned = schedule_to_decision(schedule, aggregate_ids=ids)
+        planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
         for a in planned.aggregates:
             self._committed[a.aggregate_id] = a
         return Decision(sends=(*sends, *planned.sends), drops=drops, aggregates=planned.aggregates)
@@ -404,7 +424,9 @@ class AggregationPolicy:
             self._paths = PathCache(snapshot.graph)
         return self._paths.path(src, dst)
 
-    def _plan(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Schedule:
+    def _plan(
+        self, snapshot: Snapshot, pending: Sequence[PendingUpdate]
+    ) -> tuple[Schedule, list[tuple[str, tuple[Link, ...], float]]]:
         graph = snapshot.graph
         updates = [
             Update(
@@ -424,5 +446,23 @@ class AggregationPolicy:
         if snapshot.aggregators is not None:
             aggregators = tuple(h for h in aggregators if h in snapshot.aggregators)
         if self.sync:
-            return _plan_sync(graph, updates, aggregators, snapshot.now)
-        return plan_aggregation(graph, updates, aggregators=aggregators, now=snapshot.now)
+            return _plan_sync(graph, updates, aggregators, snapshot.now), []
+        # online: transfers in flight keep their links until their expected end, and a server
+        # whose ingress is busy may have its next group gathered at an aggregator meanwhile
+        now = snapshot.now
+        tls = Timelines(graph, start=now)
+        busy: list[tuple[str, tuple[Link, ...], float]] = []
+        until: dict[str, float] = {}
+        for f in sorted(snapshot.in_flight, key=lambda f: (f.expected_end, f.update_id)):
+            links = tuple(itertools.pairwise(f.path))
+            end = max(f.expected_end, now)
+            if not links or math.isinf(end) or not all(graph.has_edge(*link) for link in links):
+                continue
+            tls.reserve_until(links, now, end, who=f.update_id)
+            busy.append((f.update_id, links, end))
+            if f.path[-1] in servers:
+                until[f.path[-1]] = max(until.get(f.path[-1], now), end)
+        schedule = plan_aggregation(
+            graph, updates, aggregators=aggregators, now=now, timelines=tls, ahead_until=until
+        )
+        return schedule, busy

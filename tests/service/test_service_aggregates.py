@@ -51,7 +51,12 @@ def env() -> dict[str, Any]:
         for i, h in enumerate(HOSTS)
     }
     core.on_message(
-        sessions["ps"], msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s"))
+        sessions["ps"],
+        msg(
+            register_role=pb.RegisterRole(
+                job="j", role=pb.ROLE_SERVER, name="s", params=pb.JobParams(tau_max=-1)
+            )
+        ),
     )
     for i in range(4):
         reg = pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=f"w{i}")
@@ -172,6 +177,7 @@ def test_a_lost_aggregator_has_its_members_sent_directly(env: dict[str, Any]) ->
     assert set(core.state.pending) == {"u1", "u3"}
     report(core, s["w2"], "u2", "x", ok=False, error="connection refused")
     assert set(core.state.pending) == {"u1", "u2", "u3"}
+    report(core, s["w0"], "u0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=1)
     drain(s)
     decision = core.decide()
     assert [(d.update_id, d.next_hop) for d in decision.sends] == [("u1", "ps"), ("u2", "ps"), ("u3", "ps")]
@@ -232,3 +238,21 @@ def test_a_member_staler_than_tau_max_is_dropped_not_summed() -> None:
     decision = core.decide()
     assert [d.update_id for d in decision.drops] == ["u2"]
     assert all("u2" not in a.members for a in decision.aggregates)
+
+
+def test_online_the_next_group_is_gathered_while_the_servers_ingress_is_busy() -> None:
+    from mlfabric.scheduler.policies.aggregation import AggregationPolicy
+    from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
+
+    graph = star(HOSTS, {"ps": 8e6, **{h: 32e6 for h in HOSTS[1:]}})
+    flying = InFlight("u0", "j", "s", ("w0", "sw", "ps"), 10**6, 0.0, 1.0)
+    pending = [PendingUpdate(f"u{i}", "j", "s", f"w{i}", f"w{i}", "ps", 10**6, 1.0, 0, 0.0) for i in (1, 2)]
+    decision = AggregationPolicy(sync=False, aggregators=["x"]).decide(
+        Snapshot(0.0, graph, in_flight=(flying,)), pending
+    )
+    assert [(s.update_id, s.next_hop) for s in decision.sends] == [("u1", "x"), ("u2", "x")]
+    [agg] = decision.aggregates
+    assert agg.members == ("u1", "u2")
+    # without the transfer in flight, the first update would go directly
+    alone = AggregationPolicy(sync=False, aggregators=["x"]).decide(Snapshot(0.0, graph), pending)
+    assert alone.sends[0].next_hop == "ps"
