@@ -65,8 +65,9 @@ def drop_reason_class(reason: str) -> str:
 class ServiceCollector(Collector):
     """Gauges and outcome counters read from a :class:`SchedulerCore` at scrape time.
 
-    Outcomes are counted incrementally: each scrape walks the outcomes recorded since the
-    previous one (the state keeps them in order), so the counters never go down.
+    Outcomes are counted incrementally: each scrape walks back the outcomes the state
+    recorded (in order) down to the newest one counted by the previous scrape, so the
+    counters never go down. An update whose outcome is recorded again counts again.
 
     Parameters
     ----------
@@ -76,21 +77,20 @@ class ServiceCollector(Collector):
 
     def __init__(self, core: Any) -> None:
         self._core = core
-        self._last: str | None = None
+        self._last: Any = None  # the newest outcome counted (recording one makes a new object)
         self._resolved: dict[str, int] = {"applied": 0, "dropped": 0}
         self._reasons: dict[str, int] = {}
         self._delays = [0] * (len(DELAY_BUCKETS) + 1)
         self._delay_sum = 0.0
 
     def _count_outcomes(self) -> None:
-        outcomes = self._core.state.outcomes
         new = []
-        for update_id in reversed(outcomes):
-            if update_id == self._last:
+        for o in reversed(self._core.state.outcomes.values()):
+            if o is self._last:
                 break
-            new.append(outcomes[update_id])
+            new.append(o)
         if new:
-            self._last = new[0].update_id
+            self._last = new[0]
         for o in reversed(new):
             kind = o.kind.name.lower()
             self._resolved[kind] = self._resolved.get(kind, 0) + 1

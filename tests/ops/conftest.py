@@ -91,7 +91,7 @@ class Cluster:
     def log(self, name: str) -> str:
         return (self.dir / f"{name}.log").read_text()
 
-    def stop(self) -> dict[str, int | None]:
+    def stop(self) -> dict[str, int]:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
