@@ -37,8 +37,8 @@ from typing import Any
 __all__ = ["PolicyResult", "configure", "run", "run_policy", "write_topology"]
 
 #: The demo's star: server ingress is the bottleneck; unequal worker uplinks (Mbit/s).
-SERVER_INGRESS_MBPS = 40
-SERVER_EGRESS_MBPS = 400
+SERVER_INGRESS_MBPS = 20
+SERVER_EGRESS_MBPS = 1000
 WORKER_UPLINKS_MBPS = (160, 100, 60, 30, 20, 15, 10, 8)
 
 

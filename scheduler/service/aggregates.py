@@ -389,6 +389,25 @@ class AggregateBook:
             )
         return out
 
+    def gathering(self, now: float) -> tuple[InFlight, ...]:
+        """Aggregates being gathered, as transfers into their servers (for the policy's snapshot).
+
+        Each is expected to take the server's link for one update's time from ``now``, so
+        the next group to that server is gathered meanwhile (online aggregation).
+        """
+        out = []
+        for e in self.executions.values():
+            if e.forwarded:
+                continue
+            path = e.planned.path or self.state.path(e.planned.aggregator, e.planned.dst)
+            nbytes = int(e.planned.bytes)
+            out.append(
+                InFlight(
+                    e.aggregate_id, e.job, e.server, path, nbytes, now, now + self._duration(path, nbytes)
+                )
+            )
+        return tuple(out)
+
     def next_deadline(self) -> float | None:
         """The earliest deadline of an aggregate on its way (``None`` if there is none)."""
         return min((e.deadline for e in self.executions.values()), default=None)

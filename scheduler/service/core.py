@@ -442,7 +442,10 @@ class SchedulerCore:
         pending = list(self.state.pending.values())
         now = self.clock()
         snapshot = self.state.snapshot(now, self.estimator.estimated_graph())
-        snapshot = replace(snapshot, aggregators=self.aggregates.eligible())
+        gathering = self.aggregates.gathering(now)
+        snapshot = replace(
+            snapshot, aggregators=self.aggregates.eligible(), in_flight=(*snapshot.in_flight, *gathering)
+        )
         t0 = time.perf_counter()
         decision = self.runner.decide(snapshot, pending)
         seconds = time.perf_counter() - t0
