@@ -4,7 +4,7 @@ On loopback every transfer runs at memory speed, so the demo would have no bottl
 started with ``--enforce-nic-rates`` therefore shares one egress and one ingress
 :class:`TokenBucket` between all its data-plane connections: the sender consumes tokens before it
 writes a chunk, the receiver after it reads one, and TCP back-pressure slows the peer down. This is
-the emulated counterpart of a shaped link in the paper's network settings (MLfabric §6, NS1-NS3);
+the emulated counterpart of a shaped link in the paper's network settings (MLfabric §7, NS1-NS3);
 the namespace testbed shapes real links with ``tc`` instead.
 
 The bucket is a reservation scheme (the virtual-time form of a token bucket): a caller takes its
