@@ -1,4 +1,4 @@
-"""Bandwidth schedules: link capacities that change over time (DESIGN §6, paper §6 NS1-NS3).
+"""Bandwidth schedules: link capacities that change over time (DESIGN §6, paper §7 NS1-NS3).
 
 One file format, read by one parser, for the simulator (``mlfabric simulate
 --bandwidth-schedule F``) and the emulated testbed (:mod:`mlfabric.testbed.schedule`). A
