@@ -3,7 +3,7 @@
 :class:`Testbed` builds a bandwidth graph's hosts as namespaces, switches as bridges and
 links as veth pairs shaped with tbf at each direction's rate (see
 :mod:`mlfabric.testbed.plan` for the layout), runs commands inside hosts, and changes link
-rates while traffic flows (the paper's NS settings, §6). The kernel's real TCP runs between
+rates while traffic flows (the paper's NS settings, paper §7; DESIGN §6). The kernel's real TCP runs between
 the namespaces.
 
 Examples
