@@ -1,4 +1,4 @@
-"""Changing bandwidth and compute stragglers: the paper's NS and CS settings (§6).
+"""Changing bandwidth and compute stragglers: the paper's NS and CS settings (paper §7).
 
 A *rate schedule* is a list of :class:`RateChange` (at time ``at`` seconds after the start,
 set a link's rate). :func:`parse_schedule` reads one from a bandwidth-schedule file (the one
