@@ -91,6 +91,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on port P (0: any free port)"
     )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="close a peer's data-plane connection idle this long between frames, and a local "
+        "connection that sent no message this long after connecting (0: never; default 120)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose data-plane frame header (or local message) is not complete "
+        "this long after its first byte, e.g. one sent byte by byte (0: no limit; default 10)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=256,
+        metavar="N",
+        help="connections served at once on the data plane and on the local socket, each; one more "
+        "is answered with an error naming the limit and closed (0: no limit; default 256)",
+    )
     add_config_argument(parser, "daemon")
 
 
@@ -159,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
         send_attempts=args.send_attempts,
         aggregator=args.aggregator,
         round_timeout=args.round_timeout,
+        idle_timeout=args.idle_timeout or None,
+        header_timeout=args.header_timeout or None,
+        max_connections=args.max_connections or None,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -32,7 +32,9 @@ from typing import Any
 
 from mlfabric import __version__
 from mlfabric.daemon.aggregating import AggregatorRole
+from mlfabric.daemon.budget import DEFAULT_MAX_INFLIGHT_BYTES, BudgetExceeded, ByteBudget, Ticker
 from mlfabric.daemon.control import ControlStream, local_error_code
+from mlfabric.daemon.fallback import DEFAULT_FALLBACK_AFTER, Fallback, update_ready
 from mlfabric.daemon.dataplane import (
     Frame,
     FrameError,
@@ -100,6 +102,22 @@ class DaemonConfig:
     round_timeout : float
         Seconds a synchronous round of a server on this host waits for missing workers
         before it is applied with the updates it has.
+    fallback_after : float or None
+        Seconds without the scheduler before pushes are sent directly to their servers
+        (:mod:`mlfabric.daemon.fallback`); None: pushes waiting for it resolve DROPPED.
+    max_inflight_bytes : int
+        Payload bytes of pushes held, and of receives, at once (:mod:`mlfabric.daemon.budget`);
+        more waits, a single larger payload is refused.
+    pool_idle_seconds : float or None
+        Released receive buffers idle this long go back to the OS (None: kept).
+    idle_timeout : float or None
+        Seconds a peer's data-plane connection may stay between frames, and a new local
+        connection before its first message, without sending a byte (None: forever).
+    header_timeout : float or None
+        Seconds from a data-plane frame's or local message's first byte until its header
+        (local: the whole message) has arrived (None: no limit).
+    max_connections : int or None
+        Connections served at once, on the data plane and on the local socket each.
     """
 
     host: str
@@ -117,6 +135,12 @@ class DaemonConfig:
     receive_pool_bytes: int = 1 << 30
     aggregator: bool = True
     round_timeout: float = 60.0
+    fallback_after: float | None = DEFAULT_FALLBACK_AFTER
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    pool_idle_seconds: float | None = 10.0
+    idle_timeout: float | None = 120.0
+    header_timeout: float | None = 10.0
+    max_connections: int | None = 256
 
 
 class Daemon:
@@ -160,7 +184,15 @@ class Daemon:
         limits = FrameLimits(max_payload_bytes=config.max_payload_bytes)
         self._limits = limits
         self.serving = ServerRoles(config.host, limits, config.verdict_timeout)
-        self.receive_buffers = MemfdPool(config.receive_pool_bytes, name="mlfabric-dataplane")
+        self.receive_budget = ByteBudget(config.max_inflight_bytes, "receive")
+        self.push_budget = ByteBudget(config.max_inflight_bytes, "push")
+        self.receive_buffers = MemfdPool(
+            config.receive_pool_bytes,
+            name="mlfabric-dataplane",
+            budget=self.receive_budget,
+            budget_timeout=config.io_timeout,
+            max_idle_seconds=config.pool_idle_seconds,
+        )
         self._listener = DataPlaneListener(
             config.data_listen,
             self._on_frame,
@@ -168,6 +200,10 @@ class Daemon:
             self._ingress,
             self._egress,
             alloc=self.receive_buffers.allocate,
+            io_timeout=config.io_timeout,
+            idle_timeout=config.idle_timeout,
+            header_timeout=config.header_timeout,
+            max_connections=config.max_connections,
         )
         self._pool = PeerPool(
             limits,
@@ -175,8 +211,16 @@ class Daemon:
             self._ingress,
             connect_timeout=config.connect_timeout,
             io_timeout=config.io_timeout,
+            max_idle_seconds=None if config.idle_timeout is None else config.idle_timeout / 2,
         )
-        self._local = LocalApiServer(config.socket_path, self._on_request, self._on_close)
+        self._local = LocalApiServer(
+            config.socket_path,
+            self._on_request,
+            self._on_close,
+            idle_timeout=config.idle_timeout,
+            message_timeout=config.header_timeout,
+            max_connections=config.max_connections,
+        )
         self._control = ControlStream(
             config.scheduler,
             lambda: control_pb2.Hello(
@@ -208,6 +252,17 @@ class Daemon:
             config.send_attempts,
             config.retry_backoff,
         )
+        self.sender.on_finish = lambda push: self.push_budget.release(push.payload_bytes)
+        self.fallback = Fallback(
+            config.fallback_after,
+            self.outgoing,
+            self.directory,
+            lambda p: self._control.send(control_pb2.DaemonMessage(update_ready=update_ready(p))),
+            lambda p, send: self._tasks.submit(self.sender.transfer, p, send),
+            self.sender.finish,
+            clock,
+        )
+        self._ticker = Ticker(0.1, [self.fallback.tick, self.receive_buffers.trim])
         self.aggregator = AggregatorRole(
             config.host,
             self.receive_buffers.allocate,
@@ -241,6 +296,7 @@ class Daemon:
         self.aggregator.start()
         self._local.start()
         self._control.start()
+        self._ticker.start()
         deadline = time.monotonic() + timeout
         while not self._control.connected.wait(0.05):
             if self._control.refused.is_set() or time.monotonic() > deadline:
@@ -256,6 +312,7 @@ class Daemon:
         """Stop everything; pushes not yet resolved resolve DROPPED."""
         self._stopping.set()
         self._control.stop()
+        self._ticker.stop()
         self._local.stop()
         self._listener.stop()
         self.aggregator.stop()
@@ -295,6 +352,7 @@ class Daemon:
 
     def _on_connected(self, welcome: Any) -> None:
         """A (re)welcomed session: re-register the roles of this host's processes."""
+        self.fallback.connected()
         with self._lock:
             workers = [c for c in self._roles.values() if c.role == "worker"]
             for c in workers:
@@ -335,6 +393,7 @@ class Daemon:
             if conn is not None and ack is not None and ack.ok:  # pushes held for an aggregate it never saw
                 for ready in self.sender.unhold(message.job, message.name):
                     self._control.send(control_pb2.DaemonMessage(update_ready=ready))
+                self.fallback.announce_worker(message.job, message.name)  # kept while it was away
 
         self._register(message, on_ack)
 
@@ -351,6 +410,9 @@ class Daemon:
         for on_ack in acks:
             on_ack(None)
         self.aggregator.abandon_all(f"scheduler connection lost: {reason}")
+        if self.fallback.enabled:  # waiting pushes keep their place (sent directly if it stays away)
+            self.fallback.lost()
+            return
         for push in self.outgoing.take_waiting():
             self.sender.finish(
                 push, Verdict.dropped(f"scheduler connection lost before {push.update_id} was sent: {reason}")
@@ -576,6 +638,11 @@ class Daemon:
         if problem is not None:
             conn.error(rid, "bad_tensor", problem)
             return fd
+        try:  # back-pressure: wait for push budget
+            self.push_budget.acquire(req.payload_bytes, self.config.io_timeout, self._stopping)
+        except MemoryError as exc:  # BudgetExceeded or BudgetTimeout, named in the message
+            conn.error(rid, "too_large" if isinstance(exc, BudgetExceeded) else "unavailable", str(exc))
+            return fd
         push = PendingPush(
             update_id=self.outgoing.new_update_id(),
             job=conn.job,
@@ -607,7 +674,8 @@ class Daemon:
             base_version=push.base_version,
             ready_at=push.ready_at,
         )
-        if not self._control.send(control_pb2.DaemonMessage(update_ready=ready)):
+        sent = self._control.send(control_pb2.DaemonMessage(update_ready=ready))
+        if not sent and not self.fallback.keep(push):
             taken = self.outgoing.take(push.update_id)
             if taken is not None:
                 reason = f"scheduler at {self.config.scheduler} not connected; {push.update_id} not scheduled"

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
+import select
 import socket
 import struct
 import time
@@ -64,6 +66,7 @@ __all__ = [
     "FrameError",
     "FrameHeader",
     "FrameLimits",
+    "IdleTimeout",
     "Payload",
     "TransferStats",
     "check_header",
@@ -388,12 +391,52 @@ def send_frame(
     return TransferStats(bytes=size, start=start, end=time.time())
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str, *, at_boundary: bool = False) -> bytes | None:
-    """Read exactly ``n`` bytes; None on EOF before the first byte when ``at_boundary``."""
+class IdleTimeout(FrameError):
+    """A connection sent no frame for the receiver's idle timeout; it is closed (nothing was lost).
+
+    Examples
+    --------
+    >>> IdleTimeout("no frame for 5 s").reply_possible
+    False
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, reply_possible=False)
+
+
+def _wait_readable(sock: socket.socket, deadline: float | None) -> bool:
+    """Whether ``sock`` has input (or EOF) before ``deadline`` (monotonic; None: do not wait here)."""
+    if deadline is None:
+        return True
+    remaining = deadline - time.monotonic()
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    if math.isinf(remaining):
+        return bool(poller.poll())
+    return bool(poller.poll(max(0, int(remaining * 1000) + 1) if remaining > 0 else 0))
+
+
+def _recv_exact(
+    sock: socket.socket,
+    n: int,
+    what: str,
+    *,
+    at_boundary: bool = False,
+    deadline: float | None = None,
+    late: Callable[[int], FrameError] | None = None,
+) -> bytes | None:
+    """Read exactly ``n`` bytes; None on EOF before the first byte when ``at_boundary``.
+
+    With ``deadline`` (monotonic seconds), ``late(got)`` is raised when the bytes are not all
+    there by then (a peer trickling a header byte by byte is cut off, not waited for).
+    """
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if not _wait_readable(sock, deadline):
+            assert late is not None
+            raise late(got)
         k = sock.recv_into(view[got:])
         if k == 0:
             if got == 0 and at_boundary:
@@ -410,6 +453,8 @@ def recv_frame(
     *,
     bucket: TokenBucket | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    idle_timeout: float | None = None,
+    header_timeout: float | None = None,
 ) -> Frame | None:
     """Receive one frame, checking every rule; None when the peer closed between frames.
 
@@ -426,6 +471,13 @@ def recv_frame(
         Ingress rate limit, consumed per chunk after the chunk is read.
     chunk_bytes : int
         Bytes per ``recv_into`` call at most.
+    idle_timeout : float, optional
+        Seconds to wait for the frame's first byte (``math.inf``: forever, whatever the
+        socket's timeout; None: the socket's timeout applies); then :class:`IdleTimeout`.
+    header_timeout : float, optional
+        Seconds from the frame's first byte until its whole header (prefix included) has
+        arrived (None: no limit): a slow peer is cut off with a :class:`FrameError` naming
+        the limit. The payload is bounded by the socket's own timeout per ``recv_into``.
 
     Returns
     -------
@@ -436,7 +488,9 @@ def recv_frame(
     ------
     FrameError
         Bad magic, header too long or unparsable, payload too large, layout broken, CRC
-        mismatch, the peer closed mid-frame, or ``alloc`` failed (``MemoryError``/``OSError``).
+        mismatch, the peer closed mid-frame, the header came too slowly (``header_timeout``),
+        or ``alloc`` failed (``MemoryError``/``OSError``); :class:`IdleTimeout` when no frame
+        began within ``idle_timeout``.
     OSError
         The socket failed (``ConnectionResetError``, ``TimeoutError``).
 
@@ -450,7 +504,19 @@ def recv_frame(
     >>> f.header.update_id, bytes(f.payload)
     ('u1', b'abc')
     """
-    head = _recv_exact(sock, _PREFIX.size, "prefix", at_boundary=True)
+    if idle_timeout is not None and not _wait_readable(sock, time.monotonic() + idle_timeout):
+        raise IdleTimeout(f"no frame for {idle_timeout:g} s (idle timeout)")
+    deadline = None if header_timeout is None else time.monotonic() + header_timeout
+
+    def late(what: str, size: int) -> Callable[[int], FrameError]:
+        return lambda got: FrameError(
+            f"frame header not received within {header_timeout:g} s "
+            f"({what}: {got} of {size} bytes; header timeout)"
+        )
+
+    head = _recv_exact(
+        sock, _PREFIX.size, "prefix", at_boundary=True, deadline=deadline, late=late("prefix", _PREFIX.size)
+    )
     if head is None:
         return None
     start = time.time()
@@ -459,7 +525,7 @@ def recv_frame(
         raise FrameError(f"bad magic {magic!r} (expected {MAGIC!r})", reply_possible=False)
     if hlen > limits.max_header_bytes:
         raise FrameError(f"header of {hlen} bytes exceeds the limit of {limits.max_header_bytes}")
-    raw = _recv_exact(sock, hlen, "header")
+    raw = _recv_exact(sock, hlen, "header", deadline=deadline, late=late("header", hlen))
     header = FrameHeader()
     try:
         header.ParseFromString(raw)

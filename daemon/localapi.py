@@ -9,6 +9,13 @@ replies go out through :meth:`LocalConnection.send`, which any thread may call.
 A message that does not parse is answered with a ``bad_request`` error and the connection
 carries on; a message that breaks the framing (longer than the limit, a payload without a
 descriptor) is answered and the connection closed. The daemon keeps running either way.
+
+Limits against peers that hold connections open: a connection that has sent no message is
+closed ``idle_timeout`` seconds after it was accepted (once a process has sent its first
+message, e.g. its registration, it may stay quiet as long as it likes), a message must be
+complete ``message_timeout`` seconds after its first byte, and at most ``max_connections``
+connections are served at once (one more is answered with an ``unavailable`` error and
+closed). Each closing is answered with a ``LocalError`` naming the limit.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from mlfabric.proto.v1 import local_pb2
-from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, send_message
+from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, ReadTimeout, send_message
 
 __all__ = ["LocalApiServer", "LocalConnection"]
 
@@ -100,6 +107,12 @@ class LocalApiServer:
         ``on_close(conn)``: the process disconnected.
     max_message : int
         Longest accepted message.
+    idle_timeout : float, optional
+        Seconds a new connection may stay without sending its first message (None: forever).
+    message_timeout : float, optional
+        Seconds from a message's first byte until it is complete (None: no limit).
+    max_connections : int, optional
+        Connections served at once (None: no limit).
     """
 
     def __init__(
@@ -108,8 +121,18 @@ class LocalApiServer:
         on_request: RequestHandler,
         on_close: Callable[[LocalConnection], None],
         max_message: int = MAX_LOCAL_MESSAGE,
+        *,
+        idle_timeout: float | None = None,
+        message_timeout: float | None = None,
+        max_connections: int | None = None,
     ) -> None:
         self.path = path
+        self._idle_timeout = idle_timeout
+        self._message_timeout = message_timeout
+        self._max_connections = max_connections
+        #: connections refused over ``max_connections`` and closed by a timeout (tests, metrics)
+        self.refused = 0
+        self.timed_out = 0
         self._on_request = on_request
         self._on_close = on_close
         self._max = max_message
@@ -168,8 +191,24 @@ class LocalApiServer:
                 target=self._serve, args=(conn, sock), name=f"local-{conn.conn_id}", daemon=True
             )
             with self._lock:
-                self._conns[conn.conn_id] = (conn, thread)
+                full = self._max_connections is not None and len(self._conns) >= self._max_connections
+                if full:
+                    self.refused += 1
+                else:
+                    self._conns[conn.conn_id] = (conn, thread)
+            if full:
+                self._refuse(conn, sock)
+                continue
             thread.start()
+
+    def _refuse(self, conn: LocalConnection, sock: socket.socket) -> None:
+        """Answer a connection over ``max_connections`` with an error and close it."""
+        reason = f"too many local connections to this daemon (limit {self._max_connections})"
+        _LOG.warning("local connection %d refused: %s", conn.conn_id, reason)
+        sock.settimeout(0.5)  # a fresh socket's buffer takes the error; never block the accept loop
+        conn.error(0, "unavailable", reason)
+        conn.close()
+        sock.close()
 
     def _serve(self, conn: LocalConnection, sock: socket.socket) -> None:
         reader = MessageReader(sock, self._max)
@@ -189,9 +228,19 @@ class LocalApiServer:
                 sock.close()
 
     def _read_requests(self, conn: LocalConnection, reader: MessageReader) -> None:
+        first = True
         while not self._stopping.is_set():
             try:
-                body = reader.read()
+                body = reader.read(
+                    idle_timeout=self._idle_timeout if first else None,
+                    message_timeout=self._message_timeout,
+                )
+            except ReadTimeout as exc:
+                with self._lock:
+                    self.timed_out += 1
+                _LOG.warning("local connection %d: %s; closing it", conn.conn_id, exc)
+                conn.error(0, "timeout", f"{exc}; closing the connection")
+                return
             except ProtocolError as exc:
                 _LOG.warning("local connection %d: %s; closing it", conn.conn_id, exc)
                 conn.error(0, "bad_request", f"{exc}; closing the connection")
@@ -204,6 +253,7 @@ class LocalApiServer:
                 _LOG.warning("local connection %d: malformed message (%s)", conn.conn_id, exc)
                 conn.error(0, "bad_request", f"malformed local message ({len(body)} bytes): {exc}")
                 continue
+            first = False
             kind = request.WhichOneof("kind")
             fd = None
             if kind in _PAYLOAD_KINDS and getattr(request, kind).has_payload:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 
 __all__ = ["format_address", "lingering_close", "parse_address", "tune_socket"]
 
@@ -54,7 +55,9 @@ def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def lingering_close(sock: socket.socket, seconds: float = 1.0, max_bytes: int = 1 << 20) -> None:
+def lingering_close(
+    sock: socket.socket, seconds: float = 1.0, max_bytes: int = 1 << 20, total_seconds: float = 10.0
+) -> None:
     """Stop writing and discard what the peer still sends for a moment before closing.
 
     Closing a socket with unread input makes the kernel send RST, which can destroy the ERROR
@@ -68,6 +71,8 @@ def lingering_close(sock: socket.socket, seconds: float = 1.0, max_bytes: int = 
         How long one read of the peer's remaining bytes may wait.
     max_bytes : int
         Stop discarding after this many bytes.
+    total_seconds : float
+        How long the whole discarding may take (a peer trickling bytes cannot hold it longer).
 
     Examples
     --------
@@ -79,11 +84,15 @@ def lingering_close(sock: socket.socket, seconds: float = 1.0, max_bytes: int = 
     b''
     >>> a.close(); b.close()
     """
+    deadline = time.monotonic() + total_seconds
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(seconds)
         drained = 0
         while drained < max_bytes:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            sock.settimeout(min(seconds, remaining))
             chunk = sock.recv(65536)
             if not chunk:
                 break

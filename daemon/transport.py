@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -33,6 +35,7 @@ from mlfabric.daemon.dataplane import (
     Frame,
     FrameError,
     FrameLimits,
+    IdleTimeout,
     Payload,
     TransferStats,
     error_header,
@@ -163,6 +166,8 @@ class Connection:
         self._egress = egress_bucket
         self._ingress = ingress_bucket
         self.closed = False
+        #: monotonic time the connection was last given back to its pool
+        self.idle_since = time.monotonic()
 
     def send(self, header: Any, payload: Payload | None = None, *, crc32: int | None = None) -> TransferStats:
         """Send one frame (see :func:`~mlfabric.daemon.dataplane.send_frame`).
@@ -268,6 +273,9 @@ class PeerPool:
         Seconds any single send/receive call may block (None: forever).
     max_idle_per_peer : int
         Idle connections kept per address.
+    max_idle_seconds : float or None
+        An idle connection older than this is closed instead of reused (keep it below the
+        peers' ``idle_timeout``, so a request never goes out on a connection the peer is closing).
 
     Examples
     --------
@@ -287,8 +295,10 @@ class PeerPool:
         connect_timeout: float = 5.0,
         io_timeout: float | None = 60.0,
         max_idle_per_peer: int = 4,
+        max_idle_seconds: float | None = None,
     ) -> None:
         self._limits = limits
+        self._max_idle_seconds = max_idle_seconds
         self._egress = egress_bucket
         self._ingress = ingress_bucket
         self._connect_timeout = connect_timeout
@@ -323,7 +333,11 @@ class PeerPool:
             idle = self._idle.get(address, [])
             while idle:
                 conn = idle.pop()
-                if not conn.is_stale():
+                too_old = (
+                    self._max_idle_seconds is not None
+                    and time.monotonic() - conn.idle_since > self._max_idle_seconds
+                )
+                if not too_old and not conn.is_stale():
                     return conn
                 conn.close()
         return self.connect(address)
@@ -335,6 +349,7 @@ class PeerPool:
         with self._lock:
             idle = self._idle.setdefault(conn.address, [])
             if not self._closed and len(idle) < self._max_idle:
+                conn.idle_since = time.monotonic()
                 idle.append(conn)
                 return
         conn.close()
@@ -406,8 +421,17 @@ class DataPlaneListener:
     alloc : callable
         Allocator for incoming payloads (the daemon passes memfd-backed mmaps).
     io_timeout : float or None
-        Seconds a single receive/send may block before the connection is dropped
-        (None: idle peers may stay connected forever).
+        Seconds a single receive/send of a payload or reply may block before the connection
+        is dropped (None: no limit).
+    idle_timeout : float or None
+        Seconds a connection may wait between frames without sending a byte before it is
+        closed (None: forever). Peers' pooled connections notice the close and reconnect.
+    header_timeout : float or None
+        Seconds from a frame's first byte until its whole header has arrived; a slower peer
+        (e.g. one trickling the header byte by byte) is closed (None: no limit).
+    max_connections : int or None
+        Connections served at once; one more is answered with an ERROR frame naming the
+        limit and closed (None: no limit).
     logger : logging.Logger, optional
         Where rejected frames and failures are logged.
 
@@ -428,6 +452,9 @@ class DataPlaneListener:
         *,
         alloc: Alloc = bytearray,
         io_timeout: float | None = None,
+        idle_timeout: float | None = None,
+        header_timeout: float | None = None,
+        max_connections: int | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
         self._bind = parse_address(bind_address)
@@ -437,6 +464,9 @@ class DataPlaneListener:
         self._egress = egress_bucket
         self._alloc = alloc
         self._io_timeout = io_timeout
+        self._idle_timeout = idle_timeout
+        self._header_timeout = header_timeout
+        self._max_connections = max_connections
         self._log = logger or _LOG
         self._lock = threading.Lock()
         self._server: socket.socket | None = None
@@ -446,6 +476,15 @@ class DataPlaneListener:
         self.address: str | None = None
         #: Number of connections closed because of a bad frame (for tests and metrics).
         self.rejected = 0
+        #: Connections closed for idling (``idle_timeout``) or refused over ``max_connections``.
+        self.idle_closed = 0
+        self.refused = 0
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._conns)
 
     def start(self) -> str:
         """Bind, listen and start accepting; return the bound ``"ip:port"``."""
@@ -494,15 +533,37 @@ class DataPlaneListener:
                 raise
             tune_socket(sock)
             sock.settimeout(self._io_timeout)
+            name = f"{peer[0]}:{peer[1]}"
             thread = threading.Thread(
-                target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"), name="dataplane-conn", daemon=True
+                target=self._serve, args=(sock, name), name="dataplane-conn", daemon=True
             )
             with self._lock:
                 if self._stopping.is_set():
                     sock.close()
                     return
-                self._conns[sock] = thread
+                full = self._max_connections is not None and len(self._conns) >= self._max_connections
+                if full:
+                    self.refused += 1
+                else:
+                    self._conns[sock] = thread
+            if full:
+                self._refuse(sock, name)
+                continue
             thread.start()
+
+    def _refuse(self, sock: socket.socket, peer: str) -> None:
+        """Answer a connection over ``max_connections`` with ERROR and close it (never blocks long)."""
+        reason = f"too many data-plane connections (limit {self._max_connections}); try again later"
+        self._log.warning("data plane: refused a connection from %s: %s", peer, reason)
+        sock.settimeout(0.5)
+        try:
+            send_frame(sock, error_header(reason))
+        except OSError as exc:
+            self._log.info("data plane: could not send ERROR to %s: %r", peer, exc)
+        finally:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
@@ -515,7 +576,19 @@ class DataPlaneListener:
     def _serve_frames(self, sock: socket.socket, peer: str) -> None:
         while not self._stopping.is_set():
             try:
-                frame = recv_frame(sock, self._limits, self._alloc, bucket=self._ingress)
+                frame = recv_frame(
+                    sock,
+                    self._limits,
+                    self._alloc,
+                    bucket=self._ingress,
+                    idle_timeout=math.inf if self._idle_timeout is None else self._idle_timeout,
+                    header_timeout=self._header_timeout,
+                )
+            except IdleTimeout as exc:
+                with self._lock:
+                    self.idle_closed += 1
+                self._log.info("data plane: closing the connection from %s: %s", peer, exc.reason)
+                return
             except FrameError as exc:
                 with self._lock:
                     self.rejected += 1

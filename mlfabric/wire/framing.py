@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import collections
 import os
+import select
 import socket
 import struct
 import tempfile
+import time
 from typing import Any
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "MAX_LOCAL_MESSAGE",
     "MessageReader",
     "ProtocolError",
+    "ReadTimeout",
     "default_socket_path",
     "send_message",
 ]
@@ -48,6 +51,10 @@ _MAX_FDS = 16
 
 class ProtocolError(ValueError):
     """A local message that breaks the framing (too long, or a payload without a descriptor)."""
+
+
+class ReadTimeout(ProtocolError):
+    """No message began within the idle timeout, or one began and did not finish in time."""
 
 
 def default_socket_path(explicit: str | None = None) -> str:
@@ -109,16 +116,28 @@ class MessageReader:
         self._buf = bytearray()
         self._fds: collections.deque[int] = collections.deque()
 
-    def read(self) -> bytes | None:
+    def read(self, idle_timeout: float | None = None, message_timeout: float | None = None) -> bytes | None:
         """The next message's bytes, or None at end of stream.
+
+        Parameters
+        ----------
+        idle_timeout : float, optional
+            Seconds to wait for a message's first byte (None: forever).
+        message_timeout : float, optional
+            Seconds from a message's first byte (or from this call, when a piece of it was
+            already buffered) until it is complete (None: no limit): a peer sending a
+            message byte by byte is cut off.
 
         Raises
         ------
         ProtocolError
             When the length prefix exceeds the limit.
+        ReadTimeout
+            When a timeout expired (the message names which).
         OSError
             When the socket fails.
         """
+        started = time.monotonic() if self._buf else None
         while True:
             if len(self._buf) >= _LEN.size:
                 (length,) = _LEN.unpack_from(self._buf)
@@ -128,11 +147,27 @@ class MessageReader:
                     body = bytes(self._buf[_LEN.size : _LEN.size + length])
                     del self._buf[: _LEN.size + length]
                     return body
+            if started is None and idle_timeout is not None and not self._readable(idle_timeout):
+                raise ReadTimeout(f"no local message for {idle_timeout:g} s (idle timeout)")
+            if started is not None and message_timeout is not None:
+                remaining = started + message_timeout - time.monotonic()
+                if not self._readable(remaining):
+                    raise ReadTimeout(
+                        f"local message not complete within {message_timeout:g} s "
+                        f"({len(self._buf)} bytes received; message timeout)"
+                    )
             data, fds, _flags, _addr = socket.recv_fds(self._sock, 1 << 16, _MAX_FDS)
             self._fds.extend(fds)
             if not data:
                 return None
+            if started is None:
+                started = time.monotonic()
             self._buf += data
+
+    def _readable(self, seconds: float) -> bool:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(max(0, int(seconds * 1000) + 1) if seconds > 0 else 0))
 
     def take_fd(self) -> int:
         """The descriptor passed with the message just read (the caller owns it).
