@@ -34,7 +34,6 @@ from mlfabric import __version__
 from mlfabric.daemon.aggregating import AggregatorRole
 from mlfabric.daemon.budget import DEFAULT_MAX_INFLIGHT_BYTES, BudgetExceeded, ByteBudget, Ticker
 from mlfabric.daemon.control import ControlStream, local_error_code
-from mlfabric.daemon.fallback import DEFAULT_FALLBACK_AFTER, Fallback, update_ready
 from mlfabric.daemon.dataplane import (
     Frame,
     FrameError,
@@ -42,6 +41,7 @@ from mlfabric.daemon.dataplane import (
     FrameLimits,
     check_header,
 )
+from mlfabric.daemon.fallback import DEFAULT_FALLBACK_AFTER, Fallback, update_ready
 from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.daemon.roles import (

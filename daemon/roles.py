@@ -276,6 +276,16 @@ class OutgoingPushes:
         with self._lock:
             return self._pushes.pop(update_id, None)
 
+    def get(self, update_id: str) -> PendingPush | None:
+        """The push with ``update_id`` (still held), or None."""
+        with self._lock:
+            return self._pushes.get(update_id)
+
+    def waiting_ids(self) -> list[str]:
+        """The ids of the pushes waiting for a directive (state ``ready``)."""
+        with self._lock:
+            return [u for u, p in self._pushes.items() if p.state == "ready"]
+
     def take_waiting(self) -> list[PendingPush]:
         """Remove and return every push still waiting for a directive (state ``ready``)."""
         with self._lock:

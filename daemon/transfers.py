@@ -207,6 +207,8 @@ class PushSender:
         self._lock = threading.Lock()
         self._active: set[Connection] = set()
         self._stopping = threading.Event()
+        #: ``on_finish(push)`` after a push resolved (the daemon gives back its push budget).
+        self.on_finish: Callable[[PendingPush], None] | None = None
 
     def stop(self) -> None:
         """Cut the transfers in flight (they fail now, not at their I/O timeout); no new ones."""
@@ -227,6 +229,8 @@ class PushSender:
             reason=verdict.reason,
         )
         push.owner.send(local_pb2.LocalEvent(request_id=push.request_id, push_result=result))
+        if self.on_finish is not None:
+            self.on_finish(push)
 
     def transfer(self, push: PendingPush, send: Any) -> None:
         """Move one update to its next hop (retrying a vanished peer), then resolve and report it.

@@ -22,6 +22,12 @@ buffer's turn (a server's ``on_update`` that keeps the update).
 A buffer's capacity is ``nbytes`` rounded up to a power of two (at least 64 KiB); its memfd has
 that size, and only the first ``nbytes`` bytes belong to the payload (use the tensor layout, not
 ``fstat``). ``release`` must come after the last reader is done: the next payload overwrites it.
+
+Memory is bounded two ways. A ``budget`` (any object with ``acquire(nbytes, timeout)`` and
+``release(nbytes)``, e.g. the daemon's ``ByteBudget``) is charged each payload's size while its
+buffer is handed out: :meth:`MemfdPool.allocate` waits for budget (back-pressure). Released
+buffers are kept only up to ``max_idle_bytes``, and :meth:`MemfdPool.trim` frees those idle for
+longer than ``max_idle_seconds``, so a spike of big payloads gives its memory back to the OS.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import ctypes
 import mmap
 import os
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["MemfdPool", "PooledBuffer", "privatize", "size_class"]
 
@@ -62,16 +71,22 @@ class PooledBuffer(mmap.mmap):
     #: Times the buffer was handed out (1: fresh pages, better filled with ``pwrite`` than mapped).
     uses: int
     _pool: MemfdPool | None
+    #: Bytes charged to the pool's budget while handed out; when it was last released.
+    _charged: int
+    _idle_since: float
 
     def release(self) -> None:
         """Return the buffer to its pool (or free it when the pool is full or closed); idempotent."""
         pool, self._pool = self._pool, None
         if pool is not None:
+            pool._uncharge(self)
             pool._give_back(self)
 
     def discard(self) -> None:
         """Free the buffer instead of pooling it: for when a reader may still use it; idempotent."""
-        self._pool = None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._uncharge(self)
         self._free()
 
     def _free(self) -> None:
@@ -91,6 +106,15 @@ class MemfdPool:
         Total capacity of released buffers kept for reuse; beyond it released buffers are freed.
     name : str
         Name of the memfds (shows in ``/proc/PID/fd``).
+    budget : object, optional
+        Charged ``nbytes`` per buffer handed out (``acquire(nbytes, timeout)``, ``release(nbytes)``);
+        :meth:`allocate` raises what ``acquire`` raises (a ``MemoryError`` when it cannot wait).
+    budget_timeout : float, optional
+        Seconds :meth:`allocate` waits for budget (None: as long as it takes).
+    max_idle_seconds : float, optional
+        :meth:`trim` frees released buffers idle this long (None: kept until :meth:`close`).
+    clock : callable
+        Monotonic seconds (idle times).
 
     Examples
     --------
@@ -102,11 +126,35 @@ class MemfdPool:
     >>> pool.allocate(2000) is buf        # same size class: the same memfd, already mapped
     True
     >>> pool.close()
+
+    Idle buffers go back to the OS after ``max_idle_seconds``:
+
+    >>> now = [0.0]
+    >>> pool = MemfdPool(1 << 20, max_idle_seconds=5.0, clock=lambda: now[0])
+    >>> pool.allocate(1000).release(); pool.idle_bytes
+    65536
+    >>> now[0] = 4.0; pool.trim(), pool.idle_bytes
+    (0, 65536)
+    >>> now[0] = 6.0; pool.trim(), pool.idle_bytes
+    (65536, 0)
     """
 
-    def __init__(self, max_idle_bytes: int = 1 << 30, name: str = "mlfabric-payload") -> None:
+    def __init__(
+        self,
+        max_idle_bytes: int = 1 << 30,
+        name: str = "mlfabric-payload",
+        *,
+        budget: Any = None,
+        budget_timeout: float | None = None,
+        max_idle_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._max_idle = max_idle_bytes
         self._name = name
+        self.budget = budget
+        self._budget_timeout = budget_timeout
+        self._max_idle_seconds = max_idle_seconds
+        self._clock = clock
         self._lock = threading.Lock()
         self._idle: dict[int, list[PooledBuffer]] = {}
         self._idle_bytes = 0
@@ -114,6 +162,8 @@ class MemfdPool:
         #: Allocations served from the pool / with a new memfd (for tests and metrics).
         self.reused = 0
         self.created = 0
+        #: Bytes of idle buffers freed by :meth:`trim` so far.
+        self.trimmed_bytes = 0
 
     @property
     def idle_bytes(self) -> int:
@@ -134,6 +184,16 @@ class MemfdPool:
             A writable shared mapping with ``fd`` and ``release()``.
         """
         capacity = size_class(nbytes)
+        if self.budget is not None:
+            self.budget.acquire(nbytes, self._budget_timeout)
+        try:
+            return self._allocate(nbytes, capacity)
+        except BaseException:
+            if self.budget is not None:
+                self.budget.release(nbytes)
+            raise
+
+    def _allocate(self, nbytes: int, capacity: int) -> PooledBuffer:
         with self._lock:
             idle = self._idle.get(capacity)
             if idle:
@@ -142,6 +202,7 @@ class MemfdPool:
                 self.reused += 1
                 buf._pool = self
                 buf.uses += 1
+                buf._charged = nbytes if self.budget is not None else 0
                 return buf
             self.created += 1
         fd = os.memfd_create(self._name, os.MFD_CLOEXEC)
@@ -152,15 +213,46 @@ class MemfdPool:
             os.close(fd)
             raise
         buf.fd, buf.capacity, buf.uses, buf._pool = fd, capacity, 1, self
+        buf._charged = nbytes if self.budget is not None else 0
         return buf
+
+    def _uncharge(self, buf: PooledBuffer) -> None:
+        charged, buf._charged = buf._charged, 0
+        if charged and self.budget is not None:
+            self.budget.release(charged)
 
     def _give_back(self, buf: PooledBuffer) -> None:
         with self._lock:
             if not self._closed and self._idle_bytes + buf.capacity <= self._max_idle:
+                buf._idle_since = self._clock()
                 self._idle.setdefault(buf.capacity, []).append(buf)
                 self._idle_bytes += buf.capacity
                 return
         buf._free()
+
+    def trim(self) -> int:
+        """Free the released buffers idle for ``max_idle_seconds`` or longer; the bytes freed.
+
+        Without ``max_idle_seconds`` nothing is freed. The daemon calls this periodically.
+        """
+        if self._max_idle_seconds is None:
+            return 0
+        cutoff = self._clock() - self._max_idle_seconds
+        freed: list[PooledBuffer] = []
+        with self._lock:
+            for capacity, idle in list(self._idle.items()):
+                keep = [b for b in idle if b._idle_since > cutoff]
+                freed += [b for b in idle if b._idle_since <= cutoff]
+                if keep:
+                    self._idle[capacity] = keep
+                else:
+                    del self._idle[capacity]
+            nbytes = sum(b.capacity for b in freed)
+            self._idle_bytes -= nbytes
+            self.trimmed_bytes += nbytes
+        for buf in freed:
+            buf._free()
+        return nbytes
 
     def close(self) -> None:
         """Free every idle buffer; buffers released later are freed, not kept."""
