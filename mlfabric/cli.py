@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "testbed": ("mlfabric.testbed.cli", "build an emulated cluster of network namespaces (root)"),
     "config": ("mlfabric.config", "check a scheduler or daemon config file; list the config keys"),
     "install-units": ("mlfabric.units", "write the systemd unit files (mlfabric-scheduler, mlfabric-daemon)"),
+    "status": ("mlfabric.status", "a running cluster: hosts, jobs, links, and what holds each job back"),
 }
 
 

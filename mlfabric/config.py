@@ -148,6 +148,28 @@ DAEMON_KEYS: tuple[Key, ...] = (
         "a synchronous round is applied this long after its first update",
         minimum=0.0,
     ),
+    Key(
+        "idle_timeout",
+        float,
+        120.0,
+        "close a data-plane or local connection idle this long, seconds (0: never)",
+        minimum=0.0,
+    ),
+    Key(
+        "header_timeout",
+        float,
+        10.0,
+        "close a connection whose frame header (or local message) is incomplete this long after its "
+        "first byte, seconds (0: no limit)",
+        minimum=0.0,
+    ),
+    Key(
+        "max_connections",
+        int,
+        256,
+        "connections served at once on the data plane and on the local socket, each (0: no limit)",
+        minimum=0,
+    ),
     Key("metrics_port", int, None, "serve Prometheus /metrics on this port (0: any; unset: off)", minimum=0),
     Key("log_level", str, "WARNING", "log verbosity", choices=_LOG_LEVELS),
 )

@@ -172,6 +172,11 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: boo
         raise ValueError(f"--stf-horizon must be >= 0, got {stf_horizon}")
     if name not in SERVICE_POLICIES:
         make_policy(name)  # an unknown name: the factory's error lists the known ones
+        if name == "stf+tree":
+            raise ValueError(
+                "policy 'stf+tree' sums aggregates into other aggregates, which the daemons do not "
+                f"execute yet (service policies: {', '.join(SERVICE_POLICIES)}; the simulator runs stf+tree)"
+            )
         raise ValueError(
             f"policy '{name}' plans aggregates, which the service does not execute yet "
             f"(service policies: {', '.join(SERVICE_POLICIES)})"
@@ -234,29 +239,36 @@ def _make_estimator(graph: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> int:
+    from mlfabric.proto.v1 import admin_pb2_grpc
     from mlfabric.scheduler.policies.dispatch import Dispatcher
+    from mlfabric.scheduler.service.admin import Activity, AdminServicer, ObservedState
     from mlfabric.scheduler.service.batching import AdaptiveBatcher
     from mlfabric.scheduler.service.core import Metrics, SchedulerCore, start_server
     from mlfabric.scheduler.service.lifecycle import status_line, supervise
     from mlfabric.scheduler.service.metrics import MeteredEstimator, ServiceCollector, serve_metrics
-    from mlfabric.scheduler.service.state import SchedulerState
     from mlfabric.systemd import Notifier, watchdog_interval
 
     metrics = Metrics()
     notifier = Notifier()
+    activity = Activity()
     policy = setup.policy
     core = SchedulerCore(
-        SchedulerState(graph),
+        ObservedState(graph, activity),
         policy,
         dispatcher=Dispatcher(margin=args.release_margin_us * 1e-6),
         batcher=AdaptiveBatcher(window=args.batch_window_us * 1e-6, max_wait=args.batch_max_wait_us * 1e-6),
-        estimator=MeteredEstimator(_make_estimator(graph), metrics.registry),
+        estimator=MeteredEstimator(_make_estimator(graph), metrics.registry, activity),
         metrics=metrics,
         replan=setup.trigger,
         aggregate_timeout=args.aggregate_timeout,
     )
     try:
-        server, port = await start_server(core, args.listen)
+        admin = AdminServicer(core, activity)
+        server, port = await start_server(
+            core,
+            args.listen,
+            extra=[("mlfabric.v1.Admin", lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s))],
+        )
     except RuntimeError as exc:
         return _fail(f"cannot listen on {args.listen}: {exc}")
     host = args.listen.rpartition(":")[0]

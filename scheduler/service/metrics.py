@@ -178,6 +178,8 @@ class MeteredEstimator:
     registry : CollectorRegistry
         Where ``mlfabric_link_transferred_bytes_total`` and
         ``mlfabric_transfer_duration_seconds`` are registered.
+    activity : Activity, optional
+        Also noted there (:mod:`.admin`: link utilisation for ``mlfabric status``).
 
     Examples
     --------
@@ -191,8 +193,9 @@ class MeteredEstimator:
     1000.0
     """
 
-    def __init__(self, inner: Any, registry: CollectorRegistry) -> None:
+    def __init__(self, inner: Any, registry: CollectorRegistry, activity: Any = None) -> None:
         self.inner = inner
+        self._activity = activity
         self._bytes = Counter(
             "mlfabric_link_transferred_bytes",
             "bytes of measured transfers over a directed link",
@@ -213,6 +216,8 @@ class MeteredEstimator:
         for u, v in pairwise(path):
             self._bytes.labels(u, v).inc(nbytes)
         self._duration.observe(duration)
+        if self._activity is not None:
+            self._activity.transfer(path, nbytes, now)
         self.inner.observe(path, nbytes, duration, now, shared=shared)
 
     def estimated_graph(self) -> Any:

@@ -10,7 +10,7 @@ serves it with the health service. The message sequence is in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -85,7 +85,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
 
 async def start_server(
-    core: SchedulerCore, listen: str, *, options: Sequence[tuple[str, Any]] = SERVER_OPTIONS
+    core: SchedulerCore,
+    listen: str,
+    *,
+    options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
+    extra: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the scheduler and health services on ``listen``.
 
@@ -96,6 +100,8 @@ async def start_server(
         ``host:port``; port 0 picks a free port.
     options : sequence
         gRPC server options (keepalive, see :data:`SERVER_OPTIONS`).
+    extra : sequence of (str, callable)
+        More services: ``(full service name, add_to_server(server))`` (the admin service).
 
     Returns
     -------
@@ -112,8 +118,10 @@ async def start_server(
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for _, add in extra:
+        add(server)
     port = server.add_insecure_port(listen)
     await server.start()
-    for service in ("", "mlfabric.v1.Scheduler"):
+    for service in ("", "mlfabric.v1.Scheduler", *(name for name, _ in extra)):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return server, port
