@@ -24,7 +24,9 @@ Topology files are TOML::
     latency_ms = 0.1    # optional
 
 Hosts and switches may also be tables (``[[hosts]]`` with ``name = "w0"``) so that later
-fields can be attached to them.
+fields can be attached to them. A host table's ``aggregator = false`` keeps aggregates off
+that host (paper §5; default: any host whose daemon allows it); it becomes the node
+attribute ``aggregator``.
 """
 
 from __future__ import annotations
@@ -127,6 +129,11 @@ def parse_topology(data: Mapping[str, Any]) -> nx.DiGraph:
             if name in g:
                 raise TopologyError(f"{kind} '{name}' is declared twice")
             g.add_node(name, kind=kind)
+    for item in data.get("hosts") or []:
+        if isinstance(item, Mapping) and "aggregator" in item:
+            if not isinstance(item["aggregator"], bool):
+                raise TopologyError(f"host '{item['name']}': aggregator must be true or false")
+            g.nodes[item["name"]]["aggregator"] = item["aggregator"]
     links = data.get("links", [])
     if not isinstance(links, list):
         raise TopologyError("'links' must be a list of tables")

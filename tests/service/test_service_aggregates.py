@@ -256,3 +256,21 @@ def test_online_the_next_group_is_gathered_while_the_servers_ingress_is_busy() -
     # without the transfer in flight, the first update would go directly
     alone = AggregationPolicy(sync=False, aggregators=["x"]).decide(Snapshot(0.0, graph), pending)
     assert alone.sends[0].next_hop == "ps"
+
+
+def test_a_topology_host_with_aggregator_false_never_aggregates() -> None:
+    from mlfabric.scheduler.core.graph import TopologyError, parse_topology
+    from mlfabric.scheduler.policies.fair import FairPolicy
+    from mlfabric.scheduler.policies.runner import DecisionRunner
+    from mlfabric.scheduler.service.aggregates import AggregateBook
+
+    links = [{"a": h, "b": "sw", "mbps": 100} for h in ("ps", "a", "b")]
+    hosts = ["ps", {"name": "a", "aggregator": False}, {"name": "b"}]
+    state = SchedulerState(parse_topology({"hosts": hosts, "switches": ["sw"], "links": links}))
+    book = AggregateBook(state, DecisionRunner(FairPolicy()))
+    for h in ("ps", "a", "b"):
+        state.connect(h, "127.0.0.1:1")
+        book.hello(h, can_aggregate=True)
+    assert book.eligible() == {"ps", "b"}
+    with pytest.raises(TopologyError, match="host 'a': aggregator must be true or false"):
+        parse_topology({"hosts": [{"name": "a", "aggregator": "no"}], "links": []})
