@@ -239,6 +239,17 @@ def test_units_under_systemd(sandbox: tuple[Sandbox, Path]) -> None:
     ]
     assert sent >= 10 * 64 * 1024 * 4
 
+    # the admin service and health beside the scheduler
+    status = subprocess.run(
+        [sys.executable, "-m", "mlfabric", "status", "--scheduler", sched["address"], "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    st = json.loads(status.stdout)
+    assert st["health"] == "SERVING" and [d["host"] for d in st["daemons"]] == ["h0", "h1"]
+
     # reload with a changed topology: the graph changes, no session drops
     sb("run", "sh", "-c", f"cat > {CONF}/topology.toml", input=_topology(4))
     sb.systemctl("reload", "mlfabric-scheduler")
