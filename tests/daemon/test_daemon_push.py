@@ -180,7 +180,9 @@ def test_drop_directive_resolves_with_its_reason(cluster: dict[str, Any], schedu
 
 
 def test_scheduler_loss_resolves_waiting_pushes(cluster: dict[str, Any], scheduler: Any) -> None:
+    """Without a fallback (``fallback_after=None``) waiting pushes resolve DROPPED at once."""
     worker = cluster["worker"]
+    cluster["w0"].fallback.after = None
     scheduler.hold = True
     handle = worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)})
     wait_until(lambda: scheduler.ready)
