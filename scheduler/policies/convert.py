@@ -103,10 +103,10 @@ def schedule_to_decision(
             PlannedAggregate(
                 aggregate_id=ids.get(a.aggregate_id, a.aggregate_id),
                 aggregator=a.aggregator,
-                members=tuple(a.members),
+                members=tuple(ids.get(m, m) for m in a.members),
                 bytes=a.bytes,
                 dst=out.dst if out is not None else a.dst,
-                after=tuple(p for p in deps if p not in a.members),
+                after=tuple(p for p in deps if p not in {ids.get(m, m) for m in a.members}),
                 path=out.path if out is not None else (),
             )
         )

@@ -9,7 +9,9 @@ same object, horizon and re-plan trigger in both (DESIGN §4):
   ``horizon`` sends of the STF order per decision, re-deciding once the planned sends fall
   to a quarter of the horizon (:func:`~mlfabric.scheduler.policies.dispatch.low_water_mark`);
 * ``stf+agg`` — :class:`~mlfabric.scheduler.policies.aggregation.AggregationPolicy`
-  (aggregation groups over the STF order, paper Fig. 6).
+  (aggregation groups over the STF order, paper Fig. 6);
+* ``stf+tree`` — :class:`~mlfabric.scheduler.policies.trees.TreePolicy` (multi-level
+  aggregation trees from the bandwidth graph: in-rack first, then across racks).
 """
 
 from __future__ import annotations
@@ -72,11 +74,18 @@ def _stf_agg(options: PolicyOptions) -> PolicySetup:
     return PolicySetup(policy, ReplanTrigger())
 
 
+def _stf_tree(options: PolicyOptions) -> PolicySetup:
+    from mlfabric.scheduler.policies.trees import TreePolicy
+
+    return PolicySetup(TreePolicy(aggregators=options.aggregators), ReplanTrigger())
+
+
 #: policy name -> builder
 POLICIES: dict[str, Callable[[PolicyOptions], PolicySetup]] = {
     "fair": _fair,
     "stf": _stf,
     "stf+agg": _stf_agg,
+    "stf+tree": _stf_tree,
 }
 
 
@@ -121,7 +130,7 @@ def make_policy(
     >>> make_policy("lifo")
     Traceback (most recent call last):
     ...
-    ValueError: unknown policy 'lifo' (known: fair, stf, stf+agg)
+    ValueError: unknown policy 'lifo' (known: fair, stf, stf+agg, stf+tree)
     """
     try:
         build = POLICIES[name]

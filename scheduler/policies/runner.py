@@ -145,7 +145,7 @@ class DecisionRunner:
     def adopt(self, decision: Decision) -> None:
         """Make ``decision`` the plan of every update not yet released."""
         listed = {a.aggregate_id for a in decision.aggregates}
-        for aid in [a for a, g in self._gathering.items() if a not in listed and not g.started]:
+        for aid in [a for a, g in self._gathering.items() if a not in listed and not self._started(g)]:
             self._drop_aggregate(aid)
         for a in decision.aggregates:
             if a.aggregate_id not in self._gathering:
@@ -172,6 +172,10 @@ class DecisionRunner:
             g.arrived.discard(uid)
             if not g.members:
                 self._drop_aggregate(g.planned.aggregate_id)
+
+    def _started(self, g: _Gathering) -> bool:
+        """Whether a member of ``g`` was released, or (a deeper tree) a member aggregate started."""
+        return g.started or any(m in self._gathering and self._started(self._gathering[m]) for m in g.members)
 
     def _drop_aggregate(self, aid: str) -> None:
         g = self._gathering.pop(aid)
@@ -223,6 +227,9 @@ class DecisionRunner:
             if len(g.arrived) < len(g.members) or any(a in busy for a in g.planned.after):
                 continue
             forwarded.append(self._gathering.pop(aid))
+            up = self._gathering.get(self._member_of.get(aid, ""))
+            if up is not None:  # an aggregate summed into another one: that one has started
+                up.started = True
             for m in g.members:
                 self._member_of.pop(m, None)
         flying = {**in_flight, **self._placeholders(forwarded)}

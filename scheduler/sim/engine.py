@@ -430,6 +430,8 @@ class Simulator:
         self._made[agg.aggregate_id] = agg
         self.aggregates.append(Aggregate(agg.aggregate_id, agg.aggregator, agg.members, nbytes, agg.dst))
         path = agg.path or self._path(agg.aggregator, agg.dst)
+        if self.runner.aggregate_of(agg.aggregate_id) is not None:  # summed into another aggregate
+            self._to_aggregator.add(agg.aggregate_id)
         self._start_flow(agg.aggregate_id, "aggregate", path, nbytes)
 
     def _start_update(self, send: Send) -> None:

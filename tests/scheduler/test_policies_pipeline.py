@@ -220,7 +220,7 @@ def test_the_factory_builds_every_registered_policy_with_its_trigger() -> None:
 
 
 def test_the_factory_names_the_problem() -> None:
-    with pytest.raises(ValueError, match=r"unknown policy 'lifo' \(known: fair, stf, stf\+agg\)"):
+    with pytest.raises(ValueError, match=r"unknown policy 'lifo' \(known: fair, stf, stf\+agg, stf\+tree\)"):
         make_policy("lifo")
     with pytest.raises(ValueError, match="horizon must be >= 0"):
         make_policy("stf", horizon=-1)

@@ -1,0 +1,457 @@
+"""Bandwidth-aware multi-level aggregation trees (paper §5, Fig. 6; DESIGN §4).
+
+Fig. 6's groups (:mod:`~mlfabric.scheduler.policies.aggregation`) sum updates at one
+aggregator hop per group and send every aggregate straight to the server. On racks whose
+uplinks are oversubscribed the payloads that matter are those crossing the uplinks, so the
+sum should be made *inside* the rack, then again where the racks' aggregates meet.
+
+:func:`plan_tree` plans one round of updates per server as a tree read off the bandwidth
+graph. The hop-count shortest paths towards the server ``S`` form an in-tree (every node's
+next hop towards ``S``); a switch ``x`` of that tree may be an *aggregation point*: every
+payload whose path crosses ``x`` (an update, or the aggregate of a lower point) is sent to
+one host below ``x`` — its aggregator — and one payload, the sum, goes on from there
+towards ``S`` (to the aggregator of the next point on its path, or to ``S``). A worker's
+own host is preferred as the aggregator (its own update, or the aggregate it made one
+level down, needs no transfer); among those, the one with the fastest ingress NIC.
+
+Which switches aggregate is chosen where summing pays: a few candidate sets — none, the
+first switch of every worker (its rack) except the server's, every rack, every switch —
+then switches are toggled one at a time (for small rounds) while that shortens the plan.
+Each candidate is reserved on link timelines (the payloads in order of ready time,
+each aggregate once its members are in) and the round whose last payload reaches ``S``
+earliest wins (ties: fewer aggregates). The result passes
+:func:`~mlfabric.scheduler.core.checker.check_schedule`; an aggregate's members may be
+aggregates (a deeper tree).
+
+:class:`TreePolicy` (``stf+tree``) runs the planner online through the decision pipeline
+(:func:`~mlfabric.scheduler.policies.convert.schedule_to_decision`). The daemons do not
+forward an aggregate to another aggregator yet, so the service refuses this policy; the
+simulator executes it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update, aggregate_id
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies.aggregation import _stale
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
+from mlfabric.scheduler.policies.convert import schedule_to_decision
+from mlfabric.scheduler.policies.stf import server_key
+
+__all__ = ["TreePolicy", "plan_tree"]
+
+#: rounds of at most this many updates also try toggling each switch (local search)
+LOCAL_SEARCH_UP_TO = 256
+
+
+@dataclass
+class _Node:
+    """One aggregate of a candidate tree: the point, its host and members (payload ids)."""
+
+    point: str
+    aggregator: str
+    members: list[str]
+    parent: str | None = None  # aggregate id of the next point up, or None: to the server
+
+
+def _in_tree(pc: PathCache, sources: Iterable[str], server_host: str) -> dict[str, tuple[str, ...]]:
+    """Source host -> its path to the server (consistent: the paths form an in-tree)."""
+    return {s: pc.path(s, server_host) for s in sources}
+
+
+def _ingress(graph: nx.DiGraph, host: str) -> float:
+    return max((float(graph.edges[p, host]["capacity"]) for p in graph.predecessors(host)), default=0.0)
+
+
+def _build(
+    graph: nx.DiGraph,
+    order: Sequence[Update],
+    paths: Mapping[str, tuple[str, ...]],
+    points: frozenset[str],
+    eligible: frozenset[str],
+    server_host: str,
+    prefix: str,
+) -> tuple[dict[str, _Node], dict[str, str]]:
+    """The aggregates of the tree aggregating at ``points``; and payload id -> its aggregate.
+
+    Points with fewer than two payloads or no eligible host below them pass their payloads on.
+    """
+    below: dict[str, set[str]] = {}  # point -> hosts below it (sources whose path crosses it)
+    for u in order:
+        for x in paths[u.src][1:-1]:
+            if x in points:
+                below.setdefault(x, set()).add(u.src)
+    # points bottom-up: a point's depth is its distance from the server along the in-tree
+    depth = {x: len(paths[next(iter(hs))]) - paths[next(iter(hs))].index(x) for x, hs in below.items()}
+    chain: dict[str, list[str]] = {}  # source -> the points on its path, lowest first
+    for u in order:
+        if u.src not in chain:
+            chain[u.src] = [x for x in paths[u.src][1:-1] if x in below]
+    # payloads reaching each point: updates whose first point it is, and lower points' aggregates
+    into: dict[str, list[str]] = {x: [] for x in below}
+    first_of: dict[str, str] = {}
+    for u in order:
+        if chain[u.src]:
+            into[chain[u.src][0]].append(u.update_id)
+            first_of[u.update_id] = u.src
+    up: dict[str, str | None] = {}
+    for pts in chain.values():
+        for a, b in itertools.pairwise(pts):
+            up[a] = b
+        if pts:
+            up.setdefault(pts[-1], None)
+    nodes: dict[str, _Node] = {}
+    parent: dict[str, str] = {}
+    made: dict[str, str] = {}  # point -> its aggregate id (points that aggregate)
+    host_of: dict[str, str] = {u.update_id: u.src for u in order}
+    carried: dict[str, list[str]] = {x: list(into[x]) for x in below}  # payloads at each point
+    rank = [h for h in hosts(graph) if any(h in hs for hs in below.values())]
+    for x in sorted(below, key=lambda x: (-depth[x], x)):
+        payloads = carried[x]
+        nxt = up.get(x)
+        candidates = [h for h in rank if h in below[x] and h in eligible and h != server_host]
+        if len(payloads) < 2 or not candidates:
+            if nxt is not None:
+                carried[nxt].extend(payloads)
+            continue
+        local = {host_of[p] for p in payloads}
+        agg = max(candidates, key=lambda h: (_ingress(graph, h), h in local))  # first in graph order
+        aid = aggregate_id(prefix, len(nodes))
+        nodes[aid] = _Node(x, agg, list(payloads))
+        for p in payloads:
+            parent[p] = aid
+        host_of[aid] = agg
+        made[x] = aid
+        if nxt is not None:
+            carried[nxt].append(aid)
+    for aid, node in nodes.items():
+        node.parent = parent.get(aid)
+    return nodes, parent
+
+
+def _reserve(
+    tls: Timelines,
+    pc: PathCache,
+    order: Sequence[Update],
+    nodes: Mapping[str, _Node],
+    parent: Mapping[str, str],
+    server_host: str,
+    now: float,
+) -> tuple[list[Transfer], float]:
+    """Reserve every payload of the tree on ``tls`` (ready order); transfers and the makespan."""
+    by_id = {u.update_id: u for u in order}
+    heap: list[tuple[float, float, str]] = [(max(u.ready_at, now), u.bytes, u.update_id) for u in order]
+    heapq.heapify(heap)
+    waiting = {aid: len(n.members) for aid, n in nodes.items()}
+    ready_at = dict.fromkeys(nodes, -math.inf)
+    size = {aid: max(by_id[m].bytes if m in by_id else 0.0 for m in n.members) for aid, n in nodes.items()}
+    # an aggregate's size: its largest leaf update (members that are aggregates carry it on)
+    for aid in sorted(nodes, key=lambda a: int(a.rsplit(":", 1)[1])):
+        for m in nodes[aid].members:
+            if m in size:
+                size[aid] = max(size[aid], size[m])
+    transfers: list[Transfer] = []
+    makespan = now
+    while heap:
+        ready, nbytes, pid = heapq.heappop(heap)
+        src = by_id[pid].src if pid in by_id else nodes[pid].aggregator
+        to = parent.get(pid)
+        hop = nodes[to].aggregator if to is not None else server_host
+        t = tls.transfer(pid, pc.path(src, hop), nbytes, ready)
+        transfers.append(t)
+        if to is None:
+            makespan = max(makespan, t.end)
+            continue
+        waiting[to] -= 1
+        ready_at[to] = max(ready_at[to], t.end)
+        if waiting[to] == 0:
+            heapq.heappush(heap, (ready_at[to], size[to], to))
+    return transfers, makespan
+
+
+def _points_of(
+    paths: Mapping[str, tuple[str, ...]], graph: nx.DiGraph
+) -> tuple[list[frozenset[str]], set[str]]:
+    """Candidate sets of aggregation points, and every switch a point may be."""
+    switches = {x for p in paths.values() for x in p[1:-1] if graph.nodes[x].get("kind") != "host"}
+    racks = {p[1] for p in paths.values() if len(p) > 2 and p[1] in switches}
+    tops = {p[-2] for p in paths.values() if len(p) > 2}
+    candidates = [
+        frozenset(),
+        frozenset(racks - tops),
+        frozenset(racks),
+        frozenset(racks | tops),
+        frozenset(switches),
+    ]
+    return list(dict.fromkeys(candidates)), switches
+
+
+def _plan_server(
+    graph: nx.DiGraph,
+    order: Sequence[Update],
+    tls: Timelines,
+    pc: PathCache,
+    eligible: frozenset[str],
+    now: float,
+    prefix: str,
+    local_search: bool,
+) -> tuple[Timelines, list[Transfer], list[Aggregate]]:
+    server_host = order[0].dst
+    paths = _in_tree(pc, {u.src for u in order}, server_host)
+    candidates, switches = _points_of(paths, graph)
+    best: tuple[tuple[float, int], frozenset[str]] | None = None
+    seen: dict[frozenset[str], tuple[float, int]] = {}
+
+    def score(points: frozenset[str]) -> tuple[float, int]:
+        if points not in seen:
+            nodes, parent = _build(graph, order, paths, points, eligible, server_host, prefix)
+            _, makespan = _reserve(tls.copy(), pc, order, nodes, parent, server_host, now)
+            seen[points] = (makespan, len(nodes))
+        return seen[points]
+
+    for points in candidates:
+        key = score(points)
+        if best is None or key < best[0]:
+            best = (key, points)
+    assert best is not None
+    if local_search:
+        improved = True
+        while improved:
+            improved = False
+            for x in sorted(switches):
+                points = best[1] ^ {x}
+                key = score(points)
+                if key < best[0]:
+                    best, improved = (key, points), True
+    nodes, parent = _build(graph, order, paths, best[1], eligible, server_host, prefix)
+    transfers, _ = _reserve(tls, pc, order, nodes, parent, server_host, now)
+    size = {t.payload_id: t.bytes for t in transfers}
+    aggregates = [
+        Aggregate(aid, n.aggregator, tuple(n.members), size[aid], server_host) for aid, n in nodes.items()
+    ]
+    return tls, transfers, aggregates
+
+
+def plan_tree(
+    graph: nx.DiGraph,
+    updates: Sequence[Update],
+    *,
+    aggregators: Sequence[str] | None = None,
+    now: float = 0.0,
+    paths: PathCache | None = None,
+    timelines: Timelines | None = None,
+    local_search: bool | None = None,
+) -> Schedule:
+    """Plan ``updates`` as multi-level aggregation trees, one per server (DESIGN §4).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Bandwidth graph (capacities: the current estimates).
+    updates : sequence of Update
+        The round's updates (one or more servers; planned in server-name order on shared
+        link timelines).
+    aggregators : sequence of str, optional
+        Hosts that may aggregate; default every host but the updates' servers.
+    now : float
+        Planning time.
+    paths : PathCache, optional
+        Path cache for ``graph``.
+    timelines : Timelines, optional
+        Link timelines holding the transfers already in flight; default empty.
+    local_search : bool, optional
+        Toggle single switches after the candidate sets; default for rounds of at most
+        :data:`LOCAL_SEARCH_UP_TO` updates.
+
+    Returns
+    -------
+    Schedule
+        Transfers of updates (to an aggregator or the server; a zero-hop transfer when an
+        update's own host aggregates it), of aggregates (to the next aggregator or the
+        server), and the aggregates, whose members may be aggregates.
+
+    Examples
+    --------
+    Two racks of six hosts with 10 Gbit/s NICs under 1 Gbit/s uplinks, the server ``h0``,
+    20 MB per update: sent directly the six updates of rack 1 share its uplink (0.96 s);
+    summed in rack 1 (at ``h6``, whose own update needs no transfer) while rack 0 sends
+    directly, the round takes a quarter of that.
+
+    >>> from mlfabric.scheduler.core.graph import two_tier
+    >>> from mlfabric.scheduler.core.checker import check_schedule
+    >>> g = two_tier(2, 6, 10e9, oversubscription=60)
+    >>> us = [Update(f"u{i}", f"h{i}", "h0", 20e6) for i in range(1, 12)]
+    >>> s = plan_tree(g, us)
+    >>> round(s.makespan(), 3), sorted((a.aggregator, len(a.members)) for a in s.aggregates)
+    (0.24, [('h6', 6)])
+    >>> _ = check_schedule(g, s, updates=us)
+    """
+    pc = paths if paths is not None else PathCache(graph)
+    tls = timelines if timelines is not None else Timelines(graph, start=now)
+    servers = {u.dst for u in updates}
+    pool = aggregators if aggregators is not None else [h for h in hosts(graph) if h not in servers]
+    eligible = frozenset(h for h in pool if h not in servers)
+    by_server: dict[str, list[Update]] = {}
+    for u in updates:
+        by_server.setdefault(u.server, []).append(u)
+    search = len(updates) <= LOCAL_SEARCH_UP_TO if local_search is None else local_search
+    transfers: list[Transfer] = []
+    aggregates: list[Aggregate] = []
+    for i, server in enumerate(sorted(by_server)):
+        order = sorted(by_server[server], key=lambda u: (u.ready_at, u.bytes, u.update_id))
+        prefix = order[0].dst if len(by_server) == 1 else f"{order[0].dst}.{i}"
+        tls, ts, aggs = _plan_server(graph, order, tls, pc, eligible, now, prefix, search)
+        transfers.extend(ts)
+        aggregates.extend(aggs)
+    return Schedule.aggregated(transfers, aggregates)
+
+
+class TreePolicy:
+    """The ``stf+tree`` policy: every decision plans the pending updates as aggregation trees.
+
+    An aggregate tree some of whose updates have been released is *committed*: its remaining
+    updates keep going to their aggregators and its aggregates stay planned; the other
+    pending updates are planned afresh (:func:`plan_tree`), the transfers in flight reserved
+    until their expected end.
+
+    Parameters
+    ----------
+    aggregators : sequence of str, optional
+        Hosts that may aggregate; default every host but the servers (and only those the
+        snapshot lists as able to, when it lists any).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import two_tier
+    >>> g = two_tier(2, 3, 8e6, oversubscription=3)
+    >>> mk = lambda i: PendingUpdate(f"u{i}", "j", "s", f"w{i}", f"h{i}", "h0", 10**6, 1.0, 0, 0.0)
+    >>> d = TreePolicy().decide(Snapshot(0.0, g), [mk(i) for i in range(1, 6)])
+    >>> [(s.update_id, s.next_hop) for s in d.sends]
+    [('u1', 'h0'), ('u2', 'h0'), ('u3', 'h3'), ('u4', 'h3'), ('u5', 'h3')]
+    >>> [(a.aggregate_id, a.aggregator, a.members) for a in d.aggregates]
+    [('agg:h0:0', 'h3', ('u3', 'u4', 'u5'))]
+    """
+
+    name = "stf+tree"
+
+    def __init__(self, *, aggregators: Sequence[str] | None = None) -> None:
+        self.aggregators = tuple(aggregators) if aggregators is not None else None
+        self._committed: dict[str, PlannedAggregate] = {}
+        self._count = 0
+        self._paths: PathCache | None = None
+
+    def abandon(self, aggregate_id: str) -> None:
+        """Forget aggregate ``aggregate_id`` (its aggregator failed)."""
+        self._committed.pop(aggregate_id, None)
+
+    def _pc(self, graph: nx.DiGraph) -> PathCache:
+        if self._paths is None or not self._paths.same_topology(graph):
+            self._paths = PathCache(graph)
+        return self._paths
+
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
+        """Plan ``pending`` into sends to aggregators or servers, and aggregates.
+
+        Returns
+        -------
+        Decision
+            Aggregate ids unique across this policy object's decisions.
+        """
+        pc = self._pc(snapshot.graph)
+        everyone = {p.update_id for p in pending}
+        by_id = {p.update_id: p for p in pending}
+        drops = tuple(_stale(snapshot, by_id.values()))
+        for d in drops:
+            del by_id[d.update_id]
+        sends, kept = self._keep_started(snapshot, by_id, everyone, pc)
+        if not by_id:
+            return Decision(sends=tuple(sends), drops=drops, aggregates=kept)
+        schedule, busy = self._plan(snapshot, list(by_id.values()), pc)
+        ids = {}
+        for a in schedule.aggregates:
+            ids[a.aggregate_id] = aggregate_id(a.dst, self._count)
+            self._count += 1
+        planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
+        for a in planned.aggregates:
+            self._committed[a.aggregate_id] = a
+        return Decision(sends=(*sends, *planned.sends), drops=drops, aggregates=(*kept, *planned.aggregates))
+
+    def _keep_started(
+        self, snapshot: Snapshot, by_id: dict[str, PendingUpdate], everyone: set[str], pc: PathCache
+    ) -> tuple[list[Send], tuple[PlannedAggregate, ...]]:
+        """Keep every committed tree one of whose updates was released; sends of its others."""
+        committed = self._committed
+        parent = {m: aid for aid, a in committed.items() for m in a.members}
+
+        def root(aid: str) -> str:
+            while aid in parent:
+                aid = parent[aid]
+            return aid
+
+        def leaves(aid: str) -> list[str]:
+            a = committed.get(aid)
+            return [aid] if a is None else [u for m in a.members for u in leaves(m)]
+
+        trees: dict[str, list[str]] = {}
+        for aid in committed:
+            trees.setdefault(root(aid), []).append(aid)
+        sends: list[Send] = []
+        kept: dict[str, PlannedAggregate] = {}
+        relist: list[PlannedAggregate] = []
+        for top, members in trees.items():
+            if all(u in everyone for u in leaves(top)):
+                continue  # nothing released: planned again
+            for aid in members:
+                a = committed[aid]
+                kept[aid] = a
+                if all(u in everyone for u in leaves(aid)):
+                    relist.append(a)  # not started: the runner would forget it otherwise
+                for m in a.members:
+                    p = by_id.pop(m, None)
+                    if p is not None:
+                        sends.append(Send(m, a.aggregator, pc.path(p.src_host, a.aggregator)))
+        self._committed = kept
+        return sends, tuple(relist)
+
+    def _plan(
+        self, snapshot: Snapshot, pending: Sequence[PendingUpdate], pc: PathCache
+    ) -> tuple[Schedule, list[tuple[str, tuple[Link, ...], float]]]:
+        graph = snapshot.graph
+        now = snapshot.now
+        updates = [
+            Update(
+                p.update_id,
+                p.src_host,
+                p.dst_host,
+                p.bytes,
+                p.ready_at,
+                p.norm,
+                p.base_version,
+                server_key(p.job, p.server),
+            )
+            for p in pending
+        ]
+        servers = {p.dst_host for p in pending}
+        pool = self.aggregators or tuple(h for h in hosts(graph) if h not in servers)
+        if snapshot.aggregators is not None:
+            pool = tuple(h for h in pool if h in snapshot.aggregators)
+        tls = Timelines(graph, start=now)
+        busy: list[tuple[str, tuple[Link, ...], float]] = []
+        for f in sorted(snapshot.in_flight, key=lambda f: (f.expected_end, f.update_id)):
+            links = tuple(itertools.pairwise(f.path))
+            end = max(f.expected_end, now)
+            if not links or math.isinf(end) or not all(graph.has_edge(*link) for link in links):
+                continue
+            tls.reserve_until(links, now, end, who=f.update_id)
+            busy.append((f.update_id, links, end))
+        schedule = plan_tree(graph, updates, aggregators=pool, now=now, paths=pc, timelines=tls)
+        return schedule, busy
