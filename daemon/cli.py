@@ -115,6 +115,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="connections served at once on the data plane and on the local socket, each; one more "
         "is answered with an error naming the limit and closed (0: no limit; default 256)",
     )
+    parser.add_argument(
+        "--fallback-after",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="when the scheduler is unreachable this long, send waiting and new pushes directly to "
+        "their servers (plain fair sharing; tau_max still enforced by the server) until it is back "
+        "(negative: never, pushes waiting for a lost scheduler resolve DROPPED; default 2)",
+    )
+    parser.add_argument(
+        "--max-inflight-bytes",
+        type=int,
+        default=2 << 30,
+        metavar="BYTES",
+        help="payload bytes of pushes held, and of payloads received, at once (each); a push or a "
+        "receive beyond it waits, a single larger payload is refused (default 2147483648)",
+    )
     add_config_argument(parser, "daemon")
 
 
@@ -162,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
             _LOG.error("--%s is required (on the command line or as '%s' in --config)", required, required)
             return 2
     socket_path = default_socket_path(args.socket)
+    if args.max_inflight_bytes <= 0:
+        _LOG.error("--max-inflight-bytes must be > 0, got %d", args.max_inflight_bytes)
+        return 2
 
     egress = ingress = None
     if args.enforce_nic_rates:
@@ -186,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout or None,
         header_timeout=args.header_timeout or None,
         max_connections=args.max_connections or None,
+        fallback_after=None if args.fallback_after < 0 else args.fallback_after,
+        max_inflight_bytes=args.max_inflight_bytes,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

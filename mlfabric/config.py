@@ -170,6 +170,19 @@ DAEMON_KEYS: tuple[Key, ...] = (
         "connections served at once on the data plane and on the local socket, each (0: no limit)",
         minimum=0,
     ),
+    Key(
+        "fallback_after",
+        float,
+        2.0,
+        "seconds without the scheduler before pushes go directly to their servers (negative: never)",
+    ),
+    Key(
+        "max_inflight_bytes",
+        int,
+        2 << 30,
+        "payload bytes of pushes held, and of receives, at once; more waits (back-pressure)",
+        minimum=1,
+    ),
     Key("metrics_port", int, None, "serve Prometheus /metrics on this port (0: any; unset: off)", minimum=0),
     Key("log_level", str, "WARNING", "log verbosity", choices=_LOG_LEVELS),
 )
