@@ -32,6 +32,7 @@ import networkx as nx
 
 from mlfabric.proto.v1 import admin_pb2 as apb
 from mlfabric.proto.v1 import admin_pb2_grpc
+from mlfabric.scheduler.policies.base import InFlight
 from mlfabric.scheduler.service.state import PendingUpdate, SchedulerError, SchedulerState
 
 __all__ = [
@@ -75,10 +76,17 @@ class Activity:
     def __init__(self) -> None:
         self._pushes: dict[tuple[str, str], deque[float]] = {}
         self._links: dict[tuple[str, str], deque[tuple[float, int]]] = {}
+        #: link -> bytes of every transfer released over it so far
+        self.scheduled: dict[tuple[str, str], int] = {}
 
     def push(self, job: str, worker: str, now: float) -> None:
         """``worker`` of ``job`` announced an update at ``now``."""
         self._pushes.setdefault((job, worker), deque(maxlen=_MAX_EVENTS)).append(now)
+
+    def released(self, path: Sequence[str], nbytes: int) -> None:
+        """A transfer of ``nbytes`` along ``path`` was released (scheduled)."""
+        for link in pairwise(path):
+            self.scheduled[link] = self.scheduled.get(link, 0) + nbytes
 
     def transfer(self, path: Sequence[str], nbytes: int, now: float) -> None:
         """A transfer of ``nbytes`` along ``path`` was reported at ``now``."""
@@ -97,7 +105,7 @@ class Activity:
 
 
 class ObservedState(SchedulerState):
-    """The service state, also noting every accepted update-ready in an :class:`Activity`.
+    """The service state, also noting accepted update-readys and released transfers in an :class:`Activity`.
 
     Parameters
     ----------
@@ -125,6 +133,14 @@ class ObservedState(SchedulerState):
         u = super().add_update(host, update_id, job, server, worker, nbytes, norm, base_version, now)
         self.activity.push(job, worker, now)
         return u
+
+    def release(
+        self, update_id: str, path: tuple[str, ...], started_at: float, expected_end: float
+    ) -> InFlight:
+        """:meth:`SchedulerState.release`, counting the bytes scheduled on each link of ``path``."""
+        f = super().release(update_id, path, started_at, expected_end)
+        self.activity.released(f.path, f.bytes)
+        return f
 
 
 def _counts(items: Iterable[Any]) -> dict[tuple[str, str], int]:

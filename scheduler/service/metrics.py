@@ -8,6 +8,8 @@ Names follow the Prometheus conventions (base units, ``_total`` counters, ``_sec
 - ``mlfabric_link_capacity_bytes_per_second{src,dst}``: configured rate of each directed link
 - ``mlfabric_link_estimated_bytes_per_second{src,dst}``: the estimator's residual bandwidth
 - ``mlfabric_link_in_flight_transfers{src,dst}``: released transfers crossing the link
+- ``mlfabric_link_scheduled_bytes_total{src,dst}``: bytes of the transfers released over the
+  link (with :class:`~.admin.ObservedState`, the service's state)
 - ``mlfabric_pending_updates{job,server}``: updates ready and not yet released
 - ``mlfabric_daemons_connected``, ``mlfabric_jobs``
 - ``mlfabric_updates_resolved_total{outcome}``: APPLIED / DROPPED (``applied``/``dropped``)
@@ -143,6 +145,16 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily("mlfabric_daemons_connected", "connected daemons", value=len(state.daemons))
         yield GaugeMetricFamily("mlfabric_jobs", "jobs with a registered role", value=len(state.jobs))
 
+        activity = getattr(state, "activity", None)  # an ObservedState (the service's)
+        if activity is not None:
+            scheduled = CounterMetricFamily(
+                "mlfabric_link_scheduled_bytes",
+                "bytes of the transfers released over a directed link",
+                labels=["src", "dst"],
+            )
+            for (u, v), n in sorted(activity.scheduled.items()):
+                scheduled.add_metric([u, v], n)
+            yield scheduled
         self._count_outcomes()
         resolved = CounterMetricFamily(
             "mlfabric_updates_resolved", "updates resolved, by outcome", labels=["outcome"]

@@ -38,6 +38,8 @@ def test_both_endpoints_move_during_a_push(ops_cluster: Any) -> None:
     assert c.sample(s1, "mlfabric_decision_seconds_count") > c.sample(s0, "mlfabric_decision_seconds_count")
     moved = c.sample(s1, "mlfabric_link_transferred_bytes_total", **H1_UP)
     assert moved >= 20 * 64 * 1024 * 4
+    assert c.sample(s1, "mlfabric_link_scheduled_bytes_total", **H1_UP) >= 20 * 64 * 1024 * 4
+    assert c.sample(s1, "mlfabric_link_scheduled_bytes_total", src="sw", dst="h0") >= 20 * 64 * 1024 * 4
     assert c.sample(s1, "mlfabric_transfer_duration_seconds_count") == 20
     assert c.sample(s1, "mlfabric_update_delay_versions_count") == 20
     # the worker's daemon sent, the server's daemon received, both counted the verdicts

@@ -215,7 +215,13 @@ def test_units_under_systemd(sandbox: tuple[Sandbox, Path]) -> None:
     if sb.systemctl("is-active", "systemd-journald", check=False).strip() == "active":
         sb.systemctl("restart", "systemd-journald")
 
-    # Type=notify: `start` returns once READY=1 came, the unit is active only then
+    # Type=notify: a daemon whose scheduler is not up yet runs but is not active (no READY=1)
+    sb.systemctl("start", "--no-block", "mlfabric-daemon-h0")
+    _wait("the daemon's process", lambda: sb.show("mlfabric-daemon-h0", "MainPID") != "0")
+    time.sleep(1.0)
+    assert sb.systemctl("is-active", "mlfabric-daemon-h0", check=False).strip() == "activating"
+    assert sb("run", "sh", "-c", "test -e /run/mlfabric-h0/ready.json && echo yes || echo no").strip() == "no"
+    # `start` returns once READY=1 came, the unit is active only then
     sb.systemctl("start", "mlfabric-scheduler")
     assert sb.systemctl("is-active", "mlfabric-scheduler").strip() == "active"
     sched = sb.read_json("/run/mlfabric-scheduler/ready.json")
