@@ -57,20 +57,40 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mlfabric`` command."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a ``--config FILE`` of ``scheduler``/``daemon`` supplies the defaults.
+
+    Options on the command line (``--log-level`` before the subcommand too) override the file.
+
+    Raises
+    ------
+    mlfabric.config.ConfigError
+        The config file is bad.
+    """
     command = next((a for a in argv if a in SUBCOMMANDS), None)
     parser = build_parser(command)
     args = parser.parse_args(argv)
     if getattr(args, "config", None) and command in ("scheduler", "daemon"):
-        from mlfabric.config import ConfigError, parse_args_with_config
+        from mlfabric.config import parse_args_with_config
 
-        try:
-            args = parse_args_with_config(parser, argv, command, subparser=args._parser)
-        except ConfigError as exc:
-            print(f"mlfabric {command}: error: {exc}", file=sys.stderr)
-            return 2
+        given_level = args.log_level if any(a.split("=")[0] == "--log-level" for a in argv) else None
+        args = parse_args_with_config(parser, argv, command, subparser=args._parser)
+        if given_level is not None:  # argparse lets the subcommand's defaults win; the user's flag should
+            args.log_level = given_level
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mlfabric`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    from mlfabric.config import ConfigError
+
+    try:
+        args = parse_args(argv)
+    except ConfigError as exc:
+        print(f"mlfabric {command}: error: {exc}", file=sys.stderr)
+        return 2
     from mlfabric.systemd import configure_logging
 
     configure_logging(args.log_level)

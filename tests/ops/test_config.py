@@ -132,3 +132,14 @@ def test_describe_lists_every_key() -> None:
     lines = describe("scheduler").splitlines()
     assert [line.split(" ", 1)[0] for line in lines] == [k.name for k in SCHEDULER_KEYS]
     assert "policy (str, default: 'fair'; one of fair, stf, stf+agg)" in describe("scheduler")
+
+
+def test_the_command_lines_log_level_wins_over_the_file(tmp_path: Path) -> None:
+    from mlfabric.cli import parse_args
+
+    path = tmp_path / "daemon.toml"
+    path.write_text('log_level = "ERROR"\nhost = "h0"\n')
+    assert parse_args(["daemon", "--config", str(path)]).log_level == "ERROR"
+    args = parse_args(["--log-level", "INFO", "daemon", "--config", str(path)])
+    assert (args.log_level, args.host) == ("INFO", "h0")
+    assert parse_args(["--log-level=DEBUG", "daemon", "--config", str(path)]).log_level == "DEBUG"
