@@ -67,7 +67,9 @@ def widest_rates(graph: nx.DiGraph, dst: str) -> dict[str, float]:
     Examples
     --------
     >>> g = nx.DiGraph()
-    >>> g.add_edge("a", "b", capacity=1.0); g.add_edge("b", "s", capacity=5.0); g.add_edge("a", "s", capacity=2.0)
+    >>> g.add_edge("a", "b", capacity=1.0)
+    >>> g.add_edge("b", "s", capacity=5.0)
+    >>> g.add_edge("a", "s", capacity=2.0)
     >>> widest_rates(g, "s")["a"]
     2.0
     """

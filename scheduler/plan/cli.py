@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     if instance.objective == "makespan":  # a real lower bound (plan/bounds.py), so the gap means something
         from mlfabric.scheduler.plan.bounds import makespan_bound
 
-        bound = makespan_bound(instance.graph, updates, instance.server, aggregators=instance.aggregators).value
+        aggs = instance.aggregators
+        bound = makespan_bound(instance.graph, updates, instance.server, aggregators=aggs).value
     if "ilp" in wanted:
         with _ctrl_c_sets() as stop:
             result = solve_ilp(
