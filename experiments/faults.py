@@ -1,0 +1,280 @@
+"""Fault-injection harness: nothing lost, nothing applied twice, nothing reported falsely (DESIGN §3, §5).
+
+A job of several workers pushes continuously on loopback (a :class:`~mlfabric.cluster.LocalCluster`:
+scheduler, a daemon per host, the server ``ps0`` on host ``ps``, workers on hosts ``a`` and
+``b``, aggregator hop ``x`` under ``stf+agg``) while faults are injected at seeded random
+times: SIGKILL / SIGTERM of a worker's daemon, the server's daemon, the server process, the
+aggregator's daemon and the scheduler (restarted on the same address), and SIGSTOP/SIGCONT of
+a daemon (a stalled peer). Killed processes are started again with the same arguments.
+
+Each push of worker ``r`` with index ``i`` adds 1 at cell ``[r, i]`` of the float64 model
+(:mod:`faults_roles`), so the final model, fetched with ``get()``, says exactly which pushes
+were applied. Per fault kind (a push is counted under the last fault injected before it
+resolved) the report gives: pushes lost (APPLIED, in no model), applied twice, applied but
+reported otherwise (DROPPED or an error, yet in the model), UNKNOWN that was applied
+(allowed: the status says so) and not applied, unresolved past the deadline, and the time
+to recover (fault to the first APPLIED verdict of a push submitted after it).
+
+Run (bounded in time and in count, stops by itself)::
+
+    python experiments/faults.py --seed 1 --workers 4 --pushes 2500 --faults 100
+    python experiments/faults.py --seed 1 --quick     # ~1 minute, a few faults of each kind
+
+It prints the table and writes ``experiments/results/faults.md`` and ``faults.csv``
+(``--out`` elsewhere). Exit status 1 when any of lost / twice / false / unresolved is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from faults_cluster import FaultCluster  # noqa: E402
+from faults_report import Fault, analyse, write_results  # noqa: E402
+
+import mlfabric  # noqa: E402
+
+ROLES = HERE / "faults_roles.py"
+
+TOPOLOGY = """
+hosts = ["ps", "a", "b", "x"]
+switches = ["sw"]
+[[links]]
+a = "ps"
+b = "sw"
+mbps = {ps_mbps}
+[[links]]
+a = "a"
+b = "sw"
+mbps = 1000
+[[links]]
+a = "b"
+b = "sw"
+mbps = 1000
+[[links]]
+a = "x"
+b = "sw"
+mbps = 1000
+"""
+
+LOOPBACK_KINDS = (
+    "kill-worker-daemon",
+    "term-worker-daemon",
+    "kill-server-daemon",
+    "term-server-daemon",
+    "kill-server",
+    "term-server",
+    "kill-aggregator-daemon",
+    "term-aggregator-daemon",
+    "kill-scheduler",
+    "term-scheduler",
+    "stall-peer",
+)
+
+
+@dataclass
+class Config:
+    """One run's settings (see ``--help``)."""
+
+    seed: int = 1
+    workers: int = 4
+    pushes: int = 250
+    window: int = 8
+    faults: int = 22
+    policy: str = "stf+agg"
+    kinds: tuple[str, ...] = LOOPBACK_KINDS
+    gap: tuple[float, float] = (0.3, 1.5)
+    down: tuple[float, float] = (0.0, 0.5)
+    duration: float = 600.0
+    tau_max: int = -1
+    workdir: Path | None = None
+    log_level: str = "INFO"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _wait_file(path: Path, proc: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited before {path.name}:\n{proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path.name} did not appear in {timeout:.0f} s:\n{proc.log_tail()}")
+        time.sleep(0.05)
+
+
+def _inject(cluster: FaultCluster, kind: str, rng: random.Random, cfg: Config) -> Fault:
+    """Inject one fault and undo it (restart / SIGCONT); return what was done and when."""
+    down = rng.uniform(*cfg.down)
+    if kind == "stall-peer":
+        target = f"daemon-{rng.choice(['ps', 'a', 'b', 'x'] if 'agg' in cfg.policy else ['ps', 'a', 'b'])}"
+        t0 = time.time()
+        cluster.signal(target, signal.SIGSTOP)
+        time.sleep(max(down, 0.2) * 4)  # a stall long enough for transfers to notice
+        cluster.signal(target, signal.SIGCONT)
+        return Fault(kind, target, t0, time.time())
+    how, _, what = kind.partition("-")
+    sig = signal.SIGKILL if how == "kill" else signal.SIGTERM
+    target = {
+        "worker-daemon": f"daemon-{rng.choice(['a', 'b'])}",
+        "server-daemon": "daemon-ps",
+        "aggregator-daemon": "daemon-x",
+        "server": "server",
+        "scheduler": "scheduler",
+    }[what]
+    t0 = time.time()
+    note = cluster.restart(target, sig, down)
+    return Fault(kind, target, t0, time.time(), note)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Run the harness once; return the analysis (see :func:`faults_report.analyse`)."""
+    kinds = [k for k in cfg.kinds if "agg" in cfg.policy or "aggregator" not in k]
+    rng = random.Random(cfg.seed)
+    work = cfg.workdir or Path(tempfile.mkdtemp(prefix="mlfabric-faults-"))
+    out = work / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    topology = work / "topology.toml"
+    topology.write_text(TOPOLOGY.format(ps_mbps=100 if "agg" in cfg.policy else 1000))
+    cluster = FaultCluster(
+        topology,
+        policy=cfg.policy,
+        workdir=work / "run",
+        extra_scheduler_args=["--aggregate-timeout", "5"] if "agg" in cfg.policy else [],
+        aggregator_host="x",
+        log_level=cfg.log_level,
+    )
+    faults: list[Fault] = []
+    started = time.time()
+    deadline = time.monotonic() + cfg.duration
+    final: dict[str, Any] = {}
+    try:
+        cluster.start()
+        sizes = [str(cfg.workers), str(cfg.pushes)]
+        cluster.spawn_role(
+            "server", "ps", [sys.executable, str(ROLES), "server", str(out), str(cfg.tau_max), *sizes]
+        )
+        _wait_file(out / "server.ready", cluster.current("server"), 60)
+        workers = [
+            cluster.spawn(
+                "ab"[rank % 2],
+                [sys.executable, str(ROLES), "worker", str(out), str(rank), *sizes, str(cfg.window)],
+                name=f"worker{rank}",
+            )
+            for rank in range(cfg.workers)
+        ]
+        order: list[str] = []
+        while len(faults) < cfg.faults and time.monotonic() < deadline:
+            time.sleep(rng.uniform(*cfg.gap))
+            if all(w.popen.poll() is not None for w in workers):
+                break
+            if not order:
+                order = list(kinds)
+                rng.shuffle(order)
+            faults.append(_inject(cluster, order.pop(), rng, cfg))
+            print(
+                f"[{time.time() - started:6.1f}s] {faults[-1].kind} {faults[-1].target} {faults[-1].note}",
+                flush=True,
+            )
+        for w in workers:
+            try:
+                w.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: out of time, stop below
+                break
+        (out / "stop").touch()
+        for w in workers:
+            try:
+                w.popen.wait(timeout=90)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: stop() kills it
+                print(f"{w.name} did not stop:\n{w.log_tail()}", flush=True)
+        final = _fetch_model(cluster)
+        final["survivors"] = cluster.dead()
+    finally:
+        cluster.stop()
+    return analyse(out, cfg.workers, cfg.pushes, faults, final, started)
+
+
+def _fetch_model(cluster: FaultCluster) -> dict[str, Any]:
+    """The server's final model by ``get()`` from a worker on the server's host."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with mlfabric.register_as_worker(
+                "faults", name="auditor", daemon=cluster.socket("ps"), wait=10
+            ) as w:
+                version, model = w.get("ps0", timeout=30)
+            return {"version": version, "model": {k: v.copy() for k, v in model.items()}}
+        except mlfabric.MlfabricError as exc:
+            if time.monotonic() > deadline:
+                raise
+            print(f"get: {exc.code}: {exc}", flush=True)
+            time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--pushes", type=int, default=2500, help="pushes per worker")
+    p.add_argument("--window", type=int, default=8, help="pushes in flight per worker")
+    p.add_argument("--faults", type=int, default=110, help="faults to inject (at most)")
+    p.add_argument("--policy", default="stf+agg", choices=["fair", "stf", "stf+agg"])
+    p.add_argument("--kinds", default=",".join(LOOPBACK_KINDS), help="comma-separated fault kinds")
+    p.add_argument("--gap", type=float, nargs=2, default=(0.3, 1.5), help="seconds between faults (min max)")
+    p.add_argument("--duration", type=float, default=1200.0, help="time budget, seconds")
+    p.add_argument("--tau-max", type=int, default=-1, help="the server's tau_max (-1: unbounded)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run: 3 workers x up to 2000 pushes, 2 faults of each kind, 0.1-0.5 s apart",
+    )
+    p.add_argument(
+        "--workdir", type=Path, help="keep the run's logs here (default: a new temporary directory)"
+    )
+    p.add_argument("--log-level", default="INFO", help="of the scheduler and the daemons")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "faults")
+    a = p.parse_args(argv)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    unknown = set(kinds) - set(LOOPBACK_KINDS)
+    if unknown:
+        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(LOOPBACK_KINDS)}")
+    cfg = Config(
+        a.seed,
+        a.workers,
+        a.pushes,
+        a.window,
+        a.faults,
+        a.policy,
+        kinds,
+        tuple(a.gap),
+        (0.0, 0.5),
+        a.duration,
+        a.tau_max,
+        a.workdir,
+        a.log_level,
+    )
+    if a.quick:
+        cfg.workers, cfg.pushes, cfg.faults, cfg.duration, cfg.gap = (
+            3,
+            2000,
+            2 * len(kinds),
+            150.0,
+            (0.1, 0.5),
+        )
+    command = "python experiments/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = analyse_and_print = run(cfg)
+    write_results(a.out, result, cfg, command)
+    return 0 if analyse_and_print["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
