@@ -14,6 +14,10 @@ Names follow the Prometheus conventions; every series carries the daemon's host 
   received from a peer host
 - ``mlfabric_daemon_received_frames_total{host}``
 - ``mlfabric_daemon_local_clients{host}``: training processes registered on the local API
+- ``mlfabric_daemon_aggregate_members_total{host}``: worker updates received here to be summed
+  into an aggregate (this host an aggregator hop, paper Fig. 6), and
+  ``mlfabric_daemon_aggregate_member_bytes_total{host}`` their payload bytes
+- ``mlfabric_daemon_aggregates_sent_total{host,result}``: aggregates forwarded by this host
 
 :class:`MeteredDaemon` is the :class:`~mlfabric.daemon.daemon.Daemon` with these counts; a
 daemon started without ``--metrics-port`` is the plain one.
@@ -27,10 +31,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from mlfabric.daemon.daemon import Daemon
 from mlfabric.daemon.transfers import TransferReportLog
-from mlfabric.proto.v1 import control_pb2
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 __all__ = ["DaemonMetrics", "MeteredDaemon", "MeteredReportLog"]
 
+#: aggregate ids are "agg:<scope>:<index>" (mlfabric.scheduler.core.schedule.aggregate_id)
+_AGGREGATE_PREFIX = "agg:"
 _OUTCOMES = {control_pb2.OUTCOME_APPLIED: "applied", control_pb2.OUTCOME_DROPPED: "dropped"}
 
 
@@ -80,7 +86,24 @@ class DaemonMetrics:
             ["host"],
             registry=r,
         )
+        self.aggregate_members = Counter(
+            "mlfabric_daemon_aggregate_members",
+            "worker updates received to be summed here",
+            ["host"],
+            registry=r,
+        )
+        self.aggregate_member_bytes = Counter(
+            "mlfabric_daemon_aggregate_member_bytes", "payload bytes of those updates", ["host"], registry=r
+        )
+        self.aggregates_sent = Counter(
+            "mlfabric_daemon_aggregates_sent",
+            "aggregates forwarded, by result",
+            ["host", "result"],
+            registry=r,
+        )
         # the label sets that always exist, so a dashboard sees zeros rather than no series
+        self.aggregate_members.labels(host)
+        self.aggregate_member_bytes.labels(host)
         for result in ("ok", "failed"):
             self.transfers.labels(host, result)
         for outcome in _OUTCOMES.values():
@@ -90,6 +113,8 @@ class DaemonMetrics:
 
     def report(self, report: Any) -> None:
         """Count one ``TransferReport`` the daemon sends to the scheduler."""
+        if report.update_id.startswith(_AGGREGATE_PREFIX):
+            self.aggregates_sent.labels(self.host, "ok" if report.ok else "failed").inc()
         if report.ok:
             self.transfers.labels(self.host, "ok").inc()
             self.sent_bytes.labels(self.host, report.dst_host).inc(report.bytes)
@@ -103,6 +128,13 @@ class DaemonMetrics:
     def frame(self, header: Any) -> None:
         """Count one received data-plane frame."""
         self.received_frames.labels(self.host).inc()
+        if (
+            header.kind == dataplane_pb2.FRAME_KIND_UPDATE
+            and header.aggregate_id
+            and (header.update_id != header.aggregate_id)
+        ):
+            self.aggregate_members.labels(self.host).inc()
+            self.aggregate_member_bytes.labels(self.host).inc(header.payload_bytes)
         if header.payload_bytes:
             self.received_bytes.labels(self.host, header.src_host or "unknown").inc(header.payload_bytes)
 

@@ -1,0 +1,47 @@
+"""A daemon's counters, fed the reports and frame headers a daemon sees."""
+
+from __future__ import annotations
+
+from mlfabric.daemon.metrics import DaemonMetrics
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2
+
+
+def test_reports_count_bytes_errors_outcomes_and_aggregates() -> None:
+    m = DaemonMetrics("w1")
+    m.report(
+        control_pb2.TransferReport(
+            update_id="w1/a/1", dst_host="ps", bytes=100, ok=True, outcome=control_pb2.OUTCOME_APPLIED
+        )
+    )
+    m.report(
+        control_pb2.TransferReport(update_id="w1/a/2", dst_host="ps", bytes=100, ok=False, error="reset")
+    )
+    m.report(control_pb2.TransferReport(update_id="agg:ps:0", dst_host="ps", bytes=50, ok=True))
+    get = m.registry.get_sample_value
+    assert get("mlfabric_daemon_sent_bytes_total", {"host": "w1", "dst": "ps"}) == 150
+    assert get("mlfabric_daemon_transfers_total", {"host": "w1", "result": "failed"}) == 1
+    assert get("mlfabric_daemon_dataplane_errors_total", {"host": "w1"}) == 1
+    assert get("mlfabric_daemon_updates_resolved_total", {"host": "w1", "outcome": "applied"}) == 1
+    assert get("mlfabric_daemon_updates_resolved_total", {"host": "w1", "outcome": "dropped"}) == 0
+    assert get("mlfabric_daemon_aggregates_sent_total", {"host": "w1", "result": "ok"}) == 1
+
+
+def test_frames_count_received_bytes_and_aggregate_members() -> None:
+    m = DaemonMetrics("agg")
+    update = dataplane_pb2.FRAME_KIND_UPDATE
+    m.frame(dataplane_pb2.FrameHeader(kind=update, update_id="w1/a/1", src_host="w1", payload_bytes=64))
+    m.frame(
+        dataplane_pb2.FrameHeader(
+            kind=update, update_id="w2/a/1", aggregate_id="agg:x:0", src_host="w2", payload_bytes=32
+        )
+    )
+    m.frame(
+        dataplane_pb2.FrameHeader(
+            kind=update, update_id="agg:x:0", aggregate_id="agg:x:0", src_host="w3", payload_bytes=32
+        )
+    )
+    get = m.registry.get_sample_value
+    assert get("mlfabric_daemon_received_bytes_total", {"host": "agg", "src": "w1"}) == 64
+    assert get("mlfabric_daemon_received_frames_total", {"host": "agg"}) == 3
+    assert get("mlfabric_daemon_aggregate_members_total", {"host": "agg"}) == 1  # not the aggregate itself
+    assert get("mlfabric_daemon_aggregate_member_bytes_total", {"host": "agg"}) == 32
