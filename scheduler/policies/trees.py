@@ -68,6 +68,55 @@ def _in_tree(pc: PathCache, sources: Iterable[str], server_host: str) -> dict[st
     return {s: pc.path(s, server_host) for s in sources}
 
 
+class _Routes:
+    """Paths between the hosts of one server's tree: up the in-tree to the meeting node, then down.
+
+    Within a tree the route from a worker to an aggregator below the same point runs up
+    the worker's path towards the server to where the aggregator's path joins it, then down
+    the aggregator's path reversed (when those links exist; else the hop-count shortest).
+    """
+
+    def __init__(
+        self, graph: nx.DiGraph, pc: PathCache, server_host: str, paths: Mapping[str, tuple[str, ...]]
+    ):
+        self.graph, self.pc, self.server_host, self.paths = graph, pc, server_host, paths
+        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._links: dict[tuple[str, str], tuple[Link, ...]] = {}
+
+    def path(self, src: str, dst: str) -> tuple[str, ...]:
+        key = (src, dst)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._route(src, dst)
+            self._routes[key] = route
+        return route
+
+    def links(self, src: str, dst: str) -> tuple[Link, ...]:
+        key = (src, dst)
+        links = self._links.get(key)
+        if links is None:
+            links = tuple(itertools.pairwise(self.path(src, dst)))
+            self._links[key] = links
+        return links
+
+    def _route(self, src: str, dst: str) -> tuple[str, ...]:
+        if src == dst:
+            return (src,)
+        up, down = self.paths.get(src), self.paths.get(dst)
+        if dst == self.server_host and up is not None:
+            return up
+        if up is None or down is None:
+            return self.pc.path(src, dst)
+        where = {x: j for j, x in enumerate(down)}
+        for i, x in enumerate(up):
+            if x in where:
+                route = up[: i + 1] + tuple(reversed(down[: where[x]]))
+                if all(self.graph.has_edge(a, b) for a, b in itertools.pairwise(route)):
+                    return route
+                break
+        return self.pc.path(src, dst)
+
+
 def _ingress(graph: nx.DiGraph, host: str) -> float:
     return max((float(graph.edges[p, host]["capacity"]) for p in graph.predecessors(host)), default=0.0)
 
@@ -114,7 +163,9 @@ def _build(
     made: dict[str, str] = {}  # point -> its aggregate id (points that aggregate)
     host_of: dict[str, str] = {u.update_id: u.src for u in order}
     carried: dict[str, list[str]] = {x: list(into[x]) for x in below}  # payloads at each point
-    rank = [h for h in hosts(graph) if any(h in hs for hs in below.values())]
+    under = set().union(*below.values()) if below else set()
+    rank = [h for h in hosts(graph) if h in under]
+    ingress = {h: _ingress(graph, h) for h in rank}
     for x in sorted(below, key=lambda x: (-depth[x], x)):
         payloads = carried[x]
         nxt = up.get(x)
@@ -124,7 +175,7 @@ def _build(
                 carried[nxt].extend(payloads)
             continue
         local = {host_of[p] for p in payloads}
-        agg = max(candidates, key=lambda h: (_ingress(graph, h), h in local))  # first in graph order
+        agg = max(candidates, key=lambda h: (ingress[h], h in local))  # first in graph order
         aid = aggregate_id(prefix, len(nodes))
         nodes[aid] = _Node(x, agg, list(payloads))
         for p in payloads:
@@ -140,7 +191,7 @@ def _build(
 
 def _reserve(
     tls: Timelines,
-    pc: PathCache,
+    routes: _Routes,
     order: Sequence[Update],
     nodes: Mapping[str, _Node],
     parent: Mapping[str, str],
@@ -166,7 +217,7 @@ def _reserve(
         src = by_id[pid].src if pid in by_id else nodes[pid].aggregator
         to = parent.get(pid)
         hop = nodes[to].aggregator if to is not None else server_host
-        t = tls.transfer(pid, pc.path(src, hop), nbytes, ready)
+        t = tls.transfer(pid, routes.path(src, hop), nbytes, ready)
         transfers.append(t)
         if to is None:
             makespan = max(makespan, t.end)
@@ -176,6 +227,61 @@ def _reserve(
         if waiting[to] == 0:
             heapq.heappush(heap, (ready_at[to], size[to], to))
     return transfers, makespan
+
+
+class _FreeAt(dict[Link, float]):
+    """Link -> the end of its last reservation on ``tls`` (read on first use)."""
+
+    def __init__(self, tls: Timelines) -> None:
+        super().__init__()
+        self._tls = tls
+
+    def __missing__(self, link: Link) -> float:
+        times = self._tls.link(link).times
+        self[link] = value = times[-1] if len(times) > 1 else -math.inf
+        return value
+
+
+def _estimate(
+    graph: nx.DiGraph,
+    routes: _Routes,
+    order: Sequence[Update],
+    nodes: Mapping[str, _Node],
+    parent: Mapping[str, str],
+    server_host: str,
+    now: float,
+    free: _FreeAt,
+) -> float:
+    """The makespan of the tree with every link a first-come queue at its capacity (fast scoring).
+
+    ``free``: when each link is free of the transfers already reserved on the timelines.
+    """
+    by_id = {u.update_id: u for u in order}
+    heap: list[tuple[float, float, str]] = [(max(u.ready_at, now), u.bytes, u.update_id) for u in order]
+    heapq.heapify(heap)
+    waiting = {aid: len(n.members) for aid, n in nodes.items()}
+    ready_at = dict.fromkeys(nodes, -math.inf)
+    busy: dict[Link, float] = {}
+    edges = graph.edges
+    makespan = now
+    while heap:
+        ready, nbytes, pid = heapq.heappop(heap)
+        src = by_id[pid].src if pid in by_id else nodes[pid].aggregator
+        to = parent.get(pid)
+        hop = nodes[to].aggregator if to is not None else server_host
+        end = ready
+        for link in routes.links(src, hop):
+            done = max(ready, busy[link] if link in busy else free[link]) + nbytes / edges[link]["capacity"]
+            busy[link] = done
+            end = max(end, done)
+        if to is None:
+            makespan = max(makespan, end)
+            continue
+        waiting[to] -= 1
+        ready_at[to] = max(ready_at[to], end)
+        if waiting[to] == 0:
+            heapq.heappush(heap, (ready_at[to], nbytes, to))
+    return makespan
 
 
 def _points_of(
@@ -208,13 +314,16 @@ def _plan_server(
     server_host = order[0].dst
     paths = _in_tree(pc, {u.src for u in order}, server_host)
     candidates, switches = _points_of(paths, graph)
+    routes = _Routes(graph, pc, server_host, paths)
     best: tuple[tuple[float, int], frozenset[str]] | None = None
     seen: dict[frozenset[str], tuple[float, int]] = {}
+
+    free = _FreeAt(tls)
 
     def score(points: frozenset[str]) -> tuple[float, int]:
         if points not in seen:
             nodes, parent = _build(graph, order, paths, points, eligible, server_host, prefix)
-            _, makespan = _reserve(tls.copy(), pc, order, nodes, parent, server_host, now)
+            makespan = _estimate(graph, routes, order, nodes, parent, server_host, now, free)
             seen[points] = (makespan, len(nodes))
         return seen[points]
 
@@ -233,7 +342,7 @@ def _plan_server(
                 if key < best[0]:
                     best, improved = (key, points), True
     nodes, parent = _build(graph, order, paths, best[1], eligible, server_host, prefix)
-    transfers, _ = _reserve(tls, pc, order, nodes, parent, server_host, now)
+    transfers, _ = _reserve(tls, routes, order, nodes, parent, server_host, now)
     size = {t.payload_id: t.bytes for t in transfers}
     aggregates = [
         Aggregate(aid, n.aggregator, tuple(n.members), size[aid], server_host) for aid, n in nodes.items()
