@@ -96,7 +96,8 @@ class DaemonConfig:
     max_payload_bytes : int
         Largest accepted data-plane payload.
     receive_pool_bytes : int
-        Capacity of released data-plane receive buffers kept for reuse (``MemfdPool``).
+        Capacity of released data-plane receive buffers kept for reuse (``MemfdPool``; at most
+        ``max_inflight_bytes``), freed after ``pool_idle_seconds``.
     aggregator : bool
         Whether this host may be an aggregator hop (announced as ``Hello.can_aggregate``).
     round_timeout : float
@@ -187,7 +188,7 @@ class Daemon:
         self.receive_budget = ByteBudget(config.max_inflight_bytes, "receive")
         self.push_budget = ByteBudget(config.max_inflight_bytes, "push")
         self.receive_buffers = MemfdPool(
-            config.receive_pool_bytes,
+            min(config.receive_pool_bytes, config.max_inflight_bytes),
             name="mlfabric-dataplane",
             budget=self.receive_budget,
             budget_timeout=config.io_timeout,

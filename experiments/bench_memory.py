@@ -1,0 +1,186 @@
+"""Memory of the receiving daemon under one big push, before, during and after (DESIGN §3, §5).
+
+Starts ``mlfabric scheduler`` and two ``mlfabric daemon`` processes on loopback (h0: the
+server's host, h1: the worker's), a server (in this process) with one float32 tensor of
+``--mib`` MiB and a worker that pushes it ``--pushes`` times. A thread samples the daemons'
+``/proc/PID/status`` (VmRSS = RssAnon + RssFile + RssShmem) every 10 ms. The table gives
+h0's RSS before the first push, its peak while pushes were in flight, right after the last
+push resolved, and after the daemon's receive pool trimmed its idle buffers
+(``pool_idle_seconds``, 10 s); and the same for h1.
+
+Run::
+
+    python experiments/bench_memory.py --mib 1024 --out experiments/results/memory.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mlfabric
+
+MIB = 1 << 20
+
+
+def rss(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon and RssShmem of ``pid`` in bytes (``/proc/PID/status``)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssShmem"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class Sampler:
+    """Samples the RSS of some pids every ``interval`` seconds on a thread; keeps each one's peak."""
+
+    def __init__(self, pids: dict[str, int], interval: float = 0.01) -> None:
+        self.pids = pids
+        self.interval = interval
+        self.peak: dict[str, int] = dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def reset(self) -> None:
+        self.peak = dict.fromkeys(self.pids, 0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for name, pid in self.pids.items():
+                self.peak[name] = max(self.peak[name], rss(pid)["VmRSS"])
+
+
+def start(
+    cmd: list[str], ready: Path, log: Path, timeout: float = 30.0
+) -> tuple[subprocess.Popen[bytes], Any]:
+    """Start ``mlfabric`` ``cmd`` with ``--ready-file ready``; its process and ready JSON."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlfabric", *cmd, "--ready-file", str(ready)], stdout=out, stderr=out
+        )
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def run(mib: int, pushes: int, daemon_args: list[str], settle: float) -> list[dict[str, Any]]:
+    """One run; rows of the table (one per daemon)."""
+    work = Path(tempfile.mkdtemp(prefix="mlfabric-mem-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        sched_proc, sched = start(
+            ["scheduler", "--listen", "127.0.0.1:0", "--star", "2"], work / "s.json", work / "s.log"
+        )
+        procs.append(sched_proc)
+        daemons = {}
+        for host in ("h0", "h1"):
+            cmd = ["daemon", "--host", host, "--scheduler", sched["address"]]
+            cmd += ["--socket", str(work / f"{host}.sock"), *daemon_args]
+            proc, info = start(cmd, work / f"{host}.json", work / f"{host}.log")
+            procs.append(proc)
+            daemons[host] = info
+        n = mib * MIB // 4
+        server = mlfabric.register_as_server(
+            "job", "ps0", {"w": np.zeros(n, np.float32)}, daemon=daemons["h0"]["socket"]
+        )
+        serving = threading.Thread(target=server.serve, daemon=True)
+        serving.start()
+        worker = mlfabric.register_as_worker("job", name="w1", daemon=daemons["h1"]["socket"], wait=10)
+        pids = {h: d["pid"] for h, d in daemons.items()}
+        before = {h: rss(p)["VmRSS"] for h, p in pids.items()}
+        sampler = Sampler(pids)
+        sampler.start()
+        update = {"w": np.ones(n, np.float32)}
+        t0 = time.monotonic()
+        for _ in range(pushes):
+            result = worker.push("ps0", update).wait(600)
+            if not result.applied:
+                raise RuntimeError(f"push not applied: {result}")
+        seconds = time.monotonic() - t0
+        sampler.stop()
+        after = {h: rss(p)["VmRSS"] for h, p in pids.items()}
+        time.sleep(settle)
+        settled = {h: rss(p)["VmRSS"] for h, p in pids.items()}
+        worker.close()
+        server.stop()
+        serving.join(10)
+        server.close()
+        rows = []
+        for h in pids:
+            rows.append(
+                {
+                    "daemon": f"{h} ({'receiving' if h == 'h0' else 'sending'})",
+                    "before": before[h],
+                    "peak": sampler.peak[h],
+                    "after": after[h],
+                    "settled": settled[h],
+                    "seconds": seconds,
+                }
+            )
+        return rows
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+def table(rows: list[dict[str, Any]], settle: float) -> str:
+    lines = [
+        f"| daemon | RSS before (GB) | peak (GB) | right after (GB) | after {settle:g} s idle (GB) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['daemon']} | {gb(r['before'])} | {gb(r['peak'])} | {gb(r['after'])} | {gb(r['settled'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024, help="payload size in MiB (default 1024)")
+    parser.add_argument("--pushes", type=int, default=1, help="pushes, one after another (default 1)")
+    parser.add_argument("--settle", type=float, default=12.0, help="seconds idle before the last sample")
+    parser.add_argument("--out", help="write the table (markdown) here")
+    parser.add_argument("daemon_args", nargs="*", help="extra `mlfabric daemon` options (after --)")
+    args = parser.parse_args()
+    rows = run(args.mib, args.pushes, args.daemon_args, args.settle)
+    text = table(rows, args.settle)
+    print(text)
+    if args.out:
+        cmd = " ".join(["python", "experiments/bench_memory.py", *sys.argv[1:]])
+        Path(args.out).write_text(f"{text}\n\n`{cmd}` ({rows[0]['seconds']:.1f} s for the pushes)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MLFABRIC_LOG_LEVEL", "WARNING")
+    sys.exit(main())
