@@ -15,9 +15,11 @@ reported otherwise (DROPPED or an error, yet in the model), UNKNOWN that was app
 (allowed: the status says so) and not applied, unresolved past the deadline, and the time
 to recover (fault to the first APPLIED verdict of a push submitted after it).
 
-Run (bounded in time and in count, stops by itself)::
+Workers push until ``--tail`` seconds after the last fault (or their last index), then stop;
+every push still in flight resolves or counts as unresolved. Run (bounded in time and in
+count, stops by itself)::
 
-    python experiments/faults.py --seed 1 --workers 4 --pushes 2500 --faults 100
+    python experiments/faults.py --seed 1     # 4 workers, up to 5000 pushes each, 110 faults
     python experiments/faults.py --seed 1 --quick     # ~1 minute, a few faults of each kind
 
 It prints the table and writes ``experiments/results/faults.md`` and ``faults.csv``
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,12 +93,14 @@ class Config:
     workers: int = 4
     pushes: int = 250
     window: int = 8
+    pace_ms: int = 0
     faults: int = 22
     policy: str = "stf+agg"
     kinds: tuple[str, ...] = LOOPBACK_KINDS
     gap: tuple[float, float] = (0.3, 1.5)
     down: tuple[float, float] = (0.0, 0.5)
     duration: float = 600.0
+    tail: float = 10.0
     tau_max: int = -1
     workdir: Path | None = None
     log_level: str = "INFO"
@@ -167,7 +172,16 @@ def run(cfg: Config) -> dict[str, Any]:
         workers = [
             cluster.spawn(
                 "ab"[rank % 2],
-                [sys.executable, str(ROLES), "worker", str(out), str(rank), *sizes, str(cfg.window)],
+                [
+                    sys.executable,
+                    str(ROLES),
+                    "worker",
+                    str(out),
+                    str(rank),
+                    *sizes,
+                    str(cfg.window),
+                    str(cfg.pace_ms),
+                ],
                 name=f"worker{rank}",
             )
             for rank in range(cfg.workers)
@@ -185,16 +199,17 @@ def run(cfg: Config) -> dict[str, Any]:
                 f"[{time.time() - started:6.1f}s] {faults[-1].kind} {faults[-1].target} {faults[-1].note}",
                 flush=True,
             )
+        tail_end = min(deadline, time.monotonic() + cfg.tail)  # pushes after the last fault
         for w in workers:
             try:
-                w.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: out of time, stop below
+                w.popen.wait(timeout=max(0.1, tail_end - time.monotonic()))
+            except subprocess.TimeoutExpired:  # time to stop them
                 break
         (out / "stop").touch()
         for w in workers:
             try:
                 w.popen.wait(timeout=90)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: stop() kills it
+            except subprocess.TimeoutExpired:  # stop() kills it
                 print(f"{w.name} did not stop:\n{w.log_tail()}", flush=True)
         final = _fetch_model(cluster)
         final["survivors"] = cluster.dead()
@@ -224,13 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--pushes", type=int, default=2500, help="pushes per worker")
+    p.add_argument("--pushes", type=int, default=5000, help="pushes per worker (at most)")
     p.add_argument("--window", type=int, default=8, help="pushes in flight per worker")
+    p.add_argument(
+        "--pace-ms", type=int, default=60, help="ms between a worker's pushes (0: as fast as it can)"
+    )
     p.add_argument("--faults", type=int, default=110, help="faults to inject (at most)")
     p.add_argument("--policy", default="stf+agg", choices=["fair", "stf", "stf+agg"])
     p.add_argument("--kinds", default=",".join(LOOPBACK_KINDS), help="comma-separated fault kinds")
-    p.add_argument("--gap", type=float, nargs=2, default=(0.3, 1.5), help="seconds between faults (min max)")
+    p.add_argument("--gap", type=float, nargs=2, default=(0.5, 1.5), help="seconds between faults (min max)")
     p.add_argument("--duration", type=float, default=1200.0, help="time budget, seconds")
+    p.add_argument("--tail", type=float, default=10.0, help="seconds of pushes after the last fault")
     p.add_argument("--tau-max", type=int, default=-1, help="the server's tau_max (-1: unbounded)")
     p.add_argument(
         "--quick",
@@ -248,28 +267,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(LOOPBACK_KINDS)}")
     cfg = Config(
-        a.seed,
-        a.workers,
-        a.pushes,
-        a.window,
-        a.faults,
-        a.policy,
-        kinds,
-        tuple(a.gap),
-        (0.0, 0.5),
-        a.duration,
-        a.tau_max,
-        a.workdir,
-        a.log_level,
+        seed=a.seed,
+        workers=a.workers,
+        pushes=a.pushes,
+        window=a.window,
+        pace_ms=a.pace_ms,
+        faults=a.faults,
+        policy=a.policy,
+        kinds=kinds,
+        gap=(a.gap[0], a.gap[1]),
+        duration=a.duration,
+        tail=a.tail,
+        tau_max=a.tau_max,
+        workdir=a.workdir,
+        log_level=a.log_level,
     )
-    if a.quick:
-        cfg.workers, cfg.pushes, cfg.faults, cfg.duration, cfg.gap = (
-            3,
-            2000,
-            2 * len(kinds),
-            150.0,
-            (0.1, 0.5),
-        )
+    if a.quick:  # ~1 minute
+        cfg.workers, cfg.pushes, cfg.pace_ms, cfg.faults = 3, 2000, 5, 2 * len(kinds)
+        cfg.duration, cfg.gap = 150.0, (0.1, 0.5)
     command = "python experiments/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = analyse_and_print = run(cfg)
     write_results(a.out, result, cfg, command)

@@ -11,9 +11,10 @@ started again rebuilds the model it had and registers at the version it had. Whe
 daemon goes away it registers again with the daemon that comes back on the same socket.
 SIGTERM ends it cleanly (exit 0).
 
-``python faults_roles.py worker OUT RANK WORKERS PUSHES WINDOW`` pushes its ``PUSHES``
-updates keeping up to ``WINDOW`` in flight (a ``get`` every 4 pushes, so base versions
-move), and appends one JSON line per push to ``OUT/worker<RANK>.jsonl``: index, status
+``python faults_roles.py worker OUT RANK WORKERS PUSHES WINDOW PACE_MS`` pushes its ``PUSHES``
+updates keeping up to ``WINDOW`` in flight and ``PACE_MS`` ms apart (a ``get`` every 4
+pushes, so base versions move), and appends one JSON line per push to
+``OUT/worker<RANK>.jsonl``: index, status
 (APPLIED, DROPPED, UNKNOWN; ERROR:<code> when the push failed, e.g. ``disconnected`` when
 its own daemon went away; UNRESOLVED when no verdict came within the resolve timeout),
 reason, version, update_id, submit and resolve times (``time.time()``). A broken daemon
@@ -150,7 +151,7 @@ def _resolve(record: _Record, index: int, t0: float, handle: Any) -> bool:
     return True
 
 
-def worker(out: Path, rank: int, workers: int, pushes: int, window: int) -> None:
+def worker(out: Path, rank: int, workers: int, pushes: int, window: int, pace_ms: int = 0) -> None:
     record = _Record(out / f"worker{rank}.jsonl")
     stop = out / "stop"
     index = 0
@@ -186,6 +187,7 @@ def worker(out: Path, rank: int, workers: int, pushes: int, window: int) -> None
                 continue
             pending.append((index, t0, handle))
             index += 1
+            time.sleep(pace_ms / 1000)
         while pending:
             _resolve(record, *pending.popleft())
         w.close()
