@@ -2,11 +2,12 @@
 
 Starts ``mlfabric scheduler`` and two ``mlfabric daemon`` processes on loopback (h0: the
 server's host, h1: the worker's), a server (in this process) with one float32 tensor of
-``--mib`` MiB and a worker that pushes it ``--pushes`` times. A thread samples the daemons'
-``/proc/PID/status`` (VmRSS = RssAnon + RssFile + RssShmem) every 10 ms. The table gives
-h0's RSS before the first push, its peak while pushes were in flight, right after the last
-push resolved, and after the daemon's receive pool trimmed its idle buffers
-(``pool_idle_seconds``, 10 s); and the same for h1.
+``--mib`` MiB and a worker that pushes it ``--pushes`` times (one after another, or all at
+once with ``--concurrent``; daemon options such as ``--max-inflight-bytes`` go after ``--``).
+A thread samples the daemons' ``/proc/PID/status`` (VmRSS = RssAnon + RssFile + RssShmem) every
+10 ms. The table gives h0's RSS before the first push, its peak while pushes were in flight,
+right after the last push resolved, and after the daemon's receive pool trimmed its idle
+buffers (``pool_idle_seconds``, 10 s); and the same for h1.
 
 Run::
 
@@ -90,7 +91,9 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
 
-def run(mib: int, pushes: int, daemon_args: list[str], settle: float) -> list[dict[str, Any]]:
+def run(
+    mib: int, pushes: int, daemon_args: list[str], settle: float, concurrent: bool = False
+) -> list[dict[str, Any]]:
     """One run; rows of the table (one per daemon)."""
     work = Path(tempfile.mkdtemp(prefix="mlfabric-mem-"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -119,10 +122,12 @@ def run(mib: int, pushes: int, daemon_args: list[str], settle: float) -> list[di
         sampler.start()
         update = {"w": np.ones(n, np.float32)}
         t0 = time.monotonic()
-        for _ in range(pushes):
-            result = worker.push("ps0", update).wait(600)
-            if not result.applied:
-                raise RuntimeError(f"push not applied: {result}")
+        if concurrent:  # all pushed before any is awaited (push() itself waits for push budget)
+            results = [h.wait(600) for h in [worker.push("ps0", update) for _ in range(pushes)]]
+        else:
+            results = [worker.push("ps0", update).wait(600) for _ in range(pushes)]
+        if not all(r.applied for r in results):
+            raise RuntimeError(f"push not applied: {[r for r in results if not r.applied][:1]}")
         seconds = time.monotonic() - t0
         sampler.stop()
         after = {h: rss(p)["VmRSS"] for h, p in pids.items()}
@@ -168,16 +173,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="payload size in MiB (default 1024)")
     parser.add_argument("--pushes", type=int, default=1, help="pushes, one after another (default 1)")
+    parser.add_argument("--concurrent", action="store_true", help="push all before awaiting any")
     parser.add_argument("--settle", type=float, default=12.0, help="seconds idle before the last sample")
     parser.add_argument("--out", help="write the table (markdown) here")
     parser.add_argument("daemon_args", nargs="*", help="extra `mlfabric daemon` options (after --)")
     args = parser.parse_args()
-    rows = run(args.mib, args.pushes, args.daemon_args, args.settle)
+    rows = run(args.mib, args.pushes, args.daemon_args, args.settle, args.concurrent)
     text = table(rows, args.settle)
     print(text)
     if args.out:
         cmd = " ".join(["python", "experiments/bench_memory.py", *sys.argv[1:]])
-        Path(args.out).write_text(f"{text}\n\n`{cmd}` ({rows[0]['seconds']:.1f} s for the pushes)\n")
+        with open(args.out, "a", encoding="utf-8") as out:
+            out.write(f"`{cmd}` ({rows[0]['seconds']:.1f} s for the pushes)\n\n{text}\n\n")
     return 0
 
 
