@@ -49,8 +49,14 @@ from mlfabric.scheduler.policies.stf import server_key
 
 __all__ = ["TreePolicy", "plan_tree"]
 
-#: rounds of at most this many updates also try toggling each switch (local search)
+#: rounds of at most this many updates also try toggling each switch and bypassing (local search)
 LOCAL_SEARCH_UP_TO = 256
+#: local search: at most this many payloads of a point go on unsummed
+BYPASS_UP_TO = 16
+#: largest number of payloads one aggregate sums, tried besides no limit
+FAN_INS = (2, 4, 8)
+#: local search: this many best-estimated trees are reserved on the timelines, the best kept
+FINALISTS = 4
 
 
 @dataclass
@@ -121,67 +127,123 @@ def _ingress(graph: nx.DiGraph, host: str) -> float:
     return max((float(graph.edges[p, host]["capacity"]) for p in graph.predecessors(host)), default=0.0)
 
 
+@dataclass
+class _Tree:
+    """What every candidate tree of one server shares: paths, hosts below each node, NICs."""
+
+    order: Sequence[Update]
+    paths: Mapping[str, tuple[str, ...]]  # source or eligible host -> its path to the server
+    below: Mapping[str, list[str]]  # node -> eligible hosts whose path crosses it (graph order)
+    ingress: Mapping[str, float]
+    server_host: str
+    prefix: str
+
+
+def _tree(
+    graph: nx.DiGraph, pc: PathCache, order: Sequence[Update], eligible: frozenset[str], prefix: str
+) -> _Tree:
+    server_host = order[0].dst
+    sources = {u.src for u in order}
+    paths = _in_tree(pc, sources, server_host)
+    crossed = {x for p in paths.values() for x in p[1:-1]}
+    below: dict[str, list[str]] = {}
+    for h in hosts(graph):
+        if h not in eligible or h == server_host:
+            continue
+        if h not in paths:
+            try:
+                path = pc.path(h, server_host)
+            except ValueError:
+                continue
+            if not crossed.intersection(path):
+                continue
+            paths[h] = path
+        for x in paths[h][1:-1]:
+            below.setdefault(x, []).append(h)
+    ingress = {h: _ingress(graph, h) for hs in below.values() for h in hs}
+    return _Tree(order, paths, below, ingress, server_host, prefix)
+
+
+def _sum(
+    tree: _Tree,
+    nodes: dict[str, _Node],
+    parent: dict[str, str],
+    host_of: dict[str, str],
+    point: str,
+    members: list[str],
+    candidates: Sequence[str],
+) -> str:
+    """Add the aggregate of ``members`` at the best host below ``point``; its id.
+
+    The fastest ingress NIC, then a host already holding a member (no transfer for it),
+    then one not yet summing at this point, then the first in graph order.
+    """
+    local = {host_of[p] for p in members}
+    busy = {n.aggregator for n in nodes.values() if n.point == point}
+    agg = max(candidates, key=lambda h: (tree.ingress[h], h in local, h not in busy))
+    aid = aggregate_id(tree.prefix, len(nodes))
+    nodes[aid] = _Node(point, agg, list(members))
+    for p in members:
+        parent[p] = aid
+    host_of[aid] = agg
+    return aid
+
+
 def _build(
-    graph: nx.DiGraph,
-    order: Sequence[Update],
-    paths: Mapping[str, tuple[str, ...]],
-    points: frozenset[str],
-    eligible: frozenset[str],
-    server_host: str,
-    prefix: str,
+    tree: _Tree, points: frozenset[str], bypass: Mapping[str, int], fan_in: int = 0
 ) -> tuple[dict[str, _Node], dict[str, str]]:
     """The aggregates of the tree aggregating at ``points``; and payload id -> its aggregate.
 
-    Points with fewer than two payloads or no eligible host below them pass their payloads on.
+    At a point, the first ``bypass[x]`` payloads (in ready order, lower aggregates last) go
+    on unsummed; points with fewer than two payloads left or no eligible host below pass
+    their payloads on. With ``fan_in``, a point with more payloads sums them in groups of
+    ``fan_in`` first (each at its own host when the groups hold payloads of different hosts),
+    and so on up: no aggregator's NIC takes more than ``fan_in`` payloads per aggregate.
     """
-    below: dict[str, set[str]] = {}  # point -> hosts below it (sources whose path crosses it)
-    for u in order:
-        for x in paths[u.src][1:-1]:
-            if x in points:
-                below.setdefault(x, set()).add(u.src)
-    # points bottom-up: a point's depth is its distance from the server along the in-tree
-    depth = {x: len(paths[next(iter(hs))]) - paths[next(iter(hs))].index(x) for x, hs in below.items()}
+    order, paths = tree.order, tree.paths
     chain: dict[str, list[str]] = {}  # source -> the points on its path, lowest first
     for u in order:
         if u.src not in chain:
-            chain[u.src] = [x for x in paths[u.src][1:-1] if x in below]
-    # payloads reaching each point: updates whose first point it is, and lower points' aggregates
-    into: dict[str, list[str]] = {x: [] for x in below}
-    first_of: dict[str, str] = {}
-    for u in order:
-        if chain[u.src]:
-            into[chain[u.src][0]].append(u.update_id)
-            first_of[u.update_id] = u.src
+            chain[u.src] = [x for x in paths[u.src][1:-1] if x in points]
+    carried: dict[str, list[str]] = {}  # payloads reaching each point
     up: dict[str, str | None] = {}
-    for pts in chain.values():
+    depth: dict[str, int] = {}
+    for u in order:
+        pts = chain[u.src]
+        if not pts:
+            continue
+        carried.setdefault(pts[0], []).append(u.update_id)
+        for x in pts:
+            carried.setdefault(x, [])
+            depth[x] = len(paths[u.src]) - paths[u.src].index(x)
         for a, b in itertools.pairwise(pts):
             up[a] = b
-        if pts:
-            up.setdefault(pts[-1], None)
+        up.setdefault(pts[-1], None)
     nodes: dict[str, _Node] = {}
     parent: dict[str, str] = {}
-    made: dict[str, str] = {}  # point -> its aggregate id (points that aggregate)
     host_of: dict[str, str] = {u.update_id: u.src for u in order}
-    carried: dict[str, list[str]] = {x: list(into[x]) for x in below}  # payloads at each point
-    under = set().union(*below.values()) if below else set()
-    rank = [h for h in hosts(graph) if h in under]
-    ingress = {h: _ingress(graph, h) for h in rank}
-    for x in sorted(below, key=lambda x: (-depth[x], x)):
+    for x in sorted(carried, key=lambda x: (-depth[x], x)):
         payloads = carried[x]
         nxt = up.get(x)
-        candidates = [h for h in rank if h in below[x] and h in eligible and h != server_host]
-        if len(payloads) < 2 or not candidates:
+        skip = min(bypass.get(x, 0), len(payloads))
+        summed = payloads[skip:]
+        candidates = tree.below.get(x, [])
+        if len(summed) < 2 or not candidates:
             if nxt is not None:
                 carried[nxt].extend(payloads)
             continue
-        local = {host_of[p] for p in payloads}
-        agg = max(candidates, key=lambda h: (ingress[h], h in local))  # first in graph order
-        aid = aggregate_id(prefix, len(nodes))
-        nodes[aid] = _Node(x, agg, list(payloads))
-        for p in payloads:
-            parent[p] = aid
-        host_of[aid] = agg
-        made[x] = aid
+        if nxt is not None:
+            carried[nxt].extend(payloads[:skip])
+        while fan_in and len(summed) > fan_in:  # too many for one NIC: sum in groups first
+            groups = [summed[i : i + fan_in] for i in range(0, len(summed), fan_in)]
+            summed = []
+            for group in groups:
+                if len(group) < 2:
+                    summed.extend(group)
+                    continue
+                aid = _sum(tree, nodes, parent, host_of, x, group, candidates)
+                summed.append(aid)
+        aid = _sum(tree, nodes, parent, host_of, x, summed, candidates)
         if nxt is not None:
             carried[nxt].append(aid)
     for aid, node in nodes.items():
@@ -311,38 +373,67 @@ def _plan_server(
     prefix: str,
     local_search: bool,
 ) -> tuple[Timelines, list[Transfer], list[Aggregate]]:
-    server_host = order[0].dst
-    paths = _in_tree(pc, {u.src for u in order}, server_host)
-    candidates, switches = _points_of(paths, graph)
-    routes = _Routes(graph, pc, server_host, paths)
-    best: tuple[tuple[float, int], frozenset[str]] | None = None
-    seen: dict[frozenset[str], tuple[float, int]] = {}
-
+    tree = _tree(graph, pc, order, eligible, prefix)
+    server_host = tree.server_host
+    candidates, switches = _points_of({u.src: tree.paths[u.src] for u in order}, graph)
+    routes = _Routes(graph, pc, server_host, tree.paths)
     free = _FreeAt(tls)
+    seen: dict[tuple[frozenset[str], tuple[tuple[str, int], ...], int], tuple[float, int]] = {}
 
-    def score(points: frozenset[str]) -> tuple[float, int]:
-        if points not in seen:
-            nodes, parent = _build(graph, order, paths, points, eligible, server_host, prefix)
+    def score(points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> tuple[float, int]:
+        key = (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan_in)
+        if key not in seen:
+            nodes, parent = _build(tree, points, bypass, fan_in)
             makespan = _estimate(graph, routes, order, nodes, parent, server_host, now, free)
-            seen[points] = (makespan, len(nodes))
-        return seen[points]
+            seen[key] = (round(makespan, 9), len(nodes))  # ties within rounding: fewer aggregates
+        return seen[key]
 
-    for points in candidates:
-        key = score(points)
-        if best is None or key < best[0]:
-            best = (key, points)
-    assert best is not None
+    none: dict[str, int] = {}
+    best_key, best_points = min((score(p, none, 0), p) for p in candidates)
+    plain = (best_points, none, 0)  # the best tree with neither a bypass nor a fan-in limit
+    best_bypass: dict[str, int] = {}
+    best_fan = 0
+    for points in candidates if local_search else [best_points]:
+        for fan in FAN_INS:
+            key = score(points, none, fan)
+            if key < best_key:
+                best_key, best_points, best_fan = key, points, fan
     if local_search:
         improved = True
         while improved:
             improved = False
             for x in sorted(switches):
-                points = best[1] ^ {x}
-                key = score(points)
-                if key < best[0]:
-                    best, improved = (key, points), True
-    nodes, parent = _build(graph, order, paths, best[1], eligible, server_host, prefix)
-    transfers, _ = _reserve(tls, routes, order, nodes, parent, server_host, now)
+                points = best_points ^ {x}
+                key = score(points, best_bypass, best_fan)
+                if key < best_key:
+                    best_key, best_points, improved = key, points, True
+            for x in sorted(best_points):
+                for k in range(1, min(len(order), BYPASS_UP_TO + 1)):
+                    trial = {**best_bypass, x: k}
+                    key = score(best_points, trial, best_fan)
+                    if key < best_key:
+                        best_key, best_bypass, improved = key, trial, True
+            for fan in (0, *FAN_INS):
+                key = score(best_points, best_bypass, fan)
+                if key < best_key:
+                    best_key, best_fan, improved = key, fan, True
+    # the estimate ignores that a transfer waits for a link busy in full: reserve the best few
+    chosen = (best_points, best_bypass, best_fan)
+    finalists = [chosen]
+    if local_search:
+        finalists.append(plain)
+        ranked = sorted(seen.items(), key=lambda kv: kv[1])
+        finalists += [(p, dict(b), f) for (p, b, f), _ in ranked[: FINALISTS - 2]]
+    best_real: tuple[tuple[float, int], Timelines, list[Transfer], dict[str, _Node]] | None = None
+    for points, bypass, fan in finalists:
+        nodes, parent = _build(tree, points, bypass, fan)
+        trial = tls.copy() if len(finalists) > 1 else tls
+        transfers, makespan = _reserve(trial, routes, order, nodes, parent, server_host, now)
+        key = (round(makespan, 9), len(nodes))
+        if best_real is None or key < best_real[0]:
+            best_real = (key, trial, transfers, nodes)
+    assert best_real is not None
+    _, tls, transfers, nodes = best_real
     size = {t.payload_id: t.bytes for t in transfers}
     aggregates = [
         Aggregate(aid, n.aggregator, tuple(n.members), size[aid], server_host) for aid, n in nodes.items()
