@@ -134,7 +134,8 @@ class _Tree:
     order: Sequence[Update]
     paths: Mapping[str, tuple[str, ...]]  # source or eligible host -> its path to the server
     below: Mapping[str, list[str]]  # node -> eligible hosts whose path crosses it (graph order)
-    ingress: Mapping[str, float]
+    top: Mapping[str, tuple[list[str], set[str]]]  # node -> those of them with the fastest ingress
+    rank: Mapping[str, int]  # host -> its place in graph order
     server_host: str
     prefix: str
 
@@ -161,7 +162,13 @@ def _tree(
         for x in paths[h][1:-1]:
             below.setdefault(x, []).append(h)
     ingress = {h: _ingress(graph, h) for hs in below.values() for h in hs}
-    return _Tree(order, paths, below, ingress, server_host, prefix)
+    top: dict[str, tuple[list[str], set[str]]] = {}
+    for x, hs in below.items():
+        fastest = max(ingress[h] for h in hs)
+        tier = [h for h in hs if ingress[h] == fastest]
+        top[x] = (tier, set(tier))
+    rank = {h: i for i, h in enumerate(hosts(graph))}
+    return _Tree(order, paths, below, top, rank, server_host, prefix)
 
 
 def _sum(
@@ -171,16 +178,19 @@ def _sum(
     host_of: dict[str, str],
     point: str,
     members: list[str],
-    candidates: Sequence[str],
+    summing: dict[str, set[str]],
 ) -> str:
     """Add the aggregate of ``members`` at the best host below ``point``; its id.
 
     The fastest ingress NIC, then a host already holding a member (no transfer for it),
     then one not yet summing at this point, then the first in graph order.
     """
-    local = {host_of[p] for p in members}
-    busy = {n.aggregator for n in nodes.values() if n.point == point}
-    agg = max(candidates, key=lambda h: (tree.ingress[h], h in local, h not in busy))
+    tier, fastest = tree.top[point]
+    busy = summing.setdefault(point, set())
+    local = sorted({host_of[p] for p in members} & fastest, key=tree.rank.__getitem__)
+    free = [h for h in local if h not in busy]
+    agg = (free or local)[0] if local else next((h for h in tier if h not in busy), tier[0])
+    busy.add(agg)
     aid = aggregate_id(tree.prefix, len(nodes))
     nodes[aid] = _Node(point, agg, list(members))
     for p in members:
@@ -222,6 +232,7 @@ def _build(
     nodes: dict[str, _Node] = {}
     parent: dict[str, str] = {}
     host_of: dict[str, str] = {u.update_id: u.src for u in order}
+    summing: dict[str, set[str]] = {}  # point -> hosts summing there already
     for x in sorted(carried, key=lambda x: (-depth[x], x)):
         payloads = carried[x]
         nxt = up.get(x)
@@ -241,9 +252,9 @@ def _build(
                 if len(group) < 2:
                     summed.extend(group)
                     continue
-                aid = _sum(tree, nodes, parent, host_of, x, group, candidates)
+                aid = _sum(tree, nodes, parent, host_of, x, group, summing)
                 summed.append(aid)
-        aid = _sum(tree, nodes, parent, host_of, x, summed, candidates)
+        aid = _sum(tree, nodes, parent, host_of, x, summed, summing)
         if nxt is not None:
             carried[nxt].append(aid)
     for aid, node in nodes.items():
@@ -318,31 +329,45 @@ def _estimate(
 
     ``free``: when each link is free of the transfers already reserved on the timelines.
     """
-    by_id = {u.update_id: u for u in order}
-    heap: list[tuple[float, float, str]] = [(max(u.ready_at, now), u.bytes, u.update_id) for u in order]
-    heapq.heapify(heap)
+    # updates in their (sorted) order, merged with a heap of the aggregates as they are made
+    updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
+    heap: list[tuple[float, float, str, str]] = []
     waiting = {aid: len(n.members) for aid, n in nodes.items()}
     ready_at = dict.fromkeys(nodes, -math.inf)
     busy: dict[Link, float] = {}
+    slow: dict[Link, float] = {}  # link -> seconds per byte
     edges = graph.edges
     makespan = now
-    while heap:
-        ready, nbytes, pid = heapq.heappop(heap)
-        src = by_id[pid].src if pid in by_id else nodes[pid].aggregator
+    i, n = 0, len(updates)
+    while i < n or heap:
+        if heap and (i >= n or heap[0] < updates[i]):
+            ready, nbytes, pid, src = heapq.heappop(heap)
+        else:
+            ready, nbytes, pid, src = updates[i]
+            i += 1
         to = parent.get(pid)
         hop = nodes[to].aggregator if to is not None else server_host
         end = ready
         for link in routes.links(src, hop):
-            done = max(ready, busy[link] if link in busy else free[link]) + nbytes / edges[link]["capacity"]
+            at = busy.get(link)
+            if at is None:
+                at = free[link]
+            per = slow.get(link)
+            if per is None:
+                per = slow[link] = 1.0 / edges[link]["capacity"]
+            done = (ready if ready > at else at) + nbytes * per
             busy[link] = done
-            end = max(end, done)
+            if done > end:
+                end = done
         if to is None:
-            makespan = max(makespan, end)
+            if end > makespan:
+                makespan = end
             continue
         waiting[to] -= 1
-        ready_at[to] = max(ready_at[to], end)
+        if end > ready_at[to]:
+            ready_at[to] = end
         if waiting[to] == 0:
-            heapq.heappush(heap, (ready_at[to], nbytes, to))
+            heapq.heappush(heap, (ready_at[to], nbytes, to, nodes[to].aggregator))
     return makespan
 
 
@@ -394,7 +419,7 @@ def _plan_server(
     best_bypass: dict[str, int] = {}
     best_fan = 0
     for points in candidates if local_search else [best_points]:
-        for fan in FAN_INS:
+        for fan in FAN_INS if local_search else FAN_INS[1:]:
             key = score(points, none, fan)
             if key < best_key:
                 best_key, best_points, best_fan = key, points, fan
