@@ -275,9 +275,12 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     address = f"{host}:{port}"
     metrics_server = None
     if args.metrics_port is not None:
-        metrics.registry.register(ServiceCollector(core))
+        collector = ServiceCollector(core, refresh_on_collect=False)
+        metrics.registry.register(collector)
         try:
-            metrics_server = await serve_metrics(metrics.registry, host.strip("[]"), args.metrics_port)
+            metrics_server = await serve_metrics(
+                metrics.registry, host.strip("[]"), args.metrics_port, before=collector.refresh
+            )
         except OSError as exc:
             await server.stop(None)
             return _fail(f"cannot serve metrics on port {args.metrics_port}: {exc}")

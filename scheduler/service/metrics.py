@@ -23,14 +23,17 @@ transfer) counts ``mlfabric_link_transferred_bytes_total{src,dst}`` and the tran
 completion times ``mlfabric_transfer_duration_seconds``.
 
 The collector reads the service state, which the asyncio loop mutates: :func:`serve_metrics`
-therefore answers scrapes on that loop (a minimal HTTP/1.0 server), never from a thread.
+(a minimal HTTP/1.0 server on that loop) has it copy the state on the loop, then formats
+the text in a thread (measured on a k=16 fat tree, 1,024 hosts and 6,144 links: the copy
+holds the loop a few ms; formatting takes ~0.3 s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -64,21 +67,48 @@ def drop_reason_class(reason: str) -> str:
     return text or "unspecified"
 
 
-class ServiceCollector(Collector):
-    """Gauges and outcome counters read from a :class:`SchedulerCore` at scrape time.
+@dataclass(frozen=True)
+class _Snapshot:
+    """What one scrape reports, copied from the state on the service's loop."""
 
-    Outcomes are counted incrementally: each scrape walks back the outcomes the state
-    recorded (in order) down to the newest one counted by the previous scrape, so the
+    capacity: list[tuple[str, str, float]]
+    estimated: list[tuple[str, str, float]]
+    crossing: dict[tuple[str, str], int]
+    pending: dict[tuple[str, str], int]
+    daemons: int
+    jobs: int
+    scheduled: dict[tuple[str, str], int] | None
+    resolved: dict[str, int]
+    reasons: dict[str, int]
+    delays: list[int]
+    delay_sum: float
+
+
+class ServiceCollector(Collector):
+    """Gauges and outcome counters of a :class:`SchedulerCore`.
+
+    :meth:`refresh` copies what a scrape reports from the state (a few ms for thousands
+    of links) and must run where the state is mutated, on the service's loop; building
+    the families and their text (hundreds of ms for thousands of links) may then run in a
+    thread (:func:`serve_metrics`). With ``refresh_on_collect`` every :meth:`collect`
+    refreshes first (for a state no other thread mutates: tests, tools).
+
+    Outcomes are counted incrementally: each refresh walks back the outcomes the state
+    recorded (in order) down to the newest one counted by the previous refresh, so the
     counters never go down. An update whose outcome is recorded again counts again.
 
     Parameters
     ----------
     core : SchedulerCore
         The running service (its ``state`` and ``estimator`` are read).
+    refresh_on_collect : bool
+        Refresh at every :meth:`collect`.
     """
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, refresh_on_collect: bool = True) -> None:
         self._core = core
+        self._refresh_on_collect = refresh_on_collect
+        self._snapshot: _Snapshot | None = None
         self._last: Any = None  # the newest outcome counted (recording one makes a new object)
         self._resolved: dict[str, int] = {"applied": 0, "dropped": 0}
         self._reasons: dict[str, int] = {}
@@ -104,79 +134,101 @@ class ServiceCollector(Collector):
                 self._delays[i] += 1
                 self._delay_sum += o.delay
 
-    def collect(self) -> Iterator[Any]:
-        """The metric families (called by the registry at each scrape)."""
+    def refresh(self) -> None:
+        """Copy what the next scrape reports from the state (run on the service's loop)."""
         state = self._core.state
+        crossing: dict[tuple[str, str], int] = {}
+        for f in state.in_flight.values():
+            for link in pairwise(f.path):
+                crossing[link] = crossing.get(link, 0) + 1
+        per_server: dict[tuple[str, str], int] = {}
+        for p in state.pending.values():
+            per_server[(p.job, p.server)] = per_server.get((p.job, p.server), 0) + 1
+        activity = getattr(state, "activity", None)  # an ObservedState (the service's)
+        self._count_outcomes()
+        self._snapshot = _Snapshot(
+            capacity=[(u, v, float(d["capacity"])) for u, v, d in state.graph.edges(data=True)],
+            estimated=[
+                (u, v, float(d["capacity"]))
+                for u, v, d in self._core.estimator.estimated_graph().edges(data=True)
+            ],
+            crossing=crossing,
+            pending=per_server,
+            daemons=len(state.daemons),
+            jobs=len(state.jobs),
+            scheduled=None if activity is None else dict(activity.scheduled),
+            resolved=dict(self._resolved),
+            reasons=dict(self._reasons),
+            delays=list(self._delays),
+            delay_sum=self._delay_sum,
+        )
+
+    def collect(self) -> Iterator[Any]:
+        """The metric families of the last :meth:`refresh` (called by the registry)."""
+        if self._refresh_on_collect or self._snapshot is None:
+            self.refresh()
+        snap = self._snapshot
+        assert snap is not None
         capacity = GaugeMetricFamily(
             "mlfabric_link_capacity_bytes_per_second",
             "configured rate of a directed link",
             labels=["src", "dst"],
         )
-        for u, v, d in state.graph.edges(data=True):
-            capacity.add_metric([u, v], float(d["capacity"]))
+        for u, v, rate in snap.capacity:
+            capacity.add_metric([u, v], rate)
         yield capacity
         estimated = GaugeMetricFamily(
             "mlfabric_link_estimated_bytes_per_second",
             "estimated residual bandwidth of a directed link",
             labels=["src", "dst"],
         )
-        for u, v, d in self._core.estimator.estimated_graph().edges(data=True):
-            estimated.add_metric([u, v], float(d["capacity"]))
+        for u, v, rate in snap.estimated:
+            estimated.add_metric([u, v], rate)
         yield estimated
-        crossing: dict[tuple[str, str], int] = {}
-        for f in list(state.in_flight.values()):
-            for link in pairwise(f.path):
-                crossing[link] = crossing.get(link, 0) + 1
         in_flight = GaugeMetricFamily(
             "mlfabric_link_in_flight_transfers", "released transfers crossing a link", labels=["src", "dst"]
         )
-        for (u, v), n in sorted(crossing.items()):
+        for (u, v), n in sorted(snap.crossing.items()):
             in_flight.add_metric([u, v], n)
         yield in_flight
-        per_server: dict[tuple[str, str], int] = {}
-        for p in list(state.pending.values()):
-            per_server[(p.job, p.server)] = per_server.get((p.job, p.server), 0) + 1
         pending = GaugeMetricFamily(
             "mlfabric_pending_updates", "updates ready and not yet released", labels=["job", "server"]
         )
-        for (job, server), n in sorted(per_server.items()):
+        for (job, server), n in sorted(snap.pending.items()):
             pending.add_metric([job, server], n)
         yield pending
-        yield GaugeMetricFamily("mlfabric_daemons_connected", "connected daemons", value=len(state.daemons))
-        yield GaugeMetricFamily("mlfabric_jobs", "jobs with a registered role", value=len(state.jobs))
-
-        activity = getattr(state, "activity", None)  # an ObservedState (the service's)
-        if activity is not None:
+        yield GaugeMetricFamily("mlfabric_daemons_connected", "connected daemons", value=snap.daemons)
+        yield GaugeMetricFamily("mlfabric_jobs", "jobs with a registered role", value=snap.jobs)
+        if snap.scheduled is not None:
             scheduled = CounterMetricFamily(
                 "mlfabric_link_scheduled_bytes",
                 "bytes of the transfers released over a directed link",
                 labels=["src", "dst"],
             )
-            for (u, v), n in sorted(activity.scheduled.items()):
+            for (u, v), n in sorted(snap.scheduled.items()):
                 scheduled.add_metric([u, v], n)
             yield scheduled
-        self._count_outcomes()
         resolved = CounterMetricFamily(
             "mlfabric_updates_resolved", "updates resolved, by outcome", labels=["outcome"]
         )
-        for kind, n in sorted(self._resolved.items()):
+        for kind, n in sorted(snap.resolved.items()):
             resolved.add_metric([kind], n)
         yield resolved
         reasons = CounterMetricFamily(
             "mlfabric_updates_dropped_by_reason", "dropped updates, by reason class", labels=["reason"]
         )
-        for cls, n in sorted(self._reasons.items()):
+        for cls, n in sorted(snap.reasons.items()):
             reasons.add_metric([cls], n)
         yield reasons
         cumulative, buckets = 0, []
-        for bound, n in zip([*DELAY_BUCKETS, float("inf")], self._delays, strict=True):
+        for bound, n in zip([*DELAY_BUCKETS, float("inf")], snap.delays, strict=True):
             cumulative += n
             buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", cumulative))
         yield HistogramMetricFamily(
             "mlfabric_update_delay_versions",
             "delay of applied updates in server versions (paper §3)",
             buckets=buckets,
-            sum_value=self._delay_sum,
+            sum_value=snap.delay_sum,
         )
 
 
@@ -237,11 +289,15 @@ class MeteredEstimator:
         return self.inner.estimated_graph()
 
 
-async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
-    """Serve ``GET /metrics`` (the registry's text exposition) on the running loop.
+async def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int, before: Callable[[], None] | None = None
+) -> asyncio.Server:
+    """Serve ``GET /metrics`` (the registry's text exposition) from the running loop.
 
-    Every other path answers 404. Scrapes run on the loop, between the service's own
-    callbacks, so collectors read the state without locks.
+    Every other path answers 404. For each scrape ``before()`` runs on the loop (where
+    :meth:`ServiceCollector.refresh` copies the state, between the service's own
+    callbacks, without locks), then the text is built in a thread, so a scrape of a
+    large cluster holds the loop only for the copy.
 
     Raises
     ------
@@ -258,7 +314,10 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> as
         parts = request.split(b" ", 2)
         path = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b""
         if parts[0] in (b"GET", b"HEAD") and path in (b"/metrics", b"/"):
-            body, status, ctype = generate_latest(registry), b"200 OK", CONTENT_TYPE_LATEST.encode()
+            if before is not None:
+                before()
+            body = await asyncio.to_thread(generate_latest, registry)
+            status, ctype = b"200 OK", CONTENT_TYPE_LATEST.encode()
         else:
             body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
         head = b"HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n" % (status, ctype, len(body))
