@@ -47,7 +47,8 @@ from mlfabric.scheduler.plan.ilp import solve_ilp
 from mlfabric.scheduler.plan.instance import objective_of, parse_instance, two_tier_instance
 from mlfabric.scheduler.policies.base import PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.registry import make_policy
-from mlfabric.scheduler.policies.trees import TreePolicy, plan_tree
+from mlfabric.scheduler.policies.tree_policy import TreePolicy
+from mlfabric.scheduler.policies.trees import plan_tree
 from mlfabric.scheduler.sim.engine import APPLIED, Simulator
 from mlfabric.scheduler.sim.iteration import SyncSGD
 from mlfabric.scheduler.sim.workload import ComputeModel

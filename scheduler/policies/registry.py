@@ -10,7 +10,7 @@ same object, horizon and re-plan trigger in both (DESIGN §4):
   to a quarter of the horizon (:func:`~mlfabric.scheduler.policies.dispatch.low_water_mark`);
 * ``stf+agg`` — :class:`~mlfabric.scheduler.policies.aggregation.AggregationPolicy`
   (aggregation groups over the STF order, paper Fig. 6);
-* ``stf+tree`` — :class:`~mlfabric.scheduler.policies.trees.TreePolicy` (multi-level
+* ``stf+tree`` — :class:`~mlfabric.scheduler.policies.tree_policy.TreePolicy` (multi-level
   aggregation trees from the bandwidth graph: in-rack first, then across racks).
 """
 
@@ -75,7 +75,7 @@ def _stf_agg(options: PolicyOptions) -> PolicySetup:
 
 
 def _stf_tree(options: PolicyOptions) -> PolicySetup:
-    from mlfabric.scheduler.policies.trees import TreePolicy
+    from mlfabric.scheduler.policies.tree_policy import TreePolicy
 
     return PolicySetup(TreePolicy(aggregators=options.aggregators), ReplanTrigger())
 

@@ -12,7 +12,8 @@ from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.policies.stf import plan_stf
-from mlfabric.scheduler.policies.trees import TreePolicy, plan_tree
+from mlfabric.scheduler.policies.tree_policy import TreePolicy
+from mlfabric.scheduler.policies.trees import plan_tree
 from mlfabric.scheduler.service.cli import build_policy
 from mlfabric.scheduler.sim.engine import APPLIED, Simulator
 from mlfabric.scheduler.sim.iteration import SyncSGD

@@ -1,0 +1,171 @@
+"""The ``stf+tree`` policy: aggregation trees planned online (paper §5, Fig. 6; DESIGN §4).
+
+Every decision plans the pending updates with
+:func:`~mlfabric.scheduler.policies.trees.plan_tree` (the transfers in flight reserved until
+their expected end) and turns the plan into a decision with
+:func:`~mlfabric.scheduler.policies.convert.schedule_to_decision`, so the simulator and the
+service run it through the one pipeline (:class:`~mlfabric.scheduler.policies.runner.DecisionRunner`).
+The daemons do not forward an aggregate to another aggregator yet: the service refuses this
+policy, the simulator executes it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import networkx as nx
+
+from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.schedule import Link, Schedule, Update, aggregate_id
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies.aggregation import _stale
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
+from mlfabric.scheduler.policies.convert import schedule_to_decision
+from mlfabric.scheduler.policies.stf import server_key
+from mlfabric.scheduler.policies.trees import plan_tree
+
+__all__ = ["TreePolicy"]
+
+
+class TreePolicy:
+    """The ``stf+tree`` policy: every decision plans the pending updates as aggregation trees.
+
+    An aggregate tree some of whose updates have been released is *committed*: its remaining
+    updates keep going to their aggregators and its aggregates stay planned; the other
+    pending updates are planned afresh (:func:`plan_tree`), the transfers in flight reserved
+    until their expected end.
+
+    Parameters
+    ----------
+    aggregators : sequence of str, optional
+        Hosts that may aggregate; default every host but the servers (and only those the
+        snapshot lists as able to, when it lists any).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import two_tier
+    >>> g = two_tier(2, 3, 8e6, oversubscription=3)
+    >>> mk = lambda i: PendingUpdate(f"u{i}", "j", "s", f"w{i}", f"h{i}", "h0", 10**6, 1.0, 0, 0.0)
+    >>> d = TreePolicy().decide(Snapshot(0.0, g), [mk(i) for i in range(1, 6)])
+    >>> [(s.update_id, s.next_hop) for s in d.sends]
+    [('u1', 'h0'), ('u2', 'h0'), ('u3', 'h3'), ('u4', 'h3'), ('u5', 'h3')]
+    >>> [(a.aggregate_id, a.aggregator, a.members) for a in d.aggregates]
+    [('agg:h0:0', 'h3', ('u3', 'u4', 'u5'))]
+    """
+
+    name = "stf+tree"
+
+    def __init__(self, *, aggregators: Sequence[str] | None = None) -> None:
+        self.aggregators = tuple(aggregators) if aggregators is not None else None
+        self._committed: dict[str, PlannedAggregate] = {}
+        self._count = 0
+        self._paths: PathCache | None = None
+
+    def abandon(self, aggregate_id: str) -> None:
+        """Forget aggregate ``aggregate_id`` (its aggregator failed)."""
+        self._committed.pop(aggregate_id, None)
+
+    def _pc(self, graph: nx.DiGraph) -> PathCache:
+        if self._paths is None or not self._paths.same_topology(graph):
+            self._paths = PathCache(graph)
+        return self._paths
+
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
+        """Plan ``pending`` into sends to aggregators or servers, and aggregates.
+
+        Returns
+        -------
+        Decision
+            Aggregate ids unique across this policy object's decisions.
+        """
+        pc = self._pc(snapshot.graph)
+        everyone = {p.update_id for p in pending}
+        by_id = {p.update_id: p for p in pending}
+        drops = tuple(_stale(snapshot, by_id.values()))
+        for d in drops:
+            del by_id[d.update_id]
+        sends, kept = self._keep_started(snapshot, by_id, everyone, pc)
+        if not by_id:
+            return Decision(sends=tuple(sends), drops=drops, aggregates=kept)
+        schedule, busy = self._plan(snapshot, list(by_id.values()), pc)
+        ids = {}
+        for a in schedule.aggregates:
+            ids[a.aggregate_id] = aggregate_id(a.dst, self._count)
+            self._count += 1
+        planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
+        for a in planned.aggregates:
+            self._committed[a.aggregate_id] = a
+        return Decision(sends=(*sends, *planned.sends), drops=drops, aggregates=(*kept, *planned.aggregates))
+
+    def _keep_started(
+        self, snapshot: Snapshot, by_id: dict[str, PendingUpdate], everyone: set[str], pc: PathCache
+    ) -> tuple[list[Send], tuple[PlannedAggregate, ...]]:
+        """Keep every committed tree one of whose updates was released; sends of its others."""
+        committed = self._committed
+        parent = {m: aid for aid, a in committed.items() for m in a.members}
+
+        def root(aid: str) -> str:
+            while aid in parent:
+                aid = parent[aid]
+            return aid
+
+        def leaves(aid: str) -> list[str]:
+            a = committed.get(aid)
+            return [aid] if a is None else [u for m in a.members for u in leaves(m)]
+
+        trees: dict[str, list[str]] = {}
+        for aid in committed:
+            trees.setdefault(root(aid), []).append(aid)
+        sends: list[Send] = []
+        kept: dict[str, PlannedAggregate] = {}
+        relist: list[PlannedAggregate] = []
+        for top, members in trees.items():
+            if all(u in everyone for u in leaves(top)):
+                continue  # nothing released: planned again
+            for aid in members:
+                a = committed[aid]
+                kept[aid] = a
+                if all(u in everyone for u in leaves(aid)):
+                    relist.append(a)  # not started: the runner would forget it otherwise
+                for m in a.members:
+                    p = by_id.pop(m, None)
+                    if p is not None:
+                        sends.append(Send(m, a.aggregator, pc.path(p.src_host, a.aggregator)))
+        self._committed = kept
+        return sends, tuple(relist)
+
+    def _plan(
+        self, snapshot: Snapshot, pending: Sequence[PendingUpdate], pc: PathCache
+    ) -> tuple[Schedule, list[tuple[str, tuple[Link, ...], float]]]:
+        graph = snapshot.graph
+        now = snapshot.now
+        updates = [
+            Update(
+                p.update_id,
+                p.src_host,
+                p.dst_host,
+                p.bytes,
+                p.ready_at,
+                p.norm,
+                p.base_version,
+                server_key(p.job, p.server),
+            )
+            for p in pending
+        ]
+        servers = {p.dst_host for p in pending}
+        pool = self.aggregators or tuple(h for h in hosts(graph) if h not in servers)
+        if snapshot.aggregators is not None:
+            pool = tuple(h for h in pool if h in snapshot.aggregators)
+        tls = Timelines(graph, start=now)
+        busy: list[tuple[str, tuple[Link, ...], float]] = []
+        for f in sorted(snapshot.in_flight, key=lambda f: (f.expected_end, f.update_id)):
+            links = tuple(itertools.pairwise(f.path))
+            end = max(f.expected_end, now)
+            if not links or math.isinf(end) or not all(graph.has_edge(*link) for link in links):
+                continue
+            tls.reserve_until(links, now, end, who=f.update_id)
+            busy.append((f.update_id, links, end))
+        schedule = plan_tree(graph, updates, aggregators=pool, now=now, paths=pc, timelines=tls)
+        return schedule, busy
