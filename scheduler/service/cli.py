@@ -210,16 +210,27 @@ def _graph(args: argparse.Namespace) -> Any:
     return star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
 
 
-def _reload(args: argparse.Namespace, core: Any) -> str:
-    """SIGHUP: re-read ``--config`` (if any) and the topology, swap the graph; a status line."""
+def _reload(args: argparse.Namespace, core: Any) -> None:
+    """SIGHUP: re-read ``--config`` (if any) and the topology, swap the graph.
+
+    The topology and ``log_level`` take effect; other changed keys (listening address,
+    policy, ...) are logged as needing a restart.
+    """
     from mlfabric.scheduler.service.lifecycle import reload_topology
 
+    level = None
     if args.config:
         values = load_config(args.config, "scheduler")
-        # only the topology is re-read: the other keys need a restart (listening address, policy...)
-        args.topology, args.star = values.get("topology", args.topology), values.get("star", args.star)
+        args.topology, args.star = values.pop("topology", args.topology), values.pop("star", args.star)
+        level = values.pop("log_level", None)
+        restart = sorted(k for k, v in values.items() if getattr(args, k, v) != v)
+        if restart:
+            log.warning("reload: changed keys need a restart to take effect: %s", ", ".join(restart))
     reload_topology(core, _graph(args), _make_estimator)
-    return "reloaded"
+    if level is not None and level != args.log_level:
+        logging.getLogger().setLevel(level)
+        args.log_level = level
+        log.warning("reload: log level now %s", level)
 
 
 def _make_estimator(graph: Any) -> Any:

@@ -57,6 +57,9 @@ def test_sighup_swaps_the_topology_and_keeps_the_sessions(ops_cluster: Any, tmp_
     port, pid = c.scheduler["metrics_port"], c.scheduler["pid"]
     assert c.push("h0", "h1", 3)["applied"] == 3
     (tmp_path / "topology.toml").write_text(c.topology(2))
+    conf = tmp_path / "scheduler.toml"
+    conf.write_text(conf.read_text().replace('policy = "stf"', 'policy = "fair"') + 'log_level = "DEBUG"\n')
+    assert " DEBUG " not in c.log("scheduler")
 
     os.kill(pid, signal.SIGHUP)
 
@@ -69,6 +72,9 @@ def test_sighup_swaps_the_topology_and_keeps_the_sessions(ops_cluster: Any, tmp_
     assert c.procs["h0"].poll() is None and c.procs["h1"].poll() is None
     assert c.push("h0", "h1", 3)["applied"] == 3
     assert "daemon of host h1 disconnected" not in c.log("scheduler")
+    log = c.log("scheduler")
+    assert "reload: changed keys need a restart to take effect: policy" in log
+    assert " DEBUG " in log  # the new log level took effect
 
 
 def test_a_reload_without_a_connected_host_is_refused(ops_cluster: Any, tmp_path: Path) -> None:
