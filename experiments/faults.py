@@ -5,7 +5,9 @@ scheduler, a daemon per host, the server ``ps0`` on host ``ps``, workers on host
 ``b``, aggregator hop ``x`` under ``stf+agg``) while faults are injected at seeded random
 times: SIGKILL / SIGTERM of a worker's daemon, the server's daemon, the server process, the
 aggregator's daemon and the scheduler (restarted on the same address), and SIGSTOP/SIGCONT of
-a daemon (a stalled peer). Killed processes are started again with the same arguments.
+a daemon (a stalled peer); on the namespace testbed (``--testbed``, root) also a host's link
+taken down and up, and its rate cut 1000-fold for a while. Killed processes are started again
+with the same arguments.
 
 Each push of worker ``r`` with index ``i`` adds 1 at cell ``[r, i]`` of the float64 model
 (:mod:`faults_roles`), so the final model, fetched with ``get()``, says exactly which pushes
@@ -21,6 +23,7 @@ count, stops by itself)::
 
     python experiments/faults.py --seed 1     # 4 workers, up to 5000 pushes each, 110 faults
     python experiments/faults.py --seed 1 --quick     # ~1 minute, a few faults of each kind
+    sudo python experiments/faults.py --seed 1 --quick --testbed   # namespaces: + link faults
 
 It prints the table and writes ``experiments/results/faults.md`` and ``faults.csv``
 (``--out`` elsewhere). Exit status 1 when any of lost / twice / false / unresolved is non-zero.
@@ -29,6 +32,8 @@ It prints the table and writes ``experiments/results/faults.md`` and ``faults.cs
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -85,6 +90,12 @@ LOOPBACK_KINDS = (
 )
 
 
+#: Faults only the namespace testbed can inject (``--testbed``, root): a host's link down
+#: (its switch port, so the host keeps its addresses and routes) and its rate cut 1000-fold.
+TESTBED_KINDS = ("link-down", "rate-collapse")
+HOST_LINKS = (("a", "sw"), ("b", "sw"), ("ps", "sw"), ("x", "sw"))
+
+
 @dataclass
 class Config:
     """One run's settings (see ``--help``)."""
@@ -104,6 +115,7 @@ class Config:
     tau_max: int = -1
     workdir: Path | None = None
     log_level: str = "INFO"
+    testbed: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -127,6 +139,8 @@ def _inject(cluster: FaultCluster, kind: str, rng: random.Random, cfg: Config) -
         time.sleep(max(down, 0.2) * 4)  # a stall long enough for transfers to notice
         cluster.signal(target, signal.SIGCONT)
         return Fault(kind, target, t0, time.time())
+    if kind in TESTBED_KINDS:
+        return _link_fault(cluster, kind, rng.choice(HOST_LINKS), max(down, 0.2) * 4)
     how, _, what = kind.partition("-")
     sig = signal.SIGKILL if how == "kill" else signal.SIGTERM
     target = {
@@ -141,6 +155,26 @@ def _inject(cluster: FaultCluster, kind: str, rng: random.Random, cfg: Config) -
     return Fault(kind, target, t0, time.time(), note)
 
 
+def _link_fault(cluster: Any, kind: str, link: tuple[str, str], duration: float) -> Fault:
+    """Take ``link`` down (its switch-side end) or cut its rate 1000-fold for ``duration`` s."""
+    tb = cluster.testbed
+    host, switch = link
+    t0 = time.time()
+    if kind == "link-down":
+        end = tb.layout.link_ends[(switch, host)]
+        subprocess.run(["ip", "-n", end.namespace, "link", "set", "dev", end.ifname, "down"], check=True)
+        time.sleep(duration)
+        subprocess.run(["ip", "-n", end.namespace, "link", "set", "dev", end.ifname, "up"], check=True)
+    else:
+        rates = {d: tb.rate(d) for d in (link, (switch, host))}
+        for d, rate in rates.items():
+            tb.set_rate(d, rate / 1000)
+        time.sleep(duration)
+        for d, rate in rates.items():
+            tb.set_rate(d, rate)
+    return Fault(kind, f"link {host}-{switch}", t0, time.time())
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Run the harness once; return the analysis (see :func:`faults_report.analyse`)."""
     kinds = [k for k in cfg.kinds if "agg" in cfg.policy or "aggregator" not in k]
@@ -150,14 +184,30 @@ def run(cfg: Config) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     topology = work / "topology.toml"
     topology.write_text(TOPOLOGY.format(ps_mbps=100 if "agg" in cfg.policy else 1000))
-    cluster = FaultCluster(
-        topology,
-        policy=cfg.policy,
-        workdir=work / "run",
-        extra_scheduler_args=["--aggregate-timeout", "5"] if "agg" in cfg.policy else [],
-        aggregator_host="x",
-        log_level=cfg.log_level,
-    )
+    options: dict[str, Any] = {
+        "policy": cfg.policy,
+        "workdir": work / "run",
+        "extra_scheduler_args": ["--aggregate-timeout", "5"] if "agg" in cfg.policy else [],
+        "aggregator_host": "x",
+        "log_level": cfg.log_level,
+    }
+    with contextlib.ExitStack() as stack:
+        if cfg.testbed:
+            from faults_cluster import TestbedFaultCluster
+
+            from mlfabric.scheduler.core.graph import load_topology
+            from mlfabric.testbed.cluster import Testbed
+            from mlfabric.testbed.netns import new_prefix
+
+            tb = stack.enter_context(Testbed(load_topology(topology), prefix=new_prefix(rng)))
+            cluster: FaultCluster = TestbedFaultCluster(tb, topology, **options)
+        else:
+            kinds = [k for k in kinds if k not in TESTBED_KINDS]
+            cluster = FaultCluster(topology, **options)
+        return _run(cfg, cluster, kinds, rng, out)
+
+
+def _run(cfg: Config, cluster: Any, kinds: list[str], rng: random.Random, out: Path) -> dict[str, Any]:
     faults: list[Fault] = []
     started = time.time()
     deadline = time.monotonic() + cfg.duration
@@ -246,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--faults", type=int, default=110, help="faults to inject (at most)")
     p.add_argument("--policy", default="stf+agg", choices=["fair", "stf", "stf+agg"])
-    p.add_argument("--kinds", default=",".join(LOOPBACK_KINDS), help="comma-separated fault kinds")
+    p.add_argument("--kinds", help="comma-separated fault kinds (default: every kind of the cluster)")
+    p.add_argument(
+        "--testbed",
+        action="store_true",
+        help="run on the namespace testbed (root) and add link-down and rate-collapse faults",
+    )
     p.add_argument("--gap", type=float, nargs=2, default=(0.5, 1.5), help="seconds between faults (min max)")
     p.add_argument("--duration", type=float, default=1200.0, help="time budget, seconds")
     p.add_argument("--tail", type=float, default=10.0, help="seconds of pushes after the last fault")
@@ -262,10 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="INFO", help="of the scheduler and the daemons")
     p.add_argument("--out", type=Path, default=HERE / "results" / "faults")
     a = p.parse_args(argv)
-    kinds = tuple(k for k in a.kinds.split(",") if k)
-    unknown = set(kinds) - set(LOOPBACK_KINDS)
+    known = LOOPBACK_KINDS + TESTBED_KINDS
+    kinds = tuple(k for k in (a.kinds or ",".join(known if a.testbed else LOOPBACK_KINDS)).split(",") if k)
+    unknown = set(kinds) - set(known)
     if unknown:
-        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(LOOPBACK_KINDS)}")
+        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(known)}")
+    if a.testbed and os.geteuid() != 0:
+        p.error("--testbed builds network namespaces: run as root")
     cfg = Config(
         seed=a.seed,
         workers=a.workers,
@@ -281,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         tau_max=a.tau_max,
         workdir=a.workdir,
         log_level=a.log_level,
+        testbed=a.testbed,
     )
     if a.quick:  # ~1 minute
         cfg.workers, cfg.pushes, cfg.pace_ms, cfg.faults = 3, 2000, 5, 2 * len(kinds)

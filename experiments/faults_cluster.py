@@ -13,15 +13,35 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlfabric.cluster import ClusterError, LocalCluster, ManagedProcess, wait_for_ready_file
+from mlfabric.testbed.launch import TestbedCluster
 
 
-class FaultCluster(LocalCluster):
-    """LocalCluster + restart by name; only ``aggregator_host``'s daemon may aggregate."""
+class Restartable:
+    """Mixin for a :class:`~mlfabric.cluster.LocalCluster` (or a subclass): restart by name;
+    only ``aggregator_host``'s daemon may aggregate."""
+
+    if TYPE_CHECKING:  # provided by LocalCluster
+        scheduler_address: str | None
+        ready_timeout: float
+
+        def processes(self) -> list[ManagedProcess]: ...
+        def socket(self, host: str) -> str: ...
+        def spawn(
+            self,
+            host: str,
+            argv: Sequence[str],
+            *,
+            name: str | None = None,
+            env: Mapping[str, str] | None = None,
+        ) -> ManagedProcess: ...
+        def _start_process(
+            self, host: str | None, name: str, argv: list[str], env: dict[str, str]
+        ) -> ManagedProcess: ...
 
     def __init__(self, *args: Any, aggregator_host: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -29,13 +49,13 @@ class FaultCluster(LocalCluster):
         self._how: dict[str, tuple[str | None, list[str], dict[str, str]]] = {}
 
     def _daemon_args(self, host: str) -> list[str]:
-        args = super()._daemon_args(host)
+        args: list[str] = super()._daemon_args(host)  # type: ignore[misc]
         if self.aggregator_host is not None and host != self.aggregator_host:
             args.append("--no-aggregator")
         return args
 
     def _launch(self, host: str | None, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
-        proc = super()._launch(host, name, mlfabric_argv)
+        proc: ManagedProcess = super()._launch(host, name, mlfabric_argv)  # type: ignore[misc]
         self._how[name] = (host, list(proc.popen.args), dict(os.environ))  # type: ignore[arg-type]
         return proc
 
@@ -94,6 +114,14 @@ class FaultCluster(LocalCluster):
             for n, p in latest.items()
             if n.startswith(("scheduler", "daemon-")) and p.popen.poll() is not None
         ]
+
+
+class FaultCluster(Restartable, LocalCluster):
+    """A LocalCluster on loopback whose processes :meth:`Restartable.restart` starts again."""
+
+
+class TestbedFaultCluster(Restartable, TestbedCluster):
+    """The same on the namespace testbed (:class:`~mlfabric.testbed.launch.TestbedCluster`)."""
 
 
 def _ready_file(argv: Sequence[str]) -> Path | None:
