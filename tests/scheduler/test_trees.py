@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mlfabric.scheduler.core.checker import ScheduleError, check_schedule
 from mlfabric.scheduler.core.graph import two_tier
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, is_aggregate_id
-from mlfabric.scheduler.policies.base import PendingUpdate, Snapshot
+from mlfabric.scheduler.policies.base import (
+    Decision,
+    InFlight,
+    PendingUpdate,
+    PlannedAggregate,
+    Send,
+    Snapshot,
+)
 from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.policies.runner import DecisionRunner
@@ -177,3 +186,43 @@ def test_the_service_refuses_the_tree_policy_naming_why() -> None:
 
 def test_tree_policy_defaults() -> None:
     assert TreePolicy().name == "stf+tree"
+
+
+class _Fixed:
+    """A policy answering with the decisions it is given, one per call."""
+
+    name = "fixed"
+
+    def __init__(self, *decisions: Decision) -> None:
+        self.decisions = list(decisions)
+
+    def decide(self, snapshot: Snapshot, pending: object) -> Decision:
+        return self.decisions.pop(0)
+
+
+def test_the_runner_keeps_an_aggregate_of_aggregates_once_one_of_them_started() -> None:
+    g = two_tier(2, 3, 8e6)
+    inner = [
+        PlannedAggregate("agg:h0:0", "h1", ("u1", "u2"), MB, "h3", path=("h1", "tor0", "core", "tor1", "h3")),
+        PlannedAggregate("agg:h0:1", "h4", ("u4", "u5"), MB, "h3", path=("h4", "tor1", "h3")),
+    ]
+    outer = PlannedAggregate(
+        "agg:h0:2", "h3", ("agg:h0:0", "agg:h0:1"), MB, "h0", path=("h3", "tor1", "core", "tor0", "h0")
+    )
+    sends = (
+        Send("u1", "h1", ("h1",)),
+        Send("u2", "h1", ("h2", "tor0", "h1")),
+        Send("u4", "h4", ("h4",), after=("f",)),
+        Send("u5", "h4", ("h5", "tor1", "h4"), after=("f",)),
+    )
+    runner = DecisionRunner(_Fixed(Decision(sends=sends, aggregates=(*inner, outer)), Decision()))
+    runner.decide(Snapshot(0.0, g), [pending(i, MB) for i in (1, 2, 4, 5)])
+    busy = {"f": InFlight("f", "j", "s", ("h5", "tor1"), MB, 0.0, math.inf)}  # holds u4 and u5 back
+    assert [r.send.update_id for r in runner.release(0.0, busy).sends] == ["u1", "u2"]
+    runner.arrived("u1")
+    runner.arrived("u2")
+    out = runner.release(1.0, busy)
+    assert [a.aggregate_id for a in out.aggregates] == ["agg:h0:0"]  # forwarded into agg:h0:2
+    # a new decision listing nothing: the started tree stays, the aggregate of aggregates too
+    runner.decide(Snapshot(1.0, g), [pending(i, MB) for i in (4, 5)])
+    assert "agg:h0:2" in {a.aggregate_id for a in runner.gathering}
