@@ -1,0 +1,490 @@
+"""Aggregation on the namespace testbed: stf+agg vs fair vs gloo PS vs torch DDP (DESIGN §5, §6).
+
+The paper's setting (§6): a bottlenecked server link, heterogeneous worker uplinks, changing
+bandwidth (NS: every ``--period`` s the server link takes 1, 1/2 or 1/4 of its rate and each
+uplink 1 or 1/2) and a compute straggler (CS). The digits MLP 64-1024-1024-10 (4.5 MB of
+float32 per update, as in ``testbed_e2e.py``) trains to a target test accuracy, asynchronously
+and synchronously, with
+
+- ``fair``    — mlfabric, every ready update sent at once (TCP shares the server's ingress);
+- ``stf+agg`` — mlfabric, shortest transfer first with aggregation groups summed at worker
+  hosts (their downlinks are idle in a parameter-server job) before the server (Fig. 6);
+- ``gloo``    — a torch.distributed (gloo) parameter server: asynchronous as in
+  ``testbed_e2e.py``; synchronous: rank 0 receives every worker's update, applies the sum,
+  sends the model back;
+- ``ddp``     — torch DistributedDataParallel over gloo (ring all-reduce between the workers,
+  no server; synchronous only).
+
+Every (seed, mode, system) runs in turn on the same testbed, seeds and modes interleaved.
+For each run: time to target (from the first update), worker updates applied and the bytes
+that crossed the server's ingress per applied worker update (mlfabric: the daemons' transfer
+reports; gloo PS: one update's size; ddp: no server). The summary gives per mode and system
+the median time over the seeds, the min-max spread and the ratios against ``fair`` and
+against the faster gloo baseline.
+
+    python experiments/testbed_aggregation.py --quick     # 8 workers, target 0.90, 3 seeds
+    python experiments/testbed_aggregation.py             # 8 workers, target 0.95, 3 seeds
+
+Writes experiments/results/testbed_aggregation[_quick].{csv,md}. Needs root, ip, tc, torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import testbed_e2e as e2e  # the model, data, accuracy log, gloo PS and NS schedule
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SYSTEMS = ("fair", "stf+agg", "gloo", "ddp")
+UPLINKS = [200, 200, 100, 100, 50, 50, 25, 25]
+
+
+# --------------------------------------------------------------------- mlfabric roles
+
+
+def mlf_server(args: argparse.Namespace) -> int:
+    import mlfabric
+
+    _, _, xte, yte = e2e.dataset()
+    model = e2e.make_model()
+    tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
+    params = mlfabric.Params(tau_max=args.tau_max, sync_workers=args.sync_workers)
+    server = mlfabric.register_as_server("agg", "ps", tensors, params)
+    log = e2e.AccuracyLog(Path(args.out), args.target)
+    Path(args.ready_file).write_text("{}")
+    deadline = time.monotonic() + args.time_limit
+    counts = {"updates": 0, "payloads": 0}
+
+    @server.on_update
+    def apply(update: dict[str, np.ndarray], meta: Any) -> None:
+        counts["updates"] += meta.num_updates
+        counts["payloads"] += 1
+        for k, v in update.items():
+            server.model[k] -= v
+
+    last_eval = -1
+    with server:
+        while time.monotonic() < deadline and log.reached is None:
+            server.serve(timeout=0.25)
+            if server.version != last_eval and server.version > 0:
+                last_eval = server.version
+                e2e.load_numpy(model, server.model)
+                log.record(server.version, e2e.accuracy(model, xte, yte))
+        log.save({"updates": counts["updates"], "payloads": counts["payloads"], "dropped": server.dropped})
+    return 0
+
+
+# ------------------------------------------------------------------------ torch roles
+
+
+def _init(args: argparse.Namespace, world: int) -> Any:
+    import torch.distributed as dist
+
+    host, port = args.store.rsplit(":", 1)
+    if args.rank == 0:
+        store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
+        Path(args.ready_file).write_text(json.dumps({"port": store.port}))
+    else:
+        store = dist.TCPStore(host, int(port), world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=world)
+    return dist
+
+
+def gloo_sync(args: argparse.Namespace) -> int:
+    """Synchronous gloo PS: rank 0 gathers every worker's update, applies the sum, sends the model."""
+    import torch
+
+    dist = _init(args, args.world)
+    model = e2e.make_model()
+    names = [k for k, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    sizes = [p.numel() for _, p in model.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
+    if args.rank == 0:
+        _, _, xte, yte = e2e.dataset()
+        log = e2e.AccuracyLog(Path(args.out), args.target)
+        deadline, version = time.monotonic() + args.time_limit, 0
+        bufs = [torch.empty_like(flat) for _ in range(args.world - 1)]
+        stop = torch.zeros(1)
+        while True:
+            for w in [dist.isend(torch.cat([flat, stop]), dst=r) for r in range(1, args.world)]:
+                w.wait()
+            if stop.item():
+                break
+            for w in [dist.irecv(b, src=r + 1) for r, b in enumerate(bufs)]:
+                w.wait()
+            flat.sub_(torch.stack(bufs).sum(0))
+            version += 1
+            e2e.load_numpy(model, e2e.unflatten(flat, names, shapes, sizes))
+            log.record(version, e2e.accuracy(model, xte, yte))
+            if log.reached is not None or time.monotonic() > deadline:
+                stop[0] = 1
+        log.save({"updates": version * (args.world - 1), "payloads": version, "dropped": 0})
+        return 0
+    xtr, ytr, _, _ = e2e.dataset()
+    rng = np.random.default_rng(args.seed)
+    buf = torch.empty(flat.numel() + 1)
+    while True:
+        dist.recv(buf, src=0)
+        if buf[-1].item():
+            return 0
+        e2e.load_numpy(model, e2e.unflatten(buf[:-1], names, shapes, sizes))
+        update = e2e.gradient(model, xtr, ytr, args.batch, rng, args.lr)
+        time.sleep(args.compute_delay)
+        dist.send(torch.cat([torch.as_tensor(update[k]).reshape(-1) for k in names]), dst=0)
+
+
+def ddp(args: argparse.Namespace) -> int:
+    """One rank of torch DDP (gloo all-reduce); each step applies the sum of the workers' lr * gradients."""
+    import torch
+
+    dist = _init(args, args.world)
+    model = e2e.make_model()
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr * args.world)  # DDP averages: lr * sum
+    xtr, ytr, xte, yte = e2e.dataset()
+    rng = np.random.default_rng(args.seed)
+    log = e2e.AccuracyLog(Path(args.out), args.target) if args.rank == 0 else None
+    deadline, step, stop = time.monotonic() + args.time_limit, 0, torch.zeros(1)
+    while True:
+        b = torch.as_tensor(rng.integers(0, len(xtr), size=args.batch))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xtr[b]), ytr[b]).backward()
+        time.sleep(args.compute_delay)  # after backward: DDP has all-reduced the gradients
+        opt.step()
+        step += 1
+        if log is not None:
+            log.record(step, e2e.accuracy(model, xte, yte))
+            stop[0] = float(log.reached is not None or time.monotonic() > deadline)
+        dist.broadcast(stop, src=0)
+        if stop.item():
+            break
+    if log is not None:
+        log.save({"updates": step * args.world, "payloads": step, "dropped": 0})
+    return 0
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def _torch_run(
+    testbed: Any,
+    role: str,
+    hosts: list[str],
+    args: argparse.Namespace,
+    delays: dict[str, float],
+    rates: Any,
+    workdir: Path,
+    me: list[str],
+    common: list[str],
+) -> dict[str, Any]:
+    """Run ``role`` with rank i on ``hosts[i]`` (rank 0 records the accuracy)."""
+    import signal
+    import subprocess
+
+    out, ready = workdir / "server.json", workdir / "server.ready"
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+    base = [*me, "--role", role, *common, "--world", str(len(hosts))]
+    procs = []
+    port = 0
+    try:
+        with open(workdir / "ranks.log", "wb") as log:
+            for rank, host in enumerate(hosts):
+                store = f"{testbed.address(hosts[0])}:{0 if rank == 0 else port}"
+                argv = [*base, "--rank", str(rank), "--store", store, "--seed", str(rank)]
+                argv += ["--compute-delay", str(delays.get(host, 0.0)), "--out", str(out)]
+                argv += ["--ready-file", str(ready)]
+                procs.append(testbed.popen(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+                if rank == 0:
+                    port = json.loads(e2e.wait_file(ready, procs[0], 60))["port"]
+                    rates.start()
+            procs[0].wait(timeout=args.time_limit + 180)
+            rates.stop()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return dict(json.loads(out.read_text()))
+
+
+def run_one(
+    system: str, sync: bool, testbed: Any, topo: Path, workers: list[str], args: argparse.Namespace, seed: int
+) -> dict[str, Any]:
+    from mlfabric.cluster import ingress_bytes
+    from mlfabric.scheduler.core.graph import load_topology
+    from mlfabric.testbed.launch import TestbedCluster
+    from mlfabric.testbed.schedule import ScheduleRunner, compute_delays
+
+    workdir = args.tmp / f"{'sync' if sync else 'async'}-{system}-{seed}"
+    workdir.mkdir(parents=True)
+    rng = random.Random(seed)
+    delays = compute_delays(workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=rng)
+    args.seed = seed
+    changes = ns_changes(load_topology(topo), workers, args)
+    for link in {c.link for c in changes}:
+        testbed.set_rate(link, testbed.graph.edges[link]["capacity"], "forward")
+    rates = ScheduleRunner(lambda c: testbed.set_rate(c.link, c.rate, c.direction), changes)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--lr", str(args.lr), "--batch", str(args.batch), "--target", str(args.target)]
+    common += ["--time-limit", str(args.time_limit)]
+    update_bytes = 4 * sum(p.numel() for p in e2e.make_model().parameters())
+    if system == "ddp":
+        res = _torch_run(testbed, "ddp", workers, args, delays, rates, workdir, me, common)
+        return {**res, "ingress_per_update": None}
+    if system == "gloo":
+        role = "gloo-sync" if sync else "gloo"
+        res = _torch_run(testbed, role, ["ps", *workers], args, delays, rates, workdir, me, common)
+        res.setdefault("updates", res.get("applied", 0))
+        return {**res, "ingress_per_update": float(update_bytes)}
+    extra = ["--aggregate-plan", "sync"] if sync and system == "stf+agg" else []
+    out, ready = workdir / "server.json", workdir / "server.ready"
+    with TestbedCluster(
+        testbed, topo, policy=system, workdir=workdir / "run", extra_scheduler_args=extra
+    ) as c:
+        sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
+        sargv += ["--tau-max", str(args.tau_max), "--sync-workers", str(len(workers) if sync else 0)]
+        server = c.spawn("ps", sargv)
+        e2e.wait_file(ready, server.popen, 120)
+        rates.start()
+        procs = []
+        for i, w in enumerate(workers):
+            argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(100 * seed + i)]
+            procs.append(c.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
+        c.wait(server, timeout=args.time_limit + 180)
+        rates.stop()
+        for p in procs:
+            p.popen.terminate()
+        into = ingress_bytes(c.transfer_reports(), "ps")
+    res = dict(json.loads(out.read_text()))
+    return {**res, "ingress_per_update": into / res["updates"] if res["updates"] else None}
+
+
+def ns_changes(graph: Any, workers: list[str], args: argparse.Namespace) -> list:
+    """NS: the server's ingress (tor -> ps) takes 1, 1/2 or 1/4 of its rate, each uplink 1 or 1/2."""
+    from mlfabric.testbed.schedule import ns_schedule
+
+    rng, duration = random.Random(args.seed), args.time_limit + 60
+    kw: dict[str, Any] = {"period": args.period, "duration": duration, "rng": rng, "direction": "forward"}
+    server = ns_schedule(graph, [("tor", "ps")], levels=(1.0, 0.5, 0.25), **kw)
+    uplinks = ns_schedule(graph, [(w, "tor") for w in workers], levels=(1.0, 0.5), **kw)
+    return sorted(server + uplinks, key=lambda c: c.at)
+
+
+def topology(workers: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """A star whose server ingress is the bottleneck; heterogeneous uplinks, 1 Gbit/s downlinks."""
+    links = [{"a": "ps", "b": "tor", "mbps": args.server_egress_mbps, "mbps_ba": args.server_mbps}]
+    links += [
+        {"a": w, "b": "tor", "mbps": up, "mbps_ba": 1000} for w, up in zip(workers, UPLINKS, strict=True)
+    ]
+    return {"hosts": ["ps", *workers], "switches": ["tor"], "links": links}
+
+
+def driver(args: argparse.Namespace) -> int:
+    from mlfabric.scheduler.core.graph import load_topology
+    from mlfabric.testbed.cluster import Testbed
+    from mlfabric.testbed.netns import SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale
+    from mlfabric.testbed.topologies import to_toml
+
+    missing = missing_prerequisites()
+    if missing:
+        print("testbed unavailable: " + "; ".join(missing), file=sys.stderr)
+        return 2
+    workers = [f"w{i}" for i in range(len(UPLINKS))]
+    name = "testbed_aggregation" + ("_quick" if args.quick else "")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    modes = args.modes.split(",")
+    systems = args.systems.split(",")
+    sweep_stale(SubprocessRunner())
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="mlfabric-agg-") as tmp_dir:
+        args.tmp = args.workdir or Path(tmp_dir)
+        args.tmp.mkdir(parents=True, exist_ok=True)
+        topo = args.tmp / "topology.toml"
+        topo.write_text(to_toml(topology(workers, args)))
+        with Testbed(load_topology(topo), new_prefix(random.Random())) as testbed:
+            for seed in seeds:
+                for mode in modes:
+                    for system in systems:
+                        if system == "ddp" and mode == "async":
+                            continue  # DDP is synchronous
+                        started = time.monotonic()
+                        try:
+                            res = run_one(system, mode == "sync", testbed, topo, workers, args, seed)
+                        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+                            print(f"{mode} {system} seed {seed} failed: {exc!r}", file=sys.stderr, flush=True)
+                            res = {"rows": [], "error": repr(exc)}
+                        t = next(
+                            (r["t"] for r in res["rows"] if e2e.reached(r["accuracy"], args.target)), None
+                        )
+                        row = {
+                            "seed": seed,
+                            "mode": mode,
+                            "system": system,
+                            "time_to_target": t,
+                            "updates": res.get("updates"),
+                            "payloads": res.get("payloads"),
+                            "dropped": res.get("dropped", 0),
+                            "ingress_per_update": res.get("ingress_per_update"),
+                            "final_accuracy": res["rows"][-1]["accuracy"] if res["rows"] else None,
+                        }
+                        rows.append(row)
+                        print(json.dumps({**row, "wall": round(time.monotonic() - started, 1)}), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    text = summary(rows, args)
+    (args.out / f"{name}.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _median(xs: list[float]) -> float | None:
+    return float(statistics.median(xs)) if xs else None
+
+
+def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """Per mode and system: median time to target over seeds, spread, ratios, ingress bytes."""
+    lines = [
+        f"# Aggregation on the testbed ({'quick' if args.quick else 'full'})",
+        "",
+        f"Digits MLP 64-1024-1024-10 (4.5 MB float32 updates), lr {args.lr}, batch {args.batch}; "
+        f"{len(UPLINKS)} workers, uplinks {UPLINKS} Mbit/s (downlinks 1000); server ingress "
+        f"{args.server_mbps:g} Mbit/s (the bottleneck), egress {args.server_egress_mbps:g}. NS: the "
+        f"server's ingress changes every {args.period:g} s "
+        f"(1, 1/2, 1/4), uplinks (1, 1/2); CS: one straggler {args.slowdown:g}x slower "
+        f"(compute {args.compute:g} s). Target {args.target}; tau_max {args.tau_max}; "
+        f"seeds {args.seeds}. Command: `python experiments/testbed_aggregation.py"
+        f"{' --quick' if args.quick else ''} --seeds {args.seeds}`.",
+        "",
+        "| mode | system | runs | reached | median time to target (s) | min-max (s) | vs fair "
+        "| vs faster gloo baseline | server ingress per applied update (MB) | vs fair | final accuracy |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        of_mode = [r for r in rows if r["mode"] == mode]
+        med: dict[str, float | None] = {}
+        ingress: dict[str, float | None] = {}
+        for system in dict.fromkeys(r["system"] for r in of_mode):
+            rs = [r for r in of_mode if r["system"] == system]
+            med[system] = _median([r["time_to_target"] for r in rs if r["time_to_target"] is not None])
+            ingress[system] = _median([r["ingress_per_update"] for r in rs if r["ingress_per_update"]])
+        baselines = [med[s] for s in ("gloo", "ddp") if med.get(s)]
+        fastest = min(baselines) if baselines else None  # type: ignore[type-var]
+        for system, m in med.items():
+            rs = [r for r in of_mode if r["system"] == system]
+            times = [r["time_to_target"] for r in rs if r["time_to_target"] is not None]
+            fair, fair_in, mine_in = med.get("fair"), ingress.get("fair"), ingress[system]
+            finals = [r["final_accuracy"] for r in rs if r["final_accuracy"] is not None]
+            lines.append(
+                f"| {mode} | {system} | {len(rs)} | {len(times)} | {m if m is None else f'{m:.1f}'} | "
+                f"{f'{min(times):.1f}-{max(times):.1f}' if times else '-'} | "
+                f"{f'{fair / m:.2f}x' if fair and m else '-'} | "
+                f"{f'{fastest / m:.2f}x' if fastest and m else '-'} | "
+                f"{f'{mine_in / 1e6:.2f}' if mine_in else '-'} | "
+                f"{f'{mine_in / fair_in:.2f}x' if mine_in and fair_in else '-'} | "
+                f"{f'{statistics.median(finals):.3f}' if finals else '-'} |"
+            )
+    lines += [
+        "",
+        "Ratios: a time ratio > 1 means faster than the baseline; the ingress ratio is bytes per",
+        "applied worker update relative to fair's (< 1: fewer bytes on the bottleneck). DDP has no",
+        "server (ring all-reduce between the workers). Runs of one seed share the bandwidth",
+        "schedule and the straggler; the machine is shared, so times are noisy.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="target 0.90, 150 s limit per run")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--modes", default="async,sync")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--target", type=float)
+    parser.add_argument("--time-limit", type=float, help="seconds per run (150 quick, 400 full)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--server-mbps", type=float, default=50.0, help="the server's ingress, Mbit/s")
+    parser.add_argument("--server-egress-mbps", type=float, default=1000.0, help="the server's egress")
+    parser.add_argument("--period", type=float, default=5.0, help="seconds between bandwidth changes")
+    parser.add_argument("--compute", type=float, default=0.02, help="compute delay per iteration, s")
+    parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's compute delay factor")
+    parser.add_argument("--tau-max", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--workdir", type=Path, help="keep logs and per-run files here (default: a temp dir)")
+    # the roles this script runs as inside the namespaces
+    roles = ["mlf-server", "mlf-worker", "gloo", "gloo-sync", "ddp"]
+    parser.add_argument("--role", choices=roles, help=argparse.SUPPRESS)
+    parser.add_argument("--name", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", help=argparse.SUPPRESS)
+    parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--sync-workers", type=int, default=0, help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()
+    args.target = args.target or (0.90 if args.quick else 0.95)
+    args.time_limit = args.time_limit or (150.0 if args.quick else 400.0)
+    if args.role is not None:
+        args.out = str(args.out)
+    if args.role == "mlf-server":
+        return mlf_server(args)
+    if args.role == "mlf-worker":
+        return mlf_worker(args)
+    if args.role == "gloo":
+        return e2e.gloo_role(args)
+    if args.role == "gloo-sync":
+        return gloo_sync(args)
+    if args.role == "ddp":
+        return ddp(args)
+    return driver(args)
+
+
+def mlf_worker(args: argparse.Namespace) -> int:
+    """``testbed_e2e``'s worker for job ``agg``: get, compute, push, wait (a round, when synchronous)."""
+    import mlfabric
+
+    xtr, ytr, _, _ = e2e.dataset()
+    model = e2e.make_model()
+    rng = np.random.default_rng(args.seed)
+    worker = mlfabric.register_as_worker("agg", name=args.name, wait=60)
+    with worker:
+        while True:
+            try:
+                _, tensors = worker.get("ps")
+            except mlfabric.MlfabricError:
+                return 0  # the server is gone: training is over
+            e2e.load_numpy(model, tensors)
+            update = e2e.gradient(model, xtr, ytr, args.batch, rng, args.lr)
+            time.sleep(args.compute_delay)
+            result = worker.push("ps", update).wait(timeout=300)
+            if not result.applied and "unregistered" in result.reason:
+                return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
