@@ -76,7 +76,24 @@ DAEMON_LIMITS = ["--idle-timeout", "3", "--header-timeout", "1", "--max-connecti
 
 # ------------------------------------------------------------------ strategies
 
-_NAMES = [JOB, SERVER, "w0", "ps", "fz", "", "x", "agg:0:1", "ps/1", "w0/1", "\x00", "é" * 3, "a" * 300]
+_NAMES = [
+    JOB,
+    SERVER,
+    "w",
+    "w",
+    "b",
+    "w0",
+    "ps",
+    "fz",
+    "",
+    "x",
+    "agg:0:1",
+    "ps/1",
+    "w0/1",
+    "\x00",
+    "é" * 3,
+    "a" * 300,
+]
 _DTYPES = ["float32", "float16", "bfloat16", "float64", "uint8", "int64", "", "complex128", "float32\x00"]
 _INTS = [0, 1, -1, 2, 7, 8, 64, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, -(2**63)]
 _FLOATS = [0.0, -0.0, 1.0, -1.0, 1e308, math.nan, math.inf, -math.inf, 5e-324]
