@@ -129,6 +129,11 @@ class _Routes:
         return self.pc.path(src, dst)
 
 
+def _rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:
+    """Bottleneck capacity of ``links`` (inf for none)."""
+    return min((float(graph.edges[link]["capacity"]) for link in links), default=math.inf)
+
+
 def _ingress(graph: nx.DiGraph, host: str) -> float:
     return max((float(graph.edges[p, host]["capacity"]) for p in graph.predecessors(host)), default=0.0)
 
@@ -277,26 +282,31 @@ def _reserve(
     server_host: str,
     now: float,
 ) -> tuple[list[Transfer], float]:
-    """Reserve every payload of the tree on ``tls`` (ready order); transfers and the makespan."""
-    by_id = {u.update_id: u for u in order}
-    heap: list[tuple[float, float, str]] = [(max(u.ready_at, now), u.bytes, u.update_id) for u in order]
-    heapq.heapify(heap)
+    """Reserve every payload of the tree on ``tls``; transfers and the makespan.
+
+    Updates in ``order``, each aggregate once its members are reserved, as soon as it is
+    ready (before the updates ready later).
+    """
+    size: dict[str, float] = {u.update_id: u.bytes for u in order}
+    # an aggregate's size: its largest member (aggregates are made bottom-up, in id order)
+    for aid in sorted(nodes, key=lambda a: int(a.rsplit(":", 1)[1])):
+        size[aid] = max(size[m] for m in nodes[aid].members)
+    heap: list[tuple[float, int, str, str]] = []
     waiting = {aid: len(n.members) for aid, n in nodes.items()}
     ready_at = dict.fromkeys(nodes, -math.inf)
-    size = {aid: max(by_id[m].bytes if m in by_id else 0.0 for m in n.members) for aid, n in nodes.items()}
-    # an aggregate's size: its largest leaf update (members that are aggregates carry it on)
-    for aid in sorted(nodes, key=lambda a: int(a.rsplit(":", 1)[1])):
-        for m in nodes[aid].members:
-            if m in size:
-                size[aid] = max(size[aid], size[m])
     transfers: list[Transfer] = []
     makespan = now
-    while heap:
-        ready, nbytes, pid = heapq.heappop(heap)
-        src = by_id[pid].src if pid in by_id else nodes[pid].aggregator
+    i, n, made = 0, len(order), 0
+    while i < n or heap:
+        if heap and (i >= n or heap[0][0] < max(order[i].ready_at, now)):
+            ready, _, pid, src = heapq.heappop(heap)
+        else:
+            u = order[i]
+            ready, pid, src = max(u.ready_at, now), u.update_id, u.src
+            i += 1
         to = parent.get(pid)
         hop = nodes[to].aggregator if to is not None else server_host
-        t = tls.transfer(pid, routes.path(src, hop), nbytes, ready)
+        t = tls.transfer(pid, routes.path(src, hop), size[pid], ready)
         transfers.append(t)
         if to is None:
             makespan = max(makespan, t.end)
@@ -304,7 +314,8 @@ def _reserve(
         waiting[to] -= 1
         ready_at[to] = max(ready_at[to], t.end)
         if waiting[to] == 0:
-            heapq.heappush(heap, (ready_at[to], size[to], to))
+            made += 1
+            heapq.heappush(heap, (ready_at[to], made, to, nodes[to].aggregator))
     return transfers, makespan
 
 
@@ -346,7 +357,7 @@ def _estimate(
     makespan = now
     i, n = 0, len(updates)
     while i < n or heap:
-        if heap and (i >= n or heap[0] < updates[i]):
+        if heap and (i >= n or heap[0][0] < updates[i][0]):
             ready, nbytes, pid, src = heapq.heappop(heap)
         else:
             ready, nbytes, pid, src = updates[i]
@@ -538,7 +549,10 @@ def plan_tree(
     transfers: list[Transfer] = []
     aggregates: list[Aggregate] = []
     for i, server in enumerate(sorted(by_server)):
-        order = sorted(by_server[server], key=lambda u: (u.ready_at, u.bytes, u.update_id))
+        # ready order; among updates ready together the longest own transfer first (a slow
+        # NIC's update then shares the server's ingress from the start, as in a fair share)
+        own = {u.update_id: u.bytes / _rate(graph, pc.links(u.src, u.dst)) for u in by_server[server]}
+        order = sorted(by_server[server], key=lambda u: (u.ready_at, -own[u.update_id], u.update_id))
         prefix = order[0].dst if len(by_server) == 1 else f"{order[0].dst}.{i}"
         tls, ts, aggs = _plan_server(graph, order, tls, pc, eligible, now, prefix, search)
         transfers.extend(ts)
