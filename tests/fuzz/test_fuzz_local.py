@@ -209,9 +209,8 @@ def test_malformed_local_messages_at_real_daemons(fuzz_cluster: types.SimpleName
         pool.shutdown(wait=True, cancel_futures=True)
     total = sum(inputs.values())
     kinds = sorted({e[:40] for e in errors})
-    print(
-        f"local API: {total} inputs {inputs}, descriptors {fd_kinds}; {len(errors)} errors of {len(kinds)} kinds"
-    )
+    print(f"local API: {total} inputs {inputs}, descriptors {fd_kinds}")
+    print(f"{len(errors)} errors of {len(kinds)} kinds:")
     print("\n".join(kinds))
     assert total >= fz.examples
     assert not hung, f"{len(hung)} inputs got neither an answer nor a close, e.g. {hung[0]!r}"[:2000]
