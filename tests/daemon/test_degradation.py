@@ -197,8 +197,9 @@ def _run_outage(procs: Processes, sockdir: str) -> None:
     assert all(r.applied for r in before), [r for r in before if not r.applied][:3]
     # the worker daemons fell back, and came back to scheduled sends
     for h in workers:
-        log = (procs.workdir / f"{h}.log").read_text(errors="replace")
-        assert "directly to their servers" in log and "scheduler back" in log
+        log = procs.workdir / f"{h}.log"
+        assert "directly to their servers" in log.read_text(errors="replace")
+        wait_until(lambda log=log: "scheduler back" in log.read_text(errors="replace"), timeout=20)
     # after the restart: sends are scheduled again (the new scheduler counts their outcomes)
     after: list[Any] = []
     deadline = time.monotonic() + 20
