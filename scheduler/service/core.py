@@ -327,7 +327,8 @@ class SchedulerCore:
             elif m.role == pb.ROLE_WORKER:
                 job = self.state.register_worker(session.host, m.job, m.name)
             else:
-                raise SchedulerError(f"role {pb.Role.Name(m.role)} is not supported by this scheduler")
+                name = pb.Role.Name(m.role) if m.role in pb.Role.values() else str(m.role)
+                raise SchedulerError(f"role {name} is not supported by this scheduler")
         except SchedulerError as exc:
             session.send(wire.role_refused(m.request_id, exc))
             return
