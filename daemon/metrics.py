@@ -18,6 +18,12 @@ Names follow the Prometheus conventions; every series carries the daemon's host 
   into an aggregate (this host an aggregator hop, paper Fig. 6), and
   ``mlfabric_daemon_aggregate_member_bytes_total{host}`` their payload bytes
 - ``mlfabric_daemon_aggregates_sent_total{host,result}``: aggregates forwarded by this host
+- ``mlfabric_daemon_fallback_active{host}``: 1 while the daemon sends directly because the
+  scheduler is unreachable (``--fallback-after``), and
+  ``mlfabric_daemon_unannounced_pushes{host}``: pushes no scheduler session knows
+- ``mlfabric_daemon_inflight_bytes{host,budget}``: payload bytes held against the ``push`` and
+  ``receive`` budgets (``--max-inflight-bytes``), and ``mlfabric_daemon_pool_idle_bytes{host}``:
+  released receive buffers kept for reuse
 
 :class:`MeteredDaemon` is the :class:`~mlfabric.daemon.daemon.Daemon` with these counts; a
 daemon started without ``--metrics-port`` is the plain one.
@@ -190,6 +196,22 @@ class MeteredDaemon(Daemon):
         super().__init__(config, report_log=MeteredReportLog(metrics, report_file), **kwargs)
         self.metrics = metrics
         metrics.local_clients.labels(config.host).set_function(lambda: len(self._roles))
+        r, host = metrics.registry, config.host
+        active = Gauge("mlfabric_daemon_fallback_active", "1 while sending directly", ["host"], registry=r)
+        active.labels(host).set_function(lambda: float(self.fallback.active))
+        unannounced = Gauge(
+            "mlfabric_daemon_unannounced_pushes", "pushes no scheduler session knows", ["host"], registry=r
+        )
+        unannounced.labels(host).set_function(self.fallback.unannounced)
+        inflight = Gauge(
+            "mlfabric_daemon_inflight_bytes", "payload bytes held, by budget", ["host", "budget"], registry=r
+        )
+        for budget in (self.push_budget, self.receive_budget):
+            inflight.labels(host, budget.name).set_function(lambda b=budget: b.in_use)
+        idle = Gauge(
+            "mlfabric_daemon_pool_idle_bytes", "receive buffers kept for reuse", ["host"], registry=r
+        )
+        idle.labels(host).set_function(lambda: self.receive_buffers.idle_bytes)
 
     def _on_frame(self, frame: Any) -> Any:
         self.metrics.frame(frame.header)

@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 import mlfabric
+from mlfabric.daemon.daemon import DaemonConfig
+from mlfabric.daemon.metrics import DaemonMetrics, MeteredDaemon
 from tests.daemon.conftest import FakeScheduler
 from tests.daemon.test_daemon_processes import Processes
 
@@ -100,6 +102,27 @@ def test_without_fallback_a_push_made_while_the_scheduler_is_away_is_dropped(
     wait_until(lambda: not pair["w0"]._control.connected.is_set())
     result = pair["worker"].push("ps0", UPDATE).wait(10)
     assert result.status == mlfabric.DROPPED and "not connected" in result.reason
+
+
+def test_metrics_show_the_fallback_and_the_budgets(scheduler: FakeScheduler, sockdir: str) -> None:
+    metrics = DaemonMetrics("w9")
+    config = DaemonConfig(
+        host="w9",
+        scheduler=scheduler.address,
+        socket_path=os.path.join(sockdir, "w9.sock"),
+        fallback_after=0.2,
+    )
+    daemon = MeteredDaemon(config, metrics)
+    daemon.start(timeout=10)
+    try:
+        get, host = metrics.registry.get_sample_value, {"host": "w9"}
+        assert get("mlfabric_daemon_fallback_active", host) == 0
+        assert get("mlfabric_daemon_inflight_bytes", {**host, "budget": "receive"}) == 0
+        assert get("mlfabric_daemon_unannounced_pushes", host) == 0
+        scheduler.stop()
+        wait_until(lambda: get("mlfabric_daemon_fallback_active", host) == 1)
+    finally:
+        daemon.stop()
 
 
 # ---------------------------------------------------------------- real processes
