@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mlfabric.proto.v1 import control_pb2 as pb
@@ -54,6 +55,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             first = await anext(requests)
         except StopAsyncIteration:
             return
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed DaemonMessage: {exc}")
         if first.WhichOneof("kind") != "hello":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -73,8 +76,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         finally:
             reader.cancel()
             self.core.goodbye(session)
-        if not reader.cancelled() and reader.done() and reader.exception() is not None:
-            raise reader.exception()  # type: ignore[misc]
+        if not reader.cancelled() and reader.done() and (error := reader.exception()) is not None:
+            if isinstance(error, DecodeError):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed DaemonMessage: {error}")
+            raise error
 
     async def _read(self, requests: AsyncIterator[pb.DaemonMessage], session: DaemonSession) -> None:
         try:

@@ -201,3 +201,24 @@ def test_a_role_of_unknown_value_is_refused_naming_it(role: int) -> None:
     assert not ack.role_ack.ok
     assert f"role {pb.Role.Name(role) if role == 0 else role} is not supported" in ack.role_ack.error
     assert ack.role_ack.code == pb.ERROR_CODE_REFUSED
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_hello", [False, True])
+def test_bytes_that_do_not_parse_end_the_stream_as_invalid_argument(
+    fuzz_cluster: types.SimpleNamespace, after_hello: bool
+) -> None:
+    """Found by fuzzing: the stream ended UNKNOWN with the servicer's DecodeError."""
+    hello = pb.DaemonMessage(hello=pb.Hello(host="fz", data_address="127.0.0.1:9"))
+    with grpc.insecure_channel(fuzz_cluster.scheduler) as channel:
+        raw = channel.stream_stream(
+            "/mlfabric.v1.Scheduler/Session",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        messages = [hello.SerializeToString()] if after_hello else []
+        with pytest.raises(grpc.RpcError) as caught:
+            for _ in raw(iter([*messages, b"\xff\xff\xff"]), timeout=5):
+                pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed DaemonMessage" in caught.value.details()
