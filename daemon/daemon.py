@@ -14,8 +14,9 @@ On the server's host the daemon hands each arriving update (its memfd) to the se
 and answers the sender with the process's verdict; ``get`` is answered from the model the
 server process last published. With a :class:`TransferReportLog` every transfer report
 also goes to a JSON-lines file (``--report-file``). If the scheduler stream breaks, pushes
-still waiting for a directive resolve DROPPED with the reason, and the daemon reconnects and
-re-registers.
+still waiting for a directive keep their place (:mod:`mlfabric.daemon.fallback`: announced
+again when it is back, sent directly to their servers if it stays away longer than
+``fallback_after``), and the daemon reconnects and re-registers.
 """
 
 from __future__ import annotations
@@ -369,8 +370,10 @@ class Daemon:
 
         A worker refused because its job has no server (the server's daemon is not back yet)
         retries with backoff (0.2 s doubling to 2 s) for as long as its process is connected,
-        whatever the order daemons come back in; until then its pushes resolve DROPPED naming
-        that. Refused for another reason, its role is gone for good: its pushes get an error.
+        whatever the order daemons come back in; until then its pushes are kept (announced once
+        it is registered, or sent directly after ``fallback_after``), or without a fallback
+        resolve DROPPED naming that. Refused for another reason, its role is gone for good: its
+        pushes get an error.
         """
         if self._stopping.wait(pause):
             return
@@ -613,7 +616,7 @@ class Daemon:
         if lost:
             conn.error(rid, "role_lost", where.format("no longer") + " (register again)")
             return fd
-        if lost is not None:  # re-registration in progress: the scheduler would not know the worker
+        if lost is not None and not self.fallback.enabled:  # re-registering: the scheduler would not know it
             result = local_pb2.PushResult(outcome=control_pb2.OUTCOME_DROPPED, reason=where.format("not"))
             conn.send(local_pb2.LocalEvent(request_id=rid, push_result=result))
             return fd
@@ -675,7 +678,8 @@ class Daemon:
             base_version=push.base_version,
             ready_at=push.ready_at,
         )
-        sent = self._control.send(control_pb2.DaemonMessage(update_ready=ready))
+        # re-registering: kept, announced once the worker is registered (or sent directly)
+        sent = lost is None and self._control.send(control_pb2.DaemonMessage(update_ready=ready))
         if not sent and not self.fallback.keep(push):
             taken = self.outgoing.take(push.update_id)
             if taken is not None:

@@ -206,8 +206,8 @@ class MeteredDaemon(Daemon):
         inflight = Gauge(
             "mlfabric_daemon_inflight_bytes", "payload bytes held, by budget", ["host", "budget"], registry=r
         )
-        for budget in (self.push_budget, self.receive_budget):
-            inflight.labels(host, budget.name).set_function(lambda b=budget: b.in_use)
+        inflight.labels(host, "push").set_function(lambda: self.push_budget.in_use)
+        inflight.labels(host, "receive").set_function(lambda: self.receive_budget.in_use)
         idle = Gauge(
             "mlfabric_daemon_pool_idle_bytes", "receive buffers kept for reuse", ["host"], registry=r
         )

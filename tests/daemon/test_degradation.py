@@ -25,6 +25,7 @@ import pytest
 import mlfabric
 from mlfabric.daemon.daemon import DaemonConfig
 from mlfabric.daemon.metrics import DaemonMetrics, MeteredDaemon
+from mlfabric.proto.v1 import control_pb2
 from tests.daemon.conftest import FakeScheduler
 from tests.daemon.test_daemon_processes import Processes
 
@@ -90,6 +91,40 @@ def test_waiting_push_is_announced_again_to_a_scheduler_back_in_time(
         announced = [r.update_id for r in fresh.ready]
         assert update_id in announced and len(announced) == len(set(announced)) == 2
         assert w0.fallback.direct_sends == 0
+    finally:
+        fresh.stop()
+
+
+def test_push_made_while_the_worker_re_registers_is_kept_and_announced_once_registered(
+    pair: dict[str, Any], scheduler: FakeScheduler
+) -> None:
+    """The worker's daemon is back before the server's: its push waits instead of being DROPPED."""
+    worker, w0 = pair["worker"], pair["w0"]
+    w0.fallback.after = 30.0
+    port = int(scheduler.address.rsplit(":", 1)[1])
+    scheduler.stop()
+    fresh = FakeScheduler()
+    original = fresh._on_message
+    servers_allowed: list[bool] = []
+
+    def on_message(host: str, address: str, m: Any) -> None:
+        r = m.register_role if m.WhichOneof("kind") == "register_role" else None
+        if r is not None and r.role == control_pb2.ROLE_SERVER and not servers_allowed:
+            return  # the server's daemon is "not back yet"
+        original(host, address, m)
+
+    fresh._on_message = on_message  # type: ignore[method-assign]
+    fresh.start(port)
+    try:
+        wait_until(lambda: any(h == "w0" for h, _, _ in fresh.registered), timeout=15)
+        handle = worker.push("ps0", UPDATE)  # refused "unknown job" meanwhile: kept
+        wait_until(lambda: w0.fallback.unannounced() == 1)
+        assert not fresh.ready
+        servers_allowed.append(True)
+        pair["ps"]._on_connected(None)  # the server's daemon comes back and re-registers
+        result = handle.wait(15)
+        assert result.applied and result.version == 1
+        assert [r.update_id for r in fresh.ready] == [result.update_id] and w0.fallback.direct_sends == 0
     finally:
         fresh.stop()
 

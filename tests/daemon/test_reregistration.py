@@ -69,8 +69,12 @@ def test_worker_refused_while_its_job_has_no_server_keeps_retrying(
     cluster: dict[str, Any],  # noqa: F811 - the fixture
     scheduler: Any,
 ) -> None:
-    """The worker's daemon is back before the server's: its pushes name that, then it converges."""
+    """The worker's daemon is back before the server's: its pushes name that, then it converges.
+
+    Without a fallback (``fallback_after=None``); test_degradation.py has the kept pushes.
+    """
     worker, server = cluster["worker"], cluster["server"]
+    cluster["w0"].fallback.after = None
     fresh, port = _restart(scheduler)
     fresh.hold = True
     original = fresh._on_message
