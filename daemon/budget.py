@@ -129,9 +129,10 @@ class ByteBudget:
                         break
                     self._cond.wait(left)
                 if self._in_use + nbytes > self.limit:
-                    timeout = timeout if timeout is not None else 0.0
+                    cancelled = cancel is not None and cancel.is_set()
+                    waited = "(the wait was cancelled)" if cancelled else f"within {timeout:g} s"
                     raise BudgetTimeout(
-                        f"no {self.name} budget for {nbytes} bytes within {timeout:g} s "
+                        f"no {self.name} budget for {nbytes} bytes {waited} "
                         f"({self._in_use} of {self.limit} bytes in use)"
                     )
             self._take(nbytes)

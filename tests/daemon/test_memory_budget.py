@@ -59,6 +59,15 @@ def test_pool_allocation_too_large_or_timed_out_is_a_memory_error_naming_the_bud
     pool.close()
 
 
+def test_a_wait_for_budget_ends_when_cancelled() -> None:
+    budget, stopping = ByteBudget(MIB, "push"), threading.Event()
+    budget.acquire(MIB)
+    threading.Timer(0.1, stopping.set).start()
+    with pytest.raises(BudgetTimeout, match="the wait was cancelled"):
+        budget.acquire(1, None, stopping)
+    assert budget.in_use == MIB
+
+
 def test_idle_buffers_are_freed_after_the_idle_time() -> None:
     now = [0.0]
     pool = MemfdPool(64 * MIB, max_idle_seconds=10.0, clock=lambda: now[0])
