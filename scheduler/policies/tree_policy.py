@@ -167,5 +167,6 @@ class TreePolicy:
                 continue
             tls.reserve_until(links, now, end, who=f.update_id)
             busy.append((f.update_id, links, end))
-        schedule = plan_tree(graph, updates, aggregators=pool, now=now, paths=pc, timelines=tls)
+        idle = None if not busy else tls  # an idle network: plan_tree may also try Fig. 6's groups
+        schedule = plan_tree(graph, updates, aggregators=pool, now=now, paths=pc, timelines=idle)
         return schedule, busy

@@ -24,7 +24,9 @@ updates, a local search then toggles single points, lets the first ``k`` payload
 the fan-in, while that shortens the round. Candidates are scored by a fast estimate (each
 link a first-come queue at its capacity, payloads in order of ready time, an aggregate once
 its members are in); the best few are reserved on the link timelines and the one whose
-last payload reaches ``S`` earliest wins (ties: fewer aggregates). The result passes
+last payload reaches ``S`` earliest wins (ties: fewer aggregates). A small round (at most
+:data:`~mlfabric.scheduler.policies.aggregation.EXHAUSTIVE_UP_TO` updates, one server, no
+transfer in flight) is also planned as Fig. 6's groups, kept if faster. The result passes
 :func:`~mlfabric.scheduler.core.checker.check_schedule`; an aggregate's members may be
 aggregates (a deeper tree).
 
@@ -52,6 +54,7 @@ import networkx as nx
 from mlfabric.scheduler.core.graph import PathCache, hosts
 from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
 
 __all__ = ["plan_tree"]
 
@@ -557,4 +560,10 @@ def plan_tree(
         tls, ts, aggs = _plan_server(graph, order, tls, pc, eligible, now, prefix, search)
         transfers.extend(ts)
         aggregates.extend(aggs)
-    return Schedule.aggregated(transfers, aggregates)
+    tree = Schedule.aggregated(transfers, aggregates)
+    if timelines is None and len(by_server) == 1 and len(updates) <= EXHAUSTIVE_UP_TO and search:
+        # a small round on an idle network: Fig. 6's groups (no topology) may still win
+        groups = plan_aggregation_sync(graph, updates, aggregators=sorted(eligible), now=now, paths=pc)
+        if groups.makespan() < tree.makespan() * (1 - 1e-9):
+            return groups
+    return tree
