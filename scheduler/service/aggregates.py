@@ -135,8 +135,8 @@ class AggregateBook:
     >>> from mlfabric.scheduler.policies.fair import FairPolicy
     >>> s = SchedulerState(star(["ps", "a", "x"], 8e9))
     >>> book = AggregateBook(s, DecisionRunner(FairPolicy()))
-    >>> for h in ("ps", "a", "x"):
-    ...     _ = s.connect(h, f"{h}:1"); book.hello(h, can_aggregate=h != "a")
+    >>> for i, h in enumerate(("ps", "a", "x")):
+    ...     _ = s.connect(h, f"127.0.0.1:{9000 + i}"); book.hello(h, can_aggregate=h != "a")
     >>> sorted(book.eligible())
     ['ps', 'x']
     """
