@@ -181,7 +181,9 @@ def run(cfg: Config) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     work = cfg.workdir or Path(tempfile.mkdtemp(prefix="mlfabric-faults-"))
     out = work / "out"
-    out.mkdir(parents=True, exist_ok=True)
+    if (work / "run").exists() or out.exists():  # stale ready files would name dead processes
+        raise FileExistsError(f"{work} holds an earlier run: give a new --workdir")
+    out.mkdir(parents=True)
     topology = work / "topology.toml"
     topology.write_text(TOPOLOGY.format(ps_mbps=100 if "agg" in cfg.policy else 1000))
     options: dict[str, Any] = {
@@ -285,6 +287,10 @@ def _fetch_model(cluster: FaultCluster) -> dict[str, Any]:
             time.sleep(0.5)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(f"terminated by signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1)
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pushes", type=int, default=5000, help="pushes per worker (at most)")
     p.add_argument("--window", type=int, default=8, help="pushes in flight per worker")
     p.add_argument(
-        "--pace-ms", type=int, default=60, help="ms between a worker's pushes (0: as fast as it can)"
+        "--pace-ms", type=int, default=30, help="ms between a worker's pushes (0: as fast as it can)"
     )
     p.add_argument("--faults", type=int, default=110, help="faults to inject (at most)")
     p.add_argument("--policy", default="stf+agg", choices=["fair", "stf", "stf+agg"])
@@ -344,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:  # ~1 minute
         cfg.workers, cfg.pushes, cfg.pace_ms, cfg.faults = 3, 2000, 5, 2 * len(kinds)
         cfg.duration, cfg.gap = 150.0, (0.1, 0.5)
+    signal.signal(signal.SIGTERM, _terminated)  # stop the cluster's processes on the way out
     command = "python experiments/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = analyse_and_print = run(cfg)
     write_results(a.out, result, cfg, command)
