@@ -44,7 +44,7 @@ from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, Plan
 from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.stf import plan_stf, server_key
 
-__all__ = ["AggregationPolicy", "plan_aggregation", "plan_aggregation_sync", "send_aggregate"]
+__all__ = ["AggregationPolicy", "plan_aggregation", "plan_aggregation_sync", "run_scope", "send_aggregate"]
 
 #: above this many updates, the policy tries only direct-group sizes 1, 2, 4, ...
 EXHAUSTIVE_UP_TO = 32
@@ -338,6 +338,17 @@ def _stale(snapshot: Snapshot, pending: Iterable[PendingUpdate]) -> list[Drop]:
     return drops
 
 
+def run_scope(server: str, scope: str) -> str:
+    """The scope of a policy run's aggregate ids for ``server``: ``<server>.<scope>``, or ``server``.
+
+    Examples
+    --------
+    >>> run_scope("ps", "7f3a"), run_scope("ps", "")
+    ('ps.7f3a', 'ps')
+    """
+    return f"{server}.{scope}" if scope else server
+
+
 class AggregationPolicy:
     """The ``stf+agg`` policy: STF order with aggregation groups (Fig. 6).
 
@@ -348,6 +359,11 @@ class AggregationPolicy:
         directly first); otherwise the asynchronous one (shortest first group).
     aggregators : sequence of str, optional
         Hosts that may aggregate; default every host but the pending updates' servers.
+    scope : str
+        The run the aggregate ids belong to: ids are ``agg:<server>.<scope>:<n>``
+        (``agg:<server>:<n>`` when empty, the default). The scheduler service passes a
+        random incarnation per run, so a restarted scheduler's ``n`` counting from 0 again
+        never names an aggregate the server daemon already applied (DESIGN §3).
 
     Examples
     --------
@@ -360,13 +376,19 @@ class AggregationPolicy:
     [('u0', 'ps'), ('u1', 'x'), ('u2', 'x'), ('u3', 'x')]
     >>> [(a.aggregate_id, a.aggregator, a.members, a.after) for a in d.aggregates]
     [('agg:ps:0', 'x', ('u1', 'u2', 'u3'), ('u0',))]
+    >>> p = AggregationPolicy(aggregators=["x"], scope="7f3a")
+    >>> [a.aggregate_id for a in p.decide(Snapshot(0.0, g), [mk(i) for i in range(4)]).aggregates]
+    ['agg:ps.7f3a:0']
     """
 
     name = "stf+agg"
 
-    def __init__(self, *, sync: bool = True, aggregators: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, *, sync: bool = True, aggregators: Sequence[str] | None = None, scope: str = ""
+    ) -> None:
         self.sync = sync
         self.aggregators = tuple(aggregators) if aggregators is not None else None
+        self.scope = scope
         self._committed: dict[str, PlannedAggregate] = {}
         self._count = 0
         self._paths: PathCache | None = None
@@ -407,7 +429,7 @@ class AggregationPolicy:
         schedule, busy = self._plan(snapshot, list(by_id.values()))
         ids = {}
         for a in schedule.aggregates:
-            ids[a.aggregate_id] = aggregate_id(a.dst, self._count)
+            ids[a.aggregate_id] = aggregate_id(run_scope(a.dst, self.scope), self._count)
             self._count += 1
         planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
         for a in planned.aggregates:

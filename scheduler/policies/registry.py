@@ -41,11 +41,15 @@ class PolicyOptions:
         Hosts that may aggregate (``stf+agg``); ``None``: every host but the servers.
     sync : bool
         Plan for synchronous SGD (``stf+agg``: smallest makespan per iteration).
+    scope : str
+        The run aggregate ids belong to (``stf+agg``, ``stf+tree``: ``agg:<server>.<scope>:<n>``;
+        empty: ``agg:<server>:<n>``).
     """
 
     horizon: int | None = DEFAULT_STF_HORIZON
     aggregators: tuple[str, ...] | None = None
     sync: bool = True
+    scope: str = ""
 
 
 class PolicySetup(NamedTuple):
@@ -70,14 +74,14 @@ def _stf(options: PolicyOptions) -> PolicySetup:
 def _stf_agg(options: PolicyOptions) -> PolicySetup:
     from mlfabric.scheduler.policies.aggregation import AggregationPolicy
 
-    policy = AggregationPolicy(sync=options.sync, aggregators=options.aggregators)
+    policy = AggregationPolicy(sync=options.sync, aggregators=options.aggregators, scope=options.scope)
     return PolicySetup(policy, ReplanTrigger())
 
 
 def _stf_tree(options: PolicyOptions) -> PolicySetup:
     from mlfabric.scheduler.policies.tree_policy import TreePolicy
 
-    return PolicySetup(TreePolicy(aggregators=options.aggregators), ReplanTrigger())
+    return PolicySetup(TreePolicy(aggregators=options.aggregators, scope=options.scope), ReplanTrigger())
 
 
 #: policy name -> builder
@@ -95,6 +99,7 @@ def make_policy(
     horizon: int | None = DEFAULT_STF_HORIZON,
     aggregators: Sequence[str] | None = None,
     sync: bool = True,
+    scope: str = "",
 ) -> PolicySetup:
     """A fresh policy by name, with its re-plan trigger.
 
@@ -108,6 +113,11 @@ def make_policy(
         ``stf+agg``: hosts that may aggregate (default: every host but the servers).
     sync : bool
         ``stf+agg``: plan for synchronous SGD (default) or asynchronous.
+    scope : str
+        ``stf+agg``, ``stf+tree``: the run aggregate ids belong to, ``agg:<server>.<scope>:<n>``
+        (default empty: ``agg:<server>:<n>``, deterministic for the simulator). The scheduler
+        service passes a random incarnation per run: aggregate ids then never repeat across
+        scheduler restarts, which the server daemons' de-duplication by id relies on.
 
     Returns
     -------
@@ -127,6 +137,8 @@ def make_policy(
     True
     >>> make_policy("fair").trigger.low_water
     0
+    >>> make_policy("stf+agg", scope="7f3a").policy.scope
+    '7f3a'
     >>> make_policy("lifo")
     Traceback (most recent call last):
     ...
@@ -142,5 +154,6 @@ def make_policy(
         horizon=horizon or None,
         aggregators=tuple(aggregators) if aggregators is not None else None,
         sync=sync,
+        scope=scope,
     )
     return build(options)

@@ -20,7 +20,7 @@ import networkx as nx
 from mlfabric.scheduler.core.graph import PathCache, hosts
 from mlfabric.scheduler.core.schedule import Link, Schedule, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.policies.aggregation import _stale
+from mlfabric.scheduler.policies.aggregation import _stale, run_scope
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.stf import server_key
@@ -42,6 +42,9 @@ class TreePolicy:
     aggregators : sequence of str, optional
         Hosts that may aggregate; default every host but the servers (and only those the
         snapshot lists as able to, when it lists any).
+    scope : str
+        The run the aggregate ids belong to (``agg:<server>.<scope>:<n>``; see
+        :class:`~mlfabric.scheduler.policies.aggregation.AggregationPolicy`).
 
     Examples
     --------
@@ -57,8 +60,9 @@ class TreePolicy:
 
     name = "stf+tree"
 
-    def __init__(self, *, aggregators: Sequence[str] | None = None) -> None:
+    def __init__(self, *, aggregators: Sequence[str] | None = None, scope: str = "") -> None:
         self.aggregators = tuple(aggregators) if aggregators is not None else None
+        self.scope = scope
         self._committed: dict[str, PlannedAggregate] = {}
         self._count = 0
         self._paths: PathCache | None = None
@@ -92,7 +96,7 @@ class TreePolicy:
         schedule, busy = self._plan(snapshot, list(by_id.values()), pc)
         ids = {}
         for a in schedule.aggregates:
-            ids[a.aggregate_id] = aggregate_id(a.dst, self._count)
+            ids[a.aggregate_id] = aggregate_id(run_scope(a.dst, self.scope), self._count)
             self._count += 1
         planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
         for a in planned.aggregates:

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import sys
 from typing import Any
@@ -140,7 +141,9 @@ def _fail(message: str) -> int:
 SERVICE_POLICIES = ("fair", "stf", "stf+agg")
 
 
-def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: bool = False) -> PolicySetup:
+def build_policy(
+    name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: bool = False, incarnation: str = ""
+) -> PolicySetup:
     """The policy named ``name`` and its re-plan trigger, from the one policy factory.
 
     Parameters
@@ -151,6 +154,10 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: boo
         For ``stf``: sends planned per decision; 0 plans every pending update.
     sync : bool
         For ``stf+agg``: the synchronous planner (smallest makespan) instead of Fig. 6's.
+    incarnation : str
+        This scheduler run's id (``run`` draws a random one): the scope of its aggregate ids
+        (``agg:<server>.<incarnation>:<n>``), so a restarted scheduler never reuses an id a
+        server daemon already answered.
 
     Returns
     -------
@@ -167,6 +174,8 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: boo
     >>> setup = build_policy("stf", 8)
     >>> setup.policy.horizon, setup.trigger.low_water
     (8, 2)
+    >>> build_policy("stf+agg", incarnation="7f3a").policy.scope
+    '7f3a'
     """
     if stf_horizon < 0:
         raise ValueError(f"--stf-horizon must be >= 0, got {stf_horizon}")
@@ -181,14 +190,17 @@ def build_policy(name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: boo
             f"policy '{name}' plans aggregates, which the service does not execute yet "
             f"(service policies: {', '.join(SERVICE_POLICIES)})"
         )
-    return make_policy(name, horizon=stf_horizon, sync=sync)
+    return make_policy(name, horizon=stf_horizon, sync=sync, scope=incarnation)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the scheduler until SIGTERM/SIGINT; returns the exit code."""
     try:
         graph = _graph(args)
-        setup = build_policy(args.policy, args.stf_horizon, sync=args.aggregate_plan == "sync")
+        incarnation = secrets.token_hex(4)  # this run's aggregate ids: never reused after a restart
+        setup = build_policy(
+            args.policy, args.stf_horizon, sync=args.aggregate_plan == "sync", incarnation=incarnation
+        )
     except ValueError as exc:  # TopologyError and ConfigError are ValueErrors
         return _fail(str(exc))
     except ImportError as exc:
