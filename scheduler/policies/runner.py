@@ -220,7 +220,10 @@ class DecisionRunner:
             flight, nor planned, nor gathered), then sends whose ``after`` are (nearly) done
             (see :meth:`Dispatcher.release`).
         """
-        busy = set(in_flight) | set(self._gathering)
+        # a transfer in flight past its expected end (less the margin) is nearly done: its report
+        # may be held (a synchronous round ACKs once applied, which may need this aggregate)
+        near = now + self.dispatcher.margin
+        busy = {u for u, f in in_flight.items() if f.expected_end > near} | set(self._gathering)
         busy.update(s.update_id for s in self.dispatcher.planned)
         forwarded: list[_Gathering] = []
         for aid, g in list(self._gathering.items()):

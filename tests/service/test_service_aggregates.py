@@ -274,3 +274,17 @@ def test_a_topology_host_with_aggregator_false_never_aggregates() -> None:
     assert book.eligible() == {"ps", "b"}
     with pytest.raises(TopologyError, match="host 'a': aggregator must be true or false"):
         parse_topology({"hosts": [{"name": "a", "aggregator": "no"}], "links": []})
+
+
+def test_an_aggregate_leaves_once_its_after_transfer_is_past_its_expected_end(env: dict[str, Any]) -> None:
+    # synchronous rounds: u0's report is held until the round is applied, which needs the aggregate
+    core, s, clock = env["core"], env["s"], env["clock"]
+    drain(s)
+    for i in (1, 2):
+        report(core, s[f"w{i}"], f"u{i}", "x")
+    members_in(env, ("u3",))
+    assert "x" not in drain(s)  # u0 is still expected on the server's link
+    clock.now = core.state.in_flight["u0"].expected_end + 0.01
+    core.release()
+    [(kind, send)] = drain(s)["x"]
+    assert (kind, send.update_id, send.next_hop_host) == ("send", "agg:ps:0", "ps")
