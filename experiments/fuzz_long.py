@@ -118,10 +118,11 @@ def main() -> int:
     crashed = False
     for name in args.targets:
         r = run_target(name, args.seconds, out)
-        crashed |= bool(r["crashes"]) or r["exit"] not in (0,)
+        crashes = [str(c) for c in r["crashes"]]  # type: ignore[attr-defined]
+        crashed |= bool(crashes) or r["exit"] != 0
         print(
             f"| {name} | {r['runs']:,} | {r['per_second']:,.0f} | {r['cov']} | {r['ft']} | {r['corpus']} "
-            f"| {', '.join(r['crashes']) or 0} |",
+            f"| {', '.join(crashes) or 0} |",
             flush=True,
         )
     return 1 if crashed else 0

@@ -37,7 +37,7 @@ def test_one_input(data: bytes) -> None:
     sock = BytesSocket(data)
     for _ in range(64):
         try:
-            frame = recv_frame(sock, _LIMITS)  # type: ignore[arg-type]
+            frame = recv_frame(sock, _LIMITS)
         except FrameError as exc:
             if not exc.reason.strip():
                 raise AssertionError("a FrameError without a reason") from exc

@@ -126,11 +126,12 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     if t == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
     if t == FieldDescriptor.TYPE_STRING:
-        pool = _DTYPES if field.name == "dtype" else _NAMES
-        return st.one_of(st.sampled_from(pool), st.text(max_size=20))
+        names = _DTYPES if field.name == "dtype" else _NAMES
+        return st.one_of(st.sampled_from(names), st.text(max_size=20))
     if t == FieldDescriptor.TYPE_BYTES:
         return st.binary(max_size=32)
     if t == FieldDescriptor.TYPE_ENUM:
+        assert field.enum_type is not None
         known = [v.number for v in field.enum_type.values]
         return st.one_of(st.sampled_from(known), st.integers(-5, 50))
     raise TypeError(f"field {field.full_name}: unsupported type {t}")
