@@ -12,7 +12,10 @@ before the server process sees it (paper §5; DESIGN §3):
   died is answered from that memory and never applied twice; an aggregate holding a member
   that was already resolved here is refused (DROPPED, naming the member) — its sum cannot be
   applied without applying that member again. A frame whose members are being applied by
-  another frame waits for that verdict.
+  another frame waits for that verdict. An aggregate id is answered from that memory only
+  for the members it was applied with: the same id with other members (a scheduler that
+  numbered its aggregates afresh) is refused, DROPPED naming the id, and its members are
+  DROPPED — never reported APPLIED on the earlier aggregate's verdict.
 - **Synchronous rounds** (``JobParams.sync_workers = N > 0``). Arriving payloads (plain
   updates and aggregates) are summed with the aggregation kernels until N worker updates are
   in; then the round goes to the server process as one ``DeliverUpdate`` (members = all of
@@ -290,11 +293,14 @@ class ServerAggregation:
             process and waits for its verdict.
         """
         h = frame.header
-        stored = handoff.stored(h.update_id)
-        if stored is not None:
-            return stored, self._stored_members(h.update_id)
         members = members_of(h)
         ids = [m.update_id for m in members]
+        stored = handoff.stored(h.update_id)
+        if stored is not None:
+            known = self._stored_members(h.update_id)
+            if not h.members or sorted(v.update_id for v in known) == sorted(ids):
+                return stored, known  # a re-sent copy: the verdict it got
+            return self._reused(h, members, handoff)
         done = self._claims.acquire(ids, h.update_id, handoff.stored)
         if done:
             return self._already_resolved(h, members, done, handoff)
@@ -346,6 +352,29 @@ class ServerAggregation:
         with self._lock:
             return list(self._aggregates.get(update_id, []))
 
+    def _reused(self, h: Any, members: list[Any], handoff: ServerHandoff) -> tuple[Verdict, list[Any]]:
+        """Refuse an aggregate whose id was already applied here with other members.
+
+        Waits first for any frame still applying these members (a copy of this very
+        aggregate between its verdict and its members' verdicts) and looks again.
+        """
+        ids = [m.update_id for m in members]
+        owner = f"{h.update_id} (id already used)"  # not the first copy's owner: waits for it
+        done = self._claims.acquire(ids, owner, handoff.stored)
+        try:
+            earlier = sorted(v.update_id for v in self._stored_members(h.update_id))
+            stored = handoff.stored(h.update_id)
+            if earlier == sorted(ids) and stored is not None:
+                return stored, self._stored_members(h.update_id)
+            before = f"members {earlier}" if earlier else "members no longer remembered"
+            reason = (
+                f"aggregate id {h.update_id} was already used at this server with other {before}; "
+                "refused, not applied (aggregate ids must not be reused, e.g. by a restarted scheduler)"
+            )
+            return self._refuse(h, members, done, handoff, reason, remember=False)
+        finally:
+            self._claims.release(ids, owner)
+
     def _already_resolved(
         self, h: Any, members: list[Any], done: dict[str, Verdict], handoff: ServerHandoff
     ) -> tuple[Verdict, list[Any]]:
@@ -355,6 +384,23 @@ class ServerAggregation:
             f"aggregate {h.update_id} holds member(s) {sorted(done)} already resolved at the server; "
             "its sum cannot be applied without applying them again"
         )
+        return self._refuse(h, members, done, handoff, reason, remember=True)
+
+    def _refuse(
+        self,
+        h: Any,
+        members: list[Any],
+        done: dict[str, Verdict],
+        handoff: ServerHandoff,
+        reason: str,
+        *,
+        remember: bool,
+    ) -> tuple[Verdict, list[Any]]:
+        """DROPPED with ``reason``: members resolved already keep their verdicts, the others DROPPED.
+
+        ``remember``: store the verdicts under the aggregate's id (else the id keeps the
+        verdict of the aggregate it named first).
+        """
         version = handoff.version
         verdicts = []
         for m in members:
@@ -372,6 +418,7 @@ class ServerAggregation:
                 handoff.resolve(m.update_id, _as_verdict(dropped, version))
                 verdicts.append(dropped)
         verdict = Verdict.dropped(reason, version)
-        handoff.resolve(h.update_id, verdict)
-        self._keep(h.update_id, verdicts)
+        if remember:
+            handoff.resolve(h.update_id, verdict)
+            self._keep(h.update_id, verdicts)
         return verdict, verdicts
