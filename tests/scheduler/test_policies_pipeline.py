@@ -195,6 +195,29 @@ def test_aggregate_ids_are_unique_across_decisions() -> None:
     assert all(is_aggregate_id(a) for a in got)
 
 
+def test_a_restarted_schedulers_aggregate_ids_differ_from_the_first_runs() -> None:
+    """Two runs (two policy objects) on the same input: the scope keeps their ids apart."""
+    from mlfabric.scheduler.core.graph import two_tier
+
+    hs = ["ps", "w0", "w1", "w2", "w3", "x"]
+    g = star(hs, {"ps": 8 * MB, **{h: 32 * MB for h in hs[1:]}})
+    mk = lambda i: PendingUpdate(f"u{i}", "j", "s", f"w{i % 4}", f"w{i % 4}", "ps", MB, 1.0, 0, 0.0)  # noqa: E731
+    t = two_tier(2, 3, 8e6, oversubscription=3)
+    mt = lambda i: PendingUpdate(f"u{i}", "j", "s", f"w{i}", f"h{i}", "h0", MB, 1.0, 0, 0.0)  # noqa: E731
+    for name, graph, updates, server in (
+        ("stf+agg", g, [mk(i) for i in range(4)], "ps"),
+        ("stf+tree", t, [mt(i) for i in range(1, 6)], "h0"),
+    ):
+        runs = [
+            make_policy(name, aggregators=None if name == "stf+tree" else ["x"], scope=scope).policy
+            for scope in ("1a2b", "9c8d")
+        ]
+        ids = [[a.aggregate_id for a in p.decide(Snapshot(0.0, graph), updates).aggregates] for p in runs]
+        assert ids[0] and ids[1], name
+        assert ids[0] == [aggregate_id(f"{server}.1a2b", i) for i in range(len(ids[0]))], name
+        assert not set(ids[0]) & set(ids[1]), name
+
+
 def test_the_planner_spells_aggregate_ids_with_the_helper() -> None:
     hs = ["ps", "w0", "w1", "w2", "w3", "x"]
     g = star(hs, {"ps": 8 * MB, **{h: 32 * MB for h in hs[1:]}})
