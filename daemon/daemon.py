@@ -514,6 +514,7 @@ class Daemon:
                 and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB
                 and self._clock() < deadline
                 and not self._stopping.is_set()
+                and not conn.closed  # its process went away: stop asking for it
             ):  # the job has no server yet: wait for one
                 self._tasks.submit(retry)
             else:
@@ -530,7 +531,7 @@ class Daemon:
 
         def reply_when_servers(params: Any) -> None:
             while not self.directory.wait_for_servers(req.job, min(0.5, deadline - self._clock())):
-                if self._stopping.is_set() or self._clock() >= deadline:
+                if self._stopping.is_set() or self._clock() >= deadline or conn.closed:
                     break
             if not self.directory.servers(req.job):
                 conn.error(
