@@ -42,7 +42,7 @@ def test_a_waiting_registration_stops_when_its_process_disconnects(
         attempts.append(time.monotonic())
         register(message, on_ack)
 
-    daemon._register = counting  # type: ignore[method-assign]
+    daemon._register = counting
     daemon.start(timeout=10)
     try:
         request = local_pb2.LocalRequest(
