@@ -110,10 +110,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-connections",
         type=int,
-        default=256,
+        default=1024,
         metavar="N",
         help="connections served at once on the data plane and on the local socket, each; one more "
-        "is answered with an error naming the limit and closed (0: no limit; default 256)",
+        "is answered with an error naming the limit and closed (0: no limit; default 1024)",
     )
     parser.add_argument(
         "--fallback-after",

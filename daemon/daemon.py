@@ -142,7 +142,7 @@ class DaemonConfig:
     pool_idle_seconds: float | None = 10.0
     idle_timeout: float | None = 120.0
     header_timeout: float | None = 10.0
-    max_connections: int | None = 256
+    max_connections: int | None = 1024
 
 
 class Daemon:

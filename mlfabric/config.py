@@ -166,7 +166,7 @@ DAEMON_KEYS: tuple[Key, ...] = (
     Key(
         "max_connections",
         int,
-        256,
+        1024,
         "connections served at once on the data plane and on the local socket, each (0: no limit)",
         minimum=0,
     ),
