@@ -99,14 +99,15 @@ def schedule_to_decision(
     aggregates = []
     for a in schedule.aggregates:
         out, deps = carried.get(a.aggregate_id, (None, ()))
+        members = tuple(ids.get(m, m) for m in a.members)
         aggregates.append(
             PlannedAggregate(
                 aggregate_id=ids.get(a.aggregate_id, a.aggregate_id),
                 aggregator=a.aggregator,
-                members=tuple(ids.get(m, m) for m in a.members),
+                members=members,
                 bytes=a.bytes,
                 dst=out.dst if out is not None else a.dst,
-                after=tuple(p for p in deps if p not in {ids.get(m, m) for m in a.members}),
+                after=tuple(p for p in deps if p not in members),
                 path=out.path if out is not None else (),
             )
         )

@@ -125,9 +125,9 @@ class _Routes:
         where = {x: j for j, x in enumerate(down)}
         for i, x in enumerate(up):
             if x in where:
-                route = up[: i + 1] + tuple(reversed(down[: where[x]]))
-                if all(self.graph.has_edge(a, b) for a, b in itertools.pairwise(route)):
-                    return route
+                back = tuple(reversed(down[: where[x] + 1]))  # from the meeting node down
+                if all(self.graph.has_edge(a, b) for a, b in itertools.pairwise(back)):
+                    return up[:i] + back
                 break
         return self.pc.path(src, dst)
 
