@@ -58,7 +58,8 @@ def _open_fd(kind: str, content: bytes) -> tuple[int | None, list[int]]:
         return fd, [fd]
     if kind == "socket":
         a, b = socket.socketpair()
-        return a.detach(), [a.fileno() if a.fileno() >= 0 else -1, b.detach()]
+        fd = a.detach()
+        return fd, [fd, b.detach()]
     return None, []
 
 
