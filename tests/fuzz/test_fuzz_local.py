@@ -182,6 +182,8 @@ def test_malformed_local_messages_at_real_daemons(fuzz_cluster: types.SimpleName
             ),
         ),
     )
+    pids = {host: fuzz_cluster.processes.daemons[host]["pid"] for host in ("ps", "w0")}
+    fds_before = {host: len(os.listdir(f"/proc/{pid}/fd")) for host, pid in pids.items()}
     pool = ThreadPoolExecutor(max_workers=8)
     sent: list[tuple[Any, Future[list[Any] | None]]] = []
 
@@ -216,3 +218,12 @@ def test_malformed_local_messages_at_real_daemons(fuzz_cluster: types.SimpleName
     assert total >= fz.examples
     assert not hung, f"{len(hung)} inputs got neither an answer nor a close, e.g. {hung[0]!r}"[:2000]
     fz.healthy(fuzz_cluster)
+    # every descriptor passed in (memfds, pipes, sockets, directories) was closed again
+    deadline = fz.time.monotonic() + 10
+    while True:
+        fds_after = {host: len(os.listdir(f"/proc/{pid}/fd")) for host, pid in pids.items()}
+        if all(fds_after[h] <= fds_before[h] + 8 for h in pids) or fz.time.monotonic() > deadline:
+            break
+        fz.time.sleep(0.2)
+    print(f"daemon descriptors before {fds_before}, after {fds_after}")
+    assert all(fds_after[h] <= fds_before[h] + 8 for h in pids), (fds_before, fds_after)
