@@ -13,6 +13,7 @@ the model holds exactly the normal pushes.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import types
@@ -119,6 +120,17 @@ def exchange(address: str, data: bytes, timeout: float = 5.0) -> list[Any] | Non
     return replies
 
 
+def _sockets(pid: int) -> int:
+    """Open sockets of process ``pid``."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            continue
+    return sum(link.startswith("socket:") for link in links)
+
+
 def describe(data: bytes) -> str:
     """The header of a frame's bytes, when it has one (for failure messages)."""
     try:
@@ -161,6 +173,8 @@ def test_malformed_frames_at_a_real_daemon(fuzz_cluster: types.SimpleNamespace, 
 
     # a member of an aggregate the daemon does not know waits up to 5 s for the scheduler's word
     # (it may come after the member): exchanges run 8 at a time, so those few cost no minutes
+    pid = fuzz_cluster.processes.daemons["ps"]["pid"]
+    sockets_before = _sockets(pid)
     pool = ThreadPoolExecutor(max_workers=8)
     sent: list[tuple[bytes, Future[list[Any] | None]]] = []
 
@@ -190,3 +204,6 @@ def test_malformed_frames_at_a_real_daemon(fuzz_cluster: types.SimpleNamespace, 
     crashes = [reason for reason in errors if reason.startswith("internal error")]
     assert not crashes, f"the daemon's handler raised on: {crashes[:5]}"
     fz.healthy(fuzz_cluster)
+    sockets_after = _sockets(pid)  # (memfds are pooled receive buffers, reused: not counted)
+    print(f"ps daemon's sockets: {sockets_before} before, {sockets_after} after")
+    assert sockets_after <= sockets_before + 4, "the daemon kept connections of finished exchanges"
