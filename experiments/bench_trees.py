@@ -164,7 +164,7 @@ def report(
         "worker, all ready at once, mean of 2 synchronous rounds per policy. ILP: `two_tier_instance` "
         "(one NIC per rack uplink, aggregators on hosts of their own, 1-3 slot updates ready at 0-3 "
         "slots), CP-SAT with 2 workers, 10 s each. 2-core machine shared with other jobs "
-        "(load average ~12 during the run).",
+        "(load average 12-19 during the runs).",
         "",
     ]
     n = sum(len(v) for v in sims.values())
