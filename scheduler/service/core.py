@@ -535,13 +535,28 @@ class SchedulerCore:
         while True:
             wakes = [
                 w
-                for w in (self.runner.next_wakeup(self.state.in_flight), self.aggregates.next_deadline())
+                for w in (
+                    self.runner.next_wakeup(self.state.in_flight),
+                    self.aggregates.next_deadline(),
+                    self.state.stall_deadline(),
+                )
                 if w
             ]
             wake = min(wakes, default=None)
             timeout = None if wake is None or math.isinf(wake) else max(0.0, wake - self.clock())
+            # asyncio.timeout, not wait_for: on 3.11 wait_for with a timeout swallows a cancel
+            # that arrives as the event is set, and the loop then never ends
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             self._wake.clear()
             self._execute(self.aggregates.expire(self.clock()))
+            self.expire_stalled()
             self.release()
+
+    def expire_stalled(self) -> None:
+        """Forget transfers in flight with no report past their deadline: their bottleneck is free."""
+        for f in self.state.expire_stalled(self.clock()):
+            log.warning("%s", self.state.outcomes[f.update_id].reason)
+            self.metrics.updates_dropped.inc()
+            self._moved()

@@ -80,6 +80,37 @@ def address_problem(address: str) -> str | None:
     return None
 
 
+#: Bytes per element of each tensor dtype (bfloat16 travels as 2-byte words).
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def model_bytes(model: Iterable[TensorSpec]) -> int:
+    """The payload size of a model (and the largest an update to it may announce), in bytes.
+
+    Examples
+    --------
+    >>> model_bytes([TensorSpec("w", "float32", (4, 4)), TensorSpec("b", "float64", (3,))])
+    88
+    """
+    total = 0
+    for t in model:
+        count = 1
+        for d in t.shape:
+            count *= int(d)
+        total += count * _DTYPE_BYTES.get(t.dtype, 8)
+    return total
+
+
+#: A transfer in flight without a report is stalled after STALL_FACTOR x its expected
+#: duration + STALL_SLACK seconds (:meth:`SchedulerState.expire_stalled`).
+STALL_FACTOR = 4.0
+STALL_SLACK = 30.0
+
+
+def _stall_deadline(f: InFlight) -> float:
+    return f.started_at + STALL_FACTOR * max(0.0, f.expected_end - f.started_at) + STALL_SLACK
+
+
 class SchedulerError(Exception):
     """A request the scheduler cannot honour; the message names the culprit."""
 
@@ -479,6 +510,12 @@ class SchedulerState:
         target = self._server(job, server)
         if self.jobs[job].workers.get(worker) != host:
             raise UnknownWorker(f"job '{job}' has no worker '{worker}' on host '{host}'")
+        limit = model_bytes(target.model)
+        if target.model and not 0 <= nbytes <= limit:
+            raise SchedulerError(
+                f"update '{update_id}' announces {nbytes} bytes, more than the {limit}-byte model "
+                f"of server '{server}' of job '{job}' (an update is at most the model's size)"
+            )
         self.path(host, target.host)
         u = PendingUpdate(
             update_id=update_id,
@@ -672,6 +709,31 @@ class SchedulerState:
     def _forget_empty_jobs(self) -> None:
         for name in [n for n, j in self.jobs.items() if not j.servers and not j.workers]:
             del self.jobs[name]
+
+    def stall_deadline(self) -> float | None:
+        """When the first transfer in flight without a report counts as stalled (None: none in flight)."""
+        return min((_stall_deadline(f) for f in self.in_flight.values()), default=None)
+
+    def expire_stalled(self, now: float) -> list[InFlight]:
+        """Forget the transfers in flight with no report past their deadline; return them.
+
+        A transfer's deadline is :data:`STALL_FACTOR` times its expected duration plus
+        :data:`STALL_SLACK` seconds after its start. A peer that announced an update and never
+        reports would otherwise hold its bottleneck for ever (every transfer planned behind it
+        waits). The update's outcome is DROPPED naming the deadline; the daemon holding the
+        update resolves its push itself (its own transfer and push deadlines), and a late
+        report finds nothing in flight.
+        """
+        stalled = [f for f in self.in_flight.values() if now > _stall_deadline(f)]
+        for f in stalled:
+            del self.in_flight[f.update_id]
+            self._resolve(
+                f.update_id,
+                OutcomeKind.DROPPED,
+                f"no report on the transfer of '{f.update_id}' by its deadline {_stall_deadline(f):g} s "
+                f"(expected {f.expected_end - f.started_at:g} s from {f.started_at:g} s): forgotten",
+            )
+        return stalled
 
     def _resolve(
         self,

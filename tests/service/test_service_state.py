@@ -25,7 +25,7 @@ from mlfabric.scheduler.service.state import (
     UnknownWorker,
 )
 
-MODEL = (TensorSpec("w", "float32", (4, 4)),)
+MODEL = (TensorSpec("w", "float32", (1000, 1000)),)  # 4 MB: the updates below are smaller
 
 
 def _state() -> SchedulerState:
@@ -236,7 +236,31 @@ def test_hello_with_a_well_formed_data_address_is_accepted(address: str) -> None
 def test_bounded_div_max_is_refused_until_replication_runs() -> None:
     s = SchedulerState(star(2, 8e9))
     s.connect("h0", "127.0.0.1:1")
-    with pytest.raises(SchedulerError, match="div_max 0.5"):
+    with pytest.raises(SchedulerError, match=r"div_max 0\.5"):
         s.register_server("h0", "j", "ps", MODEL, JobParams(div_max=0.5), version=0)
     assert "j" not in s.jobs
     s.register_server("h0", "j", "ps", MODEL, JobParams(div_max=0.0), version=0)  # unbounded
+
+
+def test_update_announcing_more_than_the_model_size_is_refused_naming_both() -> None:
+    s = _state()
+    with pytest.raises(SchedulerError, match=r"announces 1000000000000 bytes.*4000000-byte model"):
+        s.add_update("h1", "h1/rogue", "j", "ps", "w1", 10**12, 1.0, 5, now=0.0)
+    assert "h1/rogue" not in s.pending
+    assert s.add_update("h1", "h1/ok", "j", "ps", "w1", 4_000_000, 1.0, 5, now=0.0).bytes == 4_000_000
+
+
+def test_transfer_without_progress_is_forgotten_past_its_deadline() -> None:
+    s = _state()
+    _ready(s, "u1")
+    _ready(s, "u2", host="h2", worker="w2")
+    s.release("u1", ("h1", "sw", "h0"), started_at=0.0, expected_end=2.0)  # deadline 4 x 2 s + 30 s = 38 s
+    s.release("u2", ("h2", "sw", "h0"), started_at=30.0, expected_end=31.0)  # deadline 64 s
+    assert s.stall_deadline() == 38.0
+    assert s.expire_stalled(now=37.0) == []
+    stalled = s.expire_stalled(now=39.0)
+    assert [f.update_id for f in stalled] == ["u1"] and list(s.in_flight) == ["u2"]
+    out = s.outcomes["u1"]
+    assert out.kind is OutcomeKind.DROPPED and "no report" in out.reason and "38" in out.reason
+    with pytest.raises(UnknownUpdate):  # a late report finds nothing to release
+        s.report(TransferResult("u1", "h1", "h0", 1000, 0.0, 50.0, outcome=OutcomeKind.APPLIED))

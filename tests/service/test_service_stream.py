@@ -168,7 +168,7 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
 async def _job(c: Cluster) -> tuple[FakeDaemon, FakeDaemon, FakeDaemon]:
     """Server 'ps' on host ps, worker 'wa' on host a, worker 'wb' on host b."""
     ps, a, b = await c.daemon("ps"), await c.daemon("a"), await c.daemon("b")
-    model = [pb.TensorSpec(name="w", dtype="float32", shape=[2, 3])]
+    model = [pb.TensorSpec(name="w", dtype="float32", shape=[1000, 1000])]  # 4 MB: updates up to it
     ack = await ps.register(pb.ROLE_SERVER, "ps", model=model, params=pb.JobParams(tau_max=4), version=3)
     assert ack.ok, ack.error
     for d, name in ((a, "wa"), (b, "wb")):
@@ -231,7 +231,7 @@ def test_server_registration_announces_servers_to_worker_daemons() -> None:
             d = await a.recv()
             assert d.WhichOneof("kind") == "job_update"
             assert [s.name for s in d.job_update.servers] == ["ps", "ps2"]
-            assert d.job_update.servers[0].model[0].shape == [2, 3]
+            assert d.job_update.servers[0].model[0].shape == [1000, 1000]
             dup = await ps.register(
                 pb.ROLE_SERVER, "ps", model=[], params=pb.JobParams(tau_max=4), request_id=3
             )
