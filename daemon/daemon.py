@@ -377,6 +377,7 @@ class Daemon:
         """
         if self._stopping.wait(pause):
             return
+        conn_id = -1 if conn is None else conn.conn_id
 
         def on_ack(ack: Any) -> None:
             if conn is not None:
@@ -385,11 +386,11 @@ class Daemon:
                         return  # the worker's process went away meanwhile
                     if ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB:
                         why = f"refused ({ack.error}); retrying until the job's server is back"
-                        self._unregistered[conn.conn_id] = (False, why)
+                        self._unregistered[conn_id] = (False, why)
                     elif ack is not None and ack.ok:
-                        self._unregistered.pop(conn.conn_id, None)
+                        self._unregistered.pop(conn_id, None)
                     elif ack is not None:
-                        self._unregistered[conn.conn_id] = (True, ack.error)
+                        self._unregistered[conn_id] = (True, ack.error)
                 if ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB:
                     self._tasks.submit(self._reregister, message, conn, min(2.0, max(0.2, 2 * pause)))
                     return
