@@ -291,8 +291,8 @@ def first_non_finite(tensors: Mapping[str, object]) -> str | None:
 
     One read of each tensor, block by block: a block whose sum is finite holds only finite
     values (a NaN or an infinity makes the sum non-finite), so the exact per-element test runs
-    only on blocks whose sum is not (a non-finite value, or a sum that overflowed). bfloat16
-    travels as raw words: a word is non-finite when its exponent bits are all ones.
+    only on blocks whose sum is not (a non-finite value, or a sum that overflowed). float16 and
+    bfloat16 (raw words) are tested on their bits: non-finite when the exponent bits are all ones.
 
     Parameters
     ----------
@@ -318,8 +318,9 @@ def first_non_finite(tensors: Mapping[str, object]) -> str | None:
         flat = np.asarray(value).reshape(-1)
         for start in range(0, flat.size, _FINITE_BLOCK):
             block = flat[start : start + _FINITE_BLOCK]
-            if block.dtype == np.uint16:
-                if bool((np.bitwise_and(block, 0x7F80) == 0x7F80).any()):
+            if block.dtype in (np.uint16, np.float16):  # exponent bits all ones: inf or NaN
+                bits = 0x7F80 if block.dtype == np.uint16 else 0x7C00
+                if bool((np.bitwise_and(block.view(np.uint16), bits) == bits).any()):
                     return name
             elif not np.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all()):
                 return name

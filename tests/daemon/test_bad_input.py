@@ -135,3 +135,15 @@ def test_div_max_is_refused_at_registration_until_replication_runs(make_daemon: 
         mlfabric.register_as_server(
             "job", "ps0", {"w": np.zeros(2)}, mlfabric.Params(div_max=5.0), daemon=d.config.socket_path
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_first_non_finite_finds_one_bad_element_in_any_block(dtype: str, bad: float) -> None:
+    values = np.ones(200_000, np.float32)
+    values[150_001] = bad  # in the third block
+    raw_bfloat16 = (values.view(np.uint32) >> 16).astype(np.uint16)
+    tensor = raw_bfloat16 if dtype == "bfloat16" else values.astype(dtype)
+    assert mlfabric.tensors.first_non_finite({"ok": np.zeros(3), "t": tensor}) == "t"
+    big = np.full(200_000, np.finfo(np.float16).max, np.float16)  # sums overflow, values finite
+    assert mlfabric.tensors.first_non_finite({"t": big}) is None
