@@ -172,10 +172,10 @@ def test_malformed_frames_at_a_real_daemon(fuzz_cluster: types.SimpleNamespace, 
     )
 
     # a member of an aggregate the daemon does not know waits up to 5 s for the scheduler's word
-    # (it may come after the member): exchanges run 8 at a time, so those few cost no minutes
+    # (it may come after the member): exchanges run 16 at a time, so those few cost no minutes
     pid = fuzz_cluster.processes.daemons["ps"]["pid"]
     sockets_before = _sockets(pid)
-    pool = ThreadPoolExecutor(max_workers=8)
+    pool = ThreadPoolExecutor(max_workers=16)
     sent: list[tuple[bytes, Future[list[Any] | None]]] = []
 
     @fz.settings
