@@ -104,6 +104,10 @@ class DaemonConfig:
     round_timeout : float
         Seconds a synchronous round of a server on this host waits for missing workers
         before it is applied with the updates it has.
+    push_timeout : float
+        The push deadline: seconds a push may wait for the scheduler's directive; then it
+        resolves DROPPED naming the deadline (and the scheduler is told, ``UpdateResolved``).
+        A transfer once started is bounded by ``send_attempts`` x ``io_timeout``.
     fallback_after : float or None
         Seconds without the scheduler before pushes are sent directly to their servers
         (:mod:`mlfabric.daemon.fallback`); None: pushes waiting for it resolve DROPPED.
@@ -137,6 +141,7 @@ class DaemonConfig:
     receive_pool_bytes: int = 1 << 30
     aggregator: bool = True
     round_timeout: float = 60.0
+    push_timeout: float = 60.0
     fallback_after: float | None = DEFAULT_FALLBACK_AFTER
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     pool_idle_seconds: float | None = 10.0
@@ -296,6 +301,7 @@ class Daemon:
             self._report_log.start()
         self.data_address = self._listener.start()
         self.aggregator.start()
+        threading.Thread(target=self._push_deadlines, name="push-deadline", daemon=True).start()
         self._local.start()
         self._control.start()
         self._ticker.start()
@@ -327,6 +333,21 @@ class Daemon:
         self.receive_buffers.close()
         if self._report_log is not None:
             self._report_log.stop()
+
+    def _push_deadlines(self) -> None:
+        """Resolve DROPPED every push still waiting for a directive past ``push_timeout``."""
+        timeout = self.config.push_timeout
+        while not self._stopping.wait(min(1.0, timeout / 4)):
+            for push in self.outgoing.take_expired(self._clock(), timeout):
+                reason = (
+                    f"push deadline: {push.update_id} got no directive from the scheduler at "
+                    f"{self.config.scheduler} within {timeout:g} s"
+                )
+                self.sender.finish(push, Verdict.dropped(reason))
+                resolved = control_pb2.UpdateResolved(
+                    update_id=push.update_id, outcome=control_pb2.OUTCOME_DROPPED, reason=reason
+                )
+                self._control.send(control_pb2.DaemonMessage(update_resolved=resolved))
 
     def _send_report(self, report: Any) -> None:
         """Send a ``TransferReport`` to the scheduler and append it to the report log, if any."""

@@ -294,6 +294,14 @@ class OutgoingPushes:
                 del self._pushes[p.update_id]
             return waiting
 
+    def take_expired(self, now: float, timeout: float) -> list[PendingPush]:
+        """Remove and return the pushes still waiting for a directive ``timeout`` s after ``ready_at``."""
+        with self._lock:
+            expired = [p for p in self._pushes.values() if p.state == "ready" and now - p.ready_at >= timeout]
+            for p in expired:
+                del self._pushes[p.update_id]
+            return expired
+
     def take_all(self) -> list[PendingPush]:
         """Remove and return every push (shutdown)."""
         with self._lock:

@@ -49,3 +49,18 @@ def test_memfd_shrunk_after_accept_resolves_dropped_quickly(served: dict[str, An
     assert server.version == 0
     scheduler.hold = False
     assert worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}).wait(10).applied
+
+
+def test_push_never_scheduled_resolves_dropped_at_the_push_deadline(make_daemon: Any, scheduler: Any) -> None:
+    ps, w0 = make_daemon("ps"), make_daemon("w0", push_timeout=0.5)
+    server = mlfabric.register_as_server("job", "ps0", {"w": np.zeros(2)}, daemon=ps.config.socket_path)
+    worker = mlfabric.register_as_worker("job", daemon=w0.config.socket_path, wait=5)
+    try:
+        scheduler.hold = True  # the scheduler never answers
+        result = worker.push("ps0", {"w": np.ones(2)}).wait(10)
+        assert result.status == mlfabric.DROPPED
+        assert "push deadline" in result.reason and "0.5 s" in result.reason
+        assert len(w0.outgoing) == 0
+    finally:
+        worker.close()
+        server.close()
