@@ -17,9 +17,16 @@ into directives for the daemons and follows each aggregate to the end:
 * a member that goes away before it reaches the aggregator (dropped, its source's daemon
   gone): the directive is sent again with fewer members, or the aggregate is cancelled;
 * the aggregator's daemon gone, ``AggregateFailed``, a member refused, or the aggregate not in
-  (or not reported) within the book's timeouts: every unresolved member becomes pending again
-  (its source still holds the payload) and is planned afresh. A member sent but not yet
-  reported by its source is re-queued when that report comes (its source answers every send).
+  within the book's timeouts, before the aggregate was released to the server: every
+  unresolved member becomes pending again (its source still holds the payload) and is planned
+  afresh. A member sent but not yet reported by its source is re-queued when that report comes
+  (its source answers every send);
+* once the aggregate was released to the server (its frame may have reached the server's
+  daemon, which may have applied it), its members are never planned again: the aggregator's
+  report gives their verdicts (APPLIED, DROPPED, or UNKNOWN when its frame may have been sent
+  and no answer came); the aggregator's daemon gone, ``AggregateFailed`` or no report within
+  the forward timeout resolve them UNKNOWN with the reason. The server's daemon going away
+  meanwhile waits for the aggregator's report (it knows whether the frame left).
 
 Which hosts may aggregate (:meth:`AggregateBook.eligible`): daemons that said hello with
 ``can_aggregate`` on hosts whose graph node does not say ``aggregator = False``.
@@ -189,8 +196,10 @@ class AggregateBook:
                 out += self._fail(
                     e, f"the aggregator's daemon (host '{host}') disconnected", now, discard=False
                 )
-            elif e.planned.dst == host:
+            elif e.planned.dst == host and not e.forwarded:
                 out += self._fail(e, f"the server's daemon (host '{host}') disconnected", now, discard=True)
+            # forwarded to a server whose daemon went away: the aggregator's report says whether
+            # the frame may have reached it (UNKNOWN) or certainly did not (planned afresh)
         gone = []
         for m, aid in list(self._sent.items()):
             held = self.executions.get(aid)
@@ -325,24 +334,26 @@ class AggregateBook:
         result = wire.transfer_result(host, m)
         with contextlib.suppress(UnknownUpdate):
             out.closed = self.state.report(result)
-        if not result.ok:
+        if not result.ok and result.outcome is None:  # its frame certainly never left the aggregator
             out.closed = None
             out += self._fail(
-                e, f"the aggregate did not reach the server: {result.error}", now, discard=False
+                e, f"the aggregate did not reach the server: {result.error}", now, discard=False, left=False
             )
             return out
+        if not result.ok:  # it may have reached the server: the outcome (UNKNOWN) says how it ended
+            out.closed = None
         del self.executions[e.aggregate_id]
         verdicts = {v.update_id: v for v in m.member_verdicts}
         for uid, u in e.members.items():
             v = verdicts.get(uid)
             kind = wire.OUTCOMES.get(v.outcome if v is not None else m.outcome, OutcomeKind.DROPPED)
             delay = v.delay if v is not None else m.delay
-            reason = (v.reason if v is not None else m.reason) if kind is OutcomeKind.DROPPED else ""
-            if kind is OutcomeKind.DROPPED and not reason:
+            reason = (v.reason if v is not None else m.reason) if kind is not OutcomeKind.APPLIED else ""
+            if kind is not OutcomeKind.APPLIED and not reason:
                 reason = f"aggregate '{e.aggregate_id}' gave no verdict for the member"
             resolve = pb.ResolveDirective(
                 update_id=uid,
-                outcome=pb.OUTCOME_APPLIED if kind is OutcomeKind.APPLIED else pb.OUTCOME_DROPPED,
+                outcome=wire.OUTCOME_PB[kind],
                 delay=delay,
                 server_version=m.server_version,
                 reason=reason,
@@ -353,7 +364,11 @@ class AggregateBook:
         return out
 
     def failed(self, host: str, m: pb.AggregateFailed, now: float) -> Effects:
-        """The aggregator on ``host`` gave the aggregate up: its members are planned afresh."""
+        """The aggregator on ``host`` gave the aggregate up: its members are planned afresh.
+
+        Once the aggregate was released to the server (it may have been applied) they resolve
+        UNKNOWN instead.
+        """
         e = self.executions.get(m.aggregate_id)
         if e is None or e.planned.aggregator != host:
             return Effects()
@@ -458,8 +473,20 @@ class AggregateBook:
         out.send(e.planned.aggregator, pb.Directive(aggregate=directive))
         return out
 
-    def _fail(self, e: Execution, reason: str, now: float, *, discard: bool) -> Effects:
-        """Give ``e`` up: every member not at its source's hands is planned afresh."""
+    def _fail(
+        self, e: Execution, reason: str, now: float, *, discard: bool, left: bool | None = None
+    ) -> Effects:
+        """Give ``e`` up: every member not at its source's hands is planned afresh.
+
+        An aggregate that may have left its aggregator for the server (``left``; by default:
+        it was released to the server) may have been applied: its members resolve UNKNOWN
+        (:meth:`_unknown`), never planned again.
+        """
+        if e.forwarded if left is None else left:
+            out = self._unknown(e, f"aggregate '{e.aggregate_id}' may have reached the server: {reason}", now)
+            if discard:
+                out.send(e.planned.aggregator, wire.drop_directive(e.aggregate_id, reason))
+            return out
         out = Effects()
         self.failures += 1
         self.executions.pop(e.aggregate_id, None)
@@ -488,6 +515,26 @@ class AggregateBook:
             len(e.members) - later,
             later,
         )
+        return out
+
+    def _unknown(self, e: Execution, reason: str, now: float) -> Effects:
+        """Resolve every member of ``e`` UNKNOWN with ``reason`` (it may have been applied)."""
+        out = Effects()
+        self.failures += 1
+        self.executions.pop(e.aggregate_id, None)
+        abandon = getattr(self.runner.policy, "abandon", None)
+        if abandon is not None:
+            abandon(e.aggregate_id)
+        self.runner.forget(e.members)
+        if e.forwarded:
+            self.state.track(None, untrack=e.aggregate_id)
+        for uid, u in e.members.items():
+            self._sent.pop(uid, None)
+            resolve = pb.ResolveDirective(update_id=uid, outcome=pb.OUTCOME_UNKNOWN, reason=reason)
+            out.send(u.src_host, pb.Directive(resolve=resolve))
+            self.state.record(uid, OutcomeKind.UNKNOWN, reason, 0, 0)
+            out.resolved.append(OutcomeKind.UNKNOWN)
+        log.warning("aggregate %s: %d members resolved UNKNOWN (%s)", e.aggregate_id, len(e.members), reason)
         return out
 
     def _requeue(self, updates: Iterable[PendingUpdate]) -> Effects:

@@ -241,6 +241,9 @@ class OutcomeKind(enum.Enum):
 
     APPLIED = "applied"
     DROPPED = "dropped"
+    #: whether it was applied cannot be known (e.g. the server's daemon went away after the
+    #: update or its aggregate may have reached it); the reason says why
+    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -567,7 +570,7 @@ class SchedulerState:
         if f is None:
             raise UnknownUpdate(f"update '{result.update_id}' is not in flight")
         if result.outcome is not None:
-            reason = (result.reason or result.error) if result.outcome is OutcomeKind.DROPPED else ""
+            reason = (result.reason or result.error) if result.outcome is not OutcomeKind.APPLIED else ""
             self._resolve(f.update_id, result.outcome, reason, result.delay, result.server_version)
         if result.ok and result.outcome is not None:
             server = self.jobs.get(f.job, Job(f.job, JobParams())).servers.get(f.server)

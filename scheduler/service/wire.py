@@ -18,6 +18,7 @@ from mlfabric.scheduler.service.state import (
 
 __all__ = [
     "OUTCOMES",
+    "OUTCOME_PB",
     "drop_directive",
     "error_code",
     "job_params",
@@ -28,7 +29,13 @@ __all__ = [
 ]
 
 #: wire ``Outcome`` -> :class:`~mlfabric.scheduler.service.state.OutcomeKind` (unspecified: absent)
-OUTCOMES = {pb.OUTCOME_APPLIED: OutcomeKind.APPLIED, pb.OUTCOME_DROPPED: OutcomeKind.DROPPED}
+OUTCOMES = {
+    pb.OUTCOME_APPLIED: OutcomeKind.APPLIED,
+    pb.OUTCOME_DROPPED: OutcomeKind.DROPPED,
+    pb.OUTCOME_UNKNOWN: OutcomeKind.UNKNOWN,
+}
+#: :class:`~mlfabric.scheduler.service.state.OutcomeKind` -> wire ``Outcome``
+OUTCOME_PB = {kind: value for value, kind in OUTCOMES.items()}
 
 
 def job_params(p: pb.JobParams) -> JobParams:

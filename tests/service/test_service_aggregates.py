@@ -288,3 +288,83 @@ def test_an_aggregate_leaves_once_its_after_transfer_is_past_its_expected_end(en
     core.release()
     [(kind, send)] = drain(s)["x"]
     assert (kind, send.update_id, send.next_hop_host) == ("send", "agg:ps:0", "ps")
+
+
+def forwarded(env: dict[str, Any]) -> None:
+    """Every member in at ``x``, ``u0`` applied: the aggregate is released to the server."""
+    core, s = env["core"], env["s"]
+    drain(s)
+    members_in(env)
+    report(core, s["w0"], "u0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=1)
+    [(kind, send)] = drain(s)["x"]
+    assert (kind, send.update_id) == ("send", "agg:ps:0")
+
+
+def member_resolves(env: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """worker host -> (update id, outcome) of the ResolveDirective queued for it."""
+    out = drain(env["s"])
+    return {h: (d.update_id, d.outcome) for h, ds in out.items() for kind, d in ds if kind == "resolve"}
+
+
+MEMBERS = {"w1": "u1", "w2": "u2", "w3": "u3"}
+
+
+def test_a_forwarded_aggregate_outlives_its_servers_daemon_and_resolves_on_its_report(
+    env: dict[str, Any],
+) -> None:
+    core, s = env["core"], env["s"]
+    forwarded(env)
+    core.goodbye(s["ps"])  # after the server applied the aggregate, before the aggregator's report
+    assert not {"u1", "u2", "u3"} & set(core.state.pending)
+    assert not {"u1", "u2", "u3"} & set(core.state.outcomes)  # neither re-planned nor dropped
+    verdicts = [pb.MemberVerdict(update_id=u, outcome=pb.OUTCOME_APPLIED) for u in ("u1", "u2", "u3")]
+    report(core, s["x"], "agg:ps:0", "ps", outcome=pb.OUTCOME_APPLIED, member_verdicts=verdicts)
+    assert member_resolves(env) == {h: (u, pb.OUTCOME_APPLIED) for h, u in MEMBERS.items()}
+    assert {core.state.outcomes[u].kind for u in MEMBERS.values()} == {OutcomeKind.APPLIED}
+
+
+def test_a_forward_that_may_have_reached_the_server_resolves_its_members_unknown(
+    env: dict[str, Any],
+) -> None:
+    core, s = env["core"], env["s"]
+    forwarded(env)
+    core.goodbye(s["ps"])
+    why = "aggregate agg:ps:0 may have reached host 'ps', which gave no verdict: peer closed"
+    verdicts = [
+        pb.MemberVerdict(update_id=u, outcome=pb.OUTCOME_UNKNOWN, reason=why) for u in MEMBERS.values()
+    ]
+    report(
+        core, s["x"], "agg:ps:0", "ps", ok=False, error=why, outcome=pb.OUTCOME_UNKNOWN, reason=why,
+        member_verdicts=verdicts,
+    )  # fmt: skip
+    assert member_resolves(env) == {h: (u, pb.OUTCOME_UNKNOWN) for h, u in MEMBERS.items()}
+    outcomes = [core.state.outcomes[u] for u in MEMBERS.values()]
+    assert {(o.kind, o.reason) for o in outcomes} == {(OutcomeKind.UNKNOWN, why)}
+    assert not core.state.pending and not core.aggregates.executions
+
+
+def test_a_forward_that_never_left_the_aggregator_replans_its_members(env: dict[str, Any]) -> None:
+    core, s = env["core"], env["s"]
+    forwarded(env)
+    report(core, s["x"], "agg:ps:0", "ps", ok=False, error="connect: [Errno 111] Connection refused")
+    assert set(core.state.pending) == {"u1", "u2", "u3"}
+
+
+def test_a_lost_aggregator_after_the_forward_resolves_its_members_unknown(env: dict[str, Any]) -> None:
+    core, s = env["core"], env["s"]
+    forwarded(env)
+    core.goodbye(s["x"])
+    assert member_resolves(env) == {h: (u, pb.OUTCOME_UNKNOWN) for h, u in MEMBERS.items()}
+    outcomes = [core.state.outcomes[u] for u in MEMBERS.values()]
+    assert {o.kind for o in outcomes} == {OutcomeKind.UNKNOWN}
+    assert all("may have reached the server" in o.reason for o in outcomes)
+    assert not core.state.pending
+
+
+def test_a_forwarded_aggregate_without_a_report_resolves_its_members_unknown(env: dict[str, Any]) -> None:
+    core, clock = env["core"], env["clock"]
+    forwarded(env)
+    clock.now = 10_000.0
+    core._execute(core.aggregates.expire(clock.now))
+    assert member_resolves(env) == {h: (u, pb.OUTCOME_UNKNOWN) for h, u in MEMBERS.items()}
+    assert not core.state.pending
