@@ -21,7 +21,9 @@ sends one update's worth of bytes on to the server. The scheduler plans it; this
 5. Members still missing ``timeout_seconds`` after the directive, a server that cannot be
    reached, or a re-issued directive that would remove a member already summed: the partial
    sum is discarded and ``AggregateFailed`` tells the scheduler, which re-plans the members
-   (their sources still hold the payloads).
+   (their sources still hold the payloads). A forward whose frame may have reached the server's
+   daemon (it went away before answering) is never resent: the report says UNKNOWN, for the
+   aggregate and each member.
 
 All state is in memory; the scheduler stream ending abandons every aggregate (the scheduler
 forgets them too).
@@ -449,7 +451,7 @@ class AggregatorRole:
             dst_host=send.next_hop_host,
             bytes=agg.payload_bytes,
         )
-        reply, errors = None, []
+        reply, errors, maybe_sent = None, [], False
         payload: Any = b""
         if agg.payload_bytes and getattr(agg.buffer, "fd", -1) >= 0:
             payload = FileSpan(agg.buffer.fd, 0, agg.payload_bytes)  # sendfile from the pooled memfd
@@ -466,11 +468,27 @@ class AggregatorRole:
                     break
                 except PeerUnavailable as exc:
                     errors.append(str(exc))
+                    if exc.sent:  # the server's daemon may have applied it: never resend
+                        maybe_sent = True
+                        break
         finally:
             if isinstance(payload, memoryview):
                 payload.release()
         failure = ""
-        if reply is None:
+        if reply is None and maybe_sent:
+            unknown = (
+                f"aggregate {agg.aggregate_id} may have reached host {send.next_hop_host!r} ({address}), "
+                f"which gave no verdict: {errors[-1]}"
+            )
+            report.ok, report.error = False, unknown
+            report.outcome, report.reason = control_pb2.OUTCOME_UNKNOWN, unknown
+            report.member_verdicts.extend(
+                control_pb2.MemberVerdict(
+                    update_id=m.update_id, outcome=control_pb2.OUTCOME_UNKNOWN, reason=unknown
+                )
+                for m in header.members
+            )
+        elif reply is None:
             failure = (
                 f"forwarding aggregate {agg.aggregate_id} to host {send.next_hop_host!r} ({address}) failed "
                 f"after {self._attempts} attempts: {errors[-1] if errors else 'no attempt'}"

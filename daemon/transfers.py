@@ -299,7 +299,7 @@ class PushSender:
             bytes=push.payload_bytes,
         )
         errors: list[str] = []
-        received = False
+        received = maybe_sent = False
         for attempt in range(attempts):
             if attempt and self._stopping.wait(self._backoff * 2 ** (attempt - 1)):
                 errors.append("daemon shutting down")
@@ -309,6 +309,11 @@ class PushSender:
             except PeerUnavailable as exc:
                 _LOG.warning("transfer %s, attempt %d/%d: %s", push.update_id, attempt + 1, attempts, exc)
                 errors.append(str(exc))
+                if exc.sent and not send.aggregate_id:
+                    # the server's daemon may have applied it; a resend could reach a new
+                    # incarnation that cannot know: never resend, the push resolves UNKNOWN
+                    maybe_sent = True
+                    break
                 continue
             h = reply.header
             received = h.kind == _ACK
@@ -326,6 +331,12 @@ class PushSender:
             verdict = Verdict.dropped(
                 f"transfer of {push.update_id} to host {send.next_hop_host!r} ({send.next_hop_address}) "
                 f"failed after {attempts} attempts: {errors[-1] if errors else 'no attempt'}"
+            )
+            report.ok, report.error = False, verdict.reason
+        if maybe_sent:
+            verdict = Verdict.unknown(
+                f"{push.update_id} may have reached host {send.next_hop_host!r} "
+                f"({send.next_hop_address}), which gave no verdict: {errors[-1]}"
             )
             report.ok, report.error = False, verdict.reason
         if send.aggregate_id:  # to an aggregator: unresolved until a ResolveDirective or a new send

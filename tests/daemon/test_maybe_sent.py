@@ -1,0 +1,133 @@
+"""A frame that may have reached the server's daemon is never resent: the push resolves UNKNOWN.
+
+``PeerUnavailable(sent=True)`` means the peer may have the whole frame (and may have applied
+it) before it went away; a retry would reach a restarted daemon that cannot know, so a worker's
+direct push (:class:`~mlfabric.daemon.transfers.PushSender`) and an aggregator's forward
+(:class:`~mlfabric.daemon.aggregating.AggregatorRole`) stop there and say UNKNOWN, naming why.
+A peer that certainly got nothing (connection refused) is retried as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mlfabric.daemon.aggregating import AggregatorRole, _Aggregate
+from mlfabric.daemon.roles import OutgoingPushes, PendingPush
+from mlfabric.daemon.transfers import PushSender
+from mlfabric.daemon.transport import PeerUnavailable
+from mlfabric.proto.v1 import control_pb2
+
+ADDRESS = "127.0.0.1:1"
+
+
+class Peer:
+    """``request``: the first call fails as ``first``, later ones are refused (a dead daemon)."""
+
+    def __init__(self, first: PeerUnavailable) -> None:
+        self.first = first
+        self.calls = 0
+
+    def __call__(self, address: str, header: Any, payload: Any = None, **kw: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise self.first
+        raise PeerUnavailable(address, "connect: [Errno 111] Connection refused")
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def send(self, event: Any) -> None:
+        self.events.append(event)
+
+
+def _push(sender: PushSender, peer: Peer) -> Owner:
+    fd = os.memfd_create("payload")
+    os.write(fd, b"\0" * 8)
+    owner = Owner()
+    push = PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, owner)
+    sender.outgoing.add(push)
+    sender.outgoing.start_sending(push.update_id)
+    sender.request = peer
+    send = control_pb2.SendDirective(
+        update_id=push.update_id, next_hop_host="ps", next_hop_address=ADDRESS, dst_host="ps"
+    )
+    sender.transfer(push, send)
+    return owner
+
+
+def test_a_push_that_may_have_reached_the_server_is_not_resent_and_resolves_unknown() -> None:
+    reports: list[Any] = []
+    sender = PushSender("w", None, OutgoingPushes("w"), reports.append, send_attempts=3, retry_backoff=0.0)
+    peer = Peer(PeerUnavailable(ADDRESS, "peer closed the connection before replying", sent=True))
+    owner = _push(sender, peer)
+    assert peer.calls == 1
+    [report] = reports
+    assert (report.ok, report.outcome) == (False, control_pb2.OUTCOME_UNKNOWN)
+    assert "may have reached host 'ps'" in report.reason and "before replying" in report.reason
+    [event] = owner.events
+    assert event.push_result.outcome == control_pb2.OUTCOME_UNKNOWN
+    assert event.push_result.reason == report.reason
+
+
+def test_a_push_the_server_never_got_is_retried_and_then_dropped() -> None:
+    reports: list[Any] = []
+    sender = PushSender("w", None, OutgoingPushes("w"), reports.append, send_attempts=3, retry_backoff=0.0)
+    peer = Peer(PeerUnavailable(ADDRESS, "connect: [Errno 111] Connection refused"))
+    owner = _push(sender, peer)
+    assert peer.calls == 3
+    [report] = reports
+    assert report.outcome == control_pb2.OUTCOME_DROPPED and "after 3 attempts" in report.reason
+    assert owner.events[0].push_result.outcome == control_pb2.OUTCOME_DROPPED
+
+
+def _forward(peer: Peer) -> tuple[list[Any], list[Any]]:
+    reports: list[Any] = []
+    failed: list[Any] = []
+    role = AggregatorRole(
+        "x",
+        bytearray,
+        lambda m: True,
+        failed.append,
+        reports.append,
+        peer,
+        send_attempts=3,
+        retry_backoff=0.0,
+    )
+    members = {
+        u: control_pb2.AggregateMember(update_id=u, worker=f"w{i}", base_version=1, norm=1.0, bytes=8)
+        for i, u in enumerate(("u1", "u2"))
+    }
+    agg = _Aggregate("agg:ps:0", "j", "ps0", "ps", ADDRESS, members, 1e9, arrived=list(members))
+    agg.payload_bytes, agg.buffer, agg.state = 8, bytearray(8), "ready"
+    role._aggregates[agg.aggregate_id] = agg
+    role.forward(
+        control_pb2.SendDirective(update_id="agg:ps:0", next_hop_host="ps", next_hop_address=ADDRESS)
+    )
+    return reports, failed
+
+
+def test_an_aggregate_that_may_have_reached_the_server_is_not_resent_and_resolves_unknown() -> None:
+    peer = Peer(PeerUnavailable(ADDRESS, "receive failed: reset", sent=True))
+    reports, failed = _forward(peer)
+    assert peer.calls == 1
+    [report] = reports
+    assert (report.ok, report.outcome) == (False, control_pb2.OUTCOME_UNKNOWN)
+    assert [(v.update_id, v.outcome) for v in report.member_verdicts] == [
+        ("u1", control_pb2.OUTCOME_UNKNOWN),
+        ("u2", control_pb2.OUTCOME_UNKNOWN),
+    ]
+    assert all("may have reached host 'ps'" in v.reason for v in report.member_verdicts)
+    assert not failed  # AggregateFailed would have the members re-planned
+
+
+def test_an_aggregate_the_server_never_got_is_retried_and_then_fails() -> None:
+    peer = Peer(PeerUnavailable(ADDRESS, "connect: [Errno 111] Connection refused"))
+    reports, failed = _forward(peer)
+    assert peer.calls == 3
+    [report] = reports
+    assert not report.ok and report.outcome == control_pb2.OUTCOME_UNSPECIFIED and not report.member_verdicts
+    [f] = failed
+    assert f.aggregate_id == "agg:ps:0"
