@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric.proto.v1 import control_pb2, local_pb2
-from mlfabric.wire.framing import MessageReader, ProtocolError, send_message
+from mlfabric.wire.framing import (
+    MAX_LOCAL_MESSAGE,
+    MessageReader,
+    ProtocolError,
+    default_socket_path,
+    send_message,
+)
 
 __all__ = [
     "APPLIED",
@@ -355,3 +361,21 @@ def raise_for_error(event: Any, fd: int | None = None) -> None:
         if fd is not None:
             os.close(fd)
         raise MlfabricError(event.error.message, code=event.error.code)
+
+
+def check_size(request: Any, what: str) -> None:
+    """Refuse a local request larger than the local message limit, naming the limit."""
+    size = request.ByteSize()
+    if size > MAX_LOCAL_MESSAGE:
+        raise MlfabricError(
+            f"{what} is {size} bytes, over the {MAX_LOCAL_MESSAGE}-byte limit of a local message "
+            "(shorten the job, server or worker name)",
+            code="bad_request",
+        )
+
+
+def connect(daemon: str | None) -> LocalClient:
+    """A connected :class:`LocalClient` to the daemon at ``daemon`` (default: the default socket)."""
+    client = LocalClient(default_socket_path(daemon))
+    client.connect()
+    return client

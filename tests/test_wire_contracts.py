@@ -1,8 +1,8 @@
 """The contracts between processes are defined once, and each side imports the one definition.
 
-- the client (``mlfabric/api.py``, ``mlfabric/localclient.py``) imports no daemon module and
-  the daemon imports no client module: what both need lives in ``mlfabric/wire/``, which
-  imports neither;
+- the client (``mlfabric/api.py``, ``mlfabric/server.py``, ``mlfabric/localclient.py``) imports
+  no daemon module and the daemon imports no client module: what both need lives in
+  ``mlfabric/wire/``, which imports neither;
 - the daemon's control channel and the scheduler's service use the one keepalive setting;
 - the ready file appears whole or not at all.
 """
@@ -24,7 +24,7 @@ from mlfabric.scheduler.service import core
 from mlfabric.wire import keepalive
 
 ROOT = Path(__file__).resolve().parent.parent
-CLIENT = [ROOT / "mlfabric" / "api.py", ROOT / "mlfabric" / "localclient.py"]
+CLIENT = [ROOT / "mlfabric" / n for n in ("api.py", "server.py", "localclient.py")]
 DAEMON = sorted((ROOT / "daemon").glob("*.py"))
 WIRE = sorted((ROOT / "mlfabric" / "wire").glob("*.py"))
 
@@ -64,11 +64,17 @@ def test_client_imports_no_daemon_module() -> None:
 
 
 def test_daemon_imports_no_client_module() -> None:
-    assert _violations(DAEMON, ("mlfabric.api", "mlfabric.localclient")) == []
+    assert _violations(DAEMON, ("mlfabric.api", "mlfabric.server", "mlfabric.localclient")) == []
 
 
 def test_wire_imports_neither_side_nor_the_scheduler() -> None:
-    sides = ("mlfabric.api", "mlfabric.localclient", "mlfabric.daemon", "mlfabric.scheduler")
+    sides = (
+        "mlfabric.api",
+        "mlfabric.server",
+        "mlfabric.localclient",
+        "mlfabric.daemon",
+        "mlfabric.scheduler",
+    )
     assert WIRE and _violations(WIRE, sides) == []
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mlfabric
-import mlfabric.api
+import mlfabric.server
 from mlfabric.api import Worker
 from mlfabric.proto.v1 import control_pb2, local_pb2
 from mlfabric.tensors import Layout, from_fd, map_memfd, plan_layout, read_memfd, write_fd
@@ -105,7 +105,7 @@ def test_map_memfd_views_the_payload_without_a_copy() -> None:
 
 def test_daemon_recycles_receive_buffers(make_daemon: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     privatized: list[Any] = []  # the default on_update keeps no view: the mapping just closes
-    monkeypatch.setattr(mlfabric.api, "privatize", privatized.append)
+    monkeypatch.setattr(mlfabric.server, "privatize", privatized.append)
     ps, w0 = make_daemon("ps"), make_daemon("w0")
     model = {"w": np.zeros(50_000)}
     server = mlfabric.register_as_server("job", "ps0", model, daemon=ps.config.socket_path)
