@@ -278,10 +278,11 @@ def _handoff_daemon(path: str, ctl: Connection, results: Connection) -> None:
 def handoff_session(name: str, nbytes: int, ctx: Any, *, reuse: bool) -> Session:
     """The update into a memfd, the fd over SCM_RIGHTS, the daemon's reply.
 
-    ``reuse=False`` is ``mlfabric.tensors.to_memfd`` (a new memfd per push, as ``Worker.push``
+    ``reuse=False`` is ``mlfabric.tensorio.to_memfd`` (a new memfd per push, as ``Worker.push``
     did before its memfd pool); ``reuse=True`` copies into a recycled memfd (what ``Worker.push``
     does once the previous push resolved), so no page is allocated and zeroed.
     """
+    from mlfabric import tensorio
     from mlfabric import tensors as tcodec
 
     update = {"w": np.ones(nbytes // 4, np.float32)}
@@ -304,7 +305,7 @@ def handoff_session(name: str, nbytes: int, ctx: Any, *, reuse: bool) -> Session
                         tcodec.encode_into(buf, update, layouts)
                         fd = buf.fd
                     else:
-                        fd, _layouts, total = tcodec.to_memfd(update, name="bench-update")
+                        fd, _layouts, total = tensorio.to_memfd(update, name="bench-update")
                     socket.send_fds(sock, [str(total).encode()], [fd])
                     if sock.recv(1) != ACK:
                         raise RuntimeError("hand-off receiver closed")
@@ -403,7 +404,7 @@ NOTES = """## What the rows are
 - `dataplane_fresh`: the receiver allocates a new memfd per frame (`MemfdBuffer`, what the daemon
   did before it received into a `MemfdPool`): every page is allocated and zeroed on first touch.
 - `gloo`, `raw_tcp`: the same bytes, receiver reusing one buffer; a 1-byte reply ends each timing.
-- `handoff`: `mlfabric.tensors.to_memfd` (new memfd) + SCM_RIGHTS + reply, measured directly;
+- `handoff`: `mlfabric.tensorio.to_memfd` (new memfd) + SCM_RIGHTS + reply, measured directly;
   `handoff_reuse`: the update copied into a memfd kept from push to push.
 - `api_handoff`: `Worker.push` through a real cluster (scheduler and two `mlfabric daemon`
   processes) until the worker's daemon accepted the update: the update is copied into a memfd

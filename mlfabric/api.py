@@ -43,6 +43,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mlfabric import tensorio
 from mlfabric import tensors as tcodec
 from mlfabric.daemon.roles import check_update
 from mlfabric.localclient import (
@@ -160,7 +161,7 @@ class Worker:
         if norm is None:
             norm = tcodec.l2_norm(update)
         base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
-        buf, layouts, total = tcodec.encode_pooled(self._buffers, update)
+        buf, layouts, total = tensorio.encode_pooled(self._buffers, update)
         crc = payload_crc32(memoryview(buf)[:total])  # while the bytes are hot in cache
         # lost connection: the daemon may still read the buffer, so it is never reused
         handle = PushHandle(server, on_final=lambda lost: buf.discard() if lost else buf.release())
@@ -235,7 +236,7 @@ class Worker:
         """
         request = local_pb2.LocalRequest(get=local_pb2.GetRequest(server=server))
         event, fd = self._client.call(request, timeout=timeout)
-        model = tcodec.from_fd(event.model.tensors, fd, as_torch=as_torch)
+        model = tensorio.from_fd(event.model.tensors, fd, as_torch=as_torch)
         self._base_versions[server] = int(event.model.version)
         return int(event.model.version), model
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mlfabric import tensorio
 from mlfabric import tensors as tcodec
 from mlfabric.localclient import LocalClient, MlfabricError, check_size, connect, raise_for_error
 from mlfabric.params import Params
@@ -129,7 +130,7 @@ class Server:
     def publish(self) -> None:
         """Hand the current model (or ``on_request``'s tensors) to the daemon for ``get``."""
         tensors = self._request_fn() if self._request_fn is not None else None
-        fd, layouts, total = tcodec.to_memfd(
+        fd, layouts, total = tensorio.to_memfd(
             self.model if tensors is None else tensors, name="mlfabric-model"
         )
         try:
@@ -261,7 +262,7 @@ class Server:
                 os.close(fd)
             self._drop(verdict, refusal)
             return
-        update, mapping = tcodec.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
+        update, mapping = tensorio.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
         bad = tcodec.first_non_finite(update) if self.params.refuse_non_finite else None
         if bad is not None:
             del update

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import mlfabric
+import mlfabric.tensorio
 
 
 def _serve(daemon: Any, params: mlfabric.Params) -> tuple[Any, threading.Thread]:
@@ -108,13 +109,13 @@ def test_wrong_spec_raises_at_push(served: dict[str, Any], update: dict, expecte
 
 def test_wrong_shape_is_refused_before_the_tensor_is_copied(served: dict[str, Any], monkeypatch: Any) -> None:
     copies: list[int] = []
-    real = mlfabric.tensors.encode_pooled
+    real = mlfabric.tensorio.encode_pooled
 
     def counting(pool: Any, tensors: Any) -> Any:
         copies.append(1)
         return real(pool, tensors)
 
-    monkeypatch.setattr(mlfabric.tensors, "encode_pooled", counting)
+    monkeypatch.setattr(mlfabric.tensorio, "encode_pooled", counting)
     with pytest.raises(mlfabric.MlfabricError, match="shape"):
         served["worker"].push("ps0", {"w": np.zeros((200, 300)), "b": np.zeros(4, np.float32)})
     assert copies == []

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from mlfabric import tensorio
 from mlfabric import tensors as tc
 
 NUMPY_DTYPES = [np.float32, np.float16, np.float64]
@@ -20,10 +21,10 @@ def _sample(dtype: type, shape: tuple[int, ...], seed: int) -> np.ndarray:
 @pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 1, 4)])
 def test_numpy_round_trip_through_a_memfd(dtype: type, shape: tuple[int, ...]) -> None:
     original = {"a": _sample(dtype, shape, 1), "b": _sample(np.float64, (3,), 2)}
-    fd, layouts, total = tc.to_memfd(original)
+    fd, layouts, total = tensorio.to_memfd(original)
     try:
         assert total == sum(v.nbytes for v in original.values())
-        back = tc.read_memfd(fd, layouts)
+        back = tensorio.read_memfd(fd, layouts)
     finally:
         os.close(fd)
     assert list(back) == ["a", "b"]
@@ -47,9 +48,9 @@ def test_bfloat16_as_raw_uint16_words_in_numpy() -> None:
 def test_non_contiguous_and_big_endian_arrays_are_packed() -> None:
     base = np.arange(12, dtype=">f8").reshape(3, 4)
     view = base[:, ::2]
-    fd, layouts, _ = tc.to_memfd({"v": view})
+    fd, layouts, _ = tensorio.to_memfd({"v": view})
     try:
-        back = tc.read_memfd(fd, layouts)["v"]
+        back = tensorio.read_memfd(fd, layouts)["v"]
     finally:
         os.close(fd)
     np.testing.assert_array_equal(back, view)
@@ -86,10 +87,10 @@ def test_torch_round_trip(dtype: str) -> None:
         "w": torch.randn(3, 4).to(getattr(torch, dtype)),
         "s": torch.tensor(2.5, dtype=getattr(torch, dtype)),
     }
-    fd, layouts, _ = tc.to_memfd(original)
+    fd, layouts, _ = tensorio.to_memfd(original)
     try:
-        back = tc.read_memfd(fd, layouts, as_torch=True)
-        raw = tc.read_memfd(fd, layouts)
+        back = tensorio.read_memfd(fd, layouts, as_torch=True)
+        raw = tensorio.read_memfd(fd, layouts)
     finally:
         os.close(fd)
     for name, value in original.items():
@@ -111,9 +112,9 @@ def test_torch_and_numpy_norms_agree() -> None:
 
 def test_non_contiguous_torch_tensor() -> None:
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
-    fd, layouts, _ = tc.to_memfd({"t": t})
+    fd, layouts, _ = tensorio.to_memfd({"t": t})
     try:
-        back = tc.read_memfd(fd, layouts, as_torch=True)["t"]
+        back = tensorio.read_memfd(fd, layouts, as_torch=True)["t"]
     finally:
         os.close(fd)
     assert torch.equal(back, t)

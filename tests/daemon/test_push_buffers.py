@@ -13,7 +13,8 @@ import mlfabric
 import mlfabric.server
 from mlfabric.api import Worker
 from mlfabric.proto.v1 import control_pb2, local_pb2
-from mlfabric.tensors import Layout, from_fd, map_memfd, plan_layout, read_memfd, write_fd
+from mlfabric.tensorio import from_fd, map_memfd, read_memfd, write_fd
+from mlfabric.tensors import Layout, plan_layout
 from mlfabric.wire.memfd import MemfdPool
 
 
