@@ -97,8 +97,11 @@ class AdaptiveBatcher:
             if deadline is None or now >= deadline:
                 self._requested = False  # the batch's decision serves the request too
                 return self._batch.close()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that arrives as
+            # a notification does, and the scheduler's decision loop then never stops
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=deadline - now)
+                async with asyncio.timeout(deadline - now):
+                    await self._arrived.wait()
             except TimeoutError:
                 continue
             self._arrived.clear()

@@ -39,6 +39,8 @@ __all__ = ["SERVICE_POLICIES", "build_policy", "configure", "main", "run"]
 log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:7077"
+#: seconds the daemons' streams get to end on SIGTERM before they are cancelled
+STOP_GRACE = 1.0
 #: hosts of the star used when neither --topology nor --star is given
 DEFAULT_STAR = 4
 
@@ -340,7 +342,13 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     core_task.cancel()
     stopper.cancel()
     supervisor.cancel()
-    await server.stop(grace=1.0)
+    stopping = asyncio.create_task(server.stop(grace=STOP_GRACE))  # no new streams from here
+    await asyncio.sleep(0)
+    for session in list(core.sessions.values()):
+        session.close()  # each daemon's stream ends with OK, not cancelled at the grace's end
+    _, late = await asyncio.wait({core_task, stopping}, timeout=STOP_GRACE + 2.0)
+    for task in late:
+        log.error("still running %.0f s after the stop: %r", STOP_GRACE + 2.0, task)
     if metrics_server is not None:
         metrics_server.close()
     if failed:

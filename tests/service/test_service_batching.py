@@ -75,3 +75,25 @@ def test_batcher_waits_for_the_first_notification() -> None:
         return waiting
 
     assert asyncio.run(main())
+
+
+def test_a_cancel_arriving_with_a_notification_stops_the_batcher() -> None:
+    """The scheduler's shutdown cancels the decision loop; a notification at that moment must
+    not swallow the cancel (``asyncio.wait_for`` on 3.11 did: the loop, and the scheduler's
+    exit, then hung)."""
+
+    async def main() -> bool:
+        b = AdaptiveBatcher(window=10.0, max_wait=10.0)
+        b.notify()  # a batch is open: next_batch waits for the window to pass
+        task = asyncio.create_task(b.next_batch())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        b.notify()
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+        stopped = task.cancelled()
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+        return stopped
+
+    assert asyncio.run(main())

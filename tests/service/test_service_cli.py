@@ -120,3 +120,32 @@ def test_port_in_use_is_a_clear_error(scheduler) -> None:
     )
     assert out.returncode == 2
     assert f"cannot listen on {info['address']}" in out.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_ends_open_daemon_streams_cleanly_and_exits(scheduler) -> None:
+    """A daemon's open stream ends with OK on SIGTERM (not cancelled at the grace's end), and the
+    process exits 0."""
+    import threading
+
+    proc, info = scheduler
+    hold = threading.Event()
+
+    def messages() -> Iterator[pb.DaemonMessage]:
+        yield pb.DaemonMessage(hello=pb.Hello(host="w0", data_address="127.0.0.1:1"))
+        hold.wait(30)  # the daemon keeps its stream open
+
+    with grpc.insecure_channel(str(info["address"]), options=CLIENT_CHANNEL_OPTIONS) as channel:
+        replies = pb_grpc.SchedulerStub(channel).Session(messages(), timeout=30)
+        assert next(replies).welcome.policy == "fair"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest = list(replies)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            rest, code = [], exc.code()
+        finally:
+            hold.set()
+    assert (code, rest) == (grpc.StatusCode.OK, [])
+    assert proc.wait(timeout=10) == 0
+    assert "Exception not handled" not in proc.communicate(timeout=10)[1]
