@@ -147,6 +147,9 @@ class Metrics:
         self.updates_ready = Counter("mlfabric_updates_ready", "update-ready notifications", registry=r)
         self.updates_applied = Counter("mlfabric_updates_applied", "updates applied at servers", registry=r)
         self.updates_dropped = Counter("mlfabric_updates_dropped", "updates dropped", registry=r)
+        self.updates_unknown = Counter(
+            "mlfabric_updates_unknown", "updates whose application cannot be known", registry=r
+        )
         self.transfers_released = Counter("mlfabric_transfers_released", "send directives", registry=r)
         self.decision_seconds = Histogram(
             "mlfabric_decision_seconds",
@@ -431,9 +434,10 @@ class SchedulerCore:
         self._moved()
 
     def _count(self, kind: OutcomeKind) -> None:
-        counter = (
-            self.metrics.updates_applied if kind is OutcomeKind.APPLIED else self.metrics.updates_dropped
-        )
+        counter = {
+            OutcomeKind.APPLIED: self.metrics.updates_applied,
+            OutcomeKind.UNKNOWN: self.metrics.updates_unknown,
+        }.get(kind, self.metrics.updates_dropped)
         counter.inc()
 
     # ------------------------------------------------------- deciding/releasing

@@ -359,6 +359,7 @@ def test_a_lost_aggregator_after_the_forward_resolves_its_members_unknown(env: d
     assert {o.kind for o in outcomes} == {OutcomeKind.UNKNOWN}
     assert all("may have reached the server" in o.reason for o in outcomes)
     assert not core.state.pending
+    assert core.metrics.registry.get_sample_value("mlfabric_updates_unknown_total") == 3
 
 
 def test_a_forwarded_aggregate_without_a_report_resolves_its_members_unknown(env: dict[str, Any]) -> None:
