@@ -28,12 +28,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from mlfabric import __version__
 from mlfabric.daemon.aggregating import AggregatorRole
-from mlfabric.daemon.budget import DEFAULT_MAX_INFLIGHT_BYTES, BudgetExceeded, ByteBudget, Ticker
+from mlfabric.daemon.budget import BudgetExceeded, ByteBudget, Ticker
+from mlfabric.daemon.config import DaemonConfig
 from mlfabric.daemon.control import ControlStream, local_error_code
 from mlfabric.daemon.dataplane import (
     Frame,
@@ -42,7 +42,7 @@ from mlfabric.daemon.dataplane import (
     FrameLimits,
     check_header,
 )
-from mlfabric.daemon.fallback import DEFAULT_FALLBACK_AFTER, Fallback, update_ready
+from mlfabric.daemon.fallback import Fallback, update_ready
 from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.daemon.roles import (
@@ -56,102 +56,24 @@ from mlfabric.daemon.roles import (
     spec_from_pb,
 )
 from mlfabric.daemon.serving import ServerRoles
+from mlfabric.daemon.session import SchedulerSession
 from mlfabric.daemon.transfers import PushSender, TransferReportLog
 from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb
 from mlfabric.wire.memfd import MemfdPool
 
-__all__ = ["Daemon", "DaemonConfig"]
+__all__ = ["Daemon"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 
 
-@dataclass(frozen=True)
-class DaemonConfig:
-    """What a daemon is told at start-up.
-
-    Parameters
-    ----------
-    host : str
-        This host's name in the scheduler's bandwidth graph.
-    scheduler : str
-        The scheduler's ``"host:port"``.
-    socket_path : str
-        The local API's Unix socket.
-    data_listen : str
-        ``"ip:port"`` of the data-plane listener (port 0: any).
-    egress_rate, ingress_rate : float, optional
-        NIC rates to enforce in bytes per second (None: unlimited).
-    send_attempts : int
-        Tries per transfer before the push resolves DROPPED.
-    retry_backoff : float
-        Seconds before the first retry; doubles per retry.
-    verdict_timeout : float or None
-        Seconds a server's daemon waits for its process's verdict; None (default): until the
-        process answers or disconnects — a timed-out update could still be applied later.
-    connect_timeout, io_timeout : float
-        Data-plane connect and per-call socket timeouts. ``io_timeout`` also bounds the wait for
-        the server's verdict (a slow server makes the sender retry; retries are de-duplicated).
-    max_payload_bytes : int
-        Largest accepted data-plane payload.
-    receive_pool_bytes : int
-        Capacity of released data-plane receive buffers kept for reuse (``MemfdPool``; at most
-        ``max_inflight_bytes``), freed after ``pool_idle_seconds``.
-    aggregator : bool
-        Whether this host may be an aggregator hop (announced as ``Hello.can_aggregate``).
-    round_timeout : float
-        Seconds a synchronous round of a server on this host waits for missing workers
-        before it is applied with the updates it has.
-    push_timeout : float
-        The push deadline: seconds a push may wait for the scheduler's directive; then it
-        resolves DROPPED naming the deadline (and the scheduler is told, ``UpdateResolved``).
-        A transfer once started is bounded by ``send_attempts`` x ``io_timeout``.
-    fallback_after : float or None
-        Seconds without the scheduler before pushes are sent directly to their servers
-        (:mod:`mlfabric.daemon.fallback`); None: pushes waiting for it resolve DROPPED.
-    max_inflight_bytes : int
-        Payload bytes of pushes held, and of receives, at once (:mod:`mlfabric.daemon.budget`);
-        more waits, a single larger payload is refused.
-    pool_idle_seconds : float or None
-        Released receive buffers idle this long go back to the OS (None: kept).
-    idle_timeout : float or None
-        Seconds a peer's data-plane connection may stay between frames, and a new local
-        connection before its first message, without sending a byte (None: forever).
-    header_timeout : float or None
-        Seconds from a data-plane frame's or local message's first byte until its header
-        (local: the whole message) has arrived (None: no limit).
-    max_connections : int or None
-        Connections served at once, on the data plane and on the local socket each.
-    """
-
-    host: str
-    scheduler: str
-    socket_path: str
-    data_listen: str = "127.0.0.1:0"
-    egress_rate: float | None = None
-    ingress_rate: float | None = None
-    send_attempts: int = 3
-    retry_backoff: float = 0.2
-    verdict_timeout: float | None = None
-    connect_timeout: float = 5.0
-    io_timeout: float = 300.0
-    max_payload_bytes: int = 4 << 30
-    receive_pool_bytes: int = 1 << 30
-    aggregator: bool = True
-    round_timeout: float = 60.0
-    push_timeout: float = 60.0
-    fallback_after: float | None = DEFAULT_FALLBACK_AFTER
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
-    pool_idle_seconds: float | None = 10.0
-    idle_timeout: float | None = 120.0
-    header_timeout: float | None = 10.0
-    max_connections: int | None = 1024
-
-
-class Daemon:
+class Daemon(SchedulerSession):
     """One host's daemon. Construct, :meth:`start`, and :meth:`stop` (no I/O before ``start``).
+
+    Its side of the scheduler session (registrations, directives, re-registration) is
+    :class:`~mlfabric.daemon.session.SchedulerSession`.
 
     Parameters
     ----------
@@ -360,120 +282,7 @@ class Daemon:
                     "transfer report %s not written to %s: %s", report.update_id, self._report_log.path, exc
                 )
 
-    # ------------------------------------------------------------------ control stream
-
-    def _register(self, message: Any, on_ack: Callable[[Any], None]) -> None:
-        """Send ``RegisterRole``; ``on_ack(RoleAck or None)`` (None: no scheduler)."""
-        request_id = next(self._ack_ids)
-        message.request_id = request_id
-        with self._lock:
-            self._acks[request_id] = on_ack
-        if not self._control.send(control_pb2.DaemonMessage(register_role=message)):
-            with self._lock:
-                self._acks.pop(request_id, None)
-            on_ack(None)
-
-    def _on_connected(self, welcome: Any) -> None:
-        """A (re)welcomed session: re-register the roles of this host's processes."""
-        self.fallback.connected()
-        with self._lock:
-            workers = [c for c in self._roles.values() if c.role == "worker"]
-            for c in workers:
-                self._unregistered[c.conn_id] = (False, "re-registering after the scheduler restarted")
-        for message in self.serving.registrations():
-            self._reregister(message, None)
-        for c in workers:
-            message = control_pb2.RegisterRole(job=c.job, name=c.name, role=control_pb2.ROLE_WORKER)
-            self._reregister(message, c)
-
-    def _reregister(self, message: Any, conn: LocalConnection | None, pause: float = 0.0) -> None:
-        """Register ``message`` again (``conn``: the worker's connection, None for a server).
-
-        A worker refused because its job has no server (the server's daemon is not back yet)
-        retries with backoff (0.2 s doubling to 2 s) for as long as its process is connected,
-        whatever the order daemons come back in; until then its pushes are kept (announced once
-        it is registered, or sent directly after ``fallback_after``), or without a fallback
-        resolve DROPPED naming that. Refused for another reason, its role is gone for good: its
-        pushes get an error.
-        """
-        if self._stopping.wait(pause):
-            return
-        conn_id = -1 if conn is None else conn.conn_id
-
-        def on_ack(ack: Any) -> None:
-            if conn is not None:
-                with self._lock:
-                    if self._roles.get(conn.conn_id) is not conn:
-                        return  # the worker's process went away meanwhile
-                    if ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB:
-                        why = f"refused ({ack.error}); retrying until the job's server is back"
-                        self._unregistered[conn_id] = (False, why)
-                    elif ack is not None and ack.ok:
-                        self._unregistered.pop(conn_id, None)
-                    elif ack is not None:
-                        self._unregistered[conn_id] = (True, ack.error)
-                if ack is not None and ack.code == control_pb2.ERROR_CODE_UNKNOWN_JOB:
-                    self._tasks.submit(self._reregister, message, conn, min(2.0, max(0.2, 2 * pause)))
-                    return
-            self._log_reregistration(message.job, message.name, ack)
-            if conn is not None and ack is not None and ack.ok:  # pushes held for an aggregate it never saw
-                for ready in self.sender.unhold(message.job, message.name):
-                    self._control.send(control_pb2.DaemonMessage(update_ready=ready))
-                self.fallback.announce_worker(message.job, message.name)  # kept while it was away
-
-        self._register(message, on_ack)
-
-    def _log_reregistration(self, job: str, name: str, ack: Any) -> None:
-        if ack is None or not ack.ok:
-            _LOG.error("re-registering %r of job %r failed: %s", name, job, ack and ack.error)
-        elif ack.servers:
-            self.directory.update(job, ack.servers)
-
-    def _on_disconnected(self, reason: str) -> None:
-        with self._lock:
-            acks = list(self._acks.values())
-            self._acks.clear()
-        for on_ack in acks:
-            on_ack(None)
-        self.aggregator.abandon_all(f"scheduler connection lost: {reason}")
-        if self.fallback.enabled:  # waiting pushes keep their place (sent directly if it stays away)
-            self.fallback.lost()
-            return
-        for push in self.outgoing.take_waiting():
-            self.sender.finish(
-                push, Verdict.dropped(f"scheduler connection lost before {push.update_id} was sent: {reason}")
-            )
-
-    def _on_directive(self, directive: Any) -> None:
-        kind = directive.WhichOneof("kind")
-        if kind == "role_ack":
-            with self._lock:
-                on_ack = self._acks.pop(directive.role_ack.request_id, None)
-            if on_ack is not None:
-                on_ack(directive.role_ack)
-        elif kind == "aggregate":
-            self.aggregator.on_directive(directive.aggregate)
-        elif kind == "resolve":
-            self.sender.resolve(directive.resolve)
-        elif kind == "send" and self.aggregator.owns(directive.send.update_id):
-            self._tasks.submit(self.aggregator.forward, directive.send)
-        elif kind == "drop" and self.aggregator.drop(directive.drop.update_id, directive.drop.reason):
-            pass  # an aggregate this host ran
-        elif kind == "send":
-            push = self.outgoing.start_sending(directive.send.update_id)
-            if push is None:
-                _LOG.warning("send directive for unknown or busy update %r", directive.send.update_id)
-            else:
-                self._tasks.submit(self.sender.transfer, push, directive.send)
-        elif kind == "drop":
-            dropped = self.outgoing.take(directive.drop.update_id)
-            if dropped is not None:
-                self.sender.finish(
-                    dropped, Verdict.dropped(directive.drop.reason or "dropped by the scheduler")
-                )
-        elif kind == "job_update":
-            # a JobUpdate lists the job's servers now: one that left is forgotten
-            self.directory.update(directive.job_update.job, directive.job_update.servers, replace=True)
+    # ------------------------------------------------------------------ data plane
 
     def _on_frame(self, frame: Frame) -> Response:
         """The data-plane handler: a member for an aggregate here goes to the aggregator role."""

@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 import pytest
 
-from mlfabric.daemon.daemon import Daemon, DaemonConfig
+from mlfabric.daemon.config import DaemonConfig
+from mlfabric.daemon.daemon import Daemon
 from mlfabric.proto.v1 import control_pb2, control_pb2_grpc
 
 

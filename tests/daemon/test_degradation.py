@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.daemon.daemon import DaemonConfig
+from mlfabric.daemon.config import DaemonConfig
 from mlfabric.daemon.metrics import DaemonMetrics, MeteredDaemon
 from mlfabric.proto.v1 import control_pb2
 from tests.daemon.conftest import FakeScheduler

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from mlfabric.daemon.daemon import Daemon, DaemonConfig
+from mlfabric.daemon.config import DaemonConfig
+from mlfabric.daemon.daemon import Daemon
 from mlfabric.proto.v1 import local_pb2
 
 pytestmark = pytest.mark.slow
