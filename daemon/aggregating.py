@@ -41,8 +41,9 @@ from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
 from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, error_header
+from mlfabric.daemon.listener import Response
 from mlfabric.daemon.transfers import wire_timing
-from mlfabric.daemon.transport import PeerUnavailable, Reply, Response
+from mlfabric.daemon.transport import PeerUnavailable, Reply
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.tensors import layouts_from_pb
 

@@ -43,6 +43,7 @@ from mlfabric.daemon.dataplane import (
     check_header,
 )
 from mlfabric.daemon.fallback import Fallback, update_ready
+from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.daemon.roles import (
@@ -58,7 +59,7 @@ from mlfabric.daemon.roles import (
 from mlfabric.daemon.serving import ServerRoles
 from mlfabric.daemon.session import SchedulerSession
 from mlfabric.daemon.transfers import PushSender, TransferReportLog
-from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
+from mlfabric.daemon.transport import PeerPool
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb
 from mlfabric.wire.memfd import MemfdPool

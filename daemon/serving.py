@@ -18,10 +18,10 @@ import threading
 from typing import Any
 
 from mlfabric.daemon.dataplane import Frame, FrameError, FrameHeader, FrameLimits, check_header, error_header
+from mlfabric.daemon.listener import Response
 from mlfabric.daemon.localapi import LocalConnection
 from mlfabric.daemon.roles import ModelSnapshot, ServerHandoff, Verdict, check_update, spec_from_pb
 from mlfabric.daemon.server_aggregates import ServerAggregation
-from mlfabric.daemon.transport import Response
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.tensors import layouts_from_pb, layouts_to_pb
 from mlfabric.wire.memfd import PooledBuffer

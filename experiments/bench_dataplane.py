@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 
 from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.payloadio import payload_crc32
-from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response, parse_address
+from mlfabric.daemon.transport import PeerPool, parse_address
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.crc import crc32_implementation, use_crc32
 from mlfabric.wire.memfd import MemfdPool

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mlfabric.daemon.dataplane import Frame, FrameHeader, FrameLimits
-from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
+from mlfabric.daemon.listener import DataPlaneListener, Response
+from mlfabric.daemon.transport import PeerPool
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.wire.memfd import MemfdPool, size_class
 

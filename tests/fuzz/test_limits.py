@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 
 from mlfabric.daemon.dataplane import MAGIC, FrameError, FrameLimits, error_header, recv_frame, send_frame
+from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.localapi import LocalApiServer
 from mlfabric.daemon.sockets import parse_address
-from mlfabric.daemon.transport import DataPlaneListener, PeerPool, Response
+from mlfabric.daemon.transport import PeerPool
 from mlfabric.proto.v1 import dataplane_pb2, local_pb2
 
 
