@@ -33,7 +33,8 @@ import networkx as nx
 from mlfabric.proto.v1 import admin_pb2 as apb
 from mlfabric.proto.v1 import admin_pb2_grpc
 from mlfabric.scheduler.policies.base import InFlight
-from mlfabric.scheduler.service.state import PendingUpdate, SchedulerError, SchedulerState
+from mlfabric.scheduler.service.records import SchedulerError
+from mlfabric.scheduler.service.state import PendingUpdate, SchedulerState
 
 __all__ = [
     "BUSY_UTILISATION",
@@ -176,7 +177,7 @@ def cluster_status(
     Examples
     --------
     >>> from mlfabric.scheduler.core.graph import star
-    >>> from mlfabric.scheduler.service.state import JobParams
+    >>> from mlfabric.scheduler.service.records import JobParams
     >>> act = Activity()
     >>> s = ObservedState(star(3, 8e9), act)
     >>> for h in ("h0", "h1", "h2"):

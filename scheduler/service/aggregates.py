@@ -49,14 +49,14 @@ from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, PlannedAgg
 from mlfabric.scheduler.policies.dispatch import Release
 from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service import wire
-from mlfabric.scheduler.service.state import (
+from mlfabric.scheduler.service.records import (
     DuplicateUpdate,
     OutcomeKind,
     SchedulerError,
-    SchedulerState,
     TransferResult,
     UnknownUpdate,
 )
+from mlfabric.scheduler.service.state import SchedulerState
 
 __all__ = ["AggregateBook", "Effects", "Execution"]
 

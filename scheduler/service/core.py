@@ -77,16 +77,16 @@ from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service import wire
 from mlfabric.scheduler.service.aggregates import DEFAULT_TIMEOUT, AggregateBook, Effects
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
-from mlfabric.scheduler.service.servicer import SERVER_OPTIONS, SchedulerServicer, start_server
-from mlfabric.scheduler.service.state import (
+from mlfabric.scheduler.service.records import (
     Cleanup,
     DuplicateUpdate,
     OutcomeKind,
     SchedulerError,
-    SchedulerState,
     TensorSpec,
     UnknownUpdate,
 )
+from mlfabric.scheduler.service.servicer import SERVER_OPTIONS, SchedulerServicer, start_server
+from mlfabric.scheduler.service.state import SchedulerState
 from mlfabric.wire.keepalive import CHANNEL_OPTIONS
 
 __all__ = [

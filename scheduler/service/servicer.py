@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
-from mlfabric.scheduler.service.state import HostAlreadyConnected, SchedulerError
+from mlfabric.scheduler.service.records import HostAlreadyConnected, SchedulerError
 from mlfabric.wire.keepalive import MIN_PING_INTERVAL_MS
 
 if TYPE_CHECKING:  # the core imports this module (and re-exports its names)

@@ -8,7 +8,7 @@ directives sent back. Pure: no I/O, no state.
 from __future__ import annotations
 
 from mlfabric.proto.v1 import control_pb2 as pb
-from mlfabric.scheduler.service.state import (
+from mlfabric.scheduler.service.records import (
     JobParams,
     OutcomeKind,
     SchedulerError,
@@ -28,13 +28,13 @@ __all__ = [
     "transfer_result",
 ]
 
-#: wire ``Outcome`` -> :class:`~mlfabric.scheduler.service.state.OutcomeKind` (unspecified: absent)
+#: wire ``Outcome`` -> :class:`~mlfabric.scheduler.service.records.OutcomeKind` (unspecified: absent)
 OUTCOMES = {
     pb.OUTCOME_APPLIED: OutcomeKind.APPLIED,
     pb.OUTCOME_DROPPED: OutcomeKind.DROPPED,
     pb.OUTCOME_UNKNOWN: OutcomeKind.UNKNOWN,
 }
-#: :class:`~mlfabric.scheduler.service.state.OutcomeKind` -> wire ``Outcome``
+#: :class:`~mlfabric.scheduler.service.records.OutcomeKind` -> wire ``Outcome``
 OUTCOME_PB = {kind: value for value, kind in OUTCOMES.items()}
 
 
@@ -67,7 +67,7 @@ def server_info(s: ServerRole, address: str) -> pb.ServerInfo:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.service.state import TensorSpec
+    >>> from mlfabric.scheduler.service.records import TensorSpec
     >>> s = ServerRole("j", "ps", "h0", (TensorSpec("w", "float32", (2, 3)),), version=7)
     >>> m = server_info(s, "127.0.0.1:9000")
     >>> m.data_address, m.version, list(m.model[0].shape)
@@ -108,7 +108,7 @@ def error_code(exc: SchedulerError) -> pb.ErrorCode.ValueType:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.service.state import UnknownJob
+    >>> from mlfabric.scheduler.service.records import UnknownJob
     >>> pb.ErrorCode.Name(error_code(UnknownJob("unknown job 'j'")))
     'ERROR_CODE_UNKNOWN_JOB'
     >>> pb.ErrorCode.Name(error_code(SchedulerError("a server needs a name")))
@@ -122,7 +122,7 @@ def role_refused(request_id: int, exc: SchedulerError) -> pb.Directive:
 
     Examples
     --------
-    >>> from mlfabric.scheduler.service.state import DuplicateServer
+    >>> from mlfabric.scheduler.service.records import DuplicateServer
     >>> ack = role_refused(7, DuplicateServer("job 'j' already has a server 'ps'")).role_ack
     >>> ack.ok, pb.ErrorCode.Name(ack.code), ack.error
     (False, 'ERROR_CODE_DUPLICATE_SERVER', "job 'j' already has a server 'ps'")

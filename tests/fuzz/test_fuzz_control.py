@@ -28,7 +28,8 @@ from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import Metrics, SchedulerCore, StaticEstimator
-from mlfabric.scheduler.service.state import SchedulerError, SchedulerState
+from mlfabric.scheduler.service.records import SchedulerError
+from mlfabric.scheduler.service.state import SchedulerState
 
 _HOSTS = ["ps", "w0", "fz"]
 

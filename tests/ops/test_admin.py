@@ -6,7 +6,7 @@ import networkx as nx
 
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.service.admin import Activity, ObservedState, cluster_status
-from mlfabric.scheduler.service.state import JobParams
+from mlfabric.scheduler.service.records import JobParams
 
 
 def _state(workers: dict[str, str]) -> tuple[ObservedState, Activity]:

@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.service.core import StaticEstimator
 from mlfabric.scheduler.service.metrics import ServiceCollector, drop_reason_class, serve_metrics
-from mlfabric.scheduler.service.state import JobParams, OutcomeKind, SchedulerState
+from mlfabric.scheduler.service.records import JobParams, OutcomeKind
+from mlfabric.scheduler.service.state import SchedulerState
 
 
 def _core() -> SimpleNamespace:

@@ -8,16 +8,17 @@ from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
-from mlfabric.scheduler.service import state as state_module
+from mlfabric.scheduler.service import records
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import DaemonSession, Metrics, SchedulerCore, StaticEstimator
-from mlfabric.scheduler.service.state import SchedulerError, SchedulerState
+from mlfabric.scheduler.service.records import SchedulerError
+from mlfabric.scheduler.service.state import SchedulerState
 
 
 def _error_classes() -> list[type[SchedulerError]]:
     found = [SchedulerError]
     for cls in found:
-        found.extend(c for c in cls.__subclasses__() if c.__module__ == state_module.__name__)
+        found.extend(c for c in cls.__subclasses__() if c.__module__ == records.__name__)
     return found
 
 

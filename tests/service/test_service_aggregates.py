@@ -17,7 +17,8 @@ from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import DaemonSession, Metrics, SchedulerCore, StaticEstimator
-from mlfabric.scheduler.service.state import OutcomeKind, SchedulerState
+from mlfabric.scheduler.service.records import OutcomeKind
+from mlfabric.scheduler.service.state import SchedulerState
 
 HOSTS = ["ps", "w0", "w1", "w2", "w3", "x"]
 msg = pb.DaemonMessage

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlfabric.scheduler.service import state as state_module
-from mlfabric.scheduler.service.state import OutcomeKind
+from mlfabric.scheduler.service.records import OutcomeKind
 from tests.service.test_service_stream import _job, cluster, run
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlfabric.scheduler.core.graph import parse_topology, star
-from mlfabric.scheduler.service.state import (
+from mlfabric.scheduler.service.records import (
     DuplicateServer,
     DuplicateUpdate,
     HostAlreadyConnected,
@@ -14,7 +14,6 @@ from mlfabric.scheduler.service.state import (
     OutcomeKind,
     ParamsMismatch,
     SchedulerError,
-    SchedulerState,
     TensorSpec,
     TransferResult,
     UnknownDaemon,
@@ -24,6 +23,7 @@ from mlfabric.scheduler.service.state import (
     UnknownUpdate,
     UnknownWorker,
 )
+from mlfabric.scheduler.service.state import SchedulerState
 
 MODEL = (TensorSpec("w", "float32", (1000, 1000)),)  # 4 MB: the updates below are smaller
 
