@@ -39,7 +39,8 @@ __all__ = ["SERVICE_POLICIES", "build_policy", "configure", "main", "run"]
 log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:7077"
-#: seconds the daemons' streams get to end on SIGTERM before they are cancelled
+#: seconds the daemons' streams stay open after SIGTERM (reports in flight still resolve their
+#: pushes); then they end with OK
 STOP_GRACE = 1.0
 #: hosts of the star used when neither --topology nor --star is given
 DEFAULT_STAR = 4
@@ -342,13 +343,15 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     core_task.cancel()
     stopper.cancel()
     supervisor.cancel()
-    stopping = asyncio.create_task(server.stop(grace=STOP_GRACE))  # no new streams from here
-    await asyncio.sleep(0)
+    # no new streams from here; the open ones still carry reports in flight and the verdicts
+    # they resolve for STOP_GRACE, then end with OK (not cancelled at the server's grace)
+    stopping = asyncio.create_task(server.stop(grace=STOP_GRACE + 1.0))
+    await asyncio.sleep(STOP_GRACE)
     for session in list(core.sessions.values()):
-        session.close()  # each daemon's stream ends with OK, not cancelled at the grace's end
-    _, late = await asyncio.wait({core_task, stopping}, timeout=STOP_GRACE + 2.0)
+        session.close()
+    _, late = await asyncio.wait({core_task, stopping}, timeout=3.0)
     for task in late:
-        log.error("still running %.0f s after the stop: %r", STOP_GRACE + 2.0, task)
+        log.error("still running %.0f s after the stop: %r", STOP_GRACE + 3.0, task)
     if metrics_server is not None:
         metrics_server.close()
     if failed:
