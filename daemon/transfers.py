@@ -206,6 +206,8 @@ class PushSender:
         self._backoff = retry_backoff
         self._lock = threading.Lock()
         self._active: set[Connection] = set()
+        #: held pushes an aggregator summed (ACKed): update id -> (aggregate id, aggregator host)
+        self._summed: dict[str, tuple[str, str]] = {}
         self._stopping = threading.Event()
         #: ``on_finish(push)`` after a push resolved (the daemon gives back its push budget).
         self.on_finish: Callable[[PendingPush], None] | None = None
@@ -220,6 +222,8 @@ class PushSender:
 
     def finish(self, push: PendingPush, verdict: Verdict) -> None:
         """Resolve a push: close its memfd, tell its process."""
+        with self._lock:
+            self._summed.pop(push.update_id, None)
         os.close(push.fd)
         result = local_pb2.PushResult(
             update_id=push.update_id,
@@ -340,6 +344,11 @@ class PushSender:
             )
             report.ok, report.error = False, verdict.reason
         if send.aggregate_id:  # to an aggregator: unresolved until a ResolveDirective or a new send
+            with self._lock:
+                if received:
+                    self._summed[push.update_id] = (send.aggregate_id, send.next_hop_host)
+                else:
+                    self._summed.pop(push.update_id, None)
             self._hold_for_aggregate(push, report, verdict, received)
             return
         report.outcome, report.delay, report.server_version = verdict.outcome, verdict.delay, verdict.version
@@ -366,12 +375,26 @@ class PushSender:
         """Make the held pushes of a worker ready again; their ``UpdateReady`` messages (a new session).
 
         A push held after a send to an aggregator waits for a directive from the session that
-        planned the aggregate; a new session never planned it, so the push is announced again.
-        If the aggregate was applied meanwhile, the server's daemon answers the re-sent update
-        from its memory of the members' verdicts, so it is still applied only once.
+        planned the aggregate; a new session never planned it. A push the aggregator refused
+        (never summed) is announced again. A push it summed resolves UNKNOWN naming the
+        aggregate: the aggregate may have reached the server, and a re-send could be applied
+        again (the server's daemon remembers members' verdicts only while it and its server
+        process run).
         """
         messages = []
         for push in self.outgoing.unhold(job, worker):
+            with self._lock:
+                summed = self._summed.pop(push.update_id, None)
+            if summed is not None:
+                taken = self.outgoing.take(push.update_id)
+                if taken is not None:
+                    reason = (
+                        f"{push.update_id} was summed into aggregate {summed[0]} at host {summed[1]!r}; "
+                        "the scheduler session that planned it ended before its verdict, so whether "
+                        "it reached the server cannot be known"
+                    )
+                    self.finish(taken, Verdict.unknown(reason))
+                continue
             messages.append(
                 control_pb2.UpdateReady(
                     update_id=push.update_id,
