@@ -202,7 +202,7 @@ def test_pushes_through_daemon_processes_exact_model(cluster: dict[str, Any], pr
         assert procs.stop(name) == 0, procs.log(name)
 
 
-def test_peer_daemon_killed_mid_transfer_resolves_dropped(cluster: dict[str, Any], procs: Processes) -> None:
+def test_peer_daemon_killed_mid_transfer_resolves_unknown_or_dropped(cluster: dict[str, Any], procs: Processes) -> None:
     h0, h1 = cluster["daemons"]["h0"], cluster["daemons"]["h1"]
     # 4 MiB through h0's 16 Mbit/s ingress takes about 2 s: plenty of time to kill h0 mid-transfer.
     shape = (1024, 1024)
@@ -219,8 +219,10 @@ def test_peer_daemon_killed_mid_transfer_resolves_dropped(cluster: dict[str, Any
     started = time.monotonic()
     result = handle.wait(20)
     assert time.monotonic() - started < 15
-    assert result.status == mlfabric.DROPPED
-    assert h0["data_address"] in result.reason and "attempts" in result.reason
+    # once bytes of the frame left, the worker's daemon cannot know whether the server's
+    # daemon took it all: it says UNKNOWN (never a false DROPPED) and does not resend
+    assert result.status in (mlfabric.UNKNOWN, mlfabric.DROPPED), result
+    assert result.reason
     assert server.version == 0
     thread.join(5)
     assert errors  # the server process learned that its daemon is gone
