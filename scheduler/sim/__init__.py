@@ -1,4 +1,4 @@
-"""Fluid discrete-event simulator of mlfabric policies (DESIGN §6, issue 3 item 9).
+"""Fluid discrete-event simulator of mlfabric policies (DESIGN §6).
 
 * :mod:`~mlfabric.scheduler.sim.fluid` — max-min fair sharing by progressive filling;
   the network through time (bandwidth changes);

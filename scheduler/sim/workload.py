@@ -3,12 +3,12 @@
 A worker's iteration is *compute, then push* (paper §2: workers fetch the model, compute
 an update from it, push it). :class:`ComputeModel` says how long each worker computes in
 each iteration: a per-worker mean (compute stragglers are workers with a larger mean,
-paper §6 settings CS1-CS3) times an optional random factor. Each worker draws from its
+paper §7 settings CS1-CS3) times an optional random factor. Each worker draws from its
 own stream of a seeded generator, so the k-th compute time of a worker is the same under
 every policy: a comparison of policies sees exactly the same compute.
 
 :class:`BandwidthChange` is one step of a link's capacity over time (a dynamic cluster,
-paper §6 settings NS1-NS3); it and the schedule file's parser,
+paper §7 settings NS1-NS3); it and the schedule file's parser,
 :func:`parse_bandwidth_schedule`, live in :mod:`mlfabric.scheduler.core.bandwidth_schedule`
 (the one format the simulator and the testbed read) and are re-exported here.
 """
@@ -34,7 +34,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ComputeModel:
-    """Per-worker compute time of one iteration (paper §6 compute settings).
+    """Per-worker compute time of one iteration (paper §7 compute settings).
 
     Parameters
     ----------

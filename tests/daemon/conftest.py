@@ -38,6 +38,8 @@ class FakeScheduler(control_pb2_grpc.SchedulerServicer):
         self.unregistered: list[Any] = []
         #: (host, job, name) of every role registration, in arrival order
         self.registered: list[tuple[str, str, str]] = []
+        #: worker registrations that were acknowledged ok (host, job, name)
+        self.accepted: list[tuple[str, str, str]] = []
         self.hold = False
         self.server: grpc.Server | None = None
         self.address = ""
@@ -134,6 +136,8 @@ class FakeScheduler(control_pb2_grpc.SchedulerServicer):
                     ack = control_pb2.RoleAck(
                         request_id=r.request_id, ok=True, params=params, servers=servers
                     )
+                    with self.lock:
+                        self.accepted.append((host, r.job, r.name))
             self.send(host, control_pb2.Directive(role_ack=ack))
         elif kind == "update_ready":
             with self.lock:

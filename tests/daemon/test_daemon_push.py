@@ -205,10 +205,11 @@ def test_daemons_reconnect_and_re_register_after_scheduler_restart(
     try:
         # both daemons come back and re-register the server (at its current version) and the
         # worker; a daemon re-registers once welcomed, so w0's registration means it can send
-        # (its session at the scheduler alone does not: the push raced the welcome, 1 run in 8)
+        # (its session at the scheduler alone does not: the push raced the welcome, 1 run in 8);
+        # an attempt refused "unknown job" (w0 back before ps) does not count: wait for the ack
         wait_until(lambda: {"ps", "w0"} <= set(fresh.sessions), timeout=15)
         wait_until(lambda: "ps0" in fresh.servers.get("job", {}), timeout=5)
-        wait_until(lambda: any(host == "w0" for host, _, _ in fresh.registered), timeout=5)
+        wait_until(lambda: any(host == "w0" for host, _, _ in fresh.accepted), timeout=10)
         assert fresh.servers["job"]["ps0"].version == 1
         result = worker.push("ps0", update).wait(10)
         assert result.applied and result.version == 2 and server.version == 2
