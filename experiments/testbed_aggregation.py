@@ -255,7 +255,7 @@ def run_one(
         res = _torch_run(testbed, role, ["ps", *workers], args, delays, rates, workdir, me, common)
         res.setdefault("updates", res.get("applied", 0))
         return {**res, "ingress_per_update": float(update_bytes)}
-    extra = ["--aggregate-plan", "sync"] if sync and system == "stf+agg" else []
+    extra = ["--aggregate-plan", args.aggregate_plan] if sync and system == "stf+agg" else []
     out, ready = workdir / "server.json", workdir / "server.ready"
     with TestbedCluster(
         testbed, topo, policy=system, workdir=workdir / "run", extra_scheduler_args=extra
@@ -439,6 +439,12 @@ def main() -> int:
     parser.add_argument("--compute", type=float, default=0.02, help="compute delay per iteration, s")
     parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's compute delay factor")
     parser.add_argument("--tau-max", type=int, default=32)
+    parser.add_argument(
+        "--aggregate-plan",
+        choices=["async", "sync"],
+        default="sync",
+        help="stf+agg's planner for synchronous training (the scheduler's --aggregate-plan)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="keep logs and per-run files here (default: a temp dir)")
     # the roles this script runs as inside the namespaces
