@@ -202,7 +202,9 @@ def test_pushes_through_daemon_processes_exact_model(cluster: dict[str, Any], pr
         assert procs.stop(name) == 0, procs.log(name)
 
 
-def test_peer_daemon_killed_mid_transfer_resolves_unknown_or_dropped(cluster: dict[str, Any], procs: Processes) -> None:
+def test_peer_daemon_killed_mid_transfer_resolves_unknown_or_dropped(
+    cluster: dict[str, Any], procs: Processes
+) -> None:
     h0, h1 = cluster["daemons"]["h0"], cluster["daemons"]["h1"]
     # 4 MiB through h0's 16 Mbit/s ingress takes about 2 s: plenty of time to kill h0 mid-transfer.
     shape = (1024, 1024)
