@@ -31,18 +31,17 @@ themselves do not predict delays.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.graph import PathCache
 from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
-from mlfabric.scheduler.policies.stf import plan_stf, server_key
+from mlfabric.scheduler.policies.planning import aggregator_pool, core_updates, reserve_in_flight
+from mlfabric.scheduler.policies.stf import plan_stf
 
 __all__ = ["AggregationPolicy", "plan_aggregation", "plan_aggregation_sync", "run_scope", "send_aggregate"]
 
@@ -450,40 +449,15 @@ class AggregationPolicy:
         self, snapshot: Snapshot, pending: Sequence[PendingUpdate]
     ) -> tuple[Schedule, list[tuple[str, tuple[Link, ...], float]]]:
         graph = snapshot.graph
-        updates = [
-            Update(
-                p.update_id,
-                p.src_host,
-                p.dst_host,
-                p.bytes,
-                p.ready_at,
-                p.norm,
-                p.base_version,
-                server_key(p.job, p.server),
-            )
-            for p in pending
-        ]
+        updates = core_updates(pending)
         servers = {p.dst_host for p in pending}
-        aggregators = self.aggregators or tuple(h for h in hosts(graph) if h not in servers)
-        if snapshot.aggregators is not None:
-            aggregators = tuple(h for h in aggregators if h in snapshot.aggregators)
+        aggregators = aggregator_pool(graph, self.aggregators, servers, snapshot.aggregators)
         if self.sync:
             return _plan_sync(graph, updates, aggregators, snapshot.now), []
         # online: transfers in flight keep their links until their expected end, and a server
         # whose ingress is busy may have its next group gathered at an aggregator meanwhile
         now = snapshot.now
-        tls = Timelines(graph, start=now)
-        busy: list[tuple[str, tuple[Link, ...], float]] = []
-        until: dict[str, float] = {}
-        for f in sorted(snapshot.in_flight, key=lambda f: (f.expected_end, f.update_id)):
-            links = tuple(itertools.pairwise(f.path))
-            end = max(f.expected_end, now)
-            if not links or math.isinf(end) or not all(graph.has_edge(*link) for link in links):
-                continue
-            tls.reserve_until(links, now, end, who=f.update_id)
-            busy.append((f.update_id, links, end))
-            if f.path[-1] in servers:
-                until[f.path[-1]] = max(until.get(f.path[-1], now), end)
+        tls, busy, until = reserve_in_flight(graph, snapshot.in_flight, now, servers)
         schedule = plan_aggregation(
             graph, updates, aggregators=aggregators, now=now, timelines=tls, ahead_until=until
         )

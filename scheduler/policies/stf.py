@@ -35,13 +35,9 @@ from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer, Update
 from mlfabric.scheduler.core.timeline import INF, Timelines
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
+from mlfabric.scheduler.policies.planning import core_updates, server_key
 
 __all__ = ["STFPolicy", "drop_reason", "plan_stf", "server_key"]
-
-
-def server_key(job: str, server: str) -> str:
-    """The string naming a (job, server) pair in plans: ``"job/server"``."""
-    return f"{job}/{server}"
 
 
 def drop_reason(delay: int, tau_max: int, version: int, base_version: int, ahead: int) -> str:
@@ -515,16 +511,13 @@ class STFPolicy:
             tls.reserve_until(links, now, end, who=f.update_id)
             busy.append((f.update_id, links, end))
             ahead[server_key(f.job, f.server)] += 1
-        updates = []
+        updates = core_updates(pending)
         tau: dict[str, int] = {}
         versions: dict[str, int] = {}
         for p in pending:
             key = server_key(p.job, p.server)
             tau[key] = snapshot.tau_max.get(p.job, -1)
             versions[key] = snapshot.server_versions.get((p.job, p.server), 0)
-            updates.append(
-                Update(p.update_id, p.src_host, p.dst_host, p.bytes, p.ready_at, p.norm, p.base_version, key)
-            )
         plan = plan_stf(
             graph,
             updates,

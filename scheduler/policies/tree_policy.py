@@ -11,19 +11,16 @@ policy, the simulator executes it.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.core.graph import PathCache, hosts
-from mlfabric.scheduler.core.schedule import Link, Schedule, Update, aggregate_id
-from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.schedule import Link, Schedule, aggregate_id
 from mlfabric.scheduler.policies.aggregation import _stale, run_scope
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
-from mlfabric.scheduler.policies.stf import server_key
+from mlfabric.scheduler.policies.planning import aggregator_pool, core_updates, reserve_in_flight
 from mlfabric.scheduler.policies.trees import plan_tree
 
 __all__ = ["TreePolicy"]
@@ -145,32 +142,10 @@ class TreePolicy:
     ) -> tuple[Schedule, list[tuple[str, tuple[Link, ...], float]]]:
         graph = snapshot.graph
         now = snapshot.now
-        updates = [
-            Update(
-                p.update_id,
-                p.src_host,
-                p.dst_host,
-                p.bytes,
-                p.ready_at,
-                p.norm,
-                p.base_version,
-                server_key(p.job, p.server),
-            )
-            for p in pending
-        ]
+        updates = core_updates(pending)
         servers = {p.dst_host for p in pending}
-        pool = self.aggregators or tuple(h for h in hosts(graph) if h not in servers)
-        if snapshot.aggregators is not None:
-            pool = tuple(h for h in pool if h in snapshot.aggregators)
-        tls = Timelines(graph, start=now)
-        busy: list[tuple[str, tuple[Link, ...], float]] = []
-        for f in sorted(snapshot.in_flight, key=lambda f: (f.expected_end, f.update_id)):
-            links = tuple(itertools.pairwise(f.path))
-            end = max(f.expected_end, now)
-            if not links or math.isinf(end) or not all(graph.has_edge(*link) for link in links):
-                continue
-            tls.reserve_until(links, now, end, who=f.update_id)
-            busy.append((f.update_id, links, end))
+        pool = aggregator_pool(graph, self.aggregators, servers, snapshot.aggregators)
+        tls, busy, _ = reserve_in_flight(graph, snapshot.in_flight, now)
         idle = None if not busy else tls  # an idle network: plan_tree may also try Fig. 6's groups
         schedule = plan_tree(graph, updates, aggregators=pool, now=now, paths=pc, timelines=idle)
         return schedule, busy
