@@ -31,7 +31,14 @@ from mlfabric.daemon.dataplane import (
     send_frame,
 )
 from mlfabric.daemon.ratelimit import TokenBucket
-from mlfabric.daemon.sockets import format_address, lingering_close, parse_address, tune_socket
+from mlfabric.daemon.sockets import (
+    accept_until_stopped,
+    admit,
+    format_address,
+    lingering_close,
+    parse_address,
+    tune_socket,
+)
 
 __all__ = ["DataPlaneListener", "Handler", "Response"]
 
@@ -183,32 +190,24 @@ class DataPlaneListener:
     def _accept_loop(self) -> None:
         server = self._server
         assert server is not None
-        while not self._stopping.is_set():
-            try:
-                sock, peer = server.accept()
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                raise
-            tune_socket(sock)
-            sock.settimeout(self._io_timeout)
-            name = f"{peer[0]}:{peer[1]}"
-            thread = threading.Thread(
-                target=self._serve, args=(sock, name), name="dataplane-conn", daemon=True
-            )
-            with self._lock:
-                if self._stopping.is_set():
-                    sock.close()
-                    return
-                full = self._max_connections is not None and len(self._conns) >= self._max_connections
-                if full:
-                    self.refused += 1
-                else:
-                    self._conns[sock] = thread
+        accept_until_stopped(server, self._stopping, self._accepted)
+
+    def _accepted(self, sock: socket.socket, peer: Any) -> None:
+        tune_socket(sock)
+        sock.settimeout(self._io_timeout)
+        name = f"{peer[0]}:{peer[1]}"
+        thread = threading.Thread(target=self._serve, args=(sock, name), name="dataplane-conn", daemon=True)
+        with self._lock:
+            if self._stopping.is_set():
+                sock.close()
+                return
+            full = not admit(self._conns, sock, thread, self._max_connections)
             if full:
-                self._refuse(sock, name)
-                continue
-            thread.start()
+                self.refused += 1
+        if full:
+            self._refuse(sock, name)
+            return
+        thread.start()
 
     def _refuse(self, sock: socket.socket, peer: str) -> None:
         """Answer a connection over ``max_connections`` with ERROR and close it (never blocks long)."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from mlfabric.daemon.sockets import accept_until_stopped, admit
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, ReadTimeout, send_message
 
@@ -179,27 +180,21 @@ class LocalApiServer:
     def _accept_loop(self) -> None:
         server = self._server
         assert server is not None
-        while not self._stopping.is_set():
-            try:
-                sock, _ = server.accept()
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                raise
-            conn = LocalConnection(next(self._ids), sock)
-            thread = threading.Thread(
-                target=self._serve, args=(conn, sock), name=f"local-{conn.conn_id}", daemon=True
-            )
-            with self._lock:
-                full = self._max_connections is not None and len(self._conns) >= self._max_connections
-                if full:
-                    self.refused += 1
-                else:
-                    self._conns[conn.conn_id] = (conn, thread)
+        accept_until_stopped(server, self._stopping, self._accepted)
+
+    def _accepted(self, sock: socket.socket, _peer: Any) -> None:
+        conn = LocalConnection(next(self._ids), sock)
+        thread = threading.Thread(
+            target=self._serve, args=(conn, sock), name=f"local-{conn.conn_id}", daemon=True
+        )
+        with self._lock:
+            full = not admit(self._conns, conn.conn_id, (conn, thread), self._max_connections)
             if full:
-                self._refuse(conn, sock)
-                continue
-            thread.start()
+                self.refused += 1
+        if full:
+            self._refuse(conn, sock)
+            return
+        thread.start()
 
     def _refuse(self, conn: LocalConnection, sock: socket.socket) -> None:
         """Answer a connection over ``max_connections`` with an error and close it."""

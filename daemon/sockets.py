@@ -1,4 +1,5 @@
-"""Socket helpers of the data plane: ``"ip:port"`` addresses, socket options, a lingering close.
+"""Socket helpers of the data plane: ``"ip:port"`` addresses, socket options, a lingering close;
+and the accept loop and connection limit that the data-plane listener and the local API share.
 
 Split out of :mod:`mlfabric.daemon.transport` (which re-exports :func:`parse_address` and
 :func:`format_address`); its listener and peer pool use them on every connection.
@@ -8,9 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
+from collections.abc import Callable, MutableMapping
+from typing import Any, TypeVar
 
-__all__ = ["format_address", "lingering_close", "parse_address", "tune_socket"]
+K = TypeVar("K")
+V = TypeVar("V")
+
+__all__ = [
+    "accept_until_stopped",
+    "admit",
+    "format_address",
+    "lingering_close",
+    "parse_address",
+    "tune_socket",
+]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -97,3 +111,52 @@ def lingering_close(
             if not chunk:
                 break
             drained += len(chunk)
+
+
+def accept_until_stopped(
+    server: socket.socket, stopping: threading.Event, handle: Callable[[socket.socket, Any], None]
+) -> None:
+    """Accept connections on ``server`` and pass each to ``handle`` until ``stopping`` is set.
+
+    An accept failing after ``stopping`` was set (the listening socket was shut down) ends
+    the loop; one failing before it is raised.
+
+    Examples
+    --------
+    >>> server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    >>> server.bind(("127.0.0.1", 0)); server.listen(1)
+    >>> stopping = threading.Event()
+    >>> client = socket.create_connection(server.getsockname())
+    >>> def handle(sock, peer):
+    ...     sock.close()
+    ...     stopping.set()
+    >>> accept_until_stopped(server, stopping, handle)
+    >>> client.close(); server.close()
+    """
+    while not stopping.is_set():
+        try:
+            sock, peer = server.accept()
+        except OSError:
+            if stopping.is_set():
+                return
+            raise
+        handle(sock, peer)
+
+
+def admit(conns: MutableMapping[K, V], key: K, value: V, max_connections: int | None) -> bool:
+    """Add a connection to ``conns`` unless it holds ``max_connections`` already.
+
+    The caller holds the lock guarding ``conns``, and refuses the connection when this is False.
+
+    Examples
+    --------
+    >>> conns = {}
+    >>> admit(conns, 1, "a", 1), admit(conns, 2, "b", 1), admit(conns, 2, "b", None)
+    (True, False, True)
+    >>> sorted(conns)
+    [1, 2]
+    """
+    if max_connections is not None and len(conns) >= max_connections:
+        return False
+    conns[key] = value
+    return True
