@@ -40,7 +40,13 @@ from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
-from mlfabric.scheduler.policies.planning import aggregator_pool, core_updates, reserve_in_flight
+from mlfabric.scheduler.policies.planning import (
+    aggregator_pool,
+    core_updates,
+    name_aggregates,
+    reserve_in_flight,
+    run_scope,
+)
 from mlfabric.scheduler.policies.stf import plan_stf
 
 __all__ = ["AggregationPolicy", "plan_aggregation", "plan_aggregation_sync", "run_scope", "send_aggregate"]
@@ -337,17 +343,6 @@ def _stale(snapshot: Snapshot, pending: Iterable[PendingUpdate]) -> list[Drop]:
     return drops
 
 
-def run_scope(server: str, scope: str) -> str:
-    """The scope of a policy run's aggregate ids for ``server``: ``<server>.<scope>``, or ``server``.
-
-    Examples
-    --------
-    >>> run_scope("ps", "7f3a"), run_scope("ps", "")
-    ('ps.7f3a', 'ps')
-    """
-    return f"{server}.{scope}" if scope else server
-
-
 class AggregationPolicy:
     """The ``stf+agg`` policy: STF order with aggregation groups (Fig. 6).
 
@@ -426,10 +421,8 @@ class AggregationPolicy:
         if not by_id:
             return Decision(sends=tuple(sends), drops=drops)
         schedule, busy = self._plan(snapshot, list(by_id.values()))
-        ids = {}
-        for a in schedule.aggregates:
-            ids[a.aggregate_id] = aggregate_id(run_scope(a.dst, self.scope), self._count)
-            self._count += 1
+        ids = name_aggregates(schedule, self.scope, self._count)
+        self._count += len(schedule.aggregates)
         planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
         for a in planned.aggregates:
             self._committed[a.aggregate_id] = a

@@ -17,11 +17,18 @@ from collections.abc import Collection, Iterable, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import hosts
-from mlfabric.scheduler.core.schedule import Link, Update
+from mlfabric.scheduler.core.schedule import Link, Schedule, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate
 
-__all__ = ["aggregator_pool", "core_updates", "reserve_in_flight", "server_key"]
+__all__ = [
+    "aggregator_pool",
+    "core_updates",
+    "name_aggregates",
+    "reserve_in_flight",
+    "run_scope",
+    "server_key",
+]
 
 #: a transfer in flight as a decision reports it: (update id, links, expected end)
 Busy = tuple[str, tuple[Link, ...], float]
@@ -153,3 +160,44 @@ def reserve_in_flight(
         if f.path[-1] in servers:
             until[f.path[-1]] = max(until.get(f.path[-1], now), end)
     return tls, busy, until
+
+
+def run_scope(server: str, scope: str) -> str:
+    """The scope of a policy run's aggregate ids for ``server``: ``<server>.<scope>``, or ``server``.
+
+    Examples
+    --------
+    >>> run_scope("ps", "7f3a"), run_scope("ps", "")
+    ('ps.7f3a', 'ps')
+    """
+    return f"{server}.{scope}" if scope else server
+
+
+def name_aggregates(schedule: Schedule, scope: str, first: int) -> dict[str, str]:
+    """The aggregate ids a policy run gives a plan's aggregates, numbered from ``first`` in order.
+
+    Parameters
+    ----------
+    schedule : Schedule
+        The plan; its aggregates' ids are the planner's own.
+    scope : str
+        The policy run's scope (:func:`run_scope`).
+    first : int
+        The number of the first aggregate; the caller counts on by ``len(schedule.aggregates)``.
+
+    Returns
+    -------
+    dict
+        The planner's aggregate id -> ``agg:<server host>[.<scope>]:<n>``.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.schedule import Aggregate
+    >>> plan = Schedule(aggregates=(Aggregate("g1", "h2", ("u1", "u2"), 1e6, "h0"),))
+    >>> name_aggregates(plan, "7f3a", 4)
+    {'g1': 'agg:h0.7f3a:4'}
+    """
+    return {
+        a.aggregate_id: aggregate_id(run_scope(a.dst, scope), first + i)
+        for i, a in enumerate(schedule.aggregates)
+    }

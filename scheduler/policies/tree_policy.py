@@ -16,11 +16,16 @@ from collections.abc import Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
-from mlfabric.scheduler.core.schedule import Link, Schedule, aggregate_id
-from mlfabric.scheduler.policies.aggregation import _stale, run_scope
+from mlfabric.scheduler.core.schedule import Link, Schedule
+from mlfabric.scheduler.policies.aggregation import _stale
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
-from mlfabric.scheduler.policies.planning import aggregator_pool, core_updates, reserve_in_flight
+from mlfabric.scheduler.policies.planning import (
+    aggregator_pool,
+    core_updates,
+    name_aggregates,
+    reserve_in_flight,
+)
 from mlfabric.scheduler.policies.trees import plan_tree
 
 __all__ = ["TreePolicy"]
@@ -91,10 +96,8 @@ class TreePolicy:
         if not by_id:
             return Decision(sends=tuple(sends), drops=drops, aggregates=kept)
         schedule, busy = self._plan(snapshot, list(by_id.values()), pc)
-        ids = {}
-        for a in schedule.aggregates:
-            ids[a.aggregate_id] = aggregate_id(run_scope(a.dst, self.scope), self._count)
-            self._count += 1
+        ids = name_aggregates(schedule, self.scope, self._count)
+        self._count += len(schedule.aggregates)
         planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
         for a in planned.aggregates:
             self._committed[a.aggregate_id] = a
