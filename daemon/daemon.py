@@ -501,16 +501,7 @@ class Daemon(SchedulerSession):
                 request_id=rid, push_accepted=local_pb2.PushAccepted(update_id=push.update_id)
             )
         )
-        ready = control_pb2.UpdateReady(
-            update_id=push.update_id,
-            job=push.job,
-            server=push.server,
-            worker=push.worker,
-            bytes=push.payload_bytes,
-            norm=push.norm,
-            base_version=push.base_version,
-            ready_at=push.ready_at,
-        )
+        ready = update_ready(push)
         # re-registering: kept, announced once the worker is registered (or sent directly)
         sent = lost is None and self._control.send(control_pb2.DaemonMessage(update_ready=ready))
         if not sent and not self.fallback.keep(push):

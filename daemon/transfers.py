@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from mlfabric.daemon.dataplane import FileSpan, FrameHeader
+from mlfabric.daemon.fallback import update_ready
 from mlfabric.daemon.localapi import LocalConnection
 from mlfabric.daemon.roles import OutgoingPushes, PendingPush, Verdict
 from mlfabric.daemon.serving import MemfdBuffer
@@ -395,18 +396,7 @@ class PushSender:
                     )
                     self.finish(taken, Verdict.unknown(reason))
                 continue
-            messages.append(
-                control_pb2.UpdateReady(
-                    update_id=push.update_id,
-                    job=push.job,
-                    server=push.server,
-                    worker=push.worker,
-                    bytes=push.payload_bytes,
-                    norm=push.norm,
-                    base_version=push.base_version,
-                    ready_at=push.ready_at,
-                )
-            )
+            messages.append(update_ready(push))
         return messages
 
     def resolve(self, directive: Any) -> bool:
