@@ -267,13 +267,7 @@ class Timelines:
             Start, end and the rate reserved on each link over each piece.
         """
         start, end, pieces = self._walk(links, nbytes, ready, record=True)
-        reservations = []
-        for link in links:
-            tl = self.link(link)
-            for lo, hi, rate in pieces:
-                tl.reserve(lo, hi, rate, who=who)
-                reservations.append(Reservation(link, lo, hi, rate))
-        return start, end, tuple(reservations)
+        return start, end, self._reserve_pieces(links, pieces, who)
 
     def transfer(self, payload_id: str, path: Sequence[str], nbytes: float, ready: float) -> Transfer:
         """Reserve ``nbytes`` along the node ``path`` from ``ready`` on (:meth:`reserve`) as a Transfer.
@@ -316,6 +310,12 @@ class Timelines:
             if rate > 0:
                 pieces.append((t, hi, rate))
             t = hi
+        return self._reserve_pieces(links, pieces, who)
+
+    def _reserve_pieces(
+        self, links: Sequence[Link], pieces: Sequence[tuple[float, float, float]], who: str
+    ) -> tuple[Reservation, ...]:
+        """Reserve every ``(lo, hi, rate)`` piece on every link, in link order."""
         out = []
         for link in links:
             tl = self.link(link)
