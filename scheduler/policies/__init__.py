@@ -9,6 +9,8 @@
   :mod:`~mlfabric.scheduler.policies.aggregation` — ``fair``, ``stf`` (paper §5 Fig. 4-5)
   and ``stf+agg`` (Fig. 6); :mod:`~mlfabric.scheduler.policies.replication` — bounded
   divergence (Fig. 3), not yet a policy;
+* :mod:`~mlfabric.scheduler.policies.planning` — what the planning policies share: pending
+  updates as core updates, the aggregator pool, in-flight transfers reserved, aggregate ids;
 * :mod:`~mlfabric.scheduler.policies.convert` — the one adapter from a planned
   :class:`~mlfabric.scheduler.core.schedule.Schedule` to a :class:`Decision`;
 * :mod:`~mlfabric.scheduler.policies.dispatch` — adaptive batching, the dispatcher
