@@ -54,6 +54,14 @@ def _skip_reason() -> str | None:
         return f"no {SYSTEMD}"
     if not SANDBOX.exists():
         return f"no sandbox script {SANDBOX}"
+    import mlfabric
+
+    private = (Path("/tmp"), Path("/var/tmp"), Path("/run"))
+    for tree in (Path(sys.prefix).resolve(), Path(mlfabric.__file__).resolve().parents[1]):
+        if any(tree.is_relative_to(p) for p in private):
+            return (
+                f"{tree} is under /tmp, /var/tmp or /run, which the sandbox replaces: its units cannot run it"
+            )
     return None
 
 
