@@ -143,20 +143,30 @@ def test_pushes_through_aggregates_resolve_exactly_once(sync: int, kill: bool, t
         assert any(a["update_id"].startswith("agg:") for a in served["applied"]), "no aggregate applied"
     expected = roles.initial_model()
     worker_applied = set()
+    unknown = set()
     for rank, pushes in results.items():
         for p in pushes:
-            assert p["status"] in ("APPLIED", "DROPPED"), p
-            if p["status"] == "DROPPED":
-                assert p["reason"], f"DROPPED without a reason: {p}"
+            assert p["status"] in ("APPLIED", "DROPPED", "UNKNOWN"), p
+            if p["status"] != "APPLIED":
+                assert p["reason"], f"{p['status']} without a reason: {p}"
+            if p["status"] == "UNKNOWN":
+                # its aggregate may have reached the server: the model says whether it did
+                unknown.add(p["update_id"])
+                if p["update_id"] not in members:
+                    continue
+            elif p["status"] == "DROPPED":
                 continue
-            assert p["delay"] <= TAU_MAX, p
-            worker_applied.add(p["update_id"])
+            else:
+                assert p["delay"] <= TAU_MAX, p
+                worker_applied.add(p["update_id"])
             for k, v in roles.update_for(rank, p["index"]).items():
                 expected[k] -= v
-    assert worker_applied == set(members), "workers' APPLIED differ from the members the server applied"
+    assert worker_applied <= set(members), "a push reported APPLIED was not applied"
+    assert set(members) - worker_applied <= unknown, "a push applied was reported DROPPED"
     assert all(d <= TAU_MAX for a in served["applied"] for d in a["delays"])
     if kill:  # an aggregate was under way at x: its members were planned afresh
-        assert "failed (the aggregator's daemon" in (tmp_path / "run" / "logs" / "scheduler.log").read_text()
+        log = (tmp_path / "run" / "logs" / "scheduler.log").read_text()
+        assert "aggregator's daemon" in log and "disconnected" in log
     final = np.load(out / "final.npz")
     for k, v in expected.items():
         np.testing.assert_array_equal(final[k], v)
