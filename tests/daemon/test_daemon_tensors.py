@@ -78,6 +78,17 @@ def test_l2_norm_over_all_tensors() -> None:
     assert tc.l2_norm(update) == 5.0
 
 
+def test_l2_norm_accumulates_in_float64_without_overflow() -> None:
+    # float16 squares overflow float16 (300**2 > 65504) and float32 sums lose the small terms:
+    # the norm is exact in float64 whatever the tensor's dtype, non-contiguous views included
+    big = np.full(4, 300.0, np.float16)
+    assert tc.l2_norm({"h": big}) == 600.0
+    many = np.concatenate([np.full(1, 2.0**24, np.float32), np.ones(3, np.float32)])
+    assert tc.l2_norm({"f": many}) ** 2 == 2.0**48 + 3
+    strided = np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2]
+    assert tc.l2_norm({"s": strided}) == pytest.approx(float(np.sqrt((strided**2).sum())))
+
+
 torch = pytest.importorskip("torch")
 
 
