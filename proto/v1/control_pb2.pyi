@@ -31,6 +31,8 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_DUPLICATE_UPDATE: _ClassVar[ErrorCode]
     ERROR_CODE_UNKNOWN_UPDATE: _ClassVar[ErrorCode]
     ERROR_CODE_NO_PATH: _ClassVar[ErrorCode]
+    ERROR_CODE_DUPLICATE_REPLICA: _ClassVar[ErrorCode]
+    ERROR_CODE_MODEL_MISMATCH: _ClassVar[ErrorCode]
 
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +58,8 @@ ERROR_CODE_PARAMS_MISMATCH: ErrorCode
 ERROR_CODE_DUPLICATE_UPDATE: ErrorCode
 ERROR_CODE_UNKNOWN_UPDATE: ErrorCode
 ERROR_CODE_NO_PATH: ErrorCode
+ERROR_CODE_DUPLICATE_REPLICA: ErrorCode
+ERROR_CODE_MODEL_MISMATCH: ErrorCode
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_APPLIED: Outcome
 OUTCOME_DROPPED: Outcome
@@ -225,8 +229,40 @@ class UpdateResolved(_message.Message):
     reason: str
     def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ServerApplied(_message.Message):
+    __slots__ = ("job", "server", "update_id", "version", "norm", "bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    update_id: str
+    version: int
+    norm: float
+    bytes: int
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., update_id: _Optional[str] = ..., version: _Optional[int] = ..., norm: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("job", "server", "replica_version", "blocked", "blocked_norm", "error")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_NORM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    replica_version: int
+    blocked: bool
+    blocked_norm: float
+    error: str
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., replica_version: _Optional[int] = ..., blocked: _Optional[bool] = ..., blocked_norm: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
 class DaemonMessage(_message.Message):
-    __slots__ = ("hello", "register_role", "unregister_role", "update_ready", "transfer_report", "update_resolved", "aggregate_failed")
+    __slots__ = ("hello", "register_role", "unregister_role", "update_ready", "transfer_report", "update_resolved", "aggregate_failed", "server_applied", "replica_status")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     REGISTER_ROLE_FIELD_NUMBER: _ClassVar[int]
     UNREGISTER_ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +270,8 @@ class DaemonMessage(_message.Message):
     TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_RESOLVED_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SERVER_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STATUS_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     register_role: RegisterRole
     unregister_role: UnregisterRole
@@ -241,7 +279,9 @@ class DaemonMessage(_message.Message):
     transfer_report: TransferReport
     update_resolved: UpdateResolved
     aggregate_failed: AggregateFailed
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., register_role: _Optional[_Union[RegisterRole, _Mapping]] = ..., unregister_role: _Optional[_Union[UnregisterRole, _Mapping]] = ..., update_ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., update_resolved: _Optional[_Union[UpdateResolved, _Mapping]] = ..., aggregate_failed: _Optional[_Union[AggregateFailed, _Mapping]] = ...) -> None: ...
+    server_applied: ServerApplied
+    replica_status: ReplicaStatus
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., register_role: _Optional[_Union[RegisterRole, _Mapping]] = ..., unregister_role: _Optional[_Union[UnregisterRole, _Mapping]] = ..., update_ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., update_resolved: _Optional[_Union[UpdateResolved, _Mapping]] = ..., aggregate_failed: _Optional[_Union[AggregateFailed, _Mapping]] = ..., server_applied: _Optional[_Union[ServerApplied, _Mapping]] = ..., replica_status: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("policy",)
@@ -343,8 +383,38 @@ class JobUpdate(_message.Message):
     servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
     def __init__(self, job: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
 
+class ReplicateDirective(_message.Message):
+    __slots__ = ("job", "server", "replica", "replica_host", "replica_address", "up_to_version", "div_max", "detach")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_HOST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UP_TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIV_MAX_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    replica: str
+    replica_host: str
+    replica_address: str
+    up_to_version: int
+    div_max: float
+    detach: bool
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., replica: _Optional[str] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ..., up_to_version: _Optional[int] = ..., div_max: _Optional[float] = ..., detach: _Optional[bool] = ...) -> None: ...
+
+class PromoteDirective(_message.Message):
+    __slots__ = ("job", "server", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Directive(_message.Message):
-    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve")
+    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve", "replicate", "promote")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ROLE_ACK_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +422,8 @@ class Directive(_message.Message):
     JOB_UPDATE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     RESOLVE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     role_ack: RoleAck
     send: SendDirective
@@ -359,4 +431,6 @@ class Directive(_message.Message):
     job_update: JobUpdate
     aggregate: AggregateDirective
     resolve: ResolveDirective
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ...) -> None: ...
+    replicate: ReplicateDirective
+    promote: PromoteDirective
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateDirective, _Mapping]] = ..., promote: _Optional[_Union[PromoteDirective, _Mapping]] = ...) -> None: ...

@@ -27,7 +27,7 @@ from mlfabric.proto.v1 import control_pb2 as mlfabric_dot_v1_dot_control__pb2
 from mlfabric.proto.v1 import dataplane_pb2 as mlfabric_dot_v1_dot_dataplane__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mlfabric/v1/local.proto\x12\x0bmlfabric.v1\x1a\x19mlfabric/v1/control.proto\x1a\x1bmlfabric/v1/dataplane.proto\"H\n\x15RegisterWorkerRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"\x93\x01\n\x15RegisterServerRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12&\n\x05model\x18\x03 \x03(\x0b\x32\x17.mlfabric.v1.TensorSpec\x12&\n\x06params\x18\x04 \x01(\x0b\x32\x16.mlfabric.v1.JobParams\x12\x0f\n\x07version\x18\x05 \x01(\x03\"\xc3\x01\n\x0bPushRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x0c\n\x04norm\x18\x02 \x01(\x01\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12*\n\x07tensors\x18\x04 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x06 \x01(\x08\x12\x15\n\rpayload_crc32\x18\x07 \x01(\r\x12\x11\n\thas_crc32\x18\x08 \x01(\x08\"\x1c\n\nGetRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\"y\n\rUpdateVerdict\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12%\n\x07outcome\x18\x02 \x01(\x0e\x32\x14.mlfabric.v1.Outcome\x12\r\n\x05\x64\x65lay\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"w\n\x0cPublishModel\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x04 \x01(\x08\"\xd7\x02\n\x0cLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12=\n\x0fregister_worker\x18\x02 \x01(\x0b\x32\".mlfabric.v1.RegisterWorkerRequestH\x00\x12=\n\x0fregister_server\x18\x03 \x01(\x0b\x32\".mlfabric.v1.RegisterServerRequestH\x00\x12(\n\x04push\x18\x04 \x01(\x0b\x32\x18.mlfabric.v1.PushRequestH\x00\x12&\n\x03get\x18\x05 \x01(\x0b\x32\x17.mlfabric.v1.GetRequestH\x00\x12-\n\x07verdict\x18\x06 \x01(\x0b\x32\x1a.mlfabric.v1.UpdateVerdictH\x00\x12,\n\x07publish\x18\x07 \x01(\x0b\x32\x19.mlfabric.v1.PublishModelH\x00\x42\x06\n\x04kind\"a\n\rRegisterReply\x12&\n\x06params\x18\x01 \x01(\x0b\x32\x16.mlfabric.v1.JobParams\x12(\n\x07servers\x18\x02 \x03(\x0b\x32\x17.mlfabric.v1.ServerInfo\"!\n\x0cPushAccepted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"v\n\nPushResult\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12%\n\x07outcome\x18\x02 \x01(\x0e\x32\x14.mlfabric.v1.Outcome\x12\r\n\x05\x64\x65lay\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"u\n\nModelReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x04 \x01(\x08\"\x89\x02\n\rDeliverUpdate\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0c\n\x04norm\x18\x04 \x01(\x01\x12\x13\n\x0bnum_updates\x18\x05 \x01(\r\x12*\n\x07tensors\x18\x06 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x08 \x01(\x08\x12-\n\x07members\x18\t \x03(\x0b\x32\x1c.mlfabric.v1.AggregateMember\x12\x15\n\rmember_delays\x18\n \x03(\x03\"+\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc1\x02\n\nLocalEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x30\n\nregistered\x18\x02 \x01(\x0b\x32\x1a.mlfabric.v1.RegisterReplyH\x00\x12\x32\n\rpush_accepted\x18\x03 \x01(\x0b\x32\x19.mlfabric.v1.PushAcceptedH\x00\x12.\n\x0bpush_result\x18\x04 \x01(\x0b\x32\x17.mlfabric.v1.PushResultH\x00\x12(\n\x05model\x18\x05 \x01(\x0b\x32\x17.mlfabric.v1.ModelReplyH\x00\x12-\n\x07\x64\x65liver\x18\x06 \x01(\x0b\x32\x1a.mlfabric.v1.DeliverUpdateH\x00\x12(\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.mlfabric.v1.LocalErrorH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mlfabric/v1/local.proto\x12\x0bmlfabric.v1\x1a\x19mlfabric/v1/control.proto\x1a\x1bmlfabric/v1/dataplane.proto\"H\n\x15RegisterWorkerRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"\x93\x01\n\x15RegisterServerRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12&\n\x05model\x18\x03 \x03(\x0b\x32\x17.mlfabric.v1.TensorSpec\x12&\n\x06params\x18\x04 \x01(\x0b\x32\x16.mlfabric.v1.JobParams\x12\x0f\n\x07version\x18\x05 \x01(\x03\"k\n\x16RegisterReplicaRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12&\n\x05model\x18\x04 \x03(\x0b\x32\x17.mlfabric.v1.TensorSpec\"\xc3\x01\n\x0bPushRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\x0c\n\x04norm\x18\x02 \x01(\x01\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12*\n\x07tensors\x18\x04 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x06 \x01(\x08\x12\x15\n\rpayload_crc32\x18\x07 \x01(\r\x12\x11\n\thas_crc32\x18\x08 \x01(\x08\"\x1c\n\nGetRequest\x12\x0e\n\x06server\x18\x01 \x01(\t\"\x99\x01\n\rUpdateVerdict\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12%\n\x07outcome\x18\x02 \x01(\x0e\x32\x14.mlfabric.v1.Outcome\x12\r\n\x05\x64\x65lay\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0c\n\x04norm\x18\x06 \x01(\x01\x12\x10\n\x08has_norm\x18\x07 \x01(\x08\"w\n\x0cPublishModel\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x04 \x01(\x08\"\x98\x03\n\x0cLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12=\n\x0fregister_worker\x18\x02 \x01(\x0b\x32\".mlfabric.v1.RegisterWorkerRequestH\x00\x12=\n\x0fregister_server\x18\x03 \x01(\x0b\x32\".mlfabric.v1.RegisterServerRequestH\x00\x12(\n\x04push\x18\x04 \x01(\x0b\x32\x18.mlfabric.v1.PushRequestH\x00\x12&\n\x03get\x18\x05 \x01(\x0b\x32\x17.mlfabric.v1.GetRequestH\x00\x12-\n\x07verdict\x18\x06 \x01(\x0b\x32\x1a.mlfabric.v1.UpdateVerdictH\x00\x12,\n\x07publish\x18\x07 \x01(\x0b\x32\x19.mlfabric.v1.PublishModelH\x00\x12?\n\x10register_replica\x18\x08 \x01(\x0b\x32#.mlfabric.v1.RegisterReplicaRequestH\x00\x42\x06\n\x04kind\"\x89\x01\n\rRegisterReply\x12&\n\x06params\x18\x01 \x01(\x0b\x32\x16.mlfabric.v1.JobParams\x12(\n\x07servers\x18\x02 \x03(\x0b\x32\x17.mlfabric.v1.ServerInfo\x12&\n\x05model\x18\x03 \x01(\x0b\x32\x17.mlfabric.v1.ModelReply\"!\n\x0cPushAccepted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"v\n\nPushResult\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12%\n\x07outcome\x18\x02 \x01(\x0e\x32\x14.mlfabric.v1.Outcome\x12\r\n\x05\x64\x65lay\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\"u\n\nModelReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x04 \x01(\x08\"\xb0\x02\n\rDeliverUpdate\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0c\n\x04norm\x18\x04 \x01(\x01\x12\x13\n\x0bnum_updates\x18\x05 \x01(\r\x12*\n\x07tensors\x18\x06 \x03(\x0b\x32\x19.mlfabric.v1.TensorLayout\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bhas_payload\x18\x08 \x01(\x08\x12-\n\x07members\x18\t \x03(\x0b\x32\x1c.mlfabric.v1.AggregateMember\x12\x15\n\rmember_delays\x18\n \x03(\x03\x12\x12\n\nreplicated\x18\x0b \x01(\x08\x12\x11\n\twant_norm\x18\x0c \x01(\x08\"7\n\x08Promoted\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"+\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xec\x02\n\nLocalEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x30\n\nregistered\x18\x02 \x01(\x0b\x32\x1a.mlfabric.v1.RegisterReplyH\x00\x12\x32\n\rpush_accepted\x18\x03 \x01(\x0b\x32\x19.mlfabric.v1.PushAcceptedH\x00\x12.\n\x0bpush_result\x18\x04 \x01(\x0b\x32\x17.mlfabric.v1.PushResultH\x00\x12(\n\x05model\x18\x05 \x01(\x0b\x32\x17.mlfabric.v1.ModelReplyH\x00\x12-\n\x07\x64\x65liver\x18\x06 \x01(\x0b\x32\x1a.mlfabric.v1.DeliverUpdateH\x00\x12(\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.mlfabric.v1.LocalErrorH\x00\x12)\n\x08promoted\x18\x08 \x01(\x0b\x32\x15.mlfabric.v1.PromotedH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,28 +38,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERWORKERREQUEST']._serialized_end=168
   _globals['_REGISTERSERVERREQUEST']._serialized_start=171
   _globals['_REGISTERSERVERREQUEST']._serialized_end=318
-  _globals['_PUSHREQUEST']._serialized_start=321
-  _globals['_PUSHREQUEST']._serialized_end=516
-  _globals['_GETREQUEST']._serialized_start=518
-  _globals['_GETREQUEST']._serialized_end=546
-  _globals['_UPDATEVERDICT']._serialized_start=548
-  _globals['_UPDATEVERDICT']._serialized_end=669
-  _globals['_PUBLISHMODEL']._serialized_start=671
-  _globals['_PUBLISHMODEL']._serialized_end=790
-  _globals['_LOCALREQUEST']._serialized_start=793
-  _globals['_LOCALREQUEST']._serialized_end=1136
-  _globals['_REGISTERREPLY']._serialized_start=1138
-  _globals['_REGISTERREPLY']._serialized_end=1235
-  _globals['_PUSHACCEPTED']._serialized_start=1237
-  _globals['_PUSHACCEPTED']._serialized_end=1270
-  _globals['_PUSHRESULT']._serialized_start=1272
-  _globals['_PUSHRESULT']._serialized_end=1390
-  _globals['_MODELREPLY']._serialized_start=1392
-  _globals['_MODELREPLY']._serialized_end=1509
-  _globals['_DELIVERUPDATE']._serialized_start=1512
-  _globals['_DELIVERUPDATE']._serialized_end=1777
-  _globals['_LOCALERROR']._serialized_start=1779
-  _globals['_LOCALERROR']._serialized_end=1822
-  _globals['_LOCALEVENT']._serialized_start=1825
-  _globals['_LOCALEVENT']._serialized_end=2146
+  _globals['_REGISTERREPLICAREQUEST']._serialized_start=320
+  _globals['_REGISTERREPLICAREQUEST']._serialized_end=427
+  _globals['_PUSHREQUEST']._serialized_start=430
+  _globals['_PUSHREQUEST']._serialized_end=625
+  _globals['_GETREQUEST']._serialized_start=627
+  _globals['_GETREQUEST']._serialized_end=655
+  _globals['_UPDATEVERDICT']._serialized_start=658
+  _globals['_UPDATEVERDICT']._serialized_end=811
+  _globals['_PUBLISHMODEL']._serialized_start=813
+  _globals['_PUBLISHMODEL']._serialized_end=932
+  _globals['_LOCALREQUEST']._serialized_start=935
+  _globals['_LOCALREQUEST']._serialized_end=1343
+  _globals['_REGISTERREPLY']._serialized_start=1346
+  _globals['_REGISTERREPLY']._serialized_end=1483
+  _globals['_PUSHACCEPTED']._serialized_start=1485
+  _globals['_PUSHACCEPTED']._serialized_end=1518
+  _globals['_PUSHRESULT']._serialized_start=1520
+  _globals['_PUSHRESULT']._serialized_end=1638
+  _globals['_MODELREPLY']._serialized_start=1640
+  _globals['_MODELREPLY']._serialized_end=1757
+  _globals['_DELIVERUPDATE']._serialized_start=1760
+  _globals['_DELIVERUPDATE']._serialized_end=2064
+  _globals['_PROMOTED']._serialized_start=2066
+  _globals['_PROMOTED']._serialized_end=2121
+  _globals['_LOCALERROR']._serialized_start=2123
+  _globals['_LOCALERROR']._serialized_end=2166
+  _globals['_LOCALEVENT']._serialized_start=2169
+  _globals['_LOCALEVENT']._serialized_end=2533
 # @@protoc_insertion_point(module_scope)

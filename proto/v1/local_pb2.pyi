@@ -33,6 +33,18 @@ class RegisterServerRequest(_message.Message):
     version: int
     def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., model: _Optional[_Iterable[_Union[_control_pb2.TensorSpec, _Mapping]]] = ..., params: _Optional[_Union[_control_pb2.JobParams, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
 
+class RegisterReplicaRequest(_message.Message):
+    __slots__ = ("job", "server", "name", "model")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    name: str
+    model: _containers.RepeatedCompositeFieldContainer[_control_pb2.TensorSpec]
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., name: _Optional[str] = ..., model: _Optional[_Iterable[_Union[_control_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
+
 class PushRequest(_message.Message):
     __slots__ = ("server", "norm", "base_version", "tensors", "payload_bytes", "has_payload", "payload_crc32", "has_crc32")
     SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -60,18 +72,22 @@ class GetRequest(_message.Message):
     def __init__(self, server: _Optional[str] = ...) -> None: ...
 
 class UpdateVerdict(_message.Message):
-    __slots__ = ("update_id", "outcome", "delay", "version", "reason")
+    __slots__ = ("update_id", "outcome", "delay", "version", "reason", "norm", "has_norm")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     DELAY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    HAS_NORM_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     outcome: _control_pb2.Outcome
     delay: int
     version: int
     reason: str
-    def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    norm: float
+    has_norm: bool
+    def __init__(self, update_id: _Optional[str] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., norm: _Optional[float] = ..., has_norm: _Optional[bool] = ...) -> None: ...
 
 class PublishModel(_message.Message):
     __slots__ = ("version", "tensors", "payload_bytes", "has_payload")
@@ -86,7 +102,7 @@ class PublishModel(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
 
 class LocalRequest(_message.Message):
-    __slots__ = ("request_id", "register_worker", "register_server", "push", "get", "verdict", "publish")
+    __slots__ = ("request_id", "register_worker", "register_server", "push", "get", "verdict", "publish", "register_replica")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_WORKER_FIELD_NUMBER: _ClassVar[int]
     REGISTER_SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +110,7 @@ class LocalRequest(_message.Message):
     GET_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     register_worker: RegisterWorkerRequest
     register_server: RegisterServerRequest
@@ -101,15 +118,18 @@ class LocalRequest(_message.Message):
     get: GetRequest
     verdict: UpdateVerdict
     publish: PublishModel
-    def __init__(self, request_id: _Optional[int] = ..., register_worker: _Optional[_Union[RegisterWorkerRequest, _Mapping]] = ..., register_server: _Optional[_Union[RegisterServerRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., verdict: _Optional[_Union[UpdateVerdict, _Mapping]] = ..., publish: _Optional[_Union[PublishModel, _Mapping]] = ...) -> None: ...
+    register_replica: RegisterReplicaRequest
+    def __init__(self, request_id: _Optional[int] = ..., register_worker: _Optional[_Union[RegisterWorkerRequest, _Mapping]] = ..., register_server: _Optional[_Union[RegisterServerRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., verdict: _Optional[_Union[UpdateVerdict, _Mapping]] = ..., publish: _Optional[_Union[PublishModel, _Mapping]] = ..., register_replica: _Optional[_Union[RegisterReplicaRequest, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("params", "servers")
+    __slots__ = ("params", "servers", "model")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     params: _control_pb2.JobParams
     servers: _containers.RepeatedCompositeFieldContainer[_control_pb2.ServerInfo]
-    def __init__(self, params: _Optional[_Union[_control_pb2.JobParams, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[_control_pb2.ServerInfo, _Mapping]]] = ...) -> None: ...
+    model: ModelReply
+    def __init__(self, params: _Optional[_Union[_control_pb2.JobParams, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[_control_pb2.ServerInfo, _Mapping]]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ...) -> None: ...
 
 class PushAccepted(_message.Message):
     __slots__ = ("update_id",)
@@ -144,7 +164,7 @@ class ModelReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
 
 class DeliverUpdate(_message.Message):
-    __slots__ = ("update_id", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "has_payload", "members", "member_delays")
+    __slots__ = ("update_id", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "has_payload", "members", "member_delays", "replicated", "want_norm")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +175,8 @@ class DeliverUpdate(_message.Message):
     HAS_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_DELAYS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    WANT_NORM_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     worker: str
     base_version: int
@@ -165,7 +187,19 @@ class DeliverUpdate(_message.Message):
     has_payload: bool
     members: _containers.RepeatedCompositeFieldContainer[_control_pb2.AggregateMember]
     member_delays: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[_control_pb2.AggregateMember, _Mapping]]] = ..., member_delays: _Optional[_Iterable[int]] = ...) -> None: ...
+    replicated: bool
+    want_norm: bool
+    def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[_control_pb2.AggregateMember, _Mapping]]] = ..., member_delays: _Optional[_Iterable[int]] = ..., replicated: _Optional[bool] = ..., want_norm: _Optional[bool] = ...) -> None: ...
+
+class Promoted(_message.Message):
+    __slots__ = ("job", "server", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LocalError(_message.Message):
     __slots__ = ("code", "message")
@@ -176,7 +210,7 @@ class LocalError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LocalEvent(_message.Message):
-    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error")
+    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error", "promoted")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     PUSH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +218,7 @@ class LocalEvent(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DELIVER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     registered: RegisterReply
     push_accepted: PushAccepted
@@ -191,4 +226,5 @@ class LocalEvent(_message.Message):
     model: ModelReply
     deliver: DeliverUpdate
     error: LocalError
-    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ...) -> None: ...
+    promoted: Promoted
+    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., promoted: _Optional[_Union[Promoted, _Mapping]] = ...) -> None: ...
