@@ -46,6 +46,8 @@ from mlfabric.daemon.fallback import Fallback, update_ready
 from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.ratelimit import TokenBucket
+from mlfabric.daemon.replica_role import register_replica
+from mlfabric.daemon.replication import ReplicationLogs
 from mlfabric.daemon.roles import (
     Directory,
     OutgoingPushes,
@@ -183,6 +185,9 @@ class Daemon(SchedulerSession):
             config.retry_backoff,
         )
         self.sender.on_finish = lambda push: self.push_budget.release(push.payload_bytes)
+        #: replication logs of this host's servers that have a replica (docs/replication.md)
+        self.replication = ReplicationLogs(config.host, self.sender.request, self._control.send)
+        self.serving.replication = self.replication
         self.fallback = Fallback(
             config.fallback_after,
             self.outgoing,
@@ -252,6 +257,7 @@ class Daemon(SchedulerSession):
         for push in self.outgoing.take_all():
             self.sender.finish(push, Verdict.dropped(f"daemon of host {self.host!r} shut down"))
         self.serving.close_all(f"daemon of host {self.host!r} shut down")
+        self.replication.close_all()
         self._pool.close()
         self.receive_buffers.close()
         if self._report_log is not None:
@@ -303,6 +309,7 @@ class Daemon(SchedulerSession):
             "get": self._get,
             "verdict": self.serving.verdict,
             "publish": self.serving.publish,
+            "register_replica": lambda c, r, f: register_replica(self, c, r, f),
         }.get(kind or "")
         if handler is None:
             conn.error(request.request_id, "bad_request", f"empty or unknown local request kind {kind!r}")
@@ -315,10 +322,12 @@ class Daemon(SchedulerSession):
         with self._lock:
             self._roles.pop(conn.conn_id, None)
             self._unregistered.pop(conn.conn_id, None)
+        replica = conn.role == "server" and self.serving.is_replica(conn)
         if conn.role == "server":
             self.serving.remove(conn)
         if conn.role:
             role = control_pb2.ROLE_SERVER if conn.role == "server" else control_pb2.ROLE_WORKER
+            role = control_pb2.ROLE_REPLICA if replica else role
             self._control.send(
                 control_pb2.DaemonMessage(
                     unregister_role=control_pb2.UnregisterRole(job=conn.job, role=role, name=conn.name)

@@ -454,6 +454,12 @@ class ServerHandoff:
         with self._lock:
             return self._verdicts.get(update_id)
 
+    def applied_ids(self, limit: int) -> list[str]:
+        """The ids of the (at most ``limit``) latest updates and members remembered APPLIED."""
+        with self._lock:
+            ids = [u for u, v in reversed(self._verdicts.items()) if v.outcome == control_pb2.OUTCOME_APPLIED]
+        return ids[:limit]
+
     def in_flight(self, update_id: str) -> bool:
         """Whether ``update_id`` was delivered and still awaits the process's verdict."""
         with self._lock:

@@ -20,6 +20,7 @@ from typing import Any
 from mlfabric.daemon.dataplane import Frame, FrameError, FrameHeader, FrameLimits, check_header, error_header
 from mlfabric.daemon.listener import Response
 from mlfabric.daemon.localapi import LocalConnection
+from mlfabric.daemon.replication import ReplicationLogs, apply_replicated
 from mlfabric.daemon.roles import ModelSnapshot, ServerHandoff, Verdict, check_update, spec_from_pb
 from mlfabric.daemon.server_aggregates import ServerAggregation
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
@@ -90,9 +91,17 @@ class ServerRoles:
         self.aggregation = ServerAggregation(MemfdBuffer.allocate)
         self._lock = threading.Lock()
         self._roles: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
+        #: replicas hosted here (keyed like their servers) not promoted yet (docs/replication.md)
+        self.replica_keys: set[tuple[str, str]] = set()
+        #: the replication logs of the servers here that have a replica (set by the daemon)
+        self.replication: ReplicationLogs | None = None
 
-    def add(self, conn: LocalConnection, req: Any) -> str | None:
-        """Host server ``req`` (a ``RegisterServerRequest``) for ``conn``; an error message if taken."""
+    def add(self, conn: LocalConnection, req: Any, *, replica: bool = False) -> str | None:
+        """Host server ``req`` (a ``RegisterServerRequest``) for ``conn``; an error message if taken.
+
+        ``replica``: ``conn`` is a replica of that server (it applies only replicated entries
+        until :meth:`promote`).
+        """
         key = (req.job, req.name)
 
         def deliver(update_id: str, header: Any, payload_fd: int) -> None:
@@ -109,6 +118,9 @@ class ServerRoles:
                     members=header.members,
                     # the daemon's view at hand-off; the process computes them at apply time
                     member_delays=[handoff.version - m.base_version for m in header.members],
+                    replicated=bool(getattr(header, "replica_version", 0)),
+                    want_norm=self.replication is not None
+                    and self.replication.get(req.job, req.name) is not None,
                 )
             )
             if not conn.send(event, payload_fd):
@@ -120,7 +132,29 @@ class ServerRoles:
             conn.role, conn.job, conn.name = "server", req.job, req.name
             handoff = ServerHandoff(req.job, req.name, spec_from_pb(req.model), req.version, deliver)
             self._roles[key] = (handoff, conn, req.params)
+            if replica:
+                self.replica_keys.add(key)
         return None
+
+    def handoff(self, job: str, server: str) -> ServerHandoff | None:
+        """The hand-off of server (or replica) ``server`` of ``job`` here, or None."""
+        with self._lock:
+            entry = self._roles.get((job, server))
+        return entry[0] if entry is not None else None
+
+    def is_replica(self, conn: LocalConnection) -> bool:
+        """Whether ``conn`` is a replica here that has not been promoted."""
+        with self._lock:
+            entry = self._roles.get((conn.job, conn.name))
+            return entry is not None and entry[1] is conn and (conn.job, conn.name) in self.replica_keys
+
+    def promote(self, job: str, server: str) -> LocalConnection | None:
+        """The replica of ``server`` here becomes the server; its connection, or None if none."""
+        with self._lock:
+            if (job, server) not in self.replica_keys:
+                return None
+            self.replica_keys.discard((job, server))
+            return self._roles[(job, server)][1]
 
     def remove(self, conn: LocalConnection) -> bool:
         """The server process of ``conn`` went away: drop what waits for it. True if it had a role."""
@@ -129,6 +163,9 @@ class ServerRoles:
             if entry is None or entry[1] is not conn:
                 return False
             del self._roles[(conn.job, conn.name)]
+            self.replica_keys.discard((conn.job, conn.name))
+        if self.replication is not None:
+            self.replication.close(conn.job, conn.name)
         entry[0].close(f"server process {conn.name!r} of job {conn.job!r} on host {self.host!r} disconnected")
         return True
 
@@ -143,7 +180,7 @@ class ServerRoles:
     def registrations(self) -> list[Any]:
         """``RegisterRole`` messages re-registering every hosted server at its current version."""
         with self._lock:
-            entries = list(self._roles.values())
+            entries = [e for k, e in self._roles.items() if k not in self.replica_keys]
         messages = []
         for handoff, _, params in entries:
             messages.append(
@@ -164,7 +201,7 @@ class ServerRoles:
     def hosts(self, job: str, server: str) -> bool:
         """Whether server ``server`` of ``job`` runs on this host."""
         with self._lock:
-            return (job, server) in self._roles
+            return (job, server) in self._roles and (job, server) not in self.replica_keys
 
     def _own(self, conn: LocalConnection) -> ServerHandoff | None:
         with self._lock:
@@ -180,6 +217,8 @@ class ServerRoles:
             conn.error(request.request_id, "bad_request", "verdict from a connection that is not a server")
             return fd
         v = request.verdict
+        if v.has_norm and self.replication is not None:
+            self.replication.note_norm(v.update_id, v.norm)
         handoff.resolve(v.update_id, Verdict(v.outcome, v.delay, v.version, v.reason))
         return fd
 
@@ -252,7 +291,11 @@ class ServerRoles:
         if entry is None:
             return self._error(f"no server {h.server!r} of job {h.job!r} on host {self.host!r}", h.update_id)
         handoff = entry[0]
+        is_replica = (h.job, h.server) in self.replica_keys
         where = f"server {h.server!r} of job {h.job!r}"
+        if is_replica != bool(h.replica_version):
+            what = "is only a replica here" if is_replica else "is served here, not replicated"
+            return self._error(f"{where} {what} (host {self.host!r})", h.update_id)
         problem = check_update(handoff.spec, layouts_from_pb(h.tensors), where)
         if problem is not None:
             return self._error(problem, h.update_id)
@@ -261,8 +304,17 @@ class ServerRoles:
             buffer = given
             if not isinstance(buffer, MemfdBuffer | PooledBuffer):
                 buffer = MemfdBuffer.allocate(0)
+            logs = self.replication
+            log = logs.get(h.job, h.server) if logs is not None else None
+            reserved = log.admit(float(header.norm)) if log is not None else 0.0
             try:
-                return handoff.handle(update_id, header, buffer.fd, self._verdict_timeout)
+                verdict = handoff.handle(update_id, header, buffer.fd, self._verdict_timeout)
+                log = logs.get(h.job, h.server) if logs is not None else None  # may attach meanwhile
+                if log is not None and logs is not None:
+                    norm = logs.take_norm(update_id, float(header.norm))
+                    nbytes = int(header.payload_bytes)
+                    log.settle(reserved, update_id, header, verdict, buffer.fd, nbytes, norm)
+                return verdict
             finally:
                 if buffer is not given:
                     buffer.release()  # the empty stand-in
@@ -272,7 +324,11 @@ class ServerRoles:
                     given.release()  # a synchronous round's sum (the frame's buffer: on_frame's)
 
         try:
-            verdict, members = self.aggregation.handle(frame, handoff, entry[2], hand_off)
+            if h.replica_version:
+                verdict = apply_replicated(handoff, h, lambda: hand_off(h.update_id, h, frame.buffer))
+                members: list[Any] = []
+            else:
+                verdict, members = self.aggregation.handle(frame, handoff, entry[2], hand_off)
         except ValueError as exc:  # a payload that cannot be summed into the open round
             return self._error(str(exc), h.update_id)
         ack = FrameHeader(
@@ -295,6 +351,18 @@ class ServerRoles:
         with self._lock:
             entry = self._roles.get((h.job, h.server))
         snap = entry[0].snapshot() if entry is not None else None
+        applied_ids: list[str] = []
+        if snap is not None and h.replica and self.replication is not None and entry is not None:
+            # a replica attaches: its log starts at the version of the model it gets
+            handoff, logs = entry[0], self.replication
+
+            def attach(current: ModelSnapshot | None) -> ModelSnapshot | None:
+                if current is not None:  # under the hand-off's lock: no publish in between
+                    logs.attach(h.job, h.server, h.replica, current.version)
+                return current
+
+            snap = handoff.with_snapshot(attach)
+            applied_ids = handoff.applied_ids(4096)
         if snap is None:
             return self._error(f"no model of server {h.server!r} of job {h.job!r} on host {self.host!r}")
         header = FrameHeader(
@@ -304,6 +372,7 @@ class ServerRoles:
             version=snap.version,
             tensors=layouts_to_pb(snap.layouts),
             src_host=self.host,
+            applied_ids=applied_ids,
         )
         # The mapping (not the fd) backs the reply: a publish may close the fd meanwhile.
         return Response(header, snap.mapping, crc32=snap.checksum())

@@ -21,6 +21,8 @@ from mlfabric.daemon.aggregating import AggregatorRole
 from mlfabric.daemon.control import ControlStream
 from mlfabric.daemon.fallback import Fallback
 from mlfabric.daemon.localapi import LocalConnection
+from mlfabric.daemon.replica_role import promote
+from mlfabric.daemon.replication import ReplicationLogs
 from mlfabric.daemon.roles import Directory, OutgoingPushes, Verdict
 from mlfabric.daemon.serving import ServerRoles
 from mlfabric.daemon.transfers import PushSender
@@ -52,6 +54,7 @@ class SchedulerSession:
     directory: Directory
     aggregator: AggregatorRole
     outgoing: OutgoingPushes
+    replication: ReplicationLogs
 
     def _register(self, message: Any, on_ack: Callable[[Any], None]) -> None:
         """Send ``RegisterRole``; ``on_ack(RoleAck or None)`` (None: no scheduler)."""
@@ -162,6 +165,10 @@ class SchedulerSession:
                 self.sender.finish(
                     dropped, Verdict.dropped(directive.drop.reason or "dropped by the scheduler")
                 )
+        elif kind == "replicate":
+            self.replication.on_directive(directive.replicate)
+        elif kind == "promote":
+            promote(self, directive.promote)
         elif kind == "job_update":
             # a JobUpdate lists the job's servers now: one that left is forgotten
             self.directory.update(directive.job_update.job, directive.job_update.servers, replace=True)

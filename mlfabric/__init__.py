@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 _API = {
     "register_as_worker",
     "register_as_server",
+    "register_as_replica",
+    "Replica",
     "Worker",
     "Server",
     "PushHandle",

@@ -30,7 +30,8 @@ Table 1 of the paper, and its names here: ``registerAsWorker(params)`` ->
 :func:`register_as_worker`; ``push(server, update, update norm)`` -> :meth:`Worker.push`;
 ``get(server, model)`` -> :meth:`Worker.get`; ``registerAsServer(params)`` ->
 :func:`register_as_server`; ``registerUpdateCallback()`` -> :meth:`Server.on_update`;
-``registerRequestCallback()`` -> :meth:`Server.on_request`; ``params`` (tau_max, div_max) ->
+``registerRequestCallback()`` -> :meth:`Server.on_request`; ``registerAsReplica`` ->
+:func:`register_as_replica` (:mod:`mlfabric.replica`); ``params`` (tau_max, div_max) ->
 :class:`Params`.
 
 The worker role lives here; the server role (:class:`Server`, :class:`UpdateMeta`,
@@ -59,6 +60,7 @@ from mlfabric.localclient import (
 )
 from mlfabric.params import Params
 from mlfabric.proto.v1 import local_pb2
+from mlfabric.replica import Replica, register_as_replica
 from mlfabric.server import Server, UpdateMeta, register_as_server
 from mlfabric.wire.crc import crc32 as payload_crc32
 from mlfabric.wire.memfd import MemfdPool
@@ -71,9 +73,11 @@ __all__ = [
     "Params",
     "PushHandle",
     "PushResult",
+    "Replica",
     "Server",
     "UpdateMeta",
     "Worker",
+    "register_as_replica",
     "register_as_server",
     "register_as_worker",
 ]

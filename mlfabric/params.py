@@ -23,7 +23,9 @@ class Params:
         No update whose delay (server version at apply time minus its base version) exceeds
         ``tau_max`` is ever applied. None: unbounded.
     div_max : float or None
-        Bound on the sum of norms applied at a server and not yet at its replica. None: unbounded.
+        Bound on the sum of norms applied at a server and not yet at its replica (only with a
+        replica, :func:`mlfabric.register_as_replica`). None or 0: chain replication (every
+        update at the replica before its push resolves; DESIGN §4, docs/replication.md).
     sync_workers : int
         Synchronous training when > 0: the server applies one step per round, the sum of this
         many worker updates (its daemon sums them as they arrive); every push of a round
@@ -31,11 +33,6 @@ class Params:
     refuse_non_finite : bool
         True (default): the server refuses (DROPPED, naming the tensor) an update holding a
         NaN or an infinity instead of applying it to the model. False: such updates are applied.
-
-    Notes
-    -----
-    ``div_max`` needs replicas (DESIGN §4); until replication runs, a server registration with
-    a bounded ``div_max`` is refused rather than silently not enforced.
 
     Examples
     --------
@@ -57,15 +54,17 @@ class Params:
     def __post_init__(self) -> None:
         if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
             raise ValueError(f"tau_max must be an integer >= 0 or None (unbounded), got {self.tau_max!r}")
-        if self.div_max is not None and not float(self.div_max) > 0:
-            raise ValueError(f"div_max must be a number > 0 or None (unbounded), got {self.div_max!r}")
+        if self.div_max is not None and not float(self.div_max) >= 0:
+            raise ValueError(
+                f"div_max must be a number >= 0 (0: chain replication) or None, got {self.div_max!r}"
+            )
         if isinstance(self.sync_workers, bool) or int(self.sync_workers) < 0:
             raise ValueError(
                 f"sync_workers must be an integer >= 0 (0: asynchronous), got {self.sync_workers!r}"
             )
 
     def to_pb(self) -> Any:
-        """The ``JobParams`` message (``-1`` / ``0`` for unbounded)."""
+        """The ``JobParams`` message (``tau_max`` ``-1`` for unbounded; ``div_max`` ``0``: chain)."""
         return control_pb2.JobParams(
             tau_max=-1 if self.tau_max is None else int(self.tau_max),
             div_max=0.0 if self.div_max is None else float(self.div_max),

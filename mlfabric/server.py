@@ -19,7 +19,7 @@ from typing import Any
 
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
-from mlfabric.localclient import LocalClient, MlfabricError, check_size, connect, raise_for_error
+from mlfabric.localclient import LocalClient, check_size, connect, raise_for_error
 from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, local_pb2
 from mlfabric.wire.memfd import privatize
@@ -195,6 +195,8 @@ class Server:
             if event.WhichOneof("kind") == "deliver":
                 self._handle(event.deliver, fd)
                 handled += 1
+            elif event.WhichOneof("kind") == "promoted":
+                self._on_promoted(event.promoted)
             elif fd is not None:
                 os.close(fd)
         return handled
@@ -213,6 +215,9 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _on_promoted(self, promoted: Any) -> None:
+        """A replica's daemon says it is the server now (:class:`mlfabric.replica.Replica`)."""
 
     def _meta(self, deliver: Any, delay: int) -> UpdateMeta:
         members = list(deliver.members)
@@ -256,14 +261,21 @@ class Server:
     def _handle(self, deliver: Any, fd: int | None) -> None:
         delay = self.version - int(deliver.base_version)
         verdict = local_pb2.UpdateVerdict(update_id=deliver.update_id, delay=delay)
-        refusal = self._refusal(deliver, delay)
+        # a replicated entry is applied as the server applied it (it passed these checks there)
+        refusal = None if deliver.replicated else self._refusal(deliver, delay)
         if refusal is not None:
             if fd is not None:
                 os.close(fd)
             self._drop(verdict, refusal)
             return
         update, mapping = tensorio.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
-        bad = tcodec.first_non_finite(update) if self.params.refuse_non_finite else None
+        bad = (
+            tcodec.first_non_finite(update)
+            if self.params.refuse_non_finite and not deliver.replicated
+            else None
+        )
+        if deliver.want_norm:  # the server has a replica: its divergence counts this norm
+            verdict.norm, verdict.has_norm = tcodec.l2_norm(update), True
         if bad is not None:
             del update
             if mapping is not None:
@@ -326,7 +338,8 @@ def register_as_server(
         name -> numpy array or torch tensor; defines the model spec pushes are checked against.
     params : Params, optional
         The job's bounds; default unbounded ``tau_max``, non-finite updates refused.
-        ``div_max`` must be None (unbounded) until replication runs: a bounded one raises.
+        ``div_max`` bounds how far a replica (:func:`mlfabric.register_as_replica`) may lag;
+        None or 0: chain replication (every update at the replica before its push resolves).
     daemon : str, optional
         The daemon's socket; default ``$MLFABRIC_DAEMON``, else the default socket path.
     version : int
@@ -341,7 +354,7 @@ def register_as_server(
     ------
     MlfabricError
         No daemon at the socket, or the scheduler refused the registration (e.g. duplicate name),
-        or ``params.div_max`` is bounded (not enforced yet), or the names and model spec exceed
+        or the names and model spec exceed
         the local message limit.
 
     Examples
@@ -354,12 +367,6 @@ def register_as_server(
     100
     """
     params = params or Params()
-    if params.div_max is not None:
-        raise MlfabricError(
-            f"div_max {params.div_max} cannot be enforced yet: it bounds what a server applied and its "
-            "replica did not, and replication does not run; register with div_max=None (unbounded)",
-            code="bad_request",
-        )
     model_dict = dict(model)
     layouts, _ = tcodec.plan_layout(model_dict)
     spec = [control_pb2.TensorSpec(name=x.name, dtype=x.dtype, shape=list(x.shape)) for x in layouts]

@@ -30,6 +30,7 @@ __all__ = [
     "PlannedAggregate",
     "Policy",
     "ReplicaSend",
+    "ReplicaView",
     "Send",
     "Snapshot",
 ]
@@ -67,6 +68,27 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class ReplicaView:
+    """A server's replica as a policy sees it (docs/replication.md).
+
+    ``log`` lists the entries the server applied that the replica has not acknowledged, as
+    ``(update_id, version, norm)`` in version order; ``directed`` is the version up to which
+    forwarding was already ordered; ``blocked`` says an update waits at the server because
+    applying it would break ``div_max`` (``<= 0``: chain replication).
+    """
+
+    job: str
+    server: str
+    server_host: str
+    replica_host: str
+    div_max: float
+    replica_version: int
+    directed: int
+    log: tuple[tuple[str, int, float], ...] = ()
+    blocked: bool = False
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What a policy may look at. Capacities in ``graph`` are the current estimates."""
 
@@ -79,6 +101,8 @@ class Snapshot:
     tau_max: Mapping[str, int] = field(default_factory=dict)
     #: hosts that may be aggregator hops now (daemon connected and willing); ``None``: any host
     aggregators: frozenset[str] | None = None
+    #: (job, server) -> its replica's state, for servers that have one (replication)
+    replicas: Mapping[ServerKey, ReplicaView] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,7 +175,8 @@ class Decision:
     aggregates : tuple of PlannedAggregate
         Sums to make at aggregator hops; ids unique across the decisions of one run.
     replicas : tuple of ReplicaSend
-        Copies to send to replica servers (no policy produces them yet).
+        Copies to send to replica servers
+        (:class:`~mlfabric.scheduler.policies.replication.ReplicationPolicy`).
 
     Pending updates in none of ``sends`` and ``drops`` are *undecided* (a bounded-horizon
     policy plans only the head of its order); they are offered again at the next decision.

@@ -20,10 +20,14 @@ If ``S`` fails, ``R`` is promoted; the model lost is bounded by ``div_max``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ReplicationDecision", "divergence", "plan_replication"]
+from mlfabric.scheduler.core.graph import TopologyError, shortest_path
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, ReplicaSend, ReplicaView, Snapshot
+
+__all__ = ["ReplicationDecision", "ReplicationPolicy", "divergence", "plan_replication"]
 
 
 def divergence(applied: Mapping[str, float], at_replica: Collection[str]) -> float:
@@ -139,3 +143,72 @@ def plan_replication(
         divergence_after=div,
         urgent=bool(hold) or div >= urgency * div_max,
     )
+
+
+class ReplicationPolicy:
+    """Decide replica transfers for every server with a replica (paper Fig. 3, as executed).
+
+    The entries a server applied and its replica lacks sit in the server daemon's log; this
+    policy says when they move (:class:`~mlfabric.scheduler.policies.base.ReplicaSend`, from
+    the server's host, in version order since the replica applies them in the server's order):
+
+    * **urgent** — chain replication (``div_max <= 0``), a server waiting for its replica
+      (``blocked``), a divergence at ``urgency`` x ``div_max`` or more, or one that the next
+      pending update of that server would push past ``div_max``: every lagging entry goes now;
+    * **spare bandwidth** — no transfer in flight shares a link with the server -> replica path
+      and no update waits for that server: every lagging entry goes now (background traffic);
+    * otherwise the entries wait (the divergence stays within ``div_max``).
+
+    Pure: runs on the snapshot's replica views (``ReplicaView``).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> view = ReplicaView("j", "ps", "h0", "h1", 3.0, 0, 0, (("u1", 1, 1.0),))
+    >>> snap = Snapshot(0.0, star(["h0", "h1", "h2"], 1e9), replicas={("j", "ps"): view})
+    >>> [r.update_id for r in ReplicationPolicy().decide(snap, ()).replicas]  # idle links: spare
+    ['u1']
+    >>> busy = PendingUpdate("h2/1", "j", "ps", "w", "h2", "h0", 8, 2.5, 0, 0.0)
+    >>> ReplicationPolicy().decide(snap, [busy]).replicas   # 1.0 + 2.5 would exceed 3.0: urgent
+    (ReplicaSend(update_id='u1', src='h0', replica='h1', path=('h0', 'sw', 'h1'), after=(), \
+expected_start=0.0, expected_end=0.0),)
+    >>> calm = PendingUpdate("h2/1", "j", "ps", "w", "h2", "h0", 8, 0.1, 0, 0.0)
+    >>> ReplicationPolicy().decide(snap, [calm]).replicas   # within the bound, links busy: wait
+    ()
+    """
+
+    name = "replication"
+
+    def __init__(self, urgency: float = 0.5) -> None:
+        self.urgency = urgency
+
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
+        """The replica sends to make now (only ``Decision.replicas`` is set)."""
+        sends: list[ReplicaSend] = []
+        for key, view in sorted(snapshot.replicas.items()):
+            lagging = [(uid, v) for uid, v, _ in view.log if v > max(view.directed, view.replica_version)]
+            if not lagging:
+                continue
+            waiting = [p for p in pending if (p.job, p.server) == key]
+            try:
+                path = tuple(shortest_path(snapshot.graph, view.server_host, view.replica_host))
+            except TopologyError:
+                path = (view.server_host, view.replica_host)
+            if not (self._urgent(view, waiting) or self._spare(snapshot, path, waiting)):
+                continue
+            sends += [ReplicaSend(uid, view.server_host, view.replica_host, path) for uid, _ in lagging]
+        return Decision(replicas=tuple(sends))
+
+    def _urgent(self, view: ReplicaView, waiting: Sequence[PendingUpdate]) -> bool:
+        if view.div_max <= 0 or view.blocked:
+            return True
+        div = sum(norm for _, v, norm in view.log if v > view.replica_version)
+        nxt = min(waiting, key=lambda p: p.ready_at).norm if waiting else 0.0
+        return div >= self.urgency * view.div_max or div + nxt > view.div_max
+
+    @staticmethod
+    def _spare(snapshot: Snapshot, path: tuple[str, ...], waiting: Sequence[PendingUpdate]) -> bool:
+        if waiting:
+            return False
+        links = set(itertools.pairwise(path))
+        return not any(links.intersection(itertools.pairwise(f.path)) for f in snapshot.in_flight)

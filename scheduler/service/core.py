@@ -85,6 +85,7 @@ from mlfabric.scheduler.service.records import (
     TensorSpec,
     UnknownUpdate,
 )
+from mlfabric.scheduler.service.replicas import Replication
 from mlfabric.scheduler.service.servicer import SERVER_OPTIONS, SchedulerServicer, start_server
 from mlfabric.scheduler.service.state import SchedulerState
 from mlfabric.wire.keepalive import CHANNEL_OPTIONS
@@ -247,6 +248,8 @@ class SchedulerCore:
         self.clock = clock
         self.sessions: dict[str, DaemonSession] = {}
         self._wake = asyncio.Event()
+        #: replicas: their books, replica sends, promotion (docs/replication.md)
+        self.replication = Replication(self)
 
     @property
     def policy(self) -> Policy:
@@ -278,6 +281,7 @@ class SchedulerCore:
         if self.sessions.get(session.host) is not session:
             return
         del self.sessions[session.host]
+        self.replication.host_lost(session.host)  # before its servers are forgotten: promote
         self._apply_cleanup(self.state.disconnect(session.host))
         self._execute(self.aggregates.host_lost(session.host, self.clock()))
         log.info("daemon of host %s disconnected", session.host)
@@ -312,6 +316,8 @@ class SchedulerCore:
             self._moved()
         elif kind == "aggregate_failed":
             self._execute(self.aggregates.failed(host, m.aggregate_failed, self.clock()))
+        elif kind in ("server_applied", "replica_status"):
+            self.replication.on_message(kind, getattr(m, kind))
         elif kind == "hello":
             log.warning("host %s: a second Hello on an open session is ignored", host)
         else:
@@ -329,6 +335,9 @@ class SchedulerCore:
                 )
             elif m.role == pb.ROLE_WORKER:
                 job = self.state.register_worker(session.host, m.job, m.name)
+            elif m.role == pb.ROLE_REPLICA:
+                self.replication.register(session.host, m)
+                job = self.state.jobs[m.job]
             else:
                 name = pb.Role.Name(m.role) if m.role in pb.Role.values() else str(m.role)
                 raise SchedulerError(f"role {name} is not supported by this scheduler")
@@ -344,7 +353,11 @@ class SchedulerCore:
     def _unregister_role(self, host: str, m: pb.UnregisterRole) -> None:
         try:
             if m.role == pb.ROLE_SERVER:
-                self._apply_cleanup(self.state.unregister_server(host, m.job, m.name))
+                reason = f"server process '{m.name}' of job '{m.job}' on host '{host}' went away"
+                if not self.replication.server_lost(m.job, m.name, reason):
+                    self._apply_cleanup(self.state.unregister_server(host, m.job, m.name))
+            elif m.role == pb.ROLE_REPLICA:
+                self.replication.replica_left(m.job, m.name)
             elif m.role == pb.ROLE_WORKER:
                 self.state.unregister_worker(host, m.job, m.name)
         except SchedulerError as exc:
@@ -462,6 +475,7 @@ class SchedulerCore:
             self.metrics.updates_dropped.inc()
             self._send_to(src, wire.drop_directive(d.update_id, d.reason))
         self._execute(self.aggregates.reconcile(now))
+        self.replication.decide(snapshot, pending)
         self.release()
         return decision
 

@@ -146,6 +146,18 @@ class ParamsMismatch(SchedulerError):
     code = "PARAMS_MISMATCH"
 
 
+class DuplicateReplica(SchedulerError):
+    """A replica registers for a server that already has one."""
+
+    code = "DUPLICATE_REPLICA"
+
+
+class ModelMismatch(SchedulerError):
+    """A replica declares a model spec different from its server's."""
+
+    code = "MODEL_MISMATCH"
+
+
 class DuplicateUpdate(SchedulerError):
     """An update id is announced while the same id is still pending or in flight."""
 

@@ -177,17 +177,10 @@ class SchedulerState:
             The job already has a server called ``name``.
         ParamsMismatch
             ``params`` differ from the params the job's first server gave.
-        SchedulerError
-            A bounded ``div_max``: it needs replicas, which do not run yet (DESIGN §4).
         """
         self._require_daemon(host)
         if not name:
             raise SchedulerError(f"job '{job}': a server needs a name")
-        if params.div_max > 0:
-            raise SchedulerError(
-                f"job '{job}': server '{name}' sets div_max {params.div_max}, which cannot be enforced "
-                "until replication runs; register with div_max <= 0 (unbounded)"
-            )
         record = self.jobs.get(job)
         if record is None:
             record = self.jobs[job] = Job(job, params)
@@ -232,6 +225,25 @@ class SchedulerState:
         if record is None or record.workers.get(name) != host:
             raise UnknownWorker(f"job '{job}' has no worker '{name}' on host '{host}'")
         del record.workers[name]
+
+    def server_role(self, job: str, name: str) -> ServerRole:
+        """Server ``name`` of ``job`` (``UnknownJob`` / ``UnknownServer`` naming them)."""
+        return self._server(job, name)
+
+    def promote(self, job: str, name: str, host: str, version: int) -> list[str]:
+        """Server ``name`` now lives on ``host`` (its replica took over, docs/replication.md).
+
+        The pending updates bound for it are re-routed there; returns their ids (to be planned
+        again). Raises ``UnknownDaemon``, ``UnknownJob``, ``UnknownServer``.
+        """
+        self._require_daemon(host)
+        server = self._server(job, name)
+        self.jobs[job].servers[name] = replace(server, host=host, version=version)
+        moved = []
+        for u in [u for u in self.pending.values() if (u.job, u.server) == (job, name)]:
+            self.pending[u.update_id] = replace(u, dst_host=host)
+            moved.append(u.update_id)
+        return moved
 
     def servers(self, job: str) -> tuple[ServerRole, ...]:
         """The servers of ``job`` with their current versions, by name (none for an unknown job)."""

@@ -2,8 +2,7 @@
 
 A push whose base version is ahead of the server, a non-finite update, a list instead of a
 dict, a tensor of the wrong shape, dtype or name, a job name over the local message limit and
-a div_max bound that nothing enforces yet each get a clear error or a DROPPED naming it; the
-model stays untouched.
+a negative div_max each get a clear error or a DROPPED naming it; the model stays untouched.
 """
 
 from __future__ import annotations
@@ -130,11 +129,11 @@ def test_job_name_over_the_local_message_limit_names_the_limit(make_daemon: Any)
     assert time.monotonic() - started < 10
 
 
-def test_div_max_is_refused_at_registration_until_replication_runs(make_daemon: Any) -> None:
+def test_negative_div_max_is_refused_before_registration(make_daemon: Any) -> None:
     d = make_daemon("h")
-    with pytest.raises(mlfabric.MlfabricError, match="div_max"):
+    with pytest.raises(ValueError, match="div_max must be a number >= 0"):
         mlfabric.register_as_server(
-            "job", "ps0", {"w": np.zeros(2)}, mlfabric.Params(div_max=5.0), daemon=d.config.socket_path
+            "job", "ps0", {"w": np.zeros(2)}, mlfabric.Params(div_max=-5.0), daemon=d.config.socket_path
         )
 
 

@@ -216,6 +216,7 @@ def test_params_refuse_negative_bounds() -> None:
 
     with pytest.raises(ValueError, match="tau_max must be an integer >= 0"):
         mlfabric.Params(tau_max=-1)
-    with pytest.raises(ValueError, match="div_max must be a number > 0"):
-        mlfabric.Params(div_max=0.0)
+    with pytest.raises(ValueError, match="div_max must be a number >= 0"):
+        mlfabric.Params(div_max=-0.5)
     assert mlfabric.Params(tau_max=0).tau_max == 0
+    assert mlfabric.Params(div_max=0).div_max == 0  # chain replication

@@ -233,13 +233,11 @@ def test_hello_with_a_well_formed_data_address_is_accepted(address: str) -> None
     assert s.connect("h0", address).data_address == address
 
 
-def test_bounded_div_max_is_refused_until_replication_runs() -> None:
+def test_bounded_div_max_is_accepted_now_that_replicas_run() -> None:
     s = SchedulerState(star(2, 8e9))
     s.connect("h0", "127.0.0.1:1")
-    with pytest.raises(SchedulerError, match=r"div_max 0\.5"):
-        s.register_server("h0", "j", "ps", MODEL, JobParams(div_max=0.5), version=0)
-    assert "j" not in s.jobs
-    s.register_server("h0", "j", "ps", MODEL, JobParams(div_max=0.0), version=0)  # unbounded
+    s.register_server("h0", "j", "ps", MODEL, JobParams(div_max=0.5), version=0)
+    assert s.jobs["j"].params.div_max == 0.5
 
 
 def test_update_announcing_more_than_the_model_size_is_refused_naming_both() -> None:

@@ -1,0 +1,272 @@
+"""The scheduler's replicas: registration, the servers' logs, replica sends, promotion.
+
+:class:`ReplicaBook` is the books (pure: no I/O; directives are returned): which server has
+which replica (one each, on another host), the entries each server applied that its replica
+has not acknowledged (``ServerApplied``, with the norm), how far the replica is and how far
+forwarding was ordered (``ReplicaStatus``), and whether the server waits for it. It gives the
+policies their replica views and turns the replica sends of the
+:class:`~mlfabric.scheduler.policies.replication.ReplicationPolicy` into ``ReplicateDirective``
+messages to the server's daemon.
+
+:class:`Replication` is what the service core does with it: a replica's ``RegisterRole``,
+the two daemon messages, the replica sends of each decision, and **promotion** — when a
+server's process unregisters or its daemon's session ends, its replica becomes the server
+(the server role moves to the replica's host, the pending updates bound for it are re-routed
+there and planned again, the replica's daemon gets a ``PromoteDirective`` and every daemon
+with a worker of the job a ``JobUpdate``). docs/replication.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.policies.base import PendingUpdate, ReplicaSend, ReplicaView, Snapshot
+from mlfabric.scheduler.policies.replication import ReplicationPolicy
+from mlfabric.scheduler.service.records import (
+    DuplicateReplica,
+    ModelMismatch,
+    SchedulerError,
+)
+from mlfabric.scheduler.service.state import SchedulerState
+
+__all__ = ["ReplicaBook", "ReplicaRecord", "Replication"]
+
+log = logging.getLogger(__name__)
+
+Directives = list[tuple[str, pb.Directive]]
+
+
+@dataclass
+class ReplicaRecord:
+    """One server's replica and what it lacks."""
+
+    job: str
+    server: str
+    name: str
+    host: str
+    div_max: float
+    version: int = 0
+    directed: int = 0
+    #: version -> (update_id, norm) of entries applied at the server, not acknowledged
+    log: dict[int, tuple[str, float]] = field(default_factory=dict)
+    blocked: bool = False
+    blocked_count: int = 0
+    error: str = ""
+
+    def divergence(self) -> float:
+        """Sum of the norms of the entries the replica lacks."""
+        return sum(norm for v, (_, norm) in self.log.items() if v > self.version)
+
+
+class ReplicaBook:
+    """Replicas of the servers of every job (pure).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.service.records import JobParams
+    >>> s = SchedulerState(star(["h0", "h1"], 8e9))
+    >>> _ = s.connect("h0", "127.0.0.1:9000"); _ = s.connect("h1", "127.0.0.1:9001")
+    >>> _ = s.register_server("h0", "j", "ps", (), JobParams(div_max=2.0), version=0)
+    >>> book = ReplicaBook(s)
+    >>> [(h, d.replicate.replica_address) for h, d in book.register("h1", "j", "ps", "r", ())]
+    [('h0', '127.0.0.1:9001')]
+    >>> try:
+    ...     book.register("h1", "j", "ps", "r2", ())
+    ... except DuplicateReplica as exc:
+    ...     print(exc)
+    server 'ps' of job 'j' already has replica 'r' (on host 'h1')
+    """
+
+    def __init__(self, state: SchedulerState) -> None:
+        self.state = state
+        self.records: dict[tuple[str, str], ReplicaRecord] = {}
+
+    def register(self, host: str, job: str, server: str, name: str, model: Sequence[Any]) -> Directives:
+        """A replica ``name`` of ``server`` registers on ``host``; the attach directive to the server.
+
+        Raises
+        ------
+        UnknownJob, UnknownServer
+            No such job or server.
+        DuplicateReplica
+            The server has a replica already.
+        ModelMismatch
+            ``model`` (``TensorSpec`` messages; empty: not checked) differs from the server's.
+        SchedulerError
+            ``host`` is the server's own host, or has no connected daemon.
+        """
+        target = self.state.server_role(job, server)  # UnknownJob, UnknownServer
+        address = self.state.address(host)
+        if target.host == host:
+            raise SchedulerError(
+                f"replica '{name}' of server '{server}' of job '{job}' is on the server's own host "
+                f"'{host}': a replica must survive its server's host"
+            )
+        old = self.records.get((job, server))
+        if old is not None:
+            raise DuplicateReplica(
+                f"server '{server}' of job '{job}' already has replica '{old.name}' (on host '{old.host}')"
+            )
+        if model:
+            mine = {t.name: (t.dtype, tuple(t.shape)) for t in model}
+            theirs = {t.name: (t.dtype, tuple(t.shape)) for t in target.model}
+            if mine != theirs:
+                bad = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))[0]
+                raise ModelMismatch(
+                    f"replica '{name}': tensor '{bad}' is {mine.get(bad, 'missing')} but server '{server}' "
+                    f"of job '{job}' has {theirs.get(bad, 'no such tensor')}"
+                )
+        div_max = self.state.jobs[job].params.div_max
+        self.records[(job, server)] = ReplicaRecord(job, server, name, host, div_max, version=target.version)
+        d = pb.ReplicateDirective(
+            job=job, server=server, replica=name, replica_host=host, replica_address=address, div_max=div_max
+        )
+        return [(target.host, pb.Directive(replicate=d))]
+
+    def applied(self, m: Any) -> ReplicaRecord | None:
+        """A ``ServerApplied``: one more entry the replica lacks."""
+        rec = self.records.get((m.job, m.server))
+        if rec is not None and m.version > rec.version:
+            rec.log[int(m.version)] = (m.update_id, float(m.norm))
+        return rec
+
+    def status(self, m: Any) -> ReplicaRecord | None:
+        """A ``ReplicaStatus``: the replica's version, whether the server waits, errors."""
+        rec = self.records.get((m.job, m.server))
+        if rec is None:
+            return None
+        rec.version = max(rec.version, int(m.replica_version))
+        rec.directed = max(rec.directed, rec.version)
+        for v in [v for v in rec.log if v <= rec.version]:
+            del rec.log[v]
+        if m.blocked and not rec.blocked:
+            rec.blocked_count += 1
+        rec.blocked = bool(m.blocked)
+        rec.error = m.error
+        return rec
+
+    def views(self) -> dict[tuple[str, str], ReplicaView]:
+        """The policies' view of every replica whose server is registered."""
+        views = {}
+        for key, rec in self.records.items():
+            server = next((s for s in self.state.servers(rec.job) if s.name == rec.server), None)
+            if server is None:
+                continue
+            entries = tuple((uid, v, norm) for v, (uid, norm) in sorted(rec.log.items()))
+            views[key] = ReplicaView(
+                rec.job, rec.server, server.host, rec.host, rec.div_max, rec.version, rec.directed,
+                entries, rec.blocked,
+            )  # fmt: skip
+        return views
+
+    def execute(self, sends: Sequence[ReplicaSend]) -> Directives:
+        """The ``ReplicateDirective`` of each server for a decision's replica sends (up to a version)."""
+        up_to: dict[tuple[str, str], int] = {}
+        for rec in self.records.values():
+            ids = {uid: v for v, (uid, _) in rec.log.items()}
+            for s in sends:
+                if s.update_id in ids and s.replica == rec.host:
+                    key = (rec.job, rec.server)
+                    up_to[key] = max(up_to.get(key, 0), ids[s.update_id])
+        out: Directives = []
+        for key, version in sorted(up_to.items()):
+            rec = self.records[key]
+            if version <= rec.directed:
+                continue
+            rec.directed = version
+            server = next(s for s in self.state.servers(rec.job) if s.name == rec.server)
+            d = pb.ReplicateDirective(job=rec.job, server=rec.server, replica=rec.name, up_to_version=version)
+            out.append((server.host, pb.Directive(replicate=d)))
+        return out
+
+    def remove(self, job: str, server: str) -> Directives:
+        """The replica of ``server`` went away: forget it; detach it at the server's daemon."""
+        rec = self.records.pop((job, server), None)
+        target = next((s for s in self.state.servers(job) if s.name == server), None)
+        if rec is None or target is None:
+            return []
+        d = pb.ReplicateDirective(job=job, server=server, replica=rec.name, detach=True)
+        return [(target.host, pb.Directive(replicate=d))]
+
+
+class Replication:
+    """What the service core does for replicas (holds the core; see the module docstring)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.book = ReplicaBook(core.state)
+        self.policy = ReplicationPolicy()
+        self.promotions = 0
+
+    def _send(self, directives: Directives) -> None:
+        for host, d in directives:
+            self.core._send_to(host, d)
+
+    def register(self, host: str, m: Any) -> None:
+        """A ``RegisterRole`` with ``ROLE_REPLICA`` (raises :class:`SchedulerError` naming the problem)."""
+        self._send(self.book.register(host, m.job, m.replica_of, m.name, list(m.model)))
+
+    def on_message(self, kind: str, m: Any) -> None:
+        """``server_applied`` / ``replica_status``: update the books, decide if it matters."""
+        rec = self.book.applied(m) if kind == "server_applied" else self.book.status(m)
+        if rec is None:
+            return
+        if kind == "replica_status" and m.error:
+            log.warning("replica %r of server %r of job %r: %s", rec.name, rec.server, rec.job, m.error)
+        if kind == "server_applied" or rec.blocked:
+            self.core.batcher.request()  # the replication policy decides on it
+
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> None:
+        """Run the replication policy on the snapshot and send its replica sends' directives."""
+        views = self.book.views()
+        if not views:
+            return
+        snapshot = Snapshot(
+            snapshot.now, snapshot.graph, snapshot.in_flight, snapshot.server_versions, snapshot.tau_max,
+            snapshot.aggregators, views,
+        )  # fmt: skip
+        self._send(self.book.execute(self.policy.decide(snapshot, pending).replicas))
+
+    def replica_left(self, job: str, server: str) -> None:
+        """The replica's process unregistered."""
+        self._send(self.book.remove(job, server))
+
+    def server_lost(self, job: str, server: str, reason: str) -> bool:
+        """Promote the replica of ``server`` if it has a connected one; True if it did."""
+        rec = self.book.records.get((job, server))
+        if rec is None or rec.host not in self.core.state.daemons:
+            return False
+        del self.book.records[(job, server)]
+        moved = self.core.state.promote(job, server, rec.host, rec.version)
+        self.core.runner.forget(moved)
+        self.promotions += 1
+        log.warning(
+            "server %r of job %r failed (%s): replica %r on %s promoted",
+            server,
+            job,
+            reason,
+            rec.name,
+            rec.host,
+        )
+        self.core._send_to(
+            rec.host, pb.Directive(promote=pb.PromoteDirective(job=job, server=server, reason=reason))
+        )
+        self.core._announce(job)
+        if moved:
+            self.core.batcher.notify()
+        return True
+
+    def host_lost(self, host: str) -> None:
+        """``host``'s daemon left: promote the replicas of its servers, detach its replicas."""
+        for (job, server), _ in list(self.book.records.items()):
+            target = next((s for s in self.core.state.servers(job) if s.name == server), None)
+            if target is not None and target.host == host:
+                self.server_lost(job, server, f"the daemon of host '{host}' disconnected")
+        for (job, server), rec in list(self.book.records.items()):
+            if rec.host == host:
+                self._send(self.book.remove(job, server))

@@ -1,0 +1,107 @@
+"""Server, replica and worker processes for the replication tests (run as a script).
+
+``python roles.py server OUT DIV_MAX`` serves a float64 model of integer values with
+``Params(div_max=DIV_MAX)``; ``python roles.py replica OUT`` replicates it (the same
+``on_update``); ``python roles.py worker OUT RANK PUSHES GAP`` pushes ``PUSHES``
+integer-valued float64 updates, one every ``GAP`` seconds, and records every verdict.
+Each role writes ``<role>.ready`` once registered and, on SIGTERM, its final model and the
+ids it applied (a replica also when and why it was promoted).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import mlfabric
+
+JOB, SERVER = "rtest", "ps0"
+SHAPES = {"w": (4, 3), "b": (7,)}
+
+
+def initial_model() -> dict[str, np.ndarray]:
+    """The model the server starts from (integer values, float64)."""
+    rng = np.random.default_rng(54321)
+    return {k: rng.integers(-100, 100, size=s).astype(np.float64) for k, s in SHAPES.items()}
+
+
+def update_for(rank: int, index: int) -> dict[str, np.ndarray]:
+    """The ``index``-th update of worker ``rank`` (integer values, float64): reproducible."""
+    rng = np.random.default_rng([rank, index])
+    return {k: rng.integers(-5, 6, size=s).astype(np.float64) for k, s in SHAPES.items()}
+
+
+def _serve(srv: mlfabric.Server, out: Path, role: str, extra: dict[str, object]) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    applied: list[str] = []
+
+    @srv.on_update
+    def apply(update: dict[str, np.ndarray], meta: mlfabric.UpdateMeta) -> None:
+        for k, v in update.items():
+            srv.model[k] -= v
+        applied.append(meta.update_id)
+        extra.setdefault("first_apply_after_promotion", None)
+        if extra.get("promoted_at") is not None and extra["first_apply_after_promotion"] is None:
+            extra["first_apply_after_promotion"] = time.time()
+
+    (out / f"{role}.ready").write_text(str(srv.version))
+    srv.serve(until=stop)
+    np.savez(out / f"{role}.npz", **srv.model)
+    (out / f"{role}.json").write_text(json.dumps({"applied": applied, "version": srv.version, **extra}))
+    srv.close()
+
+
+def server(out: Path, div_max: float) -> None:
+    srv = mlfabric.register_as_server(JOB, SERVER, initial_model(), mlfabric.Params(div_max=div_max))
+    _serve(srv, out, "server", {})
+
+
+def replica(out: Path) -> None:
+    rep = mlfabric.register_as_replica(JOB, SERVER, initial_model())
+    extra: dict[str, object] = {"start_version": rep.version, "promoted_at": None, "reason": ""}
+
+    def watch() -> None:
+        rep.promoted.wait()
+        extra["promoted_at"], extra["reason"] = time.time(), rep.promotion_reason
+        (out / "replica.promoted").write_text(str(time.time()))
+
+    threading.Thread(target=watch, daemon=True).start()
+    _serve(rep, out, "replica", extra)
+
+
+def worker(out: Path, rank: int, pushes: int, gap: float) -> None:
+    w = mlfabric.register_as_worker(JOB, name=f"w{rank}", wait=60.0)
+    results = []
+    with w:
+        for i in range(pushes):
+            if i % 4 == 0:
+                try:
+                    w.get(SERVER, timeout=10)
+                except mlfabric.MlfabricError:
+                    pass  # the server failed and its replica is being promoted
+            try:
+                r = w.push(SERVER, update_for(rank, i)).wait(timeout=60.0)
+                status, reason, uid = r.status, r.reason, r.update_id
+            except mlfabric.MlfabricError as exc:  # refused before it had an id: never applied
+                status, reason, uid = "REFUSED", str(exc), ""
+            results.append({"index": i, "status": status, "reason": reason, "update_id": uid, "t": time.time()})
+            (out / f"worker{rank}.progress").write_text(str(i + 1))
+            time.sleep(gap)
+    (out / f"worker{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    role, out_dir = sys.argv[1], Path(sys.argv[2])
+    if role == "server":
+        server(out_dir, float(sys.argv[3]))
+    elif role == "replica":
+        replica(out_dir)
+    else:
+        worker(out_dir, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
