@@ -261,8 +261,48 @@ class ReplicaStatus(_message.Message):
     error: str
     def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., replica_version: _Optional[int] = ..., blocked: _Optional[bool] = ..., blocked_norm: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
+class AllreduceReady(_message.Message):
+    __slots__ = ("job", "name", "seq", "participant", "world_size", "tensors", "bytes", "timeout_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    name: str
+    seq: int
+    participant: str
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    bytes: int
+    timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class AllreduceDone(_message.Message):
+    __slots__ = ("job", "name", "seq", "participant", "ok", "reason", "code", "seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    name: str
+    seq: int
+    participant: str
+    ok: bool
+    reason: str
+    code: str
+    seconds: float
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ..., code: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class DaemonMessage(_message.Message):
-    __slots__ = ("hello", "register_role", "unregister_role", "update_ready", "transfer_report", "update_resolved", "aggregate_failed", "server_applied", "replica_status")
+    __slots__ = ("hello", "register_role", "unregister_role", "update_ready", "transfer_report", "update_resolved", "aggregate_failed", "server_applied", "replica_status", "allreduce_ready", "allreduce_done")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     REGISTER_ROLE_FIELD_NUMBER: _ClassVar[int]
     UNREGISTER_ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +312,8 @@ class DaemonMessage(_message.Message):
     AGGREGATE_FAILED_FIELD_NUMBER: _ClassVar[int]
     SERVER_APPLIED_FIELD_NUMBER: _ClassVar[int]
     REPLICA_STATUS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_READY_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_DONE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     register_role: RegisterRole
     unregister_role: UnregisterRole
@@ -281,7 +323,9 @@ class DaemonMessage(_message.Message):
     aggregate_failed: AggregateFailed
     server_applied: ServerApplied
     replica_status: ReplicaStatus
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., register_role: _Optional[_Union[RegisterRole, _Mapping]] = ..., unregister_role: _Optional[_Union[UnregisterRole, _Mapping]] = ..., update_ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., update_resolved: _Optional[_Union[UpdateResolved, _Mapping]] = ..., aggregate_failed: _Optional[_Union[AggregateFailed, _Mapping]] = ..., server_applied: _Optional[_Union[ServerApplied, _Mapping]] = ..., replica_status: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+    allreduce_ready: AllreduceReady
+    allreduce_done: AllreduceDone
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., register_role: _Optional[_Union[RegisterRole, _Mapping]] = ..., unregister_role: _Optional[_Union[UnregisterRole, _Mapping]] = ..., update_ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., transfer_report: _Optional[_Union[TransferReport, _Mapping]] = ..., update_resolved: _Optional[_Union[UpdateResolved, _Mapping]] = ..., aggregate_failed: _Optional[_Union[AggregateFailed, _Mapping]] = ..., server_applied: _Optional[_Union[ServerApplied, _Mapping]] = ..., replica_status: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., allreduce_ready: _Optional[_Union[AllreduceReady, _Mapping]] = ..., allreduce_done: _Optional[_Union[AllreduceDone, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("policy",)
@@ -413,8 +457,54 @@ class PromoteDirective(_message.Message):
     reason: str
     def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class AllreducePeer(_message.Message):
+    __slots__ = ("participant", "host", "data_address")
+    PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    participant: str
+    host: str
+    data_address: str
+    def __init__(self, participant: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+
+class AllreduceDirective(_message.Message):
+    __slots__ = ("job", "name", "seq", "participant", "parent", "children", "chunk_bytes", "world_size", "plan")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    name: str
+    seq: int
+    participant: str
+    parent: AllreducePeer
+    children: _containers.RepeatedCompositeFieldContainer[AllreducePeer]
+    chunk_bytes: int
+    world_size: int
+    plan: str
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., parent: _Optional[_Union[AllreducePeer, _Mapping]] = ..., children: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., plan: _Optional[str] = ...) -> None: ...
+
+class AllreduceAbort(_message.Message):
+    __slots__ = ("job", "name", "seq", "reason", "code")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    name: str
+    seq: int
+    reason: str
+    code: str
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., reason: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
+
 class Directive(_message.Message):
-    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve", "replicate", "promote")
+    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve", "replicate", "promote", "allreduce", "allreduce_abort")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ROLE_ACK_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +514,8 @@ class Directive(_message.Message):
     RESOLVE_FIELD_NUMBER: _ClassVar[int]
     REPLICATE_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_ABORT_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     role_ack: RoleAck
     send: SendDirective
@@ -433,4 +525,6 @@ class Directive(_message.Message):
     resolve: ResolveDirective
     replicate: ReplicateDirective
     promote: PromoteDirective
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateDirective, _Mapping]] = ..., promote: _Optional[_Union[PromoteDirective, _Mapping]] = ...) -> None: ...
+    allreduce: AllreduceDirective
+    allreduce_abort: AllreduceAbort
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateDirective, _Mapping]] = ..., promote: _Optional[_Union[PromoteDirective, _Mapping]] = ..., allreduce: _Optional[_Union[AllreduceDirective, _Mapping]] = ..., allreduce_abort: _Optional[_Union[AllreduceAbort, _Mapping]] = ...) -> None: ...

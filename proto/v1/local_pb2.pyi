@@ -101,8 +101,46 @@ class PublishModel(_message.Message):
     has_payload: bool
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
 
+class AllreduceRequest(_message.Message):
+    __slots__ = ("job", "name", "seq", "participant", "world_size", "tensors", "payload_bytes", "has_payload", "timeout_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HAS_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    name: str
+    seq: int
+    participant: str
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.TensorLayout]
+    payload_bytes: int
+    has_payload: bool
+    timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class AllreduceResult(_message.Message):
+    __slots__ = ("name", "seq", "tensors", "payload_bytes", "has_payload", "plan")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HAS_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seq: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.TensorLayout]
+    payload_bytes: int
+    has_payload: bool
+    plan: str
+    def __init__(self, name: _Optional[str] = ..., seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., plan: _Optional[str] = ...) -> None: ...
+
 class LocalRequest(_message.Message):
-    __slots__ = ("request_id", "register_worker", "register_server", "push", "get", "verdict", "publish", "register_replica")
+    __slots__ = ("request_id", "register_worker", "register_server", "push", "get", "verdict", "publish", "register_replica", "allreduce")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_WORKER_FIELD_NUMBER: _ClassVar[int]
     REGISTER_SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +149,7 @@ class LocalRequest(_message.Message):
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     REGISTER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     register_worker: RegisterWorkerRequest
     register_server: RegisterServerRequest
@@ -119,7 +158,8 @@ class LocalRequest(_message.Message):
     verdict: UpdateVerdict
     publish: PublishModel
     register_replica: RegisterReplicaRequest
-    def __init__(self, request_id: _Optional[int] = ..., register_worker: _Optional[_Union[RegisterWorkerRequest, _Mapping]] = ..., register_server: _Optional[_Union[RegisterServerRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., verdict: _Optional[_Union[UpdateVerdict, _Mapping]] = ..., publish: _Optional[_Union[PublishModel, _Mapping]] = ..., register_replica: _Optional[_Union[RegisterReplicaRequest, _Mapping]] = ...) -> None: ...
+    allreduce: AllreduceRequest
+    def __init__(self, request_id: _Optional[int] = ..., register_worker: _Optional[_Union[RegisterWorkerRequest, _Mapping]] = ..., register_server: _Optional[_Union[RegisterServerRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., verdict: _Optional[_Union[UpdateVerdict, _Mapping]] = ..., publish: _Optional[_Union[PublishModel, _Mapping]] = ..., register_replica: _Optional[_Union[RegisterReplicaRequest, _Mapping]] = ..., allreduce: _Optional[_Union[AllreduceRequest, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("params", "servers", "model")
@@ -210,7 +250,7 @@ class LocalError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LocalEvent(_message.Message):
-    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error", "promoted")
+    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error", "promoted", "allreduce_result")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     PUSH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +259,7 @@ class LocalEvent(_message.Message):
     DELIVER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_RESULT_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     registered: RegisterReply
     push_accepted: PushAccepted
@@ -227,4 +268,5 @@ class LocalEvent(_message.Message):
     deliver: DeliverUpdate
     error: LocalError
     promoted: Promoted
-    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., promoted: _Optional[_Union[Promoted, _Mapping]] = ...) -> None: ...
+    allreduce_result: AllreduceResult
+    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., promoted: _Optional[_Union[Promoted, _Mapping]] = ..., allreduce_result: _Optional[_Union[AllreduceResult, _Mapping]] = ...) -> None: ...
