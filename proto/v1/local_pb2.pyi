@@ -204,7 +204,7 @@ class ModelReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
 
 class DeliverUpdate(_message.Message):
-    __slots__ = ("update_id", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "has_payload", "members", "member_delays", "replicated", "want_norm")
+    __slots__ = ("update_id", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "has_payload", "members", "member_delays", "replicated", "want_norm", "finite_checked")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class DeliverUpdate(_message.Message):
     MEMBER_DELAYS_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_FIELD_NUMBER: _ClassVar[int]
     WANT_NORM_FIELD_NUMBER: _ClassVar[int]
+    FINITE_CHECKED_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     worker: str
     base_version: int
@@ -229,7 +230,8 @@ class DeliverUpdate(_message.Message):
     member_delays: _containers.RepeatedScalarFieldContainer[int]
     replicated: bool
     want_norm: bool
-    def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[_control_pb2.AggregateMember, _Mapping]]] = ..., member_delays: _Optional[_Iterable[int]] = ..., replicated: _Optional[bool] = ..., want_norm: _Optional[bool] = ...) -> None: ...
+    finite_checked: bool
+    def __init__(self, update_id: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[_control_pb2.AggregateMember, _Mapping]]] = ..., member_delays: _Optional[_Iterable[int]] = ..., replicated: _Optional[bool] = ..., want_norm: _Optional[bool] = ..., finite_checked: _Optional[bool] = ...) -> None: ...
 
 class Promoted(_message.Message):
     __slots__ = ("job", "server", "reason")
