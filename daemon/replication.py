@@ -121,6 +121,7 @@ class ReplicationLog:
         self._reserved = 0.0
         self._directed = start_version
         self._closed = False
+        self._server_failed = False
         self.error = ""
         #: seconds the server waited for its replica (the div_max bound), and how often
         self.blocked_seconds = 0.0
@@ -183,10 +184,12 @@ class ReplicationLog:
         fd: int,
         nbytes: int,
         norm: float,
-    ) -> None:
+    ) -> Verdict:
         """An update's verdict came back: log it if it was applied; chain: wait for the replica.
 
-        ``fd`` holds its payload (copied into the log); ``norm`` its L2 norm.
+        ``fd`` holds its payload (copied into the log); ``norm`` its L2 norm. Returns the
+        verdict for the sender: the server's, or UNKNOWN when a chain-replicated update's server
+        failed before the replica acknowledged it (the promoted replica may lack it).
         """
         applied = verdict.outcome == _APPLIED and verdict.version > self.acked
         entry_fd = _copy_payload(fd, nbytes) if applied else -1
@@ -201,7 +204,7 @@ class ReplicationLog:
         if entry_fd >= 0:
             os.close(entry_fd)
         if not applied:
-            return
+            return verdict
         applied_msg = control_pb2.ServerApplied(
             job=self.job,
             server=self.server,
@@ -211,8 +214,14 @@ class ReplicationLog:
             bytes=nbytes,
         )
         self._report(control_pb2.DaemonMessage(server_applied=applied_msg))
-        if self.div_max <= 0 or norm > self.div_max:
-            self.wait_replicated(verdict.version)
+        chained = self.div_max <= 0 or norm > self.div_max
+        if chained and not self.wait_replicated(verdict.version) and self._server_failed:
+            return Verdict.unknown(
+                f"server {self.server!r} failed after applying {update_id} and before its replica "
+                f"{self.replica!r} had it: the promoted replica may lack it",
+                verdict.version,
+            )
+        return verdict
 
     def wait_replicated(self, version: int) -> bool:
         """Block until the replica acknowledged ``version`` (or the log closed); True if it did."""
@@ -307,10 +316,15 @@ class ReplicationLog:
         )
         self._report(control_pb2.DaemonMessage(replica_status=status))
 
-    def close(self) -> None:
-        """Forget the replica: free the entries, wake every waiter (the bound no longer holds)."""
+    def close(self, server_failed: bool = False) -> None:
+        """Forget the replica: free the entries, wake every waiter (the bound no longer holds).
+
+        ``server_failed``: the server went away (not the replica): a chain-replicated update
+        not yet at the replica is then answered UNKNOWN, not APPLIED.
+        """
         with self._cond:
             self._closed = True
+            self._server_failed = server_failed
             entries = list(self._entries.values())
             self._entries.clear()
             self._cond.notify_all()
@@ -392,7 +406,7 @@ class ReplicationLogs:
         with self._lock:
             log = self._logs.pop((job, server), None)
         if log is not None:
-            log.close()
+            log.close(server_failed=True)
 
     def close_all(self) -> None:
         """Close every log (shutdown)."""
@@ -400,7 +414,7 @@ class ReplicationLogs:
             logs = list(self._logs.values())
             self._logs.clear()
         for log in logs:
-            log.close()
+            log.close(server_failed=True)
 
 
 def apply_replicated(handoff: ServerHandoff, header: Any, hand_off: Callable[[], Verdict]) -> Verdict:

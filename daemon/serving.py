@@ -17,7 +17,15 @@ import os
 import threading
 from typing import Any
 
-from mlfabric.daemon.dataplane import Frame, FrameError, FrameHeader, FrameLimits, check_header, error_header
+from mlfabric.daemon.dataplane import (
+    Frame,
+    FrameError,
+    FrameHeader,
+    FrameLimits,
+    check_header,
+    error_header,
+    non_finite_reason,
+)
 from mlfabric.daemon.listener import Response
 from mlfabric.daemon.localapi import LocalConnection
 from mlfabric.daemon.replication import ReplicationLogs, apply_replicated
@@ -95,6 +103,8 @@ class ServerRoles:
         self.replica_keys: set[tuple[str, str]] = set()
         #: the replication logs of the servers here that have a replica (set by the daemon)
         self.replication: ReplicationLogs | None = None
+        #: ids of updates being handed off whose payload was found finite in the CRC pass
+        self._finite_checked: set[str] = set()
 
     def add(self, conn: LocalConnection, req: Any, *, replica: bool = False) -> str | None:
         """Host server ``req`` (a ``RegisterServerRequest``) for ``conn``; an error message if taken.
@@ -121,6 +131,7 @@ class ServerRoles:
                     replicated=bool(getattr(header, "replica_version", 0)),
                     want_norm=self.replication is not None
                     and self.replication.get(req.job, req.name) is not None,
+                    finite_checked=update_id in self._finite_checked,
                 )
             )
             if not conn.send(event, payload_fd):
@@ -307,15 +318,21 @@ class ServerRoles:
             logs = self.replication
             log = logs.get(h.job, h.server) if logs is not None else None
             reserved = log.admit(float(header.norm)) if log is not None else 0.0
+            # checked in the CRC pass and finite: the process need not read it for that
+            checked = given is frame.buffer and frame.finite_checked and frame.non_finite is None
+            if checked:
+                self._finite_checked.add(update_id)
             try:
                 verdict = handoff.handle(update_id, header, buffer.fd, self._verdict_timeout)
                 log = logs.get(h.job, h.server) if logs is not None else None  # may attach meanwhile
                 if log is not None and logs is not None:
                     norm = logs.take_norm(update_id, float(header.norm))
                     nbytes = int(header.payload_bytes)
-                    log.settle(reserved, update_id, header, verdict, buffer.fd, nbytes, norm)
+                    verdict = log.settle(reserved, update_id, header, verdict, buffer.fd, nbytes, norm)
                 return verdict
             finally:
+                if checked:
+                    self._finite_checked.discard(update_id)
                 if buffer is not given:
                     buffer.release()  # the empty stand-in
                 elif isinstance(buffer, PooledBuffer) and handoff.in_flight(update_id):
@@ -327,6 +344,10 @@ class ServerRoles:
             if h.replica_version:
                 verdict = apply_replicated(handoff, h, lambda: hand_off(h.update_id, h, frame.buffer))
                 members: list[Any] = []
+            elif frame.non_finite is not None and not (entry[2] is not None and entry[2].allow_non_finite):
+                # found in the CRC pass: refused here, never handed to the process (nor summed)
+                reason = non_finite_reason(frame.non_finite, h.update_id, f"server {h.server!r}")
+                verdict, members = self.aggregation.refuse(frame, handoff, reason)
             else:
                 verdict, members = self.aggregation.handle(frame, handoff, entry[2], hand_off)
         except ValueError as exc:  # a payload that cannot be summed into the open round

@@ -10,6 +10,7 @@ ids it applied (a replica also when and why it was promoted).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -82,16 +83,16 @@ def worker(out: Path, rank: int, pushes: int, gap: float) -> None:
     with w:
         for i in range(pushes):
             if i % 4 == 0:
-                try:
+                with contextlib.suppress(mlfabric.MlfabricError):  # the replica is being promoted
                     w.get(SERVER, timeout=10)
-                except mlfabric.MlfabricError:
-                    pass  # the server failed and its replica is being promoted
             try:
                 r = w.push(SERVER, update_for(rank, i)).wait(timeout=60.0)
                 status, reason, uid = r.status, r.reason, r.update_id
             except mlfabric.MlfabricError as exc:  # refused before it had an id: never applied
                 status, reason, uid = "REFUSED", str(exc), ""
-            results.append({"index": i, "status": status, "reason": reason, "update_id": uid, "t": time.time()})
+            results.append(
+                {"index": i, "status": status, "reason": reason, "update_id": uid, "t": time.time()}
+            )
             (out / f"worker{rank}.progress").write_text(str(i + 1))
             time.sleep(gap)
     (out / f"worker{rank}.json").write_text(json.dumps(results))
