@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Counter, Gauge
+
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.base import PendingUpdate, ReplicaSend, ReplicaView, Snapshot
 from mlfabric.scheduler.policies.replication import ReplicationPolicy
@@ -202,6 +204,22 @@ class Replication:
         self.book = ReplicaBook(core.state)
         self.policy = ReplicationPolicy()
         self.promotions = 0
+        r = core.metrics.registry
+        self.metric_waits = Counter(
+            "mlfabric_replica_server_waits",
+            "times a server waited for its replica (applying would have broken div_max)",
+            ["job", "server"],
+            registry=r,
+        )
+        self.metric_divergence = Gauge(
+            "mlfabric_replica_divergence",
+            "sum of the norms applied at a server and not yet at its replica",
+            ["job", "server"],
+            registry=r,
+        )
+        self.metric_promotions = Counter(
+            "mlfabric_replica_promotions", "replicas promoted to server after a failure", registry=r
+        )
 
     def _send(self, directives: Directives) -> None:
         for host, d in directives:
@@ -216,6 +234,9 @@ class Replication:
         rec = self.book.applied(m) if kind == "server_applied" else self.book.status(m)
         if rec is None:
             return
+        if kind == "replica_status" and m.blocked:
+            self.metric_waits.labels(rec.job, rec.server).inc()
+        self.metric_divergence.labels(rec.job, rec.server).set(rec.divergence())
         if kind == "replica_status" and m.error:
             log.warning("replica %r of server %r of job %r: %s", rec.name, rec.server, rec.job, m.error)
         if kind == "server_applied" or rec.blocked:
@@ -245,6 +266,7 @@ class Replication:
         moved = self.core.state.promote(job, server, rec.host, rec.version)
         self.core.runner.forget(moved)
         self.promotions += 1
+        self.metric_promotions.inc()
         log.warning(
             "server %r of job %r failed (%s): replica %r on %s promoted",
             server,

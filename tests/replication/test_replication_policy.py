@@ -1,0 +1,110 @@
+"""The replication policy and the scheduler's replica books (pure; docs/replication.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, ReplicaView, Snapshot
+from mlfabric.scheduler.policies.replication import ReplicationPolicy
+from mlfabric.scheduler.service.records import (
+    JobParams,
+    ModelMismatch,
+    SchedulerError,
+    TensorSpec,
+    UnknownJob,
+)
+from mlfabric.scheduler.service.replicas import ReplicaBook
+from mlfabric.scheduler.service.state import SchedulerState
+
+G = star(["h0", "h1", "h2"], 1e9)
+LOG = (("u1", 1, 1.0), ("u2", 2, 1.0))
+
+
+def _decide(view: ReplicaView, pending=(), in_flight=()) -> list[str]:
+    snap = Snapshot(0.0, G, in_flight=tuple(in_flight), replicas={("j", "ps"): view})
+    return [r.update_id for r in ReplicationPolicy().decide(snap, list(pending)).replicas]
+
+
+def _pending(norm: float) -> PendingUpdate:
+    return PendingUpdate("h2/1", "j", "ps", "w", "h2", "h0", 8, norm, 0, 0.0)
+
+
+def test_chain_replication_sends_at_once_even_on_busy_links() -> None:
+    view = ReplicaView("j", "ps", "h0", "h1", 0.0, 0, 0, LOG)
+    assert _decide(view, [_pending(0.1)]) == ["u1", "u2"]
+
+
+def test_bounded_replication_waits_while_within_div_max_and_links_are_busy() -> None:
+    view = ReplicaView("j", "ps", "h0", "h1", 10.0, 0, 0, LOG)
+    assert _decide(view, [_pending(0.1)]) == []
+    # the next pending update would break the bound: urgent
+    assert _decide(view, [_pending(8.5)]) == ["u1", "u2"]
+    # the server waits for its replica: urgent
+    assert _decide(ReplicaView("j", "ps", "h0", "h1", 10.0, 0, 0, LOG, blocked=True), [_pending(0.1)]) == [
+        "u1",
+        "u2",
+    ]
+
+
+def test_spare_bandwidth_moves_the_log_unless_a_transfer_shares_the_path() -> None:
+    view = ReplicaView("j", "ps", "h0", "h1", 10.0, 0, 0, LOG)
+    assert _decide(view) == ["u1", "u2"]
+    busy = InFlight("x", "j", "ps", ("h2", "sw", "h1"), 10, 0.0, 1.0)  # into the replica's host
+    assert _decide(view, in_flight=[busy]) == []
+
+
+def test_entries_already_directed_or_at_the_replica_are_not_sent_again() -> None:
+    assert _decide(ReplicaView("j", "ps", "h0", "h1", 0.0, 1, 1, LOG)) == ["u2"]
+    assert _decide(ReplicaView("j", "ps", "h0", "h1", 0.0, 0, 2, LOG)) == []
+
+
+def _book() -> tuple[SchedulerState, ReplicaBook]:
+    s = SchedulerState(star(["h0", "h1", "h2"], 8e9))
+    for i, h in enumerate(("h0", "h1", "h2")):
+        s.connect(h, f"127.0.0.1:{9000 + i}")
+    s.register_server("h0", "j", "ps", (TensorSpec("w", "float32", (2,)),), JobParams(div_max=2.0), version=3)
+    return s, ReplicaBook(s)
+
+
+def test_book_tracks_the_log_and_coalesces_sends_into_one_directive_per_server() -> None:
+    s, book = _book()
+    ((host, attach),) = book.register(
+        "h1", "j", "ps", "r", [pb.TensorSpec(name="w", dtype="float32", shape=[2])]
+    )
+    assert host == "h0" and attach.replicate.div_max == 2.0 and attach.replicate.replica_host == "h1"
+    for v, uid in ((4, "a"), (5, "b"), (6, "c")):
+        book.applied(pb.ServerApplied(job="j", server="ps", update_id=uid, version=v, norm=0.5))
+    assert book.records[("j", "ps")].divergence() == 1.5
+    view = book.views()[("j", "ps")]
+    assert [e[0] for e in view.log] == ["a", "b", "c"] and view.replica_version == 3
+    snap = Snapshot(0.0, s.graph, replicas=book.views())
+    ((host, d),) = book.execute(ReplicationPolicy().decide(snap, []).replicas)
+    assert host == "h0" and d.replicate.up_to_version == 6
+    assert book.execute(ReplicationPolicy().decide(snap, []).replicas) == []  # directed already
+    book.status(pb.ReplicaStatus(job="j", server="ps", replica_version=5))
+    assert book.records[("j", "ps")].divergence() == 0.5
+    ((host, detach),) = book.remove("j", "ps")
+    assert host == "h0" and detach.replicate.detach
+
+
+def test_book_refuses_bad_replicas_naming_them() -> None:
+    _, book = _book()
+    with pytest.raises(UnknownJob, match="nojob"):
+        book.register("h1", "nojob", "ps", "r", [])
+    with pytest.raises(SchedulerError, match="own host"):
+        book.register("h0", "j", "ps", "r", [])
+    with pytest.raises(ModelMismatch, match="tensor 'w'"):
+        book.register("h1", "j", "ps", "r", [pb.TensorSpec(name="w", dtype="float64", shape=[2])])
+
+
+def test_promotion_moves_the_server_and_reroutes_its_pending_updates() -> None:
+    s, _ = _book()
+    s.register_worker("h2", "j", "w")
+    s.add_update("h2", "h2/1", "j", "ps", "w", 8, 1.0, 3, now=0.0)
+    assert s.promote("j", "ps", "h1", 7) == ["h2/1"]
+    assert s.pending["h2/1"].dst_host == "h1"
+    assert s.server_role("j", "ps").host == "h1" and s.server_role("j", "ps").version == 7
+    s.disconnect("h0")  # the old server's host going away no longer drops them
+    assert "h2/1" in s.pending
