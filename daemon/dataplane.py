@@ -55,6 +55,7 @@ from mlfabric.daemon.payloadio import (
 )
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
+from mlfabric.tensors import FiniteScan, layouts_from_pb
 from mlfabric.wire.crc import crc32 as _crc32
 
 __all__ = [
@@ -71,10 +72,12 @@ __all__ = [
     "TransferStats",
     "check_header",
     "error_header",
+    "non_finite_reason",
     "payload_crc32",
     "payload_length",
     "recv_frame",
     "send_frame",
+    "update_frames",
 ]
 
 FrameHeader = dataplane_pb2.FrameHeader
@@ -176,12 +179,19 @@ class Frame:
         What ``alloc`` returned (None for an empty payload, for which ``alloc`` is not called).
     stats : TransferStats
         When the frame started and finished arriving.
+    finite_checked : bool
+        Every float tensor of the payload was tested for NaN and infinity as it arrived (in the
+        CRC pass; :func:`recv_frame`'s ``check_finite``); ``non_finite`` holds the result.
+    non_finite : str or None
+        When checked: the name of the first tensor holding a NaN or an infinity, or None.
     """
 
     header: Any
     payload: memoryview
     buffer: Any
     stats: TransferStats
+    finite_checked: bool = False
+    non_finite: str | None = None
 
 
 class FrameError(Exception):
@@ -221,6 +231,35 @@ def error_header(reason: str, *, update_id: str = "", src_host: str = "") -> Any
         update_id=update_id,
         src_host=src_host,
         outcome=control_pb2.OUTCOME_UNSPECIFIED,
+    )
+
+
+def update_frames(header: Any) -> bool:
+    """:func:`recv_frame`'s default ``check_finite``: UPDATE frames other than replicated entries.
+
+    A replicated log entry (``replica_version`` set) was checked where it was first applied.
+
+    Examples
+    --------
+    >>> update_frames(FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE))
+    True
+    >>> update_frames(FrameHeader(kind=dataplane_pb2.FRAME_KIND_MODEL))
+    False
+    """
+    return bool(header.kind == dataplane_pb2.FRAME_KIND_UPDATE and not header.replica_version)
+
+
+def non_finite_reason(tensor: str, update_id: str, refused_by: str) -> str:
+    """The DROPPED reason of an update refused for holding NaN or infinity (one wording everywhere).
+
+    Examples
+    --------
+    >>> print(non_finite_reason("w", "h/1/2", "server 'ps0'")[:57])
+    tensor 'w' of h/1/2 holds non-finite values (NaN or inf);
+    """
+    return (
+        f"tensor {tensor!r} of {update_id} holds non-finite values (NaN or inf); {refused_by} "
+        "refuses them (Params(refuse_non_finite=False) allows them)"
     )
 
 
@@ -455,6 +494,7 @@ def recv_frame(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     idle_timeout: float | None = None,
     header_timeout: float | None = None,
+    check_finite: Callable[[Any], bool] | None = update_frames,
 ) -> Frame | None:
     """Receive one frame, checking every rule; None when the peer closed between frames.
 
@@ -478,6 +518,11 @@ def recv_frame(
         Seconds from the frame's first byte until its whole header (prefix included) has
         arrived (None: no limit): a slow peer is cut off with a :class:`FrameError` naming
         the limit. The payload is bounded by the socket's own timeout per ``recv_into``.
+    check_finite : callable or None
+        ``check_finite(header)``: test this frame's float tensors for NaN and infinity in the
+        CRC pass (:class:`~mlfabric.tensors.FiniteScan`), the result in ``Frame.non_finite``
+        (default :func:`update_frames`; None: never). The frame is received whole either way:
+        what to do with a non-finite update is the caller's (the job's) decision.
 
     Returns
     -------
@@ -544,7 +589,8 @@ def recv_frame(
     payload = memoryview(buffer).cast("B")[:size]
     if payload.nbytes < size or payload.readonly:
         raise ValueError(f"alloc({size}) returned {payload.nbytes} bytes (readonly={payload.readonly})")
-    with Crc32Follower(payload, size) as follower:
+    scan = FiniteScan(layouts_from_pb(header.tensors)) if check_finite and check_finite(header) else None
+    with Crc32Follower(payload, size, scan) as follower:
         got = 0
         while got < size:
             k = sock.recv_into(payload[got : got + chunk_bytes])
@@ -570,4 +616,7 @@ def recv_frame(
             f"payload has {crc:#010x}"
         )
     header.payload_crc32, header.crc_trailer = crc, False  # verified: forward it without re-reading
-    return Frame(header, payload, buffer, TransferStats(size, start, end))
+    frame = Frame(header, payload, buffer, TransferStats(size, start, end))
+    if scan is not None:
+        frame.finite_checked, frame.non_finite = scan.done, scan.bad
+    return frame

@@ -17,9 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from mlfabric.tensors import FiniteScan
 from mlfabric.wire.crc import crc32
 
 __all__ = [
+    "FUSED_PIECE_BYTES",
     "THREADED_CRC_BYTES",
     "Crc32Follower",
     "FileSpan",
@@ -34,6 +36,8 @@ __all__ = [
 #: Payloads at least this large get their CRC-32 computed on a helper thread.
 THREADED_CRC_BYTES = 8 * 1024 * 1024
 _CRC_STEP_BYTES = 1024 * 1024
+#: Bytes CRC'd then scanned for NaN/inf at a time (fits a core's L2 cache).
+FUSED_PIECE_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -114,10 +118,15 @@ class Crc32Follower:
     received (or handed to the kernel) runs beside the socket copy of the next ones instead of
     after it. Payloads under :data:`THREADED_CRC_BYTES`, and single-CPU hosts, do it inline.
     ``view`` None means nothing to compute. Use as a context manager: leaving it stops the thread.
+
+    With ``scan`` (a :class:`~mlfabric.tensors.FiniteScan` of the payload's layout), each piece
+    of :data:`FUSED_PIECE_BYTES` is tested for NaN and infinity right after its CRC, while it is
+    still in cache: the receiver's one read of the payload does both (DESIGN §9).
     """
 
-    def __init__(self, view: memoryview | None, size: int) -> None:
+    def __init__(self, view: memoryview | None, size: int, scan: FiniteScan | None = None) -> None:
         self._view = view
+        self._scan = scan
         self._crc = 0
         self._done = 0  # bytes checksummed
         self._fed = 0  # bytes handed to the thread
@@ -141,8 +150,7 @@ class Crc32Follower:
             return
         self._end = end
         if self._queue is None:
-            self._crc = crc32(self._view[self._done : end], self._crc)
-            self._done = end
+            self._consume(end)
         elif end - self._fed >= _CRC_STEP_BYTES:
             self._queue.put(end)
             self._fed = end
@@ -158,8 +166,19 @@ class Crc32Follower:
     def _run(self) -> None:
         assert self._queue is not None and self._view is not None
         while (end := self._queue.get()) is not None:
+            self._consume(end)
+
+    def _consume(self, end: int) -> None:
+        """CRC (and scan) bytes ``[done, end)``: piece by piece when scanning, so each is in cache."""
+        assert self._view is not None
+        if self._scan is None or self._scan.done:
             self._crc = crc32(self._view[self._done : end], self._crc)
-            self._done = end
+        else:
+            for pos in range(self._done, end, FUSED_PIECE_BYTES):
+                stop = min(end, pos + FUSED_PIECE_BYTES)
+                self._crc = crc32(self._view[pos:stop], self._crc)
+                self._scan.scan(self._view, stop)
+        self._done = end
 
     def _stop(self) -> None:
         if self._thread is not None and self._queue is not None:

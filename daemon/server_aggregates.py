@@ -326,6 +326,35 @@ class ServerAggregation:
         finally:
             self._claims.release(ids, h.update_id)
 
+    def refuse(self, frame: Frame, handoff: ServerHandoff, reason: str) -> tuple[Verdict, list[Any]]:
+        """DROPPED with ``reason`` without handing the payload over (e.g. it holds NaN or inf).
+
+        Exactly once like :meth:`handle`: a re-sent copy gets the verdict the first got, members
+        already resolved here keep theirs, every other member is DROPPED with ``reason`` and
+        remembered, so a later copy of it is never applied either.
+        """
+        h = frame.header
+        members = members_of(h)
+        ids = [m.update_id for m in members]
+        stored = handoff.stored(h.update_id)
+        if stored is not None:
+            known = self._stored_members(h.update_id)
+            if not h.members or sorted(v.update_id for v in known) == sorted(ids):
+                return stored, known
+            return self._reused(h, members, handoff)
+        done = self._claims.acquire(ids, h.update_id, handoff.stored)
+        try:
+            if not h.members:
+                verdict = done.get(h.update_id)
+                if verdict is None:
+                    version = handoff.version
+                    verdict = Verdict(_DROPPED, version - h.base_version, version, reason)
+                    handoff.resolve(h.update_id, verdict)
+                return verdict, []
+            return self._refuse(h, members, done, handoff, reason, remember=True)
+        finally:
+            self._claims.release(ids, h.update_id)
+
     def _rounds_of(self, handoff: ServerHandoff, params: Any) -> SyncRounds:
         key = (handoff.job, handoff.name)
         with self._lock:

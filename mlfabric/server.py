@@ -269,9 +269,11 @@ class Server:
             self._drop(verdict, refusal)
             return
         update, mapping = tensorio.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
+        # the fallback: the daemon tests payloads in its CRC pass (finite_checked); one it could
+        # not check (a synchronous round summed in the daemon) is read here
         bad = (
             tcodec.first_non_finite(update)
-            if self.params.refuse_non_finite and not deliver.replicated
+            if self.params.refuse_non_finite and not deliver.replicated and not deliver.finite_checked
             else None
         )
         if deliver.want_norm:  # the server has a replica: its divergence counts this norm

@@ -29,6 +29,7 @@ import numpy as np
 
 __all__ = [
     "DTYPES",
+    "FiniteScan",
     "Layout",
     "TensorError",
     "decode",
@@ -285,14 +286,34 @@ def l2_norm(tensors: Mapping[str, object]) -> float:
 #: Elements per block of :func:`first_non_finite` (a block's temporaries stay in cache).
 _FINITE_BLOCK = 1 << 16
 
+#: Exponent bits of the 2-byte float dtypes (raw words): all ones means inf or NaN.
+_EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+#: Wider float dtypes tested by a block sum (:func:`_block_non_finite`).
+_SUMMED: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
+_RAW_WORDS: np.dtype[Any] = np.dtype("<u2")
+
+
+def _block_non_finite(block: np.ndarray, exponent_bits: int = 0) -> bool:
+    """Whether ``block`` holds a NaN or an infinity.
+
+    float32/float64: a block whose sum is finite holds only finite values (a NaN or an infinity
+    makes the sum non-finite), so the exact per-element test runs only on a block whose sum is
+    not (a non-finite value, or a sum that overflowed). 2-byte floats (``exponent_bits`` given,
+    ``block`` their raw ``uint16`` words): non-finite when the exponent bits are all ones.
+    """
+    if exponent_bits:
+        return bool((np.bitwise_and(block, exponent_bits) == exponent_bits).any())
+    with np.errstate(over="ignore", invalid="ignore"):
+        return not np.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all())
+
 
 def first_non_finite(tensors: Mapping[str, object]) -> str | None:
     """The name of the first tensor holding a NaN or an infinity, or None when all are finite.
 
-    One read of each tensor, block by block: a block whose sum is finite holds only finite
-    values (a NaN or an infinity makes the sum non-finite), so the exact per-element test runs
-    only on blocks whose sum is not (a non-finite value, or a sum that overflowed). float16 and
-    bfloat16 (raw words) are tested on their bits: non-finite when the exponent bits are all ones.
+    One read of each tensor, block by block (:func:`_block_non_finite`: a block sum for
+    float32/float64, the exponent bits for float16 and bfloat16). The daemons run the same test
+    on a payload's bytes as they arrive (:class:`FiniteScan`); this is the server process's
+    fallback for a payload no daemon checked (DESIGN §9).
 
     Parameters
     ----------
@@ -316,15 +337,86 @@ def first_non_finite(tensors: Mapping[str, object]) -> str | None:
                 return name
             continue
         flat = np.asarray(value).reshape(-1)
+        bits = {np.dtype(np.uint16): 0x7F80, np.dtype(np.float16): 0x7C00}.get(flat.dtype, 0)
+        if bits:
+            flat = flat.view(np.uint16)
         for start in range(0, flat.size, _FINITE_BLOCK):
-            block = flat[start : start + _FINITE_BLOCK]
-            if block.dtype in (np.uint16, np.float16):  # exponent bits all ones: inf or NaN
-                bits = 0x7F80 if block.dtype == np.uint16 else 0x7C00
-                if bool((np.bitwise_and(block.view(np.uint16), bits) == bits).any()):
-                    return name
-            elif not np.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all()):
+            if _block_non_finite(flat[start : start + _FINITE_BLOCK], bits):
                 return name
     return None
+
+
+class FiniteScan:
+    """The NaN/inf test of a payload's tensors, run piece by piece as its bytes become final.
+
+    The receiving daemon calls :meth:`scan` right after the CRC-32 of each piece (see
+    :class:`~mlfabric.daemon.payloadio.Crc32Follower`), while the piece is still in cache, so
+    the test costs no extra pass over the payload. Each tensor region of the layout is tested
+    on its complete elements: float32/float64 by a block sum, float16/bfloat16 by their
+    exponent bits (:func:`_block_non_finite`); other dtypes (``uint8``, ``int32``, ...) are
+    skipped. Pieces must come in order; an element split across two pieces is tested with the
+    second.
+
+    Parameters
+    ----------
+    layouts : sequence of Layout
+        Where each tensor sits in the payload.
+
+    Attributes
+    ----------
+    bad : str or None
+        The name of the first tensor found holding a NaN or an infinity (scanning stops there).
+    done : bool
+        Every tensor was scanned to its end (and ``bad`` is None, or it stopped at ``bad``).
+
+    Examples
+    --------
+    >>> t = {"a": np.ones(3), "b": np.array([1.0, np.inf], np.float32)}
+    >>> layouts, n = plan_layout(t)
+    >>> buf = bytearray(n); encode_into(memoryview(buf), t, layouts)
+    >>> scan = FiniteScan(layouts)
+    >>> scan.scan(memoryview(buf), 27); scan.bad is None   # 'b' has one complete element so far
+    True
+    >>> scan.scan(memoryview(buf), n); scan.bad, scan.done
+    ('b', True)
+    """
+
+    def __init__(self, layouts: Sequence[Layout]) -> None:
+        self._regions: list[tuple[int, int, str, np.dtype[Any] | None, int]] = []
+        for x in sorted(layouts, key=lambda x: x.offset):
+            bits = _EXPONENT_BITS.get(x.dtype, 0)
+            dtype: np.dtype[Any] | None = _RAW_WORDS if bits else _SUMMED.get(x.dtype)
+            self._regions.append((x.offset, x.offset + x.nbytes, x.name, dtype, bits))
+        self._next = 0  # index of the region being scanned
+        self._pos = 0  # bytes before this are scanned (or skipped)
+        self.bad: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the scan is over (every region scanned, or a non-finite tensor found)."""
+        return self.bad is not None or self._next >= len(self._regions)
+
+    def scan(self, view: memoryview, end: int) -> None:
+        """Bytes ``[0, end)`` of ``view`` (the payload) are final: test those not tested yet."""
+        while self.bad is None and self._next < len(self._regions):
+            offset, stop, name, dtype, bits = self._regions[self._next]
+            start = max(self._pos, offset)
+            limit = min(end, stop)
+            if dtype is None:  # not a float: nothing to test
+                start = limit
+            else:
+                count = (limit - start) // dtype.itemsize
+                for first in range(0, count, _FINITE_BLOCK):
+                    n = min(_FINITE_BLOCK, count - first)
+                    block = np.frombuffer(view, dtype=dtype, count=n, offset=start + first * dtype.itemsize)
+                    if _block_non_finite(block, bits):
+                        self.bad = name
+                        return
+                start += count * dtype.itemsize
+            self._pos = start
+            if start < stop:
+                return  # wait for the rest of this tensor
+            self._next += 1
 
 
 def layouts_to_pb(layouts: Sequence[Layout]) -> list[Any]:
