@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, error_header
+from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
 from mlfabric.daemon.listener import Response
 from mlfabric.daemon.transfers import wire_timing
 from mlfabric.daemon.transport import PeerUnavailable, Reply
@@ -76,6 +76,8 @@ class _Aggregate:
     buffer: Any = None
     acc: Accumulator | None = None
     state: str = "collecting"  # -> ready -> forwarding -> (removed); or abandoned
+    allow_non_finite: bool = False  # the job's option (AggregateDirective.allow_non_finite)
+    refused: dict[str, str] = field(default_factory=dict)  # member id -> why it was not summed
 
     def missing(self) -> list[str]:
         arrived = set(self.arrived)
@@ -222,6 +224,7 @@ class AggregatorRole:
                     d.dst_address,
                     members,
                     self._clock() + timeout,
+                    allow_non_finite=d.allow_non_finite,
                 )
                 self._gone.pop(d.aggregate_id, None)
                 self._changed.notify_all()
@@ -240,6 +243,7 @@ class AggregatorRole:
                 problem = f"re-issued without member(s) {summed} already summed" if summed else ""
                 if not problem:
                     agg.members = members
+                    agg.allow_non_finite = d.allow_non_finite
                     agg.deadline = self._clock() + timeout
                     agg.dst_host, agg.dst_address = (
                         d.dst_host or agg.dst_host,
@@ -357,6 +361,8 @@ class AggregatorRole:
                 )
             if h.update_id in agg.arrived:
                 return self._ack(h, frame)  # a retry: summed once already
+            if h.update_id in agg.refused:
+                return self._ack(h, frame, agg.refused[h.update_id])  # a retry: refused already
             if h.update_id not in agg.members or agg.state != "collecting":
                 return self._error(
                     f"update {h.update_id} is not a member of aggregate {h.aggregate_id} "
@@ -369,6 +375,12 @@ class AggregatorRole:
                     f"{h.aggregate_id} for server {agg.server!r} of job {agg.job!r}",
                     h.update_id,
                 )
+            if frame.non_finite is not None and not agg.allow_non_finite:
+                # found in the CRC pass: refused before it is summed; its source resolves the push
+                # DROPPED and the scheduler re-issues the aggregate without it
+                refused_by = f"aggregator {self.host!r} (aggregate {h.aggregate_id})"
+                agg.refused[h.update_id] = non_finite_reason(frame.non_finite, h.update_id, refused_by)
+                return self._ack(h, frame, agg.refused[h.update_id])
             if agg.acc is None:
                 try:
                     buffer = self._alloc(h.payload_bytes)
@@ -389,7 +401,8 @@ class AggregatorRole:
             self._announce_ready(ready)
         return self._ack(h, frame)
 
-    def _ack(self, h: Any, frame: Frame) -> Response:
+    def _ack(self, h: Any, frame: Frame, refused: str = "") -> Response:
+        """ACK a member: received (no outcome), or ``refused`` (DROPPED with that reason, not summed)."""
         return Response(
             FrameHeader(
                 kind=_ACK,
@@ -399,6 +412,8 @@ class AggregatorRole:
                 server=h.server,
                 src_host=self.host,
                 receive_seconds=frame.stats.seconds,
+                outcome=_DROPPED if refused else control_pb2.OUTCOME_UNSPECIFIED,
+                reason=refused,
             )
         )
 

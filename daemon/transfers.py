@@ -304,7 +304,7 @@ class PushSender:
             bytes=push.payload_bytes,
         )
         errors: list[str] = []
-        received = maybe_sent = False
+        received = maybe_sent = refused = False
         for attempt in range(attempts):
             if attempt and self._stopping.wait(self._backoff * 2 ** (attempt - 1)):
                 errors.append("daemon shutting down")
@@ -322,6 +322,8 @@ class PushSender:
                 continue
             h = reply.header
             received = h.kind == _ACK
+            # an aggregator's ACK saying DROPPED: it refused the member (e.g. NaN or inf), unsummed
+            refused = bool(send.aggregate_id) and received and h.outcome == _DROPPED
             if h.kind == _ACK:
                 verdict = Verdict(h.outcome or _DROPPED, h.delay, h.version, h.reason)
             else:
@@ -344,7 +346,7 @@ class PushSender:
                 f"({send.next_hop_address}), which gave no verdict: {errors[-1]}"
             )
             report.ok, report.error = False, verdict.reason
-        if send.aggregate_id:  # to an aggregator: unresolved until a ResolveDirective or a new send
+        if send.aggregate_id and not refused:  # unresolved until a ResolveDirective or a new send
             with self._lock:
                 if received:
                     self._summed[push.update_id] = (send.aggregate_id, send.next_hop_host)

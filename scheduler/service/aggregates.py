@@ -319,6 +319,12 @@ class AggregateBook:
         e = self.executions.get(aid) if aid is not None else None
         if e is None or uid not in e.members:
             return out
+        if result.ok and result.outcome is OutcomeKind.DROPPED:
+            # the aggregator refused it before summing (e.g. NaN or inf) and its source resolved
+            # the push DROPPED with the reason: the aggregate goes on without it (re-issued)
+            self.runner.forget([uid])
+            out += self.reconcile(now)
+            return out
         e.stage[uid] = Stage.IN
         if not result.ok:
             reason = f"member '{uid}' did not reach aggregator '{e.planned.aggregator}': {result.error}"
@@ -459,6 +465,7 @@ class AggregateBook:
             )
             for u in e.members.values()
         ]
+        job = self.state.jobs.get(e.job)
         directive = pb.AggregateDirective(
             aggregate_id=e.aggregate_id,
             job=e.job,
@@ -467,6 +474,7 @@ class AggregateBook:
             dst_host=e.planned.dst,
             dst_address=address,
             timeout_seconds=self.timeout,
+            allow_non_finite=job is not None and job.params.allow_non_finite,
         )
         e.issued = tuple(e.members)
         e.deadline = now + self.timeout + GRACE
