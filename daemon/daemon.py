@@ -32,6 +32,7 @@ from typing import Any
 
 from mlfabric import __version__
 from mlfabric.daemon.aggregating import AggregatorRole
+from mlfabric.daemon.allreduce import AllreduceRole
 from mlfabric.daemon.budget import BudgetExceeded, ByteBudget, Ticker
 from mlfabric.daemon.config import DaemonConfig
 from mlfabric.daemon.control import ControlStream, local_error_code
@@ -197,7 +198,9 @@ class Daemon(SchedulerSession):
             self.sender.finish,
             clock,
         )
-        self._ticker = Ticker(0.1, [self.fallback.tick, self.receive_buffers.trim])
+        #: all-reduces of this host's processes (docs/allreduce.md)
+        self.allreduce = AllreduceRole(config.host, self._control.send, self.sender.request, clock)
+        self._ticker = Ticker(0.1, [self.fallback.tick, self.receive_buffers.trim, self.allreduce.tick])
         self.aggregator = AggregatorRole(
             config.host,
             self.receive_buffers.allocate,
@@ -252,6 +255,7 @@ class Daemon(SchedulerSession):
         self._local.stop()
         self._listener.stop()
         self.aggregator.stop()
+        self.allreduce.stop()
         self.sender.stop()
         self._tasks.shutdown(wait=True, cancel_futures=True)
         for push in self.outgoing.take_all():
@@ -294,6 +298,8 @@ class Daemon(SchedulerSession):
     def _on_frame(self, frame: Frame) -> Response:
         """The data-plane handler: a member for an aggregate here goes to the aggregator role."""
         h = frame.header
+        if h.kind == _UPDATE and h.HasField("allreduce"):
+            return self.allreduce.on_frame(frame)
         if h.kind == _UPDATE and h.aggregate_id and h.update_id != h.aggregate_id:
             return self.aggregator.on_frame(frame)
         return self.serving.on_frame(frame)
@@ -310,6 +316,7 @@ class Daemon(SchedulerSession):
             "verdict": self.serving.verdict,
             "publish": self.serving.publish,
             "register_replica": lambda c, r, f: register_replica(self, c, r, f),
+            "allreduce": self.allreduce.on_request,
         }.get(kind or "")
         if handler is None:
             conn.error(request.request_id, "bad_request", f"empty or unknown local request kind {kind!r}")
@@ -319,6 +326,7 @@ class Daemon(SchedulerSession):
             os.close(fd)
 
     def _on_close(self, conn: LocalConnection) -> None:
+        self.allreduce.connection_closed(conn)
         with self._lock:
             self._roles.pop(conn.conn_id, None)
             self._unregistered.pop(conn.conn_id, None)

@@ -39,7 +39,7 @@ __all__ = ["LocalApiServer", "LocalConnection"]
 
 _LOG = logging.getLogger("mlfabric.daemon.localapi")
 
-_PAYLOAD_KINDS = ("push", "publish")
+_PAYLOAD_KINDS = ("push", "publish", "allreduce")
 
 
 class LocalConnection:

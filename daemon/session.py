@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mlfabric.daemon.aggregating import AggregatorRole
+from mlfabric.daemon.allreduce import AllreduceRole
 from mlfabric.daemon.control import ControlStream
 from mlfabric.daemon.fallback import Fallback
 from mlfabric.daemon.localapi import LocalConnection
@@ -55,6 +56,7 @@ class SchedulerSession:
     aggregator: AggregatorRole
     outgoing: OutgoingPushes
     replication: ReplicationLogs
+    allreduce: AllreduceRole
 
     def _register(self, message: Any, on_ack: Callable[[Any], None]) -> None:
         """Send ``RegisterRole``; ``on_ack(RoleAck or None)`` (None: no scheduler)."""
@@ -130,6 +132,7 @@ class SchedulerSession:
         for on_ack in acks:
             on_ack(None)
         self.aggregator.abandon_all(f"scheduler connection lost: {reason}")
+        self.allreduce.scheduler_lost(reason)
         if self.fallback.enabled:  # waiting pushes keep their place (sent directly if it stays away)
             self.fallback.lost()
             return
@@ -147,6 +150,10 @@ class SchedulerSession:
                 on_ack(directive.role_ack)
         elif kind == "aggregate":
             self.aggregator.on_directive(directive.aggregate)
+        elif kind == "allreduce":
+            self.allreduce.on_directive(directive.allreduce)
+        elif kind == "allreduce_abort":
+            self.allreduce.on_abort(directive.allreduce_abort)
         elif kind == "resolve":
             self.sender.resolve(directive.resolve)
         elif kind == "send" and self.aggregator.owns(directive.send.update_id):

@@ -33,6 +33,9 @@ _API = {
     "APPLIED",
     "DROPPED",
     "UNKNOWN",
+    "join_allreduce",
+    "AllreduceGroup",
+    "AllreduceHandle",
 }
 
 __all__ = sorted(_API | {"__version__"})

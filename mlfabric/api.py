@@ -41,11 +41,14 @@ The worker role lives here; the server role (:class:`Server`, :class:`UpdateMeta
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
+from mlfabric.allreduce import DEFAULT_TIMEOUT as ALLREDUCE_TIMEOUT
+from mlfabric.allreduce import AllreduceGroup, AllreduceHandle, join_allreduce, submit_allreduce
 from mlfabric.daemon.roles import check_update
 from mlfabric.localclient import (
     APPLIED,
@@ -69,6 +72,8 @@ __all__ = [
     "APPLIED",
     "DROPPED",
     "UNKNOWN",
+    "AllreduceGroup",
+    "AllreduceHandle",
     "MlfabricError",
     "Params",
     "PushHandle",
@@ -77,6 +82,7 @@ __all__ = [
     "Server",
     "UpdateMeta",
     "Worker",
+    "join_allreduce",
     "register_as_replica",
     "register_as_server",
     "register_as_worker",
@@ -117,6 +123,8 @@ class Worker:
         self._base_versions: dict[str, int] = {}
         # update memfds, reused once their push resolved (the daemon reads them until then)
         self._buffers = MemfdPool(PUSH_POOL_BYTES, name="mlfabric-update")
+        self._allreduce_seqs: dict[str, int] = {}
+        self._allreduce_lock = threading.Lock()
 
     def push(
         self, server: str, update: Tensors, norm: float | None = None, *, base_version: int | None = None
@@ -243,6 +251,44 @@ class Worker:
         model = tensorio.from_fd(event.model.tensors, fd, as_torch=as_torch)
         self._base_versions[server] = int(event.model.version)
         return int(event.model.version), model
+
+    def allreduce_async(
+        self,
+        tensors: Tensors,
+        *,
+        world_size: int,
+        name: str = "allreduce",
+        timeout: float = ALLREDUCE_TIMEOUT,
+    ) -> AllreduceHandle:
+        """Start an all-reduce over ``world_size`` participants of this job (docs/allreduce.md).
+
+        The participant is this worker (its name); see
+        :meth:`mlfabric.allreduce.AllreduceGroup.allreduce_async` for the rules and errors.
+        """
+        with self._allreduce_lock:
+            seq = self._allreduce_seqs[name] = self._allreduce_seqs.get(name, 0) + 1
+        return submit_allreduce(
+            self._client,
+            self._buffers,
+            job=self.job,
+            participant=self.name,
+            world_size=world_size,
+            name=name,
+            seq=seq,
+            tensors=tensors,
+            timeout=timeout,
+        )
+
+    def allreduce(
+        self,
+        tensors: Tensors,
+        *,
+        world_size: int,
+        name: str = "allreduce",
+        timeout: float = ALLREDUCE_TIMEOUT,
+    ) -> dict:
+        """The sum of ``tensors`` over ``world_size`` participants of this job (blocks)."""
+        return self.allreduce_async(tensors, world_size=world_size, name=name, timeout=timeout).wait()
 
     def close(self) -> None:
         """Give up the worker role and close the connection."""

@@ -324,7 +324,8 @@ class LocalClient:
                     break
                 event = local_pb2.LocalEvent.FromString(body)
                 kind = event.WhichOneof("kind")
-                carries = kind in ("model", "deliver") and getattr(event, kind).has_payload
+                payload_kinds = ("model", "deliver", "allreduce_result")
+                carries = kind in payload_kinds and getattr(event, kind).has_payload
                 carries = carries or (kind == "registered" and event.registered.model.has_payload)
                 fd = reader.take_fd() if carries else None
                 self._dispatch(event, fd)

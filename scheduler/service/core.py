@@ -76,6 +76,7 @@ from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrig
 from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service import wire
 from mlfabric.scheduler.service.aggregates import DEFAULT_TIMEOUT, AggregateBook, Effects
+from mlfabric.scheduler.service.allreduce import AllreduceService
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.records import (
     Cleanup,
@@ -250,6 +251,8 @@ class SchedulerCore:
         self._wake = asyncio.Event()
         #: replicas: their books, replica sends, promotion (docs/replication.md)
         self.replication = Replication(self)
+        #: all-reduce operations: readiness, tree plans, aborts (docs/allreduce.md)
+        self.allreduce = AllreduceService(self)
 
     @property
     def policy(self) -> Policy:
@@ -284,6 +287,7 @@ class SchedulerCore:
         self.replication.host_lost(session.host)  # before its servers are forgotten: promote
         self._apply_cleanup(self.state.disconnect(session.host))
         self._execute(self.aggregates.host_lost(session.host, self.clock()))
+        self.allreduce.host_lost(session.host)
         log.info("daemon of host %s disconnected", session.host)
 
     def welcome(self) -> pb.Directive:
@@ -316,6 +320,8 @@ class SchedulerCore:
             self._moved()
         elif kind == "aggregate_failed":
             self._execute(self.aggregates.failed(host, m.aggregate_failed, self.clock()))
+        elif kind in ("allreduce_ready", "allreduce_done"):
+            self.allreduce.on_message(host, kind, getattr(m, kind))
         elif kind in ("server_applied", "replica_status"):
             self.replication.on_message(kind, getattr(m, kind))
         elif kind == "hello":

@@ -1,0 +1,351 @@
+"""All-reduce planning: a reduction tree up and a broadcast down, chosen from the bandwidth graph.
+
+An all-reduce of ``B`` bytes over ``N`` participants is executed by their daemons as a tree
+(docs/allreduce.md): each participant sums its children's partial sums with its own
+contribution and sends the sum to its parent; the root's sum is the result, which flows back
+down the same tree. The payload is cut into chunks that are pipelined, so reduction and
+broadcast overlap and every tree edge carries ``B`` bytes up and ``B`` bytes down.
+
+The cost model (:func:`tree_seconds`): with pipelining, the time is set by the most loaded
+directed link, ``max over links of (bytes crossing it / capacity)`` — each tree edge loads
+every link of its path with ``B`` in each direction, an edge between two participants of
+one host loads none — plus the pipeline's fill, ``(up depth + down depth)`` chunk times on
+the slowest edge, plus a per-chunk overhead at the busiest participant. The same model gives
+a ring all-reduce's time (:func:`ring_seconds`: ``2 (N-1)/N B`` on every link of every ring
+hop), which the plan reports beside its own; the daemons execute trees only.
+
+Candidate trees (:func:`plan_allreduce` keeps the fastest under the model):
+
+- participants of one host are chained under one of them (their edges cost no network);
+- hosts are grouped by their first switch (rack); within a group and among the groups'
+  roots, hosts sorted by NIC rate (fastest first) are either laid out as a ``d``-ary heap
+  (``d`` = 1 (a chain) .. 4, and a star) or attached greedily, each to the node whose
+  busiest NIC direction would stay least loaded (fast hosts get more children, slow ones stay
+  leaves: a leaf moves ``B`` each way, where a ring moves ``2 (N-1)/N B``);
+- the same shapes over all hosts ignoring racks.
+
+Pure: no I/O, no clock.
+
+Examples
+--------
+>>> from mlfabric.scheduler.core.graph import star
+>>> g = star(["a", "b", "c", "d"], {"a": 10e9, "b": 10e9, "c": 10e9, "d": 1e9})
+>>> plan = plan_allreduce(g, [("p0", "a"), ("p1", "b"), ("p2", "c"), ("p3", "d")], 64 << 20)
+>>> plan.children[plan.root] != [], plan.children["p3"]     # the slow host is a leaf
+(True, [])
+>>> plan.ring_seconds > plan.seconds
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from mlfabric.scheduler.core.graph import PathCache
+
+__all__ = [
+    "CHUNK_OVERHEAD_SECONDS",
+    "AllreducePlan",
+    "choose_chunk_bytes",
+    "plan_allreduce",
+    "ring_seconds",
+    "tree_seconds",
+]
+
+#: Per-chunk cost at a participant (a frame, its ACK, a summing call), in seconds.
+CHUNK_OVERHEAD_SECONDS = 150e-6
+#: Chunk sizes the planner chooses from (bytes).
+_CHUNK_CANDIDATES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+@dataclass(frozen=True)
+class AllreducePlan:
+    """A reduction tree over the participants.
+
+    Attributes
+    ----------
+    root : str
+        The participant where the sum is complete.
+    parent : dict
+        participant -> its parent (None at the root).
+    children : dict
+        participant -> its children, in the order their chunks are expected.
+    chunk_bytes : int
+        Bytes per pipelined chunk.
+    seconds : float
+        The model's time for this tree (:func:`tree_seconds`).
+    ring_seconds : float
+        The model's time for a ring all-reduce over the same participants.
+    shape : str
+        Which candidate won (``"rack-greedy"``, ``"flat-heap2"``, ...).
+    """
+
+    root: str
+    parent: dict[str, str | None]
+    children: dict[str, list[str]]
+    chunk_bytes: int
+    seconds: float
+    ring_seconds: float
+    shape: str
+
+    def depth(self) -> int:
+        """Edges on the longest root-to-leaf path."""
+        best = 0
+        for p in self.parent:
+            d, q = 0, self.parent[p]
+            while q is not None:
+                d, q = d + 1, self.parent[q]
+            best = max(best, d)
+        return best
+
+    def describe(self, hosts: Mapping[str, str]) -> str:
+        """One line for logs and the result: shape, root, depth, the model's times."""
+        return (
+            f"tree {self.shape}: root {self.root} on {hosts[self.root]}, depth {self.depth()}, "
+            f"{self.chunk_bytes} B chunks, model {self.seconds * 1e3:.1f} ms "
+            f"(ring {self.ring_seconds * 1e3:.1f} ms)"
+        )
+
+
+def _capacity(graph: nx.DiGraph, link: tuple[str, str]) -> float:
+    return float(graph.edges[link]["capacity"])
+
+
+def _nic(graph: nx.DiGraph, host: str) -> float:
+    """The slower direction of a host's NIC (bytes/s); inf for an isolated host."""
+    out = [float(c) for _, _, c in graph.out_edges(host, data="capacity")]
+    inn = [float(c) for _, _, c in graph.in_edges(host, data="capacity")]
+    return min(max(out, default=math.inf), max(inn, default=math.inf))
+
+
+def _link_loads(
+    pc: PathCache, edges: Sequence[tuple[str, str]], per_edge: float
+) -> dict[tuple[str, str], float]:
+    """Bytes on each directed link when every (a, b) host pair moves ``per_edge`` both ways."""
+    load: dict[tuple[str, str], float] = {}
+    for a, b in edges:
+        if a == b:
+            continue
+        for link in (*pc.links(a, b), *pc.links(b, a)):
+            load[link] = load.get(link, 0.0) + per_edge
+    return load
+
+
+def tree_seconds(
+    graph: nx.DiGraph,
+    parent: Mapping[str, str | None],
+    hosts: Mapping[str, str],
+    nbytes: int,
+    chunk_bytes: int,
+    pc: PathCache | None = None,
+) -> float:
+    """The model's time of a pipelined tree all-reduce (see the module docstring).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Link capacities (bytes/s) in ``capacity``.
+    parent : mapping
+        participant -> parent participant (None at the root).
+    hosts : mapping
+        participant -> host.
+    nbytes, chunk_bytes : int
+        The payload and the chunk size.
+    pc : PathCache, optional
+        Paths of ``graph``.
+
+    Returns
+    -------
+    float
+        Seconds.
+    """
+    pc = pc or PathCache(graph)
+    edges = [(hosts[c], hosts[p]) for c, p in parent.items() if p is not None]
+    load = _link_loads(pc, edges, float(nbytes))
+    busiest = max((b / _capacity(graph, link) for link, b in load.items()), default=0.0)
+    slowest = min(
+        (min((_capacity(graph, link) for link in pc.links(a, b)), default=math.inf) for a, b in edges),
+        default=math.inf,
+    )
+    depth = 0
+    for p in parent:
+        d, q = 0, parent[p]
+        while q is not None:
+            d, q = d + 1, parent[q]
+        depth = max(depth, d)
+    chunks = max(1, math.ceil(nbytes / max(1, chunk_bytes)))
+    degree = max(sum(1 for q in parent.values() if q == p) + (parent[p] is not None) for p in parent)
+    fill = 0.0 if math.isinf(slowest) else 2 * depth * min(chunk_bytes, nbytes) / slowest
+    return busiest + fill + chunks * degree * 2 * CHUNK_OVERHEAD_SECONDS
+
+
+def ring_seconds(graph: nx.DiGraph, order: Sequence[str], nbytes: int, pc: PathCache | None = None) -> float:
+    """The model's time of a ring all-reduce over the hosts ``order`` (reduce-scatter + all-gather).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> round(ring_seconds(star(4, 8e9), ["h0", "h1", "h2", "h3"], 10**9), 3)   # 2*3/4 s
+    1.5
+    """
+    n = len(order)
+    if n < 2:
+        return 0.0
+    pc = pc or PathCache(graph)
+    per_hop = 2 * (n - 1) / n * nbytes
+    load: dict[tuple[str, str], float] = {}
+    for i, a in enumerate(order):
+        b = order[(i + 1) % n]
+        if a != b:
+            for link in pc.links(a, b):
+                load[link] = load.get(link, 0.0) + per_hop
+    return max((v / _capacity(graph, link) for link, v in load.items()), default=0.0)
+
+
+def choose_chunk_bytes(nbytes: int) -> int:
+    """The default chunk: about 1/32 of the payload, between 256 KiB and 16 MiB.
+
+    Examples
+    --------
+    >>> choose_chunk_bytes(64 << 20) == 2 << 20, choose_chunk_bytes(1000)
+    (True, 1000)
+    """
+    if nbytes <= _CHUNK_CANDIDATES[0]:
+        return max(1, nbytes)
+    return int(min(16 << 20, max(256 << 10, math.ceil(nbytes / 32))))
+
+
+# ------------------------------------------------------------------ tree shapes
+
+
+def _heap(order: Sequence[str], d: int) -> dict[str, str | None]:
+    """``order`` (fastest first) as a ``d``-ary heap: node i's parent is (i - 1) // d."""
+    return {v: (None if i == 0 else order[(i - 1) // d]) for i, v in enumerate(order)}
+
+
+def _greedy(order: Sequence[str], rate: Callable[[str], float]) -> dict[str, str | None]:
+    """Attach each node (fastest first) where the busiest NIC direction stays least loaded."""
+    parent: dict[str, str | None] = {order[0]: None}
+    edges = {order[0]: 0}  # tree edges at each node (children + parent)
+    for v in order[1:]:
+        best = min(parent, key=lambda p: ((edges[p] + 1) / rate(p), -rate(p), order.index(p)))
+        parent[v] = best
+        edges[best] += 1
+        edges[v] = 1
+    return parent
+
+
+def _shapes(order: Sequence[str], rate: Callable[[str], float]) -> dict[str, dict[str, str | None]]:
+    n = len(order)
+    shapes = {"greedy": _greedy(order, rate), "star": _heap(order, max(1, n - 1))}
+    for d in range(1, min(4, n - 1) + 1):
+        shapes[f"heap{d}"] = _heap(order, d)
+    return shapes
+
+
+def _join(top: Mapping[str, str | None], inner: Sequence[Mapping[str, str | None]]) -> dict[str, str | None]:
+    """Trees inside groups (each rooted at its first node), their roots joined by ``top``."""
+    parent: dict[str, str | None] = {}
+    for tree in inner:
+        parent.update(tree)
+    parent.update(top)
+    return parent
+
+
+def plan_allreduce(
+    graph: nx.DiGraph,
+    participants: Sequence[tuple[str, str]],
+    nbytes: int,
+    *,
+    chunk_bytes: int | None = None,
+) -> AllreducePlan:
+    """Plan the reduction tree of one all-reduce.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The bandwidth graph (current estimates).
+    participants : sequence of (participant, host)
+        Every participant and the host of its daemon; each host must be in ``graph``.
+    nbytes : int
+        Bytes of one contribution (and of the result).
+    chunk_bytes : int, optional
+        Override the chunk size (default :func:`choose_chunk_bytes`).
+
+    Returns
+    -------
+    AllreducePlan
+
+    Raises
+    ------
+    ValueError
+        No participants, a participant listed twice, or a host not in the graph.
+    """
+    if not participants:
+        raise ValueError("an all-reduce needs at least one participant")
+    hosts = dict(participants)
+    if len(hosts) != len(participants):
+        seen: set[str] = set()
+        twice = sorted({p for p, _ in participants if p in seen or seen.add(p)})  # type: ignore[func-returns-value]
+        raise ValueError(f"participants listed twice: {twice}")
+    missing = sorted({h for h in hosts.values() if h not in graph})
+    if missing:
+        raise ValueError(f"hosts not in the bandwidth graph: {missing}")
+    chunk = chunk_bytes or choose_chunk_bytes(nbytes)
+    pc = PathCache(graph)
+    # participants of one host: the first (by name) stands for the host, the others chain under it
+    by_host: dict[str, list[str]] = {}
+    for p in sorted(hosts):
+        by_host.setdefault(hosts[p], []).append(p)
+    local: dict[str, str | None] = {}
+    for members in by_host.values():
+        for i, p in enumerate(members[1:]):
+            local[p] = members[i]
+    rep = {h: members[0] for h, members in by_host.items()}
+    rate = {h: _nic(graph, h) for h in by_host}
+    host_order = sorted(by_host, key=lambda h: (-rate[h], h))
+
+    def host_rate(p: str) -> float:
+        return rate[hosts[p]]
+
+    candidates: dict[str, dict[str, str | None]] = {}
+    reps = [rep[h] for h in host_order]
+    if len(reps) == 1:
+        candidates["single"] = {reps[0]: None}
+    else:
+        for name, tree in _shapes(reps, host_rate).items():
+            candidates[f"flat-{name}"] = tree
+        racks: dict[str, list[str]] = {}
+        for h in host_order:
+            first = pc.path(h, next(x for x in host_order if x != h))[1]
+            racks.setdefault(first, []).append(rep[h])
+        if 1 < len(racks) < len(reps):
+            groups = list(racks.values())
+            for name in ("greedy", "heap1", "heap2"):
+                inner = [
+                    _shapes(g, host_rate).get(name, _heap(g, 1)) if len(g) > 1 else {g[0]: None}
+                    for g in groups
+                ]
+                roots = sorted((g[0] for g in groups), key=lambda p: (-host_rate(p), p))
+                top = _shapes(roots, host_rate).get(name, _heap(roots, 1))
+                candidates[f"rack-{name}"] = _join(top, inner)
+    ring = ring_seconds(graph, host_order, nbytes, pc) if len(host_order) > 1 else 0.0
+    best: tuple[float, str, dict[str, str | None]] | None = None
+    for name in sorted(candidates):
+        parent = {**candidates[name], **local}
+        seconds = tree_seconds(graph, parent, hosts, nbytes, chunk, pc)
+        if best is None or seconds < best[0] - 1e-12:
+            best = (seconds, name, parent)
+    assert best is not None
+    seconds, name, parent = best
+    children: dict[str, list[str]] = {p: [] for p in parent}
+    for c in sorted(parent, key=lambda p: (-host_rate(p), p)):
+        q = parent[c]
+        if q is not None:
+            children[q].append(c)
+    root = next(p for p, q in parent.items() if q is None)
+    return AllreducePlan(root, parent, children, chunk, seconds, ring, name)

@@ -1,0 +1,244 @@
+"""The scheduler's side of all-reduce: collecting readiness, planning the tree, failing cleanly.
+
+:class:`AllreduceBook` is pure (times are arguments; directives are returned as
+``(host, Directive)`` pairs). Each operation is keyed ``(job, name, seq)``:
+
+1. ``AllreduceReady`` from each participant's daemon. The first fixes the operation's world
+   size and tensors; a later one that disagrees (another world size, tensor names, dtypes or
+   shapes), or a participant announced twice, aborts the operation at every participant with
+   ``allreduce_mismatch`` naming both sides. More participants than the world size: the same.
+2. Once ``world_size`` participants are in, :func:`~mlfabric.scheduler.policies.allreduce.
+   plan_allreduce` chooses the tree from the bandwidth graph (current estimates) and each
+   participant's daemon gets its ``AllreduceDirective``.
+3. ``AllreduceDone`` from each daemon: ok (the operation is forgotten once every participant
+   finished) or failed, which aborts the operation at every other participant
+   (``AllreduceAbort`` with the failing participant's code and reason).
+4. A daemon whose stream ends aborts every operation it takes part in
+   (``allreduce_peer_lost``), announced or planned. An operation that never completes is failed
+   by the participants' daemons at their deadline (their ``AllreduceDone``), so the scheduler
+   needs no timer; a participant arriving at an operation already aborted gets the abort at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.policies.allreduce import plan_allreduce
+
+__all__ = ["AllreduceBook"]
+
+log = logging.getLogger("mlfabric.scheduler")
+OpKey = tuple[str, str, int]
+Out = list[tuple[str, Any]]
+
+
+@dataclass
+class _Op:
+    key: OpKey
+    world_size: int
+    tensors: list[tuple[str, str, tuple[int, ...]]]
+    nbytes: int
+    first_at: float
+    ready: dict[str, str] = field(default_factory=dict)  # participant -> host
+    planned: bool = False
+    done: set[str] = field(default_factory=set)
+
+    def label(self) -> str:
+        job, name, seq = self.key
+        return f"all-reduce {name!r}#{seq} of job {job!r}"
+
+
+def _spec(m: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(t.name, t.dtype, tuple(int(d) for d in t.shape)) for t in m.tensors]
+
+
+class AllreduceBook:
+    """All-reduce operations between their first readiness and their last participant's end.
+
+    Parameters
+    ----------
+    graph : callable
+        ``graph()`` -> the bandwidth graph to plan on (current estimates).
+    address : callable
+        ``address(host)`` -> the data-plane address of ``host``'s daemon.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> book = AllreduceBook(lambda: star(["a", "b"], 8e9), lambda h: f"127.0.0.1:{ord(h)}")
+    >>> def ready(p, seq, shape):
+    ...     t = pb.TensorSpec(name="w", dtype="float64", shape=shape)
+    ...     return pb.AllreduceReady(job="j", name="g", seq=seq, participant=p, world_size=2,
+    ...                              tensors=[t], bytes=8 * shape[0])
+    >>> book.ready("a", ready("pa", 1, [2]), 0.0)
+    []
+    >>> sorted(h for h, d in book.ready("b", ready("pb", 1, [2]), 0.1))
+    ['a', 'b']
+    >>> _ = book.ready("a", ready("pa", 2, [2]), 0.2)
+    >>> [d.allreduce_abort.code for _, d in book.ready("b", ready("pb", 2, [3]), 0.3)]
+    ['allreduce_mismatch', 'allreduce_mismatch']
+    """
+
+    def __init__(self, graph: Callable[[], nx.DiGraph], address: Callable[[str], str]) -> None:
+        self._graph = graph
+        self._address = address
+        self.ops: dict[OpKey, _Op] = {}
+        #: aborted operations: key -> (code, reason), so a late participant is told at once
+        self.aborted: collections.OrderedDict[OpKey, tuple[str, str]] = collections.OrderedDict()
+
+    def ready(self, host: str, m: Any, now: float) -> Out:
+        """``AllreduceReady`` from ``host``; the directives (or aborts) it leads to."""
+        key: OpKey = (m.job, m.name, int(m.seq))
+        gone = self.aborted.get(key)
+        if gone is not None:
+            return [(host, self._abort_directive(key, *gone))]
+        op = self.ops.get(key)
+        if op is None:
+            op = self.ops[key] = _Op(key, int(m.world_size), _spec(m), int(m.bytes), now)
+        problem = self._mismatch(op, host, m)
+        if problem is not None:
+            op.ready.setdefault(m.participant, host)
+            return self.abort(key, "allreduce_mismatch", problem)
+        op.ready[m.participant] = host
+        if len(op.ready) < op.world_size:
+            return []
+        return self._plan(op)
+
+    def _mismatch(self, op: _Op, host: str, m: Any) -> str | None:
+        label, who = op.label(), f"participant {m.participant!r} on host {host!r}"
+        first = next(iter(op.ready), None)
+        if m.participant in op.ready:
+            return f"{label}: {who} announced twice (already on host {op.ready[m.participant]!r})"
+        if op.planned or len(op.ready) >= op.world_size:
+            return f"{label}: {who} is one more than the world size {op.world_size}"
+        if int(m.world_size) != op.world_size:
+            return (
+                f"{label}: {who} says world size {m.world_size}, participant {first!r} said {op.world_size}"
+            )
+        spec = _spec(m)
+        if spec != op.tensors:
+            mine, theirs = dict((n, (d, s)) for n, d, s in spec), dict((n, (d, s)) for n, d, s in op.tensors)
+            diff = [
+                f"{n!r}: {mine.get(n, 'missing')} vs {theirs.get(n, 'missing')}"
+                for n in sorted(set(mine) | set(theirs))
+                if mine.get(n) != theirs.get(n)
+            ] or ["tensor order differs"]
+            return (
+                f"{label}: {who}'s tensors differ from participant {first!r}'s "
+                f"(name: (dtype, shape) here vs there): {'; '.join(diff)}"
+            )
+        return None
+
+    def _plan(self, op: _Op) -> Out:
+        try:
+            plan = plan_allreduce(self._graph(), sorted(op.ready.items()), op.nbytes)
+        except ValueError as exc:
+            return self.abort(op.key, "allreduce_failed", f"{op.label()}: cannot plan: {exc}")
+        op.planned = True
+        job, name, seq = op.key
+        describe = plan.describe(op.ready)
+        log.info("%s: %s", op.label(), describe)
+
+        def peer(p: str | None) -> Any:
+            if p is None:
+                return pb.AllreducePeer()
+            return pb.AllreducePeer(participant=p, host=op.ready[p], data_address=self._address(op.ready[p]))
+
+        out: Out = []
+        for p, host in sorted(op.ready.items()):
+            d = pb.AllreduceDirective(
+                job=job,
+                name=name,
+                seq=seq,
+                participant=p,
+                parent=peer(plan.parent[p]),
+                children=[peer(c) for c in plan.children[p]],
+                chunk_bytes=plan.chunk_bytes,
+                world_size=op.world_size,
+                plan=describe,
+            )
+            out.append((host, pb.Directive(allreduce=d)))
+        return out
+
+    def done(self, host: str, m: Any) -> Out:
+        """``AllreduceDone`` from ``host``: forget the operation when all are done, abort on a failure."""
+        key: OpKey = (m.job, m.name, int(m.seq))
+        op = self.ops.get(key)
+        if op is None:
+            return []
+        if not m.ok:
+            return self.abort(key, m.code or "allreduce_failed", m.reason, skip=m.participant)
+        op.done.add(m.participant)
+        if op.done >= set(op.ready) and len(op.done) >= op.world_size:
+            del self.ops[key]
+        return []
+
+    def host_lost(self, host: str) -> Out:
+        """The daemon of ``host`` went away: abort every operation with a participant there."""
+        out: Out = []
+        for key, op in list(self.ops.items()):
+            lost = sorted(p for p, h in op.ready.items() if h == host and p not in op.done)
+            if lost:
+                reason = f"{op.label()}: the daemon of host {host!r} (participants {lost}) disconnected"
+                out += self.abort(key, "allreduce_peer_lost", reason, skip_host=host)
+        return out
+
+    def abort(self, key: OpKey, code: str, reason: str, *, skip: str = "", skip_host: str = "") -> Out:
+        """Abort ``key`` at every participant but ``skip`` (and those on ``skip_host``)."""
+        op = self.ops.pop(key, None)
+        self.aborted[key] = (code, reason)
+        while len(self.aborted) > 4096:
+            self.aborted.popitem(last=False)
+        if op is None:
+            return []
+        log.info("%s aborted: %s", op.label(), reason)
+        directive = self._abort_directive(key, code, reason)
+        hosts = sorted({h for p, h in op.ready.items() if p != skip and h != skip_host and p not in op.done})
+        return [(h, directive) for h in hosts]
+
+    @staticmethod
+    def _abort_directive(key: OpKey, code: str, reason: str) -> Any:
+        job, name, seq = key
+        return pb.Directive(
+            allreduce_abort=pb.AllreduceAbort(job=job, name=name, seq=seq, reason=reason, code=code)
+        )
+
+
+class AllreduceService:
+    """The book wired to a :class:`~mlfabric.scheduler.service.core.SchedulerCore` (its sessions).
+
+    Parameters
+    ----------
+    core : SchedulerCore
+        Gives the graph (``estimator``), the daemons' addresses (``state``), the clock and
+        ``_send_to``.
+    """
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.book = AllreduceBook(
+            core.estimator.estimated_graph, lambda h: core.state.daemons[h].data_address
+        )
+
+    def on_message(self, host: str, kind: str, m: Any) -> None:
+        """``allreduce_ready`` or ``allreduce_done`` from ``host``."""
+        if kind == "allreduce_ready":
+            out = self.book.ready(host, m, self.core.clock())
+        else:
+            out = self.book.done(host, m)
+        self._send(out)
+
+    def host_lost(self, host: str) -> None:
+        """A daemon's stream ended."""
+        self._send(self.book.host_lost(host))
+
+    def _send(self, out: Out) -> None:
+        for host, directive in out:
+            self.core._send_to(host, directive)
