@@ -160,6 +160,42 @@ def trial(victim: str, div_max: float, warmup: float, workdir: Path) -> dict[str
     }
 
 
+def overhead_trial(mode: str, div_max: float, seconds: float, workdir: Path) -> dict[str, Any]:
+    """Updates the server applies in ``seconds`` of back-to-back pushes: no replica, bounded, chain."""
+    from mlfabric.cluster import LocalCluster
+
+    topology = workdir / "topology.toml"
+    topology.write_text(TOPOLOGY)
+    out = workdir / "out"
+    out.mkdir()
+    me = [sys.executable, str(Path(__file__).resolve()), "role"]
+    bound = {"none": div_max, "div_max": div_max, "chain": 0.0}[mode]
+    cluster = LocalCluster(topology, policy="stf", workdir=workdir / "run", log_level="WARNING").start()
+    try:
+        server = cluster.spawn("ps", [*me, "server", str(out), str(bound)], name="server")
+        _wait(out / "server.ready", server)
+        if mode != "none":
+            replica = cluster.spawn("rep", [*me, "replica", str(out)], name="replica")
+            _wait(out / "replica.ready", replica)
+        workers = [
+            cluster.spawn(h, [*me, "worker", str(out), str(r)], name=f"w{r}") for r, h in enumerate("ab")
+        ]
+        time.sleep(2.0)  # registration and warm-up
+        start = _lines(out / "shadow.jsonl")
+        time.sleep(seconds)
+        applied = _lines(out / "shadow.jsonl") - start
+        for p in workers:
+            p.popen.terminate()
+            p.popen.wait(timeout=30)
+    finally:
+        cluster.stop()
+    return {"mode": mode, "seconds": seconds, "applied": applied, "updates_per_s": applied / seconds}
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for _ in path.open()) if path.exists() else 0
+
+
 def _wait(path: Path, proc: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -183,8 +219,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=1.5, help="seconds of pushing before the kill")
     ap.add_argument("--victims", default="process,daemon")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument(
+        "--overhead",
+        type=float,
+        metavar="SECONDS",
+        help="instead: throughput with no replica / div_max / chain",
+    )
     args = ap.parse_args(argv)
     div_max = args.updates * _norm(_update(0, 0))
+    if args.overhead:
+        runs = []
+        for _ in range(args.trials):
+            for mode in ("none", "div_max", "chain"):
+                with tempfile.TemporaryDirectory(prefix="mlfabric-overhead-") as d:
+                    runs.append(overhead_trial(mode, div_max, args.overhead, Path(d)))
+                print(json.dumps(runs[-1]), flush=True)
+        table = {
+            m: statistics.median(r["updates_per_s"] for r in runs if r["mode"] == m)
+            for m in ("none", "div_max", "chain")
+        }
+        print(json.dumps({"median_updates_per_s": table, "div_max": div_max}, indent=2))
+        if args.out:
+            args.out.write_text(json.dumps({"runs": runs, "median_updates_per_s": table}, indent=2))
+        return 0
     rows = []
     for victim in args.victims.split(","):
         for _ in range(args.trials):
