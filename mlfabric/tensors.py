@@ -283,8 +283,8 @@ def l2_norm(tensors: Mapping[str, object]) -> float:
     return float(np.sqrt(total))
 
 
-#: Elements per block of :func:`first_non_finite` (a block's temporaries stay in cache).
-_FINITE_BLOCK = 1 << 16
+#: Bytes per block of the NaN/inf test (a block and its scratch stay in cache).
+_FINITE_BLOCK_BYTES = 256 * 1024
 
 #: Exponent bits of the 2-byte float dtypes (raw words): all ones means inf or NaN.
 _EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
@@ -293,16 +293,20 @@ _SUMMED: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float64": np.d
 _RAW_WORDS: np.dtype[Any] = np.dtype("<u2")
 
 
-def _block_non_finite(block: np.ndarray, exponent_bits: int = 0) -> bool:
+def _block_non_finite(block: np.ndarray, exponent_bits: int = 0, scratch: np.ndarray | None = None) -> bool:
     """Whether ``block`` holds a NaN or an infinity.
 
     float32/float64: a block whose sum is finite holds only finite values (a NaN or an infinity
     makes the sum non-finite), so the exact per-element test runs only on a block whose sum is
     not (a non-finite value, or a sum that overflowed). 2-byte floats (``exponent_bits`` given,
-    ``block`` their raw ``uint16`` words): non-finite when the exponent bits are all ones.
+    ``block`` their raw ``uint16`` words): non-finite when the exponent bits are all ones, i.e.
+    when the largest ``word & exponent_bits`` equals them (``scratch``: a ``uint16`` array at
+    least as long as the block for the masked words, so nothing is allocated per block).
     """
     if exponent_bits:
-        return bool((np.bitwise_and(block, exponent_bits) == exponent_bits).any())
+        masked = np.empty_like(block) if scratch is None else scratch[: block.size]
+        np.bitwise_and(block, exponent_bits, out=masked)
+        return bool(masked.size) and int(masked.max()) == exponent_bits
     with np.errstate(over="ignore", invalid="ignore"):
         return not np.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all())
 
@@ -340,8 +344,10 @@ def first_non_finite(tensors: Mapping[str, object]) -> str | None:
         bits = {np.dtype(np.uint16): 0x7F80, np.dtype(np.float16): 0x7C00}.get(flat.dtype, 0)
         if bits:
             flat = flat.view(np.uint16)
-        for start in range(0, flat.size, _FINITE_BLOCK):
-            if _block_non_finite(flat[start : start + _FINITE_BLOCK], bits):
+        step = _FINITE_BLOCK_BYTES // max(1, flat.itemsize)
+        scratch = np.empty(min(step, flat.size), np.uint16) if bits else None
+        for start in range(0, flat.size, step):
+            if _block_non_finite(flat[start : start + step], bits, scratch):
                 return name
     return None
 
@@ -387,6 +393,8 @@ class FiniteScan:
             bits = _EXPONENT_BITS.get(x.dtype, 0)
             dtype: np.dtype[Any] | None = _RAW_WORDS if bits else _SUMMED.get(x.dtype)
             self._regions.append((x.offset, x.offset + x.nbytes, x.name, dtype, bits))
+        wants = any(r[4] for r in self._regions)  # a 2-byte float: scratch for its masked words
+        self._scratch = np.empty(_FINITE_BLOCK_BYTES // 2, np.uint16) if wants else None
         self._next = 0  # index of the region being scanned
         self._pos = 0  # bytes before this are scanned (or skipped)
         self.bad: str | None = None
@@ -406,10 +414,11 @@ class FiniteScan:
                 start = limit
             else:
                 count = (limit - start) // dtype.itemsize
-                for first in range(0, count, _FINITE_BLOCK):
-                    n = min(_FINITE_BLOCK, count - first)
+                step = _FINITE_BLOCK_BYTES // dtype.itemsize
+                for first in range(0, count, step):
+                    n = min(step, count - first)
                     block = np.frombuffer(view, dtype=dtype, count=n, offset=start + first * dtype.itemsize)
-                    if _block_non_finite(block, bits):
+                    if _block_non_finite(block, bits, self._scratch):
                         self.bad = name
                         return
                 start += count * dtype.itemsize
