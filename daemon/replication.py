@@ -21,9 +21,10 @@ norm exceeds ``div_max``. If the scheduler gives no directive while the server w
 scheduler is away.
 
 The replica side is :func:`apply_replicated`: an entry is applied only at the next version
-(a repeat is acknowledged, a gap refused), and each applied entry's update id — and its
-members' — is remembered, so once promoted the replica answers a re-sent update from memory
-instead of applying it twice.
+(up to :data:`WINDOW` entries travel at once, each waiting for the ones before it; a repeat
+is acknowledged, a gap that does not fill within :data:`TURN_TIMEOUT` refused), and each
+applied entry's update id — and its members' — is remembered, so once promoted the replica
+answers a re-sent update from memory instead of applying it twice.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,11 @@ _LOG = logging.getLogger("mlfabric.daemon.replication")
 _APPLIED = control_pb2.OUTCOME_APPLIED
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _ACK = dataplane_pb2.FRAME_KIND_ACK
+
+#: log entries on their way to the replica at once (the replica applies them in order)
+WINDOW = 4
+#: seconds a replicated entry waits at the replica for the entries before it
+TURN_TIMEOUT = 10.0
 
 #: ``request(address, header, payload) -> Reply`` (the push sender's pooled request)
 Request = Callable[[str, Any, Any], Any]
@@ -120,6 +127,8 @@ class ReplicationLog:
         self._entries: dict[int, LogEntry] = {}
         self._reserved = 0.0
         self._directed = start_version
+        self._sending: set[int] = set()
+        self._done: set[int] = set()
         self._closed = False
         self._server_failed = False
         self.error = ""
@@ -243,48 +252,60 @@ class ReplicationLog:
             self._cond.notify_all()
 
     def _next(self) -> LogEntry | None:
+        """The next entry to send (directed, not on its way, within the window); None once closed."""
         with self._cond:
             while not self._closed:
-                entry = self._entries.get(self.acked + 1)
-                if entry is not None and entry.version <= self._directed and self.address:
+                v = self.acked + 1
+                while v in self._sending or v in self._done:
+                    v += 1
+                entry = self._entries.get(v)
+                if entry is not None and v <= self._directed and self.address and v <= self.acked + WINDOW:
+                    self._sending.add(v)
                     return entry
                 self._cond.wait(0.5)
             return None
 
     def _forward_loop(self) -> None:
-        while True:
-            entry = self._next()
-            if entry is None:
-                return
-            try:
-                reply = self._request(self.address, self._frame(entry), FileSpan(entry.fd, 0, entry.nbytes))
-                ok = reply.header.kind == _ACK and reply.header.version >= entry.version
-                problem = "" if ok else f"replica answered {reply.header.reason or reply.header.kind!r}"
-                if hasattr(reply.payload, "release"):
-                    reply.payload.release()
-            except ConnectionError as exc:  # PeerUnavailable, a broken connection
-                ok, problem = False, f"replica {self.replica!r} at {self.address} unreachable: {exc}"
-            if not ok:
-                self.error = problem
-                _LOG.warning(
-                    "replicating %s v%d of server %r: %s",
-                    entry.update_id,
-                    entry.version,
-                    self.server,
-                    problem,
-                )
-                self._status(error=problem)
-                with self._cond:
-                    self._cond.wait(0.2)
-                continue
+        with ThreadPoolExecutor(WINDOW, thread_name_prefix=f"replicate-{self.server}") as pool:
+            while True:
+                entry = self._next()
+                if entry is None:
+                    return
+                pool.submit(self._send, entry)
+
+    def _send(self, entry: LogEntry) -> None:
+        """Send one entry; on its ACK drop it from the log and advance ``acked`` over what is done."""
+        try:
+            reply = self._request(self.address, self._frame(entry), FileSpan(entry.fd, 0, entry.nbytes))
+            ok = reply.header.kind == _ACK and reply.header.version >= entry.version
+            problem = "" if ok else f"replica answered {reply.header.reason or reply.header.kind!r}"
+            if hasattr(reply.payload, "release"):
+                reply.payload.release()
+        except ConnectionError as exc:  # PeerUnavailable, a broken connection
+            ok, problem = False, f"replica {self.replica!r} at {self.address} unreachable: {exc}"
+        if not ok:
+            self.error = problem
+            _LOG.warning(
+                "replicating %s v%d of server %r: %s", entry.update_id, entry.version, self.server, problem
+            )
+            self._status(error=problem)
+            time.sleep(0.2)
             with self._cond:
-                self.acked = max(self.acked, entry.version)
-                done = self._entries.pop(entry.version, None)
+                self._sending.discard(entry.version)
                 self._cond.notify_all()
-            if done is not None:
-                os.close(done.fd)
-            self.error = ""
-            self._status()
+            return
+        with self._cond:
+            self._sending.discard(entry.version)
+            self._done.add(entry.version)
+            done = self._entries.pop(entry.version, None)
+            while self.acked + 1 in self._done:
+                self.acked += 1
+                self._done.discard(self.acked)
+            self._cond.notify_all()
+        if done is not None:
+            os.close(done.fd)
+        self.error = ""
+        self._status()
 
     def _frame(self, entry: LogEntry) -> Any:
         h = entry.header
@@ -425,6 +446,9 @@ def apply_replicated(handoff: ServerHandoff, header: Any, hand_off: Callable[[],
     ``hand_off()``'s verdict from the replica process. An applied entry's members are
     remembered under their ids (an aggregate's).
     """
+    deadline = time.monotonic() + TURN_TIMEOUT
+    while header.replica_version > handoff.version + 1 and time.monotonic() < deadline:
+        time.sleep(0.0005)  # an entry sent ahead (the window): wait for the ones before it
     have = handoff.version
     if header.replica_version <= have:
         return Verdict(_APPLIED, 0, have, "")

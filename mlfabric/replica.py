@@ -46,10 +46,17 @@ class Replica(Server):
         self.server = name
         self.promoted = threading.Event()
         self.promotion_reason = ""
+        self._registered = False  # until then publish() goes through (the registration's model)
+
+    def publish(self) -> None:
+        """Hand the model to the daemon for ``get`` — only once promoted (and at registration)."""
+        if self.promoted.is_set() or not self._registered:
+            super().publish()
 
     def _on_promoted(self, promoted: Any) -> None:
         self.promotion_reason = promoted.reason
         self.promoted.set()
+        self.publish()  # gets are answered from here now
 
 
 def register_as_replica(
@@ -134,6 +141,7 @@ def register_as_replica(
             for item in inbox:
                 replica._inbox.put(item)
         replica.publish()
+        replica._registered = True
     except BaseException:
         client.close()
         raise
