@@ -334,18 +334,22 @@ class Welcome(_message.Message):
     def __init__(self, policy: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("name", "host", "data_address", "model", "version")
+    __slots__ = ("name", "host", "data_address", "model", "version", "replicated", "failed_over_from")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_OVER_FROM_FIELD_NUMBER: _ClassVar[int]
     name: str
     host: str
     data_address: str
     model: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     version: int
-    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+    replicated: bool
+    failed_over_from: str
+    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., replicated: _Optional[bool] = ..., failed_over_from: _Optional[str] = ...) -> None: ...
 
 class RoleAck(_message.Message):
     __slots__ = ("request_id", "ok", "error", "params", "servers", "code")
