@@ -104,8 +104,10 @@ class AllreduceBook:
             op = self.ops[key] = _Op(key, int(m.world_size), _spec(m), int(m.bytes), now)
         problem = self._mismatch(op, host, m)
         if problem is not None:
-            op.ready.setdefault(m.participant, host)
-            return self.abort(key, "allreduce_mismatch", problem)
+            out = self.abort(key, "allreduce_mismatch", problem)
+            if host not in {h for h, _ in out}:  # the announcer (a participant announced twice: its host too)
+                out.append((host, self._abort_directive(key, "allreduce_mismatch", problem)))
+            return out
         op.ready[m.participant] = host
         if len(op.ready) < op.world_size:
             return []

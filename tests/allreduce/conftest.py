@@ -4,32 +4,46 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from mlfabric.cluster import LocalCluster
 
+HOSTS = ["h0", "h1", "h2", "h3"]
+
 
 def star_topology(hosts: list[str], mbps: int = 10_000) -> str:
     """A TOML star of ``hosts`` around one switch."""
-    lines = [f"hosts = {hosts!r}".replace("'", '"'), 'switches = ["sw"]']
+    lines = ["hosts = [" + ", ".join(f'"{h}"' for h in hosts) + "]", 'switches = ["sw"]']
     for h in hosts:
         lines += ["[[links]]", f'a = "{h}"', 'b = "sw"', f"mbps = {mbps}"]
     return "\n".join(lines) + "\n"
 
 
 @pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
-    """Scheduler (``fair``) + daemons on hosts h0..h3; Unix sockets under a short temp dir."""
-    workdir = Path(tempfile.mkdtemp(prefix="mlfar-"))
-    topology = workdir / "topology.toml"
-    topology.write_text(star_topology(["h0", "h1", "h2", "h3"]))
-    c = LocalCluster(topology, policy="fair", workdir=workdir / "run", log_level="INFO")
-    c.start()
-    try:
-        yield c
-    finally:
+def make_cluster() -> Iterator[Callable[..., LocalCluster]]:
+    """``make_cluster(mbps=10_000, enforce=False)``: scheduler + daemons on h0..h3, started."""
+    made: list[tuple[LocalCluster, Path]] = []
+
+    def make(mbps: int = 10_000, enforce: bool = False) -> LocalCluster:
+        workdir = Path(tempfile.mkdtemp(prefix="mlfar-"))  # short: Unix socket paths
+        topology = workdir / "topology.toml"
+        topology.write_text(star_topology(HOSTS, mbps))
+        c = LocalCluster(
+            topology, policy="fair", workdir=workdir / "run", enforce_nic_rates=enforce, ready_timeout=120
+        )
+        made.append((c, workdir))
+        return c.start()
+
+    yield make
+    for c, workdir in made:
         c.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    """Scheduler (``fair``) + daemons on hosts h0..h3, unshaped loopback."""
+    return make_cluster()
