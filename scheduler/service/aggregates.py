@@ -48,6 +48,7 @@ from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, PlannedAggregate
 from mlfabric.scheduler.policies.dispatch import Release
 from mlfabric.scheduler.policies.runner import DecisionRunner
+from mlfabric.scheduler.service import state as state_module
 from mlfabric.scheduler.service import wire
 from mlfabric.scheduler.service.records import (
     DuplicateUpdate,
@@ -408,6 +409,40 @@ class AggregateBook:
             out += self._fail(
                 e, f"aggregate '{e.aggregate_id}' timed out waiting for {stage}", now, discard=True
             )
+        return out
+
+    def expire_stalled(self, now: float) -> Effects:
+        """Free the bottlenecks of this book's transfers with no report past their stall deadline.
+
+        The deadline is :meth:`SchedulerState.expire_stalled`'s (``STALL_FACTOR`` x the expected
+        duration + ``STALL_SLACK``); call this first, so the state does not record a bare DROPPED
+        for a member or an aggregate (a member resolves once, through its aggregate's verdicts):
+
+        - an aggregate forwarded to its server: its entry leaves the links; its members resolve
+          from the aggregator's report, or UNKNOWN at the forward timeout (:meth:`expire`) -- a
+          synchronous round may hold the ACK longer than a transfer takes;
+        - a member on its way to an aggregate still gathering: the aggregate fails (the others are
+          planned afresh, the aggregator told to drop it) and the member is planned afresh once
+          its source reports (its daemon's own deadlines make it report);
+        - a member of an aggregate already complete, or one whose aggregate failed: its entry
+          leaves the links; the aggregate's report, or its source's, settles it.
+        """
+        out = Effects()
+        factor, slack = state_module.STALL_FACTOR, state_module.STALL_SLACK
+        for f in list(self.state.in_flight.values()):
+            deadline = f.started_at + factor * max(0.0, f.expected_end - f.started_at) + slack
+            uid = f.update_id
+            if now <= deadline or not (self.is_aggregate(uid) or self.is_member_send(uid)):
+                continue
+            self.state.track(None, untrack=uid)
+            why = (
+                f"no report on the transfer of '{uid}' by its deadline {deadline:g} s "
+                f"(expected {f.expected_end - f.started_at:g} s from {f.started_at:g} s)"
+            )
+            log.warning("%s: its links are free again; it resolves through its aggregate", why)
+            e = self.executions.get(self._sent.get(uid, ""))
+            if e is not None and not e.forwarded and not e.ready:
+                out += self._fail(e, f"member {why}", now, discard=True)
         return out
 
     def gathering(self, now: float) -> tuple[InFlight, ...]:

@@ -579,7 +579,12 @@ class SchedulerCore:
             self.release()
 
     def expire_stalled(self) -> None:
-        """Forget transfers in flight with no report past their deadline: their bottleneck is free."""
+        """Forget transfers in flight with no report past their deadline: their bottleneck is free.
+
+        An aggregate's transfers (members to their aggregator, the aggregate to its server) first,
+        through the aggregate book: their members resolve once, through the aggregate's verdicts.
+        """
+        self._execute(self.aggregates.expire_stalled(self.clock()))
         for f in self.state.expire_stalled(self.clock()):
             log.warning("%s", self.state.outcomes[f.update_id].reason)
             self.metrics.updates_dropped.inc()
