@@ -47,7 +47,7 @@ from mlfabric.daemon.fallback import Fallback, update_ready
 from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.ratelimit import TokenBucket
-from mlfabric.daemon.replica_role import register_replica
+from mlfabric.daemon.replica_role import register_replica, reroute
 from mlfabric.daemon.replication import ReplicationLogs
 from mlfabric.daemon.roles import (
     Directory,
@@ -189,6 +189,7 @@ class Daemon(SchedulerSession):
         #: replication logs of this host's servers that have a replica (docs/replication.md)
         self.replication = ReplicationLogs(config.host, self.sender.request, self._control.send)
         self.serving.replication = self.replication
+        self.sender.reroute = lambda push, host, first: reroute(self, push, host, first)
         self.fallback = Fallback(
             config.fallback_after,
             self.outgoing,

@@ -14,16 +14,22 @@ the flag goes, the process learns it (``Promoted``) and keeps serving with the s
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from mlfabric.daemon.control import local_error_code
+from mlfabric.daemon.fallback import update_ready
 from mlfabric.daemon.replication import seed_memory
-from mlfabric.daemon.roles import ServerLocation
+from mlfabric.daemon.roles import PendingPush, ServerLocation, Verdict
 from mlfabric.daemon.serving import MemfdBuffer
 from mlfabric.daemon.transport import PeerUnavailable
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 
-__all__ = ["promote", "register_replica"]
+__all__ = ["FAILOVER_WAIT", "promote", "register_replica", "reroute"]
+
+#: seconds an update whose transfer to a replicated server failed waits for the failover
+FAILOVER_WAIT = 3.0
 
 _LOG = logging.getLogger("mlfabric.daemon")
 _GET = dataplane_pb2.FRAME_KIND_GET
@@ -126,4 +132,42 @@ def promote(daemon: Any, d: Any) -> bool:
     )
     _LOG.warning("replica of server %r of job %r promoted: %s", d.server, d.job, d.reason)
     conn.send(local_pb2.LocalEvent(promoted=local_pb2.Promoted(job=d.job, server=d.server, reason=d.reason)))
+    return True
+
+
+def reroute(daemon: Any, push: PendingPush, host: str, report_first: Callable[[], None]) -> bool:
+    """The transfer of ``push`` to ``host`` failed unanswered: re-announce it if its server failed over.
+
+    Only for a server that has a replica (or already failed over from ``host``): wait up to
+    :data:`FAILOVER_WAIT` s for the ``JobUpdate`` naming the promoted replica, then report the
+    failed transfer (``report_first``) and announce the update again; the scheduler sends it
+    to the promoted replica, whose daemon answers from memory an update it already applied
+    (replicated from the server) and applies one it lacks — which the surviving model then
+    holds exactly once. False (resolve as before) when the server did not fail over.
+    """
+    loc = daemon.directory.lookup(push.job, push.server)
+    if loc is None or not (loc.replicated or loc.failed_over_from == host):
+        return False
+    deadline = time.monotonic() + FAILOVER_WAIT
+    while loc is None or loc.host == host or loc.failed_over_from != host:
+        if time.monotonic() >= deadline or daemon._stopping.is_set():
+            return False
+        time.sleep(0.02)
+        loc = daemon.directory.lookup(push.job, push.server)
+    report_first()
+    if daemon.outgoing.requeue(push.update_id) is None:
+        return True  # resolved meanwhile (e.g. the daemon stopping)
+    _LOG.warning(
+        "%s: server %r failed over from %r to %r; announced again",
+        push.update_id,
+        push.server,
+        host,
+        loc.host,
+    )
+    sent = daemon._control.send(control_pb2.DaemonMessage(update_ready=update_ready(push)))
+    if not sent and not daemon.fallback.keep(push):
+        taken = daemon.outgoing.take(push.update_id)
+        if taken is not None:
+            reason = f"server {push.server!r} failed over; the scheduler is away: {push.update_id} not sent"
+            daemon.sender.finish(taken, Verdict.dropped(reason))
     return True

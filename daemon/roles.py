@@ -114,6 +114,9 @@ class ServerLocation:
     data_address: str
     spec: Spec
     version: int
+    #: the server has a replica / the host it was on before its replica took over
+    replicated: bool = False
+    failed_over_from: str = ""
 
 
 class Directory:
@@ -140,7 +143,13 @@ class Directory:
             known = {} if replace else dict(self._jobs.get(job, {}))
             for s in servers:
                 known[s.name] = ServerLocation(
-                    s.name, s.host, s.data_address, spec_from_pb(s.model), int(s.version)
+                    s.name,
+                    s.host,
+                    s.data_address,
+                    spec_from_pb(s.model),
+                    int(s.version),
+                    s.replicated,
+                    s.failed_over_from,
                 )
             self._jobs[job] = known
             self._changed.notify_all()
@@ -270,6 +279,14 @@ class OutgoingPushes:
             for p in held:
                 p.state = "ready"
             return held
+
+    def requeue(self, update_id: str) -> PendingPush | None:
+        """Make a push being sent ready again (to announce it anew); None if unknown."""
+        with self._lock:
+            push = self._pushes.get(update_id)
+            if push is not None:
+                push.state = "ready"
+            return push
 
     def take(self, update_id: str) -> PendingPush | None:
         """Remove and return a push to resolve it (the caller closes its fd)."""

@@ -212,6 +212,10 @@ class PushSender:
         self._stopping = threading.Event()
         #: ``on_finish(push)`` after a push resolved (the daemon gives back its push budget).
         self.on_finish: Callable[[PendingPush], None] | None = None
+        #: ``reroute(push, host, report_first) -> bool``: the update's transfer to ``host`` failed
+        #: (never applied there, or maybe but unanswered); if its server failed over, call
+        #: ``report_first()`` then announce it anew and return True (docs/replication.md)
+        self.reroute: Callable[[PendingPush, str, Callable[[], None]], bool] | None = None
 
     def stop(self) -> None:
         """Cut the transfers in flight (they fail now, not at their I/O timeout); no new ones."""
@@ -354,6 +358,13 @@ class PushSender:
                     self._summed.pop(push.update_id, None)
             self._hold_for_aggregate(push, report, verdict, received)
             return
+        unanswered = maybe_sent or not received or verdict.outcome == control_pb2.OUTCOME_UNKNOWN
+        if unanswered and self.reroute is not None:
+            failed = control_pb2.TransferReport()
+            failed.CopyFrom(report)
+            failed.ok, failed.error = False, report.error or verdict.reason  # no outcome: not resolved
+            if self.reroute(push, send.next_hop_host, lambda: self._report(failed)):
+                return  # announced again: it goes to the promoted replica
         report.outcome, report.delay, report.server_version = verdict.outcome, verdict.delay, verdict.version
         report.reason = verdict.reason
         taken = self.outgoing.take(push.update_id)

@@ -370,7 +370,8 @@ class SchedulerCore:
             log.warning("host %s: cannot unregister: %s", host, exc)
 
     def _server_infos(self, job: str) -> list[pb.ServerInfo]:
-        return [wire.server_info(s, self.state.address(s.host)) for s in self.state.servers(job)]
+        infos = [wire.server_info(s, self.state.address(s.host)) for s in self.state.servers(job)]
+        return self.replication.annotate(job, infos)
 
     def _announce(self, job: str) -> None:
         """Send the job's current servers to every daemon with a worker of it."""

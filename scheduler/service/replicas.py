@@ -204,6 +204,8 @@ class Replication:
         self.book = ReplicaBook(core.state)
         self.policy = ReplicationPolicy()
         self.promotions = 0
+        #: (job, server) -> the host it was on before its replica was promoted
+        self.failed_over: dict[tuple[str, str], str] = {}
         r = core.metrics.registry
         self.metric_waits = Counter(
             "mlfabric_replica_server_waits",
@@ -228,6 +230,7 @@ class Replication:
     def register(self, host: str, m: Any) -> None:
         """A ``RegisterRole`` with ``ROLE_REPLICA`` (raises :class:`SchedulerError` naming the problem)."""
         self._send(self.book.register(host, m.job, m.replica_of, m.name, list(m.model)))
+        self.core._announce(m.job)  # workers' daemons learn the server is replicated
 
     def on_message(self, kind: str, m: Any) -> None:
         """``server_applied`` / ``replica_status``: update the books, decide if it matters."""
@@ -256,6 +259,14 @@ class Replication:
     def replica_left(self, job: str, server: str) -> None:
         """The replica's process unregistered."""
         self._send(self.book.remove(job, server))
+        self.core._announce(job)
+
+    def annotate(self, job: str, infos: list[pb.ServerInfo]) -> list[pb.ServerInfo]:
+        """Mark the job's servers that have a replica, and those that failed over (from where)."""
+        for info in infos:
+            info.replicated = (job, info.name) in self.book.records
+            info.failed_over_from = self.failed_over.get((job, info.name), "")
+        return infos
 
     def server_lost(self, job: str, server: str, reason: str) -> bool:
         """Promote the replica of ``server`` if it has a connected one; True if it did."""
@@ -263,7 +274,9 @@ class Replication:
         if rec is None or rec.host not in self.core.state.daemons:
             return False
         del self.book.records[(job, server)]
+        old = self.core.state.server_role(job, server).host
         moved = self.core.state.promote(job, server, rec.host, rec.version)
+        self.failed_over[(job, server)] = old
         self.core.runner.forget(moved)
         self.promotions += 1
         self.metric_promotions.inc()

@@ -192,7 +192,8 @@ def test_chain_failover_is_exactly_once(tmp_path: Path, victim: str, after: int)
     finally:
         run.stop()
     statuses = [p["status"] for ps in results.values() for p in ps]
-    assert statuses.count("APPLIED") >= 30, statuses  # the workers went on with the new server
+    # pushes in flight to the failed server are re-routed to the promoted replica (3 s wait)
+    assert statuses.count("APPLIED") >= 58, statuses
     for p in (p for ps in results.values() for p in ps if p["status"] != "APPLIED"):
         assert p["reason"], p
     _check_exact(_model(run.out, "replica"), results)
