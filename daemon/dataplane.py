@@ -50,8 +50,10 @@ from mlfabric.daemon.payloadio import (
     Payload,
     SendfileWriter,
     mapped,
+    non_finite_reason,
     payload_crc32,
     payload_length,
+    update_frames,
 )
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
@@ -231,35 +233,6 @@ def error_header(reason: str, *, update_id: str = "", src_host: str = "") -> Any
         update_id=update_id,
         src_host=src_host,
         outcome=control_pb2.OUTCOME_UNSPECIFIED,
-    )
-
-
-def update_frames(header: Any) -> bool:
-    """:func:`recv_frame`'s default ``check_finite``: UPDATE frames other than replicated entries.
-
-    A replicated log entry (``replica_version`` set) was checked where it was first applied.
-
-    Examples
-    --------
-    >>> update_frames(FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE))
-    True
-    >>> update_frames(FrameHeader(kind=dataplane_pb2.FRAME_KIND_MODEL))
-    False
-    """
-    return bool(header.kind == dataplane_pb2.FRAME_KIND_UPDATE and not header.replica_version)
-
-
-def non_finite_reason(tensor: str, update_id: str, refused_by: str) -> str:
-    """The DROPPED reason of an update refused for holding NaN or infinity (one wording everywhere).
-
-    Examples
-    --------
-    >>> print(non_finite_reason("w", "h/1/2", "server 'ps0'")[:57])
-    tensor 'w' of h/1/2 holds non-finite values (NaN or inf);
-    """
-    return (
-        f"tensor {tensor!r} of {update_id} holds non-finite values (NaN or inf); {refused_by} "
-        "refuses them (Params(refuse_non_finite=False) allows them)"
     )
 
 

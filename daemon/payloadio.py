@@ -15,8 +15,9 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
+from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.tensors import FiniteScan
 from mlfabric.wire.crc import crc32
 
@@ -28,8 +29,10 @@ __all__ = [
     "Payload",
     "SendfileWriter",
     "mapped",
+    "non_finite_reason",
     "payload_crc32",
     "payload_length",
+    "update_frames",
 ]
 
 
@@ -93,6 +96,35 @@ def payload_crc32(payload: Payload | None) -> int:
         return 0
     with mapped(payload) as view:
         return crc32(view)
+
+
+def update_frames(header: Any) -> bool:
+    """``recv_frame``'s default ``check_finite`` (dataplane): UPDATE frames but replicated entries.
+
+    A replicated log entry (``replica_version`` set) was checked where it was first applied.
+
+    Examples
+    --------
+    >>> update_frames(dataplane_pb2.FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE))
+    True
+    >>> update_frames(dataplane_pb2.FrameHeader(kind=dataplane_pb2.FRAME_KIND_MODEL))
+    False
+    """
+    return bool(header.kind == dataplane_pb2.FRAME_KIND_UPDATE and not header.replica_version)
+
+
+def non_finite_reason(tensor: str, update_id: str, refused_by: str) -> str:
+    """The DROPPED reason of an update refused for holding NaN or infinity (one wording everywhere).
+
+    Examples
+    --------
+    >>> print(non_finite_reason("w", "h/1/2", "server 'ps0'")[:57])
+    tensor 'w' of h/1/2 holds non-finite values (NaN or inf);
+    """
+    return (
+        f"tensor {tensor!r} of {update_id} holds non-finite values (NaN or inf); {refused_by} "
+        "refuses them (Params(refuse_non_finite=False) allows them)"
+    )
 
 
 @contextlib.contextmanager

@@ -414,18 +414,16 @@ class AggregateBook:
     def expire_stalled(self, now: float) -> Effects:
         """Free the bottlenecks of this book's transfers with no report past their stall deadline.
 
-        The deadline is :meth:`SchedulerState.expire_stalled`'s (``STALL_FACTOR`` x the expected
-        duration + ``STALL_SLACK``); call this first, so the state does not record a bare DROPPED
-        for a member or an aggregate (a member resolves once, through its aggregate's verdicts):
+        The deadline is :meth:`SchedulerState.expire_stalled`'s; call this first, so the state
+        records no bare DROPPED for a member or an aggregate (a member resolves once, through
+        its aggregate's verdicts):
 
         - an aggregate forwarded to its server: its entry leaves the links; its members resolve
-          from the aggregator's report, or UNKNOWN at the forward timeout (:meth:`expire`) -- a
-          synchronous round may hold the ACK longer than a transfer takes;
-        - a member on its way to an aggregate still gathering: the aggregate fails (the others are
-          planned afresh, the aggregator told to drop it) and the member is planned afresh once
-          its source reports (its daemon's own deadlines make it report);
-        - a member of an aggregate already complete, or one whose aggregate failed: its entry
-          leaves the links; the aggregate's report, or its source's, settles it.
+          from the aggregator's report, or UNKNOWN at the forward timeout (:meth:`expire`; a
+          synchronous round may hold the ACK longer than a transfer takes);
+        - a member on its way to an aggregate still gathering: the aggregate fails (the others
+          planned afresh) and the member is planned afresh once its source reports;
+        - a member of a complete or failed aggregate: the aggregate's or its source's report.
         """
         out = Effects()
         factor, slack = state_module.STALL_FACTOR, state_module.STALL_SLACK
