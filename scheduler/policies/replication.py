@@ -155,8 +155,10 @@ class ReplicationPolicy:
     * **urgent** — chain replication (``div_max <= 0``), a server waiting for its replica
       (``blocked``), a divergence at ``urgency`` x ``div_max`` or more, or one that the next
       pending update of that server would push past ``div_max``: every lagging entry goes now;
-    * **spare bandwidth** — no transfer in flight shares a link with the server -> replica path
-      and no update waits for that server: every lagging entry goes now (background traffic);
+    * **spare bandwidth** — no transfer in flight and no pending update would share a
+      (directed) link with the server -> replica path: every lagging entry goes now
+      (background traffic: pushes *into* the server's host do not compete with copies *out*
+      of it);
     * otherwise the entries wait (the divergence stays within ``div_max``).
 
     Pure: runs on the snapshot's replica views (``ReplicaView``).
@@ -172,8 +174,8 @@ class ReplicationPolicy:
     >>> ReplicationPolicy().decide(snap, [busy]).replicas   # 1.0 + 2.5 would exceed 3.0: urgent
     (ReplicaSend(update_id='u1', src='h0', replica='h1', path=('h0', 'sw', 'h1'), after=(), \
 expected_start=0.0, expected_end=0.0),)
-    >>> calm = PendingUpdate("h2/1", "j", "ps", "w", "h2", "h0", 8, 0.1, 0, 0.0)
-    >>> ReplicationPolicy().decide(snap, [calm]).replicas   # within the bound, links busy: wait
+    >>> other = PendingUpdate("h2/2", "j2", "ps2", "w", "h2", "h1", 8, 0.1, 0, 0.0)  # into h1
+    >>> ReplicationPolicy().decide(snap, [other]).replicas  # within the bound, sw -> h1 busy: wait
     ()
     """
 
@@ -190,11 +192,8 @@ expected_start=0.0, expected_end=0.0),)
             if not lagging:
                 continue
             waiting = [p for p in pending if (p.job, p.server) == key]
-            try:
-                path = tuple(shortest_path(snapshot.graph, view.server_host, view.replica_host))
-            except TopologyError:
-                path = (view.server_host, view.replica_host)
-            if not (self._urgent(view, waiting) or self._spare(snapshot, path, waiting)):
+            path = _path(snapshot, view.server_host, view.replica_host)
+            if not (self._urgent(view, waiting) or self._spare(snapshot, path, pending)):
                 continue
             sends += [ReplicaSend(uid, view.server_host, view.replica_host, path) for uid, _ in lagging]
         return Decision(replicas=tuple(sends))
@@ -207,8 +206,17 @@ expected_start=0.0, expected_end=0.0),)
         return div >= self.urgency * view.div_max or div + nxt > view.div_max
 
     @staticmethod
-    def _spare(snapshot: Snapshot, path: tuple[str, ...], waiting: Sequence[PendingUpdate]) -> bool:
-        if waiting:
-            return False
+    def _spare(snapshot: Snapshot, path: tuple[str, ...], pending: Sequence[PendingUpdate]) -> bool:
+        """No transfer in flight, and no pending update, would share a (directed) link with ``path``."""
         links = set(itertools.pairwise(path))
-        return not any(links.intersection(itertools.pairwise(f.path)) for f in snapshot.in_flight)
+        if any(links.intersection(itertools.pairwise(f.path)) for f in snapshot.in_flight):
+            return False
+        routes = {(p.src_host, p.dst_host) for p in pending}
+        return not any(links.intersection(itertools.pairwise(_path(snapshot, a, b))) for a, b in routes)
+
+
+def _path(snapshot: Snapshot, src: str, dst: str) -> tuple[str, ...]:
+    try:
+        return tuple(shortest_path(snapshot.graph, src, dst))
+    except TopologyError:
+        return (src, dst)

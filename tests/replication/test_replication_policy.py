@@ -31,6 +31,9 @@ def _pending(norm: float) -> PendingUpdate:
     return PendingUpdate("h2/1", "j", "ps", "w", "h2", "h0", 8, norm, 0, 0.0)
 
 
+INTO_REPLICA_HOST = PendingUpdate("h2/2", "j2", "ps2", "w", "h2", "h1", 8, 0.1, 0, 0.0)
+
+
 def test_chain_replication_sends_at_once_even_on_busy_links() -> None:
     view = ReplicaView("j", "ps", "h0", "h1", 0.0, 0, 0, LOG)
     assert _decide(view, [_pending(0.1)]) == ["u1", "u2"]
@@ -38,14 +41,14 @@ def test_chain_replication_sends_at_once_even_on_busy_links() -> None:
 
 def test_bounded_replication_waits_while_within_div_max_and_links_are_busy() -> None:
     view = ReplicaView("j", "ps", "h0", "h1", 10.0, 0, 0, LOG)
-    assert _decide(view, [_pending(0.1)]) == []
+    assert _decide(view, [_pending(0.1), INTO_REPLICA_HOST]) == []
+    # pushes into the server's host do not compete with copies out of it: spare
+    assert _decide(view, [_pending(0.1)]) == ["u1", "u2"]
     # the next pending update would break the bound: urgent
-    assert _decide(view, [_pending(8.5)]) == ["u1", "u2"]
+    assert _decide(view, [_pending(8.5), INTO_REPLICA_HOST]) == ["u1", "u2"]
     # the server waits for its replica: urgent
-    assert _decide(ReplicaView("j", "ps", "h0", "h1", 10.0, 0, 0, LOG, blocked=True), [_pending(0.1)]) == [
-        "u1",
-        "u2",
-    ]
+    blocked = ReplicaView("j", "ps", "h0", "h1", 10.0, 0, 0, LOG, blocked=True)
+    assert _decide(blocked, [INTO_REPLICA_HOST]) == ["u1", "u2"]
 
 
 def test_spare_bandwidth_moves_the_log_unless_a_transfer_shares_the_path() -> None:
