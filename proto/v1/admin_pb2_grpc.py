@@ -40,6 +40,11 @@ class AdminStub:
                 request_serializer=mlfabric_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
                 response_deserializer=mlfabric_dot_v1_dot_admin__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/mlfabric.v1.Admin/Trace',
+                request_serializer=mlfabric_dot_v1_dot_admin__pb2.TraceRequest.SerializeToString,
+                response_deserializer=mlfabric_dot_v1_dot_admin__pb2.TraceReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -52,6 +57,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Trace(self, request, context):
+        """The trace events the scheduler recorded from `cursor` on (`mlfabric trace`): ready
+        updates, planned (released) and measured (reported) transfers, verdicts. The scheduler
+        keeps the most recent events in a bounded ring; a client polls with the next_cursor of
+        the previous reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +74,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=mlfabric_dot_v1_dot_admin__pb2.StatusRequest.FromString,
                     response_serializer=mlfabric_dot_v1_dot_admin__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=mlfabric_dot_v1_dot_admin__pb2.TraceRequest.FromString,
+                    response_serializer=mlfabric_dot_v1_dot_admin__pb2.TraceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +108,33 @@ class Admin:
             '/mlfabric.v1.Admin/Status',
             mlfabric_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
             mlfabric_dot_v1_dot_admin__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlfabric.v1.Admin/Trace',
+            mlfabric_dot_v1_dot_admin__pb2.TraceRequest.SerializeToString,
+            mlfabric_dot_v1_dot_admin__pb2.TraceReply.FromString,
             options,
             channel_credentials,
             insecure,

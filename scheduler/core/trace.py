@@ -7,6 +7,11 @@ bandwidth graph is a track (a "thread" named ``u->v``); each reservation of a tr
 complete event (``ph: "X"``) named after the payload, with its rate and share of the link's
 capacity in ``args``, so time-sharing on a bottleneck shows as back-to-back slices and
 fair sharing as stacked ones.
+
+:func:`compare_events` draws several schedules of the same transfers side by side, one
+trace process per link holding one track per schedule (``mlfabric trace``: what the
+scheduler planned and what the daemons measured). Both build their slices with the same
+code.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlfabric.scheduler.core.schedule import Link, Schedule
+from mlfabric.scheduler.core.schedule import Link, Reservation, Schedule, Transfer
 
-__all__ = ["trace_events", "write_trace"]
+__all__ = ["compare_events", "trace_events", "write_trace"]
 
 _US = 1e6  # trace timestamps are microseconds
 
@@ -74,29 +79,100 @@ def trace_events(
         for link in links
     ]
     slices.sort(key=lambda item: (tid[item[0]], item[1].start, item[2].payload_id))
-    for link, r, t in slices:
-        args: dict[str, Any] = {"rate_Bps": r.rate, "bytes": r.rate * (r.end - r.start)}
-        if t.replica:
-            args["replica"] = True
-        if capacities is not None and link in capacities:
-            args["share"] = r.rate / capacities[link]
-        events.append(
-            {
-                "ph": "X",
-                "name": t.payload_id,
-                "cat": "replica" if t.replica else "transfer",
-                "pid": pid,
-                "tid": tid[link],
-                "ts": r.start * _US,
-                "dur": (r.end - r.start) * _US,
-                "args": args,
-            }
-        )
+    events += [_slice(r, t, pid, tid[link], capacities) for link, r, t in slices]
     return events
 
 
-def write_trace(path: str | Path, events: list[dict[str, Any]]) -> None:
+def _slice(
+    r: Reservation,
+    t: Transfer,
+    pid: int,
+    tid: int,
+    capacities: Mapping[Link, float] | None,
+    origin: float = 0.0,
+) -> dict[str, Any]:
+    """The complete event (``"X"``) of reservation ``r`` of transfer ``t`` on track ``(pid, tid)``."""
+    args: dict[str, Any] = {"rate_Bps": r.rate, "bytes": r.rate * (r.end - r.start)}
+    if t.replica:
+        args["replica"] = True
+    if capacities is not None and r.link in capacities:
+        args["share"] = r.rate / capacities[r.link]
+    return {
+        "ph": "X",
+        "name": t.payload_id,
+        "cat": "replica" if t.replica else "transfer",
+        "pid": pid,
+        "tid": tid,
+        "ts": (r.start - origin) * _US,
+        "dur": (r.end - r.start) * _US,
+        "args": args,
+    }
+
+
+def compare_events(
+    schedules: Mapping[str, Schedule],
+    *,
+    capacities: Mapping[Link, float] | None = None,
+    first_pid: int = 1,
+    origin: float = 0.0,
+) -> list[dict[str, Any]]:
+    """Chrome trace events comparing schedules per link: a process per link, a track per schedule.
+
+    Parameters
+    ----------
+    schedules : mapping
+        Track name -> schedule (e.g. ``{"planned": ..., "measured": ...}``); the tracks of
+        every link come in this order.
+    capacities : mapping, optional
+        Link -> capacity (bytes/s), to show each slice's share of its link.
+    first_pid : int
+        Process id of the first link (sorted by name); the next ones follow.
+    origin : float
+        Time (s) shown as 0.
+
+    Returns
+    -------
+    list of dict
+        Per link: its process and track names, then its slices sorted by track and start.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.schedule import Transfer
+    >>> plan = Schedule(transfers=(Transfer.at_rate("u1", ("w1", "ps"), start=10, bytes=2, rate=1),))
+    >>> seen = Schedule(transfers=(Transfer.at_rate("u1", ("w1", "ps"), start=10.5, bytes=2, rate=2),))
+    >>> ev = compare_events({"planned": plan, "measured": seen}, origin=10)
+    >>> [(e["pid"], e["tid"], e["args"]["name"]) for e in ev if e["ph"] == "M"]
+    [(1, 0, 'w1->ps'), (1, 1, 'planned'), (1, 2, 'measured')]
+    >>> [(e["name"], e["tid"], e["ts"], e["dur"]) for e in ev if e["ph"] == "X"]
+    [('u1', 1, 0.0, 2000000.0), ('u1', 2, 500000.0, 1000000.0)]
+    """
+    names = list(schedules)
+    per_link: dict[Link, list[tuple[int, Reservation, Transfer]]] = {}
+    for i, name in enumerate(names):
+        for t in schedules[name].transfers:
+            for r in t.reservations:
+                if r.end > r.start:
+                    per_link.setdefault(r.link, []).append((i + 1, r, t))
+    events: list[dict[str, Any]] = []
+    for pid, link in enumerate(sorted(per_link, key=_name), start=first_pid):
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": _name(link)}}
+        )
+        events += [
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": i + 1, "args": {"name": name}}
+            for i, name in enumerate(names)
+        ]
+        slices = sorted(per_link[link], key=lambda item: (item[0], item[1].start, item[2].payload_id))
+        events += [_slice(r, t, pid, tid, capacities, origin) for tid, r, t in slices]
+    return events
+
+
+def write_trace(
+    path: str | Path, events: list[dict[str, Any]], metadata: Mapping[str, Any] | None = None
+) -> None:
     """Write trace events (from one or more :func:`trace_events` calls) as a Chrome trace file.
+
+    ``metadata`` goes in the file's ``otherData`` (shown by Perfetto's trace info).
 
     Examples
     --------
@@ -106,4 +182,7 @@ def write_trace(path: str | Path, events: list[dict[str, Any]]) -> None:
     >>> json.load(open(p))["traceEvents"]
     []
     """
-    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=None))
+    body: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if metadata:
+        body["otherData"] = dict(metadata)
+    Path(path).write_text(json.dumps(body, indent=None))

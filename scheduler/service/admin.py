@@ -33,8 +33,10 @@ import networkx as nx
 from mlfabric.proto.v1 import admin_pb2 as apb
 from mlfabric.proto.v1 import admin_pb2_grpc
 from mlfabric.scheduler.policies.base import InFlight
-from mlfabric.scheduler.service.records import SchedulerError
+from mlfabric.scheduler.service.aggregates import AggregateBook
+from mlfabric.scheduler.service.records import SchedulerError, TransferResult, UpdateOutcome
 from mlfabric.scheduler.service.state import PendingUpdate, SchedulerState
+from mlfabric.scheduler.service.tracelog import MAX_REPLY, TraceLog
 
 __all__ = [
     "BUSY_UTILISATION",
@@ -108,15 +110,20 @@ class Activity:
 class ObservedState(SchedulerState):
     """The service state, also noting accepted update-readys and released transfers in an :class:`Activity`.
 
+    With a :class:`~.tracelog.TraceLog`, it also records the live timeline there: updates
+    ready, transfers released (planned) and reported (measured), verdicts.
+
     Parameters
     ----------
     graph : networkx.DiGraph
     activity : Activity
+    trace : TraceLog, optional
     """
 
-    def __init__(self, graph: nx.DiGraph, activity: Activity) -> None:
+    def __init__(self, graph: nx.DiGraph, activity: Activity, trace: TraceLog | None = None) -> None:
         super().__init__(graph)
         self.activity = activity
+        self.trace = trace
 
     def add_update(
         self,
@@ -133,6 +140,8 @@ class ObservedState(SchedulerState):
         """:meth:`SchedulerState.add_update`, noting the push of ``worker`` at ``now``."""
         u = super().add_update(host, update_id, job, server, worker, nbytes, norm, base_version, now)
         self.activity.push(job, worker, now)
+        if self.trace is not None:
+            self.trace.ready(update_id, job, server, worker, (u.src_host, u.dst_host), u.bytes)
         return u
 
     def release(
@@ -141,7 +150,41 @@ class ObservedState(SchedulerState):
         """:meth:`SchedulerState.release`, counting the bytes scheduled on each link of ``path``."""
         f = super().release(update_id, path, started_at, expected_end)
         self.activity.released(f.path, f.bytes)
+        if self.trace is not None:
+            self.trace.planned(f.update_id, f.job, f.server, f.path, f.bytes, started_at, expected_end)
         return f
+
+    def track(self, f: InFlight | None, untrack: str = "") -> InFlight | None:
+        """:meth:`SchedulerState.track`, tracing an aggregate leaving its aggregator as planned."""
+        if f is not None and self.trace is not None:
+            self.trace.planned(
+                f.update_id, f.job, f.server, f.path, f.bytes, f.started_at, f.expected_end, aggregate=True
+            )
+        return super().track(f, untrack)
+
+    def report(self, result: TransferResult) -> InFlight:
+        """:meth:`SchedulerState.report`, tracing the measured transfer."""
+        f = super().report(result)
+        if self.trace is not None:
+            self.trace.measured(
+                f.update_id,
+                f.job,
+                f.server,
+                f.path,
+                result.bytes,
+                result.start,
+                result.end,
+                ok=result.ok,
+                outcome="" if result.outcome is None else result.outcome.value,
+                reason=result.reason or result.error,
+                aggregate=AggregateBook.is_aggregate(f.update_id),
+            )
+        return f
+
+    def resolved(self, outcome: UpdateOutcome) -> None:
+        """Trace the verdict."""
+        if self.trace is not None:
+            self.trace.verdict(outcome.update_id, outcome.kind.value, outcome.reason)
 
 
 def _counts(items: Iterable[Any]) -> dict[tuple[str, str], int]:
@@ -321,11 +364,21 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     core : SchedulerCore
     activity : Activity
         Fed by the core's :class:`ObservedState` and :class:`~.metrics.MeteredEstimator`.
+    trace : TraceLog, optional
+        Fed by the core's :class:`ObservedState`; ``Admin.Trace`` reads it.
     """
 
-    def __init__(self, core: Any, activity: Activity) -> None:
+    def __init__(self, core: Any, activity: Activity, trace: TraceLog | None = None) -> None:
         self._core = core
         self._activity = activity
+        self._trace = trace
+
+    async def Trace(self, request: apb.TraceRequest, context: Any) -> apb.TraceReply:
+        """The trace events from ``request.cursor`` on (see :mod:`.tracelog`)."""
+        if self._trace is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler records no trace")
+        assert self._trace is not None
+        return self._trace.reply(request.cursor, min(request.max_events or MAX_REPLY, MAX_REPLY))
 
     async def Status(self, request: apb.StatusRequest, context: Any) -> apb.ClusterStatus:
         """The cluster now (see :func:`cluster_status`)."""

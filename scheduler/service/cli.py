@@ -272,14 +272,16 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     from mlfabric.scheduler.service.core import Metrics, SchedulerCore, start_server
     from mlfabric.scheduler.service.lifecycle import status_line, supervise
     from mlfabric.scheduler.service.metrics import MeteredEstimator, ServiceCollector, serve_metrics
+    from mlfabric.scheduler.service.tracelog import TraceLog
     from mlfabric.systemd import Notifier, watchdog_interval
 
     metrics = Metrics()
     notifier = Notifier()
     activity = Activity()
+    trace = TraceLog()  # the live timeline (mlfabric trace), bounded
     policy = setup.policy
     core = SchedulerCore(
-        ObservedState(graph, activity),
+        ObservedState(graph, activity, trace),
         policy,
         dispatcher=Dispatcher(margin=args.release_margin_us * 1e-6),
         batcher=AdaptiveBatcher(window=args.batch_window_us * 1e-6, max_wait=args.batch_max_wait_us * 1e-6),
@@ -289,7 +291,8 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         aggregate_timeout=args.aggregate_timeout,
     )
     try:
-        admin = AdminServicer(core, activity)
+        trace.set_clock(core.clock)
+        admin = AdminServicer(core, activity, trace)
         server, port = await start_server(
             core,
             args.listen,

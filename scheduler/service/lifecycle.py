@@ -57,17 +57,7 @@ def reload_topology(core: Any, graph: Any, make_estimator: Callable[[Any], Any])
     ...
     ValueError: the new topology lacks the hosts of connected daemons: h0 (kept the old one)
     """
-    new_hosts = frozenset(hosts(graph))
-    state = core.state
-    missing = sorted(h for h in state.daemons if h not in new_hosts)
-    if missing:
-        raise ValueError(
-            f"the new topology lacks the hosts of connected daemons: {', '.join(missing)} (kept the old one)"
-        )
-    state.graph = graph
-    # SchedulerState has no graph setter yet: its host set and path cache follow the graph
-    state._graph_hosts = new_hosts
-    state._paths.clear()
+    core.state.replace_graph(graph)
     estimator = make_estimator(graph)
     if hasattr(core.estimator, "inner"):
         core.estimator.inner = estimator

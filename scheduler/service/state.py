@@ -94,6 +94,43 @@ class SchedulerState:
         self.outcomes: OrderedDict[str, UpdateOutcome] = OrderedDict()
         self._paths: dict[tuple[str, str], tuple[str, ...]] = {}
 
+    def replace_graph(self, graph: nx.DiGraph) -> None:
+        """Make ``graph`` the bandwidth graph (a reload), keeping daemons, roles and updates.
+
+        The host set and the path cache follow the graph; paths already held by pending or
+        in-flight updates are theirs and stay.
+
+        Raises
+        ------
+        ValueError
+            A connected daemon's host is not a host of ``graph`` (nothing is changed).
+
+        Examples
+        --------
+        >>> from mlfabric.scheduler.core.graph import star
+        >>> s = SchedulerState(star(2, 8e9))
+        >>> _ = s.connect("h0", "127.0.0.1:9000")
+        >>> s.path("h0", "h1")
+        ('h0', 'sw', 'h1')
+        >>> s.replace_graph(star(3, 8e9))
+        >>> s.path("h0", "h2")
+        ('h0', 'sw', 'h2')
+        >>> s.replace_graph(star(["x"], 8e9))
+        Traceback (most recent call last):
+        ...
+        ValueError: the new topology lacks the hosts of connected daemons: h0 (kept the old one)
+        """
+        new_hosts = frozenset(hosts(graph))
+        missing = sorted(h for h in self.daemons if h not in new_hosts)
+        if missing:
+            raise ValueError(
+                "the new topology lacks the hosts of connected daemons: "
+                f"{', '.join(missing)} (kept the old one)"
+            )
+        self.graph = graph
+        self._graph_hosts = new_hosts
+        self._paths.clear()
+
     # ------------------------------------------------------------------ daemons
 
     def connect(self, host: str, data_address: str, version: str = "") -> DaemonInfo:
@@ -523,7 +560,11 @@ class SchedulerState:
         delay: int | None = None,
         version: int | None = None,
     ) -> None:
-        self.outcomes[update_id] = UpdateOutcome(update_id, kind, reason, delay, version)
+        outcome = self.outcomes[update_id] = UpdateOutcome(update_id, kind, reason, delay, version)
         self.outcomes.move_to_end(update_id)
         while len(self.outcomes) > MAX_OUTCOMES:
             self.outcomes.popitem(last=False)
+        self.resolved(outcome)
+
+    def resolved(self, outcome: UpdateOutcome) -> None:
+        """Called with every outcome recorded; nothing here (subclasses observe verdicts)."""

@@ -1,0 +1,277 @@
+"""The scheduler's live timeline: a bounded ring of recent trace events (``mlfabric trace``).
+
+:class:`TraceLog` keeps the last :data:`DEFAULT_CAPACITY` events of the running service,
+each a small tuple appended to a ``deque(maxlen=...)``: recording is one clock read and one
+append, and memory is bounded however long the scheduler runs (older events are
+overwritten). Four kinds, fed by :class:`~.admin.ObservedState` from the state's own
+mutations (no hook in the core):
+
+- ``READY``: an update was announced (the scheduler's time);
+- ``PLANNED``: a transfer was released (an update's send, a member's send to its
+  aggregator, an aggregate leaving its aggregator): route, bytes, release time and planned
+  end, hence the planned rate;
+- ``MEASURED``: a ``TransferReport``: bytes, start and end as the sending daemon measured
+  them (its wall clock), ``ok`` and the outcome if the report carries one;
+- ``VERDICT``: how an update's push resolved (APPLIED, DROPPED with the reason, UNKNOWN).
+
+Times are Unix seconds. The service's clock is monotonic: its times are shifted by the
+offset between ``time.time()`` and the service clock taken when the log is made. A report
+whose end lies more than :data:`CLOCK_TOLERANCE` seconds after its receipt (the sender's
+clock is ahead) or that carries no times is placed to end at its receipt, with the
+measured duration, and flagged ``clock_from_receipt``.
+
+``Admin.Trace`` (:meth:`TraceLog.since`) returns the events from a cursor (a sequence
+number); a client polls with the cursor of the previous reply and learns how many events
+the ring overwrote before it asked (``lost``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+from typing import NamedTuple
+
+from mlfabric.proto.v1 import admin_pb2 as apb
+
+__all__ = ["CLOCK_TOLERANCE", "DEFAULT_CAPACITY", "MAX_REPLY", "Kind", "TraceLog", "TraceRecord"]
+
+#: events kept (about 200 bytes each: a few MB at most)
+DEFAULT_CAPACITY = 32768
+#: events in one ``Admin.Trace`` reply at most
+MAX_REPLY = 4096
+#: seconds a report's end may lie after its receipt before the sender's clock is distrusted
+CLOCK_TOLERANCE = 1.0
+
+
+class Kind(IntEnum):
+    """Trace event kinds (the values of ``TraceEventKind`` in ``admin.proto``)."""
+
+    READY = apb.TRACE_EVENT_KIND_READY
+    PLANNED = apb.TRACE_EVENT_KIND_PLANNED
+    MEASURED = apb.TRACE_EVENT_KIND_MEASURED
+    VERDICT = apb.TRACE_EVENT_KIND_VERDICT
+
+
+class TraceRecord(NamedTuple):
+    """One recorded event (see ``TraceEvent`` in ``admin.proto`` for the fields)."""
+
+    seq: int
+    kind: Kind
+    update_id: str
+    job: str = ""
+    server: str = ""
+    worker: str = ""
+    path: tuple[str, ...] = ()
+    bytes: int = 0
+    start: float = 0.0
+    end: float = 0.0
+    aggregate: bool = False
+    outcome: str = ""
+    reason: str = ""
+    ok: bool = False
+    clock_from_receipt: bool = False
+
+    def to_pb(self) -> apb.TraceEvent:
+        """As the wire message."""
+        return apb.TraceEvent(
+            seq=self.seq,
+            kind=int(self.kind),
+            update_id=self.update_id,
+            job=self.job,
+            server=self.server,
+            worker=self.worker,
+            path=self.path,
+            bytes=self.bytes,
+            start=self.start,
+            end=self.end,
+            aggregate=self.aggregate,
+            outcome=self.outcome,
+            reason=self.reason,
+            ok=self.ok,
+            clock_from_receipt=self.clock_from_receipt,
+        )
+
+
+class TraceLog:
+    """The ring of recent trace events.
+
+    Parameters
+    ----------
+    capacity : int
+        Events kept; older ones are overwritten.
+    clock : callable
+        The service's clock (monotonic seconds), the time base of the state's times.
+    wall : callable
+        Unix seconds (the daemons' clock in reports).
+
+    Examples
+    --------
+    >>> t = [100.0]
+    >>> log = TraceLog(capacity=3, clock=lambda: t[0], wall=lambda: t[0] + 1000.0)
+    >>> log.ready("h1/1", "j", "ps", "w0", ("h1", "h0"), 8)
+    >>> log.planned("h1/1", "j", "ps", ("h1", "sw", "h0"), 8, 100.0, 102.0)
+    >>> log.measured("h1/1", "j", "ps", ("h1", "sw", "h0"), 8, 1099.5, 1100.0, ok=True, outcome="applied")
+    >>> log.verdict("h1/1", "applied")
+    >>> events, cursor, lost = log.since(0)
+    >>> [(e.seq, e.kind.name, e.start, e.end) for e in events]
+    [(2, 'PLANNED', 1100.0, 1102.0), (3, 'MEASURED', 1099.5, 1100.0), (4, 'VERDICT', 1100.0, 1100.0)]
+    >>> cursor, lost
+    (5, 0)
+    >>> log.since(1)[2]  # the READY event was overwritten
+    1
+    >>> log.since(cursor)
+    ([], 5, 0)
+    """
+
+    def __init__(
+        self,
+        capacity: int = DEFAULT_CAPACITY,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"a trace log holds at least one event, not {capacity}")
+        self.capacity = capacity
+        self._events: deque[TraceRecord] = deque(maxlen=capacity)
+        self._next = 1
+        self._wall = wall
+        self.set_clock(clock)
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Take the service's clock: its times are shifted to Unix seconds by today's offset."""
+        self._offset = self._wall() - clock()
+
+    def to_wall(self, t: float) -> float:
+        """A time of the service's clock in Unix seconds."""
+        return t + self._offset
+
+    def now(self) -> float:
+        """Unix seconds now."""
+        return self._wall()
+
+    def _add(self, kind: Kind, update_id: str, **fields: object) -> None:
+        self._events.append(TraceRecord(self._next, kind, update_id, **fields))  # type: ignore[arg-type]
+        self._next += 1
+
+    def ready(
+        self, update_id: str, job: str, server: str, worker: str, ends: tuple[str, str], nbytes: int
+    ) -> None:
+        """``update_id`` was announced ready now, to go from ``ends[0]`` to ``ends[1]``."""
+        now = self._wall()
+        self._add(
+            Kind.READY,
+            update_id,
+            job=job,
+            server=server,
+            worker=worker,
+            path=ends,
+            bytes=nbytes,
+            start=now,
+            end=now,
+        )
+
+    def planned(
+        self,
+        update_id: str,
+        job: str,
+        server: str,
+        path: Sequence[str],
+        nbytes: int,
+        started_at: float,
+        expected_end: float,
+        *,
+        aggregate: bool = False,
+    ) -> None:
+        """A transfer released at ``started_at`` and planned to end at ``expected_end`` (service clock)."""
+        self._add(
+            Kind.PLANNED,
+            update_id,
+            job=job,
+            server=server,
+            path=tuple(path),
+            bytes=nbytes,
+            start=self.to_wall(started_at),
+            end=self.to_wall(expected_end),
+            aggregate=aggregate,
+        )
+
+    def measured(
+        self,
+        update_id: str,
+        job: str,
+        server: str,
+        path: Sequence[str],
+        nbytes: int,
+        start: float,
+        end: float,
+        *,
+        ok: bool,
+        outcome: str = "",
+        reason: str = "",
+        aggregate: bool = False,
+    ) -> None:
+        """A transfer reported now; ``start``/``end`` are the sender's Unix seconds."""
+        now = self._wall()
+        from_receipt = start <= 0 or end < start or end > now + CLOCK_TOLERANCE
+        if from_receipt:
+            start, end = now - max(0.0, end - start), now
+        self._add(
+            Kind.MEASURED,
+            update_id,
+            job=job,
+            server=server,
+            path=tuple(path),
+            bytes=nbytes,
+            start=start,
+            end=end,
+            aggregate=aggregate,
+            outcome=outcome,
+            reason=reason,
+            ok=ok,
+            clock_from_receipt=from_receipt,
+        )
+
+    def verdict(self, update_id: str, outcome: str, reason: str = "") -> None:
+        """The push of ``update_id`` resolved now with ``outcome``."""
+        now = self._wall()
+        self._add(Kind.VERDICT, update_id, start=now, end=now, outcome=outcome, reason=reason)
+
+    def since(self, cursor: int, limit: int = MAX_REPLY) -> tuple[list[TraceRecord], int, int]:
+        """The events from sequence number ``cursor`` on (0: the oldest kept), at most ``limit``.
+
+        Returns
+        -------
+        events : list of TraceRecord
+        next_cursor : int
+            One past the last event returned (the cursor of the next call).
+        lost : int
+            Events from ``cursor`` on that the ring no longer holds.
+
+        A ``cursor`` beyond the newest event (a cursor of a scheduler since restarted) reads
+        from the oldest event kept.
+        """
+        oldest = self._events[0].seq if self._events else self._next
+        if not cursor or cursor > self._next:  # 0, or a cursor of an earlier incarnation
+            cursor = oldest
+        lost = max(0, min(oldest, self._next) - cursor)
+        first = max(cursor, oldest)
+        skip = first - oldest
+        count = max(0, min(limit, self._next - first))
+        # one pass (a deque indexes in O(n) away from its ends)
+        events = list(itertools.islice(self._events, skip, skip + count))
+        return events, first + count, lost
+
+    def reply(self, cursor: int, limit: int = 0) -> apb.TraceReply:
+        """:meth:`since` as the ``Admin.Trace`` reply (``limit`` 0: :data:`MAX_REPLY`)."""
+        events, next_cursor, lost = self.since(cursor, min(limit or MAX_REPLY, MAX_REPLY))
+        return apb.TraceReply(
+            events=[e.to_pb() for e in events],
+            next_cursor=next_cursor,
+            lost=lost,
+            now=self._wall(),
+            capacity=self.capacity,
+        )
