@@ -155,3 +155,38 @@ def test_the_scheduler_reissues_the_aggregate_without_a_refused_member(env: dict
     report(core, s["w0"], "u0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=1)
     [(kind, send)] = drain(s)["x"]
     assert (kind, send.update_id) == ("send", "agg:ps:0")
+
+
+def test_sync_round_member_refused_before_the_sum_and_an_overflowing_sum_by_the_process(
+    make_daemon: Any, scheduler: AggScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synchronous round's sum is made in the server's daemon, not received as a frame: its
+    own NaN/inf test is the server process's fallback (a sum of finite updates can overflow)."""
+    fallback: list[int] = []
+    real = mlfabric.tensors.first_non_finite
+
+    def spy(tensors: Any) -> str | None:
+        fallback.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(mlfabric.tensors, "first_non_finite", spy)
+    c = _cluster(make_daemon, mlfabric.Params(tau_max=4, sync_workers=2), round_timeout=30.0)
+    try:
+        bad = _update(1.0)
+        bad["w"][1, 1] = np.nan
+        huge = {"w": np.full((2, 3), 1e308), "b": np.zeros(4)}  # finite; two of them sum to inf
+        (h0, r0), (h1, r1) = _push(c, scheduler, "w0", bad), _push(c, scheduler, "w1", huge)
+        _send(scheduler, r0.update_id, "ps")
+        result = h0.wait(10)  # refused by the daemon at once, never summed into the round
+        assert result.status == mlfabric.DROPPED and f"tensor 'w' of {r0.update_id}" in result.reason
+        assert "server 'ps0' refuses them" in result.reason and not h1.done()
+        (h2, r2) = _push(c, scheduler, "w2", huge)
+        _send(scheduler, r1.update_id, "ps")
+        _send(scheduler, r2.update_id, "ps")
+        results = [h.wait(10) for h in (h1, h2)]  # finite each, their sum overflows to inf
+        assert [r.status for r in results] == [mlfabric.DROPPED] * 2
+        assert all("holds non-finite values" in r.reason and "round:" in r.reason for r in results)
+        assert fallback == [2] and c["metas"] == [] and c["server"].version == 0
+        np.testing.assert_array_equal(_model(c)["w"], MODEL["w"])
+    finally:
+        _close(c)
