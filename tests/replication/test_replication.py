@@ -50,7 +50,7 @@ mbps = 1000
 def _roles() -> Any:
     sys.path.insert(0, str(HERE))
     try:
-        import roles  # type: ignore[import-not-found]
+        import roles
     finally:
         sys.path.remove(str(HERE))
     return roles
