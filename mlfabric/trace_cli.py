@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     lost = 0
     cursor = 0
     t0 = time.monotonic()
-    shown = t0
+    shown = t0 - 1.0  # the first poll reports at once
     with grpc.insecure_channel(args.scheduler) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
