@@ -33,6 +33,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_NO_PATH: _ClassVar[ErrorCode]
     ERROR_CODE_DUPLICATE_REPLICA: _ClassVar[ErrorCode]
     ERROR_CODE_MODEL_MISMATCH: _ClassVar[ErrorCode]
+    ERROR_CODE_FAILED_OVER: _ClassVar[ErrorCode]
 
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -60,6 +61,7 @@ ERROR_CODE_UNKNOWN_UPDATE: ErrorCode
 ERROR_CODE_NO_PATH: ErrorCode
 ERROR_CODE_DUPLICATE_REPLICA: ErrorCode
 ERROR_CODE_MODEL_MISMATCH: ErrorCode
+ERROR_CODE_FAILED_OVER: ErrorCode
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_APPLIED: Outcome
 OUTCOME_DROPPED: Outcome
