@@ -61,10 +61,23 @@ class AllreduceHandle:
         self._done = threading.Event()
         self._result: dict[str, Any] | None = None
         self._error: MlfabricError | None = None
+        self._callbacks: list[Any] = []
+        self._callback_lock = threading.Lock()
 
     def done(self) -> bool:
         """True once the sum (or an error) is in."""
         return self._done.is_set()
+
+    def add_done_callback(self, fn: Any) -> None:
+        """Call ``fn(handle)`` once the sum (or an error) is in (at once if it already is).
+
+        It runs on the connection's reader thread: keep it short.
+        """
+        with self._callback_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         """Block until the sum is in.
@@ -111,8 +124,12 @@ class AllreduceHandle:
                 (event.error.code, event.error.message) if kind == "error" else ("bad_reply", kind)
             )
             self._error = MlfabricError(message, code=code)
-        self._done.set()
+        with self._callback_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
         self._on_final(self._error is not None)
+        for fn in callbacks:
+            fn(self)
 
 
 def submit_allreduce(

@@ -1,0 +1,96 @@
+"""PyTorch integration: a DDP communication hook that all-reduces gradient buckets through mlfabric.
+
+torch is an optional extra (``pip install mlfabric[torch]``); :mod:`mlfabric` imports without
+it, and this module raises ``ImportError`` naming the extra when torch is missing.
+
+An existing DDP script switches its gradient all-reduce to mlfabric with one line (DDP still
+needs a process group for its own setup — the initial broadcast of the parameters —, for
+which gloo serves)::
+
+    import torch.distributed as dist
+    import mlfabric, mlfabric.torch
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    group = mlfabric.join_allreduce("job1", world_size=world, participant=f"rank{rank}")
+    model.register_comm_hook(mlfabric.torch.HookState(group), mlfabric.torch.allreduce_hook)
+
+Each bucket is summed by the daemons' reduction tree (docs/allreduce.md) and divided by the
+world size, which is what DDP expects of a hook (its default hook averages). Buckets are
+matched across ranks by their index (operation name ``ddp-bucket-<index>``, one sequence
+number per call), so every rank must build the same buckets — as DDP does for identical models.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations as objects
+# (``bucket: dist.GradBucket``, returning ``torch.futures.Future[torch.Tensor]``).
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "mlfabric.torch needs PyTorch: pip install 'mlfabric[torch]' (see the README for the CPU build)"
+    ) from exc
+
+from mlfabric.allreduce import DEFAULT_TIMEOUT, AllreduceGroup
+from mlfabric.localclient import MlfabricError
+
+__all__ = ["HookState", "allreduce_hook"]
+
+
+@dataclass
+class HookState:
+    """What :func:`allreduce_hook` needs: the rank's all-reduce group and the per-bucket deadline.
+
+    Attributes
+    ----------
+    group : AllreduceGroup
+        From :func:`mlfabric.join_allreduce` (its ``world_size`` is DDP's).
+    timeout : float
+        Seconds each bucket's all-reduce may take before it fails (the future then carries
+        the :class:`~mlfabric.MlfabricError`, and DDP's backward raises it).
+    """
+
+    group: AllreduceGroup
+    timeout: float = DEFAULT_TIMEOUT
+
+
+def allreduce_hook(
+    state: HookState | AllreduceGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's gradients averaged over the ranks by mlfabric.
+
+    Parameters
+    ----------
+    state : HookState or AllreduceGroup
+        Given to ``register_comm_hook``.
+    bucket : torch.distributed.GradBucket
+        DDP's bucket (its flat ``buffer()``).
+
+    Returns
+    -------
+    torch.futures.Future
+        Completed with a tensor of the buffer's shape and dtype: the sum over the ranks divided
+        by the world size; or with the error of the all-reduce.
+    """
+    if isinstance(state, AllreduceGroup):
+        state = HookState(state)
+    buffer = bucket.buffer()
+    world = state.group.world_size
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    handle = state.group.allreduce_async(
+        {"bucket": buffer.detach()}, name=f"ddp-bucket-{bucket.index()}", timeout=state.timeout
+    )
+
+    def done(h: Any) -> None:
+        try:
+            total = h.wait(0)["bucket"]
+        except (MlfabricError, TimeoutError) as exc:  # handed to DDP through the future
+            future.set_exception(exc)  # type: ignore[arg-type]  # torch stubs type it as the value
+            return
+        future.set_result(total.view_as(buffer).div_(world))
+
+    handle.add_done_callback(done)
+    return future
