@@ -1,4 +1,4 @@
-"""torch is optional: the core and the all-reduce API import without it; mlfabric.torch says what is missing."""
+"""torch is optional: the core and the all-reduce API import without it; mlfabric.torch names the extra."""
 
 from __future__ import annotations
 
