@@ -19,7 +19,7 @@ from typing import Any
 
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
-from mlfabric.localclient import LocalClient, check_size, connect, raise_for_error
+from mlfabric.localclient import LocalClient, MlfabricError, check_size, connect, raise_for_error
 from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, local_pb2
 from mlfabric.wire.memfd import privatize
@@ -350,7 +350,10 @@ def register_as_server(
     Returns
     -------
     Server
-        Register ``on_update``/``on_request`` callbacks, then call :meth:`Server.serve`.
+        Register ``on_update``/``on_request`` callbacks, then call :meth:`Server.serve`. If
+        this server failed over to its replica while it was away (docs/replication.md), a
+        :class:`mlfabric.replica.Replica` of the promoted server (same name) instead: it
+        serves the same way and is promoted again if that server fails.
 
     Raises
     ------
@@ -384,6 +387,15 @@ def register_as_server(
     try:
         client.call(request, timeout=60.0)
         server.publish()
+    except MlfabricError as exc:
+        client.close()
+        if exc.code != "failed_over":
+            raise
+        # this server failed over to its replica while it was away: it comes back as the
+        # replica of the promoted one (its model replaced by the promoted server's)
+        from mlfabric.replica import register_as_replica
+
+        return register_as_replica(job, name, model_dict, daemon=daemon)
     except BaseException:
         client.close()
         raise

@@ -335,6 +335,7 @@ class SchedulerCore:
         ack = pb.RoleAck(request_id=m.request_id, ok=True)
         try:
             if m.role == pb.ROLE_SERVER:
+                self.replication.check_server(session.host, m.job, m.name)
                 model = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in m.model)
                 job = self.state.register_server(
                     session.host, m.job, m.name, model, wire.job_params(m.params), m.version

@@ -158,6 +158,12 @@ class ModelMismatch(SchedulerError):
     code = "MODEL_MISMATCH"
 
 
+class FailedOver(SchedulerError):
+    """A server registers a name whose server failed over to its replica on another host."""
+
+    code = "FAILED_OVER"
+
+
 class DuplicateUpdate(SchedulerError):
     """An update id is announced while the same id is still pending or in flight."""
 
@@ -190,12 +196,14 @@ class JobParams:
     """Delay and divergence bounds of a job (paper Table 1 ``params``).
 
     ``tau_max < 0`` and ``div_max <= 0`` mean unbounded. ``allow_non_finite``: servers apply
-    updates holding NaN or inf (default: they refuse them).
+    updates holding NaN or inf (default: they refuse them). ``sync_workers``: worker updates
+    per synchronous round (0: asynchronous).
     """
 
     tau_max: int = -1
     div_max: float = 0.0
     allow_non_finite: bool = False
+    sync_workers: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from mlfabric.scheduler.policies.base import PendingUpdate, ReplicaSend, Replica
 from mlfabric.scheduler.policies.replication import ReplicationPolicy
 from mlfabric.scheduler.service.records import (
     DuplicateReplica,
+    FailedOver,
     ModelMismatch,
     SchedulerError,
 )
@@ -260,6 +261,21 @@ class Replication:
         """The replica's process unregistered."""
         self._send(self.book.remove(job, server))
         self.core._announce(job)
+
+    def check_server(self, host: str, job: str, name: str) -> None:
+        """A server registering on ``host``: refused (:class:`FailedOver`) if ``name`` failed over.
+
+        The process that comes back after its server failed over (its host's daemon, or itself,
+        restarted) must not become a second server of that name: it joins as the promoted
+        server's replica instead (``register_as_server`` does so on this code).
+        """
+        old = self.failed_over.get((job, name))
+        current = next((s for s in self.core.state.servers(job) if s.name == name), None)
+        if old is not None and current is not None and current.host != host:
+            raise FailedOver(
+                f"server '{name}' of job '{job}' failed over from host '{old}' to its replica on host "
+                f"'{current.host}'; join as its replica (mlfabric.register_as_replica)"
+            )
 
     def annotate(self, job: str, infos: list[pb.ServerInfo]) -> list[pb.ServerInfo]:
         """Mark the job's servers that have a replica, and those that failed over (from where)."""

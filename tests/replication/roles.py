@@ -64,6 +64,14 @@ def server(out: Path, div_max: float) -> None:
     _serve(srv, out, "server", {})
 
 
+def rejoin(out: Path) -> None:
+    """The failed server comes back: ``register_as_server`` makes it the new server's replica."""
+    srv = mlfabric.register_as_server(JOB, SERVER, initial_model(), mlfabric.Params(div_max=0.0))
+    _serve(
+        srv, out, "rejoin", {"is_replica": isinstance(srv, mlfabric.Replica), "start_version": srv.version}
+    )
+
+
 def replica(out: Path) -> None:
     rep = mlfabric.register_as_replica(JOB, SERVER, initial_model())
     extra: dict[str, object] = {"start_version": rep.version, "promoted_at": None, "reason": ""}
@@ -104,5 +112,7 @@ if __name__ == "__main__":
         server(out_dir, float(sys.argv[3]))
     elif role == "replica":
         replica(out_dir)
+    elif role == "rejoin":
+        rejoin(out_dir)
     else:
         worker(out_dir, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))

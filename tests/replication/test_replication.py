@@ -260,3 +260,26 @@ def test_a_stalled_replica_blocks_the_server_instead_of_diverging(tmp_path: Path
     assert all(p["status"] == "APPLIED" for p in results[0]), results
     server, replica = _model(run.out, "server"), _model(run.out, "replica")
     assert all(np.array_equal(server[k], replica[k]) for k in server)
+
+
+@pytest.mark.slow
+def test_a_failed_server_comes_back_as_the_replica_of_the_promoted_one(tmp_path: Path) -> None:
+    """After its replica took over, the server's name registered again on the old host joins
+    as the promoted server's replica and ends bit-identical to it."""
+    run = Run(tmp_path, div_max=0.0)
+    try:
+        run.start_workers(pushes=30, gap=0.02)
+        run.wait_progress(10)
+        os.kill(run.server.popen.pid, signal.SIGKILL)
+        run.server.popen.wait(timeout=10)
+        _wait_file(run.out / "replica.promoted", run.replica, timeout=20)
+        rejoined = run.spawn("ps", "rejoin")
+        _wait_file(run.out / "rejoin.ready", rejoined)
+        results = run.finish(rejoined, run.replica)
+    finally:
+        run.stop()
+    info = json.loads((run.out / "rejoin.json").read_text())
+    assert info["is_replica"] and info["start_version"] > 0
+    promoted, rejoin = _model(run.out, "replica"), _model(run.out, "rejoin")
+    assert all(np.array_equal(promoted[k], rejoin[k]) for k in promoted), "the re-joined replica differs"
+    _check_exact(promoted, results)
