@@ -89,6 +89,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "long after its first arrived (default 60)",
     )
     parser.add_argument(
+        "--push-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="the push deadline: a push that got no directive from the scheduler this long after it "
+        "was accepted resolves DROPPED naming the deadline (default 60)",
+    )
+    parser.add_argument(
         "--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on port P (0: any free port)"
     )
     parser.add_argument(
@@ -183,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_inflight_bytes <= 0:
         _LOG.error("--max-inflight-bytes must be > 0, got %d", args.max_inflight_bytes)
         return 2
+    if args.push_timeout <= 0:
+        _LOG.error("--push-timeout must be > 0, got %g", args.push_timeout)
+        return 2
 
     egress = ingress = None
     if args.enforce_nic_rates:
@@ -204,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         send_attempts=args.send_attempts,
         aggregator=args.aggregator,
         round_timeout=args.round_timeout,
+        push_timeout=args.push_timeout,
         idle_timeout=args.idle_timeout or None,
         header_timeout=args.header_timeout or None,
         max_connections=args.max_connections or None,

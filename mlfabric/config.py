@@ -37,7 +37,9 @@ from typing import Any
 __all__ = [
     "DAEMON_KEYS",
     "KINDS",
+    "NOT_IN_SERVICE",
     "SCHEDULER_KEYS",
+    "SERVICE_POLICIES",
     "ConfigError",
     "Key",
     "add_config_argument",
@@ -62,7 +64,8 @@ class Key:
     ``type`` is ``str``, ``int``, ``float`` or ``bool``; ``choices`` restricts a ``str``;
     ``minimum`` bounds a number from below; ``table_ok`` lets a ``str`` key be an inline
     table instead (the scheduler's ``topology``); ``path`` resolves a relative path against
-    the config file's directory.
+    the config file's directory; ``refused`` are (value, why) pairs of values known but not
+    accepted, refused with the reason.
     """
 
     name: str
@@ -73,7 +76,16 @@ class Key:
     minimum: float | None = None
     table_ok: bool = False
     path: bool = False
+    refused: tuple[tuple[str, str], ...] = ()
 
+
+#: policies the scheduler service executes (``mlfabric scheduler --policy`` and the ``policy`` key)
+SERVICE_POLICIES = ("fair", "stf", "stf+agg")
+#: policies of the factory that the service refuses, and why
+NOT_IN_SERVICE: dict[str, str] = {
+    "stf+tree": "it sums aggregates into other aggregates (multi-level trees), which the daemons do not "
+    "forward yet; `mlfabric simulate --policy stf+tree` runs it",
+}
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -96,7 +108,14 @@ SCHEDULER_KEYS: tuple[Key, ...] = (
         minimum=1,
     ),
     Key("nic_gbps", float, 10.0, "NIC rate of every host of the star, Gbit/s", minimum=0.0),
-    Key("policy", str, "fair", "scheduling policy", choices=("fair", "stf", "stf+agg")),
+    Key(
+        "policy",
+        str,
+        "fair",
+        "scheduling policy",
+        choices=SERVICE_POLICIES,
+        refused=tuple(NOT_IN_SERVICE.items()),
+    ),
     Key("aggregate_plan", str, "async", "stf+agg planner", choices=("async", "sync")),
     Key("aggregate_timeout", float, 60.0, "stf+agg: seconds an aggregator waits for members", minimum=0.0),
     Key("stf_horizon", int, 256, "stf: sends planned per decision; 0 plans every pending update", minimum=0),
@@ -141,6 +160,13 @@ DAEMON_KEYS: tuple[Key, ...] = (
     Key("send_attempts", int, 3, "tries per transfer before DROPPED", minimum=1),
     Key("report_file", str, None, "append every transfer report here, one JSON line each", path=True),
     Key("aggregator", bool, True, "whether this host may be an aggregator hop"),
+    Key(
+        "push_timeout",
+        float,
+        60.0,
+        "the push deadline: seconds a push may wait for the scheduler's directive, then DROPPED",
+        minimum=0.001,
+    ),
     Key(
         "round_timeout",
         float,
@@ -209,6 +235,9 @@ def _check(key: Key, value: Any, where: str) -> Any:
     elif not isinstance(value, str):
         expected = "a string or a table" if key.table_ok else "a string"
         raise ConfigError(f"{bad} (expected {expected})")
+    refused = dict(key.refused).get(value) if isinstance(value, str) else None
+    if refused is not None:
+        raise ConfigError(f"{bad}: {refused} (expected one of {', '.join(key.choices)})")
     if key.choices and value not in key.choices:
         raise ConfigError(f"{bad} (expected one of {', '.join(key.choices)})")
     if key.minimum is not None and value < key.minimum:

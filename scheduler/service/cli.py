@@ -29,7 +29,15 @@ import signal
 import sys
 from typing import Any
 
-from mlfabric.config import ConfigError, add_config_argument, load_config, load_graph, parse_args_with_config
+from mlfabric.config import (
+    NOT_IN_SERVICE,
+    SERVICE_POLICIES,
+    ConfigError,
+    add_config_argument,
+    load_config,
+    load_graph,
+    parse_args_with_config,
+)
 from mlfabric.readyfile import write_ready_file
 from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON, PolicySetup, make_policy
 from mlfabric.systemd import configure_logging
@@ -140,10 +148,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-#: policies the service can execute
-SERVICE_POLICIES = ("fair", "stf", "stf+agg")
-
-
 def build_policy(
     name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: bool = False, incarnation: str = ""
 ) -> PolicySetup:
@@ -184,10 +188,10 @@ def build_policy(
         raise ValueError(f"--stf-horizon must be >= 0, got {stf_horizon}")
     if name not in SERVICE_POLICIES:
         make_policy(name)  # an unknown name: the factory's error lists the known ones
-        if name == "stf+tree":
+        if name in NOT_IN_SERVICE:
             raise ValueError(
-                "policy 'stf+tree' sums aggregates into other aggregates, which the daemons do not "
-                f"execute yet (service policies: {', '.join(SERVICE_POLICIES)}; the simulator runs stf+tree)"
+                f"policy '{name}' is not run by the service: {NOT_IN_SERVICE[name]} "
+                f"(service policies: {', '.join(SERVICE_POLICIES)})"
             )
         raise ValueError(
             f"policy '{name}' plans aggregates, which the service does not execute yet "
