@@ -44,9 +44,16 @@ def job_params(p: pb.JobParams) -> JobParams:
     Examples
     --------
     >>> job_params(pb.JobParams(tau_max=4, div_max=0.5))
-    JobParams(tau_max=4, div_max=0.5, allow_non_finite=False)
+    JobParams(tau_max=4, div_max=0.5, allow_non_finite=False, sync_workers=0)
+    >>> job_params(pb.JobParams(sync_workers=8)).sync_workers
+    8
     """
-    return JobParams(tau_max=p.tau_max, div_max=p.div_max, allow_non_finite=p.allow_non_finite)
+    return JobParams(
+        tau_max=p.tau_max,
+        div_max=p.div_max,
+        allow_non_finite=p.allow_non_finite,
+        sync_workers=p.sync_workers,
+    )
 
 
 def job_params_pb(p: JobParams) -> pb.JobParams:
@@ -58,8 +65,15 @@ def job_params_pb(p: JobParams) -> pb.JobParams:
     4
     >>> job_params_pb(JobParams(allow_non_finite=True)).allow_non_finite
     True
+    >>> job_params_pb(JobParams(sync_workers=8)).sync_workers
+    8
     """
-    return pb.JobParams(tau_max=p.tau_max, div_max=p.div_max, allow_non_finite=p.allow_non_finite)
+    return pb.JobParams(
+        tau_max=p.tau_max,
+        div_max=p.div_max,
+        allow_non_finite=p.allow_non_finite,
+        sync_workers=p.sync_workers,
+    )
 
 
 def server_info(s: ServerRole, address: str) -> pb.ServerInfo:
