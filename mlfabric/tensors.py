@@ -20,6 +20,7 @@ mapping out of a passed one) is :mod:`mlfabric.tensorio`.
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -307,8 +308,8 @@ def _block_non_finite(block: np.ndarray, exponent_bits: int = 0, scratch: np.nda
         masked = np.empty_like(block) if scratch is None else scratch[: block.size]
         np.bitwise_and(block, exponent_bits, out=masked)
         return bool(masked.size) and int(masked.max()) == exponent_bits
-    with np.errstate(over="ignore", invalid="ignore"):
-        return not np.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all())
+    # (callers silence numpy's overflow/invalid warnings once per call, not per block)
+    return not math.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all())
 
 
 def first_non_finite(tensors: Mapping[str, object]) -> str | None:
@@ -346,9 +347,10 @@ def first_non_finite(tensors: Mapping[str, object]) -> str | None:
             flat = flat.view(np.uint16)
         step = _FINITE_BLOCK_BYTES // max(1, flat.itemsize)
         scratch = np.empty(min(step, flat.size), np.uint16) if bits else None
-        for start in range(0, flat.size, step):
-            if _block_non_finite(flat[start : start + step], bits, scratch):
-                return name
+        with np.errstate(over="ignore", invalid="ignore"):
+            for start in range(0, flat.size, step):
+                if _block_non_finite(flat[start : start + step], bits, scratch):
+                    return name
     return None
 
 
@@ -406,6 +408,10 @@ class FiniteScan:
 
     def scan(self, view: memoryview, end: int) -> None:
         """Bytes ``[0, end)`` of ``view`` (the payload) are final: test those not tested yet."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._scan(view, end)
+
+    def _scan(self, view: memoryview, end: int) -> None:
         while self.bad is None and self._next < len(self._regions):
             offset, stop, name, dtype, bits = self._regions[self._next]
             start = max(self._pos, offset)
