@@ -17,7 +17,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -30,6 +29,9 @@ from typing import Any
 import numpy as np
 
 import mlfabric
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import start
 
 MIB = 1 << 20
 
@@ -70,23 +72,6 @@ class Sampler:
                 self.peak[name] = max(self.peak[name], rss(pid)["VmRSS"])
 
 
-def start(
-    cmd: list[str], ready: Path, log: Path, timeout: float = 30.0
-) -> tuple[subprocess.Popen[bytes], Any]:
-    """Start ``mlfabric`` ``cmd`` with ``--ready-file ready``; its process and ready JSON."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlfabric", *cmd, "--ready-file", str(ready)], stdout=out, stderr=out
-        )
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())
-
-
 def gb(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -99,14 +84,17 @@ def run(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         sched_proc, sched = start(
-            ["scheduler", "--listen", "127.0.0.1:0", "--star", "2"], work / "s.json", work / "s.log"
+            ["scheduler", "--listen", "127.0.0.1:0", "--star", "2"],
+            work / "s.json",
+            work / "s.log",
+            timeout=30.0,
         )
         procs.append(sched_proc)
         daemons = {}
         for host in ("h0", "h1"):
             cmd = ["daemon", "--host", host, "--scheduler", sched["address"]]
             cmd += ["--socket", str(work / f"{host}.sock"), *daemon_args]
-            proc, info = start(cmd, work / f"{host}.json", work / f"{host}.log")
+            proc, info = start(cmd, work / f"{host}.json", work / f"{host}.log", timeout=30.0)
             procs.append(proc)
             daemons[host] = info
         n = mib * MIB // 4

@@ -36,7 +36,6 @@ A short run::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -53,6 +52,9 @@ from typing import Any
 import numpy as np
 
 import mlfabric
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import start
 
 
 def proc_stats(pid: int) -> tuple[int, int]:
@@ -115,23 +117,6 @@ class Pushes:
         with self.lock:
             window, self.window = self.window, []
         return window
-
-
-def start(
-    cmd: list[str], ready: Path, log: Path, timeout: float = 60.0
-) -> tuple[subprocess.Popen[bytes], Any]:
-    """Start ``mlfabric`` ``cmd`` with ``--ready-file ready``; the process and its ready JSON."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlfabric", *cmd, "--ready-file", str(ready)], stdout=out, stderr=out
-        )
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())
 
 
 def run(args: argparse.Namespace) -> tuple[str, bool]:

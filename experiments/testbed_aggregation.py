@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_e2e as e2e  # the model, data, accuracy log, gloo PS and NS schedule
+from harness import stop_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fair", "stf+agg", "gloo", "ddp")
@@ -192,7 +193,6 @@ def _torch_run(
     common: list[str],
 ) -> dict[str, Any]:
     """Run ``role`` with rank i on ``hosts[i]`` (rank 0 records the accuracy)."""
-    import signal
     import subprocess
 
     out, ready = workdir / "server.json", workdir / "server.ready"
@@ -214,15 +214,7 @@ def _torch_run(
             procs[0].wait(timeout=args.time_limit + 180)
             rates.stop()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs)
     return dict(json.loads(out.read_text()))
 
 

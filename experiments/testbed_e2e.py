@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import stop_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("stf", "fair", "gloo")
@@ -346,15 +348,7 @@ def run_gloo(
             server.wait(timeout=args.time_limit + 120)
             rates.stop()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # a rank stuck in gloo
-                p.kill()
-                p.wait()
+        stop_all(procs)  # a rank may be stuck in gloo
     return json.loads(out.read_text())
 
 

@@ -94,3 +94,44 @@ def test_the_push_deadline_is_an_option_and_a_key_that_reaches_the_daemon(
     path.write_text('host = "h0"\nscheduler = "127.0.0.1:1"\npush_timeout = 0\n')
     with pytest.raises(ConfigError, match=r"key 'push_timeout': bad value 0 \(must be >= 0.001\)"):
         load_config(path, "daemon")
+
+
+def _harness() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "harness.py"
+    spec = importlib.util.spec_from_file_location("harness", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_experiments_harness_starts_mlfabric_and_stops_what_ignores_sigterm(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    harness = _harness()
+    proc, info = harness.start(
+        ["scheduler", "--listen", "127.0.0.1:0", "--star", "2"], tmp_path / "s.json", tmp_path / "s.log"
+    )
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+        ]
+    )
+    time.sleep(0.3)  # the handler is installed
+    t0 = time.monotonic()
+    harness.stop_all([proc])  # stops on SIGTERM within its grace
+    harness.stop_all([stubborn], grace=1.0)
+    assert info["pid"] == proc.pid and info["address"].startswith("127.0.0.1:")
+    assert proc.returncode == 0 and stubborn.returncode == -9 and time.monotonic() - t0 < 10
+    with pytest.raises(RuntimeError, match=r"scheduler did not start: .*--stf-horizon must be >= 0"):
+        harness.start(
+            ["scheduler", "--listen", "127.0.0.1:0", "--stf-horizon", "-1"],
+            tmp_path / "b.json",
+            tmp_path / "b.log",
+        )
