@@ -40,7 +40,7 @@ __all__ = ["build_trace", "configure", "run"]
 #: seconds between two polls when the scheduler has nothing more
 POLL_INTERVAL = 0.2
 #: events asked for per poll (the scheduler's most per reply)
-_PAGE = 4096
+_PAGE = 1024
 
 # TraceEventKind values (admin.proto), kept here so --help does not import the stubs
 _READY, _PLANNED, _MEASURED, _VERDICT = 1, 2, 3, 4
