@@ -137,3 +137,27 @@ def test_the_core_records_ready_planned_measured_and_verdict() -> None:
     assert ("a->sw", 2, "a/1") in slices and ("sw->ps", 2, "a/1") in slices  # measured
     assert {("a->sw", 1, "a/1"), ("a->sw", 1, "a/2")} <= set(slices)  # planned
     assert meta["verdicts"] == {"applied": 1, "dropped": 1}
+
+
+def test_an_aggregate_leaving_its_aggregator_is_traced_planned_and_measured() -> None:
+    from mlfabric.scheduler.policies.base import InFlight
+    from mlfabric.scheduler.service.records import OutcomeKind, TransferResult
+
+    log = TraceLog(clock=lambda: 0.0, wall=lambda: 10.0)
+    state = ObservedState(star(["ps", "a", "b"], 8e9), Activity(), log)
+    f = InFlight("agg:ps.x:1", "j", "ps", ("a", "sw", "ps"), 4000, 1.0, 2.0)
+    state.track(f)
+    result = TransferResult("agg:ps.x:1", "a", "ps", 4000, 9.0, 9.5, outcome=OutcomeKind.APPLIED)
+    assert state.report(result) is f
+    planned, verdict, measured = log.since(0)[0]
+    assert (planned.kind, planned.aggregate, planned.start, planned.end) == (Kind.PLANNED, True, 11.0, 12.0)
+    assert (verdict.kind, verdict.outcome) == (Kind.VERDICT, "applied")
+    assert (measured.kind, measured.aggregate, measured.path, measured.start) == (
+        Kind.MEASURED,
+        True,
+        ("a", "sw", "ps"),
+        9.0,
+    )
+    trace, _ = build_trace([planned, verdict, measured])
+    names = {e["name"] for e in trace if e["ph"] == "X" and e["cat"] == "update"}
+    assert names == {"planned aggregate", "measured"}
