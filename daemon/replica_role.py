@@ -26,7 +26,7 @@ from mlfabric.daemon.serving import MemfdBuffer
 from mlfabric.daemon.transport import PeerUnavailable
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 
-__all__ = ["FAILOVER_WAIT", "promote", "register_replica", "reroute"]
+__all__ = ["FAILOVER_WAIT", "promote", "register_replica", "reregister_replicas", "reroute"]
 
 #: seconds an update whose transfer to a replicated server failed waits for the failover
 FAILOVER_WAIT = 3.0
@@ -107,6 +107,7 @@ def _attach(daemon: Any, conn: Any, rid: int, req: Any, ack: Any) -> None:
             _unregister(daemon, req.job, req.server)
             return
         handoff = daemon.serving.handoff(req.job, req.server)
+        daemon.serving.replica_names[(req.job, req.server)] = req.name or req.server
         seed_memory(handoff, h.applied_ids, int(h.version))
         with daemon._lock:
             daemon._roles[conn.conn_id] = conn
@@ -171,3 +172,38 @@ def reroute(daemon: Any, push: PendingPush, host: str, report_first: Callable[[]
             reason = f"server {push.server!r} failed over; the scheduler is away: {push.update_id} not sent"
             daemon.sender.finish(taken, Verdict.dropped(reason))
     return True
+
+
+def reregister_replicas(daemon: Any) -> None:
+    """After a (re)welcome: register this host's replicas again (the scheduler forgot them)."""
+    with daemon.serving._lock:
+        keys = sorted(daemon.serving.replica_keys)
+    for job, server in keys:
+        reregister_one(daemon, job, server, 0.0)
+
+
+def reregister_one(daemon: Any, job: str, server: str, pause: float) -> None:
+    """Register the replica of ``server`` again after ``pause`` s, if it is still a replica here.
+
+    A replica whose server is not back yet (``UNKNOWN_JOB``/``UNKNOWN_SERVER``: its daemon has
+    not reconnected) is retried with backoff (0.2 s doubling to 2 s).
+    """
+    if daemon._stopping.wait(pause):
+        return
+    with daemon.serving._lock:
+        still = (job, server) in daemon.serving.replica_keys
+        name = daemon.serving.replica_names.get((job, server), server)
+    if not still:
+        return
+    retry = (control_pb2.ERROR_CODE_UNKNOWN_JOB, control_pb2.ERROR_CODE_UNKNOWN_SERVER)
+
+    def on_ack(ack: Any) -> None:
+        if ack is not None and not ack.ok and ack.code in retry:
+            daemon._tasks.submit(reregister_one, daemon, job, server, min(2.0, max(0.2, 2 * pause)))
+        elif ack is None or not ack.ok:
+            _LOG.error(
+                "re-registering the replica of server %r of job %r failed: %s", server, job, ack and ack.error
+            )
+
+    message = control_pb2.RegisterRole(job=job, role=control_pb2.ROLE_REPLICA, name=name, replica_of=server)
+    daemon._register(message, on_ack)

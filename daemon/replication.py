@@ -337,6 +337,10 @@ class ReplicationLog:
         )
         self._report(control_pb2.DaemonMessage(replica_status=status))
 
+    def report_status(self) -> None:
+        """Tell the scheduler how far the replica is (``ReplicaStatus``)."""
+        self._status()
+
     def close(self, server_failed: bool = False) -> None:
         """Forget the replica: free the entries, wake every waiter (the bound no longer holds).
 
@@ -406,8 +410,9 @@ class ReplicationLogs:
                 log.close()
             return
         if log is not None:
-            if d.replica_address:
+            if d.replica_address:  # (re-)attach: a restarted scheduler learns where the replica is
                 log.configure(d.replica_address, d.div_max)
+                log.report_status()
             log.direct(d.up_to_version)
 
     def note_norm(self, update_id: str, norm: float) -> None:

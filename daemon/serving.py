@@ -101,6 +101,8 @@ class ServerRoles:
         self._roles: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
         #: replicas hosted here (keyed like their servers) not promoted yet (docs/replication.md)
         self.replica_keys: set[tuple[str, str]] = set()
+        #: their names (re-registered after a scheduler restart)
+        self.replica_names: dict[tuple[str, str], str] = {}
         #: the replication logs of the servers here that have a replica (set by the daemon)
         self.replication: ReplicationLogs | None = None
         #: ids of updates being handed off whose payload was found finite in the CRC pass

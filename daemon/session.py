@@ -22,7 +22,7 @@ from mlfabric.daemon.allreduce import AllreduceRole
 from mlfabric.daemon.control import ControlStream
 from mlfabric.daemon.fallback import Fallback
 from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.replica_role import promote
+from mlfabric.daemon.replica_role import promote, reregister_replicas
 from mlfabric.daemon.replication import ReplicationLogs
 from mlfabric.daemon.roles import Directory, OutgoingPushes, Verdict
 from mlfabric.daemon.serving import ServerRoles
@@ -78,6 +78,7 @@ class SchedulerSession:
                 self._unregistered[c.conn_id] = (False, "re-registering after the scheduler restarted")
         for message in self.serving.registrations():
             self._reregister(message, None)
+        reregister_replicas(self)
         for c in workers:
             message = control_pb2.RegisterRole(job=c.job, name=c.name, role=control_pb2.ROLE_WORKER)
             self._reregister(message, c)

@@ -59,6 +59,9 @@ class ReplicaRecord:
     blocked: bool = False
     blocked_count: int = 0
     error: str = ""
+    #: the server's daemon runs a replication log for it (its first ``ReplicaStatus``): only
+    #: then may it be promoted (a replica detached meanwhile has no log and may be stale)
+    confirmed: bool = False
 
     def divergence(self) -> float:
         """Sum of the norms of the entries the replica lacks."""
@@ -143,6 +146,7 @@ class ReplicaBook:
         rec = self.records.get((m.job, m.server))
         if rec is None:
             return None
+        rec.confirmed = True
         rec.version = max(rec.version, int(m.replica_version))
         rec.directed = max(rec.directed, rec.version)
         for v in [v for v in rec.log if v <= rec.version]:
@@ -287,7 +291,7 @@ class Replication:
     def server_lost(self, job: str, server: str, reason: str) -> bool:
         """Promote the replica of ``server`` if it has a connected one; True if it did."""
         rec = self.book.records.get((job, server))
-        if rec is None or rec.host not in self.core.state.daemons:
+        if rec is None or not rec.confirmed or rec.host not in self.core.state.daemons:
             return False
         del self.book.records[(job, server)]
         old = self.core.state.server_role(job, server).host

@@ -86,7 +86,9 @@ def test_book_tracks_the_log_and_coalesces_sends_into_one_directive_per_server()
     ((host, d),) = book.execute(ReplicationPolicy().decide(snap, []).replicas)
     assert host == "h0" and d.replicate.up_to_version == 6
     assert book.execute(ReplicationPolicy().decide(snap, []).replicas) == []  # directed already
+    assert not book.records[("j", "ps")].confirmed  # no log at the server yet
     book.status(pb.ReplicaStatus(job="j", server="ps", replica_version=5))
+    assert book.records[("j", "ps")].confirmed
     assert book.records[("j", "ps")].divergence() == 0.5
     ((host, detach),) = book.remove("j", "ps")
     assert host == "h0" and detach.replicate.detach
