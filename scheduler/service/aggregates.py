@@ -325,6 +325,7 @@ class AggregateBook:
             # the push DROPPED with the reason: the aggregate goes on without it (re-issued)
             self.runner.forget([uid])
             out += self.reconcile(now)
+            out.resolved.append(OutcomeKind.DROPPED)  # counted like any dropped update
             return out
         e.stage[uid] = Stage.IN
         if not result.ok:
