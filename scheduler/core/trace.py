@@ -134,6 +134,7 @@ def compare_events(
     -------
     list of dict
         Per link: its process and track names, then its slices sorted by track and start.
+        Slices of one schedule that overlap go on extra tracks of it (``planned (2)``, ...).
 
     Examples
     --------
@@ -158,13 +159,52 @@ def compare_events(
         events.append(
             {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": _name(link)}}
         )
-        events += [
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": i + 1, "args": {"name": name}}
-            for i, name in enumerate(names)
-        ]
         slices = sorted(per_link[link], key=lambda item: (item[0], item[1].start, item[2].payload_id))
-        events += [_slice(r, t, pid, tid, capacities, origin) for tid, r, t in slices]
+        tid = 0
+        for i, name in enumerate(names):
+            lanes = _lanes([r for k, r, _ in slices if k == i + 1])
+            for lane in range(max(lanes, default=0) + 1):
+                label = name if lane == 0 else f"{name} ({lane + 1})"
+                events.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pid,
+                        "tid": tid + lane + 1,
+                        "args": {"name": label},
+                    }
+                )
+            mine = [(r, t) for k, r, t in slices if k == i + 1]
+            events += [
+                _slice(r, t, pid, tid + lane + 1, capacities, origin)
+                for (r, t), lane in zip(mine, lanes, strict=True)
+            ]
+            tid += max(lanes, default=0) + 1
     return events
+
+
+def _lanes(reservations: list[Reservation]) -> list[int]:
+    """The lane of each reservation (sorted by start) so that none overlaps another in its lane.
+
+    A trace viewer draws one track's slices as a stack of nested calls: transfers that
+    overlap without nesting (fair sharing, a release within the margin) go on extra lanes.
+
+    Examples
+    --------
+    >>> r = [Reservation(("a", "b"), s, e, 1.0) for s, e in ((0, 2), (1, 3), (2, 4), (2.5, 3))]
+    >>> _lanes(r)
+    [0, 1, 0, 2]
+    """
+    ends: list[float] = []
+    out = []
+    for r in reservations:
+        lane = next((i for i, end in enumerate(ends) if end <= r.start), len(ends))
+        if lane == len(ends):
+            ends.append(r.end)
+        else:
+            ends[lane] = r.end
+        out.append(lane)
+    return out
 
 
 def write_trace(
