@@ -231,6 +231,8 @@ class AggregatorRole:
                 return
         ready = None
         with agg.lock:
+            if agg.state == "ready" and members and set(members) > set(agg.members):
+                agg.state = "collecting"  # a member joins before the aggregate leaves: open again
             if agg.state != "collecting":
                 if agg.state == "ready" and set(members) == set(agg.members):
                     return  # the same list again: nothing changes
@@ -250,6 +252,7 @@ class AggregatorRole:
                         d.dst_address or agg.dst_address,
                     )
                     ready = self._complete_if_in(agg)
+                    self._changed_notify()
             if problem:
                 self._abandon(agg, f"aggregate {agg.aggregate_id} {problem}", notify=True)
                 return
@@ -333,12 +336,22 @@ class AggregatorRole:
     def _error(self, reason: str, update_id: str) -> Response:
         return Response(error_header(reason, update_id=update_id, src_host=self.host))
 
-    def _wait_for(self, aggregate_id: str) -> tuple[_Aggregate | None, str]:
+    def _changed_notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _wait_for(self, aggregate_id: str, member: str = "") -> tuple[_Aggregate | None, str]:
+        """The aggregate, once its directive (listing ``member``, if given) is in; or why not.
+
+        A member joining an aggregate being gathered may arrive before the re-issued
+        directive that lists it: it waits for it as for an unknown aggregate's directive.
+        """
         deadline = self._clock() + self._early_wait
         with self._changed:
             while True:
                 agg = self._aggregates.get(aggregate_id)
-                if agg is not None:
+                listed = agg is not None and (not member or member in agg.members or agg.state == "abandoned")
+                if agg is not None and (listed or deadline <= self._clock() or self._stopping.is_set()):
                     return agg, ""
                 gone = self._gone.get(aggregate_id)
                 if gone is not None:
@@ -350,7 +363,7 @@ class AggregatorRole:
 
     def _on_member(self, frame: Frame) -> Response:
         h = frame.header
-        agg, problem = self._wait_for(h.aggregate_id)
+        agg, problem = self._wait_for(h.aggregate_id, h.update_id)
         if agg is None:
             return self._error(problem, h.update_id)
         ready = None
@@ -421,8 +434,7 @@ class AggregatorRole:
         """With ``agg.lock`` held: if every member is in, finish the sum; the UpdateReady to send."""
         if agg.state != "collecting" or agg.missing() or agg.acc is None:
             return None
-        agg.acc.finish()
-        agg.state = "ready"
+        agg.state = "ready"  # summed by forward(): a member may still join (re-issued directive)
         h = agg.header(self.host)
         return control_pb2.UpdateReady(
             update_id=agg.aggregate_id,
@@ -459,6 +471,8 @@ class AggregatorRole:
                 _LOG.warning("send directive for aggregate %s while %s", agg.aggregate_id, agg.state)
                 return
             agg.state = "forwarding"
+            if agg.acc is not None and not agg.acc.finished:
+                agg.acc.finish()
             header = agg.header(self.host)
         address = send.next_hop_address or agg.dst_address
         report = control_pb2.TransferReport(

@@ -40,12 +40,14 @@ from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
+from mlfabric.scheduler.policies.joining import join_open
 from mlfabric.scheduler.policies.planning import (
     aggregator_pool,
     core_updates,
     name_aggregates,
     reserve_in_flight,
     run_scope,
+    server_key,
 )
 from mlfabric.scheduler.policies.stf import plan_stf
 
@@ -132,11 +134,14 @@ def _plan_server(
     transfers: list[Transfer],
     aggregates: list[Aggregate],
     ahead_until: float | None = None,
+    min_members: int = 2,
 ) -> Timelines:
     """Plan one server's STF ``order``; returns the timelines holding every reservation.
 
     ``ahead_until``: when the transfers already on their way into ``S`` end (a group is
-    ahead, so the first update may be gathered at an aggregator meanwhile).
+    ahead, so the first update may be gathered at an aggregator meanwhile). ``min_members``:
+    the fewest members of a group (1 online: a lone update gathered while ``S`` is busy opens
+    an aggregate that later arrivals join, :mod:`~mlfabric.scheduler.policies.joining`).
     """
     if not order:
         return tls
@@ -165,7 +170,7 @@ def _plan_server(
                 members.append(
                     trial.transfer(v.update_id, pc.path(v.src, agg), v.bytes, max(v.ready_at, now))
                 )
-        if agg is None or len(members) < 2:
+        if agg is None or len(members) < max(1, min_members):
             t = tls.transfer(u.update_id, pc.path(u.src, u.dst), u.bytes, max(u.ready_at, now))
             transfers.append(t)
             ahead_end = max(ahead_end, t.end)
@@ -192,6 +197,7 @@ def plan_aggregation(
     paths: PathCache | None = None,
     timelines: Timelines | None = None,
     ahead_until: Mapping[str, float] | None = None,
+    min_members: int = 2,
 ) -> Schedule:
     """Group the STF order to each server into direct sends and aggregates (Fig. 6).
 
@@ -216,6 +222,9 @@ def plan_aggregation(
     ahead_until : mapping, optional
         Server host -> when the transfers already in flight into it end: the next group to
         it may then be gathered at an aggregator at once (online planning).
+    min_members : int
+        The fewest updates in a group gathered at an aggregator (default 2; online, 1: a lone
+        update gathered while the server is busy is an aggregate later arrivals may join).
 
     Returns
     -------
@@ -254,7 +263,17 @@ def plan_aggregation(
         order = [ids[uid] for uid in stf.arrivals]
         host = order[0].dst if order else ""
         tls = _plan_server(
-            graph, order, tls, pc, aggregators, now, first_direct, transfers, aggregates, until.get(host)
+            graph,
+            order,
+            tls,
+            pc,
+            aggregators,
+            now,
+            first_direct,
+            transfers,
+            aggregates,
+            until.get(host),
+            min_members,
         )
     return Schedule.aggregated(transfers, aggregates)
 
@@ -353,6 +372,11 @@ class AggregationPolicy:
         directly first); otherwise the asynchronous one (shortest first group).
     aggregators : sequence of str, optional
         Hosts that may aggregate; default every host but the pending updates' servers.
+    join : bool
+        Online (``sync=False``): a pending update joins an aggregate still being gathered
+        when it reaches the aggregator in time (:mod:`~mlfabric.scheduler.policies.joining`),
+        and a lone update gathered while its server is busy opens an aggregate (default).
+        False: groups are only the updates pending at one decision (at least two).
     scope : str
         The run the aggregate ids belong to: ids are ``agg:<server>.<scope>:<n>``
         (``agg:<server>:<n>`` when empty, the default). The scheduler service passes a
@@ -378,12 +402,19 @@ class AggregationPolicy:
     name = "stf+agg"
 
     def __init__(
-        self, *, sync: bool = True, aggregators: Sequence[str] | None = None, scope: str = ""
+        self,
+        *,
+        sync: bool = True,
+        aggregators: Sequence[str] | None = None,
+        scope: str = "",
+        join: bool = True,
     ) -> None:
         self.sync = sync
         self.aggregators = tuple(aggregators) if aggregators is not None else None
         self.scope = scope
+        self.join = join
         self._committed: dict[str, PlannedAggregate] = {}
+        self._server_of: dict[str, str] = {}  # aggregate id -> its members' server key
         self._count = 0
         self._paths: PathCache | None = None
 
@@ -418,25 +449,42 @@ class AggregationPolicy:
                 p = by_id.pop(m)
                 sends.append(Send(m, agg.aggregator, self._path(snapshot, p.src_host, agg.aggregator)))
         self._committed = kept
+        joined: dict[str, PlannedAggregate] = {}
+        if self.join and not self.sync and by_id:
+            live = {a.aggregate_id for a in snapshot.gathering}
+            self._server_of = {a: k for a, k in self._server_of.items() if a in live}
+            joins, joined = join_open(snapshot, list(by_id.values()), self._server_of, self._pc(snapshot))
+            for j in joins:
+                del by_id[j.update_id]
+            sends.extend(joins)
         if not by_id:
-            return Decision(sends=tuple(sends), drops=drops)
+            return Decision(sends=tuple(sends), drops=drops, aggregates=tuple(joined.values()))
         schedule, busy = self._plan(snapshot, list(by_id.values()))
         ids = name_aggregates(schedule, self.scope, self._count)
         self._count += len(schedule.aggregates)
         planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
+        servers = {p.update_id: server_key(p.job, p.server) for p in by_id.values()}
         for a in planned.aggregates:
             self._committed[a.aggregate_id] = a
-        return Decision(sends=(*sends, *planned.sends), drops=drops, aggregates=planned.aggregates)
+            self._server_of[a.aggregate_id] = servers[a.members[0]]
+        return Decision(
+            sends=(*sends, *planned.sends),
+            drops=drops,
+            aggregates=(*joined.values(), *planned.aggregates),
+        )
 
     def abandon(self, aggregate_id: str) -> None:
         """Forget aggregate ``aggregate_id`` (its aggregator failed): its members are planned afresh."""
         self._committed.pop(aggregate_id, None)
 
     # -- internals ---------------------------------------------------------------------
-    def _path(self, snapshot: Snapshot, src: str, dst: str) -> tuple[str, ...]:
+    def _pc(self, snapshot: Snapshot) -> PathCache:
         if self._paths is None or not self._paths.same_topology(snapshot.graph):
             self._paths = PathCache(snapshot.graph)
-        return self._paths.path(src, dst)
+        return self._paths
+
+    def _path(self, snapshot: Snapshot, src: str, dst: str) -> tuple[str, ...]:
+        return self._pc(snapshot).path(src, dst)
 
     def _plan(
         self, snapshot: Snapshot, pending: Sequence[PendingUpdate]
@@ -452,6 +500,12 @@ class AggregationPolicy:
         now = snapshot.now
         tls, busy, until = reserve_in_flight(graph, snapshot.in_flight, now, servers)
         schedule = plan_aggregation(
-            graph, updates, aggregators=aggregators, now=now, timelines=tls, ahead_until=until
+            graph,
+            updates,
+            aggregators=aggregators,
+            now=now,
+            timelines=tls,
+            ahead_until=until,
+            min_members=1 if self.join else 2,
         )
         return schedule, busy

@@ -103,6 +103,9 @@ class Snapshot:
     aggregators: frozenset[str] | None = None
     #: (job, server) -> its replica's state, for servers that have one (replication)
     replicas: Mapping[ServerKey, ReplicaView] = field(default_factory=dict)
+    #: aggregates planned and not yet forwarded, members as they stand (set by the runner);
+    #: a policy may list one again with more members (they join it before it leaves)
+    gathering: tuple[PlannedAggregate, ...] = ()
 
 
 @dataclass(frozen=True)

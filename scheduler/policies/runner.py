@@ -9,7 +9,8 @@ daemons; a fluid network and a simulated server). The runner
   adopts the decision: its sends replace the unreleased plan of the
   :class:`~mlfabric.scheduler.policies.dispatch.Dispatcher`, its aggregates join those
   being gathered (an earlier aggregate not listed again, none of whose members has been
-  released, is replaced); executing the drops is the caller's;
+  released, is replaced; one listed again with more members takes them in, which the
+  policy sees in ``Snapshot.gathering``); executing the drops is the caller's;
 * releases, given the clock and the transfers in flight, the sends whose ``after`` are
   (nearly) done, and the aggregates whose members are all in at their aggregator and
   whose ``after`` are done. An aggregate being gathered counts as a transfer in flight
@@ -132,7 +133,7 @@ class DecisionRunner:
         """
         decision = Decision()
         if pending:
-            decision = self.policy.decide(snapshot, pending)
+            decision = self.policy.decide(replace(snapshot, gathering=self.gathering), pending)
             self.decisions += 1
         ids = {p.update_id for p in pending}
         for s in decision.sends:
@@ -148,9 +149,15 @@ class DecisionRunner:
         for aid in [a for a, g in self._gathering.items() if a not in listed and not self._started(g)]:
             self._drop_aggregate(aid)
         for a in decision.aggregates:
-            if a.aggregate_id not in self._gathering:
+            g = self._gathering.get(a.aggregate_id)
+            if g is None:
                 self._gathering[a.aggregate_id] = _Gathering(a, list(a.members))
                 for m in a.members:
+                    self._member_of[m] = a.aggregate_id
+                continue
+            for m in a.members:  # listed again with more members: they join it before it leaves
+                if m not in g.members and m not in self._member_of:
+                    g.members.append(m)
                     self._member_of[m] = a.aggregate_id
         self.dispatcher.adopt(decision)
         self.forget(d.update_id for d in decision.drops)

@@ -225,6 +225,14 @@ class AggregateBook:
         e = self.executions.get(planned.aggregate_id)
         if e is None:
             e = self._start(planned)
+        elif (
+            uid not in e.members and uid in planned.members and uid in self.state.pending and not e.forwarded
+        ):
+            # it joins the aggregate being gathered: the directive is re-issued with it, and the
+            # aggregate waits for it (announced again once it is in)
+            e.members[uid] = self.state.pending[uid]
+            e.stage[uid] = Stage.PLANNED
+            e.ready = False
         if uid not in e.members:  # not pending when the aggregate started: leave it to a re-plan
             return out
         try:
@@ -300,8 +308,11 @@ class AggregateBook:
             return out
         e.ready = True
         e.deadline = math.inf  # released once its ``after`` transfers are done
-        for m in e.members:
-            self.runner.arrived(m)
+        for m, stage in e.stage.items():
+            # a member its source reported in (summed); the others (a member that joined after
+            # an earlier announcement) once their sources report
+            if stage is Stage.IN:
+                self.runner.arrived(m)
         return out
 
     def member_report(self, result: TransferResult, now: float) -> Effects:
@@ -331,6 +342,8 @@ class AggregateBook:
         if not result.ok:
             reason = f"member '{uid}' did not reach aggregator '{e.planned.aggregator}': {result.error}"
             out += self._fail(e, reason, now, discard=True)
+        elif e.ready:
+            self.runner.arrived(uid)
         return out
 
     def aggregate_report(self, m: pb.TransferReport, host: str, now: float) -> Effects:

@@ -1,0 +1,128 @@
+"""Open aggregates that later arrivals join (online Fig. 6; DESIGN §4).
+
+Online, the workers' updates become ready one by one, so the planner of
+:mod:`~mlfabric.scheduler.policies.aggregation` rarely sees a whole group pending at once:
+the group gathered while the server's ingress is busy closes with the updates pending at the
+decision, and an update that becomes ready a moment later went straight to the server, behind
+the group, one update's bytes more on the bottleneck. Here such an update *joins* an aggregate
+still being gathered (planned, some member released, not yet forwarded) when it can reach the
+aggregator in time; the policy lists the aggregate again with the new member, the runner and
+the service re-issue its directive.
+
+When joining pays: let ``d`` be the time one update takes on the aggregate's path into the
+server (its narrowest link) and ``free`` the time the server's ingress is free of the
+transfers in flight into it (not counting the aggregates being gathered). Sent directly, the
+update occupies the ingress for ``d`` after the aggregate; joined, the aggregate leaves when
+the update is in. The update joins if it reaches the aggregator by ``max(free, now) + d``, or
+before the members already on their way to the aggregate are in (then it costs nothing). The
+bound does not grow with the joins, so an aggregate never waits more than one update's time
+on the server's link for its joiners.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.policies.base import PendingUpdate, PlannedAggregate, Send, Snapshot
+from mlfabric.scheduler.policies.planning import reserve_in_flight, server_key
+
+__all__ = ["join_open"]
+
+
+def join_open(
+    snapshot: Snapshot,
+    pending: Sequence[PendingUpdate],
+    server_of: Mapping[str, str],
+    paths: PathCache,
+) -> tuple[list[Send], dict[str, PlannedAggregate]]:
+    """Let pending updates join the aggregates being gathered (see the module notes).
+
+    Parameters
+    ----------
+    snapshot : Snapshot
+        Time, graph, transfers in flight and ``gathering`` (the aggregates not yet forwarded).
+    pending : sequence of PendingUpdate
+        Updates not yet released and not planned into an aggregate already started.
+    server_of : mapping
+        Aggregate id -> the :func:`~mlfabric.scheduler.policies.planning.server_key` of its
+        members; aggregates not in it (another run's) are never joined.
+    paths : PathCache
+        Paths of ``snapshot.graph``.
+
+    Returns
+    -------
+    tuple
+        The sends of the joining updates to their aggregators, and each aggregate joined with
+        its members as they stand now (the old ones first).
+
+    Examples
+    --------
+    ``ps``'s ingress (1 MB/s) is busy until t=4 with ``u0``; ``agg`` gathers ``u1`` at ``x``.
+    ``u2`` (1 MB, a 4 MB/s uplink) reaches ``x`` at t=0.25, well before ``agg`` may leave.
+
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.policies.base import InFlight
+    >>> g = star(["ps", "w0", "w1", "w2", "x"], {"ps": 8e6, "w0": 32e6, "w1": 32e6, "w2": 32e6, "x": 32e6})
+    >>> u0 = InFlight("u0", "j", "s", ("w0", "sw", "ps"), 4 * 10**6, 0.0, 4.0)
+    >>> u1 = InFlight("u1", "j", "s", ("w1", "sw", "x"), 10**6, 0.0, 0.25)
+    >>> agg = PlannedAggregate("agg", "x", ("u1",), 1e6, "ps", ("u0",))
+    >>> snap = Snapshot(0.0, g, in_flight=(u0, u1), gathering=(agg,))
+    >>> u2 = PendingUpdate("u2", "j", "s", "w2", "w2", "ps", 10**6, 1.0, 0, 0.0)
+    >>> sends, joined = join_open(snap, [u2], {"agg": "j/s"}, PathCache(g))
+    >>> [(s.update_id, s.next_hop) for s in sends], joined["agg"].members
+    ([('u2', 'x')], ('u1', 'u2'))
+
+    With ``ps`` idle and ``u2`` taking 2 s to reach ``x`` (``d`` = 1 s), it does not join.
+
+    >>> slow = star(["ps", "w1", "w2", "x"], {"ps": 8e6, "w1": 32e6, "w2": 4e6, "x": 32e6})
+    >>> snap = Snapshot(0.0, slow, in_flight=(u1,), gathering=(agg,))
+    >>> join_open(snap, [u2], {"agg": "j/s"}, PathCache(slow))
+    ([], {})
+    """
+    ids = {p.update_id for p in pending}
+    open_aggs = [
+        a for a in snapshot.gathering if a.aggregate_id in server_of and any(m not in ids for m in a.members)
+    ]
+    if not open_aggs or not pending:
+        return [], {}
+    graph, now = snapshot.graph, snapshot.now
+    open_ids = {a.aggregate_id for a in open_aggs}
+    others = [f for f in snapshot.in_flight if f.update_id not in open_ids]
+    tls, _, _ = reserve_in_flight(graph, others, now)
+    free: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    for f in others:
+        if not f.path or math.isinf(f.expected_end):
+            continue
+        free[f.path[-1]] = max(free.get(f.path[-1], now), f.expected_end)
+        ends[f.update_id] = f.expected_end
+    members_in = {a.aggregate_id: max((ends.get(m, now) for m in a.members), default=now) for a in open_aggs}
+    sends: list[Send] = []
+    joined: dict[str, PlannedAggregate] = {}
+    for p in sorted(pending, key=lambda p: (p.ready_at, p.bytes, p.update_id)):
+        key = server_key(p.job, p.server)
+        best: tuple[float, str, tuple[str, ...]] | None = None
+        for a in open_aggs:
+            if server_of[a.aggregate_id] != key or a.dst != p.dst_host:
+                continue
+            try:
+                onward = paths.links(a.aggregator, a.dst)
+                to_agg = paths.links(p.src_host, a.aggregator)
+                _, arrive = tls.ten(to_agg, p.bytes, max(p.ready_at, now))
+            except (ValueError, KeyError):
+                continue
+            d = p.bytes / min(graph.edges[link]["capacity"] for link in onward) if onward else 0.0
+            bound = max(max(free.get(a.dst, now), now) + d, members_in[a.aggregate_id])
+            if arrive <= bound and (best is None or (arrive, a.aggregate_id) < best[:2]):
+                best = (arrive, a.aggregate_id, paths.path(p.src_host, a.aggregator))
+        if best is None:
+            continue
+        _, aid, path = best
+        t = tls.transfer(p.update_id, path, p.bytes, max(p.ready_at, now))
+        agg = joined.get(aid) or next(a for a in open_aggs if a.aggregate_id == aid)
+        joined[aid] = replace(agg, members=(*agg.members, p.update_id))
+        sends.append(Send(p.update_id, agg.aggregator, path, (), t.start, t.end))
+    return sends, joined
