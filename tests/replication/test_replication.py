@@ -67,12 +67,12 @@ def _wait_file(path: Path, proc: Any, timeout: float = 60.0) -> None:
 class Run:
     """A cluster with the server, its replica and the workers of one test."""
 
-    def __init__(self, tmp_path: Path, div_max: float) -> None:
+    def __init__(self, tmp_path: Path, div_max: float, cluster_cls: Any = LocalCluster) -> None:
         topology = tmp_path / "topology.toml"
         topology.write_text(TOPOLOGY)
         self.out = tmp_path / "out"
         self.out.mkdir()
-        self.cluster = LocalCluster(topology, policy="stf", workdir=tmp_path / "run").start()
+        self.cluster = cluster_cls(topology, policy="stf", workdir=tmp_path / "run").start()
         self.server = self.spawn("ps", "server", str(div_max))
         _wait_file(self.out / "server.ready", self.server)
         self.replica = self.spawn("rep", "replica")
@@ -283,3 +283,28 @@ def test_a_failed_server_comes_back_as_the_replica_of_the_promoted_one(tmp_path:
     promoted, rejoin = _model(run.out, "replica"), _model(run.out, "rejoin")
     assert all(np.array_equal(promoted[k], rejoin[k]) for k in promoted), "the re-joined replica differs"
     _check_exact(promoted, results)
+
+
+@pytest.mark.slow
+def test_after_a_scheduler_restart_the_replica_still_takes_over(tmp_path: Path) -> None:
+    """SIGKILL the scheduler mid-run and start it again: the replica registers again (once its
+    server is back) and is promoted when the server process is killed later; exactly once."""
+    sys.path.insert(0, str(HERE.parents[1] / "experiments"))
+    try:
+        from faults_cluster import FaultCluster
+    finally:
+        sys.path.pop(0)
+    run = Run(tmp_path, div_max=0.0, cluster_cls=FaultCluster)
+    try:
+        run.start_workers(pushes=40, gap=0.02)
+        run.wait_progress(8)
+        run.cluster.restart("scheduler", signal.SIGKILL)
+        run.wait_progress(30)
+        os.kill(run.server.popen.pid, signal.SIGKILL)
+        _wait_file(run.out / "replica.promoted", run.replica, timeout=30)
+        results = run.finish(run.replica)
+    finally:
+        run.stop()
+    _check_exact(_model(run.out, "replica"), results)
+    replica = json.loads((run.out / "replica.json").read_text())
+    assert len(replica["applied"]) == len(set(replica["applied"]))
