@@ -86,7 +86,8 @@ def role_replica(out: Path) -> None:
         applied.append(meta.update_id)
         if rep.promoted.is_set() and not after:
             after.append(time.time())
-            (out / "replica.first").write_text(str(after[0]))
+            (out / "replica.first.tmp").write_text(str(after[0]))
+            os.replace(out / "replica.first.tmp", out / "replica.first")  # whole or absent
 
     (out / "replica.ready").touch()
     rep.serve(until=stop)
@@ -120,7 +121,9 @@ def trial(victim: str, div_max: float, warmup: float, workdir: Path) -> dict[str
     out = workdir / "out"
     out.mkdir()
     me = [sys.executable, str(Path(__file__).resolve()), "role"]
-    cluster = LocalCluster(topology, policy="stf", workdir=workdir / "run", log_level="WARNING").start()
+    cluster = LocalCluster(
+        topology, policy="stf", workdir=workdir / "run", log_level="WARNING", ready_timeout=120
+    ).start()
     try:
         server = cluster.spawn("ps", [*me, "server", str(out), str(div_max)], name="server")
         _wait(out / "server.ready", server)
@@ -130,6 +133,11 @@ def trial(victim: str, div_max: float, warmup: float, workdir: Path) -> dict[str
             cluster.spawn(h, [*me, "worker", str(out), str(r)], name=f"w{r}") for r, h in enumerate("ab")
         ]
         time.sleep(warmup)
+        deadline = time.monotonic() + 60
+        while _lines(out / "shadow.jsonl") < 20:  # the workers are pushing
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not push within 60 s; log:\n{workers[0].log_tail()}")
+            time.sleep(0.05)
         target = (
             server if victim == "process" else next(p for p in cluster.processes() if p.name == "daemon-ps")
         )
@@ -170,7 +178,9 @@ def overhead_trial(mode: str, div_max: float, seconds: float, workdir: Path) -> 
     out.mkdir()
     me = [sys.executable, str(Path(__file__).resolve()), "role"]
     bound = {"none": div_max, "div_max": div_max, "chain": 0.0}[mode]
-    cluster = LocalCluster(topology, policy="stf", workdir=workdir / "run", log_level="WARNING").start()
+    cluster = LocalCluster(
+        topology, policy="stf", workdir=workdir / "run", log_level="WARNING", ready_timeout=120
+    ).start()
     try:
         server = cluster.spawn("ps", [*me, "server", str(out), str(bound)], name="server")
         _wait(out / "server.ready", server)
