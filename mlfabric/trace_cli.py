@@ -8,6 +8,7 @@ JSON file, which ui.perfetto.dev (or ``chrome://tracing``) opens:
   from its release to its planned end, at its planned rate) and ``measured`` (each reported
   transfer from its start to its end as the sending daemon timed it, at the rate it got);
   the slice's ``args`` hold the rate, the bytes and the share of the link's configured rate;
+  transfers of one track that overlap go on extra lanes (``planned (2)``, ...);
 - one process per job with two tracks per update: ``<update> planned`` (``queued`` from
   ready to release, then ``planned``) and ``<update> measured`` (the transfer, and the
   verdict as an instant: ``applied``, ``dropped`` with the reason, ``unknown``).

@@ -175,21 +175,7 @@ class TraceLog:
     ) -> None:
         """A transfer released at ``started_at`` and planned to end at ``expected_end`` (service clock)."""
         start, end = started_at + self._offset, expected_end + self._offset
-        self._add(
-            TraceRecord(
-                self._next,
-                Kind.PLANNED,
-                update_id,
-                job,
-                server,
-                "",
-                tuple(path),
-                nbytes,
-                start,
-                end,
-                aggregate,
-            )
-        )
+        self._transfer(Kind.PLANNED, update_id, job, server, path, nbytes, start, end, aggregate)
 
     def measured(
         self,
@@ -211,25 +197,33 @@ class TraceLog:
         from_receipt = start <= 0 or end < start or end > now + CLOCK_TOLERANCE
         if from_receipt:
             start, end = now - max(0.0, end - start), now
-        self._add(
-            TraceRecord(
-                self._next,
-                Kind.MEASURED,
-                update_id,
-                job,
-                server,
-                "",
-                tuple(path),
-                nbytes,
-                start,
-                end,
-                aggregate,
-                outcome,
-                reason,
-                ok,
-                from_receipt,
-            )
+        self._transfer(
+            Kind.MEASURED,
+            update_id,
+            job,
+            server,
+            path,
+            nbytes,
+            start,
+            end,
+            aggregate,
+            outcome,
+            reason,
+            ok,
+            from_receipt,
         )
+
+    def _transfer(
+        self,
+        kind: Kind,
+        update_id: str,
+        job: str,
+        server: str,
+        path: Sequence[str],
+        *fields: Any,
+    ) -> None:
+        """A PLANNED or MEASURED record: ``fields`` are those of :class:`TraceRecord` from ``bytes`` on."""
+        self._add(TraceRecord(self._next, kind, update_id, job, server, "", tuple(path), *fields))
 
     def verdict(self, update_id: str, outcome: str, reason: str = "") -> None:
         """The push of ``update_id`` resolved now with ``outcome``."""
