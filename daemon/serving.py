@@ -167,6 +167,7 @@ class ServerRoles:
             if (job, server) not in self.replica_keys:
                 return None
             self.replica_keys.discard((job, server))
+            self.replica_names.pop((job, server), None)
             return self._roles[(job, server)][1]
 
     def remove(self, conn: LocalConnection) -> bool:
@@ -177,6 +178,7 @@ class ServerRoles:
                 return False
             del self._roles[(conn.job, conn.name)]
             self.replica_keys.discard((conn.job, conn.name))
+            self.replica_names.pop((conn.job, conn.name), None)
         if self.replication is not None:
             self.replication.close(conn.job, conn.name)
         entry[0].close(f"server process {conn.name!r} of job {conn.job!r} on host {self.host!r} disconnected")
