@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 from mlfabric.config import add_config_argument
 from mlfabric.readyfile import write_ready_file
@@ -140,7 +141,70 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="payload bytes of pushes held, and of payloads received, at once (each); a push or a "
         "receive beyond it waits, a single larger payload is refused (default 2147483648)",
     )
+    add_auth_arguments(parser)
     add_config_argument(parser, "daemon")
+
+
+def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
+    """The daemon's authentication options (docs/security.md); all off by default."""
+    auth = parser.add_argument_group("authentication (docs/security.md; off by default)")
+    auth.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="the cluster's CA certificate; with --tls-cert/--tls-key the control stream is mTLS",
+    )
+    auth.add_argument("--tls-cert", metavar="PEM", help="this host's certificate (its CN/SAN: --host)")
+    auth.add_argument("--tls-key", metavar="PEM", help="this host's private key")
+    auth.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="name the scheduler's certificate carries (default: the host of --scheduler)",
+    )
+    auth.add_argument(
+        "--data-auth",
+        choices=("none", "hmac", "tls"),
+        default="none",
+        help="data-plane connections: none (default), hmac (challenge/response over "
+        "--data-secret; payloads in the clear, zero copy) or tls (mTLS with the host "
+        "certificates; encrypted, no sendfile)",
+    )
+    auth.add_argument("--data-secret", metavar="FILE", help="the data plane's shared secret (hex), for hmac")
+    auth.add_argument(
+        "--local-peer-check",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="admit local clients only if their uid is this daemon's or root, or they "
+        "are in --local-group (SO_PEERCRED; default: no check)",
+    )
+    auth.add_argument("--local-group", metavar="GROUP", help="group allowed on the local socket")
+
+
+def auth_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``DaemonConfig`` fields of the authentication options.
+
+    Raises
+    ------
+    ValueError
+        Half-configured TLS, an unreadable file, a missing secret or an unknown group (named).
+    """
+    from mlfabric.wire.auth import DataPlaneAuth, load_secret
+    from mlfabric.wire.peercred import LocalAccess
+    from mlfabric.wire.tls import TlsFiles
+
+    tls = TlsFiles.from_options(args.tls_ca, args.tls_cert, args.tls_key)
+    if tls is not None:
+        tls.read()  # a missing file fails here, named, not at the first connection
+    secret = load_secret(args.data_secret) if args.data_secret else None
+    data_auth = DataPlaneAuth(args.data_auth, args.host, secret, tls if args.data_auth == "tls" else None)
+    if args.local_group and not args.local_peer_check:
+        raise ValueError("local_group is set but local_peer_check is off (turn it on to check local clients)")
+    access = LocalAccess.for_group(args.local_group) if args.local_peer_check else None
+    return {
+        "tls": tls,
+        "tls_server_name": args.tls_server_name,
+        "data_auth": data_auth,
+        "local_access": access,
+    }
 
 
 def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
@@ -205,7 +269,13 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             _LOG.error("cannot read NIC rates: %s", exc)
             return 2
+    try:
+        auth = auth_settings(args)
+    except ValueError as exc:
+        _LOG.error("daemon of host %r: %s", args.host, exc)
+        return 2
     config = DaemonConfig(
+        **auth,
         host=args.host,
         scheduler=args.scheduler,
         socket_path=socket_path,

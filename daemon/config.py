@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from mlfabric.daemon.budget import DEFAULT_MAX_INFLIGHT_BYTES
 from mlfabric.daemon.fallback import DEFAULT_FALLBACK_AFTER
+from mlfabric.wire.auth import DataPlaneAuth
+from mlfabric.wire.peercred import LocalAccess
+from mlfabric.wire.tls import TlsFiles
 
 __all__ = ["DaemonConfig"]
 
@@ -70,6 +73,15 @@ class DaemonConfig:
         (local: the whole message) has arrived (None: no limit).
     max_connections : int or None
         Connections served at once, on the data plane and on the local socket each.
+    tls : TlsFiles or None
+        This host's certificate, key and the CA: the control stream to the scheduler is mTLS
+        (None: plaintext, as without authentication; docs/security.md).
+    tls_server_name : str or None
+        The name the scheduler's certificate must carry (default: the host of ``scheduler``).
+    data_auth : DataPlaneAuth or None
+        How data-plane connections authenticate (None: they do not).
+    local_access : LocalAccess or None
+        Who may use the local socket (``SO_PEERCRED``; None: anyone the socket file lets in).
     """
 
     host: str
@@ -94,3 +106,7 @@ class DaemonConfig:
     idle_timeout: float | None = 120.0
     header_timeout: float | None = 10.0
     max_connections: int | None = 1024
+    tls: TlsFiles | None = None
+    tls_server_name: str | None = None
+    data_auth: DataPlaneAuth | None = None
+    local_access: LocalAccess | None = None

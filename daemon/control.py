@@ -5,14 +5,14 @@ update-ready notifications and transfer reports go up, and role acks and directi
 drop, job updates) come down, all on the one stream (DESIGN §3, §7; MLfabric §4: the
 scheduler sees only control messages, never tensor bytes).
 
-A scheduler that refuses the ``Hello`` (INVALID_ARGUMENT, e.g. a host name not in its
-bandwidth graph) is not retried. When the stream breaks, :class:`ControlStream` tells the
-daemon (which resolves the pushes that were waiting for a directive, so none is silently
-lost) and reconnects with exponential backoff; after each ``Welcome`` the daemon
-re-registers its roles. Keepalive pings (:mod:`mlfabric.wire.keepalive`, the setting the
-scheduler's server expects) keep idle streams alive through proxies and detect a dead
-scheduler. A refused ``RegisterRole`` carries an ``ErrorCode``; :func:`local_error_code`
-turns it into the local API's code.
+A scheduler that refuses the ``Hello`` (INVALID_ARGUMENT, e.g. a host name not in its bandwidth
+graph; PERMISSION_DENIED, a host name its certificate does not carry) is not retried. When the
+stream breaks, :class:`ControlStream` tells the daemon (which resolves the pushes that were
+waiting for a directive, so none is silently lost) and reconnects with exponential backoff; after
+each ``Welcome`` the daemon re-registers its roles. Keepalive pings
+(:mod:`mlfabric.wire.keepalive`, the setting the scheduler's server expects) keep idle streams
+alive through proxies and detect a dead scheduler. A refused ``RegisterRole`` carries an
+``ErrorCode``; :func:`local_error_code` turns it into the local API's code.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import grpc
 
 from mlfabric.proto.v1 import control_pb2, control_pb2_grpc
 from mlfabric.wire.keepalive import CHANNEL_OPTIONS
+from mlfabric.wire.tls import TlsFiles, grpc_channel
 
-__all__ = ["ControlStream", "local_error_code"]
+__all__ = ["ControlStream", "control_channel", "local_error_code"]
 
 _LOG = logging.getLogger("mlfabric.daemon.control")
 
@@ -51,6 +52,12 @@ def local_error_code(code: int) -> str:
     if code == control_pb2.ERROR_CODE_UNSPECIFIED or code not in control_pb2.ErrorCode.values():
         return "refused"
     return control_pb2.ErrorCode.Name(code).removeprefix("ERROR_CODE_").lower()
+
+
+def control_channel(tls: TlsFiles | None, server_name: str | None = None) -> Callable[[str], grpc.Channel]:
+    """``channel_factory`` of the control stream: mTLS with ``tls`` (this host's certificate), else
+    plaintext; keepalive either way. ``server_name``: the name the scheduler's certificate carries."""
+    return lambda target: grpc_channel(target, tls, server_name, CHANNEL_OPTIONS)
 
 
 _CLOSE = object()
@@ -190,7 +197,8 @@ class ControlStream:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
             self.last_error = f"stream failed ({getattr(code, 'name', code)}: {details})"
-            if code == grpc.StatusCode.INVALID_ARGUMENT and not welcomed:
+            refusals = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+            if code in refusals and not welcomed:
                 _LOG.error("scheduler %s refused this daemon: %s", self.target, details)
                 self.refused.set()
         finally:

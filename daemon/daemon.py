@@ -35,7 +35,7 @@ from mlfabric.daemon.aggregating import AggregatorRole
 from mlfabric.daemon.allreduce import AllreduceRole
 from mlfabric.daemon.budget import BudgetExceeded, ByteBudget, Ticker
 from mlfabric.daemon.config import DaemonConfig
-from mlfabric.daemon.control import ControlStream, local_error_code
+from mlfabric.daemon.control import ControlStream, control_channel, local_error_code
 from mlfabric.daemon.dataplane import (
     Frame,
     FrameError,
@@ -137,6 +137,7 @@ class Daemon(SchedulerSession):
             idle_timeout=config.idle_timeout,
             header_timeout=config.header_timeout,
             max_connections=config.max_connections,
+            auth=config.data_auth,
         )
         self._pool = PeerPool(
             limits,
@@ -145,6 +146,7 @@ class Daemon(SchedulerSession):
             connect_timeout=config.connect_timeout,
             io_timeout=config.io_timeout,
             max_idle_seconds=None if config.idle_timeout is None else config.idle_timeout / 2,
+            auth=config.data_auth,
         )
         self._local = LocalApiServer(
             config.socket_path,
@@ -153,6 +155,7 @@ class Daemon(SchedulerSession):
             idle_timeout=config.idle_timeout,
             message_timeout=config.header_timeout,
             max_connections=config.max_connections,
+            access=config.local_access,
         )
         self._control = ControlStream(
             config.scheduler,
@@ -165,7 +168,7 @@ class Daemon(SchedulerSession):
             self._on_directive,
             self._on_connected,
             self._on_disconnected,
-            channel_factory=channel_factory,
+            channel_factory=channel_factory or control_channel(config.tls, config.tls_server_name),
         )
         self._tasks = ThreadPoolExecutor(max_workers=32, thread_name_prefix="daemon-task")
         self._lock = threading.Lock()

@@ -36,6 +36,7 @@ import itertools
 import math
 import select
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -359,6 +360,7 @@ def send_frame(
     'j'
     """
     size = payload_length(payload)
+    zero_copy = zero_copy and not isinstance(sock, ssl.SSLSocket)  # sendfile would bypass TLS
     out = FrameHeader()
     out.CopyFrom(header)
     out.payload_bytes = size
@@ -418,8 +420,8 @@ class IdleTimeout(FrameError):
 
 def _wait_readable(sock: socket.socket, deadline: float | None) -> bool:
     """Whether ``sock`` has input (or EOF) before ``deadline`` (monotonic; None: do not wait here)."""
-    if deadline is None:
-        return True
+    if deadline is None or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+        return True  # TLS: bytes already decrypted are not seen by poll
     remaining = deadline - time.monotonic()
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)

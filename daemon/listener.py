@@ -39,6 +39,7 @@ from mlfabric.daemon.sockets import (
     parse_address,
     tune_socket,
 )
+from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
 
 __all__ = ["DataPlaneListener", "Handler", "Response"]
 
@@ -100,6 +101,10 @@ class DataPlaneListener:
         limit and closed (None: no limit).
     logger : logging.Logger, optional
         Where rejected frames and failures are logged.
+    auth : DataPlaneAuth, optional
+        Authenticate each connection before its first frame (:mod:`mlfabric.wire.auth`); a peer
+        that does not is logged and closed, and a frame whose ``src_host`` is not a host the
+        peer proved is refused with ERROR (None: no authentication).
 
     Examples
     --------
@@ -122,6 +127,7 @@ class DataPlaneListener:
         header_timeout: float | None = None,
         max_connections: int | None = None,
         logger: logging.Logger | None = None,
+        auth: DataPlaneAuth | None = None,
     ) -> None:
         self._bind = parse_address(bind_address)
         self._handler = handler
@@ -133,6 +139,7 @@ class DataPlaneListener:
         self._idle_timeout = idle_timeout
         self._header_timeout = header_timeout
         self._max_connections = max_connections
+        self._auth = auth if auth is not None and auth.enabled else None
         self._log = logger or _LOG
         self._lock = threading.Lock()
         self._server: socket.socket | None = None
@@ -145,6 +152,8 @@ class DataPlaneListener:
         #: Connections closed for idling (``idle_timeout``) or refused over ``max_connections``.
         self.idle_closed = 0
         self.refused = 0
+        #: Connections that did not authenticate, and frames refused for another host's name.
+        self.auth_refused = 0
 
     @property
     def connections(self) -> int:
@@ -224,14 +233,64 @@ class DataPlaneListener:
             sock.close()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        names: frozenset[str] | None = None
         try:
-            self._serve_frames(sock, peer)
+            if self._auth is not None:
+                authenticated = self._authenticate(sock, peer)
+                if authenticated is None:
+                    return
+                sock, names = authenticated
+            self._serve_frames(sock, peer, names)
         finally:
             with self._lock:
                 self._conns.pop(sock, None)
             sock.close()
 
-    def _serve_frames(self, sock: socket.socket, peer: str) -> None:
+    def _authenticate(self, sock: socket.socket, peer: str) -> tuple[socket.socket, frozenset[str]] | None:
+        """The connection's (possibly TLS) socket and the hosts its peer proved; None: refused."""
+        assert self._auth is not None
+        try:
+            wrapped, names = self._auth.accept(sock)
+        except AuthFailed as exc:
+            with self._lock:
+                self.auth_refused += 1
+            self._log.warning("data plane: refused the connection from %s: %s", peer, exc.reason)
+            if exc.speaks_frames:
+                self._reply_error(sock, peer, f"authentication required: {exc.reason}")
+                lingering_close(sock)
+            return None
+        if wrapped is not sock:
+            with self._lock:  # stop() shuts the connection down through the socket that owns it now
+                thread = self._conns.pop(sock, None)
+                if thread is not None:
+                    self._conns[wrapped] = thread
+        self._log.info("data plane: %s authenticated as %s", peer, ", ".join(sorted(names)))
+        return wrapped, names
+
+    def _wrong_host(self, frame: Frame, names: frozenset[str] | None, sock: socket.socket, peer: str) -> bool:
+        """Refuse (ERROR, close) a frame sent in the name of a host its peer did not prove."""
+        if not names:
+            return False
+        claimed = frame.header.src_host
+        if not claimed:
+            frame.header.src_host = min(names)
+            return False
+        if claimed in names:
+            return False
+        proved = ", ".join(sorted(names))
+        reason = f"frame claims host {claimed!r} but the connection authenticated as {proved}"
+        with self._lock:
+            self.auth_refused += 1
+        self._log.warning("data plane: refused a frame from %s: %s; closing", peer, reason)
+        frame.payload.release()
+        release = getattr(frame.buffer, "release", None)
+        if release is not None:
+            release()
+        self._reply_error(sock, peer, reason, frame.header.update_id)
+        lingering_close(sock)
+        return True
+
+    def _serve_frames(self, sock: socket.socket, peer: str, names: frozenset[str] | None = None) -> None:
         while not self._stopping.is_set():
             try:
                 frame = recv_frame(
@@ -259,7 +318,7 @@ class DataPlaneListener:
                 if not self._stopping.is_set():
                     self._log.warning("data plane: connection from %s failed: %r", peer, exc)
                 return
-            if frame is None:
+            if frame is None or self._wrong_host(frame, names, sock, peer):
                 return
             try:
                 response = self._handler(frame)

@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 from mlfabric.daemon.sockets import accept_until_stopped, admit
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, ReadTimeout, send_message
+from mlfabric.wire.peercred import LocalAccess, peer_credentials
 
 __all__ = ["LocalApiServer", "LocalConnection"]
 
@@ -114,6 +115,9 @@ class LocalApiServer:
         Seconds from a message's first byte until it is complete (None: no limit).
     max_connections : int, optional
         Connections served at once (None: no limit).
+    access : LocalAccess, optional
+        Who may connect, checked with ``SO_PEERCRED`` (:mod:`mlfabric.wire.peercred`); anyone
+        else is answered ``permission_denied`` naming why and closed (None: no check).
     """
 
     def __init__(
@@ -126,14 +130,18 @@ class LocalApiServer:
         idle_timeout: float | None = None,
         message_timeout: float | None = None,
         max_connections: int | None = None,
+        access: LocalAccess | None = None,
     ) -> None:
         self.path = path
+        self._access = access
         self._idle_timeout = idle_timeout
         self._message_timeout = message_timeout
         self._max_connections = max_connections
         #: connections refused over ``max_connections`` and closed by a timeout (tests, metrics)
         self.refused = 0
         self.timed_out = 0
+        #: connections refused by ``access`` (SO_PEERCRED)
+        self.denied = 0
         self._on_request = on_request
         self._on_close = on_close
         self._max = max_message
@@ -184,6 +192,13 @@ class LocalApiServer:
 
     def _accepted(self, sock: socket.socket, _peer: Any) -> None:
         conn = LocalConnection(next(self._ids), sock)
+        if self._access is not None:
+            reason = self._access.refusal(peer_credentials(sock))
+            if reason is not None:
+                with self._lock:
+                    self.denied += 1
+                self._refuse(conn, sock, "permission_denied", reason)
+                return
         thread = threading.Thread(
             target=self._serve, args=(conn, sock), name=f"local-{conn.conn_id}", daemon=True
         )
@@ -192,16 +207,16 @@ class LocalApiServer:
             if full:
                 self.refused += 1
         if full:
-            self._refuse(conn, sock)
+            reason = f"too many local connections to this daemon (limit {self._max_connections})"
+            self._refuse(conn, sock, "unavailable", reason)
             return
         thread.start()
 
-    def _refuse(self, conn: LocalConnection, sock: socket.socket) -> None:
-        """Answer a connection over ``max_connections`` with an error and close it."""
-        reason = f"too many local connections to this daemon (limit {self._max_connections})"
+    def _refuse(self, conn: LocalConnection, sock: socket.socket, code: str, reason: str) -> None:
+        """Answer a connection refused (over ``max_connections``, not allowed) and close it."""
         _LOG.warning("local connection %d refused: %s", conn.conn_id, reason)
         sock.settimeout(0.5)  # a fresh socket's buffer takes the error; never block the accept loop
-        conn.error(0, "unavailable", reason)
+        conn.error(0, code, reason)
         conn.close()
         sock.close()
 

@@ -42,6 +42,7 @@ from mlfabric.daemon.dataplane import (
 from mlfabric.daemon.ratelimit import TokenBucket
 from mlfabric.daemon.sockets import format_address, parse_address, tune_socket
 from mlfabric.proto.v1 import dataplane_pb2
+from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
 
 __all__ = [
     "Connection",
@@ -245,6 +246,8 @@ class PeerPool:
     max_idle_seconds : float or None
         An idle connection older than this is closed instead of reused (keep it below the
         peers' ``idle_timeout``, so a request never goes out on a connection the peer is closing).
+    auth : DataPlaneAuth, optional
+        Authenticate each new connection before its first frame (:mod:`mlfabric.wire.auth`).
 
     Examples
     --------
@@ -265,8 +268,10 @@ class PeerPool:
         io_timeout: float | None = 60.0,
         max_idle_per_peer: int = 4,
         max_idle_seconds: float | None = None,
+        auth: DataPlaneAuth | None = None,
     ) -> None:
         self._limits = limits
+        self._auth = auth if auth is not None and auth.enabled else None
         self._max_idle_seconds = max_idle_seconds
         self._egress = egress_bucket
         self._ingress = ingress_bucket
@@ -291,6 +296,12 @@ class PeerPool:
         except OSError as exc:
             raise PeerUnavailable(address, f"connect: {exc}") from exc
         tune_socket(sock)
+        if self._auth is not None:
+            try:
+                sock = self._auth.connect(sock)
+            except AuthFailed as exc:
+                sock.close()
+                raise PeerUnavailable(address, f"authentication: {exc.reason}") from exc
         sock.settimeout(self._io_timeout)
         return Connection(address, sock, self._limits, self._egress, self._ingress)
 

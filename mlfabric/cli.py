@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("mlfabric.config", "check a scheduler or daemon config file; list the config keys"),
     "install-units": ("mlfabric.units", "write the systemd unit files (mlfabric-scheduler, mlfabric-daemon)"),
     "status": ("mlfabric.status", "a running cluster: hosts, jobs, links, and what holds each job back"),
+    "certs": ("mlfabric.certs", "make a test CA, host/scheduler certificates and the data-plane secret"),
     "trace": ("mlfabric.trace_cli", "record a running cluster's planned and measured transfers (Perfetto)"),
 }
 

@@ -133,6 +133,22 @@ SCHEDULER_KEYS: tuple[Key, ...] = (
     Key("ready_file", str, None, "write {pid, address, ...} JSON here once serving", path=True),
     Key("metrics_port", int, None, "serve Prometheus /metrics on this port (0: any; unset: off)", minimum=0),
     Key("log_level", str, "WARNING", "log verbosity", choices=_LOG_LEVELS),
+    Key(
+        "tls_ca",
+        str,
+        None,
+        "CA certificate (PEM) of the cluster; with tls_cert and tls_key: serve mTLS only "
+        "(daemons must present a host certificate)",
+        path=True,
+    ),
+    Key(
+        "tls_cert",
+        str,
+        None,
+        "this process's certificate (PEM; `mlfabric certs` makes a test set)",
+        path=True,
+    ),
+    Key("tls_key", str, None, "this process's private key (PEM, mode 0600)", path=True),
 )
 
 #: keys of ``daemon.toml`` (the options of ``mlfabric daemon``)
@@ -211,6 +227,44 @@ DAEMON_KEYS: tuple[Key, ...] = (
     ),
     Key("metrics_port", int, None, "serve Prometheus /metrics on this port (0: any; unset: off)", minimum=0),
     Key("log_level", str, "WARNING", "log verbosity", choices=_LOG_LEVELS),
+    Key(
+        "tls_ca",
+        str,
+        None,
+        "CA certificate (PEM) of the cluster; with tls_cert and tls_key: mTLS to the scheduler "
+        "(and the data plane's, with data_auth = tls)",
+        path=True,
+    ),
+    Key(
+        "tls_cert",
+        str,
+        None,
+        "this process's certificate (PEM; `mlfabric certs` makes a test set)",
+        path=True,
+    ),
+    Key("tls_key", str, None, "this process's private key (PEM, mode 0600)", path=True),
+    Key(
+        "tls_server_name",
+        str,
+        None,
+        "name the scheduler's certificate must carry (default: the host part of 'scheduler')",
+    ),
+    Key(
+        "data_auth",
+        str,
+        "none",
+        "data-plane authentication per connection: none, hmac (shared-secret challenge/response, "
+        "zero copy kept) or tls (mTLS with the host certificates, encrypted)",
+        choices=("none", "hmac", "tls"),
+    ),
+    Key("data_secret", str, None, "the data plane's shared secret file (hex; data_auth = hmac)", path=True),
+    Key(
+        "local_peer_check",
+        bool,
+        False,
+        "check local clients' uid/gid (SO_PEERCRED): only this daemon's uid, root and local_group",
+    ),
+    Key("local_group", str, None, "group (name or gid) whose members may use the local socket"),
 )
 
 #: config kind -> its keys

@@ -317,6 +317,7 @@ class LocalClient:
         assert self._sock is not None
         reader = MessageReader(self._sock)
         reason = f"the daemon at {self.path} closed the connection"
+        code = "disconnected"
         try:
             while True:
                 body = reader.read()
@@ -328,12 +329,15 @@ class LocalClient:
                 carries = kind in payload_kinds and getattr(event, kind).has_payload
                 carries = carries or (kind == "registered" and event.registered.model.has_payload)
                 fd = reader.take_fd() if carries else None
+                if kind == "error" and event.error.code == "permission_denied" and not event.request_id:
+                    reason = f"the daemon at {self.path} refused this process: {event.error.message}"
+                    code = event.error.code
                 self._dispatch(event, fd)
         except (OSError, ProtocolError, ValueError) as exc:
             reason = f"connection to the daemon at {self.path} failed: {exc}"
         finally:
             reader.close()
-            self._fail_all(reason)
+            self._fail_all(reason, code)
 
     def _dispatch(self, event: Any, fd: int | None) -> None:
         with self._lock:
@@ -344,13 +348,13 @@ class LocalClient:
             return
         handler(event, fd)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, code: str = "disconnected") -> None:
         with self._lock:
             self._closed_reason = reason
             handlers = list(self._handlers.values())
             self._handlers.clear()
             unsolicited = self._unsolicited
-        event = local_pb2.LocalEvent(error=local_pb2.LocalError(code="disconnected", message=reason))
+        event = local_pb2.LocalEvent(error=local_pb2.LocalError(code=code, message=reason))
         for handler in handlers:
             handler(event, None)
         if unsolicited is not None:

@@ -21,12 +21,15 @@ import json
 import sys
 from typing import Any
 
+from mlfabric.wire.tls import TlsError, add_client_arguments, client_channel
+
 __all__ = ["configure", "format_status", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``mlfabric status`` arguments to ``parser``."""
     parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
+    add_client_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--window", type=float, default=30.0, metavar="S", help="seconds behind rates (default 30)"
@@ -105,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
 
     from mlfabric.proto.v1 import admin_pb2, admin_pb2_grpc
 
-    with grpc.insecure_channel(args.scheduler) as channel:
+    try:
+        channel = client_channel(args)
+    except TlsError as exc:
+        print(f"mlfabric status: error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         try:
             reply = admin_pb2_grpc.AdminStub(channel).Status(
                 admin_pb2.StatusRequest(window_seconds=args.window), timeout=args.timeout

@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
+from mlfabric.wire.tls import TlsError, add_client_arguments, client_channel
+
 __all__ = ["build_trace", "configure", "run"]
 
 #: seconds between two polls when the scheduler has nothing more
@@ -50,6 +52,7 @@ _READY, _PLANNED, _MEASURED, _VERDICT = 1, 2, 3, 4
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``mlfabric trace`` arguments to ``parser``."""
     parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
+    add_client_arguments(parser)
     parser.add_argument(
         "--seconds",
         type=float,
@@ -260,7 +263,12 @@ def run(args: argparse.Namespace) -> int:
     cursor = 0
     t0 = time.monotonic()
     shown = t0 - 1.0  # the first poll reports at once
-    with grpc.insecure_channel(args.scheduler) as channel:
+    try:
+        channel = client_channel(args)
+    except TlsError as exc:
+        print(f"mlfabric trace: error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
             capacities = _capacities(stub, admin_pb2, args.timeout)

@@ -140,7 +140,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on port P (0: any free port)"
     )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="the cluster's CA; with --tls-cert and --tls-key: "
+        "serve mTLS only, each daemon's Hello checked against its certificate",
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="the scheduler's certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="the scheduler's private key")
     add_config_argument(parser, "scheduler")
+
+
+def _credentials(args: argparse.Namespace) -> Any:
+    """gRPC server credentials of ``--tls-*`` (None: plaintext); ValueError naming a bad file."""
+    from mlfabric.wire.tls import TlsFiles, server_credentials
+
+    files = TlsFiles.from_options(args.tls_ca, args.tls_cert, args.tls_key)
+    return None if files is None else server_credentials(files)
 
 
 def _fail(message: str) -> int:
@@ -295,11 +311,16 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         aggregate_timeout=args.aggregate_timeout,
     )
     try:
+        credentials = _credentials(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
         trace.set_clock(core.clock)
         admin = AdminServicer(core, activity, trace)
         server, port = await start_server(
             core,
             args.listen,
+            credentials=credentials,
             extra=[("mlfabric.v1.Admin", lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s))],
         )
     except RuntimeError as exc:

@@ -21,6 +21,7 @@ from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
 from mlfabric.scheduler.service.records import HostAlreadyConnected, SchedulerError
 from mlfabric.wire.keepalive import MIN_PING_INTERVAL_MS
+from mlfabric.wire.tls import auth_context_names
 
 if TYPE_CHECKING:  # the core imports this module (and re-exports its names)
     from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore
@@ -43,8 +44,10 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     """``Scheduler.Session``: unpack daemon messages into the core, stream its directives back."""
 
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: SchedulerCore, *, check_host: bool = False) -> None:
         self.core = core
+        #: mTLS: a daemon's Hello must name a host its client certificate carries
+        self.check_host = check_host
 
     async def Session(
         self, request_iterator: AsyncIterator[pb.DaemonMessage], context: grpc.aio.ServicerContext
@@ -62,6 +65,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the first message of a session must be Hello, got {first.WhichOneof('kind')}",
             )
+        if self.check_host:
+            names = auth_context_names(context.auth_context())
+            if first.hello.host not in names:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"a daemon may speak only for its own host: Hello names host {first.hello.host!r} "
+                    f"but its certificate names {', '.join(sorted(names)) or 'no host'}",
+                )
         try:
             session = self.core.hello(first.hello)
         except HostAlreadyConnected as exc:
@@ -95,6 +106,7 @@ async def start_server(
     *,
     options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
     extra: Sequence[tuple[str, Callable[[grpc.aio.Server], None]]] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the scheduler and health services on ``listen``.
 
@@ -107,6 +119,10 @@ async def start_server(
         gRPC server options (keepalive, see :data:`SERVER_OPTIONS`).
     extra : sequence of (str, callable)
         More services: ``(full service name, add_to_server(server))`` (the admin service).
+    credentials : grpc.ServerCredentials, optional
+        Serve mTLS (:func:`mlfabric.wire.tls.server_credentials`, client certificates required)
+        and check that each daemon's ``Hello`` names a host its certificate carries, else
+        abort PERMISSION_DENIED naming both (None: plaintext, no check).
 
     Returns
     -------
@@ -120,12 +136,16 @@ async def start_server(
         If ``listen`` cannot be bound.
     """
     server = grpc.aio.server(options=list(options))
-    pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
+    servicer = SchedulerServicer(core, check_host=credentials is not None)
+    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for _, add in extra:
         add(server)
-    port = server.add_insecure_port(listen)
+    if credentials is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, credentials)
     await server.start()
     for service in ("", "mlfabric.v1.Scheduler", *(name for name, _ in extra)):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
