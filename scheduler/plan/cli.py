@@ -1,13 +1,17 @@
 """Plan one instance offline: the ILP optimum, STF, aggregation and fair, and their gaps.
 
-    mlfabric plan INSTANCE.json [--solver ilp|stf|fair|all] [--time-limit S]
+    mlfabric plan INSTANCE.json [--solver ilp|stf|tree|fair|all] [--time-limit S] [--levels 1|2]
                   [--out plan.json] [--trace plan.trace.json] [--plot plan.png]
 
 The instance format is described in mlfabric.scheduler.plan.instance (and the README).
 Prints, per plan, each update's route (hosts), start and finish, then the objective,
 status, bound and gap. --solver all runs ilp, stf, aggregation (groups over the STF order,
-when the instance has aggregators) and fair, and prints each one's gap to the ILP's bound,
-gap = (objective - bound) / objective. The ILP starts from the better of stf and
+when the instance has aggregators), tree (``stf+tree``'s multi-level aggregation trees) and
+fair, and prints each one's gap to the bound, gap = (objective - bound) / objective. With
+the makespan objective the bound is the larger of the ILP's and plan/bounds.py's (printed
+with its parts: each update's own path time, the server's ingress with the best
+aggregation, the rack uplink cuts); --levels 2 lets the ILP sum an aggregate into another
+aggregator's (two-level routes, plan/ilp_relays.py). The ILP starts from the better of stf and
 aggregation. --out writes the same as JSON (objective, bound, gap, status, solver,
 updates: [{id, route, start, finish}]; with --solver all, a "plans" list of those).
 --trace writes a Chrome trace (one track per link, one process per plan); --plot a Gantt
@@ -28,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-SOLVERS = ("ilp", "stf", "fair", "all")
+SOLVERS = ("ilp", "stf", "tree", "fair", "all")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="local search over aggregation groups before the ILP, part of --time-limit "
         "(default: a sixth of it, at most 10 s; 0 turns it off)",
     )
+    parser.add_argument(
+        "--levels",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="ILP routes: 1 = direct or one aggregator; 2 = also an aggregate into another aggregator",
+    )
     parser.add_argument("--out", type=Path, metavar="PLAN.json", help="write the plan(s) as JSON")
     parser.add_argument("--trace", type=Path, metavar="TRACE.json", help="write a Chrome trace by link")
     parser.add_argument("--plot", type=Path, metavar="PLAN.png", help="draw a Gantt chart by link")
@@ -71,8 +82,12 @@ def _plan_record(instance: Any, name: str, schedule: Any, **fields: Any) -> dict
     done = schedule.update_completion_times(list(instance.updates))
     rows = []
     for u in instance.updates:
+        route = [u.src]
         agg = parent.get(u.update_id)
-        route = [u.src, agg.aggregator, instance.server] if agg else [u.src, instance.server]
+        while agg is not None:  # every aggregator on the way (a deeper tree: several)
+            route.append(agg.aggregator)
+            agg = parent.get(agg.aggregate_id)
+        route.append(instance.server)
         first = schedule.delivery(u.update_id)
         rows.append({"id": u.update_id, "route": route, "start": first.start, "finish": done[u.update_id]})
     return {"solver": name, **fields, "updates": rows}
@@ -180,18 +195,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     updates = list(instance.updates)
-    wanted = ("ilp", "stf", "aggregation", "fair") if args.solver == "all" else (args.solver,)
+    wanted = ("ilp", "stf", "aggregation", "tree", "fair") if args.solver == "all" else (args.solver,)
     heuristics = heuristic_plans(instance)
     hint = warm_start(instance, heuristics.values())
     heuristics["fair"] = fair_schedule(instance)
+    if "tree" in wanted:
+        from mlfabric.scheduler.policies.trees import plan_tree
+
+        aggs = list(instance.aggregators)
+        heuristics["tree"] = plan_tree(instance.graph, updates, aggregators=aggs)
     plans: list[tuple[str, Any]] = []
     records: list[dict[str, Any]] = []
     bound: float | None = None
     if instance.objective == "makespan":  # a real lower bound (plan/bounds.py), so the gap means something
         from mlfabric.scheduler.plan.bounds import makespan_bound
 
-        aggs = instance.aggregators
-        bound = makespan_bound(instance.graph, updates, instance.server, aggregators=aggs).value
+        parts = makespan_bound(instance.graph, updates, instance.server, aggregators=instance.aggregators)
+        bound = parts.value
+        print(
+            f"lower bound {parts.value:.6g} s ({parts.where}): own path {parts.path:.6g} s, "
+            f"server ingress {parts.ingress:.6g} s, largest cut {parts.cut:.6g} s"
+        )
     if "ilp" in wanted:
         with _ctrl_c_sets() as stop:
             result = solve_ilp(
@@ -205,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 search_seconds=args.search_seconds,
                 progress=_progress_printer(args.progress_every),
                 stop=stop,
+                levels=args.levels,
             )
         if result.schedule is None or result.objective is None:
             print(f"error: the ILP found no plan ({result.status}) in {args.time_limit:g} s", file=sys.stderr)

@@ -102,6 +102,7 @@ from mlfabric.scheduler.plan.ilp_model import (
     layout,
     set_objective,
 )
+from mlfabric.scheduler.plan.ilp_relays import add_relay_column, add_relays, finish_relays, relay_payloads
 from mlfabric.scheduler.plan.instance import Instance, objective_of
 
 __all__ = ["ENGINES", "IlpResult", "Progress", "solve_ilp"]
@@ -201,6 +202,7 @@ def solve_ilp(
     search_seconds: float | None = None,
     progress: Callable[[Progress], None] | None = None,
     stop: threading.Event | None = None,
+    levels: int = 1,
 ) -> IlpResult:
     """Solve the time-indexed ILP of appendix 10.1 for ``instance`` (see the module docstring).
 
@@ -235,6 +237,10 @@ def solve_ilp(
         Polled by the local search (between rounds) and by CP-SAT (its callback): once set,
         the solve ends with its best plan so far (status ``INTERRUPTED`` when set during the
         local search). ``mlfabric plan`` sets it on Ctrl-C. HiGHS and SCIP do not poll it.
+    levels : int
+        1: every update goes direct or through one aggregator; 2: also through an
+        aggregator whose aggregate is summed at another aggregator
+        (:mod:`~mlfabric.scheduler.plan.ilp_relays`; the tree planner's plan space).
 
     Returns
     -------
@@ -256,6 +262,8 @@ def solve_ilp(
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if levels not in (1, 2):
+        raise ValueError(f"levels must be 1 or 2, got {levels!r}")
     started = time.monotonic()
     stop = stop if stop is not None else threading.Event()
     if hint is not None:
@@ -287,7 +295,11 @@ def solve_ilp(
     v = Vars(integer=engine == "cp-sat")
     add_first_legs(m, lay, v)
     add_direct(m, lay, v)
+    if levels == 2:
+        add_relays(m, instance, lay, v)
+        v.relay_column = add_relay_column
     add_columns(m, lay, v)
+    finish_relays(m, v)
     add_capacity(m, lay, v)
     add_symmetry(m, lay, v)
     to_seconds = set_objective(m, instance, lay, v)
@@ -396,12 +408,16 @@ def _to_schedule(
     for (uid, col), var in v.m.items():
         if m.value(var) > 0.5:
             members.setdefault(col, []).append(uid)
-    aggregates = []
+    relays, aggregates, into = relay_payloads(instance, m, lay, v, _reservations)
+    transfers += relays
+    leaves = {a.aggregate_id: a.members for a in aggregates}
+    for col, ids in into.items():
+        members.setdefault(col, []).extend(ids)
     made: dict[str, int] = {}  # aggregator -> aggregates so far
     for col in sorted(members, key=lambda col: (col[0], col[2], col[1])):
         a = col[0]
         aid, made[a] = aggregate_id(a, made.get(a, 0)), made.get(a, 0) + 1
-        size = max(instance.update(uid).bytes for uid in members[col])
+        size = max(instance.update(u).bytes for uid in members[col] for u in leaves.get(uid, (uid,)))
         amounts = {t: m.value(v.xa[col, t]) for t in range(T) if (col, t) in v.xa}
         res, start, end = _reservations(lay.agg_leg[a], amounts, slot, size)
         path = instance.path(a, instance.server)

@@ -273,6 +273,17 @@ class Vars:
     done: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
     twins: list[list[str]] = field(default_factory=list)
     on_link: dict[tuple[Link, int], list[Any]] = field(default_factory=dict)
+    # two-level routes (plan/ilp_relays.py; empty with one level)
+    rg: dict[tuple[str, str], Any] = field(default_factory=dict)
+    rsize: dict[tuple[str, str], Any] = field(default_factory=dict)
+    rm: dict[tuple[str, tuple[str, str]], Any] = field(default_factory=dict)
+    rx: dict[tuple[tuple[str, str], int], Any] = field(default_factory=dict)
+    rs: dict[tuple[tuple[str, str], int], Any] = field(default_factory=dict)
+    rz: dict[tuple[tuple[str, str], int], Any] = field(default_factory=dict)
+    rcol: dict[tuple[tuple[str, str], Column], Any] = field(default_factory=dict)
+    rw: dict[tuple[str, tuple[str, str], Column], Any] = field(default_factory=dict)
+    relays_into: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    relay_column: Callable[..., list[Any]] | None = None  # ilp_relays.add_relay_column, when on
 
 
 def _cumulative(m: CpSat | Mip, moved: list[Any]) -> list[Any]:
@@ -407,8 +418,10 @@ def _add_column(
         if lay.size[uid] > smallest:  # the aggregate carries its largest member's size
             m.add(m.total(sent) >= lay.size[uid] * mv)
         _store_and_forward(m, v, col, uid, range(max(lo, lay.arrival(uid, a)), started + 1))
+    relays = v.relay_column(m, lay, v, col, sent, lo) if v.relay_column is not None else []
     # the column's class is that of its largest member
-    m.add(g <= m.total([mv for uid, mv in members.items() if lay.forward_slots(a, lay.size[uid]) == span]))
+    own = [mv for uid, mv in members.items() if lay.forward_slots(a, lay.size[uid]) == span]
+    m.add(g <= m.total(own + relays))
     # energy: every member crosses a's ingress between its ready slot and c - span
     for since in sorted({lay.first[u] for u in feasible}):
         later = [(lay.size[u], members[u]) for u in feasible if lay.first[u] >= since]
@@ -456,13 +469,14 @@ def _knapsack_rows(m: CpSat | Mip, items: list[tuple[int, Any]], energy: int, sc
 def _add_membership(m: CpSat | Mip, lay: Layout, v: Vars, uid: str, a: str) -> None:
     """``u`` joins one aggregate at ``a`` iff routed there, and arrives before it must leave."""
     cols = [(col, var) for (u_, col), var in v.m.items() if u_ == uid and col[0] == a]
-    m.add(m.total([var for _, var in cols]) == v.y[uid, a])
+    relayed = [var for (u_, r), var in v.rm.items() if u_ == uid and r[0] == a]  # no deadline rows
+    m.add(m.total([var for _, var in cols] + relayed) == v.y[uid, a])
     deadlines = [(c - span, var) for (_, span, c), var in cols]
     first, ub = lay.first[uid], lay.leg_rate[uid, a]
     moved = [v.x[uid, a, t] for t in range(first, lay.T)]
     _window_rows(m, _cumulative(m, moved), first, deadlines, lay.size[uid], ub)
     for t, x in zip(range(first, lay.T), moved, strict=True):  # nothing moves after the deadline
-        m.add(x <= ub * m.total([var for end, var in deadlines if end >= t]))
+        m.add(x <= ub * m.total([var for end, var in deadlines if end >= t] + relayed))
 
 
 def add_capacity(m: CpSat | Mip, lay: Layout, v: Vars) -> None:
@@ -529,6 +543,8 @@ def add_hint(m: CpSat | Mip, instance: Instance, hint: Schedule, lay: Layout, v:
         t.payload_id: max(0, math.ceil(t.end / slot - 1e-9) - 1) for t in hint.transfers if not t.replica
     }
     column_of: dict[str, Column] = {}
+    if any(m_ not in lay.size for agg in hint.aggregates for m_ in agg.members):
+        return  # an aggregate of aggregates: not hinted
     for agg in hint.aggregates:
         largest = max(lay.size[u] for u in agg.members)
         col = (agg.aggregator, lay.forward_slots(agg.aggregator, largest), done_slot[agg.aggregate_id])

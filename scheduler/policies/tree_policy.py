@@ -26,6 +26,7 @@ from mlfabric.scheduler.policies.planning import (
     name_aggregates,
     reserve_in_flight,
 )
+from mlfabric.scheduler.policies.tree_cost import collector_paused
 from mlfabric.scheduler.policies.trees import plan_tree
 
 __all__ = ["TreePolicy"]
@@ -86,6 +87,10 @@ class TreePolicy:
         Decision
             Aggregate ids unique across this policy object's decisions.
         """
+        with collector_paused():  # the cyclic collector: see tree_cost.collector_paused
+            return self._decide(snapshot, pending)
+
+    def _decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
         pc = self._pc(snapshot.graph)
         everyone = {p.update_id for p in pending}
         by_id = {p.update_id: p for p in pending}

@@ -43,18 +43,24 @@ simulator executes it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
-from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, Update, aggregate_id
+from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
+from mlfabric.scheduler.policies.tree_cost import Routes as _Routes
+from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
+from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
+from mlfabric.scheduler.policies.tree_cost import ingress as _ingress
+from mlfabric.scheduler.policies.tree_cost import rate as _rate
+from mlfabric.scheduler.policies.tree_cost import reserve as _reserve
+from mlfabric.scheduler.policies.tree_moves import Node as _Node
+from mlfabric.scheduler.policies.tree_moves import improve_members
 
 __all__ = ["plan_tree"]
 
@@ -66,79 +72,14 @@ BYPASS_UP_TO = 16
 FAN_INS = (2, 4, 8)
 #: local search: this many best-estimated trees are reserved on the timelines, the best kept
 FINALISTS = 4
-
-
-@dataclass
-class _Node:
-    """One aggregate of a candidate tree: the point, its host and members (payload ids)."""
-
-    point: str
-    aggregator: str
-    members: list[str]
-    parent: str | None = None  # aggregate id of the next point up, or None: to the server
+#: rounds of at most this many updates also move single updates between aggregates, each
+#: move scored by reserving the tree on a copy of the timelines (the fast estimate misleads it)
+MOVES_UP_TO = 16
 
 
 def _in_tree(pc: PathCache, sources: Iterable[str], server_host: str) -> dict[str, tuple[str, ...]]:
     """Source host -> its path to the server (consistent: the paths form an in-tree)."""
     return {s: pc.path(s, server_host) for s in sources}
-
-
-class _Routes:
-    """Paths between the hosts of one server's tree: up the in-tree to the meeting node, then down.
-
-    Within a tree the route from a worker to an aggregator below the same point runs up
-    the worker's path towards the server to where the aggregator's path joins it, then down
-    the aggregator's path reversed (when those links exist; else the hop-count shortest).
-    """
-
-    def __init__(
-        self, graph: nx.DiGraph, pc: PathCache, server_host: str, paths: Mapping[str, tuple[str, ...]]
-    ):
-        self.graph, self.pc, self.server_host, self.paths = graph, pc, server_host, paths
-        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
-        self._links: dict[tuple[str, str], tuple[Link, ...]] = {}
-
-    def path(self, src: str, dst: str) -> tuple[str, ...]:
-        key = (src, dst)
-        route = self._routes.get(key)
-        if route is None:
-            route = self._route(src, dst)
-            self._routes[key] = route
-        return route
-
-    def links(self, src: str, dst: str) -> tuple[Link, ...]:
-        key = (src, dst)
-        links = self._links.get(key)
-        if links is None:
-            links = tuple(itertools.pairwise(self.path(src, dst)))
-            self._links[key] = links
-        return links
-
-    def _route(self, src: str, dst: str) -> tuple[str, ...]:
-        if src == dst:
-            return (src,)
-        up, down = self.paths.get(src), self.paths.get(dst)
-        if dst == self.server_host and up is not None:
-            return up
-        if up is None or down is None:
-            return self.pc.path(src, dst)
-        where = {x: j for j, x in enumerate(down)}
-        for i, x in enumerate(up):
-            if x in where:
-                back = tuple(reversed(down[: where[x] + 1]))  # from the meeting node down
-                if all(self.graph.has_edge(a, b) for a, b in itertools.pairwise(back)):
-                    return up[:i] + back
-                break
-        return self.pc.path(src, dst)
-
-
-def _rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:
-    """Bottleneck capacity of ``links`` (inf for none)."""
-    return min((float(graph.edges[link]["capacity"]) for link in links), default=math.inf)
-
-
-def _ingress(graph: nx.DiGraph, host: str) -> float:
-    return max((float(graph.edges[p, host]["capacity"]) for p in graph.predecessors(host)), default=0.0)
 
 
 @dataclass
@@ -152,6 +93,8 @@ class _Tree:
     rank: Mapping[str, int]  # host -> its place in graph order
     server_host: str
     prefix: str
+    switches: Mapping[str, tuple[str, ...]]  # source -> the nodes between it and the server
+    depth: Mapping[str, int]  # such a node -> nodes from it to the server (both counted)
 
 
 def _tree(
@@ -175,14 +118,16 @@ def _tree(
             paths[h] = path
         for x in paths[h][1:-1]:
             below.setdefault(x, []).append(h)
-    ingress = {h: _ingress(graph, h) for hs in below.values() for h in hs}
+    ingress = {h: _ingress(graph, h) for h in paths if h in eligible}
     top: dict[str, tuple[list[str], set[str]]] = {}
     for x, hs in below.items():
         fastest = max(ingress[h] for h in hs)
         tier = [h for h in hs if ingress[h] == fastest]
         top[x] = (tier, set(tier))
     rank = {h: i for i, h in enumerate(hosts(graph))}
-    return _Tree(order, paths, below, top, rank, server_host, prefix)
+    switches = {s: paths[s][1:-1] for s in sources}
+    depth = {x: len(p) - i for p in (paths[s] for s in sources) for i, x in enumerate(p[1:-1], 1)}
+    return _Tree(order, paths, below, top, rank, server_host, prefix, switches, depth)
 
 
 def _sum(
@@ -224,25 +169,27 @@ def _build(
     ``fan_in`` first (each at its own host when the groups hold payloads of different hosts),
     and so on up: no aggregator's NIC takes more than ``fan_in`` payloads per aggregate.
     """
-    order, paths = tree.order, tree.paths
+    order = tree.order
     chain: dict[str, list[str]] = {}  # source -> the points on its path, lowest first
-    for u in order:
-        if u.src not in chain:
-            chain[u.src] = [x for x in paths[u.src][1:-1] if x in points]
     carried: dict[str, list[str]] = {}  # payloads reaching each point
     up: dict[str, str | None] = {}
     depth: dict[str, int] = {}
-    for u in order:
-        pts = chain[u.src]
+    for src, on_path in tree.switches.items():
+        pts = [x for x in on_path if x in points]
+        chain[src] = pts
         if not pts:
             continue
-        carried.setdefault(pts[0], []).append(u.update_id)
         for x in pts:
-            carried.setdefault(x, [])
-            depth[x] = len(paths[u.src]) - paths[u.src].index(x)
+            if x not in carried:
+                carried[x] = []
+                depth[x] = tree.depth[x]
         for a, b in itertools.pairwise(pts):
             up[a] = b
         up.setdefault(pts[-1], None)
+    for u in order:
+        pts = chain[u.src]
+        if pts:
+            carried[pts[0]].append(u.update_id)
     nodes: dict[str, _Node] = {}
     parent: dict[str, str] = {}
     host_of: dict[str, str] = {u.update_id: u.src for u in order}
@@ -276,121 +223,6 @@ def _build(
     return nodes, parent
 
 
-def _reserve(
-    tls: Timelines,
-    routes: _Routes,
-    order: Sequence[Update],
-    nodes: Mapping[str, _Node],
-    parent: Mapping[str, str],
-    server_host: str,
-    now: float,
-) -> tuple[list[Transfer], float]:
-    """Reserve every payload of the tree on ``tls``; transfers and the makespan.
-
-    Updates in ``order``, each aggregate once its members are reserved, as soon as it is
-    ready (before the updates ready later).
-    """
-    size: dict[str, float] = {u.update_id: u.bytes for u in order}
-    # an aggregate's size: its largest member (aggregates are made bottom-up, in id order)
-    for aid in sorted(nodes, key=lambda a: int(a.rsplit(":", 1)[1])):
-        size[aid] = max(size[m] for m in nodes[aid].members)
-    heap: list[tuple[float, int, str, str]] = []
-    waiting = {aid: len(n.members) for aid, n in nodes.items()}
-    ready_at = dict.fromkeys(nodes, -math.inf)
-    transfers: list[Transfer] = []
-    makespan = now
-    i, n, made = 0, len(order), 0
-    while i < n or heap:
-        if heap and (i >= n or heap[0][0] < max(order[i].ready_at, now)):
-            ready, _, pid, src = heapq.heappop(heap)
-        else:
-            u = order[i]
-            ready, pid, src = max(u.ready_at, now), u.update_id, u.src
-            i += 1
-        to = parent.get(pid)
-        hop = nodes[to].aggregator if to is not None else server_host
-        t = tls.transfer(pid, routes.path(src, hop), size[pid], ready)
-        transfers.append(t)
-        if to is None:
-            makespan = max(makespan, t.end)
-            continue
-        waiting[to] -= 1
-        ready_at[to] = max(ready_at[to], t.end)
-        if waiting[to] == 0:
-            made += 1
-            heapq.heappush(heap, (ready_at[to], made, to, nodes[to].aggregator))
-    return transfers, makespan
-
-
-class _FreeAt(dict[Link, float]):
-    """Link -> the end of its last reservation on ``tls`` (read on first use)."""
-
-    def __init__(self, tls: Timelines) -> None:
-        super().__init__()
-        self._tls = tls
-
-    def __missing__(self, link: Link) -> float:
-        times = self._tls.link(link).times
-        self[link] = value = times[-1] if len(times) > 1 else -math.inf
-        return value
-
-
-def _estimate(
-    graph: nx.DiGraph,
-    routes: _Routes,
-    order: Sequence[Update],
-    nodes: Mapping[str, _Node],
-    parent: Mapping[str, str],
-    server_host: str,
-    now: float,
-    free: _FreeAt,
-) -> float:
-    """The makespan of the tree with every link a first-come queue at its capacity (fast scoring).
-
-    ``free``: when each link is free of the transfers already reserved on the timelines.
-    """
-    # updates in their (sorted) order, merged with a heap of the aggregates as they are made
-    updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
-    heap: list[tuple[float, float, str, str]] = []
-    waiting = {aid: len(n.members) for aid, n in nodes.items()}
-    ready_at = dict.fromkeys(nodes, -math.inf)
-    busy: dict[Link, float] = {}
-    slow: dict[Link, float] = {}  # link -> seconds per byte
-    edges = graph.edges
-    makespan = now
-    i, n = 0, len(updates)
-    while i < n or heap:
-        if heap and (i >= n or heap[0][0] < updates[i][0]):
-            ready, nbytes, pid, src = heapq.heappop(heap)
-        else:
-            ready, nbytes, pid, src = updates[i]
-            i += 1
-        to = parent.get(pid)
-        hop = nodes[to].aggregator if to is not None else server_host
-        end = ready
-        for link in routes.links(src, hop):
-            at = busy.get(link)
-            if at is None:
-                at = free[link]
-            per = slow.get(link)
-            if per is None:
-                per = slow[link] = 1.0 / edges[link]["capacity"]
-            done = (ready if ready > at else at) + nbytes * per
-            busy[link] = done
-            if done > end:
-                end = done
-        if to is None:
-            if end > makespan:
-                makespan = end
-            continue
-        waiting[to] -= 1
-        if end > ready_at[to]:
-            ready_at[to] = end
-        if waiting[to] == 0:
-            heapq.heappush(heap, (ready_at[to], nbytes, to, nodes[to].aggregator))
-    return makespan
-
-
 def _points_of(
     paths: Mapping[str, tuple[str, ...]], graph: nx.DiGraph
 ) -> tuple[list[frozenset[str]], set[str]]:
@@ -422,19 +254,32 @@ def _plan_server(
     server_host = tree.server_host
     candidates, switches = _points_of({u.src: tree.paths[u.src] for u in order}, graph)
     routes = _Routes(graph, pc, server_host, tree.paths)
-    free = _FreeAt(tls)
-    seen: dict[tuple[frozenset[str], tuple[tuple[str, int], ...], int], tuple[float, int]] = {}
+    routes.tls = tls
+    updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
+    Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]
+    seen: dict[Key, tuple[float, int]] = {}
+    built: dict[Key, tuple[dict[str, _Node], dict[str, str]]] = {}
 
     def score(points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> tuple[float, int]:
         key = (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan_in)
         if key not in seen:
-            nodes, parent = _build(tree, points, bypass, fan_in)
-            makespan = _estimate(graph, routes, order, nodes, parent, server_host, now, free)
+            nodes, parent = built[key] = _build(tree, points, bypass, fan_in)
+            makespan = _estimate(routes, updates, nodes, parent, server_host, now)
             seen[key] = (round(makespan, 9), len(nodes))  # ties within rounding: fewer aggregates
+            if not local_search and len(built) > 1:  # large rounds: keep only the best tree
+                best = min(seen, key=seen.__getitem__)
+                for k in [k for k in built if k != best]:
+                    del built[k]
         return seen[key]
 
     none: dict[str, int] = {}
-    best_key, best_points = min((score(p, none, 0), p) for p in candidates)
+    # sending everything direct is never faster than the server's ingress takes it all
+    ingress = sum(float(graph.edges[p, server_host]["capacity"]) for p in graph.predecessors(server_host))
+    direct_bound = now + sum(u.bytes for u in order) / ingress
+    scored = [(score(p, none, 0), p) for p in candidates if p]
+    if not scored or direct_bound < min(scored)[0][0]:
+        scored.append((score(frozenset(), none, 0), frozenset()))
+    best_key, best_points = min(scored)
     plain = (best_points, none, 0)  # the best tree with neither a bypass nor a fan-in limit
     best_bypass: dict[str, int] = {}
     best_fan = 0
@@ -462,16 +307,33 @@ def _plan_server(
                 key = score(best_points, best_bypass, fan)
                 if key < best_key:
                     best_key, best_fan, improved = key, fan, True
+
+    def key_of(points: frozenset[str], bypass: Mapping[str, int], fan: int) -> Key:
+        return (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan)
+
     # the estimate ignores that a transfer waits for a link busy in full: reserve the best few
-    chosen = (best_points, best_bypass, best_fan)
-    finalists = [chosen]
+    finalist_keys = [key_of(best_points, best_bypass, best_fan)]
     if local_search:
-        finalists.append(plain)
-        ranked = sorted(seen.items(), key=lambda kv: kv[1])
-        finalists += [(p, dict(b), f) for (p, b, f), _ in ranked[: FINALISTS - 2]]
+        finalist_keys.append(key_of(*plain))
+        finalist_keys += [k for k, _ in sorted(seen.items(), key=lambda kv: kv[1])[: FINALISTS - 2]]
+    finalists = [built[k] for k in dict.fromkeys(finalist_keys)]
+    if local_search and len(order) <= MOVES_UP_TO:
+        # break the topology's shape: move single updates between aggregates (tree_moves.py),
+        # scored by the reservation itself
+        ingress_of = {h: _ingress(graph, h) for h in tree.paths if h in eligible}
+        idle = sorted(ingress_of, key=lambda h: (-ingress_of[h], tree.rank[h]))
+        moved, _ = improve_members(
+            finalists[0],
+            [u.update_id for u in order],
+            {u.update_id: u.src for u in order},
+            idle,
+            eligible,
+            lambda nodes, parent: _reserve(tls.copy(), routes, order, nodes, parent, server_host, now)[1],
+            prefix,
+        )
+        finalists.append(moved)
     best_real: tuple[tuple[float, int], Timelines, list[Transfer], dict[str, _Node]] | None = None
-    for points, bypass, fan in finalists:
-        nodes, parent = _build(tree, points, bypass, fan)
+    for nodes, parent in finalists:
         trial = tls.copy() if len(finalists) > 1 else tls
         transfers, makespan = _reserve(trial, routes, order, nodes, parent, server_host, now)
         key = (round(makespan, 9), len(nodes))
@@ -528,18 +390,35 @@ def plan_tree(
     --------
     Two racks of six hosts with 10 Gbit/s NICs under 1 Gbit/s uplinks, the server ``h0``,
     20 MB per update: sent directly the six updates of rack 1 share its uplink (0.96 s);
-    summed in rack 1 (at ``h6``, whose own update needs no transfer) while rack 0 sends
-    directly, the round takes a quarter of that.
+    summed in rack 1 (in pairs, then at ``h6``, whose own update needs no transfer; one
+    payload crosses the uplink) while rack 0's are summed at ``h2``, the round takes 0.208 s
+    (the tree alone 0.24 s; the moves of ``tree_moves.py`` found the pairs; bound 0.176 s).
 
     >>> from mlfabric.scheduler.core.graph import two_tier
     >>> from mlfabric.scheduler.core.checker import check_schedule
     >>> g = two_tier(2, 6, 10e9, oversubscription=60)
     >>> us = [Update(f"u{i}", f"h{i}", "h0", 20e6) for i in range(1, 12)]
     >>> s = plan_tree(g, us)
-    >>> round(s.makespan(), 3), sorted((a.aggregator, len(a.members)) for a in s.aggregates)
-    (0.24, [('h6', 6)])
+    >>> round(s.makespan(), 3)
+    0.208
+    >>> crossing = [t.payload_id for t in s.transfers if ("tor1", "core") in t.links]
+    >>> [(a.aggregator, len(a.members)) for a in s.aggregates if a.aggregate_id in crossing]
+    [('h6', 2)]
     >>> _ = check_schedule(g, s, updates=us)
     """
+    with _collector_paused():
+        return _plan_tree(graph, updates, aggregators, now, paths, timelines, local_search)
+
+
+def _plan_tree(
+    graph: nx.DiGraph,
+    updates: Sequence[Update],
+    aggregators: Sequence[str] | None,
+    now: float,
+    paths: PathCache | None,
+    timelines: Timelines | None,
+    local_search: bool | None,
+) -> Schedule:
     pc = paths if paths is not None else PathCache(graph)
     tls = timelines if timelines is not None else Timelines(graph, start=now)
     servers = {u.dst for u in updates}

@@ -30,10 +30,17 @@ def test_all_solvers_table_json_and_trace(tmp_path: Path, capsys: pytest.Capture
     )
     assert code == 0
     text = capsys.readouterr().out
-    for name in ("== ilp ==", "== stf ==", "== aggregation ==", "== fair ==", "gap to ILP bound"):
+    for name in (
+        "== ilp ==",
+        "== stf ==",
+        "== aggregation ==",
+        "== tree ==",
+        "== fair ==",
+        "gap to ILP bound",
+    ):
         assert name in text
     plans = {p["solver"]: p for p in json.loads(out.read_text())["plans"]}
-    assert set(plans) == {"ilp", "stf", "aggregation", "fair"}
+    assert set(plans) == {"ilp", "stf", "aggregation", "tree", "fair"}
     for p in plans.values():
         assert set(p) >= {"objective", "bound", "gap", "status", "solver", "updates"}
         assert sorted(u["id"] for u in p["updates"]) == [f"u{i}" for i in range(6)]
@@ -52,9 +59,27 @@ def test_all_solvers_table_json_and_trace(tmp_path: Path, capsys: pytest.Capture
     assert ilp["objective"] == pytest.approx(mean)  # the example's objective is mean completion
     events = json.loads(trace.read_text())["traceEvents"]
     processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert processes == {"ilp", "stf", "aggregation", "fair"}
+    assert processes == {"ilp", "stf", "aggregation", "tree", "fair"}
     tracks = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
     assert (1, "tor_s->s0") in tracks  # the server's ingress, in the ILP's plan
+
+
+def test_tree_solver_reports_the_bound_parts_and_a_two_level_route(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.plan.test_plan_ilp_levels import two_racks_slow_server
+
+    inst, out = tmp_path / "inst.json", tmp_path / "plan.json"
+    inst.write_text(json.dumps(two_racks_slow_server()))
+    assert main(["plan", str(inst), "--solver", "tree", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    # 0.04 s: one update's own path into the 2.5 Gbit/s server; the ingress bound: one payload
+    # (0.04 s) after five of the six worker hosts went into the two aggregators' NICs (0.025 s)
+    assert "lower bound 0.065 s (ingress): own path 0.04 s, server ingress 0.065 s" in text
+    plan = json.loads(out.read_text())
+    assert plan["objective"] == pytest.approx(0.08) and plan["bound"] == pytest.approx(0.065)
+    assert plan["gap"] == pytest.approx(0.1875)
+    assert max(len(u["route"]) for u in plan["updates"]) == 4  # worker > a1 > a0 > server
 
 
 def test_single_solver_json_is_one_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,243 @@
+"""Costing candidate aggregation trees (:mod:`~mlfabric.scheduler.policies.trees`).
+
+:class:`Routes` gives the paths between the hosts of one server's tree (and integer link
+ids for the fast estimate); :func:`estimate` scores a tree with every link a first-come
+queue at its capacity (no timelines: fast, optimistic where a transfer waits for a link in
+full use); :func:`reserve` reserves a tree's payloads on the link timelines (the real plan).
+Internal to the tree planner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import networkx as nx
+
+from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.schedule import Link, Transfer, Update
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies.tree_moves import Node
+
+__all__: list[str] = []
+
+
+class Routes:
+    """Paths between the hosts of one server's tree: up the in-tree to the meeting node, then down.
+
+    Within a tree the route from a worker to an aggregator below the same point runs up
+    the worker's path towards the server to where the aggregator's path joins it, then down
+    the aggregator's path reversed (when those links exist; else the hop-count shortest).
+    """
+
+    def __init__(
+        self, graph: nx.DiGraph, pc: PathCache, server_host: str, paths: Mapping[str, tuple[str, ...]]
+    ):
+        self.graph, self.pc, self.server_host, self.paths = graph, pc, server_host, paths
+        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._links: dict[tuple[str, str], tuple[Link, ...]] = {}
+        self._ids: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._lid: dict[Link, int] = {}
+        self.per: list[float] = []  # link id -> seconds per byte
+        self.free: list[float] = []  # link id -> end of its last reservation on ``tls``
+        self.tls: Timelines | None = None
+
+    def ids(self, src: str, dst: str) -> tuple[int, ...]:
+        """Integer ids of the links from ``src`` to ``dst`` (indices into :attr:`per`, :attr:`free`)."""
+        key = (src, dst)
+        out = self._ids.get(key)
+        if out is None:
+            lid, edges = self._lid, self.graph.edges
+            got = []
+            for link in self.links(src, dst):
+                i = lid.get(link)
+                if i is None:
+                    i = lid[link] = len(self.per)
+                    self.per.append(1.0 / float(edges[link]["capacity"]))
+                    times = self.tls.link(link).times if self.tls is not None else [-math.inf]
+                    self.free.append(times[-1] if len(times) > 1 else -math.inf)
+                got.append(i)
+            out = self._ids[key] = tuple(got)
+        return out
+
+    def path(self, src: str, dst: str) -> tuple[str, ...]:
+        key = (src, dst)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._route(src, dst)
+            self._routes[key] = route
+        return route
+
+    def links(self, src: str, dst: str) -> tuple[Link, ...]:
+        key = (src, dst)
+        links = self._links.get(key)
+        if links is None:
+            links = tuple(itertools.pairwise(self.path(src, dst)))
+            self._links[key] = links
+        return links
+
+    def _route(self, src: str, dst: str) -> tuple[str, ...]:
+        if src == dst:
+            return (src,)
+        up, down = self.paths.get(src), self.paths.get(dst)
+        if dst == self.server_host and up is not None:
+            return up
+        if up is None or down is None:
+            return self.pc.path(src, dst)
+        where = {x: j for j, x in enumerate(down)}
+        for i, x in enumerate(up):
+            if x in where:
+                back = tuple(reversed(down[: where[x] + 1]))  # from the meeting node down
+                if all(self.graph.has_edge(a, b) for a, b in itertools.pairwise(back)):
+                    return up[:i] + back
+                break
+        return self.pc.path(src, dst)
+
+
+def rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:
+    """Bottleneck capacity of ``links`` (inf for none)."""
+    succ = graph.succ
+    return min((float(succ[a][b]["capacity"]) for a, b in links), default=math.inf)
+
+
+def ingress(graph: nx.DiGraph, host: str) -> float:
+    return max((float(d["capacity"]) for d in graph.pred[host].values()), default=0.0)
+
+
+def reserve(
+    tls: Timelines,
+    routes: Routes,
+    order: Sequence[Update],
+    nodes: Mapping[str, Node],
+    parent: Mapping[str, str],
+    server_host: str,
+    now: float,
+) -> tuple[list[Transfer], float]:
+    """Reserve every payload of the tree on ``tls``; transfers and the makespan.
+
+    Updates in ``order``, each aggregate once its members are reserved, as soon as it is
+    ready (before the updates ready later).
+    """
+    size: dict[str, float] = {u.update_id: u.bytes for u in order}
+    # an aggregate's size: its largest member (aggregates are made bottom-up, in id order)
+    for aid in sorted(nodes, key=lambda a: int(a.rsplit(":", 1)[1])):
+        size[aid] = max(size[m] for m in nodes[aid].members)
+    heap: list[tuple[float, int, str, str]] = []
+    waiting = {aid: len(n.members) for aid, n in nodes.items()}
+    ready_at = dict.fromkeys(nodes, -math.inf)
+    transfers: list[Transfer] = []
+    makespan = now
+    i, n, made = 0, len(order), 0
+    while i < n or heap:
+        if heap and (i >= n or heap[0][0] < max(order[i].ready_at, now)):
+            ready, _, pid, src = heapq.heappop(heap)
+        else:
+            u = order[i]
+            ready, pid, src = max(u.ready_at, now), u.update_id, u.src
+            i += 1
+        to = parent.get(pid)
+        hop = nodes[to].aggregator if to is not None else server_host
+        t = tls.transfer(pid, routes.path(src, hop), size[pid], ready)
+        transfers.append(t)
+        if to is None:
+            makespan = max(makespan, t.end)
+            continue
+        waiting[to] -= 1
+        ready_at[to] = max(ready_at[to], t.end)
+        if waiting[to] == 0:
+            made += 1
+            heapq.heappush(heap, (ready_at[to], made, to, nodes[to].aggregator))
+    return transfers, makespan
+
+
+def estimate(
+    routes: Routes,
+    updates: Sequence[tuple[float, float, str, str]],
+    nodes: Mapping[str, Node],
+    parent: Mapping[str, str],
+    server_host: str,
+    now: float,
+    whole: bool = False,
+) -> float:
+    """The makespan of the tree with every link a first-come queue at its capacity (fast scoring).
+
+    ``updates``: ``(ready, bytes, id, source)`` in the round's order; ``routes.free``: when
+    each link is free of the transfers already reserved on the timelines. ``whole``: a
+    payload holds every link of its path at once (from when all are free, at the path's
+    bottleneck rate) instead of each link on its own (optimistic where links are shared).
+    """
+    # the payloads' links, resolved first (link ids are made on first use)
+    links_of: dict[str, tuple[int, ...]] = {}
+    ids = routes.ids
+    for _, _, pid, src in updates:
+        to = parent.get(pid)
+        links_of[pid] = ids(src, nodes[to].aggregator if to is not None else server_host)
+    for aid, node in nodes.items():
+        to = node.parent
+        links_of[aid] = ids(node.aggregator, nodes[to].aggregator if to is not None else server_host)
+    busy = routes.free.copy()
+    per = routes.per
+    # updates in their (sorted) order, merged with a heap of the aggregates as they are made
+    heap: list[tuple[float, float, str, str]] = []
+    waiting = {aid: len(n.members) for aid, n in nodes.items()}
+    ready_at = dict.fromkeys(nodes, -math.inf)
+    makespan = now
+    i, n = 0, len(updates)
+    while i < n or heap:
+        if heap and (i >= n or heap[0][0] < updates[i][0]):
+            ready, nbytes, pid, _ = heapq.heappop(heap)
+        else:
+            ready, nbytes, pid, _ = updates[i]
+            i += 1
+        end = ready
+        path = links_of[pid]
+        if whole:  # the path as one pipe: from when every link is free, at the slowest rate
+            start, slow = ready, 0.0
+            for link in path:
+                if busy[link] > start:
+                    start = busy[link]
+                if per[link] > slow:
+                    slow = per[link]
+            end = start + nbytes * slow
+            for link in path:
+                busy[link] = end
+        else:
+            for link in path:
+                at = busy[link]
+                done = (ready if ready > at else at) + nbytes * per[link]
+                busy[link] = done
+                if done > end:
+                    end = done
+        to = parent.get(pid)
+        if to is None:
+            if end > makespan:
+                makespan = end
+            continue
+        waiting[to] -= 1
+        if end > ready_at[to]:
+            ready_at[to] = end
+        if waiting[to] == 0:
+            heapq.heappush(heap, (ready_at[to], nbytes, to, ""))
+    return makespan
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (planning makes no reference cycles).
+
+    A full collection walks the caller's whole heap: about a quarter of a 1,024-worker
+    decision's CPU time was spent in collections triggered by the planner's short-lived
+    objects (``experiments/bench_trees.py``). Acyclic objects are still freed at once.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
