@@ -53,8 +53,10 @@ from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.payloadio import payload_crc32
 from mlfabric.daemon.transport import PeerPool, parse_address
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
+from mlfabric.wire.auth import DataPlaneAuth, load_secret
 from mlfabric.wire.crc import crc32_implementation, use_crc32
 from mlfabric.wire.memfd import MemfdPool
+from mlfabric.wire.tls import TlsFiles
 
 ACK = b"k"
 
@@ -101,7 +103,18 @@ def _allocator(mode: str) -> tuple[Callable[[int], Any], Callable[[], None]]:
     return MemfdBuffer.allocate, lambda: None
 
 
-def _dataplane_receiver(mode: str, crc_impl: str, ctl: Connection, results: Connection) -> None:
+def _auth(mode: str, host: str, certs: str) -> DataPlaneAuth:
+    """The data-plane authentication ``mode`` of ``host`` with the files ``mlfabric certs`` wrote."""
+    if mode == "none":
+        return DataPlaneAuth("none", host)
+    d = Path(certs)
+    files = TlsFiles(str(d / "ca.pem"), str(d / f"{host}.pem"), str(d / f"{host}.key"))
+    return DataPlaneAuth(mode, host, load_secret(str(d / "dataplane.secret")), files)
+
+
+def _dataplane_receiver(
+    mode: str, crc_impl: str, ctl: Connection, results: Connection, auth: str = "none", certs: str = ""
+) -> None:
     use_crc32(crc_impl)
     alloc, close = _allocator(mode)
     last = [_cpu()]
@@ -121,7 +134,9 @@ def _dataplane_receiver(mode: str, crc_impl: str, ctl: Connection, results: Conn
             )
         )
 
-    listener = DataPlaneListener("127.0.0.1:0", handler, FrameLimits(), alloc=alloc)
+    listener = DataPlaneListener(
+        "127.0.0.1:0", handler, FrameLimits(), alloc=alloc, auth=_auth(auth, "h0", certs)
+    )
     ctl.send(listener.start())
     ctl.recv()  # wait for "stop"
     listener.stop()
@@ -129,17 +144,30 @@ def _dataplane_receiver(mode: str, crc_impl: str, ctl: Connection, results: Conn
 
 
 def dataplane_session(
-    name: str, nbytes: int, ctx: Any, *, pass_crc: bool, alloc: str, mapped: bool = False
+    name: str,
+    nbytes: int,
+    ctx: Any,
+    *,
+    pass_crc: bool,
+    alloc: str,
+    mapped: bool = False,
+    auth: str = "none",
+    certs: str = "",
 ) -> Session:
-    """UPDATE -> ACK through the data plane (``PeerPool.request``; framing calls for sendfile)."""
+    """UPDATE -> ACK through the data plane (``PeerPool.request``; framing calls for sendfile).
+
+    ``auth``: the connection authenticates (``hmac``: handshake, then sendfile as without;
+    ``tls``: mTLS, every byte encrypted, no sendfile) with the files in ``certs``.
+    """
     ctl, ctl_child = ctx.Pipe()
     results, results_child = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_dataplane_receiver, args=(alloc, crc32_implementation(), ctl_child, results_child)
+        target=_dataplane_receiver,
+        args=(alloc, crc32_implementation(), ctl_child, results_child, auth, certs),
     )
     proc.start()
     fd = os.memfd_create("bench-update")
-    pool = PeerPool(FrameLimits(), io_timeout=300)
+    pool = PeerPool(FrameLimits(), io_timeout=300, auth=_auth(auth, "h1", certs))
     sock: socket.socket | None = None
     try:
         address = ctl.recv()
@@ -404,6 +432,10 @@ NOTES = """## What the rows are
   of `os.sendfile`.
 - `dataplane_fresh`: the receiver allocates a new memfd per frame (`MemfdBuffer`, what the daemon
   did before it received into a `MemfdPool`): every page is allocated and zeroed on first touch.
+- `dataplane_hmac`: as `dataplane`, the pooled connection authenticated once by the HMAC
+  challenge/response (`data_auth = "hmac"`); payload bytes in the clear, still `os.sendfile`.
+- `dataplane_tls`: as `dataplane` over mutual TLS (`data_auth = "tls"`, TLS 1.3 AES-GCM by
+  default): every byte encrypted and decrypted in user space; no `sendfile` through TLS.
 - `gloo`, `raw_tcp`: the same bytes, receiver reusing one buffer; a 1-byte reply ends each timing.
 - `handoff`: `mlfabric.tensorio.to_memfd` (new memfd) + SCM_RIGHTS + reply, measured directly;
   `handoff_reuse`: the update copied into a memfd kept from push to push.
@@ -440,6 +472,8 @@ RATIOS = [
     ("dataplane_mapped", "gloo", 0.8),
     ("dataplane_fresh", "gloo", 0.8),
     ("dataplane", "raw_tcp", None),
+    ("dataplane_hmac", "dataplane", None),
+    ("dataplane_tls", "dataplane", None),
     ("handoff", "dataplane", 2.0),
     ("handoff_reuse", "dataplane", 2.0),
     ("api_handoff", "dataplane", 2.0),
@@ -490,6 +524,17 @@ def main(argv: list[str] | None = None) -> int:
         use_crc32(args.crc)
     n = args.mib << 20
     ctx = mp.get_context("spawn")
+    made: list[str] = []
+
+    def certs() -> str:
+        """A test CA, h0/h1 certificates and a secret (``mlfabric certs``), made once."""
+        if not made:
+            from mlfabric.certs import make_certs
+
+            made.append(tempfile.mkdtemp(prefix="bench-certs-"))
+            make_certs(made[0], ["h0", "h1"], ["bench-scheduler"])
+        return made[0]
+
     # (row, description, how to start its session; None: measured by the session of another row)
     described: list[tuple[str, str, Callable[[], Session] | None]] = [
         (
@@ -511,6 +556,20 @@ def main(argv: list[str] | None = None) -> int:
             "dataplane_fresh",
             "same as dataplane, a new memfd per frame (MemfdBuffer.allocate)",
             lambda: dataplane_session("dataplane_fresh", n, ctx, pass_crc=True, alloc="fresh"),
+        ),
+        (
+            "dataplane_hmac",
+            "same as dataplane, connection authenticated (HMAC handshake), sendfile",
+            lambda: dataplane_session(
+                "dataplane_hmac", n, ctx, pass_crc=True, alloc="pool", auth="hmac", certs=certs()
+            ),
+        ),
+        (
+            "dataplane_tls",
+            "same as dataplane, over mutual TLS (encrypted, no sendfile)",
+            lambda: dataplane_session(
+                "dataplane_tls", n, ctx, pass_crc=True, alloc="pool", auth="tls", certs=certs()
+            ),
         ),
         ("gloo", "torch.distributed send/recv", lambda: gloo_session("gloo", n, ctx)),
         ("raw_tcp", "sendall / recv_into", lambda: raw_tcp_session("raw_tcp", n, ctx)),
