@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import random
 import statistics
@@ -51,6 +52,10 @@ from harness import stop_all
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fair", "stf+agg", "gloo", "ddp")
 UPLINKS = [200, 200, 100, 100, 50, 50, 25, 25]
+#: seconds an mlfabric run may take to its first update (the time limit counts from then)
+STARTUP_ALLOWANCE = 180.0
+#: tries per run: a run that fails (e.g. a daemon not up in time on a loaded machine) is run again
+START_ATTEMPTS = 2
 
 
 # --------------------------------------------------------------------- mlfabric roles
@@ -66,7 +71,10 @@ def mlf_server(args: argparse.Namespace) -> int:
     server = mlfabric.register_as_server("agg", "ps", tensors, params)
     log = e2e.AccuracyLog(Path(args.out), args.target)
     Path(args.ready_file).write_text("{}")
-    deadline = time.monotonic() + args.time_limit
+    # the time limit counts from the first update: on a loaded machine the workers' start-up
+    # (torch, the data set) can take a large part of it, and the run would stop before training
+    deadline = time.monotonic() + args.time_limit + STARTUP_ALLOWANCE
+    started = False
     counts = {"updates": 0, "payloads": 0}
 
     @server.on_update
@@ -81,6 +89,8 @@ def mlf_server(args: argparse.Namespace) -> int:
         while time.monotonic() < deadline and log.reached is None:
             server.serve(timeout=0.25)
             if server.version != last_eval and server.version > 0:
+                if not started:
+                    started, deadline = True, time.monotonic() + args.time_limit
                 last_eval = server.version
                 e2e.load_numpy(model, server.model)
                 log.record(server.version, e2e.accuracy(model, xte, yte))
@@ -227,6 +237,10 @@ def run_one(
     from mlfabric.testbed.schedule import ScheduleRunner, compute_delays
 
     workdir = args.tmp / f"{'sync' if sync else 'async'}-{system}-{seed}"
+    for retry in itertools.count(1):  # a run tried again (it failed to start) gets its own directory
+        if not workdir.exists():
+            break
+        workdir = args.tmp / f"{'sync' if sync else 'async'}-{system}-{seed}-retry{retry}"
     workdir.mkdir(parents=True)
     rng = random.Random(seed)
     delays = compute_delays(workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=rng)
@@ -250,18 +264,23 @@ def run_one(
     extra = ["--aggregate-plan", args.aggregate_plan] if sync and system == "stf+agg" else []
     out, ready = workdir / "server.json", workdir / "server.ready"
     with TestbedCluster(
-        testbed, topo, policy=system, workdir=workdir / "run", extra_scheduler_args=extra
+        testbed,
+        topo,
+        policy=system,
+        workdir=workdir / "run",
+        extra_scheduler_args=extra,
+        ready_timeout=STARTUP_ALLOWANCE,
     ) as c:
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
         sargv += ["--tau-max", str(args.tau_max), "--sync-workers", str(len(workers) if sync else 0)]
         server = c.spawn("ps", sargv)
-        e2e.wait_file(ready, server.popen, 120)
+        e2e.wait_file(ready, server.popen, STARTUP_ALLOWANCE)
         rates.start()
         procs = []
         for i, w in enumerate(workers):
             argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(100 * seed + i)]
             procs.append(c.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
-        c.wait(server, timeout=args.time_limit + 180)
+        c.wait(server, timeout=args.time_limit + STARTUP_ALLOWANCE + 180)
         rates.stop()
         for p in procs:
             p.popen.terminate()
@@ -274,7 +293,7 @@ def ns_changes(graph: Any, workers: list[str], args: argparse.Namespace) -> list
     """NS: the server's ingress (tor -> ps) takes 1, 1/2 or 1/4 of its rate, each uplink 1 or 1/2."""
     from mlfabric.testbed.schedule import ns_schedule
 
-    rng, duration = random.Random(args.seed), args.time_limit + 60
+    rng, duration = random.Random(args.seed), args.time_limit + STARTUP_ALLOWANCE + 60
     kw: dict[str, Any] = {"period": args.period, "duration": duration, "rng": rng, "direction": "forward"}
     server = ns_schedule(graph, [("tor", "ps")], levels=(1.0, 0.5, 0.25), **kw)
     uplinks = ns_schedule(graph, [(w, "tor") for w in workers], levels=(1.0, 0.5), **kw)
@@ -319,11 +338,17 @@ def driver(args: argparse.Namespace) -> int:
                         if system == "ddp" and mode == "async":
                             continue  # DDP is synchronous
                         started = time.monotonic()
-                        try:
-                            res = run_one(system, mode == "sync", testbed, topo, workers, args, seed)
-                        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
-                            print(f"{mode} {system} seed {seed} failed: {exc!r}", file=sys.stderr, flush=True)
-                            res = {"rows": [], "error": repr(exc)}
+                        for attempt in range(1, START_ATTEMPTS + 1):
+                            try:
+                                res = run_one(system, mode == "sync", testbed, topo, workers, args, seed)
+                                break
+                            except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+                                print(
+                                    f"{mode} {system} seed {seed} failed (attempt {attempt}): {exc!r}",
+                                    file=sys.stderr,
+                                    flush=True,
+                                )
+                                res = {"rows": [], "error": repr(exc)}
                         t = next(
                             (r["t"] for r in res["rows"] if e2e.reached(r["accuracy"], args.target)), None
                         )
@@ -434,8 +459,9 @@ def main() -> int:
     parser.add_argument(
         "--aggregate-plan",
         choices=["async", "sync"],
-        default="sync",
-        help="stf+agg's planner for synchronous training (the scheduler's --aggregate-plan)",
+        default="async",
+        help="stf+agg's planner for synchronous training (the scheduler's --aggregate-plan; default "
+        "async: the online planner, whose open aggregates gather a round's trickling updates)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="keep logs and per-run files here (default: a temp dir)")

@@ -377,6 +377,9 @@ class AggregationPolicy:
         when it reaches the aggregator in time (:mod:`~mlfabric.scheduler.policies.joining`),
         and a lone update gathered while its server is busy opens an aggregate (default).
         False: groups are only the updates pending at one decision (at least two).
+    join_slack : float
+        How long past the server's ingress freeing up a joining update may arrive, in update
+        times on the aggregate's path into the server (:func:`join_open`'s ``slack``).
     scope : str
         The run the aggregate ids belong to: ids are ``agg:<server>.<scope>:<n>``
         (``agg:<server>:<n>`` when empty, the default). The scheduler service passes a
@@ -408,11 +411,13 @@ class AggregationPolicy:
         aggregators: Sequence[str] | None = None,
         scope: str = "",
         join: bool = True,
+        join_slack: float = 1.0,
     ) -> None:
         self.sync = sync
         self.aggregators = tuple(aggregators) if aggregators is not None else None
         self.scope = scope
         self.join = join
+        self.join_slack = join_slack
         self._committed: dict[str, PlannedAggregate] = {}
         self._server_of: dict[str, str] = {}  # aggregate id -> its members' server key
         self._count = 0
@@ -453,7 +458,9 @@ class AggregationPolicy:
         if self.join and not self.sync and by_id:
             live = {a.aggregate_id for a in snapshot.gathering}
             self._server_of = {a: k for a, k in self._server_of.items() if a in live}
-            joins, joined = join_open(snapshot, list(by_id.values()), self._server_of, self._pc(snapshot))
+            joins, joined = join_open(
+                snapshot, list(by_id.values()), self._server_of, self._pc(snapshot), self.join_slack
+            )
             for j in joins:
                 del by_id[j.update_id]
             sends.extend(joins)

@@ -37,6 +37,7 @@ def join_open(
     pending: Sequence[PendingUpdate],
     server_of: Mapping[str, str],
     paths: PathCache,
+    slack: float = 1.0,
 ) -> tuple[list[Send], dict[str, PlannedAggregate]]:
     """Let pending updates join the aggregates being gathered (see the module notes).
 
@@ -51,6 +52,10 @@ def join_open(
         members; aggregates not in it (another run's) are never joined.
     paths : PathCache
         Paths of ``snapshot.graph``.
+    slack : float
+        How many update times ``d`` past the server's ingress freeing up an update may still
+        reach the aggregator (1: joining never costs more than sending directly; 0: join
+        only when the aggregate would wait anyway).
 
     Returns
     -------
@@ -115,7 +120,7 @@ def join_open(
             except (ValueError, KeyError):
                 continue
             d = p.bytes / min(graph.edges[link]["capacity"] for link in onward) if onward else 0.0
-            bound = max(max(free.get(a.dst, now), now) + d, members_in[a.aggregate_id])
+            bound = max(max(free.get(a.dst, now), now) + slack * d, members_in[a.aggregate_id])
             if arrive <= bound and (best is None or (arrive, a.aggregate_id) < best[:2]):
                 best = (arrive, a.aggregate_id, paths.path(p.src_host, a.aggregator))
         if best is None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlfabric.scheduler.core.checker import check_schedule
 from mlfabric.scheduler.core.graph import star
-from mlfabric.scheduler.policies.aggregation import AggregationPolicy
+from mlfabric.scheduler.core.schedule import Update
+from mlfabric.scheduler.policies.aggregation import AggregationPolicy, plan_aggregation
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.runner import DecisionRunner
@@ -101,3 +106,20 @@ def test_stale_update_is_dropped_not_joined() -> None:
     d = r.decide(snap, [_p(2, 0.1)])
     assert [x.update_id for x in d.drops] == ["u2"] and not d.sends
     assert [a.members for a in r.gathering] == [("u1",)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.sampled_from([4e6, 8e6, 32e6, 64e6]), min_size=1, max_size=6),
+    st.floats(min_value=0.0, max_value=3.0),
+)
+def test_online_plans_with_lone_groups_pass_the_checker(nics: list[float], busy_for: float) -> None:
+    names = ["ps", "x", "y", *[f"w{i}" for i in range(len(nics))]]
+    g = star(names, {"ps": 8e6, "x": 32e6, "y": 32e6, **{f"w{i}": n for i, n in enumerate(nics)}})
+    us = [Update(f"u{i}", f"w{i}", "ps", 1e6) for i in range(len(nics))]
+    plan = plan_aggregation(g, us, aggregators=["x", "y"], ahead_until={"ps": busy_for}, min_members=1)
+    check_schedule(g, plan, updates=us)
+    summed = [m for a in plan.aggregates for m in a.members]
+    assert len(summed) == len(set(summed))
+    if busy_for > 0 and len(us) == 1:  # a lone update while the server is busy is gathered
+        assert [a.members for a in plan.aggregates] in ([("u0",)], [])

@@ -1,0 +1,95 @@
+"""Where the server's ingress time goes in one testbed run (stf+agg vs fair diagnosis).
+
+Reads a run directory kept by ``testbed_aggregation.py --workdir DIR`` (``DIR/<mode>-<system>-<seed>``)
+and prints, from the daemons' transfer reports and the server's result file:
+
+- payloads into the server (direct updates, aggregates) and worker updates applied per payload;
+- bytes into the server and through each worker's uplink;
+- how busy the server's ingress was: the union of the transfers into it over the run, and the
+  idle gaps (time no transfer into the server was under way);
+- for each aggregate, how long it waited at its aggregator between its last member's arrival
+  there and its forward to the server (the scheduler holding it behind the transfers ahead).
+
+    python experiments/agg_diagnostics.py DIR/async-stf+agg-0 [DIR/async-fair-0 ...]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _reports(run: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted((run / "run" / "reports").glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Total covered time and the gaps between covered stretches."""
+    covered, gaps, cur = 0.0, [], None
+    for s, e in sorted(intervals):
+        if cur is None:
+            cur = [s, e]
+        elif s <= cur[1]:
+            cur[1] = max(cur[1], e)
+        else:
+            covered += cur[1] - cur[0]
+            gaps.append((cur[1], s))
+            cur = [s, e]
+    if cur is not None:
+        covered += cur[1] - cur[0]
+    return covered, gaps
+
+
+def diagnose(run: Path, server: str = "ps") -> dict[str, Any]:
+    """The numbers listed in the module docstring for one run directory."""
+    reps = [r for r in _reports(run) if r.get("ok") and r.get("end", 0) > r.get("start", 0)]
+    into = [r for r in reps if r["dst_host"] == server]
+    aggs = [r for r in into if str(r["update_id"]).startswith("agg:")]
+    members = [r for r in reps if r["dst_host"] != server and r["src_host"] != server]
+    t0 = min((r["start"] for r in reps), default=0.0)
+    t1 = max((r["end"] for r in into), default=t0)
+    busy, gaps = _union([(r["start"], r["end"]) for r in into])
+    waits = []
+    for a in aggs:
+        ins = [m["end"] for m in members if m["dst_host"] == a["src_host"] and m["end"] <= a["start"]]
+        if ins:
+            waits.append(a["start"] - max(ins))
+    res = json.loads((run / "server.json").read_text()) if (run / "server.json").exists() else {}
+    uplink: dict[str, int] = {}
+    for r in reps:
+        uplink[r["src_host"]] = uplink.get(r["src_host"], 0) + int(r["bytes"])
+    return {
+        "run": run.name,
+        "payloads_into_server": len(into),
+        "aggregates": len(aggs),
+        "member_sends": len(members),
+        "updates_applied": res.get("updates"),
+        "updates_per_payload": round(res["updates"] / res["payloads"], 2) if res.get("payloads") else None,
+        "server_ingress_MB": round(sum(int(r["bytes"]) for r in into) / 1e6, 1),
+        "span_s": round(t1 - t0, 1),
+        "server_ingress_busy_s": round(busy, 1),
+        "server_ingress_busy_frac": round(busy / (t1 - t0), 2) if t1 > t0 else None,
+        "idle_gaps_over_0.2s": sum(1 for s, e in gaps if e - s > 0.2),
+        "aggregate_wait_at_aggregator_s_median": round(statistics.median(waits), 2) if waits else None,
+        "uplink_MB": {h: round(b / 1e6, 1) for h, b in sorted(uplink.items())},
+    }
+
+
+def main() -> int:
+    for arg in sys.argv[1:]:
+        print(json.dumps(diagnose(Path(arg))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
