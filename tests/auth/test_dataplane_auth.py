@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric.daemon.dataplane import FileSpan, FrameHeader, FrameLimits, error_header
+from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, FrameLimits, error_header
 from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.transport import PeerPool, PeerUnavailable
 from mlfabric.proto.v1 import dataplane_pb2
@@ -26,6 +26,9 @@ _UPDATE, _ACK, _ERROR = (
     dataplane_pb2.FRAME_KIND_ACK,
     dataplane_pb2.FRAME_KIND_ERROR,
 )
+
+
+Served = tuple[DataPlaneListener, str, list[str]]
 
 
 def files(certs: Path, host: str) -> TlsFiles:
@@ -43,11 +46,11 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def served(mode: str, certs: Path) -> Iterator[tuple[DataPlaneListener, str, list[str]]]:
+def served(mode: str, certs: Path) -> Iterator[Served]:
     """A listener of h0 authenticating with ``mode``; it ACKs each UPDATE, recording its src_host."""
     seen: list[str] = []
 
-    def handler(frame):  # type: ignore[no-untyped-def]
+    def handler(frame: Frame) -> Response:
         seen.append(frame.header.src_host)
         assert bytes(frame.payload) == b"x" * frame.header.payload_bytes
         frame.payload.release()
@@ -67,7 +70,7 @@ def update(src_host: str, n: int = 1000) -> FrameHeader:
     return h
 
 
-def test_authenticated_peer_is_served(served, mode: str, certs: Path) -> None:  # type: ignore[no-untyped-def]
+def test_authenticated_peer_is_served(served: Served, mode: str, certs: Path) -> None:
     listener, address, seen = served
     pool = PeerPool(FrameLimits(), connect_timeout=5, io_timeout=10, auth=auth(mode, "h1", certs))
     try:
@@ -88,7 +91,7 @@ def test_authenticated_peer_is_served(served, mode: str, certs: Path) -> None:  
     assert listener.auth_refused == 0
 
 
-def test_unauthenticated_peer_refused(served, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+def test_unauthenticated_peer_refused(served: Served, caplog: pytest.LogCaptureFixture) -> None:
     listener, address, seen = served
     pool = PeerPool(FrameLimits(), connect_timeout=5, io_timeout=10)  # no auth
     caplog.set_level(logging.WARNING)
@@ -102,7 +105,7 @@ def test_unauthenticated_peer_refused(served, caplog: pytest.LogCaptureFixture) 
     assert any("refused the connection from 127.0.0.1" in r.getMessage() for r in caplog.records)
 
 
-def test_wrong_credentials_refused(served, mode: str, certs: Path, other_certs: Path) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_credentials_refused(served: Served, mode: str, certs: Path, other_certs: Path) -> None:
     """Another cluster's secret (hmac) or another CA's certificate (tls) gets nowhere."""
     listener, address, seen = served
     pool = PeerPool(FrameLimits(), connect_timeout=5, io_timeout=10, auth=auth(mode, "h1", other_certs))
@@ -115,7 +118,7 @@ def test_wrong_credentials_refused(served, mode: str, certs: Path, other_certs: 
     assert listener.auth_refused >= 1 or mode == "tls"  # tls: our own side refuses their CA first
 
 
-def test_frame_in_another_hosts_name_refused(served, mode: str, certs: Path) -> None:  # type: ignore[no-untyped-def]
+def test_frame_in_another_hosts_name_refused(served: Served, mode: str, certs: Path) -> None:
     """h1, authenticated, may not send in h0's name: ERROR naming both, connection closed."""
     listener, address, seen = served
     pool = PeerPool(FrameLimits(), connect_timeout=5, io_timeout=10, auth=auth(mode, "h1", certs))

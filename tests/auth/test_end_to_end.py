@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from authkit import Procs, push, tls_args
+from authkit import Procs, push
 
 from mlfabric.daemon.dataplane import FrameHeader, FrameLimits, recv_frame, send_frame
 from mlfabric.daemon.sockets import parse_address
@@ -20,9 +20,14 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("data_auth", ["hmac", "tls"])
 def test_push_through_an_authenticated_cluster(procs: Procs, certs: Path, data_auth: str) -> None:
     address = procs.scheduler(certs)
-    extra = ["--data-auth", data_auth, "--data-secret", str(certs / "dataplane.secret"), "--local-peer-check"]
-    for host in ("h0", "h1"):
-        procs.daemon(host, address, *tls_args(certs, host), *extra)
+    for host in ("h0", "h1"):  # the daemons' settings from config files (the scheduler's: flags)
+        config = procs.dir / f"{host}.toml"
+        config.write_text(
+            f'tls_ca = "{certs / "ca.pem"}"\ntls_cert = "{certs / f"{host}.pem"}"\n'
+            f'tls_key = "{certs / f"{host}.key"}"\ndata_auth = "{data_auth}"\n'
+            f'data_secret = "{certs / "dataplane.secret"}"\nlocal_peer_check = true\n'
+        )
+        procs.daemon(host, address, "--config", str(config))
     ready = {h: procs.ready(h) for h in ("h0", "h1")}
     result = push(ready["h0"]["socket"], ready["h1"]["socket"], 5)
     assert result == {"applied": 5, "dropped": 0, "reasons": []}
