@@ -50,6 +50,8 @@ from mlfabric.tensors import layouts_from_pb
 __all__ = ["AggregatorRole"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
+#: aggregate ids are "agg:<scope>:<index>" (mlfabric.scheduler.core.schedule.aggregate_id)
+AGGREGATE_PREFIX = "agg:"
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _ACK = dataplane_pb2.FRAME_KIND_ACK
 _DROPPED = control_pb2.OUTCOME_DROPPED
@@ -196,6 +198,17 @@ class AggregatorRole:
             self.expire(self._clock())
 
     # ------------------------------------------------------------------ directives
+
+    @staticmethod
+    def names_aggregate(update_id: str) -> bool:
+        """Whether ``update_id`` is an aggregate's id (``agg:<scope>:<index>``), held or not.
+
+        Examples
+        --------
+        >>> AggregatorRole.names_aggregate("agg:ps:3"), AggregatorRole.names_aggregate("h1/3")
+        (True, False)
+        """
+        return update_id.startswith(AGGREGATE_PREFIX)
 
     def owns(self, aggregate_id: str) -> bool:
         """Whether this daemon runs aggregate ``aggregate_id`` (so a send or drop is for it)."""
@@ -463,12 +476,19 @@ class AggregatorRole:
         """A ``SendDirective`` for a ready aggregate: send it to the server, report, release it."""
         with self._lock:
             agg = self._aggregates.get(send.update_id)
+            gone = self._gone.get(send.update_id, "never directed to this daemon")
         if agg is None:
-            _LOG.warning("send directive for unknown aggregate %r", send.update_id)
+            if gone == "forwarded to the server":
+                return  # a repeated directive: the forward reported already
+            self._cannot_forward(send, f"this daemon does not hold it ({gone})")
             return
         with agg.lock:
+            if agg.state == "forwarding":
+                return  # a repeated directive: the forward under way reports
             if agg.state != "ready":
-                _LOG.warning("send directive for aggregate %s while %s", agg.aggregate_id, agg.state)
+                state = agg.state
+                self._abandon(agg, f"send directive while {state}", notify=False)
+                self._cannot_forward(send, f"it is {state}, not complete")
                 return
             agg.state = "forwarding"
             if agg.acc is not None and not agg.acc.finished:
@@ -540,6 +560,15 @@ class AggregatorRole:
                     aggregate_id=agg.aggregate_id, reason=failure, arrived=agg.arrived
                 )
             )
+
+    def _cannot_forward(self, send: Any, why: str) -> None:
+        """Report that the aggregate of ``send`` never left this daemon (its members are re-planned)."""
+        error = f"cannot forward aggregate {send.update_id!r}: {why}"
+        _LOG.warning("%s", error)
+        report = control_pb2.TransferReport(
+            update_id=send.update_id, src_host=self.host, dst_host=send.next_hop_host, ok=False, error=error
+        )
+        self._report(report)
 
     def _fill_report(self, report: Any, reply: Reply, header: Any) -> None:
         h = reply.header

@@ -35,14 +35,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from mlfabric.daemon.aggregating import AGGREGATE_PREFIX as _AGGREGATE_PREFIX
 from mlfabric.daemon.daemon import Daemon
 from mlfabric.daemon.transfers import TransferReportLog
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 __all__ = ["DaemonMetrics", "MeteredDaemon", "MeteredReportLog"]
 
-#: aggregate ids are "agg:<scope>:<index>" (mlfabric.scheduler.core.schedule.aggregate_id)
-_AGGREGATE_PREFIX = "agg:"
 _OUTCOMES = {control_pb2.OUTCOME_APPLIED: "applied", control_pb2.OUTCOME_DROPPED: "dropped"}
 
 

@@ -157,7 +157,7 @@ class SchedulerSession:
             self.allreduce.on_abort(directive.allreduce_abort)
         elif kind == "resolve":
             self.sender.resolve(directive.resolve)
-        elif kind == "send" and self.aggregator.owns(directive.send.update_id):
+        elif kind == "send" and self.aggregator.names_aggregate(directive.send.update_id):
             self._tasks.submit(self.aggregator.forward, directive.send)
         elif kind == "drop" and self.aggregator.drop(directive.drop.update_id, directive.drop.reason):
             pass  # an aggregate this host ran

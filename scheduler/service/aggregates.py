@@ -303,7 +303,11 @@ class AggregateBook:
         """The aggregator on ``host`` announced ``aggregate_id``: every member is in."""
         out = Effects()
         e = self.executions.get(aggregate_id)
-        if e is None or e.planned.aggregator != host or e.forwarded:
+        if e is not None and e.planned.aggregator == host and e.forwarded:
+            # announced again (re-opened for a member that joined) after the scheduler released
+            # it: the send directive is on its way, and the aggregator's report settles it
+            return out
+        if e is None or e.planned.aggregator != host:
             out.send(host, wire.drop_directive(aggregate_id, f"aggregate '{aggregate_id}' is not expected"))
             return out
         e.ready = True

@@ -116,3 +116,31 @@ def test_member_not_listed_by_any_directive_is_refused_after_the_wait(
     _send(scheduler, r1.update_id, "agg", agg_id)
     rep = wait_until(lambda: scheduler.report_for(r1.update_id), timeout=20)[0]
     assert not rep.ok and "not a member" in rep.error
+
+
+def test_a_send_for_an_aggregate_the_daemon_cannot_forward_is_reported_failed(
+    cluster: dict[str, Any], scheduler: AggScheduler
+) -> None:
+    """A send directive the aggregator cannot carry out gets a failed report, not silence.
+
+    Silence left the members unresolved until the scheduler's forward timeout; a failed report
+    with no outcome (the frame never left) makes the scheduler plan them afresh.
+    """
+    c = cluster
+    (h0, r0), (h1, r1) = (_push(c, scheduler, f"w{i}", float(i + 1)) for i in range(2))
+    _send(scheduler, "agg:job:20", "ps")  # never directed to this daemon
+    unknown = wait_until(lambda: scheduler.report_for("agg:job:20"))[0]
+    assert not unknown.ok and "does not hold it" in unknown.error
+    assert unknown.outcome == control_pb2.OUTCOME_UNSPECIFIED
+    agg_id = "agg:job:21"
+    _aggregate(scheduler, agg_id, [r0, r1])
+    _send(scheduler, r0.update_id, "agg", agg_id)
+    wait_until(lambda: scheduler.report_for(r0.update_id))
+    _send(scheduler, agg_id, "ps")  # r1 has not arrived: the aggregate is still collecting
+    early = wait_until(lambda: scheduler.report_for(agg_id))[0]
+    assert not early.ok and "collecting" in early.error
+    # both members re-planned straight to the server from the payloads their sources kept
+    _send(scheduler, r0.update_id, "ps")
+    _send(scheduler, r1.update_id, "ps")
+    assert [h.wait(10).status for h in (h0, h1)] == [mlfabric.APPLIED] * 2
+    np.testing.assert_array_equal(_model(c)["w"], MODEL["w"] - 3.0)

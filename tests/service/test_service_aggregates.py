@@ -370,3 +370,20 @@ def test_a_forwarded_aggregate_without_a_report_resolves_its_members_unknown(env
     core._execute(core.aggregates.expire(clock.now))
     assert member_resolves(env) == {h: (u, pb.OUTCOME_UNKNOWN) for h, u in MEMBERS.items()}
     assert not core.state.pending
+
+
+def test_an_aggregate_announced_again_after_its_release_is_not_dropped(env: dict[str, Any]) -> None:
+    """A re-opened aggregate announced ready again after the send was released keeps its send.
+
+    Dropping it there left its members unresolved until the forward timeout (the aggregator
+    discarded the sum, then got the send directive for an aggregate it no longer held).
+    """
+    core, s = env["core"], env["s"]
+    forwarded(env)
+    core.on_message(s["x"], msg(update_ready=pb.UpdateReady(update_id="agg:ps:0", job="j", server="s")))
+    assert "x" not in drain(s)
+    verdicts = [pb.MemberVerdict(update_id=u, outcome=pb.OUTCOME_APPLIED, delay=1) for u in MEMBERS.values()]
+    report(
+        core, s["x"], "agg:ps:0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=2, member_verdicts=verdicts
+    )
+    assert member_resolves(env) == {h: (u, pb.OUTCOME_APPLIED) for h, u in MEMBERS.items()}
