@@ -154,9 +154,7 @@ class AllreduceRole:
         key: Key = (req.job, req.name, int(req.seq), req.participant)
         problem = self._check(req, fd)
         if problem is not None:
-            conn.error(
-                rid, "bad_tensor" if "tensor" in problem or "payload" in problem else "bad_request", problem
-            )
+            conn.error(rid, *problem)
             return fd
         assert fd is not None
         timeout = req.timeout_seconds if req.timeout_seconds > 0 else DEFAULT_TIMEOUT
@@ -207,13 +205,19 @@ class AllreduceRole:
             self.fail(key, "unavailable", f"{op.name()}: the scheduler is not connected", tell=False)
         return None
 
-    def _check(self, req: Any, fd: int | None) -> str | None:
+    def _check(self, req: Any, fd: int | None) -> tuple[str, str] | None:
+        """``(code, message)`` of what is wrong with a request, or None."""
         if not req.participant or not req.name or not req.job:
-            return "an all-reduce needs a job, a name and a participant"
+            return "bad_request", "an all-reduce needs a job, a name and a participant"
         if req.world_size < 1:
-            return f"world_size must be >= 1, got {req.world_size}"
+            return "bad_request", f"world_size must be >= 1, got {req.world_size}"
         if fd is None:
-            return "all-reduce without a payload memfd"
+            return "bad_request", "all-reduce without a payload memfd"
+        problem = self._check_layout(req, fd)
+        return None if problem is None else ("bad_tensor", problem)
+
+    @staticmethod
+    def _check_layout(req: Any, fd: int) -> str | None:
         end = 0
         for t in sorted(req.tensors, key=lambda t: t.offset):
             if t.dtype not in DTYPES:
@@ -265,6 +269,8 @@ class AllreduceRole:
         with self._changed:
             self._changed.notify_all()
         if not d.children:  # a leaf: its partial sums are its own chunks
+            if not d.parent.participant and op.payload_bytes:  # a world of one: the result is its own
+                op.result[: op.payload_bytes] = op.own[: op.payload_bytes]
             for c in op.chunks:
                 self._reduced(op, c.index)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -181,3 +182,32 @@ def test_a_participant_daemon_killed_mid_allreduce_fails_the_others(
         assert isinstance(r, mlfabric.MlfabricError), r
         assert r.code in ("allreduce_peer_lost", "allreduce_failed"), r.code
         assert "h2" in str(r) or "r2" in str(r), str(r)
+
+
+@pytest.mark.slow
+def test_a_layout_that_does_not_add_up_is_refused_and_a_world_of_one_returns_its_own(
+    cluster: LocalCluster,
+) -> None:
+    from mlfabric import tensorio
+    from mlfabric.localclient import connect
+    from mlfabric.proto.v1 import dataplane_pb2, local_pb2
+
+    fd, _, _ = tensorio.to_memfd({"w": np.ones(2)})
+    client = connect(cluster.socket("h0"))
+    try:
+        bad = dataplane_pb2.TensorLayout(name="w", dtype="float64", shape=[2], offset=0, nbytes=16)
+        request = local_pb2.LocalRequest(
+            allreduce=local_pb2.AllreduceRequest(
+                job="j", name="x", seq=1, participant="p", world_size=1, tensors=[bad],
+                payload_bytes=24, has_payload=True,
+            )
+        )  # fmt: skip
+        with pytest.raises(mlfabric.MlfabricError, match="covers 16 bytes but payload_bytes is 24") as info:
+            client.call(request, fd, timeout=30)
+        assert info.value.code == "bad_tensor"
+    finally:
+        client.close()
+        os.close(fd)
+    with mlfabric.join_allreduce("j", world_size=1, participant="alone", daemon=cluster.socket("h1")) as g:
+        x = np.arange(7.0)
+        np.testing.assert_array_equal(g.allreduce({"x": x}, timeout=30)["x"], x)  # a world of one
