@@ -7,6 +7,7 @@ final model tells exactly which updates were applied.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -48,12 +49,12 @@ mbps = 1000
 
 
 def _roles() -> Any:
-    sys.path.insert(0, str(HERE))
-    try:
-        import roles
-    finally:
-        sys.path.remove(str(HERE))
-    return roles
+    """This directory's ``roles.py`` by path (``tests/integration`` has a ``roles`` module too)."""
+    spec = importlib.util.spec_from_file_location("replication_test_roles", ROLES)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _wait_file(path: Path, proc: Any, timeout: float = 60.0) -> None:
