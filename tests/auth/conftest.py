@@ -12,15 +12,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # authkit, beside this
 from authkit import Procs, make_certs
 
 
+def _need_cryptography() -> None:
+    pytest.importorskip(
+        "cryptography", reason="`mlfabric certs` needs the auth extra: pip install -e '.[dev]' (or '.[auth]')"
+    )
+
+
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA, certificates of h0, h1, the scheduler (127.0.0.1), admin, and the data secret."""
+    _need_cryptography()
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(scope="session")
 def other_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same names signed by another CA (a stranger's)."""
+    _need_cryptography()
     return make_certs(tmp_path_factory.mktemp("other-certs"))
 
 
