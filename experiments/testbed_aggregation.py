@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,8 @@ def mlf_server(args: argparse.Namespace) -> int:
     _, _, xte, yte = e2e.dataset()
     model = e2e.make_model()
     tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
-    params = mlfabric.Params(tau_max=args.tau_max, sync_workers=args.sync_workers)
+    # div_max: with a replica registered (testbed_replication.py); without one it has no effect
+    params = mlfabric.Params(tau_max=args.tau_max, sync_workers=args.sync_workers, div_max=args.div_max)
     server = mlfabric.register_as_server("agg", "ps", tensors, params)
     log = e2e.AccuracyLog(Path(args.out), args.target)
     Path(args.ready_file).write_text("{}")
@@ -76,11 +78,13 @@ def mlf_server(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.time_limit + STARTUP_ALLOWANCE
     started = False
     counts = {"updates": 0, "payloads": 0}
+    norms: list[float] = []  # the declared norms (an aggregate: its members' sum)
 
     @server.on_update
     def apply(update: dict[str, np.ndarray], meta: Any) -> None:
         counts["updates"] += meta.num_updates
         counts["payloads"] += 1
+        norms.append(meta.norm / meta.num_updates)
         for k, v in update.items():
             server.model[k] -= v
 
@@ -94,7 +98,8 @@ def mlf_server(args: argparse.Namespace) -> int:
                 last_eval = server.version
                 e2e.load_numpy(model, server.model)
                 log.record(server.version, e2e.accuracy(model, xte, yte))
-        log.save({"updates": counts["updates"], "payloads": counts["payloads"], "dropped": server.dropped})
+        norm = statistics.median(norms) if norms else None
+        log.save({**counts, "dropped": server.dropped, "median_update_norm": norm, "version": server.version})
     return 0
 
 
@@ -229,8 +234,19 @@ def _torch_run(
 
 
 def run_one(
-    system: str, sync: bool, testbed: Any, topo: Path, workers: list[str], args: argparse.Namespace, seed: int
+    system: str,
+    sync: bool,
+    testbed: Any,
+    topo: Path,
+    workers: list[str],
+    args: argparse.Namespace,
+    seed: int,
+    *,
+    server_args: Sequence[str] = (),
+    before_workers: Callable[[Any, Path], list[Any]] | None = None,
 ) -> dict[str, Any]:
+    """One run; ``server_args`` go to the mlfabric server's command line, ``before_workers(cluster,
+    workdir)`` starts more processes once the server is up (they are terminated with the workers)."""
     from mlfabric.cluster import ingress_bytes
     from mlfabric.scheduler.core.graph import load_topology
     from mlfabric.testbed.launch import TestbedCluster
@@ -273,10 +289,11 @@ def run_one(
     ) as c:
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
         sargv += ["--tau-max", str(args.tau_max), "--sync-workers", str(len(workers) if sync else 0)]
+        sargv += list(server_args)
         server = c.spawn("ps", sargv)
         e2e.wait_file(ready, server.popen, STARTUP_ALLOWANCE)
+        procs = before_workers(c, workdir) if before_workers is not None else []
         rates.start()
-        procs = []
         for i, w in enumerate(workers):
             argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(100 * seed + i)]
             procs.append(c.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
@@ -438,6 +455,18 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training and network setting's options (shared with ``testbed_replication.py``)."""
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--server-mbps", type=float, default=100.0, help="the server's ingress, Mbit/s")
+    parser.add_argument("--server-egress-mbps", type=float, default=1000.0, help="the server's egress")
+    parser.add_argument("--period", type=float, default=5.0, help="seconds between bandwidth changes")
+    parser.add_argument("--compute", type=float, default=0.02, help="compute delay per iteration, s")
+    parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's compute delay factor")
+    parser.add_argument("--tau-max", type=int, default=32)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -448,14 +477,7 @@ def main() -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--target", type=float)
     parser.add_argument("--time-limit", type=float, help="seconds per run (150 quick, 400 full)")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--server-mbps", type=float, default=100.0, help="the server's ingress, Mbit/s")
-    parser.add_argument("--server-egress-mbps", type=float, default=1000.0, help="the server's egress")
-    parser.add_argument("--period", type=float, default=5.0, help="seconds between bandwidth changes")
-    parser.add_argument("--compute", type=float, default=0.02, help="compute delay per iteration, s")
-    parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's compute delay factor")
-    parser.add_argument("--tau-max", type=int, default=32)
+    add_setting_arguments(parser)
     parser.add_argument(
         "--aggregate-plan",
         choices=["async", "sync"],
@@ -476,6 +498,7 @@ def main() -> int:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-workers", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--div-max", type=float, help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     args.target = args.target or (0.85 if args.quick else 0.95)
     args.time_limit = args.time_limit or (120.0 if args.quick else 400.0)
