@@ -104,15 +104,17 @@ class LinkTimeline:
 
     def _split(self, t: float) -> int:
         """Make ``t`` a breakpoint; return its index."""
-        i = bisect_right(self.times, t) - 1
-        if i >= 0 and self.times[i] == t:
+        times = self.times
+        i = bisect_right(times, t) - 1
+        if i >= 0 and times[i] == t:
             return i
+        residual = self.residual
         if i < 0:  # before the origin: extend the first piece backwards
-            self.times.insert(0, t)
-            self.residual.insert(0, self.residual[0])
+            times.insert(0, t)
+            residual.insert(0, residual[0])
             return 0
-        self.times.insert(i + 1, t)
-        self.residual.insert(i + 1, self.residual[i])
+        times.insert(i + 1, t)
+        residual.insert(i + 1, residual[i])
         return i + 1
 
     def reserve(self, start: float, end: float, rate: float, *, who: str = "") -> None:
@@ -127,22 +129,25 @@ class LinkTimeline:
             return
         i = self._split(start)
         j = self._split(end)
+        residual = self.residual
+        floor = -self.eps
         for k in range(i, j):
-            left = self.residual[k] - rate
-            if left < -self.eps:
+            left = residual[k] - rate
+            if left < floor:
                 raise ValueError(
                     f"reserving {rate:g} B/s for {who or 'a transfer'} at t={self.times[k]:g} "
-                    f"exceeds the residual {self.residual[k]:g} B/s"
+                    f"exceeds the residual {residual[k]:g} B/s"
                 )
-            self.residual[k] = max(left, 0.0)
-        self._coalesce(max(i - 1, 0), min(j + 1, len(self.times) - 1))
+            residual[k] = 0.0 if left < 0.0 else left  # max(left, 0.0), -0.0 kept as max keeps it
+        self._coalesce(i - 1 if i > 0 else 0, min(j + 1, len(residual) - 1))
 
     def _coalesce(self, lo: int, hi: int) -> None:
+        times, residual, eps = self.times, self.residual, self.eps
         k = hi
         while k > lo:
-            if k < len(self.times) and abs(self.residual[k] - self.residual[k - 1]) <= self.eps:
-                del self.times[k]
-                del self.residual[k]
+            if k < len(times) and abs(residual[k] - residual[k - 1]) <= eps:
+                del times[k]
+                del residual[k]
             k -= 1
 
 
@@ -317,11 +322,13 @@ class Timelines:
     ) -> tuple[Reservation, ...]:
         """Reserve every ``(lo, hi, rate)`` piece on every link, in link order."""
         out = []
+        get = self._links.get
+        new = tuple.__new__  # Reservation(link, lo, hi, rate), without the namedtuple's __new__ call
         for link in links:
-            tl = self.link(link)
+            tl = get(link) or self.link(link)
             for lo, hi, rate in pieces:
                 tl.reserve(lo, hi, rate, who=who)
-                out.append(Reservation(link, lo, hi, rate))
+                out.append(new(Reservation, (link, lo, hi, rate)))
         return tuple(out)
 
     def _rate_at(self, links: Sequence[Link], t: float) -> tuple[float, float]:

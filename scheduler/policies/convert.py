@@ -71,19 +71,27 @@ def schedule_to_decision(
     """
     ids = dict(aggregate_ids or {})
     transfers = schedule.transfers
-    ends: dict[Link, dict[float, list[str]]] = defaultdict(lambda: defaultdict(list))
+    ends: dict[Link, dict[float, list[str]]] = defaultdict(dict)  # link -> end -> payloads ending then
     for fid, links, end in busy:
         for link in links:
-            ends[link][end].append(fid)
-    # in order of start (then the schedule's order), so a transfer follows only transfers
-    # that started before it or with it but earlier in the plan: never a cycle
+            ends[link].setdefault(end, []).append(fid)
+    # in order of start (then the schedule's order: the sort is stable), so a transfer follows
+    # only transfers that started before it or with it but earlier in the plan: never a cycle
     after: dict[int, tuple[str, ...]] = {}
-    for i in sorted(range(len(transfers)), key=lambda i: (transfers[i].start, i)):
+    starts = [t.start for t in transfers]
+    for i in sorted(range(len(transfers)), key=starts.__getitem__):
         t = transfers[i]
-        found = {p for link in t.links for p in ends[link].get(t.start, ()) if p != t.payload_id}
-        after[i] = tuple(sorted(ids.get(p, p) for p in found))
-        for link in t.links:
-            ends[link][t.end].append(t.payload_id)
+        start, pid = t.start, t.payload_id
+        found: set[str] = set()
+        links = t.links
+        for link in links:
+            at = ends[link]
+            if start in at:
+                found.update(at[start])
+        found.discard(pid)
+        after[i] = tuple(sorted([ids.get(p, p) for p in found])) if found else ()
+        for link in links:
+            ends[link].setdefault(t.end, []).append(pid)
     planned = {a.aggregate_id for a in schedule.aggregates}
     sends: list[Send] = []
     replicas: list[ReplicaSend] = []

@@ -1,7 +1,7 @@
 """Costing candidate aggregation trees (:mod:`~mlfabric.scheduler.policies.trees`).
 
-:class:`Routes` gives the paths between the hosts of one server's tree (and integer link
-ids for the fast estimate); :func:`estimate` scores a tree with every link a first-come
+The routes (paths and integer link ids) come from
+:mod:`~mlfabric.scheduler.policies.tree_routes`; :func:`estimate` scores a tree with every link a first-come
 queue at its capacity (no timelines: fast, optimistic where a transfer waits for a link in
 full use); :func:`reserve` reserves a tree's payloads on the link timelines (the real plan).
 Internal to the tree planner.
@@ -12,90 +12,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
-import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.core.graph import PathCache
 from mlfabric.scheduler.core.schedule import Link, Transfer, Update
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.tree_moves import Node
+from mlfabric.scheduler.policies.tree_routes import Routes
 
 __all__: list[str] = []
-
-
-class Routes:
-    """Paths between the hosts of one server's tree: up the in-tree to the meeting node, then down.
-
-    Within a tree the route from a worker to an aggregator below the same point runs up
-    the worker's path towards the server to where the aggregator's path joins it, then down
-    the aggregator's path reversed (when those links exist; else the hop-count shortest).
-    """
-
-    def __init__(
-        self, graph: nx.DiGraph, pc: PathCache, server_host: str, paths: Mapping[str, tuple[str, ...]]
-    ):
-        self.graph, self.pc, self.server_host, self.paths = graph, pc, server_host, paths
-        self._routes: dict[tuple[str, str], tuple[str, ...]] = {}
-        self._links: dict[tuple[str, str], tuple[Link, ...]] = {}
-        self._ids: dict[tuple[str, str], tuple[int, ...]] = {}
-        self._lid: dict[Link, int] = {}
-        self.per: list[float] = []  # link id -> seconds per byte
-        self.free: list[float] = []  # link id -> end of its last reservation on ``tls``
-        self.tls: Timelines | None = None
-
-    def ids(self, src: str, dst: str) -> tuple[int, ...]:
-        """Integer ids of the links from ``src`` to ``dst`` (indices into :attr:`per`, :attr:`free`)."""
-        key = (src, dst)
-        out = self._ids.get(key)
-        if out is None:
-            lid, edges = self._lid, self.graph.edges
-            got = []
-            for link in self.links(src, dst):
-                i = lid.get(link)
-                if i is None:
-                    i = lid[link] = len(self.per)
-                    self.per.append(1.0 / float(edges[link]["capacity"]))
-                    times = self.tls.link(link).times if self.tls is not None else [-math.inf]
-                    self.free.append(times[-1] if len(times) > 1 else -math.inf)
-                got.append(i)
-            out = self._ids[key] = tuple(got)
-        return out
-
-    def path(self, src: str, dst: str) -> tuple[str, ...]:
-        key = (src, dst)
-        route = self._routes.get(key)
-        if route is None:
-            route = self._route(src, dst)
-            self._routes[key] = route
-        return route
-
-    def links(self, src: str, dst: str) -> tuple[Link, ...]:
-        key = (src, dst)
-        links = self._links.get(key)
-        if links is None:
-            links = tuple(itertools.pairwise(self.path(src, dst)))
-            self._links[key] = links
-        return links
-
-    def _route(self, src: str, dst: str) -> tuple[str, ...]:
-        if src == dst:
-            return (src,)
-        up, down = self.paths.get(src), self.paths.get(dst)
-        if dst == self.server_host and up is not None:
-            return up
-        if up is None or down is None:
-            return self.pc.path(src, dst)
-        where = {x: j for j, x in enumerate(down)}
-        for i, x in enumerate(up):
-            if x in where:
-                back = tuple(reversed(down[: where[x] + 1]))  # from the meeting node down
-                if all(self.graph.has_edge(a, b) for a, b in itertools.pairwise(back)):
-                    return up[:i] + back
-                break
-        return self.pc.path(src, dst)
 
 
 def rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:

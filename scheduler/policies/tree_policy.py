@@ -27,6 +27,7 @@ from mlfabric.scheduler.policies.planning import (
     reserve_in_flight,
 )
 from mlfabric.scheduler.policies.tree_cost import collector_paused
+from mlfabric.scheduler.policies.tree_routes import RouteCache
 from mlfabric.scheduler.policies.trees import plan_tree
 
 __all__ = ["TreePolicy"]
@@ -69,6 +70,7 @@ class TreePolicy:
         self._committed: dict[str, PlannedAggregate] = {}
         self._count = 0
         self._paths: PathCache | None = None
+        self._routes: RouteCache | None = None  # the trees' routes on self._paths' topology
 
     def abandon(self, aggregate_id: str) -> None:
         """Forget aggregate ``aggregate_id`` (its aggregator failed)."""
@@ -77,6 +79,7 @@ class TreePolicy:
     def _pc(self, graph: nx.DiGraph) -> PathCache:
         if self._paths is None or not self._paths.same_topology(graph):
             self._paths = PathCache(graph)
+            self._routes = RouteCache(self._paths)
         return self._paths
 
     def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
@@ -155,5 +158,7 @@ class TreePolicy:
         pool = aggregator_pool(graph, self.aggregators, servers, snapshot.aggregators)
         tls, busy, _ = reserve_in_flight(graph, snapshot.in_flight, now)
         idle = None if not busy else tls  # an idle network: plan_tree may also try Fig. 6's groups
-        schedule = plan_tree(graph, updates, aggregators=pool, now=now, paths=pc, timelines=idle)
+        schedule = plan_tree(
+            graph, updates, aggregators=pool, now=now, paths=pc, timelines=idle, routes=self._routes
+        )
         return schedule, busy

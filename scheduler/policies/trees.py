@@ -53,14 +53,13 @@ from mlfabric.scheduler.core.graph import PathCache, hosts
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
-from mlfabric.scheduler.policies.tree_cost import Routes as _Routes
 from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
 from mlfabric.scheduler.policies.tree_cost import ingress as _ingress
-from mlfabric.scheduler.policies.tree_cost import rate as _rate
 from mlfabric.scheduler.policies.tree_cost import reserve as _reserve
 from mlfabric.scheduler.policies.tree_moves import Node as _Node
 from mlfabric.scheduler.policies.tree_moves import improve_members
+from mlfabric.scheduler.policies.tree_routes import RouteCache
 
 __all__ = ["plan_tree"]
 
@@ -77,9 +76,9 @@ FINALISTS = 4
 MOVES_UP_TO = 16
 
 
-def _in_tree(pc: PathCache, sources: Iterable[str], server_host: str) -> dict[str, tuple[str, ...]]:
+def _in_tree(rc: RouteCache, sources: Iterable[str], server_host: str) -> dict[str, tuple[str, ...]]:
     """Source host -> its path to the server (consistent: the paths form an in-tree)."""
-    return {s: pc.path(s, server_host) for s in sources}
+    return {s: rc.path(s, server_host) for s in sources}
 
 
 @dataclass
@@ -93,24 +92,28 @@ class _Tree:
     rank: Mapping[str, int]  # host -> its place in graph order
     server_host: str
     prefix: str
-    switches: Mapping[str, tuple[str, ...]]  # source -> the nodes between it and the server
+    groups: Mapping[tuple[str, ...], list[str]]  # nodes between a source and the server -> its
+    # updates (all sources with those nodes, in ready order)
+    index: Mapping[str, int]  # update id -> its place in ready order
+    host_of: Mapping[str, str]  # update id -> its source
     depth: Mapping[str, int]  # such a node -> nodes from it to the server (both counted)
 
 
 def _tree(
-    graph: nx.DiGraph, pc: PathCache, order: Sequence[Update], eligible: frozenset[str], prefix: str
+    graph: nx.DiGraph, rc: RouteCache, order: Sequence[Update], eligible: frozenset[str], prefix: str
 ) -> _Tree:
     server_host = order[0].dst
     sources = {u.src for u in order}
-    paths = _in_tree(pc, sources, server_host)
+    paths = _in_tree(rc, sources, server_host)
     crossed = {x for p in paths.values() for x in p[1:-1]}
     below: dict[str, list[str]] = {}
-    for h in hosts(graph):
+    every = hosts(graph)
+    for h in every:
         if h not in eligible or h == server_host:
             continue
         if h not in paths:
             try:
-                path = pc.path(h, server_host)
+                path = rc.path(h, server_host)
             except ValueError:
                 continue
             if not crossed.intersection(path):
@@ -118,16 +121,24 @@ def _tree(
             paths[h] = path
         for x in paths[h][1:-1]:
             below.setdefault(x, []).append(h)
-    ingress = {h: _ingress(graph, h) for h in paths if h in eligible}
+    into: dict[str, list[float]] = {}  # node -> the capacities of its links in
+    for _, out in graph.adjacency():
+        for v, d in out.items():
+            into.setdefault(v, []).append(float(d["capacity"]))
+    ingress = {h: max(into.get(h, ()), default=0.0) for h in paths if h in eligible}  # tree_cost.ingress
     top: dict[str, tuple[list[str], set[str]]] = {}
     for x, hs in below.items():
-        fastest = max(ingress[h] for h in hs)
+        fastest = max(map(ingress.__getitem__, hs))
         tier = [h for h in hs if ingress[h] == fastest]
         top[x] = (tier, set(tier))
-    rank = {h: i for i, h in enumerate(hosts(graph))}
-    switches = {s: paths[s][1:-1] for s in sources}
-    depth = {x: len(p) - i for p in (paths[s] for s in sources) for i, x in enumerate(p[1:-1], 1)}
-    return _Tree(order, paths, below, top, rank, server_host, prefix, switches, depth)
+    rank = {h: i for i, h in enumerate(every)}
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for u in order:
+        groups.setdefault(paths[u.src][1:-1], []).append(u.update_id)
+    depth = {x: len(on) + 1 - i for on in groups for i, x in enumerate(on)}
+    index = {u.update_id: i for i, u in enumerate(order)}
+    host_of = {u.update_id: u.src for u in order}
+    return _Tree(order, paths, below, top, rank, server_host, prefix, groups, index, host_of, depth)
 
 
 def _sum(
@@ -169,14 +180,12 @@ def _build(
     ``fan_in`` first (each at its own host when the groups hold payloads of different hosts),
     and so on up: no aggregator's NIC takes more than ``fan_in`` payloads per aggregate.
     """
-    order = tree.order
-    chain: dict[str, list[str]] = {}  # source -> the points on its path, lowest first
     carried: dict[str, list[str]] = {}  # payloads reaching each point
     up: dict[str, str | None] = {}
     depth: dict[str, int] = {}
-    for src, on_path in tree.switches.items():
-        pts = [x for x in on_path if x in points]
-        chain[src] = pts
+    firsts: dict[str, list[list[str]]] = {}  # point -> the groups of updates it is the first of
+    for on_path, uids in tree.groups.items():
+        pts = [x for x in on_path if x in points]  # the points on their path, lowest first
         if not pts:
             continue
         for x in pts:
@@ -186,13 +195,14 @@ def _build(
         for a, b in itertools.pairwise(pts):
             up[a] = b
         up.setdefault(pts[-1], None)
-    for u in order:
-        pts = chain[u.src]
-        if pts:
-            carried[pts[0]].append(u.update_id)
+        firsts.setdefault(pts[0], []).append(uids)
+    for x, lists in firsts.items():  # each point's updates in ready order
+        carried[x] = (
+            list(lists[0]) if len(lists) == 1 else sorted(itertools.chain(*lists), key=tree.index.__getitem__)
+        )
     nodes: dict[str, _Node] = {}
     parent: dict[str, str] = {}
-    host_of: dict[str, str] = {u.update_id: u.src for u in order}
+    host_of = dict(tree.host_of)
     summing: dict[str, set[str]] = {}  # point -> hosts summing there already
     for x in sorted(carried, key=lambda x: (-depth[x], x)):
         payloads = carried[x]
@@ -224,12 +234,16 @@ def _build(
 
 
 def _points_of(
-    paths: Mapping[str, tuple[str, ...]], graph: nx.DiGraph
+    on_paths: Iterable[tuple[str, ...]], graph: nx.DiGraph
 ) -> tuple[list[frozenset[str]], set[str]]:
-    """Candidate sets of aggregation points, and every switch a point may be."""
-    switches = {x for p in paths.values() for x in p[1:-1] if graph.nodes[x].get("kind") != "host"}
-    racks = {p[1] for p in paths.values() if len(p) > 2 and p[1] in switches}
-    tops = {p[-2] for p in paths.values() if len(p) > 2}
+    """Candidate sets of aggregation points, and every switch a point may be.
+
+    ``on_paths``: the nodes between each source and the server.
+    """
+    on_paths = list(on_paths)
+    switches = {x for on in on_paths for x in on if graph.nodes[x].get("kind") != "host"}
+    racks = {on[0] for on in on_paths if on and on[0] in switches}
+    tops = {on[-1] for on in on_paths if on}
     candidates = [
         frozenset(),
         frozenset(racks - tops),
@@ -244,17 +258,16 @@ def _plan_server(
     graph: nx.DiGraph,
     order: Sequence[Update],
     tls: Timelines,
-    pc: PathCache,
+    rc: RouteCache,
     eligible: frozenset[str],
     now: float,
     prefix: str,
     local_search: bool,
 ) -> tuple[Timelines, list[Transfer], list[Aggregate]]:
-    tree = _tree(graph, pc, order, eligible, prefix)
+    tree = _tree(graph, rc, order, eligible, prefix)
     server_host = tree.server_host
-    candidates, switches = _points_of({u.src: tree.paths[u.src] for u in order}, graph)
-    routes = _Routes(graph, pc, server_host, tree.paths)
-    routes.tls = tls
+    candidates, switches = _points_of(tree.groups, graph)
+    routes = rc.routes(graph, server_host, tree.paths, tls)
     updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
     Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]
     seen: dict[Key, tuple[float, int]] = {}
@@ -357,6 +370,7 @@ def plan_tree(
     paths: PathCache | None = None,
     timelines: Timelines | None = None,
     local_search: bool | None = None,
+    routes: RouteCache | None = None,
 ) -> Schedule:
     """Plan ``updates`` as multi-level aggregation trees, one per server (DESIGN §4).
 
@@ -378,6 +392,10 @@ def plan_tree(
     local_search : bool, optional
         Toggle single switches after the candidate sets; default for rounds of at most
         :data:`LOCAL_SEARCH_UP_TO` updates.
+    routes : RouteCache, optional
+        The trees' routes on ``graph``'s topology, kept by a caller across rounds (built on
+        ``paths``, which defaults to its path cache); default: made for this call. Only
+        the time taken depends on it, never the plan.
 
     Returns
     -------
@@ -407,7 +425,7 @@ def plan_tree(
     >>> _ = check_schedule(g, s, updates=us)
     """
     with _collector_paused():
-        return _plan_tree(graph, updates, aggregators, now, paths, timelines, local_search)
+        return _plan_tree(graph, updates, aggregators, now, paths, timelines, local_search, routes)
 
 
 def _plan_tree(
@@ -418,8 +436,12 @@ def _plan_tree(
     paths: PathCache | None,
     timelines: Timelines | None,
     local_search: bool | None,
+    routes: RouteCache | None,
 ) -> Schedule:
-    pc = paths if paths is not None else PathCache(graph)
+    if routes is not None and paths is not None and routes.pc is not paths:
+        raise ValueError("plan_tree: routes were made on another path cache than paths")
+    pc = paths if paths is not None else routes.pc if routes is not None else PathCache(graph)
+    rc = routes if routes is not None else RouteCache(pc)
     tls = timelines if timelines is not None else Timelines(graph, start=now)
     servers = {u.dst for u in updates}
     pool = aggregators if aggregators is not None else [h for h in hosts(graph) if h not in servers]
@@ -433,10 +455,14 @@ def _plan_tree(
     for i, server in enumerate(sorted(by_server)):
         # ready order; among updates ready together the longest own transfer first (a slow
         # NIC's update then shares the server's ingress from the start, as in a fair share)
-        own = {u.update_id: u.bytes / _rate(graph, pc.links(u.src, u.dst)) for u in by_server[server]}
+        rates = {
+            dst: rc.bottlenecks(graph, dst, {u.src for u in by_server[server] if u.dst == dst})
+            for dst in {u.dst for u in by_server[server]}
+        }  # the rate of each update's own path (tree_cost.rate)
+        own = {u.update_id: u.bytes / rates[u.dst][u.src] for u in by_server[server]}
         order = sorted(by_server[server], key=lambda u: (u.ready_at, -own[u.update_id], u.update_id))
         prefix = order[0].dst if len(by_server) == 1 else f"{order[0].dst}.{i}"
-        tls, ts, aggs = _plan_server(graph, order, tls, pc, eligible, now, prefix, search)
+        tls, ts, aggs = _plan_server(graph, order, tls, rc, eligible, now, prefix, search)
         transfers.extend(ts)
         aggregates.extend(aggs)
     tree = Schedule.aggregated(transfers, aggregates)

@@ -1,0 +1,298 @@
+"""Routes of aggregation trees (:mod:`~mlfabric.scheduler.policies.trees`), kept across decisions.
+
+Within the tree of one server the route from a host to an aggregator runs up the host's
+path towards the server to where the aggregator's path joins it, then down the
+aggregator's path reversed (when those links exist; else the hop-count shortest path).
+Those routes depend on the topology only: a :class:`RouteCache` keeps them per server host
+(node paths, and integer link ids for the fast estimate of ``tree_cost.py``) for as long as
+the topology stands — a long-lived policy keeps one across its decisions. Each host's path
+to the server is computed once, and a pair's route is read off the two hosts' paths.
+:class:`Routes` adds what one decision's graph and timelines say of each link: seconds per
+byte and when it is free. Internal to the tree planner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+
+import networkx as nx
+
+from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.schedule import Link
+from mlfabric.scheduler.core.timeline import Timelines
+
+__all__ = ["RouteCache"]
+
+
+class _LinkIds:
+    """Integer ids of links, made on first use (shared by a cache and its servers' routes)."""
+
+    __slots__ = ("lid", "links")
+
+    def __init__(self) -> None:
+        self.links: list[Link] = []  # link id -> link
+        self.lid: dict[Link, int] = {}
+
+    def __call__(self, link: Link) -> int:
+        i = self.lid.get(link)
+        if i is None:
+            i = self.lid[link] = len(self.links)
+            self.links.append(link)
+        return i
+
+
+class _Host:
+    """One node's path to a server and the ids of its links."""
+
+    __slots__ = ("path", "up")
+
+    def __init__(self, path: tuple[str, ...], up: tuple[int, ...]) -> None:
+        self.path = path
+        self.up = up  # ids of (path[k], path[k + 1])
+
+
+class _Dst:
+    """What a route down to one host needs of its path: positions, links back down, reversed."""
+
+    __slots__ = ("back", "down", "pos")
+
+    def __init__(self, path: tuple[str, ...], down: tuple[int, ...]) -> None:
+        self.pos = {x: i for i, x in enumerate(path)}
+        self.down = down  # ids of (path[k + 1], path[k]), for as long as those links exist
+        self.back = path[::-1]
+
+
+class _ServerRoutes:
+    """Routes within the tree of one server host (topology only)."""
+
+    __slots__ = ("dsts", "hosts", "ids", "link_id", "pc", "server", "walks")
+
+    def __init__(self, pc: PathCache, link_id: _LinkIds, server: str) -> None:
+        self.pc, self.link_id, self.server = pc, link_id, server  # no reference to the cache: no cycle
+        self.hosts: dict[str, _Host] = {}
+        self.dsts: dict[str, _Dst] = {}
+        self.ids: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.walks: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    def host(self, h: str) -> _Host:
+        """The path of ``h`` to the server (raises TopologyError where there is none)."""
+        got = self.hosts.get(h)
+        if got is None:
+            path = self.pc.path(h, self.server)
+            up = (self.link_id(path[:2]), *self.host(path[1]).up) if len(path) > 1 else ()
+            got = self.hosts[h] = _Host(path, up)
+        return got
+
+    def _dst(self, h: str) -> _Dst:
+        got = self.dsts.get(h)
+        if got is None:
+            path = self.host(h).path
+            succ = self.pc.graph.succ
+            down = []
+            for a, b in itertools.pairwise(path):
+                if a not in succ[b]:
+                    break
+                down.append(self.link_id((b, a)))
+            got = self.dsts[h] = _Dst(path, tuple(down))
+        return got
+
+    def _meet(self, src: str, dst: str) -> tuple[int, int] | None:
+        """Where the paths of ``src`` and ``dst`` meet: (index on src's, on dst's); None: go round."""
+        down = self._dst(dst)
+        where = down.pos
+        for i, x in enumerate(self.host(src).path):
+            j = where.get(x)
+            if j is not None:
+                return (i, j) if j <= len(down.down) else None
+        return None
+
+    def pair_ids(self, src: str, dst: str) -> tuple[int, ...]:
+        """Link ids of the tree route from ``src`` to ``dst`` (both with paths to the server)."""
+        key = (src, dst)
+        out = self.ids.get(key)
+        if out is None:
+            if dst == self.server:
+                out = self.host(src).up
+            else:
+                meet = self._meet(src, dst)
+                if meet is None:
+                    lid = self.link_id
+                    out = tuple(lid(link) for link in self.pc.links(src, dst))
+                else:
+                    i, j = meet
+                    out = self.host(src).up[:i] + (self._dst(dst).down[j - 1 :: -1] if j else ())
+            self.ids[key] = out
+        return out
+
+    def pair_path(self, src: str, dst: str) -> tuple[str, ...]:
+        """Node path of the tree route from ``src`` to ``dst`` (both with paths to the server)."""
+        key = (src, dst)
+        out = self.walks.get(key)
+        if out is None:
+            if dst == self.server:
+                out = self.host(src).path
+            else:
+                meet = self._meet(src, dst)
+                if meet is None:
+                    out = self.pc.path(src, dst)
+                else:
+                    i, j = meet
+                    back = self._dst(dst).back
+                    out = self.host(src).path[:i] + back[len(back) - 1 - j :]
+            self.walks[key] = out
+        return out
+
+
+class RouteCache:
+    """Routes of the aggregation trees on one topology, per server host (kept across decisions).
+
+    Parameters
+    ----------
+    pc : PathCache
+        The path cache of the topology; the routes are valid for as long as it is.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import two_tier
+    >>> g = two_tier(2, 2, 8e6)
+    >>> rc = RouteCache(PathCache(g))
+    >>> r = rc.routes(g, "h0", {h: rc.pc.path(h, "h0") for h in ("h1", "h2", "h3")})
+    >>> r.path("h2", "h3"), r.path("h3", "h0"), r.path("h1", "h3")
+    (('h2', 'tor1', 'h3'), ('h3', 'tor1', 'core', 'tor0', 'h0'), ('h1', 'tor0', 'core', 'tor1', 'h3'))
+    >>> [rc.links[i] for i in r.ids("h2", "h3")]
+    [('h2', 'tor1'), ('tor1', 'h3')]
+    """
+
+    __slots__ = ("_servers", "link_id", "links", "pc")
+
+    def __init__(self, pc: PathCache) -> None:
+        self.pc = pc
+        self.link_id = _LinkIds()  # link -> its integer id (made on first use)
+        self.links = self.link_id.links  # link id -> link
+        self._servers: dict[str, _ServerRoutes] = {}
+
+    def server(self, server_host: str) -> _ServerRoutes:
+        """The routes within the tree of ``server_host``."""
+        got = self._servers.get(server_host)
+        if got is None:
+            got = self._servers[server_host] = _ServerRoutes(self.pc, self.link_id, server_host)
+        return got
+
+    def path(self, h: str, server_host: str) -> tuple[str, ...]:
+        """Node path from ``h`` to ``server_host`` (cached; TopologyError where there is none)."""
+        return self.server(server_host).host(h).path
+
+    def bottlenecks(self, graph: nx.DiGraph, server_host: str, sources: Iterable[str]) -> dict[str, float]:
+        """Each source -> the lowest capacity on ``graph`` of its path to ``server_host`` (inf: none).
+
+        Each node's bottleneck is its first link's capacity or its next hop's bottleneck,
+        whichever is lower: one capacity read per node rather than per link of every path.
+        """
+        succ = graph.succ
+        tree = self.server(server_host)
+        known = {server_host: math.inf}
+        out = {}
+        for src in sources:
+            rate = known.get(src)
+            if rate is None:
+                path = tree.host(src).path
+                k = 1
+                while path[k] not in known:
+                    k += 1
+                rate = known[path[k]]
+                for i in range(k - 1, -1, -1):
+                    cap = float(succ[path[i]][path[i + 1]]["capacity"])
+                    if cap < rate:
+                        rate = cap
+                    known[path[i]] = rate
+            out[src] = rate
+        return out
+
+    def routes(
+        self,
+        graph: nx.DiGraph,
+        server_host: str,
+        paths: Mapping[str, tuple[str, ...]],
+        tls: Timelines | None = None,
+    ) -> Routes:
+        """One decision's :class:`Routes` of ``server_host``'s tree on ``graph`` (this topology)."""
+        return Routes(graph, self, server_host, paths, tls)
+
+
+class Routes:
+    """One decision's routes of a server's tree: paths, link ids, per-byte times, free times.
+
+    A route between two hosts of ``paths`` (the hosts of the tree, each with its path to the
+    server) goes up and down the in-tree (:class:`RouteCache`); one to the server is the
+    sender's path; any other is the hop-count shortest path.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The decision's graph (capacities: :attr:`per`).
+    cache : RouteCache
+        The routes of the graph's topology.
+    server_host : str
+        The tree's server.
+    paths : mapping
+        The tree's hosts -> their paths to the server.
+    tls : Timelines, optional
+        The decision's timelines (:attr:`free`); default: every link free.
+    """
+
+    def __init__(
+        self,
+        graph: nx.DiGraph,
+        cache: RouteCache,
+        server_host: str,
+        paths: Mapping[str, tuple[str, ...]],
+        tls: Timelines | None = None,
+    ) -> None:
+        self.graph, self.cache, self.server_host, self.paths, self.tls = graph, cache, server_host, paths, tls
+        self._tree = cache.server(server_host)
+        self._ids: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._other: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.per: list[float] = []  # link id -> seconds per byte
+        self.free: list[float] = []  # link id -> end of its last reservation on ``tls``
+
+    def _in_tree(self, src: str, dst: str) -> bool:
+        return dst == self.server_host or (src in self.paths and dst in self.paths)
+
+    def ids(self, src: str, dst: str) -> tuple[int, ...]:
+        """Integer ids of the links from ``src`` to ``dst`` (indices into :attr:`per`, :attr:`free`)."""
+        key = (src, dst)
+        out = self._ids.get(key)
+        if out is None:
+            if src == dst:
+                out = ()
+            elif self._in_tree(src, dst):
+                out = self._tree.pair_ids(src, dst)
+            else:
+                lid = self.cache.link_id
+                out = tuple(lid(link) for link in itertools.pairwise(self.path(src, dst)))
+            self._ids[key] = out
+            if len(self.per) < len(self.cache.links):
+                self._grow()
+        return out
+
+    def _grow(self) -> None:
+        """Per-byte times and free times of the links given ids since the last call."""
+        edges, tls = self.graph.edges, self.tls
+        for link in self.cache.links[len(self.per) :]:
+            self.per.append(1.0 / float(edges[link]["capacity"]))
+            times = tls.link(link).times if tls is not None else [-math.inf]
+            self.free.append(times[-1] if len(times) > 1 else -math.inf)
+
+    def path(self, src: str, dst: str) -> tuple[str, ...]:
+        """Node path from ``src`` to ``dst``."""
+        if src == dst:
+            return (src,)
+        if self._in_tree(src, dst):
+            return self._tree.pair_path(src, dst)
+        key = (src, dst)
+        out = self._other.get(key)
+        if out is None:
+            out = self._other[key] = self.cache.pc.path(src, dst)
+        return out
