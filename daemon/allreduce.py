@@ -55,6 +55,8 @@ REDUCE, BROADCAST = 1, 2
 DEFAULT_TIMEOUT = 60.0
 #: Seconds a chunk that arrives before its operation's directive waits for it.
 EARLY_WAIT = 10.0
+#: Chunks in flight (unACKed) per peer of an operation: one sending thread and connection each.
+SEND_WINDOW = 2
 Key = tuple[str, str, int, str]  # job, name, seq, participant
 
 
@@ -86,6 +88,10 @@ class _Op:
     directive: Any = None
     chunks: list[Chunk] = field(default_factory=list)
     accs: dict[int, Accumulator] = field(default_factory=dict)
+    #: per chunk being summed: the lock its sums take (the bytes are summed outside ``lock``)
+    chunk_locks: dict[int, threading.Lock] = field(default_factory=dict)
+    #: chunks of the result being copied in from the parent
+    copying: set[int] = field(default_factory=set)
     summed: list[set[str]] = field(default_factory=list)
     have: list[bool] = field(default_factory=list)
     forwarded: list[int] = field(default_factory=list)
@@ -98,18 +104,33 @@ class _Op:
 
 
 class _Sender:
-    """Sends one operation's chunks to one peer, in order, on its own thread."""
+    """Sends one operation's chunks to one peer on :data:`SEND_WINDOW` threads (connections).
+
+    Each thread sends a chunk and waits for its ACK; with several threads taking chunks from
+    one queue (in queue order), the next chunk is already on the wire while the peer sums and
+    ACKs the previous one, so the ACK's round trip (behind the reverse direction's queue on a
+    shaped link) does not idle the link. Chunks may arrive out of order; the receiver keys
+    everything by chunk index.
+    """
 
     def __init__(self, role: AllreduceRole, op: _Op, peer: Any, phase: int) -> None:
         self.role, self.op, self.peer, self.phase = role, op, peer, phase
         self.queue: queue.Queue[int | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="allreduce-send", daemon=True)
-        self.thread.start()
+        self.threads = [
+            threading.Thread(target=self._run, name="allreduce-send", daemon=True) for _ in range(SEND_WINDOW)
+        ]
+        for t in self.threads:
+            t.start()
 
     def _run(self) -> None:
         while (index := self.queue.get()) is not None:
             if not self.role.send_chunk(self.op, self.peer, self.phase, index):
                 return
+
+    def stop(self) -> None:
+        """End every thread once the chunks queued before are sent (or the operation failed)."""
+        for _ in self.threads:
+            self.queue.put(None)
 
 
 class AllreduceRole:
@@ -457,25 +478,29 @@ class AllreduceRole:
         a = h.allreduce
         op = self._wait_for((a.job, a.name, int(a.seq), a.to_participant))
         d = op.directive
+        if op.state != "planned":
+            raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state})")
+        if a.index >= len(op.chunks) or a.count != len(op.chunks):  # chunks are fixed once planned
+            raise AllreduceError(
+                "allreduce_failed",
+                f"{op.name()}: chunk {a.index}/{a.count}, expected {len(op.chunks)} chunks",
+            )
+        c = op.chunks[a.index]
+        if (
+            a.offset != c.lo
+            or h.payload_bytes != c.hi - c.lo
+            or layouts_from_pb(h.tensors) != list(c.layouts)
+        ):
+            raise AllreduceError(
+                "allreduce_mismatch",
+                f"{op.name()}: chunk {a.index} from {a.from_participant!r} does not match "
+                f"this participant's tensors",
+            )
+        # The checks and the bookkeeping hold op.lock; the summing and copying of the chunk's
+        # bytes do not (other chunks of the operation, and its senders, go on meanwhile).
         with op.lock:
             if op.state != "planned":
                 raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state})")
-            if a.index >= len(op.chunks) or a.count != len(op.chunks):
-                raise AllreduceError(
-                    "allreduce_failed",
-                    f"{op.name()}: chunk {a.index}/{a.count}, expected {len(op.chunks)} chunks",
-                )
-            c = op.chunks[a.index]
-            if (
-                a.offset != c.lo
-                or h.payload_bytes != c.hi - c.lo
-                or layouts_from_pb(h.tensors) != list(c.layouts)
-            ):
-                raise AllreduceError(
-                    "allreduce_mismatch",
-                    f"{op.name()}: chunk {a.index} from {a.from_participant!r} does not match "
-                    f"this participant's tensors",
-                )
             if a.phase == REDUCE:
                 if a.from_participant not in {x.participant for x in d.children}:
                     raise AllreduceError(
@@ -491,33 +516,38 @@ class AllreduceRole:
                         f"{op.name()}: chunk {a.index} from {a.from_participant!r} would count "
                         f"{sorted(overlap) or 'no contribution of its sender'} twice",
                     )
-                acc = op.accs.get(a.index)
-                if acc is None:
-                    view = memoryview(op.result)[c.lo : c.hi]
-                    acc = op.accs[a.index] = Accumulator(c.layouts, view)
-                    own = memoryview(op.own)[c.lo : c.hi]
-                    acc.add(own)
-                    own.release()
-                acc.add(frame.payload)
-                op.summed[a.index] |= incoming
-                complete = acc.count == len(d.children) + 1
-                if complete:
-                    acc.finish()
-                    del op.accs[a.index]
+                op.summed[a.index] |= incoming  # claimed: a repeat arriving meanwhile is ACKed only
+                chunk_lock = op.chunk_locks.setdefault(a.index, threading.Lock())
             else:
                 if a.from_participant != d.parent.participant:
                     raise AllreduceError(
                         "allreduce_failed",
                         f"{op.name()}: {a.from_participant!r} is not the parent in the tree",
                     )
-                if op.have[a.index]:
+                if op.have[a.index] or a.index in op.copying:
                     return self._ack(h)
+                op.copying.add(a.index)
+        try:
+            if a.phase == REDUCE:
+                with chunk_lock:  # one chunk's sums, one at a time
+                    acc = op.accs.get(a.index)
+                    if acc is None:
+                        acc = op.accs[a.index] = Accumulator(c.layouts, memoryview(op.result)[c.lo : c.hi])
+                        own = memoryview(op.own)[c.lo : c.hi]
+                        acc.add(own)
+                        own.release()
+                    acc.add(frame.payload)
+                    complete = acc.count == len(d.children) + 1
+                    if complete:
+                        acc.finish()
+                        op.accs.pop(a.index, None)
+                if complete:
+                    self._reduced(op, a.index)
+            else:
                 op.result[c.lo : c.hi] = frame.payload
-                complete = True
-        if a.phase == REDUCE and complete:
-            self._reduced(op, a.index)
-        elif a.phase == BROADCAST:
-            self._result_chunk(op, a.index)
+                self._result_chunk(op, a.index)
+        except ValueError as exc:  # the operation failed meanwhile: its mappings are closed
+            raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state}): {exc}") from exc
         return self._ack(h)
 
     def _ack(self, h: Any) -> Response:
@@ -551,7 +581,7 @@ class AllreduceRole:
 
     def _finish(self, op: _Op, why: str) -> None:
         for s in op.senders:
-            s.queue.put(None)
+            s.stop()
         with self._changed:
             if self._ops.get(op.key) is op:
                 del self._ops[op.key]

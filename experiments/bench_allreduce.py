@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,11 +51,13 @@ def rank_main(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     times: dict[str, list[float]] = {}
     plans: dict[str, str] = {}
+    cpu_start = 0.0  # CPU seconds of this process when its first all-reduce begins
     if args.system == "mlfabric":
         import mlfabric
 
         group = mlfabric.join_allreduce(args.job, world_size=args.world, participant=f"rank{args.rank}")
         barrier = np.zeros(1, np.float32)
+        cpu_start = _cpu()
         for size in sizes:
             x = _tensor(size, args.rank, args.seed)
             group.allreduce({"x": x}, name=f"warm{size}", timeout=600)
@@ -79,6 +82,7 @@ def rank_main(args: argparse.Namespace) -> int:
         else:
             store = dist.TCPStore(host, int(port), args.world, is_master=False)
         dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
+        cpu_start = _cpu()
         for size in sizes:
             base = torch.from_numpy(_tensor(size, args.rank, args.seed))
             dist.all_reduce(base.clone())
@@ -91,8 +95,15 @@ def rank_main(args: argparse.Namespace) -> int:
                 if rep == 0:
                     _check(t.numpy(), size, args)
         dist.destroy_process_group()
-    Path(args.out).write_text(json.dumps({"times": times, "plans": plans}))
+    cpu = _cpu() - cpu_start
+    Path(args.out).write_text(json.dumps({"times": times, "plans": plans, "cpu": cpu}))
     return 0
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system, all threads) of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _check(total: np.ndarray, size: int, args: argparse.Namespace) -> None:
@@ -119,6 +130,38 @@ def _wait(procs: list[Any], timeout: float) -> None:
             raise RuntimeError(f"a rank exited with code {code}")
 
 
+def _daemon_cpu() -> float:
+    """CPU seconds (user + system) used so far by the mlfabric daemons among our descendants."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        stats[int(entry)] = fields
+    me, total = os.getpid(), 0.0
+    for pid, fields in stats.items():
+        q = parent.get(pid)
+        while q and q != me:
+            q = parent.get(q)
+        if q != me:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"daemon" in argv and b"--host" in argv:
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def _run_system(
     system: str, env: Any, hosts: list[str], args: argparse.Namespace, seed: int, work: Path
 ) -> dict:
@@ -129,6 +172,7 @@ def _run_system(
     common += ["--seed", str(seed), "--job", f"bench-{seed}"]
     outs = [work / f"{system}-{seed}-{r}.json" for r in range(len(hosts))]
     procs: list[Any] = []
+    daemons_before = _daemon_cpu()
     try:
         if system == "mlfabric":
             for r, h in enumerate(order):
@@ -156,7 +200,8 @@ def _run_system(
     per_rank = [json.loads(o.read_text()) for o in outs]
     sizes = per_rank[0]["times"]
     slowest = {s: [max(pr["times"][s][i] for pr in per_rank) for i in range(args.reps)] for s in sizes}
-    return {"times": slowest, "plans": per_rank[0]["plans"]}
+    cpu = {"ranks": sum(pr["cpu"] for pr in per_rank), "daemons": _daemon_cpu() - daemons_before}
+    return {"times": slowest, "plans": per_rank[0]["plans"], "cpu": cpu}
 
 
 def driver(args: argparse.Namespace) -> int:
@@ -185,12 +230,12 @@ def driver(args: argparse.Namespace) -> int:
                     rows += _seeds(setting, env, hosts, args, seeds, work)
             else:
                 rows += _testbed(setting, topo, hosts, args, seeds, work)
-    summary = report(rows, args, load)
+    summary = report(rows, args, load, os.getloadavg())
     print(summary)
-    name = "bench_allreduce_" + args.setting.replace(",", "_")
+    name = "bench_allreduce_" + args.setting.replace(",", "_") + (f"_{args.label}" if args.label else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(
-        json.dumps({"rows": rows, "args": vars(args), "load": load}, indent=1)
+        json.dumps({"rows": rows, "args": vars(args), "load": load, "load_end": os.getloadavg()}, indent=1)
     )
     (RESULTS / f"{name}.md").write_text(summary + "\n")
     return 0
@@ -207,8 +252,14 @@ def _seeds(
             for size, ts in res["times"].items():
                 base = {"setting": setting, "system": system, "seed": seed, "size_mb": int(size)}
                 rows += [{**base, "seconds": t} for t in ts]
+            rows.append({"setting": setting, "seed": seed, "system": system, "cpu": res["cpu"]})
             if system == "mlfabric":
                 print(f"{setting} seed {seed}: plans {res['plans']}", flush=True)
+                for size, plan in res["plans"].items():
+                    rows.append({"setting": setting, "seed": seed, "size_mb": int(size), "plan": plan})
+            print(
+                f"{setting} seed {seed} {system}: {res['times']} (load {os.getloadavg()[0]:.1f})", flush=True
+            )
     return rows
 
 
@@ -235,13 +286,24 @@ def _testbed(
             return _seeds(setting, env, hosts, args, seeds, work)
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, load: tuple[float, ...]) -> str:
-    """The markdown table: median (min-max) per system, and gloo / mlfabric."""
+def report(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    load: tuple[float, ...],
+    load_end: tuple[float, ...] | None = None,
+) -> str:
+    """The markdown table: median (min-max) per system, gloo / mlfabric, and mlfabric's plans."""
+    plans = [r for r in rows if "plan" in r]
+    cpus = [r for r in rows if "cpu" in r]
+    rows = [r for r in rows if "seconds" in r]
+    end = (
+        "" if load_end is None else f"; at the end: {load_end[0]:.1f} / {load_end[1]:.1f} / {load_end[2]:.1f}"
+    )
     lines = [
         f"# All-reduce: mlfabric tree vs gloo ring ({args.ranks} ranks, {args.reps} reps x seeds "
         f"{args.seeds})",
         "",
-        f"Load average at start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}. "
+        f"Load average at start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}{end}. "
         f"Testbed NICs: {args.mbps} Mbit/s (hetero: every other host at a quarter).",
         "",
         "| setting | MB | mlfabric s (min-max) | gloo s (min-max) | gloo / mlfabric | per seed |",
@@ -264,6 +326,29 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, load: tuple[flo
             f"| {setting} | {size} | {spread.get('mlfabric', '-')} | {spread.get('gloo', '-')} | "
             f"{ratio:.2f}x | {' / '.join(per_seed)} |"
         )
+    if cpus:
+        lines += [
+            "",
+            "CPU seconds per run of one system, median over seeds: the ranks' processes from their "
+            f"first all-reduce on (per size, one warm-up and {args.reps} timed all-reduces, with "
+            "barriers), and the mlfabric daemons over the whole run (idle while gloo runs: that "
+            "row is their baseline).",
+            "",
+            "| setting | system | ranks' processes | daemons | total |",
+            "|---|---|---|---|---|",
+        ]
+        for setting in sorted({r["setting"] for r in cpus}):
+            for system in ("mlfabric", "gloo"):
+                sel = [r["cpu"] for r in cpus if r["setting"] == setting and r["system"] == system]
+                if sel:
+                    ranks = statistics.median(c["ranks"] for c in sel)
+                    daemons = statistics.median(c["daemons"] for c in sel)
+                    total = statistics.median(c["ranks"] + c["daemons"] for c in sel)
+                    lines.append(f"| {setting} | {system} | {ranks:.1f} | {daemons:.1f} | {total:.1f} |")
+    if plans:
+        lines += ["", "mlfabric's plans (setting, MB, seed: the plan's line):", ""]
+        for r in sorted(plans, key=lambda r: (r["setting"], r["size_mb"], r["seed"])):
+            lines.append(f"- {r['setting']} {r['size_mb']} MB seed {r['seed']}: {r['plan']}")
     return "\n".join(lines)
 
 
@@ -284,6 +369,7 @@ def main() -> int:
         "--mbps", type=int, default=1000, help="testbed NIC rate (hetero: half the hosts at 1/4)"
     )
     parser.add_argument("--time-limit", type=float, default=1800.0)
+    parser.add_argument("--label", default="", help="suffix of the result files' name")
     args = parser.parse_args()
     if args.command == "rank":
         return rank_main(args)

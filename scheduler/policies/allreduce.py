@@ -56,10 +56,12 @@ __all__ = [
     "tree_seconds",
 ]
 
-#: Per-chunk cost at a participant (a frame, its ACK, a summing call), in seconds.
-CHUNK_OVERHEAD_SECONDS = 150e-6
-#: Chunk sizes the planner chooses from (bytes).
-_CHUNK_CANDIDATES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+#: Per-chunk cost at a participant for each frame it sends or receives (the frame, its ACK, a
+#: summing call), in seconds: measured on the namespace testbed (8 Python daemons on 2 shared
+#: cores, load average ~32) as 0.7-0.8 ms of daemon CPU per frame end (docs/allreduce.md).
+CHUNK_OVERHEAD_SECONDS = 700e-6
+#: Chunk sizes the planner chooses from (bytes), per candidate tree, by the model.
+_CHUNK_CANDIDATES = (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20)
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,62 @@ def _link_loads(
     return load
 
 
+def _terms(
+    graph: nx.DiGraph,
+    parent: Mapping[str, str | None],
+    hosts: Mapping[str, str],
+    nbytes: int,
+    pc: PathCache,
+) -> tuple[float, float, int]:
+    """``(busiest seconds, fill seconds per chunk byte, busiest participant's tree edges)``.
+
+    A chunk crossing a link shared by ``m`` tree edges' streams gets ``1/m`` of it, so one
+    hop of a chunk of ``c`` bytes takes ``c * m / capacity`` on the hop's worst link; the fill
+    is the slowest root-to-leaf path up plus the slowest down (store and forward per hop).
+    """
+    edges = [(hosts[c], hosts[p]) for c, p in parent.items() if p is not None]
+    load = _link_loads(pc, edges, float(nbytes))
+    busiest = max((b / _capacity(graph, link) for link, b in load.items()), default=0.0)
+
+    def hop(a: str, b: str) -> float:
+        if a == b or nbytes <= 0:
+            return 0.0
+        return max(load[link] / nbytes / _capacity(graph, link) for link in pc.links(a, b))
+
+    up: dict[str, float] = {}
+    down: dict[str, float] = {}
+
+    def climb(p: str) -> tuple[float, float]:
+        """Per-byte time of ``p``'s path to the root, up and down (memoised, iterative)."""
+        chain = []
+        q: str | None = p
+        while q is not None and q not in up:
+            chain.append(q)
+            q = parent[q]
+        for v in reversed(chain):
+            w = parent[v]
+            if w is None:
+                up[v] = down[v] = 0.0
+            else:
+                up[v] = up[w] + hop(hosts[v], hosts[w])
+                down[v] = down[w] + hop(hosts[w], hosts[v])
+        return up[p], down[p]
+
+    paths = [climb(p) for p in parent]
+    fill = max((u for u, _ in paths), default=0.0) + max((d for _, d in paths), default=0.0)
+    edges_at: dict[str, int] = {p: int(q is not None) for p, q in parent.items()}
+    for q in parent.values():
+        if q is not None:
+            edges_at[q] += 1
+    return busiest, fill, max(edges_at.values(), default=0)
+
+
+def _seconds(terms: tuple[float, float, int], nbytes: int, chunk_bytes: int) -> float:
+    busiest, fill, degree = terms
+    chunks = max(1, math.ceil(nbytes / max(1, chunk_bytes)))
+    return busiest + fill * min(chunk_bytes, nbytes) + chunks * degree * 2 * CHUNK_OVERHEAD_SECONDS
+
+
 def tree_seconds(
     graph: nx.DiGraph,
     parent: Mapping[str, str | None],
@@ -162,25 +220,30 @@ def tree_seconds(
     -------
     float
         Seconds.
+
+    Examples
+    --------
+    A chain of three hosts on one 1 GB/s switch, 1 GB in 1 MB chunks: the middle host's NIC
+    carries 2 GB each way (2 s); a chunk's hop shares that NIC with the other direction's
+    stream (2 x 1 ms per hop, 2 hops up and 2 down: 8 ms); 1000 chunks x 2 edges x 2 frames
+    of overhead.
+
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> chain = {"a": None, "b": "a", "c": "b"}
+    >>> t = tree_seconds(star(3, 8e9), chain, {"a": "h0", "b": "h1", "c": "h2"}, 10**9, 10**6)
+    >>> round(t - 1000 * 2 * 2 * CHUNK_OVERHEAD_SECONDS, 4)
+    2.008
     """
     pc = pc or PathCache(graph)
-    edges = [(hosts[c], hosts[p]) for c, p in parent.items() if p is not None]
-    load = _link_loads(pc, edges, float(nbytes))
-    busiest = max((b / _capacity(graph, link) for link, b in load.items()), default=0.0)
-    slowest = min(
-        (min((_capacity(graph, link) for link in pc.links(a, b)), default=math.inf) for a, b in edges),
-        default=math.inf,
-    )
-    depth = 0
-    for p in parent:
-        d, q = 0, parent[p]
-        while q is not None:
-            d, q = d + 1, parent[q]
-        depth = max(depth, d)
-    chunks = max(1, math.ceil(nbytes / max(1, chunk_bytes)))
-    degree = max(sum(1 for q in parent.values() if q == p) + (parent[p] is not None) for p in parent)
-    fill = 0.0 if math.isinf(slowest) else 2 * depth * min(chunk_bytes, nbytes) / slowest
-    return busiest + fill + chunks * degree * 2 * CHUNK_OVERHEAD_SECONDS
+    return _seconds(_terms(graph, parent, hosts, nbytes, pc), nbytes, chunk_bytes)
+
+
+def _chunk_candidates(nbytes: int) -> list[int]:
+    """Chunk sizes to try for ``nbytes``: the candidates below it, and the whole payload."""
+    sizes = [c for c in _CHUNK_CANDIDATES if c < nbytes]
+    if nbytes <= _CHUNK_CANDIDATES[-1]:
+        sizes.append(max(1, nbytes))
+    return sizes
 
 
 def ring_seconds(graph: nx.DiGraph, order: Sequence[str], nbytes: int, pc: PathCache | None = None) -> float:
@@ -247,6 +310,46 @@ def _shapes(order: Sequence[str], rate: Callable[[str], float]) -> dict[str, dic
     return shapes
 
 
+def _path_tree(order: Sequence[str]) -> dict[str, str | None]:
+    """``order`` as a chain rooted at its middle node (half the depth of an end-rooted chain)."""
+    mid = (len(order) - 1) // 2
+    parent: dict[str, str | None] = {order[mid]: None}
+    for i in range(mid - 1, -1, -1):
+        parent[order[i]] = order[i + 1]
+    for i in range(mid + 1, len(order)):
+        parent[order[i]] = order[i - 1]
+    return parent
+
+
+def _chain_orders(
+    order: Sequence[str], host: Callable[[str], str], pc: PathCache, graph: nx.DiGraph
+) -> dict[str, list[str]]:
+    """Chain orders over ``order`` (participants, fastest NIC first).
+
+    ``rate``: the two slowest at the ends (an end has one tree edge, an inner node two);
+    ``local``: from the slowest, each step to the nearest unvisited participant (fewest hops,
+    then the widest path, then the fastest NIC), so racks stay contiguous and each rack uplink
+    is crossed by few chain edges.
+    """
+    n = len(order)
+    orders = {"rate": [order[-1], *order[: n - 2], order[-2]] if n > 2 else list(order)}
+
+    def width(a: str, b: str) -> float:
+        links = (*pc.links(host(a), host(b)), *pc.links(host(b), host(a)))
+        return min((_capacity(graph, link) for link in links), default=math.inf)
+
+    rank = {p: i for i, p in enumerate(order)}
+    local = [order[-1]]
+    left = set(order[:-1])
+    while left:
+        at = local[-1]
+        nxt = min(left, key=lambda p: (len(pc.links(host(at), host(p))), -width(at, p), rank[p]))
+        local.append(nxt)
+        left.remove(nxt)
+    orders["local"] = local
+    return orders
+
+
 def _join(top: Mapping[str, str | None], inner: Sequence[Mapping[str, str | None]]) -> dict[str, str | None]:
     """Trees inside groups (each rooted at its first node), their roots joined by ``top``."""
     parent: dict[str, str | None] = {}
@@ -274,7 +377,8 @@ def plan_allreduce(
     nbytes : int
         Bytes of one contribution (and of the result).
     chunk_bytes : int, optional
-        Override the chunk size (default :func:`choose_chunk_bytes`).
+        Use this chunk size (default: for each candidate tree, the size among 64 KiB .. 16 MiB
+        and the whole payload that the model says is fastest).
 
     Returns
     -------
@@ -295,7 +399,6 @@ def plan_allreduce(
     missing = sorted({h for h in hosts.values() if h not in graph})
     if missing:
         raise ValueError(f"hosts not in the bandwidth graph: {missing}")
-    chunk = chunk_bytes or choose_chunk_bytes(nbytes)
     pc = PathCache(graph)
     # participants of one host: the first (by name) stands for the host, the others chain under it
     by_host: dict[str, list[str]] = {}
@@ -333,15 +436,20 @@ def plan_allreduce(
                 roots = sorted((g[0] for g in groups), key=lambda p: (-host_rate(p), p))
                 top = _shapes(roots, host_rate).get(name, _heap(roots, 1))
                 candidates[f"rack-{name}"] = _join(top, inner)
+        for name, chain in _chain_orders(reps, hosts.__getitem__, pc, graph).items():
+            candidates[f"chain-{name}"] = _path_tree(chain)
     ring = ring_seconds(graph, host_order, nbytes, pc) if len(host_order) > 1 else 0.0
-    best: tuple[float, str, dict[str, str | None]] | None = None
+    chunks = [chunk_bytes] if chunk_bytes else _chunk_candidates(nbytes)
+    best: tuple[float, int, str, dict[str, str | None]] | None = None
     for name in sorted(candidates):
         parent = {**candidates[name], **local}
-        seconds = tree_seconds(graph, parent, hosts, nbytes, chunk, pc)
-        if best is None or seconds < best[0] - 1e-12:
-            best = (seconds, name, parent)
+        terms = _terms(graph, parent, hosts, nbytes, pc)
+        for chunk in sorted(chunks, reverse=True):  # ties: the larger chunk (fewer frames)
+            seconds = _seconds(terms, nbytes, chunk)
+            if best is None or seconds < best[0] - 1e-12:
+                best = (seconds, chunk, name, parent)
     assert best is not None
-    seconds, name, parent = best
+    seconds, chunk, name, parent = best
     children: dict[str, list[str]] = {p: [] for p in parent}
     for c in sorted(parent, key=lambda p: (-host_rate(p), p)):
         q = parent[c]
