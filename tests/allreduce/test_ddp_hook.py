@@ -15,7 +15,7 @@ pytest.importorskip("sklearn")
 
 from mlfabric.examples.ddp_digits import build_model, read_result
 
-STEPS = 30
+STEPS = 12
 
 
 def train(cluster: LocalCluster, comm: str, world: int, work: Path) -> list[dict]:
@@ -36,7 +36,7 @@ def train(cluster: LocalCluster, comm: str, world: int, work: Path) -> list[dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # three ranks: a tree with an inner node
 def test_hook_trains_like_gloo(cluster: LocalCluster, tmp_path: Path, world: int) -> None:
     ours = train(cluster, "mlfabric", world, tmp_path)
     gloo = train(cluster, "gloo", world, tmp_path)

@@ -36,7 +36,7 @@ def test_a_heuristic_plan_replanned_from_its_groups_is_as_good(name: str, seed: 
     assert objective_of(inst, again) <= objective_of(inst, plan) + 1e-12
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(3))
 def test_search_plans_are_valid_near_and_never_below_the_brute_force_optimum(seed: int) -> None:
     inst = _inst(seed)
     optimum = brute_force(inst).objective
