@@ -24,6 +24,12 @@ Run (about 6-8 minutes on the shared 2-core machine; the ILP gets ``--ilp-limit`
 
     python experiments/bench_trees.py --out experiments/results/bench_trees.md
     python experiments/bench_trees.py --instances 10 --seeds 0 --ilp-instances 2   # quick
+
+``--only decision`` re-measures the decision time alone; with ``--out`` it replaces the
+decision part of the JSON beside the report and rewrites the report from it (sections 1
+and 2 as they were measured, section 3 noting the command that re-measured it)::
+
+    python experiments/bench_trees.py --only decision --out experiments/results/bench_trees.md
 """
 
 from __future__ import annotations
@@ -167,7 +173,10 @@ def _ratio_row(label: str, rows: list[dict[str, Any]]) -> str:
 
 
 def report(
-    sims: dict[int, list[dict[str, Any]]], ilps: list[dict[str, Any]], dec: list[dict[str, Any]]
+    sims: dict[int, list[dict[str, Any]]],
+    ilps: list[dict[str, Any]],
+    dec: list[dict[str, Any]],
+    decision_note: str = "",
 ) -> str:
     lines = [
         "# Aggregation trees (stf+tree) vs fair, stf, stf+agg and the ILP",
@@ -255,6 +264,8 @@ def report(
         )
     targets = _targets(rows, ilps, dec)
     lines += ["", "## 3. Decision time, 1,023 pending updates, 32 x 32 hosts (4:1, mixed NICs)", ""]
+    if decision_note:
+        lines += [decision_note, ""]
     cold = [x * 1e3 for d in dec for x in d["cold"]]
     warm = [x * 1e3 for d in dec for x in d["warm"]]
     wall = [x * 1e3 for d in dec for x in d["wall"]]
@@ -311,10 +322,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="decision-time repeats per seed")
     ap.add_argument("--out", type=Path, help="write the markdown report here (and .json beside it)")
     ap.add_argument("--from-json", type=Path, help="rewrite the report from a previous run's JSON")
+    ap.add_argument(
+        "--only",
+        choices=["decision"],
+        help="measure only this part; with --out, replace it in the JSON beside the report and rewrite both",
+    )
     args = ap.parse_args(argv)
+    if args.only == "decision":
+        return _only_decision(args)
     if args.from_json is not None:
         doc = json.loads(args.from_json.read_text())
-        text = report({int(k): v for k, v in doc["sim"].items()}, doc["ilp"], doc["decision"])
+        text = report(
+            {int(k): v for k, v in doc["sim"].items()},
+            doc["ilp"],
+            doc["decision"],
+            doc.get("decision_note", ""),
+        )
         print(text)
         if args.out is not None:
             old = args.out.read_text() if args.out.exists() else ""
@@ -338,6 +361,35 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text)
         doc = {"sim": sims, "ilp": ilps, "decision": dec}
         args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def _only_decision(args: argparse.Namespace) -> int:
+    """Measure the decision time alone; with ``--out``, replace it in the previous run's JSON and report."""
+    started = time.monotonic()
+    dec = [decision_times(seed, args.repeat) for seed in args.seeds]
+    cold = [x * 1e3 for d in dec for x in d["cold"]]
+    warm = [x * 1e3 for d in dec for x in d["warm"]]
+    print(f"cold CPU {spread(cold)} ms, warm CPU {spread(warm)} ms ({len(cold)} decisions each)")
+    if args.out is None:
+        return 0
+    path = args.out.with_suffix(".json")
+    if not path.exists():
+        raise SystemExit(f"--only decision --out {args.out}: no {path} of a full run to update")
+    doc = json.loads(path.read_text())
+    seeds = " ".join(str(s) for s in args.seeds)
+    doc["decision"] = dec
+    doc["decision_note"] = (
+        f"Re-measured separately on {time.strftime('%Y-%m-%d', time.gmtime())} (sections 1 and 2 are "
+        f"from the full run): `python experiments/bench_trees.py --only decision --seeds {seeds} "
+        f"--repeat {args.repeat} --out {args.out}`, {time.monotonic() - started:.0f} s."
+    )
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    text = report({int(k): v for k, v in doc["sim"].items()}, doc["ilp"], dec, doc["decision_note"])
+    old = args.out.read_text() if args.out.exists() else ""
+    tail = old[old.index("\nTotal benchmark time") :] if "\nTotal benchmark time" in old else ""
+    args.out.write_text(text + tail)
+    print(text)
     return 0
 
 

@@ -63,7 +63,10 @@ class LinkTimeline:
     ) -> None:
         self.times: list[float] = [start]
         self.residual: list[float] = [float(capacity)]
-        self.eps = eps * max(float(capacity), *(c for _, c in profile)) if profile else eps * float(capacity)
+        if not profile:
+            self.eps = eps * float(capacity)
+            return
+        self.eps = eps * max(float(capacity), *(c for _, c in profile))
         for t, cap in sorted(profile):
             if t <= start:
                 self.residual[0] = float(cap)
@@ -127,19 +130,30 @@ class LinkTimeline:
         """
         if end <= start or rate <= 0:
             return
+        times, residual, eps = self.times, self.residual, self.eps
         i = self._split(start)
-        j = self._split(end)
-        residual = self.residual
-        floor = -self.eps
+        # _split(end), inline (the hot path of planning): end > start, so its piece is i's or later
+        j = bisect_right(times, end, i) - 1
+        if times[j] != end:
+            j += 1
+            times.insert(j, end)
+            residual.insert(j, residual[j - 1])
         for k in range(i, j):
             left = residual[k] - rate
-            if left < floor:
+            if left < -eps:
                 raise ValueError(
-                    f"reserving {rate:g} B/s for {who or 'a transfer'} at t={self.times[k]:g} "
+                    f"reserving {rate:g} B/s for {who or 'a transfer'} at t={times[k]:g} "
                     f"exceeds the residual {residual[k]:g} B/s"
                 )
             residual[k] = 0.0 if left < 0.0 else left  # max(left, 0.0), -0.0 kept as max keeps it
-        self._coalesce(i - 1 if i > 0 else 0, min(j + 1, len(residual) - 1))
+        # _coalesce(max(i - 1, 0), min(j + 1, len(times) - 1)), inline
+        lo = i - 1 if i > 0 else 0
+        k = min(j + 1, len(times) - 1)
+        while k > lo:
+            if k < len(times) and abs(residual[k] - residual[k - 1]) <= eps:
+                del times[k]
+                del residual[k]
+            k -= 1
 
     def _coalesce(self, lo: int, hi: int) -> None:
         times, residual, eps = self.times, self.residual, self.eps
@@ -196,6 +210,30 @@ class Timelines:
             tl = LinkTimeline(cap, self._start, self._profiles.get(link, ()))
             self._links[link] = tl
         return tl
+
+    def last_change(self, link: Link) -> float:
+        """When the residual of ``link`` last changes (``-inf``: constant from the origin on).
+
+        Unlike :meth:`link`, makes no timeline for a link that has none and no capacity profile.
+
+        Examples
+        --------
+        >>> g = nx.DiGraph()
+        >>> g.add_edge("a", "b", capacity=4.0)
+        >>> tls = Timelines(g)
+        >>> tls.last_change(("a", "b"))
+        -inf
+        >>> _ = tls.reserve_until([("a", "b")], 1.0, 2.0)
+        >>> tls.last_change(("a", "b"))
+        2.0
+        """
+        tl = self._links.get(link)
+        if tl is None:
+            if link not in self._profiles:
+                return -INF
+            tl = self.link(link)
+        times = tl.times
+        return times[-1] if len(times) > 1 else -INF
 
     def copy(self) -> Timelines:
         """An independent copy (for what-if planning)."""

@@ -89,20 +89,19 @@ class _ServerRoutes:
         got = self.dsts.get(h)
         if got is None:
             path = self.host(h).path
-            succ = self.pc.graph.succ
+            has_edge = self.pc.graph.has_edge
             down = []
             for a, b in itertools.pairwise(path):
-                if a not in succ[b]:
+                if not has_edge(b, a):
                     break
                 down.append(self.link_id((b, a)))
             got = self.dsts[h] = _Dst(path, tuple(down))
         return got
 
-    def _meet(self, src: str, dst: str) -> tuple[int, int] | None:
-        """Where the paths of ``src`` and ``dst`` meet: (index on src's, on dst's); None: go round."""
-        down = self._dst(dst)
+    def _meet(self, up: _Host, down: _Dst) -> tuple[int, int] | None:
+        """Where two paths meet: (index on the sender's, on the receiver's); None: go round."""
         where = down.pos
-        for i, x in enumerate(self.host(src).path):
+        for i, x in enumerate(up.path):
             j = where.get(x)
             if j is not None:
                 return (i, j) if j <= len(down.down) else None
@@ -113,16 +112,18 @@ class _ServerRoutes:
         key = (src, dst)
         out = self.ids.get(key)
         if out is None:
+            up = self.hosts.get(src) or self.host(src)
             if dst == self.server:
-                out = self.host(src).up
+                out = up.up
             else:
-                meet = self._meet(src, dst)
+                down = self.dsts.get(dst) or self._dst(dst)
+                meet = self._meet(up, down)
                 if meet is None:
                     lid = self.link_id
                     out = tuple(lid(link) for link in self.pc.links(src, dst))
                 else:
                     i, j = meet
-                    out = self.host(src).up[:i] + (self._dst(dst).down[j - 1 :: -1] if j else ())
+                    out = up.up[:i] + down.down[j - 1 :: -1] if j else up.up[:i]
             self.ids[key] = out
         return out
 
@@ -131,16 +132,17 @@ class _ServerRoutes:
         key = (src, dst)
         out = self.walks.get(key)
         if out is None:
+            up = self.hosts.get(src) or self.host(src)
             if dst == self.server:
-                out = self.host(src).path
+                out = up.path
             else:
-                meet = self._meet(src, dst)
+                down = self.dsts.get(dst) or self._dst(dst)
+                meet = self._meet(up, down)
                 if meet is None:
                     out = self.pc.path(src, dst)
                 else:
                     i, j = meet
-                    back = self._dst(dst).back
-                    out = self.host(src).path[:i] + back[len(back) - 1 - j :]
+                    out = up.path[:i] + down.back[len(down.back) - 1 - j :]
             self.walks[key] = out
         return out
 
@@ -190,7 +192,7 @@ class RouteCache:
         Each node's bottleneck is its first link's capacity or its next hop's bottleneck,
         whichever is lower: one capacity read per node rather than per link of every path.
         """
-        succ = graph.succ
+        adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
         tree = self.server(server_host)
         known = {server_host: math.inf}
         out = {}
@@ -203,7 +205,7 @@ class RouteCache:
                     k += 1
                 rate = known[path[k]]
                 for i in range(k - 1, -1, -1):
-                    cap = float(succ[path[i]][path[i + 1]]["capacity"])
+                    cap = float(adj[path[i]][path[i + 1]]["capacity"])
                     if cap < rate:
                         rate = cap
                     known[path[i]] = rate
@@ -252,38 +254,44 @@ class Routes:
     ) -> None:
         self.graph, self.cache, self.server_host, self.paths, self.tls = graph, cache, server_host, paths, tls
         self._tree = cache.server(server_host)
-        self._ids: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
+        self._shared = self._tree.ids  # the in-tree routes' link ids, kept across decisions
+        self._ids: dict[tuple[str, str], tuple[int, ...]] = {}  # the other routes' (this decision's)
         self._other: dict[tuple[str, str], tuple[str, ...]] = {}
         self.per: list[float] = []  # link id -> seconds per byte
         self.free: list[float] = []  # link id -> end of its last reservation on ``tls``
+        self._grow()  # the links of the routes kept from earlier decisions
 
     def _in_tree(self, src: str, dst: str) -> bool:
         return dst == self.server_host or (src in self.paths and dst in self.paths)
 
     def ids(self, src: str, dst: str) -> tuple[int, ...]:
         """Integer ids of the links from ``src`` to ``dst`` (indices into :attr:`per`, :attr:`free`)."""
+        if src == dst:
+            return ()
         key = (src, dst)
+        paths = self.paths
+        if dst == self.server_host or (src in paths and dst in paths):  # _in_tree: the shared routes
+            out = self._shared.get(key)
+            if out is None:
+                out = self._tree.pair_ids(src, dst)
+                if len(self.per) < len(self.cache.links):
+                    self._grow()
+            return out
         out = self._ids.get(key)
         if out is None:
-            if src == dst:
-                out = ()
-            elif self._in_tree(src, dst):
-                out = self._tree.pair_ids(src, dst)
-            else:
-                lid = self.cache.link_id
-                out = tuple(lid(link) for link in itertools.pairwise(self.path(src, dst)))
-            self._ids[key] = out
+            lid = self.cache.link_id
+            out = self._ids[key] = tuple(lid(link) for link in itertools.pairwise(self.path(src, dst)))
             if len(self.per) < len(self.cache.links):
                 self._grow()
         return out
 
     def _grow(self) -> None:
         """Per-byte times and free times of the links given ids since the last call."""
-        edges, tls = self.graph.edges, self.tls
-        for link in self.cache.links[len(self.per) :]:
-            self.per.append(1.0 / float(edges[link]["capacity"]))
-            times = tls.link(link).times if tls is not None else [-math.inf]
-            self.free.append(times[-1] if len(times) > 1 else -math.inf)
+        adj, tls, per, free = self._adj, self.tls, self.per, self.free
+        for a, b in self.cache.links[len(per) :]:
+            per.append(1.0 / float(adj[a][b]["capacity"]))
+            free.append(tls.last_change((a, b)) if tls is not None else -math.inf)
 
     def path(self, src: str, dst: str) -> tuple[str, ...]:
         """Node path from ``src`` to ``dst``."""
