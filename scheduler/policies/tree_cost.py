@@ -97,15 +97,19 @@ def estimate(
     payload holds every link of its path at once (from when all are free, at the path's
     bottleneck rate) instead of each link on its own (optimistic where links are shared).
     """
-    # the payloads' links, resolved first (link ids are made on first use)
-    links_of: dict[str, tuple[int, ...]] = {}
+    # each payload's links (resolved first: link ids are made on first use) and aggregate
+    plan: dict[str, tuple[tuple[int, ...], str | None]] = {}
     ids = routes.ids
     for _, _, pid, src in updates:
         to = parent.get(pid)
-        links_of[pid] = ids(src, nodes[to].aggregator if to is not None else server_host)
+        plan[pid] = (ids(src, nodes[to].aggregator if to is not None else server_host), to)
     for aid, node in nodes.items():
         to = node.parent
-        links_of[aid] = ids(node.aggregator, nodes[to].aggregator if to is not None else server_host)
+        plan[aid] = (
+            ids(node.aggregator, nodes[to].aggregator if to is not None else server_host),
+            parent.get(aid),
+        )
+    pop, push = heapq.heappop, heapq.heappush
     busy = routes.free.copy()
     per = routes.per
     # updates in their (sorted) order, merged with a heap of the aggregates as they are made
@@ -116,12 +120,12 @@ def estimate(
     i, n = 0, len(updates)
     while i < n or heap:
         if heap and (i >= n or heap[0][0] < updates[i][0]):
-            ready, nbytes, pid, _ = heapq.heappop(heap)
+            ready, nbytes, pid, _ = pop(heap)
         else:
             ready, nbytes, pid, _ = updates[i]
             i += 1
         end = ready
-        path = links_of[pid]
+        path, to = plan[pid]
         if whole:  # the path as one pipe: from when every link is free, at the slowest rate
             start, slow = ready, 0.0
             for link in path:
@@ -139,7 +143,6 @@ def estimate(
                 busy[link] = done
                 if done > end:
                     end = done
-        to = parent.get(pid)
         if to is None:
             if end > makespan:
                 makespan = end
@@ -148,7 +151,7 @@ def estimate(
         if end > ready_at[to]:
             ready_at[to] = end
         if waiting[to] == 0:
-            heapq.heappush(heap, (ready_at[to], nbytes, to, ""))
+            push(heap, (ready_at[to], nbytes, to, ""))
     return makespan
 
 
