@@ -9,12 +9,15 @@ broadcast overlap and every tree edge carries ``B`` bytes up and ``B`` bytes dow
 The cost model (:func:`tree_seconds`): with pipelining, the time is set by the most loaded
 directed link, ``max over links of (bytes crossing it / capacity)`` — each tree edge loads
 every link of its path with ``B`` in each direction, an edge between two participants of
-one host loads none — plus the pipeline's fill, ``(up depth + down depth)`` chunk times on
-the slowest edge, plus a per-chunk overhead at the busiest participant. The same model gives
-a ring all-reduce's time (:func:`ring_seconds`: ``2 (N-1)/N B`` on every link of every ring
-hop), which the plan reports beside its own; the daemons execute trees only.
+one host loads none — plus the pipeline's fill (the slowest root-to-leaf path up plus the
+slowest down, one chunk per hop, a hop taking ``chunk x m / capacity`` on its worst link when
+``m`` tree edges' streams share that link), plus a per-chunk overhead at the busiest
+participant (:data:`CHUNK_OVERHEAD_SECONDS` per frame it sends or receives). The same model
+gives a ring all-reduce's time (:func:`ring_seconds`: ``2 (N-1)/N B`` on every link of every
+ring hop), which the plan reports beside its own; the daemons execute trees only.
 
-Candidate trees (:func:`plan_allreduce` keeps the fastest under the model):
+Candidate trees (:func:`plan_allreduce` keeps the fastest under the model, each with the chunk
+size, 64 KiB .. 16 MiB or the whole payload, that the model says is fastest for it):
 
 - participants of one host are chained under one of them (their edges cost no network);
 - hosts are grouped by their first switch (rack); within a group and among the groups'
@@ -22,7 +25,12 @@ Candidate trees (:func:`plan_allreduce` keeps the fastest under the model):
   (``d`` = 1 (a chain) .. 4, and a star) or attached greedily, each to the node whose
   busiest NIC direction would stay least loaded (fast hosts get more children, slow ones stay
   leaves: a leaf moves ``B`` each way, where a ring moves ``2 (N-1)/N B``);
-- the same shapes over all hosts ignoring racks.
+- the same shapes over all hosts ignoring racks;
+- chains rooted at their middle (half the fill of an end-rooted chain): ``chain-rate`` with
+  the two slowest hosts at the ends, and ``chain-local``, from the slowest host always to the
+  nearest unvisited one (fewest hops, widest path, fastest NIC), so racks stay contiguous. On
+  a uniform graph a chain is the best single tree (every inner host moves ``2B`` each way,
+  against the ring's ``2 (N-1)/N B``), and small chunks keep its fill short.
 
 Pure: no I/O, no clock.
 
@@ -50,7 +58,6 @@ from mlfabric.scheduler.core.graph import PathCache
 __all__ = [
     "CHUNK_OVERHEAD_SECONDS",
     "AllreducePlan",
-    "choose_chunk_bytes",
     "plan_allreduce",
     "ring_seconds",
     "tree_seconds",
@@ -267,19 +274,6 @@ def ring_seconds(graph: nx.DiGraph, order: Sequence[str], nbytes: int, pc: PathC
             for link in pc.links(a, b):
                 load[link] = load.get(link, 0.0) + per_hop
     return max((v / _capacity(graph, link) for link, v in load.items()), default=0.0)
-
-
-def choose_chunk_bytes(nbytes: int) -> int:
-    """The default chunk: about 1/32 of the payload, between 256 KiB and 16 MiB.
-
-    Examples
-    --------
-    >>> choose_chunk_bytes(64 << 20) == 2 << 20, choose_chunk_bytes(1000)
-    (True, 1000)
-    """
-    if nbytes <= _CHUNK_CANDIDATES[0]:
-        return max(1, nbytes)
-    return int(min(16 << 20, max(256 << 10, math.ceil(nbytes / 32))))
 
 
 # ------------------------------------------------------------------ tree shapes
