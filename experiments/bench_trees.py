@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -276,7 +277,8 @@ def report(
         "|---|---|---|---|",
         f"| cold (new policy), CPU | {statistics.median(cold):.1f} | {min(cold):.1f} | {max(cold):.1f} |",
         f"| cold (new policy), wall | {statistics.median(wall):.1f} | {min(wall):.1f} | {max(wall):.1f} |",
-        f"| warm (paths cached), CPU | {statistics.median(warm):.1f} | {min(warm):.1f} | {max(warm):.1f} |",
+        f"| warm (same policy: paths and routes kept), CPU | {statistics.median(warm):.1f} | {min(warm):.1f} "
+        f"| {max(warm):.1f} |",
         "",
         f"Decision: {dec[0]['sends']} sends, {dec[0]['aggregates']} aggregates.",
         "",
@@ -382,7 +384,8 @@ def _only_decision(args: argparse.Namespace) -> int:
     doc["decision_note"] = (
         f"Re-measured separately on {time.strftime('%Y-%m-%d', time.gmtime())} (sections 1 and 2 are "
         f"from the full run): `python experiments/bench_trees.py --only decision --seeds {seeds} "
-        f"--repeat {args.repeat} --out {args.out}`, {time.monotonic() - started:.0f} s."
+        f"--repeat {args.repeat} --out {args.out}`, {time.monotonic() - started:.0f} s, load average "
+        f"{os.getloadavg()[0]:.0f} on the 2 shared cores."
     )
     path.write_text(json.dumps(doc, indent=1) + "\n")
     text = report({int(k): v for k, v in doc["sim"].items()}, doc["ilp"], dec, doc["decision_note"])

@@ -105,21 +105,6 @@ class LinkTimeline:
             i += 1
         return out
 
-    def _split(self, t: float) -> int:
-        """Make ``t`` a breakpoint; return its index."""
-        times = self.times
-        i = bisect_right(times, t) - 1
-        if i >= 0 and times[i] == t:
-            return i
-        residual = self.residual
-        if i < 0:  # before the origin: extend the first piece backwards
-            times.insert(0, t)
-            residual.insert(0, residual[0])
-            return 0
-        times.insert(i + 1, t)
-        residual.insert(i + 1, residual[i])
-        return i + 1
-
     def reserve(self, start: float, end: float, rate: float, *, who: str = "") -> None:
         """Subtract ``rate`` over ``[start, end)``.
 
@@ -131,9 +116,17 @@ class LinkTimeline:
         if end <= start or rate <= 0:
             return
         times, residual, eps = self.times, self.residual, self.eps
-        i = self._split(start)
-        # _split(end), inline (the hot path of planning): end > start, so its piece is i's or later
-        j = bisect_right(times, end, i) - 1
+        # make start, then end, a breakpoint (i, j: their indices); inline, the hot path of planning
+        i = bisect_right(times, start) - 1
+        if i < 0:  # before the origin: extend the first piece backwards
+            times.insert(0, start)
+            residual.insert(0, residual[0])
+            i = 0
+        elif times[i] != start:
+            i += 1
+            times.insert(i, start)
+            residual.insert(i, residual[i - 1])
+        j = bisect_right(times, end, i) - 1  # end > start: its piece is i's or later
         if times[j] != end:
             j += 1
             times.insert(j, end)
@@ -146,18 +139,9 @@ class LinkTimeline:
                     f"exceeds the residual {residual[k]:g} B/s"
                 )
             residual[k] = 0.0 if left < 0.0 else left  # max(left, 0.0), -0.0 kept as max keeps it
-        # _coalesce(max(i - 1, 0), min(j + 1, len(times) - 1)), inline
+        # merge equal neighbours from the piece before i to the one after j
         lo = i - 1 if i > 0 else 0
         k = min(j + 1, len(times) - 1)
-        while k > lo:
-            if k < len(times) and abs(residual[k] - residual[k - 1]) <= eps:
-                del times[k]
-                del residual[k]
-            k -= 1
-
-    def _coalesce(self, lo: int, hi: int) -> None:
-        times, residual, eps = self.times, self.residual, self.eps
-        k = hi
         while k > lo:
             if k < len(times) and abs(residual[k] - residual[k - 1]) <= eps:
                 del times[k]
@@ -325,7 +309,8 @@ class Timelines:
         """
         hops = tuple(path)
         links = list(itertools.pairwise(hops))
-        start, end, res = self.reserve(links, nbytes, ready, who=payload_id)
+        start, end, pieces = self._walk(links, nbytes, ready, record=True)  # self.reserve(...), inline
+        res = self._reserve_pieces(links, pieces, payload_id)
         return Transfer(payload_id, hops[0], hops[-1], hops, start, end, nbytes, res)
 
     def reserve_until(
