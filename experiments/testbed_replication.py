@@ -22,7 +22,8 @@ start. The summary gives per mode the median time over the seeds, the min-max sp
 ratio against ``none`` (of the medians and the median of the per-seed ratios) and the
 updates applied.
 
-    python experiments/testbed_replication.py --quick    # target 0.85, 3 seeds (~15 min)
+    python experiments/testbed_replication.py --quick    # target 0.85, 3 seeds: 9 runs of 1.5-3.5 min
+                                                         # (start-up is most of it: ~15 min idle, ~26 loaded)
     python experiments/testbed_replication.py            # target 0.95, 5 seeds
 
 Writes experiments/results/testbed_replication[_quick].{csv,md}. Needs root, ip, tc, torch.
