@@ -309,6 +309,7 @@ class PushSender:
         )
         errors: list[str] = []
         received = maybe_sent = refused = False
+        verdict: Verdict | None = None
         for attempt in range(attempts):
             if attempt and self._stopping.wait(self._backoff * 2 ** (attempt - 1)):
                 errors.append("daemon shutting down")
@@ -338,7 +339,7 @@ class PushSender:
             )
             report.ok = True
             break
-        else:
+        if verdict is None:  # every attempt failed, or the daemon is shutting down between them
             verdict = Verdict.dropped(
                 f"transfer of {push.update_id} to host {send.next_hop_host!r} ({send.next_hop_address}) "
                 f"failed after {attempts} attempts: {errors[-1] if errors else 'no attempt'}"

@@ -131,3 +131,18 @@ def test_an_aggregate_the_server_never_got_is_retried_and_then_fails() -> None:
     assert not report.ok and report.outcome == control_pb2.OUTCOME_UNSPECIFIED and not report.member_verdicts
     [f] = failed
     assert f.aggregate_id == "agg:ps:0"
+
+
+def test_a_push_whose_daemon_stops_between_attempts_resolves_dropped_naming_it() -> None:
+    """Shutting down during the retry back-off ended the attempts with no verdict (UnboundLocalError)."""
+    reports: list[Any] = []
+    sender = PushSender("w", None, OutgoingPushes("w"), reports.append, send_attempts=3, retry_backoff=0.0)
+    sender._stopping.set()
+    peer = Peer(PeerUnavailable(ADDRESS, "connect: [Errno 111] Connection refused"))
+    owner = _push(sender, peer)
+    assert peer.calls == 1
+    [report] = reports
+    assert not report.ok and "daemon shutting down" in report.error
+    [event] = owner.events
+    assert event.push_result.outcome == control_pb2.OUTCOME_DROPPED
+    assert "daemon shutting down" in event.push_result.reason
