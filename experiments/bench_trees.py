@@ -17,7 +17,7 @@ Three measurements, each over several master seeds:
    better of the two. ``plan_tree`` (and stf, stf+agg, fair) planned on the same instance
    with the same aggregators. Target: the tree within 10 % of the ILP's best plan.
 3. **Decision time** — ``TreePolicy.decide`` for 1,023 pending updates on 32 racks x 32
-   hosts (4:1, mixed NICs), cold (a new policy object) and warm (paths cached). Target
+   hosts (4:1, mixed NICs), cold (a new policy object) and warm (paths and routes kept). Target
    <= 50 ms.
 
 Run (about 6-8 minutes on the shared 2-core machine; the ILP gets ``--ilp-limit`` s per solve)::
