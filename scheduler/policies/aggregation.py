@@ -10,7 +10,12 @@ update (Fig. 2, Fig. 6: ``u6`` is left out of ``G2`` because it could not be sum
 The aggregator of a group is the candidate host that the group's first update would reach
 soonest — the most residual bandwidth — among those whose path from the worker does not
 cross ``S``'s bottleneck (its ingress links and the bottleneck of the first update's path);
-ties go to the aggregate's earliest arrival at ``S``, then the host name.
+ties go to the aggregate's earliest arrival at ``S``, then the host name. Candidates whose
+path into ``S`` is no narrower than ``S``'s ingress come first: the aggregate carries the
+whole group's bytes into ``S``, and forwarded over a slow aggregator's own uplink it holds
+the ingress at that uplink's rate while every member waits (measured on the namespace
+testbed: a worker with a 25 Mbit/s uplink chosen for a lone update of its own, then joined
+by six others, forwarded the sum at 1.4 MB/s to a 12.5 MB/s ingress).
 
 :func:`plan_aggregation` is the asynchronous planner; :func:`plan_aggregation_sync` picks,
 for one synchronous iteration, the number of updates sent directly first that minimises the
@@ -98,6 +103,7 @@ def _avoid(graph: nx.DiGraph, pc: PathCache, server_host: str, first: Update) ->
 
 
 def _choose_aggregator(
+    graph: nx.DiGraph,
     tls: Timelines,
     pc: PathCache,
     update: Update,
@@ -105,7 +111,24 @@ def _choose_aggregator(
     avoid: set[Link],
     ready: float,
 ) -> str | None:
-    best: tuple[float, float, str] | None = None
+    """The aggregator for a group whose first update is ``update`` (see the module notes).
+
+    Among the candidates whose path from ``update.src`` avoids ``avoid``: first those whose
+    path into the server is as wide as its ingress (:func:`_feeds_ingress`), then the
+    earliest arrival of ``update``, the aggregate's earliest arrival at the server, the name.
+
+    Examples
+    --------
+    ``w7``'s own uplink (1 MB/s) is narrower than ``ps``'s ingress (2 MB/s): its update is
+    gathered at ``w0`` (8 MB/s), although it would be at ``w7`` at once.
+
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> g = star(["ps", "w0", "w7"], {"ps": 16e6, "w0": 64e6, "w7": 8e6})
+    >>> u = Update("u7", "w7", "ps", 1e6)
+    >>> _choose_aggregator(g, Timelines(g), PathCache(g), u, ["w0", "w7"], {("sw", "ps")}, 0.0)
+    'w0'
+    """
+    best: tuple[bool, float, float, str] | None = None
     for a in aggregators:
         if a == update.dst:
             continue
@@ -114,13 +137,22 @@ def _choose_aggregator(
             continue
         try:
             _, arrive = tls.ten(to_a, update.bytes, ready)
-            _, onward = tls.ten(pc.links(a, update.dst), update.bytes, arrive)
+            onward_links = pc.links(a, update.dst)
+            _, onward = tls.ten(onward_links, update.bytes, arrive)
         except ValueError:
             continue
-        key = (arrive, onward, a)
+        key = (not _feeds_ingress(graph, onward_links), arrive, onward, a)
         if best is None or key < best:
             best = key
-    return None if best is None else best[2]
+    return None if best is None else best[3]
+
+
+def _feeds_ingress(graph: nx.DiGraph, links: Sequence[Link]) -> bool:
+    """Whether a path into a server is no narrower than its last link (the server's ingress)."""
+    if not links:
+        return True
+    ingress = float(graph.edges[links[-1]]["capacity"])
+    return min(float(graph.edges[link]["capacity"]) for link in links) >= ingress * (1 - 1e-9)
 
 
 def _plan_server(
@@ -159,7 +191,7 @@ def _plan_server(
         trial = tls
         agg = None
         if not must_go_direct:
-            agg = _choose_aggregator(tls, pc, u, aggregators, avoid, max(u.ready_at, now))
+            agg = _choose_aggregator(graph, tls, pc, u, aggregators, avoid, max(u.ready_at, now))
         if agg is not None:
             trial = tls.copy()
             for v in order[i:]:
@@ -378,8 +410,10 @@ class AggregationPolicy:
         and a lone update gathered while its server is busy opens an aggregate (default).
         False: groups are only the updates pending at one decision (at least two).
     join_slack : float
-        How long past the server's ingress freeing up a joining update may arrive, in update
-        times on the aggregate's path into the server (:func:`join_open`'s ``slack``).
+        How long past the aggregate's ready time (its members in, the server's ingress free
+        of what is ahead of it) a joining update may arrive, in update times on the
+        aggregate's path into the server (:func:`join_open`'s ``slack``; default 0:
+        work-conserving, a join never makes the ingress wait for the aggregate).
     scope : str
         The run the aggregate ids belong to: ids are ``agg:<server>.<scope>:<n>``
         (``agg:<server>:<n>`` when empty, the default). The scheduler service passes a
@@ -411,7 +445,7 @@ class AggregationPolicy:
         aggregators: Sequence[str] | None = None,
         scope: str = "",
         join: bool = True,
-        join_slack: float = 1.0,
+        join_slack: float = 0.0,
     ) -> None:
         self.sync = sync
         self.aggregators = tuple(aggregators) if aggregators is not None else None
