@@ -6,7 +6,12 @@ and prints, from the daemons' transfer reports and the server's result file:
 - payloads into the server (direct updates, aggregates) and worker updates applied per payload;
 - bytes into the server and through each worker's uplink;
 - how busy the server's ingress was: the union of the transfers into it over the run, and the
-  idle gaps (time no transfer into the server was under way);
+  idle gaps (time no transfer into the server was under way), split into idle time while
+  members were on their way to an aggregator (an aggregate waiting for them) and idle time
+  with nothing moving at all (no update ready: the workers computing or waiting for verdicts);
+- the bytes per second into the server over the run, and per aggregator host the forwards it
+  sent and their median rate (an aggregator whose own uplink is narrower than the server's
+  ingress forwards the group's sum at that uplink's rate);
 - for each aggregate, how long it waited at its aggregator between its last member's arrival
   there and its forward to the server (the scheduler holding it behind the transfers ahead).
 
@@ -50,6 +55,12 @@ def _union(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[floa
     return covered, gaps
 
 
+def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
+    """How much of ``[start, end]`` the union of ``intervals`` covers."""
+    clipped = [(max(s, start), min(e, end)) for s, e in intervals if e > start and s < end]
+    return _union(clipped)[0]
+
+
 def diagnose(run: Path, server: str = "ps") -> dict[str, Any]:
     """The numbers listed in the module docstring for one run directory."""
     reps = [r for r in _reports(run) if r.get("ok") and r.get("end", 0) > r.get("start", 0)]
@@ -59,6 +70,12 @@ def diagnose(run: Path, server: str = "ps") -> dict[str, Any]:
     t0 = min((r["start"] for r in reps), default=0.0)
     t1 = max((r["end"] for r in into), default=t0)
     busy, gaps = _union([(r["start"], r["end"]) for r in into])
+    moving = [(m["start"], m["end"]) for m in members]
+    idle_moving = sum(_overlap(s, e, moving) for s, e in gaps)
+    idle_total = sum(e - s for s, e in gaps)
+    forwards: dict[str, list[float]] = {}
+    for a in aggs:
+        forwards.setdefault(a["src_host"], []).append(int(a["bytes"]) / (a["end"] - a["start"]))
     waits = []
     for a in aggs:
         ins = [m["end"] for m in members if m["dst_host"] == a["src_host"] and m["end"] <= a["start"]]
@@ -80,6 +97,15 @@ def diagnose(run: Path, server: str = "ps") -> dict[str, Any]:
         "server_ingress_busy_s": round(busy, 1),
         "server_ingress_busy_frac": round(busy / (t1 - t0), 2) if t1 > t0 else None,
         "idle_gaps_over_0.2s": sum(1 for s, e in gaps if e - s > 0.2),
+        "idle_members_moving_s": round(idle_moving, 1),
+        "idle_nothing_moving_s": round(idle_total - idle_moving, 1),
+        "server_ingress_MB_per_s": round(sum(int(r["bytes"]) for r in into) / 1e6 / (t1 - t0), 2)
+        if t1 > t0
+        else None,
+        "forwards_by_aggregator": {
+            h: {"n": len(v), "median_MB_per_s": round(statistics.median(v) / 1e6, 2)}
+            for h, v in sorted(forwards.items())
+        },
         "aggregate_wait_at_aggregator_s_median": round(statistics.median(waits), 2) if waits else None,
         "uplink_MB": {h: round(b / 1e6, 1) for h, b in sorted(uplink.items())},
     }
