@@ -34,6 +34,7 @@ import argparse
 import csv
 import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -382,6 +383,7 @@ def driver(args: argparse.Namespace) -> int:
                             "updates_per_s": (res.get("updates") or 0) / res["rows"][-1]["t"]
                             if res["rows"] and res["rows"][-1]["t"] > 0
                             else None,
+                            "load1": round(os.getloadavg()[0], 1),  # the shared machine's load at the end
                         }
                         rows.append(row)
                         print(json.dumps({**row, "wall": round(time.monotonic() - started, 1)}), flush=True)
@@ -445,6 +447,10 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{f'{statistics.median(finals):.3f}' if finals else '-'} | "
                 f"{f'{statistics.median(rates):.2f}' if rates else '-'} |"
             )
+    loads = [r["load1"] for r in rows if r.get("load1") is not None]
+    if loads:
+        span = f"{min(loads):g} to {max(loads):g}"
+        lines += ["", f"Load average (1 min) at the end of each run: {span} (2 cores)."]
     lines += [
         "",
         "Ratios: a time ratio > 1 means faster than the baseline; the ingress ratio is bytes per",
