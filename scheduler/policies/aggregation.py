@@ -412,8 +412,8 @@ class AggregationPolicy:
     join_slack : float
         How long past the aggregate's ready time (its members in, the server's ingress free
         of what is ahead of it) a joining update may arrive, in update times on the
-        aggregate's path into the server (:func:`join_open`'s ``slack``; default 0:
-        work-conserving, a join never makes the ingress wait for the aggregate).
+        aggregate's path into the server (:func:`join_open`'s ``slack``; 0: work-conserving,
+        a join never makes the ingress wait for the aggregate; default 0.25).
     scope : str
         The run the aggregate ids belong to: ids are ``agg:<server>.<scope>:<n>``
         (``agg:<server>:<n>`` when empty, the default). The scheduler service passes a
@@ -445,7 +445,7 @@ class AggregationPolicy:
         aggregators: Sequence[str] | None = None,
         scope: str = "",
         join: bool = True,
-        join_slack: float = 0.0,
+        join_slack: float = 0.25,
     ) -> None:
         self.sync = sync
         self.aggregators = tuple(aggregators) if aggregators is not None else None

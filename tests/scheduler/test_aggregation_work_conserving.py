@@ -95,17 +95,17 @@ def _member(uid: str, src: str, at: str, end: float) -> InFlight:
 
 
 def test_a_joiner_does_not_hold_the_aggregate_while_the_ingress_is_idle() -> None:
-    # ps is idle; agg's member is in at x at 1.3; u2 (2 MB/s) would be in at 1.55, within one
-    # update's time (1 s) on the ingress but after agg could leave: it does not join
-    g = star(HOSTS, {"ps": 8e6, "w1": 32e6, "w2": 16e6, "x": 32e6, "y": 32e6})
+    # ps is idle; agg's member is in at x at 1.3; u2 (1 MB/s) would be in at 2.05, within one
+    # update's time (1 s) on the ingress but 0.75 s after agg could leave: it does not join
+    g = star(HOSTS, {"ps": 8e6, "w1": 32e6, "w2": 8e6, "x": 32e6, "y": 32e6})
     snap = Snapshot(1.05, g, in_flight=(_member("u1", "w1", "x", 1.3),), gathering=(_agg("a", "x", ("u1",)),))
     u2 = PendingUpdate("u2", "j", "s", "w2", "w2", "ps", MB, 1.0, 0, 1.05)
     assert join_open(snap, [u2], {"a": "j/s"}, PathCache(g)) == ([], {})
     # one update's slack (the rule before) lets it join
     _, joined = join_open(snap, [u2], {"a": "j/s"}, PathCache(g), slack=1.0)
     assert joined["a"].members == ("u1", "u2")
-    # and the policy's default is the work-conserving rule
-    assert AggregationPolicy(sync=False).join_slack == 0.0
+    # and the policy's default is this rule
+    assert AggregationPolicy(sync=False).join_slack == 0.25
 
 
 def test_a_joiner_that_arrives_while_the_ingress_is_busy_joins() -> None:
