@@ -1,10 +1,11 @@
-"""The all-reduce role of a daemon: summing up a tree and broadcasting down it (docs/allreduce.md).
+"""The all-reduce role of a daemon: summing up a tree or around a ring, and back (docs/allreduce.md).
 
 A local process calls ``allreduce`` (``AllreduceRequest``, its contribution in a memfd). The
 daemon checks the tensors, keeps the memfd, and tells the scheduler ``AllreduceReady``. Once
 every participant is in and they agree, the scheduler sends each participant's daemon an
 ``AllreduceDirective``: its parent and children in the tree and the chunk size. Then, chunk by
-chunk (pipelined):
+chunk (pipelined; for a ring every segment of the payload is such a chain along the ring,
+:mod:`~mlfabric.daemon.allreduce_routes`, so each chunk has its own children and parent):
 
 - **reduce**: a participant sums (:class:`~mlfabric.aggregators.kernels.Accumulator`, in
   place in its result memfd) its own chunk and each child's partial sum, and sends the chunk
@@ -29,21 +30,20 @@ import contextlib
 import logging
 import mmap
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.allreduce_chunks import Chunk, split_chunks
+from mlfabric.daemon.allreduce_op import AllreduceError, Key, Op, Sender, check_request
+from mlfabric.daemon.allreduce_routes import routing
 from mlfabric.daemon.dataplane import Frame, FrameHeader, error_header
 from mlfabric.daemon.listener import Response
 from mlfabric.daemon.localapi import LocalConnection
 from mlfabric.daemon.transport import PeerUnavailable
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.tensors import DTYPES, layouts_from_pb, layouts_to_pb
+from mlfabric.tensors import layouts_from_pb, layouts_to_pb
 
 __all__ = ["DEFAULT_TIMEOUT", "AllreduceRole"]
 
@@ -55,82 +55,6 @@ REDUCE, BROADCAST = 1, 2
 DEFAULT_TIMEOUT = 60.0
 #: Seconds a chunk that arrives before its operation's directive waits for it.
 EARLY_WAIT = 10.0
-#: Chunks in flight (unACKed) per peer of an operation: one sending thread and connection each.
-SEND_WINDOW = 2
-Key = tuple[str, str, int, str]  # job, name, seq, participant
-
-
-class AllreduceError(Exception):
-    """An all-reduce failed; ``code`` is the local error code, the message names the problem."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(eq=False)
-class _Op:
-    """One participant's part in one all-reduce, on this daemon."""
-
-    key: Key
-    conn: LocalConnection
-    request_id: int
-    fd: int
-    own: mmap.mmap
-    tensors: list[Any]  # TensorLayout messages
-    payload_bytes: int
-    world_size: int
-    result_fd: int
-    result: mmap.mmap
-    deadline: float
-    started: float
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    directive: Any = None
-    chunks: list[Chunk] = field(default_factory=list)
-    accs: dict[int, Accumulator] = field(default_factory=dict)
-    #: per chunk being summed: the lock its sums take (the bytes are summed outside ``lock``)
-    chunk_locks: dict[int, threading.Lock] = field(default_factory=dict)
-    #: chunks of the result being copied in from the parent
-    copying: set[int] = field(default_factory=set)
-    summed: list[set[str]] = field(default_factory=list)
-    have: list[bool] = field(default_factory=list)
-    forwarded: list[int] = field(default_factory=list)
-    senders: list[_Sender] = field(default_factory=list)
-    state: str = "waiting"  # -> planned -> done | failed
-
-    def name(self) -> str:
-        job, name, seq, participant = self.key
-        return f"all-reduce {name!r}#{seq} of job {job!r} (participant {participant!r})"
-
-
-class _Sender:
-    """Sends one operation's chunks to one peer on :data:`SEND_WINDOW` threads (connections).
-
-    Each thread sends a chunk and waits for its ACK; with several threads taking chunks from
-    one queue (in queue order), the next chunk is already on the wire while the peer sums and
-    ACKs the previous one, so the ACK's round trip (behind the reverse direction's queue on a
-    shaped link) does not idle the link. Chunks may arrive out of order; the receiver keys
-    everything by chunk index.
-    """
-
-    def __init__(self, role: AllreduceRole, op: _Op, peer: Any, phase: int) -> None:
-        self.role, self.op, self.peer, self.phase = role, op, peer, phase
-        self.queue: queue.Queue[int | None] = queue.Queue()
-        self.threads = [
-            threading.Thread(target=self._run, name="allreduce-send", daemon=True) for _ in range(SEND_WINDOW)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _run(self) -> None:
-        while (index := self.queue.get()) is not None:
-            if not self.role.send_chunk(self.op, self.peer, self.phase, index):
-                return
-
-    def stop(self) -> None:
-        """End every thread once the chunks queued before are sent (or the operation failed)."""
-        for _ in self.threads:
-            self.queue.put(None)
 
 
 class AllreduceRole:
@@ -162,7 +86,7 @@ class AllreduceRole:
         self._clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._ops: dict[Key, _Op] = {}
+        self._ops: dict[Key, Op] = {}
         #: recently finished or failed operations: key -> why (a late frame is refused at once)
         self._gone: collections.OrderedDict[Key, str] = collections.OrderedDict()
         self._stopping = threading.Event()
@@ -173,7 +97,7 @@ class AllreduceRole:
         """A local ``AllreduceRequest``: check it, keep the memfd, announce it. Returns an fd to close."""
         req, rid = request.allreduce, request.request_id
         key: Key = (req.job, req.name, int(req.seq), req.participant)
-        problem = self._check(req, fd)
+        problem = check_request(req, fd)
         if problem is not None:
             conn.error(rid, *problem)
             return fd
@@ -185,7 +109,7 @@ class AllreduceRole:
         os.ftruncate(result_fd, size)
         result = mmap.mmap(result_fd, size) if size else mmap.mmap(-1, 1)
         now = self._clock()
-        op = _Op(
+        op = Op(
             key,
             conn,
             rid,
@@ -226,35 +150,6 @@ class AllreduceRole:
             self.fail(key, "unavailable", f"{op.name()}: the scheduler is not connected", tell=False)
         return None
 
-    def _check(self, req: Any, fd: int | None) -> tuple[str, str] | None:
-        """``(code, message)`` of what is wrong with a request, or None."""
-        if not req.participant or not req.name or not req.job:
-            return "bad_request", "an all-reduce needs a job, a name and a participant"
-        if req.world_size < 1:
-            return "bad_request", f"world_size must be >= 1, got {req.world_size}"
-        if fd is None:
-            return "bad_request", "all-reduce without a payload memfd"
-        problem = self._check_layout(req, fd)
-        return None if problem is None else ("bad_tensor", problem)
-
-    @staticmethod
-    def _check_layout(req: Any, fd: int) -> str | None:
-        end = 0
-        for t in sorted(req.tensors, key=lambda t: t.offset):
-            if t.dtype not in DTYPES:
-                return f"tensor {t.name!r}: cannot sum dtype {t.dtype!r} (known: {sorted(DTYPES)})"
-            count = 1
-            for d in t.shape:
-                count *= int(d)
-            if count * DTYPES[t.dtype].itemsize != t.nbytes or t.offset != end:
-                return f"tensor {t.name!r}: bad layout (offset {t.offset}, {t.nbytes} bytes)"
-            end += t.nbytes
-        if end != req.payload_bytes:
-            return f"tensor layout covers {end} bytes but payload_bytes is {req.payload_bytes}"
-        if os.fstat(fd).st_size < req.payload_bytes:
-            return f"payload memfd holds {os.fstat(fd).st_size} bytes, the request says {req.payload_bytes}"
-        return None
-
     def connection_closed(self, conn: LocalConnection) -> None:
         """The process of ``conn`` went away: its operations fail (the others are told)."""
         with self._lock:
@@ -267,7 +162,7 @@ class AllreduceRole:
     # ------------------------------------------------------------------ directives
 
     def on_directive(self, d: Any) -> None:
-        """``AllreduceDirective``: this participant's place in the tree; start moving chunks."""
+        """``AllreduceDirective``: this participant's place in the tree or ring; start moving chunks."""
         key: Key = (d.job, d.name, int(d.seq), d.participant)
         with self._lock:
             op = self._ops.get(key)
@@ -277,23 +172,33 @@ class AllreduceRole:
         with op.lock:
             if op.state != "waiting":
                 return
-            op.directive = d
-            op.chunks = split_chunks(layouts_from_pb(op.tensors), op.payload_bytes, max(1, d.chunk_bytes))
-            n = len(op.chunks)
-            op.summed = [{d.participant} for _ in range(n)]
-            op.have = [False] * n
-            op.forwarded = [0] * n
-            op.state = "planned"
-            up = _Sender(self, op, d.parent, REDUCE) if d.parent.participant else None
-            downs = [_Sender(self, op, c, BROADCAST) for c in d.children]
-            op.senders = ([up] if up else []) + downs
+            problem: str | None = None
+            try:
+                r = routing(d, layouts_from_pb(op.tensors), op.payload_bytes)
+            except ValueError as exc:
+                problem = f"{op.name()}: bad plan: {exc}"
+            else:
+                op.directive = d
+                op.chunks, op.segment_of, op.routes = r.chunks, r.segment_of, r.routes
+                n = len(op.chunks)
+                op.summed = [{d.participant} for _ in range(n)]
+                op.have = [False] * n
+                op.forwarded = [0] * n
+                op.state = "planned"
+                op.senders = {p: Sender(self, op, peer) for p, peer in r.peers.items()}
+        if problem is not None:
+            self.fail(key, "allreduce_failed", problem)
+            return
         with self._changed:
             self._changed.notify_all()
-        if not d.children:  # a leaf: its partial sums are its own chunks
-            if not d.parent.participant and op.payload_bytes:  # a world of one: the result is its own
-                op.result[: op.payload_bytes] = op.own[: op.payload_bytes]
-            for c in op.chunks:
-                self._reduced(op, c.index)
+        for c in op.chunks:  # where this participant is a leaf, its partial sum is its own chunk
+            route = op.route(c.index)
+            if route.children:
+                continue
+            if route.parent is None:  # and the root (a world of one): the result is its own
+                op.result[c.lo : c.hi] = op.own[c.lo : c.hi]
+            self._reduced(op, c.index)
+        self._maybe_done(op)  # a payload with no chunks
 
     def on_abort(self, a: Any) -> None:
         """``AllreduceAbort``: fail every local participant of the operation with its reason."""
@@ -335,11 +240,11 @@ class AllreduceRole:
 
     # ------------------------------------------------------------------ chunks
 
-    def _reduced(self, op: _Op, index: int) -> None:
+    def _reduced(self, op: Op, index: int) -> None:
         """Chunk ``index``'s partial sum is complete here: up to the parent, or (root) down."""
-        d = op.directive
-        if d.parent.participant:
-            op.senders[0].queue.put(index)
+        parent = op.route(index).parent
+        if parent is not None:
+            op.senders[parent.participant].queue.put((REDUCE, index))
         else:
             if len(op.summed[index]) != op.world_size:
                 self.fail(
@@ -351,19 +256,20 @@ class AllreduceRole:
                 return
             self._result_chunk(op, index)
 
-    def _result_chunk(self, op: _Op, index: int) -> None:
+    def _result_chunk(self, op: Op, index: int) -> None:
         """Chunk ``index`` of the result is here: forward it to the children; deliver when complete."""
         with op.lock:
             op.have[index] = True
-            children = [s for s in op.senders if s.phase == BROADCAST]
-        for s in children:
-            s.queue.put(index)
+            senders = [op.senders[peer.participant] for peer in op.route(index).forward]
+        for s in senders:
+            s.queue.put((BROADCAST, index))
         self._maybe_done(op)
 
-    def _maybe_done(self, op: _Op) -> None:
-        n_children = len(op.directive.children)
+    def _maybe_done(self, op: Op) -> None:
         with op.lock:
-            if op.state != "planned" or not all(op.have) or any(f < n_children for f in op.forwarded):
+            if op.state != "planned" or not all(op.have):
+                return
+            if any(f < len(op.route(i).forward) for i, f in enumerate(op.forwarded)):
                 return
             op.state = "done"
         result = local_pb2.AllreduceResult(
@@ -383,13 +289,13 @@ class AllreduceRole:
         )
         self._control(control_pb2.DaemonMessage(allreduce_done=done))
 
-    def send_chunk(self, op: _Op, peer: Any, phase: int, index: int) -> bool:
+    def send_chunk(self, op: Op, peer: Any, phase: int, index: int) -> bool:
         """Send chunk ``index`` to ``peer`` (a sender thread); False once the operation failed."""
         with op.lock:
             if op.state != "planned":
                 return False
             c = op.chunks[index]
-            leaf = phase == REDUCE and not op.directive.children
+            leaf = phase == REDUCE and not op.route(index).children
             summed = sorted(op.summed[index]) if phase == REDUCE else []
         job, name, seq, participant = op.key
         header = FrameHeader(
@@ -454,7 +360,7 @@ class AllreduceRole:
             if frame.buffer is not None and hasattr(frame.buffer, "release"):
                 frame.buffer.release()
 
-    def _wait_for(self, key: Key) -> _Op:
+    def _wait_for(self, key: Key) -> Op:
         deadline = self._clock() + EARLY_WAIT
         with self._changed:
             while True:
@@ -477,7 +383,6 @@ class AllreduceRole:
         h = frame.header
         a = h.allreduce
         op = self._wait_for((a.job, a.name, int(a.seq), a.to_participant))
-        d = op.directive
         if op.state != "planned":
             raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state})")
         if a.index >= len(op.chunks) or a.count != len(op.chunks):  # chunks are fixed once planned
@@ -486,6 +391,7 @@ class AllreduceRole:
                 f"{op.name()}: chunk {a.index}/{a.count}, expected {len(op.chunks)} chunks",
             )
         c = op.chunks[a.index]
+        route = op.route(a.index)
         if (
             a.offset != c.lo
             or h.payload_bytes != c.hi - c.lo
@@ -502,9 +408,11 @@ class AllreduceRole:
             if op.state != "planned":
                 raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state})")
             if a.phase == REDUCE:
-                if a.from_participant not in {x.participant for x in d.children}:
+                if a.from_participant not in route.children:
                     raise AllreduceError(
-                        "allreduce_failed", f"{op.name()}: {a.from_participant!r} is not a child in the tree"
+                        "allreduce_failed",
+                        f"{op.name()}: {a.from_participant!r} does not send partial sums of chunk "
+                        f"{a.index} here (its children: {list(route.children)})",
                     )
                 incoming = set(a.summed)
                 if incoming and incoming <= op.summed[a.index] and a.from_participant in incoming:
@@ -519,10 +427,11 @@ class AllreduceRole:
                 op.summed[a.index] |= incoming  # claimed: a repeat arriving meanwhile is ACKed only
                 chunk_lock = op.chunk_locks.setdefault(a.index, threading.Lock())
             else:
-                if a.from_participant != d.parent.participant:
+                if a.from_participant != route.source:
                     raise AllreduceError(
                         "allreduce_failed",
-                        f"{op.name()}: {a.from_participant!r} is not the parent in the tree",
+                        f"{op.name()}: {a.from_participant!r} does not send the result of chunk "
+                        f"{a.index} here (its source: {route.source!r})",
                     )
                 if op.have[a.index] or a.index in op.copying:
                     return self._ack(h)
@@ -537,7 +446,7 @@ class AllreduceRole:
                         acc.add(own)
                         own.release()
                     acc.add(frame.payload)
-                    complete = acc.count == len(d.children) + 1
+                    complete = acc.count == len(route.children) + 1
                     if complete:
                         acc.finish()
                         op.accs.pop(a.index, None)
@@ -579,13 +488,14 @@ class AllreduceRole:
             )
             self._control(control_pb2.DaemonMessage(allreduce_done=done))
 
-    def _finish(self, op: _Op, why: str) -> None:
-        for s in op.senders:
+    def _finish(self, op: Op, why: str) -> None:
+        for s in op.senders.values():
             s.stop()
         with self._changed:
-            if self._ops.get(op.key) is op:
-                del self._ops[op.key]
-            self._gone[op.key] = why
+            key = op.key
+            if self._ops.get(key) is op:
+                del self._ops[key]
+            self._gone[key] = why
             while len(self._gone) > 4096:
                 self._gone.popitem(last=False)
             self._changed.notify_all()
@@ -593,7 +503,7 @@ class AllreduceRole:
             op.accs.clear()  # their views of the result mapping
         self._close(op)  # a sender still sending keeps the mapping alive (BufferError, below)
 
-    def _close(self, op: _Op) -> None:
+    def _close(self, op: Op) -> None:
         for m in (op.own, op.result):
             try:
                 m.close()

@@ -476,7 +476,7 @@ class AllreducePeer(_message.Message):
     def __init__(self, participant: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class AllreduceDirective(_message.Message):
-    __slots__ = ("job", "name", "seq", "participant", "parent", "children", "chunk_bytes", "world_size", "plan")
+    __slots__ = ("job", "name", "seq", "participant", "parent", "children", "chunk_bytes", "world_size", "plan", "ring")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -486,6 +486,7 @@ class AllreduceDirective(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     seq: int
@@ -495,7 +496,8 @@ class AllreduceDirective(_message.Message):
     chunk_bytes: int
     world_size: int
     plan: str
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., parent: _Optional[_Union[AllreducePeer, _Mapping]] = ..., children: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., plan: _Optional[str] = ...) -> None: ...
+    ring: _containers.RepeatedCompositeFieldContainer[AllreducePeer]
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., parent: _Optional[_Union[AllreducePeer, _Mapping]] = ..., children: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., plan: _Optional[str] = ..., ring: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ...) -> None: ...
 
 class AllreduceAbort(_message.Message):
     __slots__ = ("job", "name", "seq", "reason", "code")

@@ -59,6 +59,7 @@ __all__ = [
     "CHUNK_OVERHEAD_SECONDS",
     "AllreducePlan",
     "plan_allreduce",
+    "ring_chunk_seconds",
     "ring_seconds",
     "tree_seconds",
 ]
@@ -84,13 +85,23 @@ class AllreducePlan:
     children : dict
         participant -> its children, in the order their chunks are expected.
     chunk_bytes : int
-        Bytes per pipelined chunk.
+        Bytes per pipelined chunk of the plan that runs (``kind``).
     seconds : float
-        The model's time for this tree (:func:`tree_seconds`).
+        The model's time of the plan that runs (:func:`tree_seconds` or
+        :func:`ring_chunk_seconds`).
     ring_seconds : float
-        The model's time for a ring all-reduce over the same participants.
+        The model's time of a ring all-reduce over the same participants (at its best chunk
+        size, per-frame cost included).
     shape : str
-        Which candidate won (``"rack-greedy"``, ``"flat-heap2"``, ...).
+        Which candidate tree won (``"rack-greedy"``, ``"flat-heap2"``, ...).
+    kind : str
+        ``"tree"``: the daemons run the tree (``root``, ``parent``, ``children``);
+        ``"ring"``: they run a ring (reduce-scatter + all-gather) in the order ``ring``, and the
+        tree fields describe the best tree, which lost.
+    ring : tuple of str
+        The ring's participants in order (each sends to the next); empty for a tree.
+    tree_model_seconds : float
+        The model's time of the best tree.
     """
 
     root: str
@@ -100,6 +111,9 @@ class AllreducePlan:
     seconds: float
     ring_seconds: float
     shape: str
+    kind: str = "tree"
+    ring: tuple[str, ...] = ()
+    tree_model_seconds: float = math.inf
 
     def depth(self) -> int:
         """Edges on the longest root-to-leaf path."""
@@ -113,6 +127,12 @@ class AllreducePlan:
 
     def describe(self, hosts: Mapping[str, str]) -> str:
         """One line for logs and the result: shape, root, depth, the model's times."""
+        if self.kind == "ring":
+            return (
+                f"ring of {len(self.ring)}: {' > '.join(hosts[p] for p in self.ring)}, "
+                f"{self.chunk_bytes} B chunks, model {self.seconds * 1e3:.1f} ms "
+                f"(best tree {self.shape} {self.tree_model_seconds * 1e3:.1f} ms)"
+            )
         return (
             f"tree {self.shape}: root {self.root} on {hosts[self.root]}, depth {self.depth()}, "
             f"{self.chunk_bytes} B chunks, model {self.seconds * 1e3:.1f} ms "
@@ -276,6 +296,74 @@ def ring_seconds(graph: nx.DiGraph, order: Sequence[str], nbytes: int, pc: PathC
     return max((v / _capacity(graph, link) for link, v in load.items()), default=0.0)
 
 
+def ring_chunk_seconds(
+    graph: nx.DiGraph,
+    order: Sequence[str],
+    hosts: Mapping[str, str],
+    nbytes: int,
+    chunk_bytes: int,
+    pc: PathCache | None = None,
+) -> float:
+    """The model's time of the daemons' ring over the participants ``order``, in chunks.
+
+    The payload is cut into ``N`` segments of ``B/N``; segment ``k`` is summed along the
+    ring from participant ``k`` to participant ``k-1`` (reduce-scatter: ``N-1`` hops) and the
+    sum goes on around to ``k-2`` (all-gather: ``N-1`` hops), each segment in chunks of
+    ``chunk_bytes`` that move as soon as they are summed. Every ring hop so carries
+    ``2 (N-1)/N B`` (:func:`ring_seconds`, the most loaded link sets the time), and every link
+    is busy from the first step on (each participant starts with its own segment), so the only
+    fill is the last chunk's hop (``chunk x m / capacity`` on the worst link shared by ``m``
+    ring hops). Each participant sends and receives ``2 (N-1)`` frames per chunk of a segment,
+    at :data:`CHUNK_OVERHEAD_SECONDS` each.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Link capacities (bytes/s) in ``capacity``.
+    order : sequence of str
+        Participants in ring order (each sends to the next, the last to the first).
+    hosts : mapping
+        participant -> host (hops between two participants of one host cost no network).
+    nbytes, chunk_bytes : int
+        The payload and the chunk size (at most one segment).
+    pc : PathCache, optional
+        Paths of ``graph``.
+
+    Returns
+    -------
+    float
+        Seconds (0 for fewer than two participants).
+
+    Examples
+    --------
+    Four hosts on one 1 GB/s switch, 1 GB in 250 MB segments sent whole: ``2 * 3/4`` s on
+    every NIC, one 250 ms hop of fill and 12 frame ends per participant.
+
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> hosts = {f"p{i}": f"h{i}" for i in range(4)}
+    >>> t = ring_chunk_seconds(star(4, 8e9), list(hosts), hosts, 10**9, 250 * 10**6)
+    >>> round(t - 12 * CHUNK_OVERHEAD_SECONDS, 3)
+    1.75
+    """
+    n = len(order)
+    if n < 2 or nbytes <= 0:
+        return 0.0
+    pc = pc or PathCache(graph)
+    segment = math.ceil(nbytes / n)
+    chunk = max(1, min(chunk_bytes, segment))
+    per_hop = 2 * (n - 1) / n * nbytes
+    load: dict[tuple[str, str], float] = {}
+    for i, p in enumerate(order):
+        a, b = hosts[p], hosts[order[(i + 1) % n]]
+        if a != b:
+            for link in pc.links(a, b):
+                load[link] = load.get(link, 0.0) + per_hop
+    busiest = max((v / _capacity(graph, link) for link, v in load.items()), default=0.0)
+    fill = max((v / per_hop * chunk / _capacity(graph, link) for link, v in load.items()), default=0.0)
+    frames = 4 * (n - 1) * math.ceil(segment / chunk)
+    return busiest + fill + frames * CHUNK_OVERHEAD_SECONDS
+
+
 # ------------------------------------------------------------------ tree shapes
 
 
@@ -432,7 +520,6 @@ def plan_allreduce(
                 candidates[f"rack-{name}"] = _join(top, inner)
         for name, chain in _chain_orders(reps, hosts.__getitem__, pc, graph).items():
             candidates[f"chain-{name}"] = _path_tree(chain)
-    ring = ring_seconds(graph, host_order, nbytes, pc) if len(host_order) > 1 else 0.0
     chunks = [chunk_bytes] if chunk_bytes else _chunk_candidates(nbytes)
     best: tuple[float, int, str, dict[str, str | None]] | None = None
     for name in sorted(candidates):
@@ -450,4 +537,23 @@ def plan_allreduce(
         if q is not None:
             children[q].append(c)
     root = next(p for p, q in parent.items() if q is None)
-    return AllreducePlan(root, parent, children, chunk, seconds, ring, name)
+    # the ring: hosts in chain-local order (racks contiguous), a host's participants together
+    ring_hosts = (
+        [hosts[p] for p in _chain_orders(reps, hosts.__getitem__, pc, graph)["local"]]
+        if len(reps) > 1
+        else list(by_host)
+    )
+    ring = tuple(p for h in ring_hosts for p in by_host[h])
+    segment = math.ceil(nbytes / len(ring)) if nbytes > 0 else 0
+    ring_best: tuple[float, int] | None = None
+    if len(ring) > 1 and segment > 0:
+        for chunk_r in sorted([chunk_bytes] if chunk_bytes else _chunk_candidates(segment), reverse=True):
+            t = ring_chunk_seconds(graph, ring, hosts, nbytes, chunk_r, pc)
+            if ring_best is None or t < ring_best[0] - 1e-12:
+                ring_best = (t, min(chunk_r, segment))
+    if ring_best is not None and ring_best[0] < seconds - 1e-12:
+        return AllreducePlan(
+            root, parent, children, ring_best[1], ring_best[0], ring_best[0], name, "ring", ring, seconds
+        )
+    ring_time = ring_best[0] if ring_best is not None else 0.0
+    return AllreducePlan(root, parent, children, chunk, seconds, ring_time, name, "tree", (), seconds)

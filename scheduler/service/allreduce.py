@@ -1,4 +1,4 @@
-"""The scheduler's side of all-reduce: collecting readiness, planning the tree, failing cleanly.
+"""The scheduler's side of all-reduce: collecting readiness, planning the tree or ring, failing cleanly.
 
 :class:`AllreduceBook` is pure (times are arguments; directives are returned as
 ``(host, Directive)`` pairs). Each operation is keyed ``(job, name, seq)``:
@@ -8,8 +8,9 @@
    shapes), or a participant announced twice, aborts the operation at every participant with
    ``allreduce_mismatch`` naming both sides. More participants than the world size: the same.
 2. Once ``world_size`` participants are in, :func:`~mlfabric.scheduler.policies.allreduce.
-   plan_allreduce` chooses the tree from the bandwidth graph (current estimates) and each
-   participant's daemon gets its ``AllreduceDirective``.
+   plan_allreduce` chooses a tree or a ring from the bandwidth graph (current estimates) and
+   each participant's daemon gets its ``AllreduceDirective`` (its parent and children, or the
+   whole ring).
 3. ``AllreduceDone`` from each daemon: ok (the operation is forgotten once every participant
    finished) or failed, which aborts the operation at every other participant
    (``AllreduceAbort`` with the failing participant's code and reason).
@@ -154,18 +155,22 @@ class AllreduceBook:
             return pb.AllreducePeer(participant=p, host=op.ready[p], data_address=self._address(op.ready[p]))
 
         out: Out = []
+        ring = [peer(p) for p in plan.ring] if plan.kind == "ring" else []
         for p, host in sorted(op.ready.items()):
             d = pb.AllreduceDirective(
                 job=job,
                 name=name,
                 seq=seq,
                 participant=p,
-                parent=peer(plan.parent[p]),
-                children=[peer(c) for c in plan.children[p]],
                 chunk_bytes=plan.chunk_bytes,
                 world_size=op.world_size,
                 plan=describe,
             )
+            if ring:  # every participant gets the whole ring and finds its place in it
+                d.ring.extend(ring)
+            else:
+                d.parent.CopyFrom(peer(plan.parent[p]))
+                d.children.extend(peer(c) for c in plan.children[p])
             out.append((host, pb.Directive(allreduce=d)))
         return out
 

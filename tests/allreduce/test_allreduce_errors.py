@@ -16,6 +16,8 @@ import pytest
 
 import mlfabric
 from mlfabric.cluster import LocalCluster
+from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.policies.allreduce import plan_allreduce
 
 HERE = Path(__file__).resolve().parent
 PARTICIPANT = HERE / "participant.py"
@@ -117,12 +119,24 @@ def test_a_participant_that_never_comes_times_out_at_the_deadline(cluster: Local
     assert took < 15, took
 
 
+#: NIC rates (Mbit/s) under which the planner runs each algorithm for the kill tests' three
+#: participants on h0, h1, h2 and 16 MB: uniform -> a ring; h2 at a quarter -> a tree (h2 a leaf).
+KILL_RATES = {"ring": {}, "tree": {"h2": 25}}
+
+
 def _kill_mid_allreduce(
-    make_cluster: Callable[..., LocalCluster], tmp_path: Path, kill: Callable[[LocalCluster, Any], None]
+    make_cluster: Callable[..., LocalCluster],
+    tmp_path: Path,
+    kill: Callable[[LocalCluster, Any], None],
+    algorithm: str,
 ) -> list[Any]:
     """r0, r1 (threads) and r2 (a process on h2) all-reduce 16 MB over 100 Mbit/s; ``kill`` hits r2's side."""
-    cluster = make_cluster(mbps=100, enforce=True)
+    rates = KILL_RATES[algorithm]
     elements = 2 << 20
+    graph = star(["h0", "h1", "h2", "h3"], {h: rates.get(h, 100) * 1e6 for h in ("h0", "h1", "h2", "h3")})
+    plan = plan_allreduce(graph, [("r0", "h0"), ("r1", "h1"), ("r2", "h2")], elements * 8)
+    assert plan.kind == algorithm, plan  # what the scheduler will run on this (declared) graph
+    cluster = make_cluster(mbps=100, enforce=True, rates=rates)
     groups = [
         mlfabric.join_allreduce("job-k", world_size=3, participant=f"r{i}", daemon=cluster.socket(h))
         for i, h in enumerate(["h0", "h1"])
@@ -141,7 +155,7 @@ def _kill_mid_allreduce(
             assert proc.popen.poll() is None, proc.log_tail()
             assert time.monotonic() < deadline, "the participant process never submitted"
             time.sleep(0.02)
-        time.sleep(0.3)  # the tree is moving chunks (16 MB takes > 1 s per hop at 100 Mbit/s)
+        time.sleep(0.3)  # chunks are moving (16 MB takes > 1 s at 100 Mbit/s either way)
         assert not all(h.done() for h in handles), "finished before the kill: the test would prove nothing"
         kill(cluster, proc)
         start = time.monotonic()
@@ -159,10 +173,13 @@ def _kill_mid_allreduce(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_a_participant_process_killed_mid_allreduce_fails_the_others(
-    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path, algorithm: str
 ) -> None:
-    results = _kill_mid_allreduce(make_cluster, tmp_path, lambda c, p: p.popen.send_signal(signal.SIGKILL))
+    results = _kill_mid_allreduce(
+        make_cluster, tmp_path, lambda c, p: p.popen.send_signal(signal.SIGKILL), algorithm
+    )
     for r in results:
         assert isinstance(r, mlfabric.MlfabricError), r
         assert r.code in ("allreduce_peer_lost", "allreduce_failed"), r.code
@@ -170,14 +187,15 @@ def test_a_participant_process_killed_mid_allreduce_fails_the_others(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_a_participant_daemon_killed_mid_allreduce_fails_the_others(
-    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path, algorithm: str
 ) -> None:
     def kill_daemon(cluster: LocalCluster, _proc: Any) -> None:
         daemon = next(p for p in cluster.processes() if p.name == "daemon-h2")
         daemon.popen.send_signal(signal.SIGKILL)
 
-    results = _kill_mid_allreduce(make_cluster, tmp_path, kill_daemon)
+    results = _kill_mid_allreduce(make_cluster, tmp_path, kill_daemon, algorithm)
     for r in results:
         assert isinstance(r, mlfabric.MlfabricError), r
         assert r.code in ("allreduce_peer_lost", "allreduce_failed"), r.code
