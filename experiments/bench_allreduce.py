@@ -1,4 +1,4 @@
-"""All-reduce: mlfabric's scheduled tree vs torch.distributed gloo (ring) all-reduce (docs/allreduce.md).
+"""All-reduce: mlfabric's scheduled tree or ring vs torch.distributed gloo's ring (docs/allreduce.md).
 
 The same ranks, tensors and sizes with both systems, seeds and systems interleaved; every
 rank times each all-reduce (after a small all-reduce that lines the ranks up), and a run's
@@ -230,15 +230,33 @@ def driver(args: argparse.Namespace) -> int:
                     rows += _seeds(setting, env, hosts, args, seeds, work)
             else:
                 rows += _testbed(setting, topo, hosts, args, seeds, work)
-    summary = report(rows, args, load, os.getloadavg())
+    commit = _commit()
+    summary = report(rows, args, load, os.getloadavg(), commit)
     print(summary)
     name = "bench_allreduce_" + args.setting.replace(",", "_") + (f"_{args.label}" if args.label else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(
-        json.dumps({"rows": rows, "args": vars(args), "load": load, "load_end": os.getloadavg()}, indent=1)
+        json.dumps(
+            {"rows": rows, "args": vars(args), "load": load, "load_end": os.getloadavg(), "commit": commit},
+            indent=1,
+        )
     )
     (RESULTS / f"{name}.md").write_text(summary + "\n")
     return 0
+
+
+def _commit() -> str:
+    """The checked-out commit, with ``+changes`` if the all-reduce's files differ from it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        paths = ["daemon", "scheduler/policies/allreduce.py", "scheduler/service/allreduce.py", "mlfabric"]
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *paths], cwd=root, check=False)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"unknown ({exc})"
+    return head + ("+changes" if dirty.returncode else "")
 
 
 def _seeds(
@@ -291,6 +309,7 @@ def report(
     args: argparse.Namespace,
     load: tuple[float, ...],
     load_end: tuple[float, ...] | None = None,
+    commit: str = "",
 ) -> str:
     """The markdown table: median (min-max) per system, gloo / mlfabric, and mlfabric's plans."""
     plans = [r for r in rows if "plan" in r]
@@ -300,9 +319,10 @@ def report(
         "" if load_end is None else f"; at the end: {load_end[0]:.1f} / {load_end[1]:.1f} / {load_end[2]:.1f}"
     )
     lines = [
-        f"# All-reduce: mlfabric tree vs gloo ring ({args.ranks} ranks, {args.reps} reps x seeds "
-        f"{args.seeds})",
+        f"# All-reduce: mlfabric (tree or ring, as planned) vs gloo ring ({args.ranks} ranks, "
+        f"{args.reps} reps x seeds {args.seeds})",
         "",
+        *([f"Commit: {commit}.", ""] if commit else []),
         f"Load average at start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}{end}. "
         f"Testbed NICs: {args.mbps} Mbit/s (hetero: every other host at a quarter).",
         "",
