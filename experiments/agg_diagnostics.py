@@ -9,6 +9,9 @@ and prints, from the daemons' transfer reports and the server's result file:
   idle gaps (time no transfer into the server was under way), split into idle time while
   members were on their way to an aggregator (an aggregate waiting for them) and idle time
   with nothing moving at all (no update ready: the workers computing or waiting for verdicts);
+- the workers' turnaround: from an update's bytes being in at the server (directly, or its
+  aggregate's: the first forward from its aggregator after it arrived there) to its worker's
+  next update starting to move (verdict, get, gradient on the loaded machine);
 - the bytes per second into the server over the run, and per aggregator host the forwards it
   sent and their median rate (an aggregator whose own uplink is narrower than the server's
   ingress forwards the group's sum at that uplink's rate);
@@ -61,6 +64,34 @@ def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> 
     return _union(clipped)[0]
 
 
+def _turnarounds(reps: list[dict[str, Any]], server: str) -> list[float]:
+    """Seconds from each update being in at ``server`` to its worker's next update moving."""
+    aggs = sorted((r for r in reps if str(r["update_id"]).startswith("agg:")), key=lambda r: r["start"])
+    first: dict[tuple[str, int], dict[str, Any]] = {}  # (worker/incarnation, n) -> first transfer
+    for r in sorted(reps, key=lambda r: r["start"]):
+        uid = str(r["update_id"])
+        if uid.startswith("agg:") or uid.count("/") != 2:
+            continue
+        stem, _, n = uid.rpartition("/")
+        if n.isdigit():
+            first.setdefault((stem, int(n)), r)
+    out = []
+    for (stem, n), r in first.items():
+        nxt = first.get((stem, n + 1))
+        if nxt is None:
+            continue
+        if r["dst_host"] == server:
+            arrived = r["end"]
+        else:
+            later = (a for a in aggs if a["src_host"] == r["dst_host"] and a["start"] >= r["end"] - 0.01)
+            fwd = next(later, None)
+            if fwd is None:
+                continue
+            arrived = fwd["end"]
+        out.append(nxt["start"] - arrived)
+    return out
+
+
 def diagnose(run: Path, server: str = "ps") -> dict[str, Any]:
     """The numbers listed in the module docstring for one run directory."""
     reps = [r for r in _reports(run) if r.get("ok") and r.get("end", 0) > r.get("start", 0)]
@@ -81,6 +112,7 @@ def diagnose(run: Path, server: str = "ps") -> dict[str, Any]:
         ins = [m["end"] for m in members if m["dst_host"] == a["src_host"] and m["end"] <= a["start"]]
         if ins:
             waits.append(a["start"] - max(ins))
+    turns = _turnarounds(reps, server)
     res = json.loads((run / "server.json").read_text()) if (run / "server.json").exists() else {}
     uplink: dict[str, int] = {}
     for r in reps:
@@ -107,6 +139,8 @@ def diagnose(run: Path, server: str = "ps") -> dict[str, Any]:
             for h, v in sorted(forwards.items())
         },
         "aggregate_wait_at_aggregator_s_median": round(statistics.median(waits), 2) if waits else None,
+        "turnaround_s_median": round(statistics.median(turns), 2) if turns else None,
+        "turnaround_s_max": round(max(turns), 2) if turns else None,
         "uplink_MB": {h: round(b / 1e6, 1) for h, b in sorted(uplink.items())},
     }
 
