@@ -72,12 +72,12 @@ def _turnarounds(reps: list[dict[str, Any]], server: str) -> list[float]:
         uid = str(r["update_id"])
         if uid.startswith("agg:") or uid.count("/") != 2:
             continue
-        stem, _, n = uid.rpartition("/")
-        if n.isdigit():
-            first.setdefault((stem, int(n)), r)
+        stem, _, seq = uid.rpartition("/")
+        if seq.isdigit():
+            first.setdefault((stem, int(seq)), r)
     out = []
-    for (stem, n), r in first.items():
-        nxt = first.get((stem, n + 1))
+    for (worker, n), r in first.items():
+        nxt = first.get((worker, n + 1))
         if nxt is None:
             continue
         if r["dst_host"] == server:
