@@ -565,6 +565,7 @@ class SchedulerCore:
                     self.runner.next_wakeup(self.state.in_flight),
                     self.aggregates.next_deadline(),
                     self.state.stall_deadline(),
+                    self.replication.next_deadline(),
                 )
                 if w
             ]
@@ -577,6 +578,7 @@ class SchedulerCore:
                     await self._wake.wait()
             self._wake.clear()
             self._execute(self.aggregates.expire(self.clock()))
+            self.replication.expire(self.clock())
             self.expire_stalled()
             self.release()
 

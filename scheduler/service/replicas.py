@@ -36,9 +36,13 @@ from mlfabric.scheduler.service.records import (
 )
 from mlfabric.scheduler.service.state import SchedulerState
 
-__all__ = ["ReplicaBook", "ReplicaRecord", "Replication"]
+__all__ = ["REREGISTER_GRACE", "ReplicaBook", "ReplicaRecord", "Replication"]
 
 log = logging.getLogger(__name__)
+
+#: seconds a replica whose daemon lost its session stays attached, waiting for it to register
+#: again (its server's daemon keeps the replication log and the bound meanwhile)
+REREGISTER_GRACE = 10.0
 
 Directives = list[tuple[str, pb.Directive]]
 
@@ -62,6 +66,9 @@ class ReplicaRecord:
     #: the server's daemon runs a replication log for it (its first ``ReplicaStatus``): only
     #: then may it be promoted (a replica detached meanwhile has no log and may be stale)
     confirmed: bool = False
+    #: when the replica's daemon lost its session (None: connected); detached if it does not
+    #: register again within :data:`REREGISTER_GRACE`
+    lost_at: float | None = None
 
     def divergence(self) -> float:
         """Sum of the norms of the entries the replica lacks."""
@@ -105,6 +112,10 @@ class ReplicaBook:
             ``model`` (``TensorSpec`` messages; empty: not checked) differs from the server's.
         SchedulerError
             ``host`` is the server's own host, or has no connected daemon.
+
+        A replica whose daemon lost its session (:meth:`lost`) and registers again from the
+        same host under the same name is attached again as it was: its server's daemon kept
+        its replication log (the directive only gives the log the replica's address again).
         """
         target = self.state.server_role(job, server)  # UnknownJob, UnknownServer
         address = self.state.address(host)
@@ -113,8 +124,18 @@ class ReplicaBook:
                 f"replica '{name}' of server '{server}' of job '{job}' is on the server's own host "
                 f"'{host}': a replica must survive its server's host"
             )
+        out: Directives = []
         old = self.records.get((job, server))
-        if old is not None:
+        if old is not None and old.lost_at is not None and (old.host, old.name) == (host, name):
+            old.lost_at = None
+            d = pb.ReplicateDirective(
+                job=job, server=server, replica=name, replica_host=host, replica_address=address,
+                div_max=old.div_max, up_to_version=old.directed,
+            )  # fmt: skip
+            return [(target.host, pb.Directive(replicate=d))]
+        if old is not None and old.lost_at is not None:  # another replica replaces the lost one
+            out = self.remove(job, server)
+        elif old is not None:
             raise DuplicateReplica(
                 f"server '{server}' of job '{job}' already has replica '{old.name}' (on host '{old.host}')"
             )
@@ -132,7 +153,32 @@ class ReplicaBook:
         d = pb.ReplicateDirective(
             job=job, server=server, replica=name, replica_host=host, replica_address=address, div_max=div_max
         )
-        return [(target.host, pb.Directive(replicate=d))]
+        return [*out, (target.host, pb.Directive(replicate=d))]
+
+    def lost(self, host: str, now: float) -> None:
+        """``host``'s daemon lost its session: its replicas wait :data:`REREGISTER_GRACE` s for it."""
+        for rec in self.records.values():
+            if rec.host == host and rec.lost_at is None:
+                rec.lost_at = now
+
+    def next_deadline(self) -> float | None:
+        """When the first replica whose daemon is away must be detached (None: none is away)."""
+        return min(
+            (r.lost_at + REREGISTER_GRACE for r in self.records.values() if r.lost_at is not None),
+            default=None,
+        )
+
+    def expire(self, now: float) -> Directives:
+        """Detach the replicas whose daemon did not come back within the grace."""
+        out: Directives = []
+        for key, rec in list(self.records.items()):
+            if rec.lost_at is not None and now >= rec.lost_at + REREGISTER_GRACE:
+                log.warning(
+                    "replica %r of server %r of job %r: its daemon (host %r) did not come back "
+                    "within %.0f s; detached", rec.name, rec.server, rec.job, rec.host, REREGISTER_GRACE,
+                )  # fmt: skip
+                out += self.remove(*key)
+        return out
 
     def applied(self, m: Any) -> ReplicaRecord | None:
         """A ``ServerApplied``: one more entry the replica lacks."""
@@ -317,11 +363,27 @@ class Replication:
         return True
 
     def host_lost(self, host: str) -> None:
-        """``host``'s daemon left: promote the replicas of its servers, detach its replicas."""
+        """``host``'s daemon left: promote the replicas of its servers; its replicas wait for it.
+
+        A replica whose daemon lost its session stays attached (its server's daemon keeps
+        forwarding to it over the data plane, and the bound holds) for
+        :data:`REREGISTER_GRACE` s: a daemon that reconnects registers it again and it goes
+        on as before (:meth:`ReplicaBook.register`); else it is detached (:meth:`expire`).
+        While its daemon is away it cannot be promoted.
+        """
         for (job, server), _ in list(self.book.records.items()):
             target = next((s for s in self.core.state.servers(job) if s.name == server), None)
             if target is not None and target.host == host:
                 self.server_lost(job, server, f"the daemon of host '{host}' disconnected")
-        for (job, server), rec in list(self.book.records.items()):
-            if rec.host == host:
-                self._send(self.book.remove(job, server))
+        self.book.lost(host, self.core.clock())
+        self.core._wake.set()  # the release loop's deadline: the grace's end
+
+    def next_deadline(self) -> float | None:
+        """When a replica whose daemon is away is to be detached (the core's release loop)."""
+        return self.book.next_deadline()
+
+    def expire(self, now: float) -> None:
+        """Detach the replicas whose daemon did not register them again in time."""
+        for host, d in self.book.expire(now):
+            self._send([(host, d)])
+            self.core._announce(d.replicate.job)

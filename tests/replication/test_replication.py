@@ -314,3 +314,33 @@ def test_after_a_scheduler_restart_the_replica_still_takes_over(tmp_path: Path) 
     _check_exact(_model(run.out, "replica"), results)
     replica = json.loads((run.out / "replica.json").read_text())
     assert len(replica["applied"]) == len(set(replica["applied"]))
+
+
+@pytest.mark.slow
+def test_a_replica_whose_daemon_lost_its_session_is_attached_again(tmp_path: Path) -> None:
+    """Cut the replica's daemon's scheduler session (a TCP proxy; the scheduler and every process
+    stay up): the daemon reconnects, the replica registers again and is attached anew, so when
+    the server process is killed later it is promoted, holding exactly the APPLIED updates."""
+    spec = importlib.util.spec_from_file_location("replication_test_proxy", HERE / "proxy.py")
+    assert spec is not None and spec.loader is not None
+    proxy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proxy)
+    run = Run(tmp_path, div_max=0.0, cluster_cls=proxy.ProxiedCluster)
+    try:
+        run.start_workers(pushes=40, gap=0.02)
+        run.wait_progress(8)
+        carried = run.cluster.proxy.connections()
+        run.cluster.proxy.cut()
+        deadline = time.monotonic() + 20
+        while run.cluster.proxy.connections() == carried:  # the replica's daemon reconnected
+            assert time.monotonic() < deadline, "the replica's daemon did not reconnect"
+            time.sleep(0.05)
+        run.wait_progress(30)
+        os.kill(run.server.popen.pid, signal.SIGKILL)
+        _wait_file(run.out / "replica.promoted", run.replica, timeout=20)
+        results = run.finish(run.replica)
+    finally:
+        run.stop()
+    _check_exact(_model(run.out, "replica"), results)
+    replica = json.loads((run.out / "replica.json").read_text())
+    assert len(replica["applied"]) == len(set(replica["applied"])), "an update applied twice at the replica"

@@ -9,13 +9,14 @@ from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, ReplicaView, Snapshot
 from mlfabric.scheduler.policies.replication import ReplicationPolicy
 from mlfabric.scheduler.service.records import (
+    DuplicateReplica,
     JobParams,
     ModelMismatch,
     SchedulerError,
     TensorSpec,
     UnknownJob,
 )
-from mlfabric.scheduler.service.replicas import ReplicaBook
+from mlfabric.scheduler.service.replicas import REREGISTER_GRACE, ReplicaBook
 from mlfabric.scheduler.service.state import SchedulerState
 
 G = star(["h0", "h1", "h2"], 1e9)
@@ -113,3 +114,29 @@ def test_promotion_moves_the_server_and_reroutes_its_pending_updates() -> None:
     assert s.server_role("j", "ps").host == "h1" and s.server_role("j", "ps").version == 7
     s.disconnect("h0")  # the old server's host going away no longer drops them
     assert "h2/1" in s.pending
+
+
+def test_a_replica_whose_daemon_lost_its_session_is_kept_for_the_grace_then_detached() -> None:
+    """Re-registered within REREGISTER_GRACE from the same host: attached as it was (the server's
+    daemon kept its log); not: detached; another replica may replace one whose daemon is away."""
+    _, book = _book()
+    book.register("h1", "j", "ps", "r", [])
+    book.applied(pb.ServerApplied(job="j", server="ps", update_id="a", version=4, norm=0.5))
+    book.status(pb.ReplicaStatus(job="j", server="ps", replica_version=3))
+    book.lost("h1", now=100.0)
+    assert book.next_deadline() == 100.0 + REREGISTER_GRACE
+    assert book.expire(100.0 + REREGISTER_GRACE / 2) == []
+    ((host, again),) = book.register("h1", "j", "ps", "r", [])
+    assert host == "h0" and again.replicate.replica_address == "127.0.0.1:9001"
+    with pytest.raises(DuplicateReplica):  # its daemon is back: the replica is taken again
+        book.register("h1", "j", "ps", "r", [])
+    rec = book.records[("j", "ps")]
+    assert rec.lost_at is None and rec.confirmed and rec.divergence() == 0.5  # kept as it was
+    book.lost("h1", now=200.0)
+    ((host, detach),) = book.expire(200.0 + REREGISTER_GRACE)
+    assert host == "h0" and detach.replicate.detach and ("j", "ps") not in book.records
+    book.register("h1", "j", "ps", "r", [])
+    book.lost("h1", now=300.0)
+    (d1, d2) = book.register("h2", "j", "ps", "r2", [])  # replaces the one whose daemon is away
+    assert d1[1].replicate.detach and d2[1].replicate.replica_host == "h2"
+    assert book.records[("j", "ps")].host == "h2" and book.next_deadline() is None
