@@ -79,6 +79,12 @@ def _commit() -> str:
     return out.stdout.strip()
 
 
+def _link(a: argparse.Namespace) -> str:
+    if a.replica_mbps is None:
+        return "every link 10 Gbit/s, not enforced: CPU is the limit"
+    return f"its link {a.replica_mbps:g} Mbit/s, every other 10 Gbit/s, enforced by the daemons"
+
+
 def _med(s: tuple[float, float, float] | None, spec: str) -> str:
     if s is None:
         return "-"
@@ -104,8 +110,8 @@ def markdown(
         "",
         f"Asynchronous SGD on the digits MLP 64-{a.hidden}-10 (float32), {a.workers} workers (one host "
         f"each), lr {a.lr}, batch {a.batch}, tau_max {a.tau_max}, policy `{a.policy}`; the server on host "
-        f"`ps`, its replica on `rep`; div_max = {a.div_updates:g} x {a.reference_norm:.5f} (median "
-        f"update norm of local SGD) = {a.div_max:.5f}. SIGKILL of the server's process or of its daemon "
+        f"`ps`, its replica on `rep` ({_link(a)}); div_max = {a.div_updates:g} x {a.reference_norm:.5f} "
+        f"(median update norm of local SGD) = {a.div_max:.5f}. SIGKILL of the server's process or of its daemon "
         f"once the server applied K updates (K spread over {a.kill_after}); the promoted replica "
         f"trains on to test accuracy {a.target} (limit {a.time_limit:g} s from the first push).",
         "",

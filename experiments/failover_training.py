@@ -53,10 +53,11 @@ JOB, SERVER = "ftrain", "ps0"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def topology(workers: int) -> str:
-    """A star of 10 Gbit/s links: ``ps``, ``rep`` and the workers' hosts (CPU is the limit)."""
+def topology(workers: int, replica_mbps: float = 10000.0) -> str:
+    """A star of 10 Gbit/s links (CPU is the limit): ``ps``, ``rep`` (``replica_mbps``), the workers."""
     hosts = ["ps", "rep", *(f"w{i}" for i in range(workers))]
-    links = "".join(f'[[links]]\na = "{h}"\nb = "sw"\nmbps = 10000\n' for h in hosts)
+    rate = {"rep": replica_mbps}
+    links = "".join(f'[[links]]\na = "{h}"\nb = "sw"\nmbps = {rate.get(h, 10000):g}\n' for h in hosts)
     return f'hosts = {json.dumps(hosts)}\nswitches = ["sw"]\n{links}'
 
 
@@ -229,7 +230,7 @@ def trial(victim: str, kill_after: int, a: argparse.Namespace, workdir: Path) ->
     """One training run with one kill; returns its row (see :func:`acc.summarize`)."""
     from mlfabric.cluster import LocalCluster
 
-    (workdir / "topology.toml").write_text(topology(a.workers))
+    (workdir / "topology.toml").write_text(topology(a.workers, a.replica_mbps or 10000.0))
     out = workdir / "out"
     out.mkdir()
     me = [sys.executable, str(Path(__file__).resolve()), "role"]
@@ -239,7 +240,7 @@ def trial(victim: str, kill_after: int, a: argparse.Namespace, workdir: Path) ->
     load1 = os.getloadavg()[0]
     cluster = LocalCluster(
         workdir / "topology.toml", policy=a.policy, workdir=workdir / "run", log_level="WARNING",
-        ready_timeout=120,
+        ready_timeout=120, enforce_nic_rates=a.replica_mbps is not None,
     ).start()  # fmt: skip
     killed_at = t0 = float("nan")
     server_acc = None
@@ -364,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.93, help="test accuracy to reach")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per trial from the first push")
     ap.add_argument("--policy", default="stf")
+    ap.add_argument(
+        "--replica-mbps",
+        type=float,
+        help="the replica host's link in Mbit/s, enforced by the daemons (default: 10 Gbit/s, not enforced)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for failover_training.{csv,md}")
     ap.add_argument("--name", default="failover_training")
     _setting_args(ap)
