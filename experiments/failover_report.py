@@ -111,8 +111,8 @@ def markdown(
         f"Asynchronous SGD on the digits MLP 64-{a.hidden}-10 (float32), {a.workers} workers (one host "
         f"each), lr {a.lr}, batch {a.batch}, tau_max {a.tau_max}, policy `{a.policy}`; the server on host "
         f"`ps`, its replica on `rep` ({_link(a)}); div_max = {a.div_updates:g} x {a.reference_norm:.5f} "
-        f"(median update norm of local SGD) = {a.div_max:.5f}. SIGKILL of the server's process or of its daemon "
-        f"once the server applied K updates (K spread over {a.kill_after}); the promoted replica "
+        f"(median update norm of local SGD) = {a.div_max:.5f}. SIGKILL of the server's process or of its "
+        f"daemon once the server applied K updates (K spread over {a.kill_after}); the promoted replica "
         f"trains on to test accuracy {a.target} (limit {a.time_limit:g} s from the first push).",
         "",
         "| killed | trials | kill to first update at the replica, s: median [min-max] | kill to promotion, s "
