@@ -333,12 +333,17 @@ class OutgoingPushes:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The server's answer on one update (``UpdateVerdict`` / an ACK frame)."""
+    """The server's answer on one update (``UpdateVerdict`` / an ACK frame).
+
+    ``handed_over`` is False for a DROPPED verdict on an update that never reached the
+    server process (it was gone): certainly not applied, so it may go to a promoted replica.
+    """
 
     outcome: int
     delay: int
     version: int
     reason: str
+    handed_over: bool = True
 
     @classmethod
     def dropped(cls, reason: str, version: int = 0) -> Verdict:
@@ -447,7 +452,7 @@ class ServerHandoff:
             if stored is not None:
                 return stored
             if self._closed_reason is not None:
-                return Verdict.dropped(self._closed_reason, self.version)
+                return Verdict(control_pb2.OUTCOME_DROPPED, 0, self.version, self._closed_reason, False)
             delivery = self._inflight.get(update_id)
             first = delivery is None
             if delivery is None:
@@ -456,7 +461,8 @@ class ServerHandoff:
             try:
                 self._deliver(update_id, header, fd)
             except OSError as exc:
-                self.resolve(update_id, Verdict.dropped(f"server process {self.name!r} unreachable: {exc}"))
+                reason = f"server process {self.name!r} unreachable: {exc}"
+                self.resolve(update_id, Verdict(control_pb2.OUTCOME_DROPPED, 0, self.version, reason, False))
         if not delivery.done.wait(timeout):
             return Verdict.unknown(
                 f"server process {self.name!r} gave no verdict on {update_id} within {timeout} s "

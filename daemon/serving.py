@@ -356,6 +356,11 @@ class ServerRoles:
                 verdict, members = self.aggregation.handle(frame, handoff, entry[2], hand_off)
         except ValueError as exc:  # a payload that cannot be summed into the open round
             return self._error(str(exc), h.update_id)
+        if not verdict.handed_over and not h.replica_version and not h.members:
+            # the process was gone before the hand-off: answer as a host without the server does
+            # (an ERROR, not a DROPPED ACK), so that the sender's daemon re-routes the update to
+            # the promoted replica if the server fails over (it was certainly not applied)
+            return self._error(verdict.reason, h.update_id)
         ack = FrameHeader(
             kind=_ACK,
             update_id=h.update_id,

@@ -1,0 +1,48 @@
+"""An update reaching a server's daemon after its process died is refused, not DROPPED in an ACK.
+
+Such an update was certainly not applied (it never reached the process), so the daemon answers
+as a host without that server does (an ERROR frame); the sender's daemon then treats the
+transfer as unanswered and, if the server fails over, re-announces the update to the promoted
+replica (docs/replication.md) instead of resolving it DROPPED. Found by
+experiments/failover_training.py: SIGKILL of the server process while workers train dropped
+the pushes that reached its daemon in the moment before it noticed the process was gone.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from mlfabric.daemon.dataplane import Frame, FrameHeader, FrameLimits, TransferStats
+from mlfabric.daemon.localapi import LocalConnection
+from mlfabric.daemon.roles import ServerHandoff, Verdict
+from mlfabric.daemon.serving import ServerRoles
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
+
+
+def _update(update_id: str) -> Frame:
+    header = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, update_id=update_id, job="j", server="ps0")
+    return Frame(header, memoryview(b""), None, TransferStats(bytes=0, start=0.0, end=0.0))
+
+
+def test_an_update_for_a_dead_server_process_gets_an_error_frame_not_a_dropped_ack() -> None:
+    roles = ServerRoles("ps", FrameLimits(), verdict_timeout=5.0)
+    mine, theirs = socket.socketpair()
+    conn = LocalConnection(1, mine)
+    register = local_pb2.RegisterServerRequest(job="j", name="ps0", version=3)
+    assert roles.add(conn, register) is None
+    theirs.close()
+    conn.closed = True  # the process was SIGKILLed; the daemon has not removed its role yet
+    try:
+        reply = roles.on_frame(_update("w/1")).header
+    finally:
+        mine.close()
+    assert reply.kind == dataplane_pb2.FRAME_KIND_ERROR, reply  # was: an ACK saying DROPPED
+    assert "ps0" in reply.reason and "unreachable" in reply.reason and reply.update_id == "w/1"
+
+
+def test_a_closed_hand_off_says_the_update_was_never_handed_over() -> None:
+    handoff = ServerHandoff("j", "ps0", {}, 5, lambda *_: None)
+    handoff.close("server process 'ps0' disconnected")
+    v = handoff.handle("w/2", FrameHeader(update_id="w/2"), -1, timeout=1.0)
+    assert v.outcome == control_pb2.OUTCOME_DROPPED and not v.handed_over and "disconnected" in v.reason
+    assert Verdict.dropped("tau_max").handed_over  # a verdict of the process: it had it
