@@ -11,7 +11,7 @@ from typing import Any
 
 import failover_accounting as acc
 
-__all__ = ["markdown", "trial_line", "write_csv"]
+__all__ = ["commit", "markdown", "trial_line", "write_csv"]
 
 #: CSV columns (the row's lists of example ids are left out)
 COLUMNS = (
@@ -68,7 +68,8 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
         w.writerows(rows)
 
 
-def _commit() -> str:
+def commit() -> str:
+    """The checked-out commit (short hash; "unknown" outside a git work tree)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
@@ -105,7 +106,7 @@ def markdown(
     lines = [
         "# Failover during training (loopback, real processes)",
         "",
-        f"Command: `python experiments/failover_training.py {argv}`; commit {_commit()}; started {started}, "
+        f"Command: `python experiments/failover_training.py {argv}`; commit {a.commit}; started {started}, "
         f"{a.wall_minutes:.0f} min; load average (1, 5, 15 min) {loads} (2 cores shared with other jobs).",
         "",
         f"Asynchronous SGD on the digits MLP 64-{a.hidden}-10 (float32), {a.workers} workers (one host "
