@@ -15,7 +15,11 @@ path into ``S`` is no narrower than ``S``'s ingress come first: the aggregate ca
 whole group's bytes into ``S``, and forwarded over a slow aggregator's own uplink it holds
 the ingress at that uplink's rate while every member waits (measured on the namespace
 testbed: a worker with a 25 Mbit/s uplink chosen for a lone update of its own, then joined
-by six others, forwarded the sum at 1.4 MB/s to a 12.5 MB/s ingress).
+by six others, forwarded the sum at 1.4 MB/s to a 12.5 MB/s ingress). Online
+(``min_members`` 1), an update whose own path into ``S`` is narrower than the ingress is
+gathered at such an aggregator even when it would otherwise go directly (the ingress idle):
+sent directly it holds the ingress at its uplink's rate until it is in, so the ingress time
+is the same, and the updates that reach the aggregator by then are summed with it.
 
 :func:`plan_aggregation` is the asynchronous planner; :func:`plan_aggregation_sync` picks,
 for one synchronous iteration, the number of updates sent directly first that minimises the
@@ -187,17 +191,32 @@ def _plan_server(
     while i < len(order):
         u = order[i]
         must_go_direct = direct == 0 or (first_direct is not None and direct < first_direct)
+        gather_until = ahead_end  # members must reach the aggregator by then
+        slow = False
+        if min_members <= 1 and first_direct is None:
+            direct_links = pc.links(u.src, u.dst)
+            if not _feeds_ingress(graph, direct_links):
+                # online, an update whose own path is narrower than S's ingress: sent directly it
+                # holds the ingress at that rate until it is in; gathered at an aggregator that
+                # feeds the ingress it takes the same ingress time after that, and others join it
+                _, alone = tls.ten(direct_links, u.bytes, max(u.ready_at, now))
+                gather_until, must_go_direct, slow = max(ahead_end, alone), False, True
         members: list[Transfer] = []
         trial = tls
         agg = None
         if not must_go_direct:
             agg = _choose_aggregator(graph, tls, pc, u, aggregators, avoid, max(u.ready_at, now))
+        if agg is not None and slow and not _feeds_ingress(graph, pc.links(agg, server_host)):
+            # a slow aggregator forwards no faster than the update's own uplink: the usual rule
+            gather_until = ahead_end
+            if direct == 0 or (first_direct is not None and direct < first_direct):
+                agg = None
         if agg is not None:
             trial = tls.copy()
             for v in order[i:]:
                 links = pc.links(v.src, agg)
                 _, arrive = trial.ten(links, v.bytes, max(v.ready_at, now))
-                if arrive > ahead_end:
+                if arrive > gather_until:
                     break
                 members.append(
                     trial.transfer(v.update_id, pc.path(v.src, agg), v.bytes, max(v.ready_at, now))

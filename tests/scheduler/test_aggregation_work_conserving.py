@@ -64,6 +64,28 @@ def test_slow_aggregators_are_used_when_no_other_can_aggregate() -> None:
     assert [a.aggregator for a in d.aggregates] == ["w7"]
 
 
+def test_a_slow_update_is_gathered_for_others_to_join_even_while_the_ingress_is_idle() -> None:
+    # ps is idle. w7's update (0.5 MB/s) would hold the ingress for 2 s at half its rate; it is
+    # gathered at a host that feeds the ingress, and w1's update, ready at 1.2 and there by
+    # 1.45 (before w7's would be in at ps directly), is summed with it: one payload for both
+    g = _testbed_star()
+    plan = plan_aggregation(
+        g,
+        [Update("u7", "w7", "ps", MB), Update("u1", "w1", "ps", MB, ready_at=1.2)],
+        aggregators=WORKERS,
+        min_members=1,
+    )
+    check_schedule(
+        g, plan, updates=[Update("u7", "w7", "ps", MB), Update("u1", "w1", "ps", MB, ready_at=1.2)]
+    )
+    (agg,) = plan.aggregates
+    assert set(agg.members) == {"u7", "u1"} and agg.aggregator in {"w0", "w1", "w2", "w3"}
+    assert [t.payload_id for t in plan.transfers if t.dst == "ps"] == [agg.aggregate_id]
+    # the offline planner (at least two members, Fig. 6) still sends the first update directly
+    offline = plan_aggregation(g, [Update("u7", "w7", "ps", MB)], aggregators=WORKERS)
+    assert not offline.aggregates
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     ready=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=8),
