@@ -70,9 +70,11 @@ def account(
         never did, and their norm), ``lost_applied`` (of them, reported APPLIED),
         ``within_div_max``, ``duplicated`` (worker updates applied more than once by the
         surviving model, or by the failed server), ``applied_missing`` (reported APPLIED,
-        held by neither model), ``dropped_applied`` (reported DROPPED, applied by either) and
-        ``exactly_once`` (no duplicate, no APPLIED missing beyond the lost ones, no DROPPED
-        applied, none unresolved).
+        held by neither model), ``dropped_applied`` (reported DROPPED, held by the surviving
+        model), ``dropped_lost`` (reported DROPPED, applied by the failed server only: like
+        the lost APPLIED ones, absent from the model training goes on with, and counted in
+        ``lost_norm``) and ``exactly_once`` (no duplicate, no APPLIED missing beyond the lost
+        ones, no DROPPED in the surviving model, none unresolved).
 
     Examples
     --------
@@ -104,7 +106,8 @@ def account(
     twice = {m for m, n in at_replica.items() if n > 1} | {m for m, n in at_server.items() if n > 1}
     duplicated = sorted(twice)
     applied_missing = sorted(m for m in applied if m not in at_replica and m not in at_server)
-    dropped_applied = sorted(m for m in dropped if m in at_replica or m in at_server)
+    dropped_applied = sorted(m for m in dropped if m in at_replica)
+    dropped_lost = sorted(m for m in dropped if m in at_server and m not in at_replica)
     unresolved = status.get("UNRESOLVED", 0)
     return {
         "pushes": len(pushes),
@@ -130,6 +133,7 @@ def account(
         "applied_missing_ids": applied_missing[:5],
         "dropped_applied": len(dropped_applied),
         "dropped_applied_ids": dropped_applied[:5],
+        "dropped_lost": len(dropped_lost),
         "exactly_once": not duplicated and not applied_missing and not dropped_applied and not unresolved,
     }
 

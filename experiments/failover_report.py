@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ COLUMNS = (
     "promotion_s", "first_update_s", "div_max", "lost_updates", "lost_applied", "lost_norm",
     "lost_norm_over_div_max", "within_div_max", "pushes", "applied", "dropped", "dropped_server_failed",
     "drop_reasons", "unknown", "unknown_in_model", "unresolved", "errors", "duplicated", "applied_missing",
-    "dropped_applied", "exactly_once", "replica_updates_after", "reached", "time_to_target",
+    "dropped_applied", "dropped_lost", "exactly_once", "replica_updates_after", "reached", "time_to_target",
     "final_accuracy", "load1",
 )  # fmt: skip
 
@@ -137,8 +138,8 @@ def markdown(
         "",
         "| killed | K | kill at (s) | server accuracy at kill | promotion (s) | first update (s) "
         "| lost updates (APPLIED) | norm lost / div_max | applied | dropped (server failed) | unknown "
-        "(in model) | unresolved | duplicated | APPLIED missing | DROPPED applied | time to target (s) "
-        "| load1 |",
+        "(in model) | unresolved | duplicated | APPLIED missing | DROPPED in model (lost) "
+        "| time to target (s) | load1 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
         "| ---: | ---: | ---: |",
     ]
@@ -149,7 +150,7 @@ def markdown(
             _num(r["first_update_s"], ".3f"), f"{r['lost_updates']} ({r['lost_applied']})",
             _ratio(r), r["applied"], f"{r['dropped']} ({r['dropped_server_failed']})",
             f"{r['unknown']} ({r['unknown_in_model']})", r["unresolved"], r["duplicated"],
-            r["applied_missing"], r["dropped_applied"],
+            r["applied_missing"], f"{r['dropped_applied']} ({r.get('dropped_lost', 0)})",
             _num(r["time_to_target"], ".1f") if r["reached"] else "not reached",
             r["load1"],
         ]  # fmt: skip
@@ -157,7 +158,8 @@ def markdown(
     reasons: dict[str, int] = {}
     for r in rows:
         for reason, n in r.get("drop_reasons", {}).items():
-            reasons[reason] = reasons.get(reason, 0) + n
+            kind = re.sub(r"\d+", "N", reason)  # one line per kind of reason
+            reasons[kind] = reasons.get(kind, 0) + n
     if reasons:
         lines += ["", "Why pushes were DROPPED (all trials):", ""]
         lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]

@@ -53,6 +53,23 @@ class Replica(Server):
         if self.promoted.is_set() or not self._registered:
             super().publish()
 
+    def _handle(self, deliver: Any, fd: int | None) -> None:
+        """Apply or refuse an update; once promoted, a base version ahead of this model is accepted.
+
+        A worker's update computed on a model it got from the failed server may name a version
+        this replica never reached: the server had applied updates the replica lacked (at most
+        ``div_max`` worth) when it failed. It is a legitimate update of the job, re-routed here
+        or pushed after the failover, so it is applied with its base version (and its members')
+        taken as this model's version (delay 0) instead of refused as "ahead".
+        """
+        if self.promoted.is_set() and not deliver.replicated:
+            if int(deliver.base_version) > self.version:
+                deliver.base_version = self.version
+            for m in deliver.members:
+                if int(m.base_version) > self.version:
+                    m.base_version = self.version
+        super()._handle(deliver, fd)
+
     def _on_promoted(self, promoted: Any) -> None:
         self.promotion_reason = promoted.reason
         self.promoted.set()

@@ -89,3 +89,14 @@ def test_summary_and_kill_points() -> None:
     assert s["lost_norm_ratio"] == (0.25, 0.0, 0.5)
     assert (s["reached"], s["time_to_target"], s["applied"]) == (1, (5.0, 5.0, 5.0), 2)
     assert kill_points(20, 90, 10)[0] == 20 and kill_points(20, 90, 10)[-1] == 90
+
+
+def test_a_dropped_update_the_failed_server_applied_is_lost_not_a_violation() -> None:
+    """Re-routed after the failed server applied it (its ACK lost), then DROPPED by the promoted
+    replica: the model training goes on with lacks it, as the verdict says; its norm is lost."""
+    shadow = [{"id": "a/1", "norm": 1.0}, {"id": "a/2", "norm": 1.0}]
+    replica = [{"id": "a/1", "promoted": False}]
+    pushes = [_push("a/1", "APPLIED"), _push("a/2", "DROPPED", reason="base version 3 is ahead")]
+    r = acc.account(shadow, replica, pushes, div_max=2.0)
+    assert (r["dropped_applied"], r["dropped_lost"], r["lost_updates"], r["lost_applied"]) == (0, 1, 1, 0)
+    assert r["exactly_once"] and r["lost_norm"] == 1.0

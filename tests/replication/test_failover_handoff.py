@@ -10,13 +10,20 @@ the pushes that reached its daemon in the moment before it noticed the process w
 
 from __future__ import annotations
 
+import os
 import socket
+from typing import Any
 
+import numpy as np
+
+from mlfabric import tensors as tcodec
 from mlfabric.daemon.dataplane import Frame, FrameHeader, FrameLimits, TransferStats
 from mlfabric.daemon.localapi import LocalConnection
 from mlfabric.daemon.roles import ServerHandoff, Verdict
 from mlfabric.daemon.serving import ServerRoles
+from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
+from mlfabric.replica import Replica
 
 
 def _update(update_id: str) -> Frame:
@@ -46,3 +53,44 @@ def test_a_closed_hand_off_says_the_update_was_never_handed_over() -> None:
     v = handoff.handle("w/2", FrameHeader(update_id="w/2"), -1, timeout=1.0)
     assert v.outcome == control_pb2.OUTCOME_DROPPED and not v.handed_over and "disconnected" in v.reason
     assert Verdict.dropped("tau_max").handed_over  # a verdict of the process: it had it
+
+
+class _Client:
+    """A stand-in for the daemon connection: records what the process sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, request: Any, fd: int | None = None) -> None:
+        self.sent.append(request)  # a published model's fd stays the process's
+
+
+def _deliver(update_id: str, base_version: int, value: float) -> tuple[Any, int]:
+    update = {"w": np.full(3, value)}
+    layouts, total = tcodec.plan_layout(update)
+    fd = os.memfd_create("test-update")
+    os.write(fd, update["w"].tobytes())
+    deliver = local_pb2.DeliverUpdate(
+        update_id=update_id, worker="w0", base_version=base_version, norm=1.0, num_updates=1,
+        tensors=tcodec.layouts_to_pb(layouts), payload_bytes=total, has_payload=True,
+    )  # fmt: skip
+    return deliver, fd
+
+
+def test_a_promoted_replica_applies_an_update_based_on_the_failed_servers_later_model() -> None:
+    """Its base version (from the failed server, which had updates the replica lacked) is ahead:
+    applied with delay 0 once promoted (was: DROPPED "base version ... is ahead"); refused before."""
+    client = _Client()
+    replica = Replica(client, "j", "ps0", {"w": np.zeros(3)}, Params(tau_max=2), version=5)  # type: ignore[arg-type]
+    replica._registered = True
+    replica._handle(*_deliver("w0/1", 7, 1.0))
+    refused = [r.verdict for r in client.sent if r.WhichOneof("kind") == "verdict"][-1]
+    assert refused.outcome == control_pb2.OUTCOME_DROPPED and "ahead" in refused.reason  # not promoted yet
+    replica.promoted.set()
+    replica._handle(*_deliver("w0/2", 7, 2.0))
+    verdict = [r.verdict for r in client.sent if r.WhichOneof("kind") == "verdict"][-1]
+    assert verdict.outcome == control_pb2.OUTCOME_APPLIED and verdict.delay == 0 and verdict.version == 6
+    assert np.array_equal(replica.model["w"], np.full(3, -2.0))
+    replica._handle(*_deliver("w0/3", 2, 1.0))  # an old one still meets tau_max: delay 4 > 2
+    stale = [r.verdict for r in client.sent if r.WhichOneof("kind") == "verdict"][-1]
+    assert stale.outcome == control_pb2.OUTCOME_DROPPED and "tau_max" in stale.reason
