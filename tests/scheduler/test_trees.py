@@ -190,9 +190,9 @@ def test_the_simulator_runs_the_tree_policy_through_the_pipeline() -> None:
     assert makespans["stf+tree"] < makespans["fair"] / 5
 
 
-def test_the_service_refuses_the_tree_policy_naming_why() -> None:
-    with pytest.raises(ValueError, match=r"stf\+tree.*aggregates into other aggregates"):
-        build_policy("stf+tree")
+def test_the_service_runs_the_tree_policy() -> None:
+    setup = build_policy("stf+tree", incarnation="7f3a")
+    assert setup.policy.name == "stf+tree" and setup.policy.scope == "7f3a"
 
 
 def test_tree_policy_defaults() -> None:
