@@ -237,3 +237,14 @@ def test_the_runner_keeps_an_aggregate_of_aggregates_once_one_of_them_started() 
     # a new decision listing nothing: the started tree stays, the aggregate of aggregates too
     runner.decide(Snapshot(1.0, g), [pending(i, MB) for i in (4, 5)])
     assert "agg:h0:2" in {a.aggregate_id for a in runner.gathering}
+
+
+def test_an_aggregate_whose_members_all_went_away_leaves_the_aggregate_it_was_summed_into() -> None:
+    inner = PlannedAggregate("agg:s:0", "x", ("u1", "u2"), 1.0, "y")
+    outer = PlannedAggregate("agg:s:1", "y", ("u0", "agg:s:0"), 1.0, "ps")
+    runner = DecisionRunner(TreePolicy())
+    runner.adopt(Decision(aggregates=(inner, outer)))
+    runner.forget(["u1", "u2"])  # e.g. their daemon went away: the inner aggregate is empty
+    assert [(a.aggregate_id, a.members) for a in runner.gathering] == [("agg:s:1", ("u0",))]
+    runner.arrived("u0")  # the outer one no longer waits for the inner one
+    assert [a.aggregate_id for a in runner.release(0.0, {}).aggregates] == ["agg:s:1"]

@@ -59,6 +59,7 @@ class FakeDaemons:
         self.kill_on_forward = ""  # an aggregator host whose daemon dies when told to forward
         self.deliver_then_die = False  # ... after its sum reached the parent (before its report)
         self.directed: list[tuple[str, list[str]]] = []  # aggregate, members: every directive
+        self.raw: list[tuple[str, Any]] = []  # host, AggregateDirective
 
     def say(self, host: str, **kw: Any) -> None:
         self.core.on_message(self.sessions[host], msg(**kw))
@@ -87,6 +88,7 @@ class FakeDaemons:
         members = [m.update_id for m in d.members]
         a = self.aggs.get(d.aggregate_id)
         self.directed.append((d.aggregate_id, members))
+        self.raw.append((host, d))
         if a is None:
             if members:
                 self.aggs[d.aggregate_id] = {
@@ -226,6 +228,22 @@ def test_a_two_level_tree_is_executed_and_every_update_resolves_once(pushes: int
     [(_, workers)] = [(p, ws) for p, ws in fake.applied if p.startswith("agg:")]
     assert sorted(workers) == sorted(f"{w}/{k}" for w in WORKERS for k in range(pushes))  # one payload
     assert not fake.core.aggregates.executions
+
+
+def test_the_tree_becomes_directives_that_name_the_parent_aggregate() -> None:
+    fake = run()
+    inner = next(d for h, d in fake.raw if h == "bx")
+    top, outer = next((h, d) for h, d in fake.raw if any(m.update_id.startswith("agg:") for m in d.members))
+    # bx sums rack B and sends the sum into the aggregate at rack A's aggregator, not the server
+    assert [m.update_id for m in inner.members] == ["b0/0", "b1/0"]
+    assert (inner.dst_aggregate_id, inner.dst_host) == (outer.aggregate_id, top)
+    assert inner.dst_address == f"127.0.0.1:{9000 + TOPOLOGY['hosts'].index(top)}"  # type: ignore[attr-defined]
+    nested = [m for m in outer.members if m.update_id == inner.aggregate_id]
+    assert [(m.src_host, m.worker) for m in nested] == [("bx", "")]
+    assert (outer.dst_aggregate_id, outer.dst_host) == ("", "ps")
+    # its release: a send of the inner aggregate from bx to the outer's aggregator, naming it
+    assert (inner.aggregate_id, "bx", outer.aggregate_id) in fake.forwards
+    assert (outer.aggregate_id, top, "") in fake.forwards
 
 
 @pytest.mark.parametrize("summed", [False, True], ids=["before-the-parent-summed-it", "after"])
