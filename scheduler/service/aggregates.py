@@ -511,6 +511,15 @@ class AggregateBook:
         )
         e.issued = e.listed()
         e.deadline = now + self.timeout + GRACE
+        if e.parent:
+            log.info(
+                "aggregate %s at host %s (%d members) to be summed into %s at host %s",
+                e.aggregate_id,
+                e.planned.aggregator,
+                len(members),
+                e.parent,
+                e.planned.dst,
+            )
         out.send(e.planned.aggregator, pb.Directive(aggregate=directive))
         return out
 

@@ -7,14 +7,17 @@ its aggregator and forwards rack B's sum into the aggregate at ``ax`` (which als
 A's), which goes to the server: two levels. A real scheduler, a real daemon
 per host, a server and 4 workers pushing the integration test's integer-valued float64 updates.
 Every push resolves; the final model equals the initial one minus exactly the APPLIED updates;
-no worker update is applied twice. In the ``kill`` run ``bx``'s daemon is SIGKILLed once a
-member reached it: its members are planned afresh (the parent aggregate goes on without its
-sum, or fails whole if it had summed it), still exactly once.
+no worker update is applied twice; asynchronous and synchronous (rounds of 4). In the ``kill``
+runs ``bx``'s daemon is SIGKILLed once it gathers an aggregate to be summed into another (the
+scheduler logs the directive) and a member reached it: its members are planned afresh (the
+parent aggregate goes on without its sum, or fails whole if it had summed it), still exactly
+once. The scheduler decides over batches of 1-3 s, so both racks' updates are planned together.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -31,8 +34,15 @@ TAU_MAX = 30
 WORKERS = [("a0", 0), ("a1", 1), ("b0", 2), ("b1", 3)]
 PUSHES_PER_WORKER = 30
 NOT_AGGREGATORS = ("ps", "a0", "a1", "b0", "b1")
-#: decisions over batches of 0.2-0.5 s: both racks' updates pending together, so trees form
-SCHEDULER_ARGS = ["--aggregate-timeout", "10", "--batch-window-us", "200000", "--batch-max-wait-us", "500000"]
+#: decisions over batches of 1-3 s: both racks' updates pending together, so trees form
+SCHEDULER_ARGS = [
+    "--aggregate-timeout",
+    "10",
+    "--batch-window-us",
+    "1000000",
+    "--batch-max-wait-us",
+    "3000000",
+]
 
 TOPOLOGY = """
 hosts = ["ps", "a0", "a1", "ax", "b0", "b1", "bx"]
@@ -69,18 +79,23 @@ def _reports(cluster: LocalCluster, host: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def _member_at_bx(cluster: LocalCluster, proc: object, timeout: float) -> None:
-    """Wait until a rack B worker's daemon reports a member sent to (and taken by) ``bx``."""
+def _nested_member_at_bx(cluster: LocalCluster, proc: object, timeout: float) -> None:
+    """Wait until ``bx`` gathers an aggregate to be summed into another and a member reached it."""
     deadline = time.monotonic() + timeout
-    while not any(r["dst_host"] == "bx" for h in ("b0", "b1") for r in _reports(cluster, h)):
+    log = cluster.workdir / "logs" / "scheduler.log"
+    while not (
+        any(r["dst_host"] == "bx" for h in ("b0", "b1") for r in _reports(cluster, h))
+        and re.search(r"at host bx \(\d+ members\) to be summed into agg:", log.read_text())
+    ):
         assert proc.popen.poll() is None, proc.log_tail()  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, "no member reached bx"
+        assert time.monotonic() < deadline, "bx gathered no aggregate of a two-level tree"
         time.sleep(0.005)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sync", [0, 4], ids=["async", "sync"])
 @pytest.mark.parametrize("kill", [False, True], ids=["", "kill-inner-aggregator"])
-def test_pushes_through_two_level_trees_resolve_exactly_once(kill: bool, tmp_path: Path) -> None:
+def test_pushes_through_two_level_trees_resolve_exactly_once(sync: int, kill: bool, tmp_path: Path) -> None:
     roles = _roles_module()
     topology = tmp_path / "topology.toml"
     topology.write_text(TOPOLOGY)
@@ -92,7 +107,7 @@ def test_pushes_through_two_level_trees_resolve_exactly_once(kill: bool, tmp_pat
     nested: list[dict[str, object]] = []
     try:
         cluster.start()
-        argv = [sys.executable, str(ROLES), "server", str(out), str(TAU_MAX), "0"]
+        argv = [sys.executable, str(ROLES), "server", str(out), str(TAU_MAX), str(sync)]
         server = cluster.spawn("ps", argv, name="server")
         _wait_for(out / "server.ready", server, 60)
         workers = [
@@ -104,7 +119,7 @@ def test_pushes_through_two_level_trees_resolve_exactly_once(kill: bool, tmp_pat
             for host, rank in WORKERS
         ]
         if kill:
-            _member_at_bx(cluster, server, 60)
+            _nested_member_at_bx(cluster, server, 60)
             inner = next(p for p in cluster.processes() if p.name == "daemon-bx")
             inner.popen.send_signal(signal.SIGKILL)
             inner.popen.wait(10)
@@ -134,6 +149,7 @@ def test_pushes_through_two_level_trees_resolve_exactly_once(kill: bool, tmp_pat
     assert len(members) == len(set(members)), "a worker update was applied twice"
     if not kill:
         assert any(r["ok"] for r in nested), "no aggregate was summed into another aggregate"
+    if not kill and not sync:  # (a synchronous server applies rounds, named round:...)
         racks = [{m[0] for m in a["members"]} for a in served["applied"] if a["update_id"].startswith("agg:")]
         assert {"a", "b"} in racks, "no aggregate applied held both racks' updates (two levels)"
     expected = roles.initial_model()
@@ -159,7 +175,9 @@ def test_pushes_through_two_level_trees_resolve_exactly_once(kill: bool, tmp_pat
     assert set(members) - worker_applied <= unknown, "a push applied was reported DROPPED"
     if kill:  # bx was gathering an aggregate to be summed into another one when it died
         log = (tmp_path / "run" / "logs" / "scheduler.log").read_text()
-        assert "to be summed into agg:" in log and "aggregator's daemon (host 'bx') disconnected" in log
+        assert re.search(
+            r"aggregate \S+ \(to be summed into agg:\S+\) failed \(the aggregator's daemon \(host 'bx'\)", log
+        )
     final = np.load(out / "final.npz")
     for k, v in expected.items():
         np.testing.assert_array_equal(final[k], v)

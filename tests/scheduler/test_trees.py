@@ -248,3 +248,15 @@ def test_an_aggregate_whose_members_all_went_away_leaves_the_aggregate_it_was_su
     assert [(a.aggregate_id, a.members) for a in runner.gathering] == [("agg:s:1", ("u0",))]
     runner.arrived("u0")  # the outer one no longer waits for the inner one
     assert [a.aggregate_id for a in runner.release(0.0, {}).aggregates] == ["agg:s:1"]
+
+
+def test_the_tree_policy_forgets_a_tree_once_all_its_updates_were_released() -> None:
+    g = two_tier(2, 3, 8e6, oversubscription=3)
+    mk = lambda i, k=0: PendingUpdate(f"u{i}.{k}", "j", "s", f"w{i}", f"h{i}", "h0", 10**6, 1.0, 0, 0.0)  # noqa: E731
+    policy = TreePolicy()
+    d = policy.decide(Snapshot(0.0, g), [mk(i) for i in range(1, 6)])
+    assert d.aggregates and policy._committed
+    policy.decide(Snapshot(1.0, g), [mk(1, 1)])  # every update of the first tree was released
+    assert not any(
+        m.startswith("u") and m.endswith(".0") for a in policy._committed.values() for m in a.members
+    )
