@@ -593,7 +593,9 @@ class AggregateBook:
             out.send(u.src_host, pb.Directive(resolve=resolve))
             self.state.record(uid, OutcomeKind.UNKNOWN, reason, 0, 0)
             out.resolved.append(OutcomeKind.UNKNOWN)
-        log.warning("aggregate %s: %d members resolved UNKNOWN (%s)", e.aggregate_id, len(e.members), reason)
+        log.warning(
+            "aggregate %s: %d members resolved UNKNOWN (%s)", e.aggregate_id, len(e.carried()), reason
+        )
         return out
 
     def _requeue(self, updates: Iterable[PendingUpdate]) -> Effects:

@@ -11,6 +11,7 @@ into rack A's aggregate at ``a0``, which goes to the server.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from mlfabric.scheduler.service.state import SchedulerState
 
 WORKERS = ["a0", "a1", "b0", "b1"]
 AGGREGATORS = {"a0", "a1", "bx"}
-TOPOLOGY = {
+TOPOLOGY: dict[str, Any] = {
     "hosts": ["ps", "a0", "a1", "b0", "b1", "bx"],
     "switches": ["core", "ra", "rb"],
     "links": [
@@ -85,11 +86,12 @@ class FakeDaemons:
         return bool(queued)
 
     def on_aggregate(self, host: str, d: Any) -> None:
+        """As ``AggregatorRole.on_directive``: create, re-open for a joiner, shrink, or give up."""
         members = [m.update_id for m in d.members]
         a = self.aggs.get(d.aggregate_id)
         self.directed.append((d.aggregate_id, members))
         self.raw.append((host, d))
-        if a is None:
+        if a is None or a["state"] in ("abandoned", "gone"):  # the daemon no longer holds it
             if members:
                 self.aggs[d.aggregate_id] = {
                     "host": host,
@@ -98,17 +100,32 @@ class FakeDaemons:
                     "state": "collecting",
                 }
             return
-        if not members or any(m not in members for m in a["summed"]) or a["state"] != "collecting":
-            if a["state"] == "ready" and sorted(members) == sorted(a["members"]):
+        if a["state"] == "ready" and members and set(members) > set(a["members"]):
+            a["state"] = "collecting"
+        if a["state"] == "collecting" and not members:
+            a["state"] = "abandoned"  # cancelled: no message
+            return
+        if a["state"] != "collecting" or any(m not in members for m in a["summed"]):
+            if a["state"] == "ready" and set(members) == set(a["members"]):
                 return
-            a["state"] = "abandoned"
-            if members:  # the real daemon refuses a list that drops a member already summed
-                self.say(
-                    host, aggregate_failed=pb.AggregateFailed(aggregate_id=d.aggregate_id, reason="re-issued")
-                )
+            self.fail(d.aggregate_id)  # re-issued while ready, or without a member summed
             return
         a["members"] = members
         self.complete(d.aggregate_id)
+
+    def fail(self, aid: str) -> None:
+        """The daemon gives ``aid`` up and tells the scheduler (``AggregateFailed``)."""
+        a = self.aggs[aid]
+        a["state"] = "abandoned"
+        self.say(a["host"], aggregate_failed=pb.AggregateFailed(aggregate_id=aid, reason="given up"))
+
+    def kill(self, host: str) -> None:
+        """SIGKILL the daemon of ``host``: its aggregates are gone, its stream ends."""
+        self.dead.add(host)
+        for a in self.aggs.values():
+            if a["host"] == host:
+                a["state"] = "abandoned"
+        self.core.goodbye(self.sessions[host])
 
     def complete(self, aid: str) -> None:
         a = self.aggs[aid]
@@ -118,7 +135,7 @@ class FakeDaemons:
 
     def deliver(self, aid: str, member: str, carried: list[str]) -> bool:
         a = self.aggs.get(aid)
-        if a is None or a["state"] != "collecting" or member not in a["members"]:
+        if a is None or a["host"] in self.dead or a["state"] != "collecting" or member not in a["members"]:
             return False
         a["summed"][member] = carried
         self.complete(aid)
@@ -133,17 +150,22 @@ class FakeDaemons:
             if s.aggregate_id:
                 ok = self.deliver(s.aggregate_id, uid, [uid])
                 self.report(host, uid, s.next_hop_host, ok=ok, error="" if ok else "refused")
-            else:
+            else:  # straight to the server: its daemon's ACK resolves the push at the source
                 self.applied.append((uid, [uid]))
+                self.resolved.setdefault(uid, []).append(pb.OUTCOME_APPLIED)
                 self.report(host, uid, "ps", outcome=pb.OUTCOME_APPLIED, server_version=len(self.applied))
             return
         if host == self.kill_on_forward and s.aggregate_id:
             if self.deliver_then_die:
                 self.deliver(s.aggregate_id, uid, self.carried(uid))
-            self.dead.add(host)
-            self.core.goodbye(self.sessions[host])
+            self.kill(host)
             return
-        a = self.aggs[uid]
+        a = self.aggs.get(uid)
+        if a is None or a["state"] != "ready":  # as _cannot_forward: it never left this daemon
+            self.report(host, uid, s.next_hop_host, ok=False, error="cannot forward")
+            if a is not None and a["state"] == "collecting":
+                a["state"] = "abandoned"
+            return
         a["state"] = "gone"
         self.forwards.append((uid, host, s.aggregate_id))
         workers = self.carried(uid)
@@ -165,8 +187,21 @@ class FakeDaemons:
             self.resolved.setdefault(d.update_id, []).append(pb.OUTCOME_DROPPED)
 
 
-def run(kill: str = "", pushes: int = 1, deliver_then_die: bool = False) -> FakeDaemons:
-    graph = parse_topology(TOPOLOGY)
+def run(
+    kill: str = "",
+    pushes: int = 1,
+    deliver_then_die: bool = False,
+    *,
+    topology: dict[str, Any] = TOPOLOGY,
+    aggregators: set[str] = AGGREGATORS,
+    workers: list[str] = WORKERS,
+    chaos: Callable[[FakeDaemons], None] | None = None,
+) -> FakeDaemons:
+    """Push ``pushes`` updates per worker and play the daemons until every one resolved.
+
+    ``chaos(fake)`` runs before every step (it may kill daemons or fail aggregates).
+    """
+    graph = parse_topology(topology)
     clock = Clock()
     setup = make_policy("stf+tree")
     core = SchedulerCore(
@@ -179,39 +214,41 @@ def run(kill: str = "", pushes: int = 1, deliver_then_die: bool = False) -> Fake
         replan=setup.trigger,
         clock=clock,
     )
-    hosts: list[str] = TOPOLOGY["hosts"]  # type: ignore[assignment]
+    hosts: list[str] = topology["hosts"]
     sessions = {
-        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h in AGGREGATORS))
+        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h in aggregators))
         for i, h in enumerate(hosts)
     }
     fake = FakeDaemons(core, sessions)
     fake.kill_on_forward, fake.deliver_then_die = kill, deliver_then_die
     server = pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=pb.JobParams(tau_max=-1))
     fake.say("ps", register_role=server)
-    for w in WORKERS:
+    for w in workers:
         fake.say(w, register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=f"w{w}"))
     for s in sessions.values():
         while s.queue.qsize():
             s.queue.get_nowait()
     for k in range(pushes):
-        for w in WORKERS:
+        for w in workers:
             ready = pb.UpdateReady(update_id=f"{w}/{k}", job="j", server="s", worker=f"w{w}", bytes=80_000)
             fake.say(w, update_ready=ready)
     core.decide()
     for _ in range(400):
         clock.now += 0.05
+        if chaos is not None:
+            chaos(fake)
         if core.state.pending:
             core.decide()
         core.release()
         core._execute(core.aggregates.expire(clock.now))
         fake.step()
-        if len(fake.resolved) == len(WORKERS) * pushes and not core.state.pending:
+        if len(fake.resolved) == len(workers) * pushes and not core.state.pending:
             break
     return fake
 
 
-def check_exactly_once(fake: FakeDaemons, pushes: int) -> None:
-    ids = {f"{w}/{k}" for w in WORKERS for k in range(pushes)}
+def check_exactly_once(fake: FakeDaemons, pushes: int, workers: list[str] = WORKERS) -> None:
+    ids = {f"{w}/{k}" for w in workers for k in range(pushes)}
     assert set(fake.resolved) == ids
     assert all(v == [pb.OUTCOME_APPLIED] for v in fake.resolved.values()), fake.resolved
     applied = [w for _, ws in fake.applied for w in ws]
@@ -237,7 +274,7 @@ def test_the_tree_becomes_directives_that_name_the_parent_aggregate() -> None:
     # bx sums rack B and sends the sum into the aggregate at rack A's aggregator, not the server
     assert [m.update_id for m in inner.members] == ["b0/0", "b1/0"]
     assert (inner.dst_aggregate_id, inner.dst_host) == (outer.aggregate_id, top)
-    assert inner.dst_address == f"127.0.0.1:{9000 + TOPOLOGY['hosts'].index(top)}"  # type: ignore[attr-defined]
+    assert inner.dst_address == f"127.0.0.1:{9000 + TOPOLOGY['hosts'].index(top)}"
     nested = [m for m in outer.members if m.update_id == inner.aggregate_id]
     assert [(m.src_host, m.worker) for m in nested] == [("bx", "")]
     assert (outer.dst_aggregate_id, outer.dst_host) == ("", "ps")
