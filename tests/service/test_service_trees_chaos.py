@@ -11,6 +11,7 @@ exactly once, APPLIED only if the server applied it, never applied twice.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -32,7 +33,8 @@ TOPOLOGY = {
 }
 
 
-def chaos(seed: int):  # type: ignore[no-untyped-def]
+def chaos(seed: int) -> Callable[[FakeDaemons], None]:
+    """Seeded faults, one draw per step (see the module docstring)."""
     rng = random.Random(seed)
     kills = 2
 
