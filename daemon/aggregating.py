@@ -18,6 +18,9 @@ sends one update's worth of bytes on to the server. The scheduler plans it; this
 4. ``SendDirective`` for the aggregate id: one UPDATE frame carrying the sum, its members and
    ``num_updates = len(members)`` goes to the server's daemon; the ACK's verdict, with each
    member's verdict, goes to the scheduler as the ``TransferReport``; the buffer is released.
+   With ``dst_aggregate_id`` in the directive (a multi-level tree) the sum goes instead into
+   that aggregate at another daemon, as one of its members (:mod:`.aggregate_tree`: the frame
+   names every worker update it carries; a parent sums disjoint members only).
 5. Members still missing ``timeout_seconds`` after the directive, a server that cannot be
    reached, or a re-issued directive that would remove a member already summed: the partial
    sum is discarded and ``AggregateFailed`` tells the scheduler, which re-plans the members
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
+from mlfabric.daemon import aggregate_tree
 from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
 from mlfabric.daemon.listener import Response
 from mlfabric.daemon.transfers import wire_timing
@@ -80,18 +84,20 @@ class _Aggregate:
     state: str = "collecting"  # -> ready -> forwarding -> (removed); or abandoned
     allow_non_finite: bool = False  # the job's option (AggregateDirective.allow_non_finite)
     refused: dict[str, str] = field(default_factory=dict)  # member id -> why it was not summed
+    dst_aggregate_id: str = ""  # the parent aggregate (multi-level tree); "": the server
+    summed: dict[str, list[Any]] = field(default_factory=dict)  # member id -> worker updates it brought
 
     def missing(self) -> list[str]:
         arrived = set(self.arrived)
         return [m for m in self.members if m not in arrived]
 
     def header(self, host: str) -> Any:
-        """The UPDATE frame header that carries the sum to the server."""
-        members = list(self.members.values())
+        """The UPDATE frame header that carries the sum to the server (or into its parent aggregate)."""
+        members = aggregate_tree.flatten(self.members, self.summed)
         return FrameHeader(
             kind=_UPDATE,
             update_id=self.aggregate_id,
-            aggregate_id=self.aggregate_id,
+            aggregate_id=self.dst_aggregate_id or self.aggregate_id,
             job=self.job,
             server=self.server,
             worker="",
@@ -238,6 +244,7 @@ class AggregatorRole:
                     members,
                     self._clock() + timeout,
                     allow_non_finite=d.allow_non_finite,
+                    dst_aggregate_id=d.dst_aggregate_id,
                 )
                 self._gone.pop(d.aggregate_id, None)
                 self._changed.notify_all()
@@ -259,6 +266,7 @@ class AggregatorRole:
                 if not problem:
                     agg.members = members
                     agg.allow_non_finite = d.allow_non_finite
+                    agg.dst_aggregate_id = d.dst_aggregate_id
                     agg.deadline = self._clock() + timeout
                     agg.dst_host, agg.dst_address = (
                         d.dst_host or agg.dst_host,
@@ -401,6 +409,14 @@ class AggregatorRole:
                     f"{h.aggregate_id} for server {agg.server!r} of job {agg.job!r}",
                     h.update_id,
                 )
+            brings = aggregate_tree.carried(h, agg.members[h.update_id])
+            twice = aggregate_tree.overlap(h.update_id, brings, agg.members, agg.summed)
+            if twice:  # summing it would count these worker updates twice
+                return self._error(
+                    f"update {h.update_id} carries worker update(s) {twice} that aggregate "
+                    f"{h.aggregate_id} already carries or expects; not summed",
+                    h.update_id,
+                )
             if frame.non_finite is not None and not agg.allow_non_finite:
                 # found in the CRC pass: refused before it is summed; its source resolves the push
                 # DROPPED and the scheduler re-issues the aggregate without it
@@ -422,6 +438,7 @@ class AggregatorRole:
                 )
             agg.acc.add(frame.payload)
             agg.arrived.append(h.update_id)
+            agg.summed[h.update_id] = brings
             ready = self._complete_if_in(agg)
         if ready is not None:
             self._announce_ready(ready)
@@ -478,7 +495,7 @@ class AggregatorRole:
             agg = self._aggregates.get(send.update_id)
             gone = self._gone.get(send.update_id, "never directed to this daemon")
         if agg is None:
-            if gone == "forwarded to the server":
+            if gone.startswith("forwarded to "):
                 return  # a repeated directive: the forward reported already
             self._cannot_forward(send, f"this daemon does not hold it ({gone})")
             return
@@ -495,6 +512,10 @@ class AggregatorRole:
                 agg.acc.finish()
             header = agg.header(self.host)
         address = send.next_hop_address or agg.dst_address
+        parent = send.aggregate_id if send.aggregate_id and send.aggregate_id != agg.aggregate_id else ""
+        parent = parent or agg.dst_aggregate_id
+        if parent:  # into the parent aggregate the scheduler named (it may differ from the directive's)
+            header.aggregate_id = parent
         report = control_pb2.TransferReport(
             update_id=agg.aggregate_id,
             src_host=self.host,
@@ -525,7 +546,24 @@ class AggregatorRole:
             if isinstance(payload, memoryview):
                 payload.release()
         failure = ""
-        if reply is None and maybe_sent:
+        if parent and reply is None:
+            # not known to be summed: the scheduler removes it from the parent (a parent that
+            # summed it then fails whole) and plans its members afresh
+            how = "may have reached" if maybe_sent else "did not reach"
+            failure = (
+                f"aggregate {agg.aggregate_id} {how} aggregate {parent} at host {send.next_hop_host!r} "
+                f"({address}): {errors[-1] if errors else 'no attempt'}"
+            )
+            report.ok, report.error = False, failure
+        elif reply is not None:
+            report.start, report.end, report.throughput = wire_timing(
+                reply.sent.bytes, reply.sent.start, reply.sent.seconds, reply.header.receive_seconds
+            )
+            if parent:
+                failure = aggregate_tree.fill_parent_report(report, reply, header.members)
+            else:
+                aggregate_tree.fill_server_report(report, reply, header.members)
+        elif maybe_sent:
             unknown = (
                 f"aggregate {agg.aggregate_id} may have reached host {send.next_hop_host!r} ({address}), "
                 f"which gave no verdict: {errors[-1]}"
@@ -538,21 +576,19 @@ class AggregatorRole:
                 )
                 for m in header.members
             )
-        elif reply is None:
+        else:
             failure = (
                 f"forwarding aggregate {agg.aggregate_id} to host {send.next_hop_host!r} ({address}) failed "
                 f"after {self._attempts} attempts: {errors[-1] if errors else 'no attempt'}"
             )
             report.ok, report.error = False, failure
-        else:
-            self._fill_report(report, reply, header)
         with agg.lock:
             agg.state = "abandoned"
             self._release(agg)
             with self._lock:
                 if self._aggregates.get(agg.aggregate_id) is agg:
                     del self._aggregates[agg.aggregate_id]
-                self._forget(agg.aggregate_id, failure or "forwarded to the server")
+                self._forget(agg.aggregate_id, failure or f"forwarded to {parent or 'the server'}")
         self._report(report)
         if failure:
             self._failed(
@@ -569,30 +605,3 @@ class AggregatorRole:
             update_id=send.update_id, src_host=self.host, dst_host=send.next_hop_host, ok=False, error=error
         )
         self._report(report)
-
-    def _fill_report(self, report: Any, reply: Reply, header: Any) -> None:
-        h = reply.header
-        report.start, report.end, report.throughput = wire_timing(
-            reply.sent.bytes, reply.sent.start, reply.sent.seconds, h.receive_seconds
-        )
-        report.ok = True
-        if h.kind == _ACK:
-            report.outcome, report.delay, report.server_version, report.reason = (
-                h.outcome or _DROPPED,
-                h.delay,
-                h.version,
-                h.reason,
-            )
-            report.member_verdicts.extend(h.member_verdicts)
-            if not h.member_verdicts:
-                report.member_verdicts.extend(
-                    control_pb2.MemberVerdict(update_id=m.update_id, outcome=report.outcome, reason=h.reason)
-                    for m in header.members
-                )
-            return
-        reason = f"daemon of host {report.dst_host!r} refused aggregate {report.update_id}: {h.reason}"
-        report.outcome, report.server_version, report.reason = _DROPPED, h.version, reason
-        report.member_verdicts.extend(
-            control_pb2.MemberVerdict(update_id=m.update_id, outcome=_DROPPED, reason=reason)
-            for m in header.members
-        )

@@ -80,12 +80,9 @@ class Key:
 
 
 #: policies the scheduler service executes (``mlfabric scheduler --policy`` and the ``policy`` key)
-SERVICE_POLICIES = ("fair", "stf", "stf+agg")
-#: policies of the factory that the service refuses, and why
-NOT_IN_SERVICE: dict[str, str] = {
-    "stf+tree": "it sums aggregates into other aggregates (multi-level trees), which the daemons do not "
-    "forward yet; `mlfabric simulate --policy stf+tree` runs it",
-}
+SERVICE_POLICIES = ("fair", "stf", "stf+agg", "stf+tree")
+#: policies of the factory that the service refuses, and why (none at present)
+NOT_IN_SERVICE: dict[str, str] = {}
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -117,7 +114,13 @@ SCHEDULER_KEYS: tuple[Key, ...] = (
         refused=tuple(NOT_IN_SERVICE.items()),
     ),
     Key("aggregate_plan", str, "async", "stf+agg planner", choices=("async", "sync")),
-    Key("aggregate_timeout", float, 60.0, "stf+agg: seconds an aggregator waits for members", minimum=0.0),
+    Key(
+        "aggregate_timeout",
+        float,
+        60.0,
+        "stf+agg, stf+tree: seconds an aggregator waits for members",
+        minimum=0.0,
+    ),
     Key("stf_horizon", int, 256, "stf: sends planned per decision; 0 plans every pending update", minimum=0),
     Key("batch_window_us", float, 300.0, "batch ready notifications arriving within N us", minimum=0.0),
     Key(
@@ -333,7 +336,7 @@ def parse_config(
     >>> parse_config({"policy": "best"}, "scheduler", "s.toml")
     Traceback (most recent call last):
     ...
-    mlfabric.config.ConfigError: s.toml: key 'policy': bad value 'best' (expected one of fair, stf, stf+agg)
+    mlfabric.config.ConfigError: s.toml: key 'policy': bad value 'best' (expected one of fair, stf, ...)
     >>> parse_config({"send_attempts": 0}, "daemon", "d.toml")
     Traceback (most recent call last):
     ...

@@ -384,7 +384,7 @@ class SendDirective(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., next_hop_host: _Optional[str] = ..., next_hop_address: _Optional[str] = ..., dst_host: _Optional[str] = ..., aggregate_id: _Optional[str] = ...) -> None: ...
 
 class AggregateDirective(_message.Message):
-    __slots__ = ("aggregate_id", "job", "server", "members", "dst_host", "dst_address", "timeout_seconds", "allow_non_finite")
+    __slots__ = ("aggregate_id", "job", "server", "members", "dst_host", "dst_address", "timeout_seconds", "allow_non_finite", "dst_aggregate_id")
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,7 @@ class AggregateDirective(_message.Message):
     DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    DST_AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     aggregate_id: str
     job: str
     server: str
@@ -401,7 +402,8 @@ class AggregateDirective(_message.Message):
     dst_address: str
     timeout_seconds: float
     allow_non_finite: bool
-    def __init__(self, aggregate_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., members: _Optional[_Iterable[_Union[AggregateMember, _Mapping]]] = ..., dst_host: _Optional[str] = ..., dst_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., allow_non_finite: _Optional[bool] = ...) -> None: ...
+    dst_aggregate_id: str
+    def __init__(self, aggregate_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., members: _Optional[_Iterable[_Union[AggregateMember, _Mapping]]] = ..., dst_host: _Optional[str] = ..., dst_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., allow_non_finite: _Optional[bool] = ..., dst_aggregate_id: _Optional[str] = ...) -> None: ...
 
 class ResolveDirective(_message.Message):
     __slots__ = ("update_id", "outcome", "delay", "server_version", "reason")

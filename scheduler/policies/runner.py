@@ -166,11 +166,12 @@ class DecisionRunner:
         """Updates that went away unreleased (dropped, their daemon left): out of the plan.
 
         An aggregate no longer waits for a member that went away; one left with no member
-        is forgotten.
+        is forgotten, and leaves the aggregate it was to be summed into (a deeper tree).
         """
         ids = list(update_ids)
         self.dispatcher.forget(ids)
-        for uid in ids:
+        while ids:
+            uid = ids.pop(0)
             aid = self._member_of.pop(uid, None)
             g = self._gathering.get(aid) if aid is not None else None
             if g is None:
@@ -179,6 +180,8 @@ class DecisionRunner:
             g.arrived.discard(uid)
             if not g.members:
                 self._drop_aggregate(g.planned.aggregate_id)
+                if g.planned.aggregate_id in self._member_of:
+                    ids.append(g.planned.aggregate_id)
 
     def _started(self, g: _Gathering) -> bool:
         """Whether a member of ``g`` was released, or (a deeper tree) a member aggregate started."""

@@ -5,8 +5,8 @@ Every decision plans the pending updates with
 their expected end) and turns the plan into a decision with
 :func:`~mlfabric.scheduler.policies.convert.schedule_to_decision`, so the simulator and the
 service run it through the one pipeline (:class:`~mlfabric.scheduler.policies.runner.DecisionRunner`).
-The daemons do not forward an aggregate to another aggregator yet: the service refuses this
-policy, the simulator executes it.
+The service executes its nested aggregates through the daemons
+(:mod:`mlfabric.scheduler.service.aggregate_tree`), the simulator in its fluid network.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class TreePolicy:
     An aggregate tree some of whose updates have been released is *committed*: its remaining
     updates keep going to their aggregators and its aggregates stay planned; the other
     pending updates are planned afresh (:func:`plan_tree`), the transfers in flight reserved
-    until their expected end.
+    until their expected end. A tree all of whose updates were released is forgotten (the
+    runner follows its aggregates), so a long-running service keeps only the trees under way.
 
     Parameters
     ----------
@@ -134,8 +135,11 @@ class TreePolicy:
         kept: dict[str, PlannedAggregate] = {}
         relist: list[PlannedAggregate] = []
         for top, members in trees.items():
-            if all(u in everyone for u in leaves(top)):
+            pending = [u in everyone for u in leaves(top)]
+            if all(pending):
                 continue  # nothing released: planned again
+            if not any(pending):
+                continue  # everything released: the runner and the book follow it, nothing to keep
             for aid in members:
                 a = committed[aid]
                 kept[aid] = a

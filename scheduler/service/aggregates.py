@@ -1,32 +1,25 @@
 """Aggregates executed by the daemons: the service's books (paper §5, Fig. 6; DESIGN §3).
 
-The policy (``stf+agg``) plans :class:`~mlfabric.scheduler.policies.base.PlannedAggregate`\\ s
+The policy (``stf+agg``, ``stf+tree``) plans :class:`~mlfabric.scheduler.policies.base.PlannedAggregate`\\ s
 and the :class:`~mlfabric.scheduler.policies.runner.DecisionRunner` releases their member
 sends and, once every member is in, the aggregate itself. :class:`AggregateBook` turns that
 into directives for the daemons and follows each aggregate to the end:
 
-* the first member released: an ``AggregateDirective`` to the aggregator's daemon (members,
-  the server's host and address, a timeout); every member: a ``SendDirective`` to its source
-  naming the aggregate (the source keeps the payload until its push is resolved);
-* the aggregator announces the aggregate (``UpdateReady`` with the aggregate's id): its members
-  are in; the runner releases it (after its ``after`` transfers) and a ``SendDirective`` of the
-  aggregate goes to the aggregator's daemon;
-* the aggregate's ``TransferReport`` carries one verdict per member: a ``ResolveDirective`` to
-  each member's source, so each push resolves exactly once, APPLIED with its own delay or
-  DROPPED with the reason;
-* a member that goes away before it reaches the aggregator (dropped, its source's daemon
-  gone): the directive is sent again with fewer members, or the aggregate is cancelled;
-* the aggregator's daemon gone, ``AggregateFailed``, a member refused, or the aggregate not in
-  within the book's timeouts, before the aggregate was released to the server: every
-  unresolved member becomes pending again (its source still holds the payload) and is planned
-  afresh. A member sent but not yet reported by its source is re-queued when that report comes
-  (its source answers every send);
-* once the aggregate was released to the server (its frame may have reached the server's
-  daemon, which may have applied it), its members are never planned again: the aggregator's
-  report gives their verdicts (APPLIED, DROPPED, or UNKNOWN when its frame may have been sent
-  and no answer came); the aggregator's daemon gone, ``AggregateFailed`` or no report within
-  the forward timeout resolve them UNKNOWN with the reason. The server's daemon going away
-  meanwhile waits for the aggregator's report (it knows whether the frame left).
+the first member released issues an ``AggregateDirective`` to the aggregator's daemon and
+each member a ``SendDirective`` to its source (which keeps the payload until its push
+resolves); the aggregator's ``UpdateReady`` says the members are in; the aggregate's release
+is a ``SendDirective`` to the aggregator's daemon; its ``TransferReport``'s member verdicts
+become a ``ResolveDirective`` per member, so each push resolves exactly once. Members that go
+away are removed by re-issuing the directive; an aggregator lost, ``AggregateFailed``, a member
+refused or a timeout before the release make the unresolved members pending again (their
+sources hold the payloads); after the release they resolve from the aggregator's report, or
+UNKNOWN (the frame may have reached the server). docs/aggregation-service.md has the table of
+events, docs/exactly-once.md the faults.
+
+Multi-level trees (``stf+tree``): an aggregate may be summed into another aggregate instead of
+going to the server (:mod:`.aggregate_tree`: its directive names the parent, its release
+sends it into the parent, its members resolve through the root's report; a failure takes its
+member aggregates with it and re-issues its parent without it).
 
 Which hosts may aggregate (:meth:`AggregateBook.eligible`): daemons that said hello with
 ``can_aggregate`` on hosts whose graph node does not say ``aggregator = False``.
@@ -37,19 +30,19 @@ No I/O and no clock: times are arguments; directives are returned as ``(host, Di
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, PlannedAggregate
 from mlfabric.scheduler.policies.dispatch import Release
 from mlfabric.scheduler.policies.runner import DecisionRunner
-from mlfabric.scheduler.service import state as state_module
+from mlfabric.scheduler.service import aggregate_stalls as stalls
+from mlfabric.scheduler.service import aggregate_tree as tree
 from mlfabric.scheduler.service import wire
+from mlfabric.scheduler.service.aggregate_records import Effects, Execution, Stage
 from mlfabric.scheduler.service.records import (
     DuplicateUpdate,
     OutcomeKind,
@@ -69,57 +62,6 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_FORWARD_TIMEOUT = 180.0
 #: extra seconds the scheduler waits beyond the aggregator's own timeout before giving up
 GRACE = 10.0
-
-
-class Stage(enum.Enum):
-    """Where one member of an aggregate is."""
-
-    PLANNED = "planned"  # pending at its source, not released
-    SENT = "sent"  # released to the aggregator, its source has not reported
-    IN = "in"  # its source reported (the payload is at the aggregator, or refused)
-
-
-@dataclass
-class Execution:
-    """One aggregate on its way: its plan, its members and where each is."""
-
-    planned: PlannedAggregate
-    job: str
-    server: str
-    members: dict[str, PendingUpdate]
-    stage: dict[str, Stage]
-    issued: tuple[str, ...] = ()  # members of the last AggregateDirective
-    deadline: float = math.inf
-    ready: bool = False
-    forwarded: bool = False
-
-    @property
-    def aggregate_id(self) -> str:
-        """The aggregate's id (``agg:<scope>:<index>``)."""
-        return self.planned.aggregate_id
-
-
-@dataclass
-class Effects:
-    """What the book asks the service to do: directives to send, outcomes to count."""
-
-    directives: list[tuple[str, pb.Directive]] = field(default_factory=list)
-    resolved: list[OutcomeKind] = field(default_factory=list)
-    #: updates made pending again (a decision is due)
-    requeued: int = 0
-    #: a transfer that ended (for the bandwidth estimator), with its report
-    closed: InFlight | None = None
-
-    def send(self, host: str, directive: pb.Directive) -> None:
-        """Queue ``directive`` for the daemon of ``host``."""
-        self.directives.append((host, directive))
-
-    def __iadd__(self, other: Effects) -> Effects:
-        self.directives += other.directives
-        self.resolved += other.resolved
-        self.requeued += other.requeued
-        self.closed = other.closed or self.closed
-        return self
 
 
 class AggregateBook:
@@ -193,6 +135,8 @@ class AggregateBook:
         self._can_aggregate.pop(host, None)
         out = Effects()
         for e in list(self.executions.values()):
+            if e.aggregate_id not in self.executions:  # failed with its parent meanwhile
+                continue
             if e.planned.aggregator == host:
                 out += self._fail(
                     e, f"the aggregator's daemon (host '{host}') disconnected", now, discard=False
@@ -256,29 +200,45 @@ class AggregateBook:
         return out
 
     def forward(self, planned: PlannedAggregate, now: float) -> Effects:
-        """The runner released aggregate ``planned``: its aggregator sends it to the server."""
+        """The runner released aggregate ``planned``: its aggregator sends it on.
+
+        To the server; or, in a multi-level tree, into its parent aggregate (whose directive
+        goes out first if it has none yet).
+        """
         e = self.executions.get(planned.aggregate_id)
+        out = Effects()
         if e is None:
-            out = Effects()
             out.send(planned.aggregator, wire.drop_directive(planned.aggregate_id, "unknown aggregate"))
             return out
+        next_hop = planned.dst
+        if e.parent:
+            pe = self._parent_execution(e)
+            if pe is None:
+                return self._fail(e, f"its parent aggregate '{e.parent}' is gone", now, discard=True)
+            pe.nested[e.aggregate_id] = Stage.SENT
+            out += self._issue(pe, now)
+            if pe.aggregate_id not in self.executions:  # issuing failed: e failed with it
+                return out
+            next_hop = pe.planned.aggregator
         try:
-            address = self.state.address(planned.dst)
+            address = self.state.address(next_hop)
         except SchedulerError as exc:
-            return self._fail(e, str(exc), now, discard=True)
-        path = planned.path or self.state.path(planned.aggregator, planned.dst)
+            out += self._fail(e, str(exc), now, discard=True)
+            return out
+        path = planned.path or self.state.path(planned.aggregator, next_hop)
         nbytes = int(planned.bytes)
         f = InFlight(e.aggregate_id, e.job, e.server, path, nbytes, now, now + self._duration(path, nbytes))
         self.state.track(f)
         e.forwarded = True
-        e.deadline = now + self.forward_timeout
+        # into a parent: its daemon answers on receipt (the aggregator's own timeout bounds it)
+        e.deadline = now + (self.timeout + GRACE if e.parent else self.forward_timeout)
         send = pb.SendDirective(
             update_id=e.aggregate_id,
-            next_hop_host=planned.dst,
+            next_hop_host=next_hop,
             next_hop_address=address,
-            dst_host=planned.dst,
+            dst_host=self._server_host(e),
+            aggregate_id=e.parent,
         )
-        out = Effects()
         out.send(planned.aggregator, pb.Directive(send=send))
         return out
 
@@ -315,6 +275,9 @@ class AggregateBook:
         for m, stage in e.stage.items():
             # a member its source reported in (summed); the others (a member that joined after
             # an earlier announcement) once their sources report
+            if stage is Stage.IN:
+                self.runner.arrived(m)
+        for m, stage in e.nested.items():  # member aggregates reported summed here
             if stage is Stage.IN:
                 self.runner.arrived(m)
         return out
@@ -359,6 +322,9 @@ class AggregateBook:
         result = wire.transfer_result(host, m)
         with contextlib.suppress(UnknownUpdate):
             out.closed = self.state.report(result)
+        if e.parent:
+            out += tree.nested_report(self, e, m, result, now)
+            return out
         if not result.ok and result.outcome is None:  # its frame certainly never left the aggregator
             out.closed = None
             out += self._fail(
@@ -368,8 +334,14 @@ class AggregateBook:
         if not result.ok:  # it may have reached the server: the outcome (UNKNOWN) says how it ended
             out.closed = None
         del self.executions[e.aggregate_id]
+        out += self._resolve(e, m)
+        return out
+
+    def _resolve(self, e: Execution, m: pb.TransferReport) -> Effects:
+        """Resolve every worker update ``e`` carries by the verdicts of report ``m``."""
+        out = Effects()
         verdicts = {v.update_id: v for v in m.member_verdicts}
-        for uid, u in e.members.items():
+        for uid, u in e.carried().items():
             v = verdicts.get(uid)
             kind = wire.OUTCOMES.get(v.outcome if v is not None else m.outcome, OutcomeKind.DROPPED)
             delay = v.delay if v is not None else m.delay
@@ -404,18 +376,22 @@ class AggregateBook:
         out = Effects()
         gathering = {a.aggregate_id: a for a in self.runner.gathering}
         for e in list(self.executions.values()):
-            if e.forwarded:
+            if e.forwarded or e.aggregate_id not in self.executions:
                 continue
             planned = gathering.get(e.aggregate_id)
             keep = set(planned.members) if planned is not None else set()
             for m in [m for m in e.members if m not in keep]:
                 del e.members[m], e.stage[m]
                 self._sent.pop(m, None)
-            if not e.members:
+            if any(m not in keep for m in e.nested):
+                out += tree.drop_nested(self, e, keep, now)
+                if e.aggregate_id not in self.executions:
+                    continue
+            if not e.members and not e.nested:
                 del self.executions[e.aggregate_id]
                 cancel = pb.AggregateDirective(aggregate_id=e.aggregate_id, job=e.job, server=e.server)
                 out.send(e.planned.aggregator, pb.Directive(aggregate=cancel))
-            elif e.issued and tuple(e.members) != e.issued:
+            elif e.issued and e.listed() != e.issued:
                 out += self._issue(e, now)
         return out
 
@@ -430,36 +406,12 @@ class AggregateBook:
         return out
 
     def expire_stalled(self, now: float) -> Effects:
-        """Free the bottlenecks of this book's transfers with no report past their stall deadline.
+        """Free the links of this book's transfers with no report past their stall deadline.
 
-        The deadline is :meth:`SchedulerState.expire_stalled`'s; call this first, so the state
-        records no bare DROPPED for a member or an aggregate (a member resolves once, through
-        its aggregate's verdicts):
-
-        - an aggregate forwarded to its server: its entry leaves the links; its members resolve
-          from the aggregator's report, or UNKNOWN at the forward timeout (:meth:`expire`; a
-          synchronous round may hold the ACK longer than a transfer takes);
-        - a member on its way to an aggregate still gathering: the aggregate fails (the others
-          planned afresh) and the member is planned afresh once its source reports;
-        - a member of a complete or failed aggregate: the aggregate's or its source's report.
+        Call it before :meth:`SchedulerState.expire_stalled` (see
+        :func:`.aggregate_stalls.expire_stalled`).
         """
-        out = Effects()
-        factor, slack = state_module.STALL_FACTOR, state_module.STALL_SLACK
-        for f in list(self.state.in_flight.values()):
-            deadline = f.started_at + factor * max(0.0, f.expected_end - f.started_at) + slack
-            uid = f.update_id
-            if now <= deadline or not (self.is_aggregate(uid) or self.is_member_send(uid)):
-                continue
-            self.state.track(None, untrack=uid)
-            why = (
-                f"no report on the transfer of '{uid}' by its deadline {deadline:g} s "
-                f"(expected {f.expected_end - f.started_at:g} s from {f.started_at:g} s)"
-            )
-            log.warning("%s: its links are free again; it resolves through its aggregate", why)
-            e = self.executions.get(self._sent.get(uid, ""))
-            if e is not None and not e.forwarded and not e.ready:
-                out += self._fail(e, f"member {why}", now, discard=True)
-        return out
+        return stalls.expire_stalled(self, now)
 
     def gathering(self, now: float) -> tuple[InFlight, ...]:
         """Aggregates being gathered, as transfers into their servers (for the policy's snapshot).
@@ -486,20 +438,48 @@ class AggregateBook:
 
     # -------------------------------------------------------------- internals
 
-    def _start(self, planned: PlannedAggregate) -> Execution:
+    def _start(self, planned: PlannedAggregate, job: str = "", server: str = "") -> Execution:
+        """Book ``planned`` (its worker members pending now; its member aggregates; its parent)."""
         members = {m: self.state.pending[m] for m in planned.members if m in self.state.pending}
-        missing = [m for m in planned.members if m not in members]
+        nested = [m for m in planned.members if self.is_aggregate(m)]
+        missing = [m for m in planned.members if m not in members and m not in nested]
         if missing:
             self.runner.forget(missing)
-        first = next(iter(members.values()))
-        e = Execution(planned, first.job, first.server, members, dict.fromkeys(members, Stage.PLANNED))
+        first = next(iter(members.values()), None)
+        job, server = (first.job, first.server) if first is not None else (job, server)
+        up = self.runner.aggregate_of(planned.aggregate_id)
+        e = Execution(
+            planned,
+            job,
+            server,
+            members,
+            dict.fromkeys(members, Stage.PLANNED),
+            parent=up.aggregate_id if up is not None else "",
+            nested=dict.fromkeys(nested, Stage.PLANNED),
+        )
         self.executions[planned.aggregate_id] = e
         return e
+
+    def _parent_execution(self, e: Execution) -> Execution | None:
+        """The execution of the aggregate ``e`` is summed into (booked now if needed); None if gone."""
+        pe = self.executions.get(e.parent)
+        if pe is None:
+            up = self.runner.aggregate_of(e.aggregate_id)
+            if up is None or up.aggregate_id != e.parent:
+                return None
+            pe = self._start(up, e.job, e.server)
+        return pe if e.aggregate_id in pe.nested else None
+
+    def _server_host(self, e: Execution) -> str:
+        """The host of the server the tree of ``e`` ends at."""
+        while e.parent in self.executions:
+            e = self.executions[e.parent]
+        return e.planned.dst
 
     def _issue(self, e: Execution, now: float) -> Effects:
         """Send the aggregate's current members to its aggregator (if they changed)."""
         out = Effects()
-        if tuple(e.members) == e.issued:
+        if e.listed() == e.issued:
             return out
         try:
             address = self.state.address(e.planned.dst)
@@ -516,6 +496,7 @@ class AggregateBook:
             )
             for u in e.members.values()
         ]
+        members += tree.nested_members(self, e)
         job = self.state.jobs.get(e.job)
         directive = pb.AggregateDirective(
             aggregate_id=e.aggregate_id,
@@ -526,9 +507,19 @@ class AggregateBook:
             dst_address=address,
             timeout_seconds=self.timeout,
             allow_non_finite=job is not None and job.params.allow_non_finite,
+            dst_aggregate_id=e.parent,
         )
-        e.issued = tuple(e.members)
+        e.issued = e.listed()
         e.deadline = now + self.timeout + GRACE
+        if e.parent:
+            log.info(
+                "aggregate %s at host %s (%d members) to be summed into %s at host %s",
+                e.aggregate_id,
+                e.planned.aggregator,
+                len(members),
+                e.parent,
+                e.planned.dst,
+            )
         out.send(e.planned.aggregator, pb.Directive(aggregate=directive))
         return out
 
@@ -539,9 +530,15 @@ class AggregateBook:
 
         An aggregate that may have left its aggregator for the server (``left``; by default:
         it was released to the server) may have been applied: its members resolve UNKNOWN
-        (:meth:`_unknown`), never planned again.
+        (:meth:`_unknown`), never planned again. In a multi-level tree an aggregate summed
+        into a parent never reaches the server by itself: it leaves its parent (re-issued
+        without it: a parent that summed it fails whole at its daemon) and its member
+        aggregates fail with it (:func:`.aggregate_tree.fail_nested`); the worker updates they
+        carried are planned afresh too.
         """
-        if e.forwarded if left is None else left:
+        if e.aggregate_id not in self.executions:  # failed already (e.g. with its parent)
+            return Effects()
+        if not e.parent and (e.forwarded if left is None else left):
             out = self._unknown(e, f"aggregate '{e.aggregate_id}' may have reached the server: {reason}", now)
             if discard:
                 out.send(e.planned.aggregator, wire.drop_directive(e.aggregate_id, reason))
@@ -554,10 +551,10 @@ class AggregateBook:
         abandon = getattr(self.runner.policy, "abandon", None)
         if abandon is not None:
             abandon(e.aggregate_id)
-        self.runner.forget(e.members)
+        self.runner.forget([*e.members, e.aggregate_id])  # out of its parent too, if it has one
         if e.forwarded:
             self.state.track(None, untrack=e.aggregate_id)
-        back = []
+        back = list(e.absorbed.values())  # brought by member aggregates summed here
         for uid, stage in e.stage.items():
             if stage is Stage.SENT:
                 self._sent.pop(uid, None)
@@ -565,11 +562,14 @@ class AggregateBook:
             elif stage is Stage.IN:
                 back.append(e.members[uid])
         out += self._requeue(back)
+        if e.nested or e.parent:
+            out += tree.fail_nested(self, e, reason, now)
         out.requeued += 1  # the aggregate's planned members need a decision too
         later = sum(stage is Stage.SENT for stage in e.stage.values())
         log.info(
-            "aggregate %s failed (%s): %d members planned afresh, %d once their sources report",
+            "aggregate %s%s failed (%s): %d members planned afresh, %d once their sources report",
             e.aggregate_id,
+            f" (to be summed into {e.parent})" if e.parent else "",
             reason,
             len(e.members) - later,
             later,
@@ -587,13 +587,15 @@ class AggregateBook:
         self.runner.forget(e.members)
         if e.forwarded:
             self.state.track(None, untrack=e.aggregate_id)
-        for uid, u in e.members.items():
+        for uid, u in e.carried().items():
             self._sent.pop(uid, None)
             resolve = pb.ResolveDirective(update_id=uid, outcome=pb.OUTCOME_UNKNOWN, reason=reason)
             out.send(u.src_host, pb.Directive(resolve=resolve))
             self.state.record(uid, OutcomeKind.UNKNOWN, reason, 0, 0)
             out.resolved.append(OutcomeKind.UNKNOWN)
-        log.warning("aggregate %s: %d members resolved UNKNOWN (%s)", e.aggregate_id, len(e.members), reason)
+        log.warning(
+            "aggregate %s: %d members resolved UNKNOWN (%s)", e.aggregate_id, len(e.carried()), reason
+        )
         return out
 
     def _requeue(self, updates: Iterable[PendingUpdate]) -> Effects:

@@ -81,8 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default="fair",
         help="scheduling policy: fair (send at once, TCP shares), stf (shortest transfer "
-        "first with network time-sharing) or stf+agg (stf with aggregation groups summed at "
-        "aggregator hops, paper Fig. 6) (default fair)",
+        "first with network time-sharing), stf+agg (stf with aggregation groups summed at "
+        "aggregator hops, paper Fig. 6) or stf+tree (multi-level aggregation trees read off the "
+        "bandwidth graph, docs/aggregation-trees.md) (default fair)",
     )
     parser.add_argument(
         "--aggregate-plan",
@@ -96,7 +97,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="S",
-        help="stf+agg: seconds an aggregator waits for an aggregate's members before the "
+        help="stf+agg, stf+tree: seconds an aggregator waits for an aggregate's members before the "
         "members are planned afresh (default 60)",
     )
     parser.add_argument(
@@ -172,7 +173,7 @@ def build_policy(
     Parameters
     ----------
     name : str
-        ``fair``, ``stf`` or ``stf+agg`` (see :data:`SERVICE_POLICIES`).
+        ``fair``, ``stf``, ``stf+agg`` or ``stf+tree`` (see :data:`SERVICE_POLICIES`).
     stf_horizon : int
         For ``stf``: sends planned per decision; 0 plans every pending update.
     sync : bool

@@ -1,7 +1,7 @@
 """Fuzzing the control messages (DESIGN §3, §7): any ``DaemonMessage`` at the scheduler.
 
 The core (:class:`~mlfabric.scheduler.service.core.SchedulerCore`, no I/O) gets 1,000
-generated sequences of messages, each under one of the policies (fair, stf, stf+agg): from
+generated sequences of messages, each under one of the policies (fair, stf, stf+agg, stf+tree): from
 a forged daemon ``fz`` while the legitimate daemons ``ps`` (server ``ps0`` of job ``job``)
 and ``w0`` (its worker) are connected, and from any of the three. Nothing may raise; every
 directive must serialize and every drop carry a reason; after a forged daemon's messages
@@ -93,7 +93,7 @@ def _legit_update_is_sent(core: SchedulerCore, sessions: dict[str, Any]) -> None
 
 
 def test_any_messages_of_a_forged_daemon_leave_the_core_serving(fz: Any) -> None:
-    counts = {"fair": 0, "stf": 0, "stf+agg": 0}
+    counts = {"fair": 0, "stf": 0, "stf+agg": 0, "stf+tree": 0}
 
     @fz.settings
     @given(

@@ -51,16 +51,10 @@ def test_the_config_accepts_exactly_the_policies_the_service_runs(tmp_path: Path
         assert name in SERVICE_POLICIES
 
 
-def test_the_tree_policy_in_a_config_is_refused_naming_why(tmp_path: Path) -> None:
+def test_the_tree_policy_in_a_config_is_accepted(tmp_path: Path) -> None:
     path = tmp_path / "scheduler.toml"
     path.write_text('policy = "stf+tree"\n')
-    with pytest.raises(ConfigError) as err:
-        load_config(path, "scheduler")
-    assert str(err.value) == (
-        f"{path}: key 'policy': bad value 'stf+tree': it sums aggregates into other aggregates "
-        "(multi-level trees), which the daemons do not forward yet; `mlfabric simulate --policy stf+tree` "
-        "runs it (expected one of fair, stf, stf+agg)"
-    )
+    assert load_config(path, "scheduler")["policy"] == "stf+tree"
 
 
 def test_the_push_deadline_is_an_option_and_a_key_that_reaches_the_daemon(

@@ -46,7 +46,7 @@ def test_every_option_is_a_key_with_its_default(module: str, keys: tuple) -> Non
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("policy = 'best'", "key 'policy': bad value 'best' (expected one of fair, stf, stf+agg)"),
+        ("policy = 'best'", "key 'policy': bad value 'best' (expected one of fair, stf, stf+agg, stf+tree)"),
         ("metrics_port = '9100'", "key 'metrics_port': bad value '9100' (expected an integer)"),
         ("stf_horizon = -1", "key 'stf_horizon': bad value -1 (must be >= 0)"),
         ("nic_gbps = true", "key 'nic_gbps': bad value True (expected a number)"),
@@ -131,7 +131,7 @@ def test_the_shipped_example_configs_are_valid() -> None:
 def test_describe_lists_every_key() -> None:
     lines = describe("scheduler").splitlines()
     assert [line.split(" ", 1)[0] for line in lines] == [k.name for k in SCHEDULER_KEYS]
-    assert "policy (str, default: 'fair'; one of fair, stf, stf+agg)" in describe("scheduler")
+    assert "policy (str, default: 'fair'; one of fair, stf, stf+agg, stf+tree)" in describe("scheduler")
 
 
 def test_the_command_lines_log_level_wins_over_the_file(tmp_path: Path) -> None:

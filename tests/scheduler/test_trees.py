@@ -190,9 +190,9 @@ def test_the_simulator_runs_the_tree_policy_through_the_pipeline() -> None:
     assert makespans["stf+tree"] < makespans["fair"] / 5
 
 
-def test_the_service_refuses_the_tree_policy_naming_why() -> None:
-    with pytest.raises(ValueError, match=r"stf\+tree.*aggregates into other aggregates"):
-        build_policy("stf+tree")
+def test_the_service_runs_the_tree_policy() -> None:
+    setup = build_policy("stf+tree", incarnation="7f3a")
+    assert setup.policy.name == "stf+tree" and setup.policy.scope == "7f3a"
 
 
 def test_tree_policy_defaults() -> None:
@@ -237,3 +237,26 @@ def test_the_runner_keeps_an_aggregate_of_aggregates_once_one_of_them_started() 
     # a new decision listing nothing: the started tree stays, the aggregate of aggregates too
     runner.decide(Snapshot(1.0, g), [pending(i, MB) for i in (4, 5)])
     assert "agg:h0:2" in {a.aggregate_id for a in runner.gathering}
+
+
+def test_an_aggregate_whose_members_all_went_away_leaves_the_aggregate_it_was_summed_into() -> None:
+    inner = PlannedAggregate("agg:s:0", "x", ("u1", "u2"), 1.0, "y")
+    outer = PlannedAggregate("agg:s:1", "y", ("u0", "agg:s:0"), 1.0, "ps")
+    runner = DecisionRunner(TreePolicy())
+    runner.adopt(Decision(aggregates=(inner, outer)))
+    runner.forget(["u1", "u2"])  # e.g. their daemon went away: the inner aggregate is empty
+    assert [(a.aggregate_id, a.members) for a in runner.gathering] == [("agg:s:1", ("u0",))]
+    runner.arrived("u0")  # the outer one no longer waits for the inner one
+    assert [a.aggregate_id for a in runner.release(0.0, {}).aggregates] == ["agg:s:1"]
+
+
+def test_the_tree_policy_forgets_a_tree_once_all_its_updates_were_released() -> None:
+    g = two_tier(2, 3, 8e6, oversubscription=3)
+    mk = lambda i, k=0: PendingUpdate(f"u{i}.{k}", "j", "s", f"w{i}", f"h{i}", "h0", 10**6, 1.0, 0, 0.0)  # noqa: E731
+    policy = TreePolicy()
+    d = policy.decide(Snapshot(0.0, g), [mk(i) for i in range(1, 6)])
+    assert d.aggregates and policy._committed
+    policy.decide(Snapshot(1.0, g), [mk(1, 1)])  # every update of the first tree was released
+    assert not any(
+        m.startswith("u") and m.endswith(".0") for a in policy._committed.values() for m in a.members
+    )

@@ -1,0 +1,183 @@
+"""Exactly once through multi-level aggregation trees (``stf+tree``), end to end on loopback.
+
+Two racks behind 40 Mbit/s uplinks, the server ``ps`` behind 10 Mbit/s: the workers' hosts
+``a0``, ``a1`` (rack A) and ``b0``, ``b1`` (rack B) do not aggregate (``--no-aggregator``), each
+rack has an aggregator host without workers, ``ax`` and ``bx``. ``stf+tree`` sums each rack at
+its aggregator and forwards rack B's sum into the aggregate at ``ax`` (which also sums rack
+A's), which goes to the server: two levels. A real scheduler, a real daemon
+per host, a server and 4 workers pushing the integration test's integer-valued float64 updates.
+Every push resolves; the final model equals the initial one minus exactly the APPLIED updates;
+no worker update is applied twice; asynchronous and synchronous (rounds of 4). In the ``kill``
+runs ``bx``'s daemon is SIGKILLed once it gathers an aggregate to be summed into another (the
+scheduler logs the directive) and a member reached it: its members are planned afresh (the
+parent aggregate goes on without its sum, or fails whole if it had summed it), still exactly
+once. The scheduler decides over batches of 1-3 s, so both racks' updates are planned together.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlfabric.cluster import LocalCluster
+from tests.integration.test_aggregates_end_to_end import ROLES, _roles_module, _wait_for
+
+TAU_MAX = 30
+WORKERS = [("a0", 0), ("a1", 1), ("b0", 2), ("b1", 3)]
+PUSHES_PER_WORKER = 30
+NOT_AGGREGATORS = ("ps", "a0", "a1", "b0", "b1")
+#: decisions over batches of 1-3 s: both racks' updates pending together, so trees form
+SCHEDULER_ARGS = [
+    "--aggregate-timeout",
+    "10",
+    "--batch-window-us",
+    "1000000",
+    "--batch-max-wait-us",
+    "3000000",
+]
+
+TOPOLOGY = """
+hosts = ["ps", "a0", "a1", "ax", "b0", "b1", "bx"]
+switches = ["core", "ra", "rb"]
+links = [
+  {a = "ps", b = "core", mbps = 10},
+  {a = "ra", b = "core", mbps = 40},
+  {a = "rb", b = "core", mbps = 40},
+  {a = "a0", b = "ra", mbps = 1000},
+  {a = "a1", b = "ra", mbps = 1000},
+  {a = "ax", b = "ra", mbps = 1000},
+  {a = "b0", b = "rb", mbps = 1000},
+  {a = "b1", b = "rb", mbps = 1000},
+  {a = "bx", b = "rb", mbps = 1000},
+]
+"""
+
+
+class TreeCluster(LocalCluster):
+    """Daemons log their transfer reports; only ``ax`` and ``bx`` aggregate."""
+
+    def _daemon_args(self, host: str) -> list[str]:
+        args = ["--report-file", str(self.workdir / "reports" / f"{host}.jsonl"), "--round-timeout", "5"]
+        return [
+            *super()._daemon_args(host),
+            *args,
+            *(("--no-aggregator",) if host in NOT_AGGREGATORS else ()),
+        ]
+
+
+def _reports(cluster: LocalCluster, host: str) -> list[dict[str, object]]:
+    path = cluster.workdir / "reports" / f"{host}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _nested_member_at_bx(cluster: LocalCluster, proc: object, timeout: float) -> None:
+    """Wait until ``bx`` gathers an aggregate to be summed into another and a member reached it."""
+    deadline = time.monotonic() + timeout
+    log = cluster.workdir / "logs" / "scheduler.log"
+    while not (
+        any(r["dst_host"] == "bx" for h in ("b0", "b1") for r in _reports(cluster, h))
+        and re.search(r"at host bx \(\d+ members\) to be summed into agg:", log.read_text())
+    ):
+        assert proc.popen.poll() is None, proc.log_tail()  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "bx gathered no aggregate of a two-level tree"
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", [0, 4], ids=["async", "sync"])
+@pytest.mark.parametrize("kill", [False, True], ids=["", "kill-inner-aggregator"])
+def test_pushes_through_two_level_trees_resolve_exactly_once(sync: int, kill: bool, tmp_path: Path) -> None:
+    roles = _roles_module()
+    topology = tmp_path / "topology.toml"
+    topology.write_text(TOPOLOGY)
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster = TreeCluster(
+        topology, policy="stf+tree", workdir=tmp_path / "run", extra_scheduler_args=SCHEDULER_ARGS
+    )
+    nested: list[dict[str, object]] = []
+    try:
+        cluster.start()
+        argv = [sys.executable, str(ROLES), "server", str(out), str(TAU_MAX), str(sync)]
+        server = cluster.spawn("ps", argv, name="server")
+        _wait_for(out / "server.ready", server, 60)
+        workers = [
+            cluster.spawn(
+                host,
+                [sys.executable, str(ROLES), "worker", str(out), str(rank), str(PUSHES_PER_WORKER)],
+                name=f"worker{rank}",
+            )
+            for host, rank in WORKERS
+        ]
+        if kill:
+            _nested_member_at_bx(cluster, server, 60)
+            inner = next(p for p in cluster.processes() if p.name == "daemon-bx")
+            inner.popen.send_signal(signal.SIGKILL)
+            inner.popen.wait(10)
+        for w in workers:
+            try:
+                code = w.popen.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{w.name} did not finish; its log:\n{w.log_tail()}")
+            assert code == 0, f"{w.name} failed:\n{w.log_tail()}"
+        server.popen.terminate()
+        assert server.popen.wait(timeout=30) == 0, server.log_tail()
+        # aggregates forwarded into another aggregate (not to the server): the tree's inner level
+        nested = [
+            r
+            for h in ("ax", "bx")
+            for r in _reports(cluster, h)
+            if str(r["update_id"]).startswith("agg:") and r["dst_host"] != "ps"
+        ]
+    finally:
+        cluster.stop()
+
+    results = {rank: json.loads((out / f"worker{rank}.json").read_text()) for _, rank in WORKERS}
+    served = json.loads((out / "server.json").read_text())
+    assert sum(len(r) for r in results.values()) == len(WORKERS) * PUSHES_PER_WORKER
+
+    members = [m for a in served["applied"] for m in a["members"]]
+    assert len(members) == len(set(members)), "a worker update was applied twice"
+    if not kill:
+        assert any(r["ok"] for r in nested), "no aggregate was summed into another aggregate"
+    if not kill and not sync:  # (a synchronous server applies rounds, named round:...)
+        racks = [{m[0] for m in a["members"]} for a in served["applied"] if a["update_id"].startswith("agg:")]
+        assert {"a", "b"} in racks, "no aggregate applied held both racks' updates (two levels)"
+    expected = roles.initial_model()
+    worker_applied = set()
+    unknown = set()
+    for rank, pushes in results.items():
+        for p in pushes:
+            assert p["status"] in ("APPLIED", "DROPPED", "UNKNOWN"), p
+            if p["status"] != "APPLIED":
+                assert p["reason"], f"{p['status']} without a reason: {p}"
+            if p["status"] == "UNKNOWN":  # its aggregate may have reached the server: the model says
+                unknown.add(p["update_id"])
+                if p["update_id"] not in members:
+                    continue
+            elif p["status"] == "DROPPED":
+                continue
+            else:
+                assert p["delay"] <= TAU_MAX, p
+                worker_applied.add(p["update_id"])
+            for k, v in roles.update_for(rank, p["index"]).items():
+                expected[k] -= v
+    assert worker_applied <= set(members), "a push reported APPLIED was not applied"
+    assert set(members) - worker_applied <= unknown, "a push applied was reported DROPPED"
+    if kill:  # bx was gathering an aggregate to be summed into another one when it died
+        log = (tmp_path / "run" / "logs" / "scheduler.log").read_text()
+        assert re.search(
+            r"aggregate \S+ \(to be summed into agg:\S+\) failed \(the aggregator's daemon \(host 'bx'\)", log
+        )
+    final = np.load(out / "final.npz")
+    for k, v in expected.items():
+        np.testing.assert_array_equal(final[k], v)
