@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 from mlfabric.cluster import LocalCluster
+from tests.integration.jobs import finish, spawn_workers, wait_for
 
 HERE = Path(__file__).resolve().parent
 ROLES = HERE / "agg_roles.py"
@@ -83,14 +83,6 @@ def _roles_module():  # the same update generator the workers used
     return module
 
 
-def _wait_for(path: Path, proc: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.popen.poll() is None, proc.log_tail()  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, f"{path.name} did not appear"
-        time.sleep(0.02)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", [0, 4], ids=["async", "sync"])
 @pytest.mark.parametrize("kill", [False, True], ids=["", "kill-aggregator"])
@@ -108,28 +100,16 @@ def test_pushes_through_aggregates_resolve_exactly_once(sync: int, kill: bool, t
         cluster.start()
         argv = [sys.executable, str(ROLES), "server", str(out), str(TAU_MAX), str(sync)]
         server = cluster.spawn("ps", argv, name="server")
-        _wait_for(out / "server.ready", server, 60)
-        workers = [
-            cluster.spawn(
-                host,
-                [sys.executable, str(ROLES), "worker", str(out), str(rank), str(PUSHES_PER_WORKER)],
-                name=f"worker{rank}",
-            )
-            for host, rank in WORKERS
-        ]
+        wait_for(out / "server.ready", server, 60)
+        workers = spawn_workers(
+            cluster, [sys.executable, str(ROLES), "worker"], out, WORKERS, PUSHES_PER_WORKER
+        )
         if kill:
             _member_at_x(cluster, server, 60)
             aggregator = next(p for p in cluster.processes() if p.name == "daemon-x")
             aggregator.popen.send_signal(signal.SIGKILL)
             aggregator.popen.wait(10)
-        for w in workers:
-            try:
-                code = w.popen.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{w.name} did not finish; its log:\n{w.log_tail()}")
-            assert code == 0, f"{w.name} failed:\n{w.log_tail()}"
-        server.popen.terminate()
-        assert server.popen.wait(timeout=30) == 0, server.log_tail()
+        finish(server, workers)
     finally:
         cluster.stop()
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mlfabric.cluster import LocalCluster
+from tests.integration.jobs import finish, spawn_workers, wait_for
 
 HERE = Path(__file__).resolve().parent
 ROLES = HERE / "roles.py"
@@ -81,27 +80,11 @@ def test_200_pushes_resolve_exactly(policy: str, tmp_path: Path) -> None:
         server = cluster.spawn(
             "ps", [sys.executable, str(ROLES), "server", str(out), str(TAU_MAX)], name="server"
         )
-        deadline = time.monotonic() + 60
-        while not (out / "server.ready").exists():
-            assert server.popen.poll() is None, server.log_tail()
-            assert time.monotonic() < deadline, "server did not register"
-            time.sleep(0.05)
-        workers = [
-            cluster.spawn(
-                host,
-                [sys.executable, str(ROLES), "worker", str(out), str(rank), str(PUSHES_PER_WORKER)],
-                name=f"worker{rank}",
-            )
-            for host, rank in WORKERS
-        ]
-        for w in workers:
-            try:
-                code = w.popen.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{w.name} did not finish; its log:\n{w.log_tail()}")
-            assert code == 0, f"{w.name} failed:\n{w.log_tail()}"
-        server.popen.terminate()
-        assert server.popen.wait(timeout=30) == 0, server.log_tail()
+        wait_for(out / "server.ready", server, 60)
+        workers = spawn_workers(
+            cluster, [sys.executable, str(ROLES), "worker"], out, WORKERS, PUSHES_PER_WORKER
+        )
+        finish(server, workers)
         cluster.check_alive()
     finally:
         cluster.stop()

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.integration.jobs import finish, spawn_workers, wait_for
 from tests.integration.test_aggregates_end_to_end import (
     ROLES,
     TOPOLOGY,
     WORKERS,
     AggregatorCluster,
     _roles_module,
-    _wait_for,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -61,23 +60,9 @@ def test_non_finite_pushes_are_dropped_by_daemons_and_never_applied(tmp_path: Pa
         server = cluster.spawn(
             "ps", [sys.executable, str(ROLES), "server", str(out), "1000", "0"], name="server"
         )
-        _wait_for(out / "server.ready", server, 60)
-        workers = [
-            cluster.spawn(
-                host,
-                [sys.executable, str(HERE / "nan_roles.py"), str(out), str(rank), str(PUSHES)],
-                name=f"worker{rank}",
-            )
-            for host, rank in WORKERS
-        ]
-        for w in workers:
-            try:
-                code = w.popen.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{w.name} did not finish; its log:\n{w.log_tail()}")
-            assert code == 0, f"{w.name} failed:\n{w.log_tail()}"
-        server.popen.terminate()
-        assert server.popen.wait(timeout=30) == 0, server.log_tail()
+        wait_for(out / "server.ready", server, 60)
+        workers = spawn_workers(cluster, [sys.executable, str(HERE / "nan_roles.py")], out, WORKERS, PUSHES)
+        finish(server, workers)
     finally:
         cluster.stop()
 

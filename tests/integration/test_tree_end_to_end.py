@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,8 @@ import numpy as np
 import pytest
 
 from mlfabric.cluster import LocalCluster
-from tests.integration.test_aggregates_end_to_end import ROLES, _roles_module, _wait_for
+from tests.integration.jobs import finish, spawn_workers, wait_for
+from tests.integration.test_aggregates_end_to_end import ROLES, _roles_module
 
 TAU_MAX = 30
 WORKERS = [("a0", 0), ("a1", 1), ("b0", 2), ("b1", 3)]
@@ -109,28 +109,16 @@ def test_pushes_through_two_level_trees_resolve_exactly_once(sync: int, kill: bo
         cluster.start()
         argv = [sys.executable, str(ROLES), "server", str(out), str(TAU_MAX), str(sync)]
         server = cluster.spawn("ps", argv, name="server")
-        _wait_for(out / "server.ready", server, 60)
-        workers = [
-            cluster.spawn(
-                host,
-                [sys.executable, str(ROLES), "worker", str(out), str(rank), str(PUSHES_PER_WORKER)],
-                name=f"worker{rank}",
-            )
-            for host, rank in WORKERS
-        ]
+        wait_for(out / "server.ready", server, 60)
+        workers = spawn_workers(
+            cluster, [sys.executable, str(ROLES), "worker"], out, WORKERS, PUSHES_PER_WORKER
+        )
         if kill:
             _nested_member_at_bx(cluster, server, 60)
             inner = next(p for p in cluster.processes() if p.name == "daemon-bx")
             inner.popen.send_signal(signal.SIGKILL)
             inner.popen.wait(10)
-        for w in workers:
-            try:
-                code = w.popen.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{w.name} did not finish; its log:\n{w.log_tail()}")
-            assert code == 0, f"{w.name} failed:\n{w.log_tail()}"
-        server.popen.terminate()
-        assert server.popen.wait(timeout=30) == 0, server.log_tail()
+        finish(server, workers)
         # aggregates forwarded into another aggregate (not to the server): the tree's inner level
         nested = [
             r

@@ -1,0 +1,89 @@
+"""Shared steps of the end-to-end tests: start a job's roles, wait for them, finish them.
+
+The tests differ in their cluster (policy, topology, faults) and their checks; how a server
+and its workers are spawned on a :class:`~mlfabric.cluster.LocalCluster`, waited for and
+stopped is the same, and lives here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlfabric.cluster import LocalCluster
+
+
+def wait_for(path: Path, proc: Any, timeout: float) -> None:
+    """Wait until ``path`` exists; fail with ``proc``'s log if it exits or time runs out.
+
+    Parameters
+    ----------
+    path : Path
+        The file the process writes when it is ready.
+    proc : ManagedProcess
+        The process (``popen`` and ``log_tail()``), checked while waiting.
+    timeout : float
+        Seconds to wait at most.
+    """
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.popen.poll() is None, proc.log_tail()
+        assert time.monotonic() < deadline, f"{path.name} did not appear"
+        time.sleep(0.02)
+
+
+def spawn_workers(
+    cluster: LocalCluster, command: Sequence[str], out: Path, workers: Sequence[tuple[str, int]], pushes: int
+) -> list[Any]:
+    """Start ``command OUT RANK PUSHES`` on each worker's host.
+
+    Parameters
+    ----------
+    cluster : LocalCluster
+        The running cluster.
+    command : sequence of str
+        The worker's command line before its arguments, e.g.
+        ``[sys.executable, "roles.py", "worker"]``.
+    out : Path
+        The directory the workers write their results into.
+    workers : sequence of (str, int)
+        Each worker's host and rank.
+    pushes : int
+        Pushes per worker.
+
+    Returns
+    -------
+    list of ManagedProcess
+        The workers (named ``worker<rank>``), in the order of ``workers``.
+    """
+    return [
+        cluster.spawn(host, [*command, str(out), str(rank), str(pushes)], name=f"worker{rank}")
+        for host, rank in workers
+    ]
+
+
+def finish(server: Any, workers: Sequence[Any], timeout: float = 240) -> None:
+    """Wait for every worker to exit 0, then stop the server and check it exits 0.
+
+    Parameters
+    ----------
+    server : ManagedProcess
+        The server process (terminated once the workers are done).
+    workers : sequence of ManagedProcess
+        The workers, each of which must exit 0 within ``timeout`` seconds.
+    timeout : float
+        Seconds each worker may take.
+    """
+    for w in workers:
+        try:
+            code = w.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{w.name} did not finish; its log:\n{w.log_tail()}")
+        assert code == 0, f"{w.name} failed:\n{w.log_tail()}"
+    server.popen.terminate()
+    assert server.popen.wait(timeout=30) == 0, server.log_tail()
