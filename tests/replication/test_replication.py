@@ -312,6 +312,8 @@ def test_after_a_scheduler_restart_the_replica_still_takes_over(tmp_path: Path) 
     try:
         run.start_workers(pushes=40, gap=0.02)
         run.wait_progress(8)
+        for rank in range(2):  # both registered before the restart (a loaded host starts them late)
+            _wait_file(run.out / f"worker{rank}.progress", run.workers[rank])
         run.cluster.restart("scheduler", signal.SIGKILL)
         run.wait_progress(30)
         os.kill(run.server.popen.pid, signal.SIGKILL)
@@ -410,11 +412,11 @@ def test_a_replica_back_after_the_grace_is_resynced_and_takes_over(tmp_path: Pat
     grace = ("--replica-grace", "1")
     run = Run(tmp_path, div_max=0.0, cluster_cls=proxy.ProxiedCluster, scheduler_args=grace)
     try:
-        run.start_workers(pushes=150, gap=0.02)
+        run.start_workers(pushes=300, gap=0.02)  # (still pushing when the daemon is back, ~3-7 s)
         run.wait_progress(8)
         carried = run.cluster.proxy.connections()
         os.kill(run.replica.popen.pid, signal.SIGSTOP)  # chain: the server waits for it...
-        run.cluster.proxy.cut(hold=5.0)  # ... until it is detached (the grace is 1 s)
+        run.cluster.proxy.cut(hold=3.0)  # ... until it is detached (the grace is 1 s)
         at_cut = run.progress()
         try:
             run.wait_progress(at_cut + 15, timeout=4.0)  # the server does not wait on it any more
