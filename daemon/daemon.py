@@ -47,7 +47,7 @@ from mlfabric.daemon.fallback import Fallback, update_ready
 from mlfabric.daemon.listener import DataPlaneListener, Response
 from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.ratelimit import TokenBucket
-from mlfabric.daemon.replica_role import register_replica, reroute
+from mlfabric.daemon.replica_role import receive_resync, register_replica, reroute
 from mlfabric.daemon.replication import ReplicationLogs
 from mlfabric.daemon.roles import (
     Directory,
@@ -71,6 +71,7 @@ __all__ = ["Daemon"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
+_MODEL = dataplane_pb2.FRAME_KIND_MODEL
 
 
 class Daemon(SchedulerSession):
@@ -306,6 +307,8 @@ class Daemon(SchedulerSession):
             return self.allreduce.on_frame(frame)
         if h.kind == _UPDATE and h.aggregate_id and h.update_id != h.aggregate_id:
             return self.aggregator.on_frame(frame)
+        if h.kind == _MODEL and h.replica:  # a replica here is re-synced (docs/replication.md)
+            return receive_resync(self, frame)
         return self.serving.on_frame(frame)
 
     # ------------------------------------------------------------------ local API

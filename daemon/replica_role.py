@@ -9,24 +9,46 @@ From then on the replica is a server role of this host flagged as a replica
 (:class:`~mlfabric.daemon.serving.ServerRoles`): it applies replicated entries only, and
 ``get`` on this host is not answered from it. A ``PromoteDirective`` makes it the server:
 the flag goes, the process learns it (``Promoted``) and keeps serving with the same loop.
+
+**Re-sync.** A replica whose daemon was away from the scheduler longer than the grace was
+detached (its server's log dropped); its daemon registers it again (``rejoin``) and the
+scheduler sends the *server's* daemon a ``ReplicateDirective`` with ``resync`` — on the same
+control stream as the detach before it, so in order. :func:`send_resync` starts a new log at
+the server's current model and sends that model to the replica's daemon (a MODEL frame naming
+the replica, with the ids the server applied recently); :func:`receive_resync` hands it to
+the replica process (``Resynced``), which replaces its model; then the log forwards from that
+version and reports, and the scheduler confirms the replica again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from mlfabric.daemon.control import local_error_code
+from mlfabric.daemon.dataplane import Frame, FrameHeader, error_header
 from mlfabric.daemon.fallback import update_ready
-from mlfabric.daemon.replication import seed_memory
-from mlfabric.daemon.roles import PendingPush, ServerLocation, Verdict
+from mlfabric.daemon.listener import Response
+from mlfabric.daemon.replication import ReplicationLog, copy_payload, seed_memory
+from mlfabric.daemon.roles import ModelSnapshot, PendingPush, ServerLocation, Verdict
 from mlfabric.daemon.serving import MemfdBuffer
 from mlfabric.daemon.transport import PeerUnavailable
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
+from mlfabric.tensors import layouts_to_pb
+from mlfabric.wire.memfd import PooledBuffer
 
-__all__ = ["FAILOVER_WAIT", "promote", "register_replica", "reregister_replicas", "reroute"]
+__all__ = [
+    "FAILOVER_WAIT",
+    "promote",
+    "receive_resync",
+    "register_replica",
+    "reregister_replicas",
+    "reroute",
+    "send_resync",
+]
 
 #: seconds an update whose transfer to a replicated server failed waits for the failover
 FAILOVER_WAIT = 3.0
@@ -34,6 +56,7 @@ FAILOVER_WAIT = 3.0
 _LOG = logging.getLogger("mlfabric.daemon")
 _GET = dataplane_pb2.FRAME_KIND_GET
 _MODEL = dataplane_pb2.FRAME_KIND_MODEL
+_ACK = dataplane_pb2.FRAME_KIND_ACK
 
 
 def _unregister(daemon: Any, job: str, server: str) -> None:
@@ -205,5 +228,105 @@ def reregister_one(daemon: Any, job: str, server: str, pause: float) -> None:
                 "re-registering the replica of server %r of job %r failed: %s", server, job, ack and ack.error
             )
 
-    message = control_pb2.RegisterRole(job=job, role=control_pb2.ROLE_REPLICA, name=name, replica_of=server)
+    message = control_pb2.RegisterRole(
+        job=job, role=control_pb2.ROLE_REPLICA, name=name, replica_of=server, rejoin=True
+    )
     daemon._register(message, on_ack)
+
+
+def send_resync(daemon: Any, d: Any) -> bool:
+    """A ``ReplicateDirective`` with ``resync`` on the server's daemon: send the replica the model.
+
+    Under the hand-off's lock a new log starts at the version of the model published now (as
+    a replica's GET does at registration), silent until the replica has that model; the
+    model goes to the replica's daemon in a MODEL frame naming the replica, with the ids the
+    server applied recently. Once the replica's daemon acknowledged it, the log is configured
+    (address, ``div_max``), forwards from that version and reports (the scheduler confirms the
+    replica). True if the replica has the model; on failure the new log is dropped (the
+    server does not wait on a replica that lacks it) and the replica stays unconfirmed.
+    """
+    where = f"replica {d.replica!r} of server {d.server!r} of job {d.job!r}"
+    handoff = daemon.serving.handoff(d.job, d.server)
+    if handoff is None:
+        _LOG.warning("re-sync of %s: the server is not on this host", where)
+        return False
+    logs = daemon.replication
+    started: list[ReplicationLog] = []
+
+    def attach(current: ModelSnapshot | None) -> ModelSnapshot | None:
+        if current is not None:  # under the hand-off's lock: no publish in between
+            started.append(logs.attach(d.job, d.server, d.replica, current.version, announce=False))
+        return current
+
+    snap = handoff.with_snapshot(attach)
+    if snap is None or not started:
+        _LOG.warning("re-sync of %s: the server has published no model", where)
+        return False
+    log = started[0]
+    header = FrameHeader(
+        kind=_MODEL,
+        job=d.job,
+        server=d.server,
+        version=snap.version,
+        tensors=layouts_to_pb(snap.layouts),
+        src_host=daemon.host,
+        applied_ids=handoff.applied_ids(4096),
+        replica=d.replica,
+    )
+    try:
+        reply = daemon.sender.request(d.replica_address, header, snap.mapping, crc32=snap.checksum())
+        if hasattr(reply.payload, "release"):
+            reply.payload.release()
+        problem = "" if reply.header.kind == _ACK else f"its daemon answered {reply.header.reason!r}"
+    except ConnectionError as exc:  # PeerUnavailable, a broken connection
+        problem = f"its daemon at {d.replica_address} is unreachable: {exc}"
+    if problem:
+        _LOG.warning("re-sync of %s failed (stays unconfirmed, not waited on): %s", where, problem)
+        logs.drop(d.job, d.server, log)
+        return False
+    log.configure(d.replica_address, d.div_max)
+    log.direct(d.up_to_version)
+    log.report_status()
+    _LOG.warning("%s re-synced at version %d", where, snap.version)
+    return True
+
+
+def receive_resync(daemon: Any, frame: Frame) -> Response:
+    """A MODEL frame naming a replica of this host (:func:`send_resync`): replace its model.
+
+    The hand-off's version moves to the model's (the next replicated entry is the one after
+    it) and the ids the server applied are remembered; the process gets ``Resynced`` (a
+    private memfd copy of the payload) before any entry of the new log, which the server's
+    daemon forwards only after this ACK.
+    """
+    h = frame.header
+    try:
+        key = (h.job, h.server)
+        with daemon.serving._lock:
+            entry = daemon.serving._roles.get(key) if key in daemon.serving.replica_keys else None
+        if entry is None or not isinstance(frame.buffer, MemfdBuffer | PooledBuffer):
+            reason = f"no replica of server {h.server!r} of job {h.job!r} on host {daemon.host!r}"
+            return Response(error_header(reason, src_host=daemon.host))
+        handoff, conn = entry[0], entry[1]
+        fd = copy_payload(frame.buffer.fd, int(h.payload_bytes))
+        model = local_pb2.ModelReply(
+            version=h.version, tensors=h.tensors, payload_bytes=h.payload_bytes, has_payload=True
+        )
+        event = local_pb2.LocalEvent(resynced=local_pb2.Resynced(job=h.job, server=h.server, model=model))
+        try:
+            # no entry of an older log is handed over between the version check and the model
+            with handoff.replicating:
+                if not conn.send(event, fd):
+                    reason = f"replica process of server {h.server!r} of job {h.job!r} disconnected"
+                    return Response(error_header(reason, src_host=daemon.host))
+                handoff.advance(int(h.version))
+                seed_memory(handoff, h.applied_ids, int(h.version))
+        finally:
+            os.close(fd)
+        _LOG.warning("replica of server %r of job %r re-synced at version %d", h.server, h.job, h.version)
+        ack = FrameHeader(kind=_ACK, job=h.job, server=h.server, version=h.version, src_host=daemon.host)
+        return Response(ack)
+    finally:
+        frame.payload.release()
+        if isinstance(frame.buffer, MemfdBuffer | PooledBuffer):
+            frame.buffer.release()

@@ -14,11 +14,12 @@ The bound (paper §4, Fig. 3): the *divergence* is the sum of the norms of the e
 server applied and the replica has not acknowledged. Before an update is handed to the server
 process, :meth:`ReplicationLog.admit` waits while applying it would make the divergence exceed
 ``div_max`` — the server waits rather than diverge (``ReplicaStatus.blocked`` tells the
-scheduler, which then forwards at once). ``div_max <= 0`` is chain replication: the update's
-verdict (hence its push's result) waits until the replica has it; so does an update whose own
-norm exceeds ``div_max``. If the scheduler gives no directive while the server waits
-(``self_forward_after`` seconds), the daemon forwards on its own, as pushes do when the
-scheduler is away.
+scheduler, which then forwards at once) — first come, first admitted, so that an update
+beyond ``div_max`` is not overtaken for ever by smaller ones. ``div_max <= 0`` is chain
+replication: the update's verdict (hence its push's result) waits until the replica has it;
+so does an update whose own norm exceeds ``div_max``. If the scheduler gives no directive
+while the server waits (``self_forward_after`` seconds), the daemon forwards on its own, as
+pushes do when the scheduler is away.
 
 The replica side is :func:`apply_replicated`: an entry is applied only at the next version
 (up to :data:`WINDOW` entries travel at once, each waiting for the ones before it; a repeat
@@ -29,6 +30,7 @@ answers a re-sent update from memory instead of applying it twice.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -42,7 +44,7 @@ from mlfabric.daemon.dataplane import FileSpan, FrameHeader
 from mlfabric.daemon.roles import ServerHandoff, Verdict
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
-__all__ = ["LogEntry", "ReplicationLog", "ReplicationLogs", "apply_replicated"]
+__all__ = ["LogEntry", "ReplicationLog", "ReplicationLogs", "apply_replicated", "copy_payload"]
 
 _LOG = logging.getLogger("mlfabric.daemon.replication")
 _APPLIED = control_pb2.OUTCOME_APPLIED
@@ -72,7 +74,7 @@ class LogEntry:
     norm: float
 
 
-def _copy_payload(src_fd: int, nbytes: int) -> int:
+def copy_payload(src_fd: int, nbytes: int) -> int:
     """A new memfd holding the first ``nbytes`` of ``src_fd`` (a kernel-side copy)."""
     fd = os.memfd_create("mlfabric-replica-log", os.MFD_CLOEXEC)
     try:
@@ -104,6 +106,9 @@ class ReplicationLog:
         This host (in frames).
     self_forward_after : float
         Seconds a blocked server waits for the scheduler's directive before forwarding alone.
+    announce : bool
+        Report a ``ReplicaStatus`` now (the scheduler then counts the replica confirmed); a
+        re-sync's log waits until the model reached the replica (:meth:`report_status`).
     """
 
     def __init__(
@@ -116,6 +121,7 @@ class ReplicationLog:
         report: Report,
         host: str,
         self_forward_after: float = 1.0,
+        announce: bool = True,
     ) -> None:
         self.job, self.server, self.replica = job, server, replica
         self.address = ""
@@ -126,6 +132,9 @@ class ReplicationLog:
         self._cond = threading.Condition()
         self._entries: dict[int, LogEntry] = {}
         self._reserved = 0.0
+        #: tickets of the updates waiting at :meth:`admit`, oldest first (first come, first admitted)
+        self._waiting: collections.deque[int] = collections.deque()
+        self._tickets = 0
         self._directed = start_version
         self._sending: set[int] = set()
         self._done: set[int] = set()
@@ -137,7 +146,8 @@ class ReplicationLog:
         self.blocked_count = 0
         self._thread = threading.Thread(target=self._forward_loop, name=f"replicate-{server}", daemon=True)
         self._thread.start()
-        self._status()
+        if announce:  # (a re-synced replica's log reports once the replica has the model)
+            self._status()
 
     # ------------------------------------------------------------------ bound
 
@@ -155,28 +165,43 @@ class ReplicationLog:
     def admit(self, norm: float) -> float:
         """Wait until an update of ``norm`` may be applied within ``div_max``; reserve it.
 
-        Returns the norm reserved (release it with :meth:`settle`). Chain replication
-        (``div_max <= 0``) admits at once: its verdict waits instead (:meth:`settle`).
+        First come, first admitted: an update waits while an update that came to the gate
+        before it still waits (its ticket is not the oldest), so an update beyond ``div_max``,
+        which needs a divergence of 0, is not overtaken for ever by smaller ones that fit
+        beside the others; it waits at most for the log to drain. Returns the norm reserved
+        (release it with :meth:`settle`). Chain replication (``div_max <= 0``) admits at once:
+        its verdict waits instead (:meth:`settle`).
         """
         with self._cond:
             if self.div_max <= 0 or self._closed:
                 return 0.0
-            t0 = time.monotonic()
-            blocked = False
-            while not self._closed and not self._fits(norm):
-                if not blocked:
-                    blocked = True
-                    self.blocked_count += 1
-                    self._status(blocked_norm=norm)
-                waited = time.monotonic() - t0
-                if waited >= self._self_forward_after:  # no directive came: forward alone
-                    self._directed = max(self._directed, max(self._entries, default=self.acked))
-                    self._cond.notify_all()
-                self._cond.wait(0.05)
-            if blocked:
-                self.blocked_seconds += time.monotonic() - t0
-            self._reserved += norm
-            return norm
+            ticket = self._tickets
+            self._tickets += 1
+            self._waiting.append(ticket)
+            try:
+                return self._admit_in_turn(ticket, norm)
+            finally:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+
+    def _admit_in_turn(self, ticket: int, norm: float) -> float:
+        """:meth:`admit`'s wait, under the lock: until ``ticket`` is the oldest and ``norm`` fits."""
+        t0 = time.monotonic()
+        blocked = False
+        while not self._closed and not (self._waiting[0] == ticket and self._fits(norm)):
+            if not blocked:
+                blocked = True
+                self.blocked_count += 1
+                self._status(blocked_norm=norm)
+            waited = time.monotonic() - t0
+            if waited >= self._self_forward_after:  # no directive came: forward alone
+                self._directed = max(self._directed, max(self._entries, default=self.acked))
+                self._cond.notify_all()
+            self._cond.wait(0.05)
+        if blocked:
+            self.blocked_seconds += time.monotonic() - t0
+        self._reserved += norm
+        return norm
 
     def _fits(self, norm: float) -> bool:
         divergence = sum(e.norm for e in self._entries.values()) + self._reserved
@@ -202,7 +227,7 @@ class ReplicationLog:
         failed before the replica acknowledged it (the promoted replica may lack it).
         """
         applied = verdict.outcome == _APPLIED and verdict.version > self.acked
-        entry_fd = _copy_payload(fd, nbytes) if applied else -1
+        entry_fd = copy_payload(fd, nbytes) if applied else -1
         with self._cond:
             self._reserved = max(0.0, self._reserved - reserved)
             if applied and not self._closed:
@@ -380,21 +405,35 @@ class ReplicationLogs:
         with self._lock:
             return self._logs.get((job, server))
 
-    def attach(self, job: str, server: str, replica: str, version: int) -> ReplicationLog:
-        """Start logging for ``replica`` from ``version`` (a replacing attach closes the old log)."""
+    def attach(
+        self, job: str, server: str, replica: str, version: int, *, announce: bool = True
+    ) -> ReplicationLog:
+        """Start logging for ``replica`` from ``version`` (a replacing attach closes the old log).
+
+        ``announce=False`` (a re-sync): the log reports nothing and ignores a directive kept
+        for it until its caller configures it, once the replica has the model.
+        """
         log = ReplicationLog(
-            job, server, replica, version, self._request, self._report, self.host, self._self_forward_after
-        )
+            job, server, replica, version, self._request, self._report, self.host,
+            self._self_forward_after, announce,
+        )  # fmt: skip
         with self._lock:
             old = self._logs.get((job, server))
             self._logs[(job, server)] = log
             config = self._config.pop((job, server), None)
         if old is not None:
             old.close()
-        if config is not None:
+        if config is not None and announce:
             log.configure(config[0], config[1])
             log.direct(config[2])
         return log
+
+    def drop(self, job: str, server: str, log: ReplicationLog) -> None:
+        """Close ``log`` and forget it, if it is still the server's log (a failed re-sync)."""
+        with self._lock:
+            if self._logs.get((job, server)) is log:
+                del self._logs[(job, server)]
+        log.close()
 
     def on_directive(self, d: Any) -> None:
         """A ``ReplicateDirective``: configure, direct, or detach the server's log."""
@@ -455,16 +494,17 @@ def apply_replicated(handoff: ServerHandoff, header: Any, hand_off: Callable[[],
     deadline = time.monotonic() + TURN_TIMEOUT
     while header.replica_version > handoff.version + 1 and time.monotonic() < deadline:
         time.sleep(0.0005)  # an entry sent ahead (the window): wait for the ones before it
-    have = handoff.version
-    if header.replica_version <= have:
-        return Verdict(_APPLIED, 0, have, "")
-    if header.replica_version != have + 1:
-        return Verdict.dropped(
-            f"replica of server {handoff.name!r} is at version {have}; entry {header.update_id} is "
-            f"version {header.replica_version} (entries are applied in order)",
-            have,
-        )
-    verdict = hand_off()
+    with handoff.replicating:  # not beside a re-sync, which moves the version
+        have = handoff.version
+        if header.replica_version <= have:
+            return Verdict(_APPLIED, 0, have, "")
+        if header.replica_version != have + 1:
+            return Verdict.dropped(
+                f"replica of server {handoff.name!r} is at version {have}; entry {header.update_id} is "
+                f"version {header.replica_version} (entries are applied in order)",
+                have,
+            )
+        verdict = hand_off()
     if verdict.outcome == _APPLIED:
         for m in header.members:
             handoff.resolve(

@@ -436,6 +436,8 @@ class ServerHandoff:
         self._inflight: dict[str, _Delivery] = {}
         self._snapshot: ModelSnapshot | None = None
         self._closed_reason: str | None = None
+        #: a replica's replicated entries and its re-sync take turns under it (replication.py)
+        self.replicating = threading.Lock()
 
     def handle(self, update_id: str, header: Any, fd: int, timeout: float | None) -> Verdict:
         """The verdict on an arriving update: stored, awaited, or delivered now and awaited.
@@ -482,6 +484,11 @@ class ServerHandoff:
         with self._lock:
             ids = [u for u, v in reversed(self._verdicts.items()) if v.outcome == control_pb2.OUTCOME_APPLIED]
         return ids[:limit]
+
+    def advance(self, version: int) -> None:
+        """The process's model was replaced by one at ``version`` (a replica re-synced)."""
+        with self._lock:
+            self.version = max(self.version, version)
 
     def in_flight(self, update_id: str) -> bool:
         """Whether ``update_id`` was delivered and still awaits the process's verdict."""

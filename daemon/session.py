@@ -22,7 +22,7 @@ from mlfabric.daemon.allreduce import AllreduceRole
 from mlfabric.daemon.control import ControlStream
 from mlfabric.daemon.fallback import Fallback
 from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.replica_role import promote, reregister_replicas
+from mlfabric.daemon.replica_role import promote, reregister_replicas, send_resync
 from mlfabric.daemon.replication import ReplicationLogs
 from mlfabric.daemon.roles import Directory, OutgoingPushes, Verdict
 from mlfabric.daemon.serving import ServerRoles
@@ -173,6 +173,8 @@ class SchedulerSession:
                 self.sender.finish(
                     dropped, Verdict.dropped(directive.drop.reason or "dropped by the scheduler")
                 )
+        elif kind == "replicate" and directive.replicate.resync and not directive.replicate.detach:
+            self._tasks.submit(send_resync, self, directive.replicate)  # sends the model: not inline
         elif kind == "replicate":
             self.replication.on_directive(directive.replicate)
         elif kind == "promote":

@@ -121,6 +121,13 @@ SCHEDULER_KEYS: tuple[Key, ...] = (
         "stf+agg, stf+tree: seconds an aggregator waits for members",
         minimum=0.0,
     ),
+    Key(
+        "replica_grace",
+        float,
+        10.0,
+        "seconds a replica whose daemon lost its session stays attached; later: re-synced",
+        minimum=0.0,
+    ),
     Key("stf_horizon", int, 256, "stf: sends planned per decision; 0 plans every pending update", minimum=0),
     Key("batch_window_us", float, 300.0, "batch ready notifications arriving within N us", minimum=0.0),
     Key(

@@ -328,6 +328,7 @@ class LocalClient:
                 payload_kinds = ("model", "deliver", "allreduce_result")
                 carries = kind in payload_kinds and getattr(event, kind).has_payload
                 carries = carries or (kind == "registered" and event.registered.model.has_payload)
+                carries = carries or (kind == "resynced" and event.resynced.model.has_payload)
                 fd = reader.take_fd() if carries else None
                 if kind == "error" and event.error.code == "permission_denied" and not event.request_id:
                     reason = f"the daemon at {self.path} refused this process: {event.error.message}"

@@ -7,7 +7,10 @@ order; register the *same* ``on_update`` (and ``on_request``) as the server and 
 :meth:`Server.serve`: the replica stays within the job's ``div_max`` of the server and is
 bit-identical to it once caught up. When the server's process or daemon fails, the
 scheduler promotes the replica: :attr:`Replica.promoted` is set and the same ``serve`` loop
-goes on applying workers' updates as the server (docs/replication.md).
+goes on applying workers' updates as the server (docs/replication.md). A replica detached
+while its daemon was away from the scheduler longer than the grace is re-synced when its
+daemon registers it again: its model is replaced by the server's (:attr:`Replica.resyncs`)
+and replication goes on from there.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
@@ -37,6 +42,9 @@ class Replica(Server):
         Set once the scheduler promoted this replica to be the server.
     promotion_reason : str
         Why (the server's process or daemon failed), once promoted.
+    resyncs : int
+        Times its model was replaced by the server's after it had been detached (its daemon
+        away from the scheduler longer than the grace; docs/replication.md).
     """
 
     def __init__(
@@ -46,6 +54,7 @@ class Replica(Server):
         self.server = name
         self.promoted = threading.Event()
         self.promotion_reason = ""
+        self.resyncs = 0
         self._registered = False  # until then publish() goes through (the registration's model)
 
     def publish(self) -> None:
@@ -69,6 +78,24 @@ class Replica(Server):
                 if int(m.base_version) > self.version:
                     m.base_version = self.version
         super()._handle(deliver, fd)
+
+    def _on_resynced(self, resynced: Any, fd: int | None) -> None:
+        """Replace the model by the server's at ``resynced.model.version`` (in place where possible).
+
+        Sent by the daemons when this replica, detached while its daemon was away from the
+        scheduler, is attached again: the replicated updates that follow apply on top of it.
+        """
+        tensors = tensorio.from_fd(resynced.model.tensors, fd, as_torch=self._as_torch)
+        for key, value in tensors.items():
+            current: Any = self.model.get(key)
+            if hasattr(current, "copy_") and tuple(current.shape) == tuple(value.shape):
+                current.copy_(value)  # a torch tensor: same object, new values
+            elif isinstance(current, np.ndarray) and current.shape == value.shape and current.flags.writeable:
+                current[...] = value
+            else:
+                self.model[key] = value
+        self.version = int(resynced.model.version)
+        self.resyncs += 1
 
     def _on_promoted(self, promoted: Any) -> None:
         self.promotion_reason = promoted.reason

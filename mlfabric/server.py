@@ -197,6 +197,8 @@ class Server:
                 handled += 1
             elif event.WhichOneof("kind") == "promoted":
                 self._on_promoted(event.promoted)
+            elif event.WhichOneof("kind") == "resynced":
+                self._on_resynced(event.resynced, fd)
             elif fd is not None:
                 os.close(fd)
         return handled
@@ -218,6 +220,11 @@ class Server:
 
     def _on_promoted(self, promoted: Any) -> None:
         """A replica's daemon says it is the server now (:class:`mlfabric.replica.Replica`)."""
+
+    def _on_resynced(self, resynced: Any, fd: int | None) -> None:
+        """A replica's model is replaced by its server's (:class:`mlfabric.replica.Replica`)."""
+        if fd is not None:
+            os.close(fd)
 
     def _meta(self, deliver: Any, delay: int) -> UpdateMeta:
         members = list(deliver.members)

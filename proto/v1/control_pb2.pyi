@@ -118,7 +118,7 @@ class Hello(_message.Message):
     def __init__(self, host: _Optional[str] = ..., data_address: _Optional[str] = ..., version: _Optional[str] = ..., can_aggregate: _Optional[bool] = ...) -> None: ...
 
 class RegisterRole(_message.Message):
-    __slots__ = ("request_id", "job", "role", "name", "model", "params", "version", "replica_of")
+    __slots__ = ("request_id", "job", "role", "name", "model", "params", "version", "replica_of", "rejoin")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class RegisterRole(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_OF_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     job: str
     role: Role
@@ -135,7 +136,8 @@ class RegisterRole(_message.Message):
     params: JobParams
     version: int
     replica_of: str
-    def __init__(self, request_id: _Optional[int] = ..., job: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., name: _Optional[str] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., params: _Optional[_Union[JobParams, _Mapping]] = ..., version: _Optional[int] = ..., replica_of: _Optional[str] = ...) -> None: ...
+    rejoin: bool
+    def __init__(self, request_id: _Optional[int] = ..., job: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., name: _Optional[str] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., params: _Optional[_Union[JobParams, _Mapping]] = ..., version: _Optional[int] = ..., replica_of: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
 
 class UnregisterRole(_message.Message):
     __slots__ = ("job", "role", "name")
@@ -438,7 +440,7 @@ class JobUpdate(_message.Message):
     def __init__(self, job: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
 
 class ReplicateDirective(_message.Message):
-    __slots__ = ("job", "server", "replica", "replica_host", "replica_address", "up_to_version", "div_max", "detach")
+    __slots__ = ("job", "server", "replica", "replica_host", "replica_address", "up_to_version", "div_max", "detach", "resync")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +449,7 @@ class ReplicateDirective(_message.Message):
     UP_TO_VERSION_FIELD_NUMBER: _ClassVar[int]
     DIV_MAX_FIELD_NUMBER: _ClassVar[int]
     DETACH_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     job: str
     server: str
     replica: str
@@ -455,7 +458,8 @@ class ReplicateDirective(_message.Message):
     up_to_version: int
     div_max: float
     detach: bool
-    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., replica: _Optional[str] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ..., up_to_version: _Optional[int] = ..., div_max: _Optional[float] = ..., detach: _Optional[bool] = ...) -> None: ...
+    resync: bool
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., replica: _Optional[str] = ..., replica_host: _Optional[str] = ..., replica_address: _Optional[str] = ..., up_to_version: _Optional[int] = ..., div_max: _Optional[float] = ..., detach: _Optional[bool] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class PromoteDirective(_message.Message):
     __slots__ = ("job", "server", "reason")

@@ -243,6 +243,16 @@ class Promoted(_message.Message):
     reason: str
     def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class Resynced(_message.Message):
+    __slots__ = ("job", "server", "model")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    model: ModelReply
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ...) -> None: ...
+
 class LocalError(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]
@@ -252,7 +262,7 @@ class LocalError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LocalEvent(_message.Message):
-    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error", "promoted", "allreduce_result")
+    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error", "promoted", "resynced", "allreduce_result")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     PUSH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +271,7 @@ class LocalEvent(_message.Message):
     DELIVER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    RESYNCED_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_RESULT_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     registered: RegisterReply
@@ -270,5 +281,6 @@ class LocalEvent(_message.Message):
     deliver: DeliverUpdate
     error: LocalError
     promoted: Promoted
+    resynced: Resynced
     allreduce_result: AllreduceResult
-    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., promoted: _Optional[_Union[Promoted, _Mapping]] = ..., allreduce_result: _Optional[_Union[AllreduceResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., promoted: _Optional[_Union[Promoted, _Mapping]] = ..., resynced: _Optional[_Union[Resynced, _Mapping]] = ..., allreduce_result: _Optional[_Union[AllreduceResult, _Mapping]] = ...) -> None: ...

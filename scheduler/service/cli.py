@@ -101,6 +101,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "members are planned afresh (default 60)",
     )
     parser.add_argument(
+        "--replica-grace",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a replica whose daemon lost its scheduler session stays attached (its server "
+        "keeps the log and the bound); one registered again later is re-synced (default 10)",
+    )
+    parser.add_argument(
         "--stf-horizon",
         type=int,
         default=DEFAULT_STF_HORIZON,
@@ -310,6 +318,7 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         metrics=metrics,
         replan=setup.trigger,
         aggregate_timeout=args.aggregate_timeout,
+        replica_grace=args.replica_grace,
     )
     try:
         credentials = _credentials(args)

@@ -86,7 +86,7 @@ from mlfabric.scheduler.service.records import (
     TensorSpec,
     UnknownUpdate,
 )
-from mlfabric.scheduler.service.replicas import Replication
+from mlfabric.scheduler.service.replicas import REREGISTER_GRACE, Replication
 from mlfabric.scheduler.service.servicer import SERVER_OPTIONS, SchedulerServicer, start_server
 from mlfabric.scheduler.service.state import SchedulerState
 from mlfabric.wire.keepalive import CHANNEL_OPTIONS
@@ -203,6 +203,9 @@ class SchedulerCore:
         Monotonic seconds, the time base of pending/in-flight times and of the plan.
     aggregate_timeout : float
         Seconds an aggregator waits for an aggregate's members (:mod:`.aggregates`).
+    replica_grace : float
+        Seconds a replica whose daemon lost its session stays attached (:mod:`.replicas`);
+        one registered again later is re-synced.
 
     Examples
     --------
@@ -237,6 +240,7 @@ class SchedulerCore:
         replan: ReplanTrigger | None = None,
         clock: Callable[[], float] = time.monotonic,
         aggregate_timeout: float = DEFAULT_TIMEOUT,
+        replica_grace: float = REREGISTER_GRACE,
     ) -> None:
         self.state = state
         #: the decision pipeline shared with the simulator: policy, dispatcher, trigger
@@ -250,7 +254,7 @@ class SchedulerCore:
         self.sessions: dict[str, DaemonSession] = {}
         self._wake = asyncio.Event()
         #: replicas: their books, replica sends, promotion (docs/replication.md)
-        self.replication = Replication(self)
+        self.replication = Replication(self, replica_grace)
         #: all-reduce operations: readiness, tree plans, aborts (docs/allreduce.md)
         self.allreduce = AllreduceService(self)
 

@@ -41,7 +41,8 @@ __all__ = ["REREGISTER_GRACE", "ReplicaBook", "ReplicaRecord", "Replication"]
 log = logging.getLogger(__name__)
 
 #: seconds a replica whose daemon lost its session stays attached, waiting for it to register
-#: again (its server's daemon keeps the replication log and the bound meanwhile)
+#: again (its server's daemon keeps the replication log and the bound meanwhile); the default
+#: of :class:`ReplicaBook`'s ``grace`` (``mlfabric scheduler --replica-grace``)
 REREGISTER_GRACE = 10.0
 
 Directives = list[tuple[str, pb.Directive]]
@@ -67,8 +68,12 @@ class ReplicaRecord:
     #: then may it be promoted (a replica detached meanwhile has no log and may be stale)
     confirmed: bool = False
     #: when the replica's daemon lost its session (None: connected); detached if it does not
-    #: register again within :data:`REREGISTER_GRACE`
+    #: register again within the book's grace (:data:`REREGISTER_GRACE`)
     lost_at: float | None = None
+    #: registered again after it was detached (or after a scheduler restart): its server's
+    #: daemon sends it the model again and starts a new log; until that log's first
+    #: ``ReplicaStatus`` it is not confirmed (not promotable) and the server does not wait on it
+    resyncing: bool = False
 
     def divergence(self) -> float:
         """Sum of the norms of the entries the replica lacks."""
@@ -95,11 +100,15 @@ class ReplicaBook:
     server 'ps' of job 'j' already has replica 'r' (on host 'h1')
     """
 
-    def __init__(self, state: SchedulerState) -> None:
+    def __init__(self, state: SchedulerState, grace: float = REREGISTER_GRACE) -> None:
         self.state = state
+        #: seconds a replica whose daemon lost its session stays attached (:meth:`lost`)
+        self.grace = grace
         self.records: dict[tuple[str, str], ReplicaRecord] = {}
 
-    def register(self, host: str, job: str, server: str, name: str, model: Sequence[Any]) -> Directives:
+    def register(
+        self, host: str, job: str, server: str, name: str, model: Sequence[Any], *, rejoin: bool = False
+    ) -> Directives:
         """A replica ``name`` of ``server`` registers on ``host``; the attach directive to the server.
 
         Raises
@@ -116,6 +125,11 @@ class ReplicaBook:
         A replica whose daemon lost its session (:meth:`lost`) and registers again from the
         same host under the same name is attached again as it was: its server's daemon kept
         its replication log (the directive only gives the log the replica's address again).
+        One registered again by its daemon (``rejoin``) that this book does not hold — it was
+        detached after the grace, or the scheduler restarted — is **re-synced**: the directive
+        has ``resync``, so the server's daemon starts a new log at its current model and sends
+        that model to the replica; the record stays unconfirmed (``resyncing``) until the new
+        log reports.
         """
         target = self.state.server_role(job, server)  # UnknownJob, UnknownServer
         address = self.state.address(host)
@@ -127,10 +141,10 @@ class ReplicaBook:
         out: Directives = []
         old = self.records.get((job, server))
         if old is not None and old.lost_at is not None and (old.host, old.name) == (host, name):
-            old.lost_at = None
+            old.lost_at = None  # (one whose re-sync never completed is re-synced again)
             d = pb.ReplicateDirective(
                 job=job, server=server, replica=name, replica_host=host, replica_address=address,
-                div_max=old.div_max, up_to_version=old.directed,
+                div_max=old.div_max, up_to_version=old.directed, resync=old.resyncing,
             )  # fmt: skip
             return [(target.host, pb.Directive(replicate=d))]
         if old is not None and old.lost_at is not None:  # another replica replaces the lost one
@@ -149,14 +163,23 @@ class ReplicaBook:
                     f"of job '{job}' has {theirs.get(bad, 'no such tensor')}"
                 )
         div_max = self.state.jobs[job].params.div_max
-        self.records[(job, server)] = ReplicaRecord(job, server, name, host, div_max, version=target.version)
-        d = pb.ReplicateDirective(
-            job=job, server=server, replica=name, replica_host=host, replica_address=address, div_max=div_max
+        self.records[(job, server)] = ReplicaRecord(
+            job, server, name, host, div_max, version=target.version, resyncing=rejoin
         )
+        d = pb.ReplicateDirective(
+            job=job, server=server, replica=name, replica_host=host, replica_address=address,
+            div_max=div_max, resync=rejoin,
+        )  # fmt: skip
+        if rejoin:
+            log.warning(
+                "replica %r of server %r of job %r on %r registered again, unknown here (detached "
+                "after the grace, or the scheduler restarted): re-syncing (its server's daemon "
+                "sends it the model again)", name, server, job, host,
+            )  # fmt: skip
         return [*out, (target.host, pb.Directive(replicate=d))]
 
     def lost(self, host: str, now: float) -> None:
-        """``host``'s daemon lost its session: its replicas wait :data:`REREGISTER_GRACE` s for it."""
+        """``host``'s daemon lost its session: its replicas wait :attr:`grace` s for it."""
         for rec in self.records.values():
             if rec.host == host and rec.lost_at is None:
                 rec.lost_at = now
@@ -164,7 +187,7 @@ class ReplicaBook:
     def next_deadline(self) -> float | None:
         """When the first replica whose daemon is away must be detached (None: none is away)."""
         return min(
-            (r.lost_at + REREGISTER_GRACE for r in self.records.values() if r.lost_at is not None),
+            (r.lost_at + self.grace for r in self.records.values() if r.lost_at is not None),
             default=None,
         )
 
@@ -172,10 +195,11 @@ class ReplicaBook:
         """Detach the replicas whose daemon did not come back within the grace."""
         out: Directives = []
         for key, rec in list(self.records.items()):
-            if rec.lost_at is not None and now >= rec.lost_at + REREGISTER_GRACE:
+            if rec.lost_at is not None and now >= rec.lost_at + self.grace:
                 log.warning(
                     "replica %r of server %r of job %r: its daemon (host %r) did not come back "
-                    "within %.0f s; detached", rec.name, rec.server, rec.job, rec.host, REREGISTER_GRACE,
+                    "within %g s; detached (re-synced if it registers again)",
+                    rec.name, rec.server, rec.job, rec.host, self.grace,
                 )  # fmt: skip
                 out += self.remove(*key)
         return out
@@ -193,6 +217,7 @@ class ReplicaBook:
         if rec is None:
             return None
         rec.confirmed = True
+        rec.resyncing = False
         rec.version = max(rec.version, int(m.replica_version))
         rec.directed = max(rec.directed, rec.version)
         for v in [v for v in rec.log if v <= rec.version]:
@@ -250,9 +275,9 @@ class ReplicaBook:
 class Replication:
     """What the service core does for replicas (holds the core; see the module docstring)."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, grace: float = REREGISTER_GRACE) -> None:
         self.core = core
-        self.book = ReplicaBook(core.state)
+        self.book = ReplicaBook(core.state, grace)
         self.policy = ReplicationPolicy()
         self.promotions = 0
         #: (job, server) -> the host it was on before its replica was promoted
@@ -270,6 +295,13 @@ class Replication:
             ["job", "server"],
             registry=r,
         )
+        self.metric_resyncing = Gauge(
+            "mlfabric_replica_resyncing",
+            "1 while a replica registered again after it was detached is being re-synced (sent the "
+            "model again; not promotable, its server does not wait on it), else 0",
+            ["job", "server"],
+            registry=r,
+        )
         self.metric_promotions = Counter(
             "mlfabric_replica_promotions", "replicas promoted to server after a failure", registry=r
         )
@@ -280,7 +312,9 @@ class Replication:
 
     def register(self, host: str, m: Any) -> None:
         """A ``RegisterRole`` with ``ROLE_REPLICA`` (raises :class:`SchedulerError` naming the problem)."""
-        self._send(self.book.register(host, m.job, m.replica_of, m.name, list(m.model)))
+        self._send(self.book.register(host, m.job, m.replica_of, m.name, list(m.model), rejoin=m.rejoin))
+        rec = self.book.records[(m.job, m.replica_of)]
+        self.metric_resyncing.labels(m.job, m.replica_of).set(1 if rec.resyncing else 0)
         self.core._announce(m.job)  # workers' daemons learn the server is replicated
 
     def on_message(self, kind: str, m: Any) -> None:
@@ -290,6 +324,8 @@ class Replication:
             return
         if kind == "replica_status" and m.blocked:
             self.metric_waits.labels(rec.job, rec.server).inc()
+        if kind == "replica_status":
+            self.metric_resyncing.labels(rec.job, rec.server).set(0)
         self.metric_divergence.labels(rec.job, rec.server).set(rec.divergence())
         if kind == "replica_status" and m.error:
             log.warning("replica %r of server %r of job %r: %s", rec.name, rec.server, rec.job, m.error)
@@ -310,6 +346,7 @@ class Replication:
     def replica_left(self, job: str, server: str) -> None:
         """The replica's process unregistered."""
         self._send(self.book.remove(job, server))
+        self.metric_resyncing.labels(job, server).set(0)
         self.core._announce(job)
 
     def check_server(self, host: str, job: str, name: str) -> None:
@@ -366,10 +403,11 @@ class Replication:
         """``host``'s daemon left: promote the replicas of its servers; its replicas wait for it.
 
         A replica whose daemon lost its session stays attached (its server's daemon keeps
-        forwarding to it over the data plane, and the bound holds) for
-        :data:`REREGISTER_GRACE` s: a daemon that reconnects registers it again and it goes
-        on as before (:meth:`ReplicaBook.register`); else it is detached (:meth:`expire`).
-        While its daemon is away it cannot be promoted.
+        forwarding to it over the data plane, and the bound holds) for the book's grace
+        (:data:`REREGISTER_GRACE` by default): a daemon that reconnects registers it again and
+        it goes on as before (:meth:`ReplicaBook.register`); else it is detached
+        (:meth:`expire`), and re-synced when its daemon registers it later. While its daemon
+        is away it cannot be promoted.
         """
         for (job, server), _ in list(self.book.records.items()):
             target = next((s for s in self.core.state.servers(job) if s.name == server), None)
@@ -386,4 +424,5 @@ class Replication:
         """Detach the replicas whose daemon did not register them again in time."""
         for host, d in self.book.expire(now):
             self._send([(host, d)])
+            self.metric_resyncing.labels(d.replicate.job, d.replicate.server).set(0)
             self.core._announce(d.replicate.job)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from typing import Any
 
 from mlfabric.cluster import LocalCluster, ManagedProcess
@@ -27,6 +28,7 @@ class Proxy:
         self._lock = threading.Lock()
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self.cuts = 0
+        self._refuse_until = 0.0
         threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -35,6 +37,9 @@ class Proxy:
                 client, _ = self._listener.accept()
             except OSError:  # closed
                 return
+            if time.monotonic() < self._refuse_until:  # held: the daemon stays away
+                client.close()
+                continue
             try:
                 upstream = socket.create_connection(self._target, timeout=5)
             except OSError:
@@ -60,8 +65,9 @@ class Proxy:
         with self._lock:
             return len(self._pairs)
 
-    def cut(self) -> None:
-        """Break every connection carried now (new ones are still accepted)."""
+    def cut(self, hold: float = 0.0) -> None:
+        """Break every connection carried now; refuse new ones for ``hold`` seconds."""
+        self._refuse_until = time.monotonic() + hold
         with self._lock:
             pairs = list(self._pairs)
             self.cuts += 1

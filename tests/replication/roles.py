@@ -2,8 +2,12 @@
 
 ``python roles.py server OUT DIV_MAX`` serves a float64 model of integer values with
 ``Params(div_max=DIV_MAX)``; ``python roles.py replica OUT`` replicates it (the same
-``on_update``); ``python roles.py worker OUT RANK PUSHES GAP`` pushes ``PUSHES``
-integer-valued float64 updates, one every ``GAP`` seconds, and records every verdict.
+``on_update``; ``python roles.py replica OUT PAUSE`` sleeps PAUSE s after each update);
+``python roles.py worker OUT RANK PUSHES GAP`` pushes ``PUSHES``
+integer-valued float64 updates, one every ``GAP`` seconds, and records every verdict;
+``python roles.py flood OUT RANK SECONDS K`` pushes for ``SECONDS`` with ``K`` pushes
+unresolved at a time; ``python roles.py big OUT RANK SCALE AFTER`` pushes one update
+``SCALE`` times larger after ``AFTER`` seconds.
 Each role writes ``<role>.ready`` once registered and, on SIGTERM, its final model and the
 ids it applied (a replica also when and why it was promoted).
 """
@@ -17,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +43,7 @@ def update_for(rank: int, index: int) -> dict[str, np.ndarray]:
     return {k: rng.integers(-5, 6, size=s).astype(np.float64) for k, s in SHAPES.items()}
 
 
-def _serve(srv: mlfabric.Server, out: Path, role: str, extra: dict[str, object]) -> None:
+def _serve(srv: mlfabric.Server, out: Path, role: str, extra: dict[str, object], pause: float = 0.0) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     applied: list[str] = []
@@ -48,6 +53,7 @@ def _serve(srv: mlfabric.Server, out: Path, role: str, extra: dict[str, object])
         for k, v in update.items():
             srv.model[k] -= v
         applied.append(meta.update_id)
+        time.sleep(pause)
         extra.setdefault("first_apply_after_promotion", None)
         if extra.get("promoted_at") is not None and extra["first_apply_after_promotion"] is None:
             extra["first_apply_after_promotion"] = time.time()
@@ -72,9 +78,16 @@ def rejoin(out: Path) -> None:
     )
 
 
-def replica(out: Path) -> None:
+def replica(out: Path, pause: float = 0.0) -> None:
+    """The replica; ``pause``: seconds it sleeps after each update (a slow replica)."""
     rep = mlfabric.register_as_replica(JOB, SERVER, initial_model())
     extra: dict[str, object] = {"start_version": rep.version, "promoted_at": None, "reason": ""}
+
+    def watch_resync() -> None:
+        while rep.resyncs == 0 and not rep.promoted.is_set():
+            time.sleep(0.05)
+        if rep.resyncs:
+            (out / "replica.resynced").write_text(str(rep.version))
 
     def watch() -> None:
         rep.promoted.wait()
@@ -82,7 +95,10 @@ def replica(out: Path) -> None:
         (out / "replica.promoted").write_text(str(time.time()))
 
     threading.Thread(target=watch, daemon=True).start()
-    _serve(rep, out, "replica", extra)
+    threading.Thread(target=watch_resync, daemon=True).start()
+    _serve(rep, out, "replica", extra, pause)
+    info = json.loads((out / "replica.json").read_text())
+    (out / "replica.json").write_text(json.dumps({**info, "resyncs": rep.resyncs}))
 
 
 def worker(out: Path, rank: int, pushes: int, gap: float) -> None:
@@ -106,13 +122,46 @@ def worker(out: Path, rank: int, pushes: int, gap: float) -> None:
     (out / f"worker{rank}.json").write_text(json.dumps(results))
 
 
+def flood(out: Path, rank: int, seconds: float, outstanding: int) -> None:
+    """Push small updates for ``seconds``, keeping ``outstanding`` pushes unresolved (steady traffic)."""
+    w = mlfabric.register_as_worker(JOB, name=f"w{rank}", wait=60.0)
+    results: list[dict[str, object]] = []
+    with w:
+        handles: list[tuple[int, Any]] = []
+        end, i = time.monotonic() + seconds, 0
+        while time.monotonic() < end or handles:
+            while time.monotonic() < end and len(handles) < outstanding:
+                handles.append((i, w.push(SERVER, update_for(rank, i))))
+                i += 1
+            index, handle = handles.pop(0)
+            r = handle.wait(timeout=120.0)
+            results.append({"index": index, "status": r.status, "update_id": r.update_id, "t": time.time()})
+            (out / f"worker{rank}.progress").write_text(str(len(results)))
+    (out / f"worker{rank}.json").write_text(json.dumps(results))
+
+
+def big(out: Path, rank: int, scale: float, after: float) -> None:
+    """After ``after`` s push one update ``scale`` times ``update_for(rank, 0)``; record its latency."""
+    w = mlfabric.register_as_worker(JOB, name=f"w{rank}", wait=60.0)
+    with w:
+        time.sleep(after)
+        t0 = time.time()
+        r = w.push(SERVER, {k: v * scale for k, v in update_for(rank, 0).items()}).wait(timeout=120.0)
+        result = {"index": 0, "status": r.status, "update_id": r.update_id, "t0": t0, "t": time.time()}
+    (out / f"worker{rank}.json").write_text(json.dumps([result]))
+
+
 if __name__ == "__main__":
     role, out_dir = sys.argv[1], Path(sys.argv[2])
     if role == "server":
         server(out_dir, float(sys.argv[3]))
     elif role == "replica":
-        replica(out_dir)
+        replica(out_dir, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
     elif role == "rejoin":
         rejoin(out_dir)
+    elif role == "flood":
+        flood(out_dir, int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+    elif role == "big":
+        big(out_dir, int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
     else:
         worker(out_dir, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))

@@ -69,16 +69,24 @@ class Run:
     """A cluster with the server, its replica and the workers of one test."""
 
     def __init__(
-        self, tmp_path: Path, div_max: float, cluster_cls: Any = LocalCluster, policy: str = "stf"
+        self,
+        tmp_path: Path,
+        div_max: float,
+        cluster_cls: Any = LocalCluster,
+        policy: str = "stf",
+        replica_args: tuple[str, ...] = (),
+        scheduler_args: tuple[str, ...] = (),
     ) -> None:
         topology = tmp_path / "topology.toml"
         topology.write_text(TOPOLOGY)
         self.out = tmp_path / "out"
         self.out.mkdir()
-        self.cluster = cluster_cls(topology, policy=policy, workdir=tmp_path / "run").start()
+        self.cluster = cluster_cls(
+            topology, policy=policy, workdir=tmp_path / "run", extra_scheduler_args=scheduler_args
+        ).start()
         self.server = self.spawn("ps", "server", str(div_max))
         _wait_file(self.out / "server.ready", self.server)
-        self.replica = self.spawn("rep", "replica")
+        self.replica = self.spawn("rep", "replica", *replica_args)
         _wait_file(self.out / "replica.ready", self.replica)
         self.workers: list[Any] = []
 
@@ -304,6 +312,8 @@ def test_after_a_scheduler_restart_the_replica_still_takes_over(tmp_path: Path) 
     try:
         run.start_workers(pushes=40, gap=0.02)
         run.wait_progress(8)
+        for rank in range(2):  # both registered before the restart (a loaded host starts them late)
+            _wait_file(run.out / f"worker{rank}.progress", run.workers[rank])
         run.cluster.restart("scheduler", signal.SIGKILL)
         run.wait_progress(30)
         os.kill(run.server.popen.pid, signal.SIGKILL)
@@ -343,4 +353,87 @@ def test_a_replica_whose_daemon_lost_its_session_is_attached_again(tmp_path: Pat
         run.stop()
     _check_exact(_model(run.out, "replica"), results)
     replica = json.loads((run.out / "replica.json").read_text())
+    assert len(replica["applied"]) == len(set(replica["applied"])), "an update applied twice at the replica"
+
+
+def _norm(update: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum((v**2).sum() for v in update.values())))
+
+
+@pytest.mark.slow
+def test_an_update_beyond_div_max_is_admitted_under_steady_small_pushes(tmp_path: Path) -> None:
+    """First-come admission: an update 4x div_max/2.5 pushed while two workers keep 4 small pushes
+    each unresolved is applied within a bounded time, long before the small pushes stop (failed
+    before: smaller updates that fit were admitted beside it, the divergence never reached 0 and it
+    waited until the flood ended); the replica ends bit-identical to the server."""
+    roles = _roles()
+    div_max = 2.5 * _norm(roles.update_for(0, 0))
+    scale = 4.0
+    run = Run(tmp_path, div_max=div_max, policy="fair", replica_args=("0.02",))  # replication: the bottleneck
+    try:
+        for host, rank in (("a", 0), ("b", 1)):
+            run.workers.append(run.spawn(host, "flood", str(rank), "8", "4", name=f"worker{rank}"))
+        run.workers.append(run.spawn("a", "big", "2", str(scale), "2", name="worker2"))
+        results = run.finish(run.server, run.replica)
+    finally:
+        run.stop()
+    (large,) = results[2]
+    small = [p for r in (0, 1) for p in results[r]]
+    assert large["status"] == "APPLIED" and all(p["status"] == "APPLIED" for p in small)
+    waited = large["t"] - large["t0"]
+    after = [p for p in small if p["t"] > large["t"]]
+    assert waited < 3.0, f"the large update waited {waited:.1f} s (small pushes resolved meanwhile)"
+    assert len(after) >= 10, "the small pushes did not go on after the large one (no steady traffic)"
+    expected = _minus({r: results[r] for r in (0, 1)}, ("APPLIED",))
+    for k, v in roles.update_for(2, 0).items():
+        expected[k] -= v * scale
+    server, replica = _model(run.out, "server"), _model(run.out, "replica")
+    for k in expected:
+        assert np.array_equal(server[k], expected[k]) and np.array_equal(replica[k], server[k])
+
+
+def _proxy_module() -> Any:
+    spec = importlib.util.spec_from_file_location("replication_test_proxy", HERE / "proxy.py")
+    assert spec is not None and spec.loader is not None
+    proxy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proxy)
+    return proxy
+
+
+@pytest.mark.slow
+def test_a_replica_back_after_the_grace_is_resynced_and_takes_over(tmp_path: Path) -> None:
+    """Keep the replica's daemon away from the scheduler past the grace (1 s here) with the
+    replica process stopped: the chain-replicated server waits for it, then, once it is detached,
+    goes on without it; the replica resumes, its daemon registers it again, the server's daemon
+    sends it the model again and it is attached anew; the server process is killed later: the
+    replica is promoted, holding exactly the APPLIED updates (failed before: never attached
+    again, never promoted)."""
+    proxy = _proxy_module()
+    grace = ("--replica-grace", "1")
+    run = Run(tmp_path, div_max=0.0, cluster_cls=proxy.ProxiedCluster, scheduler_args=grace)
+    try:
+        run.start_workers(pushes=300, gap=0.02)  # (still pushing when the daemon is back, ~3-7 s)
+        run.wait_progress(8)
+        carried = run.cluster.proxy.connections()
+        os.kill(run.replica.popen.pid, signal.SIGSTOP)  # chain: the server waits for it...
+        run.cluster.proxy.cut(hold=3.0)  # ... until it is detached (the grace is 1 s)
+        at_cut = run.progress()
+        try:
+            run.wait_progress(at_cut + 15, timeout=4.0)  # the server does not wait on it any more
+        finally:
+            os.kill(run.replica.popen.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while run.cluster.proxy.connections() == carried:  # the replica's daemon reconnected
+            assert time.monotonic() < deadline, "the replica's daemon did not reconnect"
+            time.sleep(0.05)
+        _wait_file(run.out / "replica.resynced", run.replica, timeout=20)
+        run.wait_progress(run.progress() + 20)
+        os.kill(run.server.popen.pid, signal.SIGKILL)
+        _wait_file(run.out / "replica.promoted", run.replica, timeout=20)
+        results = run.finish(run.replica)
+    finally:
+        run.stop()
+    _check_exact(_model(run.out, "replica"), results)
+    replica = json.loads((run.out / "replica.json").read_text())
+    assert replica["resyncs"] == 1
     assert len(replica["applied"]) == len(set(replica["applied"])), "an update applied twice at the replica"

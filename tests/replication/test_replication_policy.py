@@ -140,3 +140,53 @@ def test_a_replica_whose_daemon_lost_its_session_is_kept_for_the_grace_then_deta
     (d1, d2) = book.register("h2", "j", "ps", "r2", [])  # replaces the one whose daemon is away
     assert d1[1].replicate.detach and d2[1].replicate.replica_host == "h2"
     assert book.records[("j", "ps")].host == "h2" and book.next_deadline() is None
+
+
+def test_a_replica_registered_again_after_the_grace_is_resynced_not_confirmed_until_its_log_reports() -> None:
+    """The grace is the book's (configurable); a replica its daemon registers again (``rejoin``)
+    after it was detached gets a new record marked re-syncing and a ``resync`` attach directive;
+    it is confirmed (promotable) only once the new log reports."""
+    s, _ = _book()
+    book = ReplicaBook(s, grace=1.5)
+    book.register("h1", "j", "ps", "r", [])
+    book.status(pb.ReplicaStatus(job="j", server="ps", replica_version=3))
+    book.lost("h1", now=100.0)
+    assert book.next_deadline() == 101.5
+    ((_, detach),) = book.expire(101.5)
+    assert detach.replicate.detach and ("j", "ps") not in book.records
+    ((host, d),) = book.register("h1", "j", "ps", "r", [], rejoin=True)
+    rec = book.records[("j", "ps")]
+    assert host == "h0" and d.replicate.resync and d.replicate.replica_address == "127.0.0.1:9001"
+    assert rec.resyncing and not rec.confirmed
+    book.status(pb.ReplicaStatus(job="j", server="ps", replica_version=9))
+    assert not rec.resyncing and rec.confirmed and rec.version == 9
+    book.lost("h1", now=200.0)  # back within the grace: taken back as it was, no re-sync
+    ((_, again),) = book.register("h1", "j", "ps", "r", [], rejoin=True)
+    assert not again.replicate.resync and book.records[("j", "ps")].confirmed
+
+
+def test_the_service_takes_the_grace_from_its_config_and_shows_a_resync_in_its_metrics() -> None:
+    from mlfabric.scheduler.policies.dispatch import Dispatcher
+    from mlfabric.scheduler.policies.fair import FairPolicy
+    from mlfabric.scheduler.service.batching import AdaptiveBatcher
+    from mlfabric.scheduler.service.core import Metrics, SchedulerCore, StaticEstimator
+
+    g = star(["h0", "h1"], 8e9)
+    core = SchedulerCore(
+        SchedulerState(g), FairPolicy(), dispatcher=Dispatcher(), batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(g), metrics=Metrics(), replica_grace=0.25,
+    )  # fmt: skip
+    assert core.replication.book.grace == 0.25
+    ps = core.hello(pb.Hello(host="h0", data_address="127.0.0.1:9000"))
+    rep = core.hello(pb.Hello(host="h1", data_address="127.0.0.1:9001"))
+    msg = pb.DaemonMessage
+    core.on_message(ps, msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="ps")))
+    again = pb.RegisterRole(job="j", role=pb.ROLE_REPLICA, name="r", replica_of="ps", rejoin=True)
+    core.on_message(rep, msg(register_role=again))
+    labels = {"job": "j", "server": "ps"}
+    assert core.metrics.registry.get_sample_value("mlfabric_replica_resyncing", labels) == 1.0
+    directives = [ps.queue.get_nowait() for _ in range(ps.queue.qsize())]
+    assert any(d.WhichOneof("kind") == "replicate" and d.replicate.resync for d in directives)
+    core.on_message(ps, msg(replica_status=pb.ReplicaStatus(job="j", server="ps", replica_version=0)))
+    assert core.metrics.registry.get_sample_value("mlfabric_replica_resyncing", labels) == 0.0
+    assert core.replication.book.records[("j", "ps")].confirmed
