@@ -430,11 +430,11 @@ class PathCache:
                 raise TopologyError(f"'{dst}' is not a host of the bandwidth graph")
             tree = {dst: dst}
             frontier = [dst]
-            pred = self._graph.pred
+            pred = self._graph.predecessors
             while frontier:
                 nxt = []
                 for v in frontier:
-                    for u in pred[v]:
+                    for u in pred(v):
                         if u not in tree:
                             tree[u] = v
                             nxt.append(u)
@@ -452,13 +452,29 @@ class PathCache:
         """
         tree = self._tree(dst)
         if src not in tree:
-            if src not in self._graph:
-                raise TopologyError(f"'{src}' is not a host of the bandwidth graph")
-            raise TopologyError(f"no path from '{src}' to '{dst}'")
+            raise self._no_path(src, dst)
         path = [src]
         while path[-1] != dst:
             path.append(tree[path[-1]])
         return tuple(path)
+
+    def next_hop(self, src: str, dst: str) -> str:
+        """The node after ``src`` on its path to ``dst`` (``dst`` itself when ``src == dst``).
+
+        Raises
+        ------
+        TopologyError
+            As :meth:`path`.
+        """
+        hop = self._tree(dst).get(src)
+        if hop is None:
+            raise self._no_path(src, dst)
+        return hop
+
+    def _no_path(self, src: str, dst: str) -> TopologyError:
+        if src not in self._graph:
+            return TopologyError(f"'{src}' is not a host of the bandwidth graph")
+        return TopologyError(f"no path from '{src}' to '{dst}'")
 
     def links(self, src: str, dst: str) -> tuple[tuple[str, str], ...]:
         """Directed links of the path from ``src`` to ``dst`` (cached)."""

@@ -116,6 +116,26 @@ class LinkTimeline:
         if end <= start or rate <= 0:
             return
         times, residual, eps = self.times, self.residual, self.eps
+        last = len(times) - 1
+        c = residual[last]
+        left = c - rate
+        if start >= times[last] and left >= -eps:  # from the last piece on: what the steps below do
+            left = 0.0 if left < 0.0 else left
+            if start != times[last]:
+                if abs(c - left) > eps:  # else both new breakpoints merge away
+                    times.append(start)
+                    times.append(end)
+                    residual.append(left)
+                    residual.append(c)
+                return
+            residual[last] = left
+            if abs(c - left) > eps:
+                times.append(end)
+                residual.append(c)
+            if last > 0 and abs(left - residual[last - 1]) <= eps:
+                del times[last]
+                del residual[last]
+            return
         # make start, then end, a breakpoint (i, j: their indices); inline, the hot path of planning
         i = bisect_right(times, start) - 1
         if i < 0:  # before the origin: extend the first piece backwards
@@ -142,8 +162,8 @@ class LinkTimeline:
         # merge equal neighbours from the piece before i to the one after j
         lo = i - 1 if i > 0 else 0
         k = min(j + 1, len(times) - 1)
-        while k > lo:
-            if k < len(times) and abs(residual[k] - residual[k - 1]) <= eps:
+        while k > lo:  # k < len(times) throughout: a deletion shortens times by one as k steps down
+            if abs(residual[k] - residual[k - 1]) <= eps:
                 del times[k]
                 del residual[k]
             k -= 1
@@ -190,10 +210,29 @@ class Timelines:
         """The timeline of ``link`` (created from the graph's capacity on first use)."""
         tl = self._links.get(link)
         if tl is None:
-            cap = self._graph.edges[link]["capacity"]
-            tl = LinkTimeline(cap, self._start, self._profiles.get(link, ()))
+            data = self._graph.get_edge_data(*link)  # graph.edges[link], without making a view
+            if data is None:
+                raise KeyError(f"no link {link} in the graph")
+            cap = data["capacity"]
+            tl = LinkTimeline(cap, self._start, self._profiles.get(link, ()) if self._profiles else ())
             self._links[link] = tl
         return tl
+
+    def empty(self) -> bool:
+        """Whether no link has a reservation or a capacity profile (every residual constant).
+
+        Examples
+        --------
+        >>> g = nx.DiGraph()
+        >>> g.add_edge("a", "b", capacity=4.0)
+        >>> tls = Timelines(g)
+        >>> tls.empty(), tls.link(("a", "b")) is not None, tls.empty()
+        (True, True, True)
+        >>> _ = tls.reserve_until([("a", "b")], 1.0, 2.0)
+        >>> tls.empty()
+        False
+        """
+        return not self._profiles and all(len(tl.times) == 1 for tl in self._links.values())
 
     def last_change(self, link: Link) -> float:
         """When the residual of ``link`` last changes (``-inf``: constant from the origin on).
@@ -407,6 +446,8 @@ class Timelines:
                 pieces.append((t, finish, cap))
             return t, finish, pieces
         n = len(times_of)
+        if n == 1:  # the common case: one link reserved before
+            return self._walk_one(times_of[0], res_of[0], eps_of[0], cap, links, remaining, t, record)
         index = [max(bisect_right(times_of[k], t) - 1, 0) for k in range(n)]
         start = -INF
         while True:
@@ -436,6 +477,49 @@ class Timelines:
                     raise ValueError(f"path {list(links)} never has residual bandwidth after t={t:g}")
                 t = blocked
                 continue
+            if start == -INF:
+                start = t
+            finish = t + remaining / rate
+            done = finish <= nxt
+            hi = finish if done else nxt
+            if record:
+                if pieces and pieces[-1][2] == rate and pieces[-1][1] == t:
+                    pieces[-1] = (pieces[-1][0], hi, rate)
+                else:
+                    pieces.append((t, hi, rate))
+            if done:
+                return start, finish, pieces
+            remaining -= rate * (nxt - t)
+            t = nxt
+
+    @staticmethod
+    def _walk_one(
+        times: list[float],
+        res: list[float],
+        eps: float,
+        cap: float,
+        links: Sequence[Link],
+        remaining: float,
+        t: float,
+        record: bool,
+    ) -> tuple[float, float, list[tuple[float, float, float]]]:
+        """:meth:`_walk` where one link has pieces (``times``, ``res``), the others a ``cap``."""
+        pieces: list[tuple[float, float, float]] = []
+        last = len(times) - 1
+        i = max(bisect_right(times, t) - 1, 0)
+        start = -INF
+        while True:
+            while i < last and times[i + 1] <= t:
+                i += 1
+            nxt = times[i + 1] if i < last else INF
+            rate = res[i]
+            if rate <= eps:  # nothing moves until the link frees
+                if nxt == INF:
+                    raise ValueError(f"path {list(links)} never has residual bandwidth after t={t:g}")
+                t = nxt
+                continue
+            if cap < rate:
+                rate = cap
             if start == -INF:
                 start = t
             finish = t + remaining / rate

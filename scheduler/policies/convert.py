@@ -19,6 +19,7 @@ transfers it follows on its bottleneck.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -81,17 +82,31 @@ def schedule_to_decision(
     starts = [t.start for t in transfers]
     for i in sorted(range(len(transfers)), key=starts.__getitem__):
         t = transfers[i]
+        if len(t.path) < 2:  # no link (the payload is at its next hop already): follows nothing
+            after[i] = ()
+            continue
         start, pid = t.start, t.payload_id
         found: set[str] = set()
-        links = t.links
-        for link in links:
-            at = ends[link]
-            if start in at:
-                found.update(at[start])
+        at_link = [ends[link] for link in itertools.pairwise(t.path)]  # t.links
+        for at in at_link:
+            got = at.get(start)
+            if got is not None:
+                found.update(got)
         found.discard(pid)
-        after[i] = tuple(sorted([ids.get(p, p) for p in found])) if found else ()
-        for link in links:
-            ends[link].setdefault(t.end, []).append(pid)
+        if not found:
+            after[i] = ()
+        elif len(found) == 1:
+            (p,) = found
+            after[i] = (ids.get(p, p),)
+        else:
+            after[i] = tuple(sorted([ids.get(p, p) for p in found]))
+        end = t.end
+        for at in at_link:
+            got = at.get(end)
+            if got is None:
+                at[end] = [pid]
+            else:
+                got.append(pid)
     planned = {a.aggregate_id for a in schedule.aggregates}
     sends: list[Send] = []
     replicas: list[ReplicaSend] = []

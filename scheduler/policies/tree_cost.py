@@ -57,27 +57,32 @@ def reserve(
     waiting = {aid: len(n.members) for aid, n in nodes.items()}
     ready_at = dict.fromkeys(nodes, -math.inf)
     transfers: list[Transfer] = []
+    readies = [max(u.ready_at, now) for u in order]
+    path, transfer, pop, push = routes.tree_path, tls.transfer, heapq.heappop, heapq.heappush
     makespan = now
     i, n, made = 0, len(order), 0
     while i < n or heap:
-        if heap and (i >= n or heap[0][0] < max(order[i].ready_at, now)):
-            ready, _, pid, src = heapq.heappop(heap)
+        if heap and (i >= n or heap[0][0] < readies[i]):
+            ready, _, pid, src = pop(heap)
         else:
             u = order[i]
-            ready, pid, src = max(u.ready_at, now), u.update_id, u.src
+            ready, pid, src = readies[i], u.update_id, u.src
             i += 1
         to = parent.get(pid)
         hop = nodes[to].aggregator if to is not None else server_host
-        t = tls.transfer(pid, routes.path(src, hop), size[pid], ready)
+        t = transfer(pid, path(src, hop), size[pid], ready)
         transfers.append(t)
+        end = t.end
         if to is None:
-            makespan = max(makespan, t.end)
+            if end > makespan:
+                makespan = end
             continue
         waiting[to] -= 1
-        ready_at[to] = max(ready_at[to], t.end)
+        if end > ready_at[to]:
+            ready_at[to] = end
         if waiting[to] == 0:
             made += 1
-            heapq.heappush(heap, (ready_at[to], made, to, nodes[to].aggregator))
+            push(heap, (ready_at[to], made, to, nodes[to].aggregator))
     return transfers, makespan
 
 
@@ -99,7 +104,7 @@ def estimate(
     """
     # each payload's links (resolved first: link ids are made on first use) and aggregate
     plan: dict[str, tuple[tuple[int, ...], str | None]] = {}
-    ids = routes.ids
+    ids = routes.tree_ids  # every payload moves between hosts of the tree
     for _, _, pid, src in updates:
         to = parent.get(pid)
         plan[pid] = (ids(src, nodes[to].aggregator if to is not None else server_host), to)

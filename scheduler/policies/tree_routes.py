@@ -6,7 +6,9 @@ aggregator's path reversed (when those links exist; else the hop-count shortest 
 Those routes depend on the topology only: a :class:`RouteCache` keeps them per server host
 (node paths, and integer link ids for the fast estimate of ``tree_cost.py``) for as long as
 the topology stands — a long-lived policy keeps one across its decisions. Each host's path
-to the server is computed once, and a pair's route is read off the two hosts' paths.
+to the server is computed once, and a pair's route is read off the two hosts' paths. It also
+keeps the last few :class:`TreeShape` (which eligible hosts lie below each switch of the
+tree, for one set of sources and aggregators and one order of the graph's hosts).
 :class:`Routes` adds what one decision's graph and timelines say of each link: seconds per
 byte and when it is free. Internal to the tree planner.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -23,7 +25,7 @@ from mlfabric.scheduler.core.graph import PathCache
 from mlfabric.scheduler.core.schedule import Link
 from mlfabric.scheduler.core.timeline import Timelines
 
-__all__ = ["RouteCache"]
+__all__ = ["RouteCache", "TreeShape"]
 
 
 class _LinkIds:
@@ -80,9 +82,14 @@ class _ServerRoutes:
         """The path of ``h`` to the server (raises TopologyError where there is none)."""
         got = self.hosts.get(h)
         if got is None:
-            path = self.pc.path(h, self.server)
-            up = (self.link_id(path[:2]), *self.host(path[1]).up) if len(path) > 1 else ()
-            got = self.hosts[h] = _Host(path, up)
+            if h == self.server:
+                got = _Host((h,), ())
+            else:  # the next hop's path (cached), h in front
+                nxt = self.pc.next_hop(h, self.server)
+                first = self.link_id((h, nxt))  # before the next hop's: link ids in path order
+                on = self.host(nxt)
+                got = _Host((h, *on.path), (first, *on.up))
+            self.hosts[h] = got
         return got
 
     def _dst(self, h: str) -> _Dst:
@@ -147,6 +154,39 @@ class _ServerRoutes:
         return out
 
 
+class TreeShape:
+    """What a server's tree takes from the topology for one set of sources and aggregators.
+
+    Attributes
+    ----------
+    paths : dict
+        Each source, and each eligible host whose path crosses a source's, -> its path to
+        the server.
+    below : dict
+        Node between a source and the server -> the eligible hosts whose path crosses it,
+        in graph order.
+    rank : dict
+        Host -> its place in graph order.
+    into : dict
+        Eligible host of ``paths`` -> the nodes with a link into it (its ingress NICs).
+    """
+
+    __slots__ = ("below", "into", "paths", "rank")
+
+    def __init__(
+        self,
+        paths: dict[str, tuple[str, ...]],
+        below: dict[str, list[str]],
+        rank: dict[str, int],
+        into: dict[str, list[str]],
+    ) -> None:
+        self.paths, self.below, self.rank, self.into = paths, below, rank, into
+
+
+#: tree shapes a :class:`RouteCache` keeps (the most recently used)
+SHAPES_KEPT = 4
+
+
 class RouteCache:
     """Routes of the aggregation trees on one topology, per server host (kept across decisions).
 
@@ -167,13 +207,63 @@ class RouteCache:
     [('h2', 'tor1'), ('tor1', 'h3')]
     """
 
-    __slots__ = ("_servers", "link_id", "links", "pc")
+    __slots__ = ("_servers", "_shapes", "link_id", "links", "pc")
 
     def __init__(self, pc: PathCache) -> None:
         self.pc = pc
         self.link_id = _LinkIds()  # link -> its integer id (made on first use)
         self.links = self.link_id.links  # link id -> link
         self._servers: dict[str, _ServerRoutes] = {}
+        self._shapes: dict[tuple[str, frozenset[str], frozenset[str], tuple[str, ...]], TreeShape] = {}
+
+    def shape(
+        self, server_host: str, eligible: frozenset[str], sources: frozenset[str], every: Sequence[str]
+    ) -> TreeShape:
+        """The :class:`TreeShape` of ``server_host``'s tree (kept for the last few keys).
+
+        Parameters
+        ----------
+        server_host : str
+            The tree's server.
+        eligible : frozenset of str
+            Hosts that may aggregate.
+        sources : frozenset of str
+            The updates' hosts.
+        every : sequence of str
+            Every host of the graph, in graph order.
+        """
+        key = (server_host, eligible, sources, tuple(every))
+        got = self._shapes.pop(key, None)
+        if got is None:
+            got = self._shape(server_host, eligible, sources, every)
+            if len(self._shapes) >= SHAPES_KEPT:
+                del self._shapes[next(iter(self._shapes))]  # the least recently used
+        self._shapes[key] = got
+        return got
+
+    def _shape(
+        self, server_host: str, eligible: frozenset[str], sources: frozenset[str], every: Sequence[str]
+    ) -> TreeShape:
+        tree = self.server(server_host)
+        paths = {s: tree.host(s).path for s in sources}
+        crossed = {x for p in paths.values() for x in p[1:-1]}
+        below: dict[str, list[str]] = {}
+        for h in every:
+            if h not in eligible or h == server_host:
+                continue
+            if h not in paths:
+                try:
+                    path = tree.host(h).path
+                except ValueError:
+                    continue
+                if not crossed.intersection(path):
+                    continue
+                paths[h] = path
+            for x in paths[h][1:-1]:
+                below.setdefault(x, []).append(h)
+        pred = self.pc.graph.predecessors
+        into = {h: list(pred(h)) for h in paths if h in eligible}
+        return TreeShape(paths, below, {h: i for i, h in enumerate(every)}, into)
 
     def server(self, server_host: str) -> _ServerRoutes:
         """The routes within the tree of ``server_host``."""
@@ -286,12 +376,33 @@ class Routes:
                 self._grow()
         return out
 
+    def tree_ids(self, src: str, dst: str) -> tuple[int, ...]:
+        """:meth:`ids` of two hosts of the tree (``dst`` may be the server), without checking that."""
+        out = self._shared.get((src, dst))
+        if out is None:
+            if src == dst:
+                return ()
+            out = self._tree.pair_ids(src, dst)
+            if len(self.per) < len(self.cache.links):
+                self._grow()
+        return out
+
+    def tree_path(self, src: str, dst: str) -> tuple[str, ...]:
+        """:meth:`path` of two hosts of the tree (``dst`` may be the server), without checking that."""
+        out = self._tree.walks.get((src, dst))
+        if out is None:
+            out = (src,) if src == dst else self._tree.pair_path(src, dst)
+        return out
+
     def _grow(self) -> None:
         """Per-byte times and free times of the links given ids since the last call."""
         adj, tls, per, free = self._adj, self.tls, self.per, self.free
-        for a, b in self.cache.links[len(per) :]:
-            per.append(1.0 / float(adj[a][b]["capacity"]))
-            free.append(tls.last_change((a, b)) if tls is not None else -math.inf)
+        new = self.cache.links[len(per) :]
+        per.extend([1.0 / float(adj[a][b]["capacity"]) for a, b in new])
+        if tls is None or tls.empty():
+            free.extend([-math.inf] * len(new))
+        else:
+            free.extend([tls.last_change(link) for link in new])
 
     def path(self, src: str, dst: str) -> tuple[str, ...]:
         """Node path from ``src`` to ``dst``."""

@@ -76,11 +76,6 @@ FINALISTS = 4
 MOVES_UP_TO = 16
 
 
-def _in_tree(rc: RouteCache, sources: Iterable[str], server_host: str) -> dict[str, tuple[str, ...]]:
-    """Source host -> its path to the server (consistent: the paths form an in-tree)."""
-    return {s: rc.path(s, server_host) for s in sources}
-
-
 @dataclass
 class _Tree:
     """What every candidate tree of one server shares: paths, hosts below each node, NICs."""
@@ -103,35 +98,17 @@ def _tree(
     graph: nx.DiGraph, rc: RouteCache, order: Sequence[Update], eligible: frozenset[str], prefix: str
 ) -> _Tree:
     server_host = order[0].dst
-    sources = {u.src for u in order}
-    paths = _in_tree(rc, sources, server_host)
-    crossed = {x for p in paths.values() for x in p[1:-1]}
-    below: dict[str, list[str]] = {}
-    every = hosts(graph)
-    for h in every:
-        if h not in eligible or h == server_host:
-            continue
-        if h not in paths:
-            try:
-                path = rc.path(h, server_host)
-            except ValueError:
-                continue
-            if not crossed.intersection(path):
-                continue
-            paths[h] = path
-        for x in paths[h][1:-1]:
-            below.setdefault(x, []).append(h)
-    into: dict[str, list[float]] = {}  # node -> the capacities of its links in
-    for _, out in graph.adjacency():
-        for v, d in out.items():
-            into.setdefault(v, []).append(float(d["capacity"]))
-    ingress = {h: max(into.get(h, ()), default=0.0) for h in paths if h in eligible}  # tree_cost.ingress
+    shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), hosts(graph))
+    paths, below, rank = shape.paths, shape.below, shape.rank
+    adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
+    ingress = {  # tree_cost.ingress
+        h: max([float(adj[v][h]["capacity"]) for v in vs], default=0.0) for h, vs in shape.into.items()
+    }
     top: dict[str, tuple[list[str], set[str]]] = {}
     for x, hs in below.items():
         fastest = max(map(ingress.__getitem__, hs))
         tier = [h for h in hs if ingress[h] == fastest]
         top[x] = (tier, set(tier))
-    rank = {h: i for i, h in enumerate(every)}
     groups: dict[tuple[str, ...], list[str]] = {}
     for u in order:
         groups.setdefault(paths[u.src][1:-1], []).append(u.update_id)
@@ -157,9 +134,14 @@ def _sum(
     """
     tier, fastest = tree.top[point]
     busy = summing.setdefault(point, set())
-    local = sorted({host_of[p] for p in members} & fastest, key=tree.rank.__getitem__)
-    free = [h for h in local if h not in busy]
-    agg = (free or local)[0] if local else next((h for h in tier if h not in busy), tier[0])
+    local = {host_of[p] for p in members} & fastest
+    if not local:
+        agg = next((h for h in tier if h not in busy), tier[0])
+    elif len(local) == 1:
+        (agg,) = local
+    else:
+        ranked = sorted(local, key=tree.rank.__getitem__)
+        agg = next((h for h in ranked if h not in busy), ranked[0])
     busy.add(agg)
     aid = aggregate_id(tree.prefix, len(nodes))
     nodes[aid] = _Node(point, agg, list(members))

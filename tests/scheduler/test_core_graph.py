@@ -65,3 +65,16 @@ def test_path_cache_is_deterministic_hop_shortest_and_cached() -> None:
     g.add_node("island", kind="host")
     with pytest.raises(TopologyError, match="no path from 'island' to 'h0'"):
         PathCache(g).path("island", "h0")
+
+
+def test_next_hop_is_the_paths_second_node_and_raises_as_path() -> None:
+    g = fat_tree(4, 8e9)
+    pc = PathCache(g)
+    for src, dst in [("h0", "h15"), ("h3", "h4"), ("h5", "h5")]:
+        path = pc.path(src, dst)
+        assert pc.next_hop(src, dst) == (path[1] if len(path) > 1 else dst)
+    with pytest.raises(TopologyError, match="'nope' is not a host"):
+        pc.next_hop("nope", "h0")
+    g.add_node("island", kind="host")
+    with pytest.raises(TopologyError, match="no path from 'island' to 'h0'"):
+        PathCache(g).next_hop("island", "h0")

@@ -88,3 +88,42 @@ def test_path_that_never_frees_raises() -> None:
 def test_no_links_is_instant() -> None:
     g, _ = line(1.0)
     assert Timelines(g).ten([], 100.0, ready=2.0) == (2.0, 2.0)
+
+
+def _dense(reservations: list[tuple[float, float, float]], cap: float, t: float) -> float:
+    return cap - sum(rate for lo, hi, rate in reservations if lo <= t < hi)
+
+
+def test_reservations_match_a_dense_model_with_no_equal_neighbours() -> None:
+    # LinkTimeline.reserve has a short path for reservations from its last breakpoint on
+    # (most of the planners'): on random reservations, in and out of order, the timeline
+    # reads as capacity minus the reservations covering each instant, with no breakpoint
+    # between two equal residuals
+    import random
+
+    rng = random.Random(5)
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0]
+    for _ in range(400):
+        tl, cap = LinkTimeline(8.0), 8.0
+        done: list[tuple[float, float, float]] = []
+        for _ in range(rng.randint(1, 10)):
+            lo = rng.choice(grid)
+            hi = lo + rng.choice([0.5, 1.0, 2.0])
+            rate = rng.choice([1.0, 2.0, 4.0, 8.0])
+            if min(_dense(done, cap, t) for t in [*grid, lo] if lo <= t < hi) < rate:
+                with pytest.raises(ValueError, match="exceeds the residual"):
+                    tl.reserve(lo, hi, rate, who="x")
+                break
+            tl.reserve(lo, hi, rate)
+            done.append((lo, hi, rate))
+            assert all(tl.at(t) == _dense(done, cap, t) for t in [*grid, *(t + 0.25 for t in grid)])
+            assert all(a != b for a, b in itertools.pairwise(tl.residual))
+
+
+def test_a_path_waits_for_its_one_busy_link() -> None:
+    g, links = line(4.0, 2.0)
+    tls = Timelines(g)
+    tls.reserve(links[1:], 4.0, ready=0.0)  # the second link full over [0, 2)
+    assert tls.rates(links, 4.0, ready=1.0) == (2.0, 4.0, [(2.0, 4.0, 2.0)])
+    with pytest.raises(KeyError, match="no link"):
+        tls.link(("n1", "n0"))

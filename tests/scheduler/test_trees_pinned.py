@@ -10,15 +10,17 @@ record the new digests.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 
+import networkx as nx
 import pytest
 
-from mlfabric.scheduler.core.graph import PathCache, two_tier
+from mlfabric.scheduler.core.graph import PathCache, hosts, two_tier
 from mlfabric.scheduler.core.schedule import Update
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.tree_policy import TreePolicy
-from mlfabric.scheduler.policies.tree_routes import RouteCache
+from mlfabric.scheduler.policies.tree_routes import SHAPES_KEPT, RouteCache
 from mlfabric.scheduler.policies.trees import plan_tree
 
 MB = 1_000_000
@@ -136,3 +138,33 @@ def test_routes_of_another_path_cache_are_refused() -> None:
     g = two_tier(2, 3, 10e9)
     with pytest.raises(ValueError, match="another path cache"):
         plan_tree(g, [Update("u1", "h1", "h0", MB)], paths=PathCache(g), routes=RouteCache(PathCache(g)))
+
+
+def test_a_route_cache_kept_across_rounds_plans_as_a_fresh_one() -> None:
+    # the tree shapes a RouteCache keeps (per server, sources, aggregators and host order)
+    # never change a plan: other sources, other aggregators, hosts listed in another order
+    g = two_tier(6, 8, nics(48, 4), oversubscription=4)
+    back = nx.DiGraph()  # the same topology, its nodes in the reverse order
+    back.add_nodes_from(reversed(list(g.nodes(data=True))))
+    back.add_edges_from(g.edges(data=True))
+    kept = RouteCache(PathCache(g))
+    ps = pending([f"h{i}" for i in range(1, 48)], 6, ready=True)
+    us = [Update(p.update_id, p.src_host, "h0", p.bytes, ready_at=p.ready_at) for p in ps]
+    rounds = [(g, us, None), (g, us[:20], None), (g, us, ["h3", "h9", "h17", "h30"]), (back, us, None)]
+    for graph, updates, aggs in rounds + rounds[::-1]:
+        fresh = plan_tree(graph, updates, aggregators=aggs)
+        reused = plan_tree(graph, updates, aggregators=aggs, paths=kept.pc, routes=kept)
+        assert digest((reused.transfers, reused.aggregates)) == digest((fresh.transfers, fresh.aggregates))
+    assert len(kept._shapes) == SHAPES_KEPT
+
+
+def test_tree_routes_are_the_checked_ones() -> None:
+    g = two_tier(3, 4, nics(12, 2), oversubscription=2)
+    rc = RouteCache(PathCache(g))
+    tree = {h: rc.path(h, "h0") for h in hosts(g)}
+    routes = rc.routes(g, "h0", tree)
+    for a in tree:
+        for b in tree:
+            assert routes.tree_path(a, b) == routes.path(a, b)
+            assert routes.tree_ids(a, b) == routes.ids(a, b)
+            assert [rc.links[i] for i in routes.tree_ids(a, b)] == list(itertools.pairwise(routes.path(a, b)))
