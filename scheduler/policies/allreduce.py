@@ -14,7 +14,9 @@ slowest down, one chunk per hop, a hop taking ``chunk x m / capacity`` on its wo
 ``m`` tree edges' streams share that link), plus a per-chunk overhead at the busiest
 participant (:data:`CHUNK_OVERHEAD_SECONDS` per frame it sends or receives). The same model
 gives a ring all-reduce's time (:func:`ring_seconds`: ``2 (N-1)/N B`` on every link of every
-ring hop), which the plan reports beside its own; the daemons execute trees only.
+ring hop, plus the last chunk's hop and the ring's per-frame cost, :func:`ring_chunk_seconds`);
+where the ring is faster than the best tree the plan is the ring (``kind == "ring"``), and
+the daemons execute either.
 
 Candidate trees (:func:`plan_allreduce` keeps the fastest under the model, each with the chunk
 size, 64 KiB .. 16 MiB or the whole payload, that the model says is fastest for it):
