@@ -71,13 +71,18 @@ def wait_until(predicate: Any, timeout: float = 10.0) -> Any:
     raise AssertionError("condition not reached in time")
 
 
-@pytest.fixture
-def scheduler() -> Iterator[AggScheduler]:
+def held_scheduler() -> Iterator[AggScheduler]:
+    """The aggregation tests' scheduler: a started :class:`AggScheduler` that holds reports."""
     sched = AggScheduler()
     sched.start()
     sched.hold = True
     yield sched
     sched.stop()
+
+
+@pytest.fixture
+def scheduler() -> Iterator[AggScheduler]:
+    yield from held_scheduler()
 
 
 def _update(value: float) -> dict[str, np.ndarray]:

@@ -26,6 +26,7 @@ from tests.daemon.test_aggregation import (
     _push,
     _send,
     _update,
+    held_scheduler,
     wait_until,
 )
 
@@ -34,11 +35,7 @@ APPLIED = control_pb2.OUTCOME_APPLIED
 
 @pytest.fixture
 def scheduler() -> Iterator[AggScheduler]:
-    sched = AggScheduler()
-    sched.start()
-    sched.hold = True
-    yield sched
-    sched.stop()
+    yield from held_scheduler()
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from tests.daemon.test_aggregation import (
     _push,
     _send,
     _update,
+    held_scheduler,
     wait_until,
 )
 from tests.daemon.test_daemon_processes import Processes
@@ -35,11 +36,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def scheduler() -> Iterator[AggScheduler]:
-    sched = AggScheduler()
-    sched.start()
-    sched.hold = True
-    yield sched
-    sched.stop()
+    yield from held_scheduler()
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from tests.daemon.test_aggregation import (
     _model,
     _send,
     _update,
+    held_scheduler,
     wait_until,
 )
 from tests.service.test_service_aggregates import drain, members_in, report
@@ -36,11 +37,7 @@ from tests.service.test_service_aggregates import env as env
 
 @pytest.fixture
 def scheduler() -> Iterator[AggScheduler]:
-    sched = AggScheduler()
-    sched.start()
-    sched.hold = True
-    yield sched
-    sched.stop()
+    yield from held_scheduler()
 
 
 def _push(c: dict[str, Any], sched: AggScheduler, worker: str, update: dict[str, Any]) -> tuple[Any, Any]:
