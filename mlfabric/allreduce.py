@@ -108,22 +108,28 @@ class AllreduceHandle:
 
     def _on_event(self, event: Any, fd: int | None) -> None:
         kind = event.WhichOneof("kind")
+        result: dict[str, Any] | None = None
+        error: MlfabricError | None = None
+        plan = ""
         if kind == "allreduce_result":
             r = event.allreduce_result
             try:
-                self._result = tensorio.from_fd(r.tensors, fd, as_torch=self._as_torch)
+                result = tensorio.from_fd(r.tensors, fd, as_torch=self._as_torch)
             except (OSError, ValueError) as exc:
-                self._error = MlfabricError(
-                    f"all-reduce {self.name!r}#{self.seq}: bad result: {exc}", "bad_reply"
-                )
-            self.plan = r.plan
+                error = MlfabricError(f"all-reduce {self.name!r}#{self.seq}: bad result: {exc}", "bad_reply")
+            plan = r.plan
         else:
             if fd is not None:
                 os.close(fd)
             code, message = (
                 (event.error.code, event.error.message) if kind == "error" else ("bad_reply", kind)
             )
-            self._error = MlfabricError(message, code=code)
+            error = MlfabricError(message, code=code)
+        self._finish(result, error, plan)
+
+    def _finish(self, result: dict[str, Any] | None, error: MlfabricError | None, plan: str) -> None:
+        """Resolve the handle with the sums or an error (once), then run the callbacks."""
+        self._result, self._error, self.plan = result, error, plan
         with self._callback_lock:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []

@@ -266,7 +266,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., replica_version: _Optional[int] = ..., blocked: _Optional[bool] = ..., blocked_norm: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AllreduceReady(_message.Message):
-    __slots__ = ("job", "name", "seq", "participant", "world_size", "tensors", "bytes", "timeout_seconds")
+    __slots__ = ("job", "name", "seq", "participant", "world_size", "tensors", "bytes", "timeout_seconds", "plan_only", "process_rank", "signature")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,9 @@ class AllreduceReady(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RANK_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     seq: int
@@ -283,7 +286,10 @@ class AllreduceReady(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     bytes: int
     timeout_seconds: float
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    plan_only: bool
+    process_rank: int
+    signature: int
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., plan_only: _Optional[bool] = ..., process_rank: _Optional[int] = ..., signature: _Optional[int] = ...) -> None: ...
 
 class AllreduceDone(_message.Message):
     __slots__ = ("job", "name", "seq", "participant", "ok", "reason", "code", "seconds")
@@ -482,7 +488,7 @@ class AllreducePeer(_message.Message):
     def __init__(self, participant: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class AllreduceDirective(_message.Message):
-    __slots__ = ("job", "name", "seq", "participant", "parent", "children", "chunk_bytes", "world_size", "plan", "ring")
+    __slots__ = ("job", "name", "seq", "participant", "parent", "children", "chunk_bytes", "world_size", "plan", "ring", "executor_kind", "epoch", "parent_ranks", "model_seconds", "signature")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +499,11 @@ class AllreduceDirective(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_KIND_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     seq: int
@@ -503,7 +514,12 @@ class AllreduceDirective(_message.Message):
     world_size: int
     plan: str
     ring: _containers.RepeatedCompositeFieldContainer[AllreducePeer]
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., parent: _Optional[_Union[AllreducePeer, _Mapping]] = ..., children: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., plan: _Optional[str] = ..., ring: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ...) -> None: ...
+    executor_kind: str
+    epoch: int
+    parent_ranks: _containers.RepeatedScalarFieldContainer[int]
+    model_seconds: float
+    signature: int
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., parent: _Optional[_Union[AllreducePeer, _Mapping]] = ..., children: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., world_size: _Optional[int] = ..., plan: _Optional[str] = ..., ring: _Optional[_Iterable[_Union[AllreducePeer, _Mapping]]] = ..., executor_kind: _Optional[str] = ..., epoch: _Optional[int] = ..., parent_ranks: _Optional[_Iterable[int]] = ..., model_seconds: _Optional[float] = ..., signature: _Optional[int] = ...) -> None: ...
 
 class AllreduceAbort(_message.Message):
     __slots__ = ("job", "name", "seq", "reason", "code")

@@ -102,7 +102,7 @@ class PublishModel(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ...) -> None: ...
 
 class AllreduceRequest(_message.Message):
-    __slots__ = ("job", "name", "seq", "participant", "world_size", "tensors", "payload_bytes", "has_payload", "timeout_seconds")
+    __slots__ = ("job", "name", "seq", "participant", "world_size", "tensors", "payload_bytes", "has_payload", "timeout_seconds", "plan_only", "process_rank", "signature")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,9 @@ class AllreduceRequest(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     HAS_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RANK_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     seq: int
@@ -121,7 +124,32 @@ class AllreduceRequest(_message.Message):
     payload_bytes: int
     has_payload: bool
     timeout_seconds: float
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    plan_only: bool
+    process_rank: int
+    signature: int
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., participant: _Optional[str] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., plan_only: _Optional[bool] = ..., process_rank: _Optional[int] = ..., signature: _Optional[int] = ...) -> None: ...
+
+class AllreducePlan(_message.Message):
+    __slots__ = ("job", "name", "signature", "epoch", "kind", "parent_ranks", "chunk_bytes", "plan", "model_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    name: str
+    signature: int
+    epoch: int
+    kind: str
+    parent_ranks: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bytes: int
+    plan: str
+    model_seconds: float
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., signature: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[str] = ..., parent_ranks: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ..., plan: _Optional[str] = ..., model_seconds: _Optional[float] = ...) -> None: ...
 
 class AllreduceResult(_message.Message):
     __slots__ = ("name", "seq", "tensors", "payload_bytes", "has_payload", "plan")
@@ -262,7 +290,7 @@ class LocalError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LocalEvent(_message.Message):
-    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error", "promoted", "resynced", "allreduce_result")
+    __slots__ = ("request_id", "registered", "push_accepted", "push_result", "model", "deliver", "error", "promoted", "resynced", "allreduce_result", "allreduce_plan")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     PUSH_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +301,7 @@ class LocalEvent(_message.Message):
     PROMOTED_FIELD_NUMBER: _ClassVar[int]
     RESYNCED_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_RESULT_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_PLAN_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     registered: RegisterReply
     push_accepted: PushAccepted
@@ -283,4 +312,5 @@ class LocalEvent(_message.Message):
     promoted: Promoted
     resynced: Resynced
     allreduce_result: AllreduceResult
-    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., promoted: _Optional[_Union[Promoted, _Mapping]] = ..., resynced: _Optional[_Union[Resynced, _Mapping]] = ..., allreduce_result: _Optional[_Union[AllreduceResult, _Mapping]] = ...) -> None: ...
+    allreduce_plan: AllreducePlan
+    def __init__(self, request_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., push_accepted: _Optional[_Union[PushAccepted, _Mapping]] = ..., push_result: _Optional[_Union[PushResult, _Mapping]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ..., deliver: _Optional[_Union[DeliverUpdate, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., promoted: _Optional[_Union[Promoted, _Mapping]] = ..., resynced: _Optional[_Union[Resynced, _Mapping]] = ..., allreduce_result: _Optional[_Union[AllreduceResult, _Mapping]] = ..., allreduce_plan: _Optional[_Union[AllreducePlan, _Mapping]] = ...) -> None: ...

@@ -59,7 +59,10 @@ from mlfabric.scheduler.core.graph import PathCache
 
 __all__ = [
     "CHUNK_OVERHEAD_SECONDS",
+    "DAEMONS",
+    "PROCESS_GROUP",
     "AllreducePlan",
+    "Executor",
     "plan_allreduce",
     "ring_chunk_seconds",
     "ring_seconds",
@@ -72,6 +75,47 @@ __all__ = [
 CHUNK_OVERHEAD_SECONDS = 700e-6
 #: Chunk sizes the planner chooses from (bytes), per candidate tree, by the model.
 _CHUNK_CANDIDATES = (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20)
+
+
+@dataclass(frozen=True)
+class Executor:
+    """Who moves an all-reduce's bytes, as the planner models it.
+
+    Attributes
+    ----------
+    name : str
+        ``"daemons"`` (the daemons' data plane: trees and rings) or ``"process_group"`` (the
+        training processes' ``torch.distributed`` group: its own collective, or mlfabric's
+        trees through its point-to-point operations; ``mlfabric/torch/collective.py``).
+    chunk_overhead : float
+        Seconds per chunk a participant sends or receives (CPU, per-message costs).
+    native : bool
+        The executor has a collective of its own (a ring in process-rank order) that the plan
+        may choose (``kind == "native"``).
+    native_margin : float
+        A tree replaces the native collective only when its model is faster by more than this
+        fraction: the native collective is the safer bet where the two are close.
+    op_overhead : float
+        Fixed seconds per operation of the native collective.
+
+    Examples
+    --------
+    >>> DAEMONS.name, PROCESS_GROUP.native
+    ('daemons', True)
+    """
+
+    name: str
+    chunk_overhead: float
+    native: bool = False
+    native_margin: float = 0.1
+    op_overhead: float = 0.0
+
+
+#: The daemons' data plane (the default).
+DAEMONS = Executor("daemons", CHUNK_OVERHEAD_SECONDS)
+#: A torch process group (gloo on CPU, NCCL on GPU): 0.1 ms per point-to-point chunk, 0.5 ms
+#: per native operation (gloo on the namespace testbed).
+PROCESS_GROUP = Executor("process_group", 100e-6, native=True, op_overhead=500e-6)
 
 
 @dataclass(frozen=True)
@@ -97,9 +141,10 @@ class AllreducePlan:
     shape : str
         Which candidate tree won (``"rack-greedy"``, ``"flat-heap2"``, ...).
     kind : str
-        ``"tree"``: the daemons run the tree (``root``, ``parent``, ``children``);
-        ``"ring"``: they run a ring (reduce-scatter + all-gather) in the order ``ring``, and the
-        tree fields describe the best tree, which lost.
+        ``"tree"``: the executor runs the tree (``root``, ``parent``, ``children``);
+        ``"ring"``: the daemons run a ring (reduce-scatter + all-gather) in the order ``ring``, and
+        the tree fields describe the best tree, which lost; ``"native"``: the process group runs
+        its own collective (the tree fields describe the best tree, which lost).
     ring : tuple of str
         The ring's participants in order (each sends to the next); empty for a tree.
     tree_model_seconds : float
@@ -129,6 +174,11 @@ class AllreducePlan:
 
     def describe(self, hosts: Mapping[str, str]) -> str:
         """One line for logs and the result: shape, root, depth, the model's times."""
+        if self.kind == "native":
+            return (
+                f"native collective of {len(self.parent)}: model {self.seconds * 1e3:.1f} ms "
+                f"(best tree {self.shape} {self.tree_model_seconds * 1e3:.1f} ms)"
+            )
         if self.kind == "ring":
             return (
                 f"ring of {len(self.ring)}: {' > '.join(hosts[p] for p in self.ring)}, "
@@ -216,10 +266,12 @@ def _terms(
     return busiest, fill, max(edges_at.values(), default=0)
 
 
-def _seconds(terms: tuple[float, float, int], nbytes: int, chunk_bytes: int) -> float:
+def _seconds(
+    terms: tuple[float, float, int], nbytes: int, chunk_bytes: int, overhead: float = CHUNK_OVERHEAD_SECONDS
+) -> float:
     busiest, fill, degree = terms
     chunks = max(1, math.ceil(nbytes / max(1, chunk_bytes)))
-    return busiest + fill * min(chunk_bytes, nbytes) + chunks * degree * 2 * CHUNK_OVERHEAD_SECONDS
+    return busiest + fill * min(chunk_bytes, nbytes) + chunks * degree * 2 * overhead
 
 
 def tree_seconds(
@@ -449,6 +501,7 @@ def plan_allreduce(
     nbytes: int,
     *,
     chunk_bytes: int | None = None,
+    executor: Executor = DAEMONS,
 ) -> AllreducePlan:
     """Plan the reduction tree of one all-reduce.
 
@@ -463,6 +516,10 @@ def plan_allreduce(
     chunk_bytes : int, optional
         Use this chunk size (default: for each candidate tree, the size among 64 KiB .. 16 MiB
         and the whole payload that the model says is fastest).
+    executor : Executor
+        Who runs the plan (:data:`DAEMONS`, or :data:`PROCESS_GROUP`, whose participants are
+        then given in process-rank order: its native collective is a ring in that order, and
+        the plan is ``"native"`` unless a tree's model beats it by ``native_margin``).
 
     Returns
     -------
@@ -528,7 +585,7 @@ def plan_allreduce(
         parent = {**candidates[name], **local}
         terms = _terms(graph, parent, hosts, nbytes, pc)
         for chunk in sorted(chunks, reverse=True):  # ties: the larger chunk (fewer frames)
-            seconds = _seconds(terms, nbytes, chunk)
+            seconds = _seconds(terms, nbytes, chunk, executor.chunk_overhead)
             if best is None or seconds < best[0] - 1e-12:
                 best = (seconds, chunk, name, parent)
     assert best is not None
@@ -539,6 +596,12 @@ def plan_allreduce(
         if q is not None:
             children[q].append(c)
     root = next(p for p, q in parent.items() if q is None)
+    if executor.native:
+        order = [hosts[p] for p, _ in participants]
+        native = ring_seconds(graph, order, nbytes, pc) + executor.op_overhead if len(order) > 1 else 0.0
+        if seconds * (1 + executor.native_margin) >= native:
+            return AllreducePlan(root, parent, children, chunk, native, native, name, "native", (), seconds)
+        return AllreducePlan(root, parent, children, chunk, seconds, native, name, "tree", (), seconds)
     # the ring: hosts in chain-local order (racks contiguous), a host's participants together
     ring_hosts = (
         [hosts[p] for p in _chain_orders(reps, hosts.__getitem__, pc, graph)["local"]]
