@@ -4,6 +4,9 @@
 crosses it and the rate that path should deliver (its bottleneck). :func:`measure_transfer`
 runs one bulk TCP transfer between two hosts of a live :class:`~mlfabric.testbed.Testbed`
 with :mod:`mlfabric.testbed.probe` and returns the throughput the receiver saw.
+:func:`measure_concurrent` runs many such transfers at once (e.g. every host sending to the
+next, :func:`ring_pairs`), as an experiment's traffic does: an experiment that claims a link
+rate prints what the testbed delivered with that many flows on this machine's cores.
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ import networkx as nx
 from mlfabric.scheduler.core.graph import bottleneck, hosts, shortest_path
 from mlfabric.testbed.cluster import Testbed
 
-__all__ = ["LinkCheck", "Measurement", "measure_transfer", "plan_link_checks"]
+__all__ = [
+    "ConcurrentCheck",
+    "LinkCheck",
+    "Measurement",
+    "measure_concurrent",
+    "measure_transfer",
+    "plan_link_checks",
+    "ring_pairs",
+]
 
 BITS_PER_BYTE = 8
 
@@ -155,3 +166,122 @@ def measure_transfer(
         result = json.loads(out.strip().splitlines()[-1])
     seconds = result["last"] - result["first"]
     return Measurement(src, dst, int(result["bytes"]), seconds, float(result["throughput"]))
+
+
+def ring_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """Every host sending to the next one (the last to the first): one flow out of and into each.
+
+    Examples
+    --------
+    >>> ring_pairs(["a", "b", "c"])
+    [('a', 'b'), ('b', 'c'), ('c', 'a')]
+    """
+    return [(a, names[(i + 1) % len(names)]) for i, a in enumerate(names)]
+
+
+@dataclass(frozen=True)
+class ConcurrentCheck:
+    """Concurrent transfers against their paths' configured rates.
+
+    Attributes
+    ----------
+    measurements : tuple of Measurement
+        One per flow.
+    expected : tuple of float
+        Per flow, its path's configured bottleneck (bytes/s).
+    """
+
+    measurements: tuple[Measurement, ...]
+    expected: tuple[float, ...]
+
+    def ratios(self) -> list[float]:
+        """Per flow, the measured throughput over the configured rate."""
+        return [m.throughput / e for m, e in zip(self.measurements, self.expected, strict=True)]
+
+    def summary(self) -> str:
+        """One line: flows, configured rates, the median and worst fraction delivered.
+
+        Examples
+        --------
+        >>> m = Measurement("a", "b", 10**6, 1.0, 0.9 * 125e6)
+        >>> ConcurrentCheck((m, m), (125e6, 125e6)).summary()
+        'link check: 2 concurrent flows at 1000 Mbit/s configured: 0.90 of the rate (worst 0.90)'
+        """
+        ratios = sorted(self.ratios())
+        rates = sorted({f"{e * BITS_PER_BYTE / 1e6:g}" for e in self.expected})
+        median = ratios[len(ratios) // 2]
+        return (
+            f"link check: {len(ratios)} concurrent flows at {'/'.join(rates)} Mbit/s configured: "
+            f"{median:.2f} of the rate (worst {ratios[0]:.2f})"
+        )
+
+
+def measure_concurrent(
+    testbed: Testbed,
+    graph: nx.DiGraph,
+    pairs: list[tuple[str, str]],
+    seconds: float = 2.0,
+    *,
+    timeout: float = 120.0,
+) -> ConcurrentCheck:
+    """Run one bulk TCP transfer per ``(src, dst)`` pair, all at once; measure each.
+
+    Each flow moves ``seconds`` worth of bytes at its path's configured bottleneck (so the
+    flows end at about the same time and overlap the whole way).
+
+    Parameters
+    ----------
+    testbed : Testbed
+        A testbed that is up.
+    graph : networkx.DiGraph
+        Its bandwidth graph (the configured rates).
+    pairs : list of (src, dst)
+        The flows (e.g. :func:`ring_pairs`).
+    seconds : float
+        About how long each flow runs.
+    timeout : float
+        Seconds before the transfers are abandoned.
+
+    Returns
+    -------
+    ConcurrentCheck
+    """
+    expected = tuple(bottleneck(graph, shortest_path(graph, a, b))[1] for a, b in pairs)
+    probe = [sys.executable, "-m", "mlfabric.testbed.probe"]
+    receivers: list[subprocess.Popen[str]] = []
+    senders: list[subprocess.Popen[str]] = []
+    with tempfile.TemporaryDirectory(prefix="mlfabric-probe-") as tmp:
+        try:
+            addresses = []
+            for i, (_, dst) in enumerate(pairs):
+                ready = Path(tmp) / f"ready{i}.json"
+                argv = [*probe, "recv", "--listen", f"{testbed.address(dst)}:0"]
+                recv = testbed.popen(
+                    dst,
+                    [*argv, "--ready-file", str(ready), "--timeout", str(timeout)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                receivers.append(recv)
+                addresses.append(_wait_ready(ready, recv, timeout=30.0)["address"])
+            for (src, _), address, rate in zip(pairs, addresses, expected, strict=True):
+                nbytes = max(1 << 20, int(rate * seconds))
+                argv = [*probe, "send", "--to", address, "--bytes", str(nbytes)]
+                senders.append(testbed.popen(src, argv, stdout=subprocess.DEVNULL))
+            results = []
+            for (src, dst), recv in zip(pairs, receivers, strict=True):
+                out, _ = recv.communicate(timeout=timeout)
+                if recv.returncode != 0:
+                    raise RuntimeError(f"probe receiver on {dst} failed with {recv.returncode}")
+                r = json.loads(out.strip().splitlines()[-1])
+                results.append(
+                    Measurement(src, dst, int(r["bytes"]), r["last"] - r["first"], float(r["throughput"]))
+                )
+            for sender in senders:
+                sender.wait(timeout=timeout)
+        finally:
+            for proc in (*receivers, *senders):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    return ConcurrentCheck(tuple(results), expected)
