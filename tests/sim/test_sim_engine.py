@@ -39,19 +39,18 @@ def _one_round(
     changes: Sequence[BandwidthChange] = (),
     record_flows: bool = False,
 ) -> Simulator:
-    it = AsyncSGD(ComputeModel(dict.fromkeys(c.workers, 0.0)), iterations=1)
-    sim = Simulator(
-        c.graph,
-        policy,
-        it,
-        server_host=c.server_host,
-        workers=c.workers,
+    """One push per worker (no compute time, no batching window), run to the end."""
+    compute = ComputeModel(dict.fromkeys(c.workers, 0.0))
+    scenario = Scenario(
+        c,
+        compute,
         update_bytes=update_bytes,
-        changes=changes,
-        record_flows=record_flows,
+        iterations=1,
+        batch_window=0.0,
+        batch_max_wait=0.0,
+        changes=tuple(changes),
     )
-    sim.run()
-    return sim
+    return run_scenario(scenario, policy, record_flows=record_flows)[1]
 
 
 @pytest.mark.parametrize("n", [1, 3, 6])
