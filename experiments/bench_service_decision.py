@@ -29,6 +29,7 @@ import grpc
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
 from mlfabric.scheduler.core.graph import hosts, two_tier
+from mlfabric.scheduler.policies.base import Decision
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.cli import build_policy
@@ -47,7 +48,7 @@ WORKERS, PER_WORKER = 250, 4
 
 
 async def _daemon(
-    channel: grpc.aio.Channel, host: str, role: int, name: str, updates: list[tuple[str, str, int]]
+    channel: grpc.aio.Channel, host: str, role: pb.Role, name: str, updates: list[tuple[str, str, int]]
 ) -> tuple[Any, asyncio.Task[int]]:
     call = pb_grpc.SchedulerStub(channel).Session()
     await call.write(pb.DaemonMessage(hello=pb.Hello(host=host, data_address="127.0.0.1:1")))
@@ -85,7 +86,19 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
     graph = two_tier(RACKS, PER_RACK, nic, OVERSUB)
     workers = [h for h in hosts(graph) if h not in SERVERS][:WORKERS]
     policy, replan = build_policy("stf", horizon)
-    core = SchedulerCore(
+    whole: list[tuple[int, float]] = []
+
+    class TimedCore(SchedulerCore):
+        """The service's core, timing each whole decision: (pending updates, seconds)."""
+
+        def decide(self) -> Decision:
+            n = len(self.state.pending)
+            t0 = time.perf_counter()
+            out = super().decide()
+            whole.append((n, time.perf_counter() - t0))
+            return out
+
+    core = TimedCore(
         SchedulerState(graph),
         policy,
         dispatcher=Dispatcher(),
@@ -94,17 +107,6 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
         metrics=Metrics(),
         replan=replan,
     )
-    whole: list[tuple[int, float]] = []
-    decide = core.decide
-
-    def timed_decide() -> Any:
-        n = len(core.state.pending)
-        t0 = time.perf_counter()
-        out = decide()
-        whole.append((n, time.perf_counter() - t0))
-        return out
-
-    core.decide = timed_decide
     server, port = await start_server(core, "127.0.0.1:0")
     task = asyncio.create_task(core.run())
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CLIENT_CHANNEL_OPTIONS)

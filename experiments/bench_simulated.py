@@ -30,7 +30,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -40,7 +40,18 @@ from mlfabric.scheduler.sim.scenario import Scenario, cluster, run_scenario
 from mlfabric.scheduler.sim.workload import ComputeModel, pick_stragglers
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PRESETS = {
+
+
+class Preset(TypedDict, total=False):
+    """The keyword arguments of :func:`~mlfabric.scheduler.sim.scenario.cluster` a preset sets."""
+
+    nic_bps: float
+    server_bps: float
+    hosts_per_rack: int
+    oversubscription: float
+
+
+PRESETS: dict[str, Preset] = {
     "star": {"nic_bps": 10e9},
     "two-tier": {"nic_bps": 10e9, "server_bps": 40e9, "hosts_per_rack": 16, "oversubscription": 4.0},
 }

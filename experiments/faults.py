@@ -47,7 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from faults_cluster import FaultCluster  # noqa: E402
+from faults_cluster import FaultCluster, TestbedFaultCluster  # noqa: E402
 from faults_report import Fault, analyse, write_results  # noqa: E402
 
 import mlfabric  # noqa: E402
@@ -195,14 +195,12 @@ def run(cfg: Config) -> dict[str, Any]:
     }
     with contextlib.ExitStack() as stack:
         if cfg.testbed:
-            from faults_cluster import TestbedFaultCluster
-
             from mlfabric.scheduler.core.graph import load_topology
             from mlfabric.testbed.cluster import Testbed
             from mlfabric.testbed.netns import new_prefix
 
             tb = stack.enter_context(Testbed(load_topology(topology), prefix=new_prefix(rng)))
-            cluster: FaultCluster = TestbedFaultCluster(tb, topology, **options)
+            cluster: FaultCluster | TestbedFaultCluster = TestbedFaultCluster(tb, topology, **options)
         else:
             kinds = [k for k in kinds if k not in TESTBED_KINDS]
             cluster = FaultCluster(topology, **options)

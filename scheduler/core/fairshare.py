@@ -10,11 +10,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable, Mapping, Sequence
+from typing import TypeVar
 
 __all__ = ["max_min_rates"]
 
-Link = Hashable
-FlowId = Hashable
+#: a link's id (any hashable: a name, a ``(u, v)`` pair)
+Link = TypeVar("Link", bound=Hashable)
+#: a flow's id (any hashable)
+FlowId = TypeVar("FlowId", bound=Hashable)
 
 
 def max_min_rates(

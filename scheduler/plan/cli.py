@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     plans: list[tuple[str, Any]] = []
     records: list[dict[str, Any]] = []
     bound: float | None = None
+    gap: float | None  # of each plan to the bound (None: no bound)
     if instance.objective == "makespan":  # a real lower bound (plan/bounds.py), so the gap means something
         from mlfabric.scheduler.plan.bounds import makespan_bound
 

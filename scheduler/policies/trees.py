@@ -329,11 +329,11 @@ def _plan_server(
         finalists.append(moved)
     best_real: tuple[tuple[float, int], Timelines, list[Transfer], dict[str, _Node]] | None = None
     for nodes, parent in finalists:
-        trial = tls.copy() if len(finalists) > 1 else tls
-        transfers, makespan = _reserve(trial, routes, order, nodes, parent, server_host, now)
+        reserved = tls.copy() if len(finalists) > 1 else tls
+        transfers, makespan = _reserve(reserved, routes, order, nodes, parent, server_host, now)
         key = (round(makespan, 9), len(nodes))
         if best_real is None or key < best_real[0]:
-            best_real = (key, trial, transfers, nodes)
+            best_real = (key, reserved, transfers, nodes)
     assert best_real is not None
     _, tls, transfers, nodes = best_real
     size = {t.payload_id: t.bytes for t in transfers}

@@ -34,6 +34,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
 import networkx as nx
@@ -218,8 +219,8 @@ class Simulator:
         """Current simulated time (s)."""
         return self._now
 
-    def at(self, t: float, action: Callable[[], None]) -> None:
-        """Run ``action`` at simulated time ``t`` (>= now)."""
+    def at(self, t: float, action: Callable[[], object]) -> None:
+        """Run ``action`` at simulated time ``t`` (>= now); what it returns is ignored."""
         self._schedule(t, 0, action)
 
     def push(self, worker: str, base_version: int) -> UpdateRecord:
@@ -270,7 +271,7 @@ class Simulator:
         """Simulate until nothing is left to do or ``until``; returns every update's record."""
         self._reset()
         for change in self.changes:
-            self._schedule(change.at, 0, lambda c=change: self._change(c))  # type: ignore[misc]
+            self._schedule(change.at, 0, partial(self._change, change))
         self.iteration.start(self)
         net, heap = self._net, self._heap
         while True:
@@ -312,8 +313,8 @@ class Simulator:
         capacity = {(u, v): c for u, v, c in self.graph.edges(data="capacity")}
         self._now = 0.0
         on_rate = self._log_rate if self.record_flows else None
-        self._net: FluidNetwork = FluidNetwork(capacity, on_rate=on_rate)
-        self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
+        self._net: FluidNetwork[tuple[str, str], str] = FluidNetwork(capacity, on_rate=on_rate)
+        self._heap: list[tuple[float, int, int, Callable[[], object]]] = []
         self._seq = 0
         self._policy_graph = self.graph
         self._pending: dict[str, PendingUpdate] = {}
@@ -339,7 +340,7 @@ class Simulator:
         self.aggregates = []
         self.events = 0
 
-    def _schedule(self, t: float, prio: int, action: Callable[[], None]) -> None:
+    def _schedule(self, t: float, prio: int, action: Callable[[], object]) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (max(t, self._now), prio, self._seq, action))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -33,8 +34,10 @@ from mlfabric.scheduler.core.fairshare import max_min_rates
 
 __all__ = ["FluidNetwork", "max_min_rates"]
 
-Link = Hashable
-FlowId = Hashable
+#: a link's id (any hashable: a name, a ``(u, v)`` pair)
+Link = TypeVar("Link", bound=Hashable)
+#: a flow's id (any hashable)
+FlowId = TypeVar("FlowId", bound=Hashable)
 
 #: relative tolerance under which two completion times are the same instant
 TIME_RTOL = 1e-9
@@ -95,7 +98,7 @@ def water_fill(capacity: np.ndarray, flow_of: np.ndarray, link_of: np.ndarray, n
     return rates
 
 
-class FluidNetwork:
+class FluidNetwork(Generic[Link, FlowId]):
     """Active flows sharing links max-min fairly, advanced through time (DESIGN §6).
 
     Parameters
@@ -271,7 +274,7 @@ class FluidNetwork:
             return []
         slots, finish = slots[ending], finish[ending]
         done = slots[np.lexsort((self._order[slots], finish))]
-        flows: list[FlowId] = [self._flow_at[i] for i in done.tolist()]
+        flows = [self._occupant(i) for i in done.tolist()]
         for i in done.tolist():
             self._release(i)
         return flows
@@ -284,9 +287,15 @@ class FluidNetwork:
             dt = np.where(rem <= 0.0, 0.0, np.where(rate > 0.0, rem / rate, np.inf))
         return self._since[slots] + dt
 
-    def _release(self, i: int) -> None:
+    def _occupant(self, i: int) -> FlowId:
+        """The flow in slot ``i`` (which must be in use)."""
         flow = self._flow_at[i]
-        del self._slot_of[flow]
+        if flow is None:
+            raise RuntimeError(f"slot {i} holds no flow")
+        return flow
+
+    def _release(self, i: int) -> None:
+        del self._slot_of[self._occupant(i)]
         self._flow_at[i] = None
         self._active[i] = False
         self._dirty = self._dirty or bool(self._links_at[i])
@@ -335,4 +344,4 @@ class FluidNetwork:
         self._rate[idx] = new
         if self._on_rate is not None:
             for i, r in zip(idx.tolist(), new.tolist(), strict=True):
-                self._on_rate(self._flow_at[i], now, r)
+                self._on_rate(self._occupant(i), now, r)

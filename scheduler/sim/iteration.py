@@ -18,6 +18,7 @@ model leaving the server to the last update arriving.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from mlfabric.scheduler.sim.engine import Simulator, UpdateRecord
 from mlfabric.scheduler.sim.workload import ComputeModel, ComputeSampler
@@ -59,7 +60,7 @@ class AsyncSGD:
         self._model = {}
         self._pushed = dict.fromkeys(sim.workers, 0)
         for w in sim.workers:
-            sim.send_model(w, lambda v, w=w: self._got_model(sim, w, v, first=True))
+            sim.send_model(w, partial(self._got_model, sim, w, first=True))
 
     def resolved(self, sim: Simulator, record: UpdateRecord) -> None:
         """The worker's push resolved: the current model goes back to it."""
@@ -135,11 +136,11 @@ class SyncSGD:
             return
         self._began = sim.now
         self._outstanding = len(sim.workers)
-        base = sim.version
         for w in sim.workers:
-            sim.send_model(w, lambda _v, w=w: self._compute(sim, w, base))
+            sim.send_model(w, partial(self._compute, sim, w))
 
     def _compute(self, sim: Simulator, worker: str, base: int) -> None:
+        """``worker`` has the model of version ``base``: it computes its update from it."""
         assert self._sampler is not None
         t = self._sampler.next(worker)
         sim.at(sim.now + t, lambda: sim.push(worker, base))

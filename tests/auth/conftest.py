@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # authkit, beside this file
-from authkit import Procs, make_certs
+from tests.auth.authkit import Procs, make_certs
 
 
 def _need_cryptography() -> None:

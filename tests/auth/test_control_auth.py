@@ -12,10 +12,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from authkit import Procs, tls_args
 
 from mlfabric.proto.v1 import control_pb2, control_pb2_grpc
 from mlfabric.wire.tls import TlsFiles, grpc_channel
+from tests.auth.authkit import Procs, tls_args
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,11 +8,11 @@ import struct
 from pathlib import Path
 
 import pytest
-from authkit import Procs, push
 
 from mlfabric.daemon.dataplane import FrameHeader, FrameLimits, recv_frame, send_frame
 from mlfabric.daemon.sockets import parse_address
 from mlfabric.proto.v1 import dataplane_pb2
+from tests.auth.authkit import Procs, push
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,11 +12,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from authkit import Procs
 
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.wire.framing import send_message
 from mlfabric.wire.peercred import LocalAccess, PeerCred
+from tests.auth.authkit import Procs
 
 pytestmark = [
     pytest.mark.timeout(180),

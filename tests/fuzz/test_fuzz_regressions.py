@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_waiting_registration_stops_when_its_process_disconnects(
-    fuzz_cluster: types.SimpleNamespace,
+    fuzz_cluster: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker registration for a job without a server retried every 0.2 s until ``wait_seconds``
     (the fuzzer sent 1e300) even after its connection closed: each such connection left a retry
@@ -43,7 +43,7 @@ def test_a_waiting_registration_stops_when_its_process_disconnects(
         attempts.append(time.monotonic())
         register(message, on_ack)
 
-    daemon._register = counting
+    monkeypatch.setattr(daemon, "_register", counting)
     daemon.start(timeout=10)
     try:
         request = local_pb2.LocalRequest(

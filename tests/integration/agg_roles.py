@@ -20,8 +20,8 @@ import numpy as np
 
 import mlfabric
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roles import JOB, SERVER, initial_model, worker
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.integration
+from tests.integration.roles import JOB, SERVER, initial_model, worker
 
 
 def server(out: Path, tau_max: int, sync_workers: int) -> None:

@@ -15,8 +15,8 @@ import numpy as np
 
 import mlfabric
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roles import JOB, SERVER, update_for
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.integration
+from tests.integration.roles import JOB, SERVER, update_for
 
 
 def poison(rank: int, index: int) -> str | None:

@@ -78,6 +78,7 @@ def test_the_ilp_starts_from_the_search_and_reports_it() -> None:
     assert first.bound == 0.0 and first.objective is not None
     assert first.objective < objective_of(inst, hint)  # the search improved on STF
     assert result.objective is not None and result.objective <= first.objective + 1e-12
+    assert result.schedule is not None
     check_schedule(inst.graph, result.schedule, updates=list(inst.updates))
 
 
@@ -93,4 +94,5 @@ def test_ctrl_c_during_the_search_returns_its_best_plan() -> None:
         timer.cancel()
     assert result.status == "INTERRUPTED" and result.wall_seconds < 30
     assert result.objective is not None and result.objective <= objective_of(inst, hint)
+    assert result.schedule is not None
     check_schedule(inst.graph, result.schedule, updates=list(inst.updates))

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from mlfabric.scheduler.core.checker import check_schedule
+from mlfabric.scheduler.core.schedule import Schedule
 from mlfabric.scheduler.plan.bruteforce import brute_force
 from mlfabric.scheduler.plan.heuristics import fair_schedule, heuristic_plans, warm_start
 from mlfabric.scheduler.plan.ilp import Progress, solve_ilp
@@ -48,7 +49,7 @@ def star_instance(seed: int, n: int, k: int, objective: str | None = None) -> In
     )
 
 
-def _check(inst: Instance, schedule) -> None:
+def _check(inst: Instance, schedule: Schedule) -> None:
     check_schedule(inst.graph, schedule, updates=list(inst.updates))
 
 
@@ -64,6 +65,7 @@ def test_ilp_optimum_equals_brute_force(seed: int, n: int, k: int) -> None:
     horizon = int(_sequential_slots(inst))  # long enough for any optimal plan
     result = solve_ilp(inst, hint=stf, horizon_slots=horizon, time_limit=60, workers=2, seed=seed, groups=1)
     assert result.status == "OPTIMAL"
+    assert result.schedule is not None and result.objective is not None
     assert result.objective == pytest.approx(exact.objective, abs=1e-9)
     assert result.bound == pytest.approx(result.objective, abs=1e-9)
     assert objective_of(inst, result.schedule) == pytest.approx(result.objective)
@@ -84,7 +86,7 @@ def test_ilp_never_worse_than_the_heuristics_and_all_plans_check(seed: int) -> N
     assert set(plans) == {"stf", "aggregation"}
     plans["fair"] = fair_schedule(inst)
     result = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2, seed=0)
-    assert result.schedule is not None
+    assert result.schedule is not None and result.objective is not None
     for plan in (*plans.values(), result.schedule):
         _check(inst, plan)
     for plan in plans.values():
@@ -123,6 +125,7 @@ def test_aggregation_wins_when_the_server_ingress_is_the_bottleneck() -> None:
     direct_only = 4.0  # four payloads through the server's 1 MB/s NIC
     result = solve_ilp(inst, time_limit=30, workers=2, groups=1)
     assert result.status == "OPTIMAL"
+    assert result.schedule is not None and result.objective is not None
     assert result.objective < direct_only
     assert [a.aggregator for a in result.schedule.aggregates] == ["a"]
     _check(inst, result.schedule)
@@ -148,6 +151,7 @@ def test_stopped_before_any_solution_returns_the_warm_start() -> None:
     hint = warm_start(inst)
     result = solve_ilp(inst, hint=hint, time_limit=0.01, workers=1)
     assert result.status == "FEASIBLE"
+    assert result.schedule is not None and result.objective is not None
     assert result.objective == pytest.approx(objective_of(inst, hint))
     assert 0.0 <= result.bound <= result.objective
     _check(inst, result.schedule)
@@ -159,6 +163,7 @@ def test_mip_engines_agree_with_cp_sat(engine: str) -> None:
     ref = solve_ilp(inst, time_limit=30, workers=2)
     other = solve_ilp(inst, time_limit=30, engine=engine)
     assert other.status == ref.status == "OPTIMAL"
+    assert other.schedule is not None
     assert other.objective == pytest.approx(ref.objective)
     _check(inst, other.schedule)
 
@@ -218,6 +223,7 @@ def test_ilp_optimum_equals_brute_force_on_two_tier_instances(seed: int) -> None
     assert exact.schedule.aggregates  # the instance exercises aggregation
     result = solve_ilp(inst, hint=warm_start(inst), time_limit=60, workers=2, groups=1)
     assert result.status == "OPTIMAL"
+    assert result.schedule is not None and result.objective is not None
     assert result.objective == pytest.approx(exact.objective, abs=1e-9)
     _check(inst, result.schedule)
 
@@ -262,6 +268,8 @@ def test_groups_caps_the_aggregates_per_aggregator_and_defaults_to_no_cap() -> N
     capped = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2, groups=1)
     free = solve_ilp(inst, hint=warm_start(inst), time_limit=30, workers=2)
     assert capped.status == free.status == "OPTIMAL"
+    assert capped.schedule is not None and capped.objective is not None
+    assert free.schedule is not None and free.objective is not None
     assert len(capped.schedule.aggregates) <= 1
     assert free.objective <= capped.objective + 1e-9
     _check(inst, capped.schedule)
@@ -286,6 +294,9 @@ def test_an_aggregator_may_make_two_groups_one_after_another() -> None:
     two = solve_ilp(inst, time_limit=30, workers=2, groups=2)
     free = solve_ilp(inst, time_limit=30, workers=2)
     assert one.status == two.status == free.status == "OPTIMAL"
+    assert one.schedule is not None and one.objective is not None
+    assert two.schedule is not None and two.objective is not None
+    assert free.objective is not None
     assert two.objective < one.objective - 1e-9
     assert free.objective == pytest.approx(two.objective)
     assert [a.aggregator for a in two.schedule.aggregates] == ["a", "a"]
@@ -314,6 +325,7 @@ def test_twins_finish_in_id_order_and_the_optimum_is_unchanged() -> None:
     stf = plan_stf(inst.graph, list(inst.updates))
     result = solve_ilp(inst, hint=stf, horizon_slots=8, time_limit=30, workers=2, groups=1)
     assert result.status == "OPTIMAL"
+    assert result.schedule is not None and result.objective is not None
     assert result.objective == pytest.approx(brute_force(inst).objective)
     done = result.schedule.update_completion_times(list(inst.updates))
     # the model orders twins as listed in the instance: u2, then u0, then u1

@@ -16,7 +16,7 @@ def test_an_update_beyond_div_max_is_admitted_once_the_reservations_are_settled(
     floating point; an update whose own norm exceeds div_max waits for a divergence of 0,
     and waited for ever: a stf+agg aggregate of many members in the testbed experiment.)
     """
-    log = ReplicationLog("job", "ps", "rep", 0, lambda *a: None, lambda m: None, "ps")
+    log = ReplicationLog("job", "ps", "rep", 0, lambda *a: None, lambda m: False, "ps")
     try:
         log.configure("", 0.14)
         norms = [0.0312, 0.0347, 0.0351, 0.0329]
@@ -38,7 +38,7 @@ def test_an_update_beyond_div_max_is_admitted_once_the_reservations_are_settled(
 def test_admission_is_first_come_so_an_update_beyond_div_max_is_not_overtaken() -> None:
     """An update that fits beside the reserved ones waits while an older one (beyond div_max,
     needing a divergence of 0) waits; both are admitted in their order once the first settles."""
-    log = ReplicationLog("job", "ps", "rep", 0, lambda *a: None, lambda m: None, "ps")
+    log = ReplicationLog("job", "ps", "rep", 0, lambda *a: None, lambda m: False, "ps")
     try:
         log.configure("", 1.0)
         first = log.admit(0.6)

@@ -186,7 +186,8 @@ def test_the_service_takes_the_grace_from_its_config_and_shows_a_resync_in_its_m
     labels = {"job": "j", "server": "ps"}
     assert core.metrics.registry.get_sample_value("mlfabric_replica_resyncing", labels) == 1.0
     directives = [ps.queue.get_nowait() for _ in range(ps.queue.qsize())]
-    assert any(d.WhichOneof("kind") == "replicate" and d.replicate.resync for d in directives)
+    replicates = [d.replicate for d in directives if d is not None and d.WhichOneof("kind") == "replicate"]
+    assert any(r.resync for r in replicates)
     core.on_message(ps, msg(replica_status=pb.ReplicaStatus(job="j", server="ps", replica_version=0)))
     assert core.metrics.registry.get_sample_value("mlfabric_replica_resyncing", labels) == 0.0
     assert core.replication.book.records[("j", "ps")].confirmed

@@ -40,11 +40,12 @@ def check_plan(plan: AllreducePlan, participants: list[tuple[str, str]], nbytes:
             assert plan.children[q].count(p) == 1
     assert sum(len(c) for c in plan.children.values()) == len(names) - 1
     for p in names:  # every participant reaches the root (no cycle)
-        seen, q = set(), p
-        while plan.parent[q] is not None:
+        seen: set[str] = set()
+        q = p
+        while (up := plan.parent[q]) is not None:
             assert q not in seen
             seen.add(q)
-            q = plan.parent[q]
+            q = up
         assert q == plan.root
     assert 1 <= plan.chunk_bytes <= max(1, nbytes)
     assert math.isfinite(plan.seconds) and plan.seconds >= 0

@@ -11,11 +11,9 @@ GB = 1e9
 PATH = ["w", "sw", "ps"]
 
 
-def make(**kw: float) -> BandwidthEstimator:
+def make() -> BandwidthEstimator:
     # worker NIC 1 GB/s, server NIC 2 GB/s: the worker's uplink is the path's bottleneck
-    return BandwidthEstimator(
-        star(["ps", "w", "v"], {"ps": 16e9, "w": 8e9, "v": 8e9}), recovery=float("inf"), **kw
-    )
+    return BandwidthEstimator(star(["ps", "w", "v"], {"ps": 16e9, "w": 8e9, "v": 8e9}), recovery=float("inf"))
 
 
 def report(est: BandwidthEstimator, rate: float, t: float, nbytes: int = 100_000_000) -> None:

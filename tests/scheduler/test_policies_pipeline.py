@@ -24,6 +24,7 @@ from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import POLICIES, PolicySetup, make_policy
 from mlfabric.scheduler.policies.runner import DecisionError, DecisionRunner
+from mlfabric.scheduler.policies.stf import STFPolicy
 
 MB = 10**6
 
@@ -237,7 +238,7 @@ def test_the_factory_builds_every_registered_policy_with_its_trigger() -> None:
         setup = make_policy(name)
         assert isinstance(setup, PolicySetup) and setup.policy.name == name
     policy, trigger = make_policy("stf", horizon=8)
-    assert (policy.horizon, trigger.low_water) == (8, 2)
+    assert isinstance(policy, STFPolicy) and (policy.horizon, trigger.low_water) == (8, 2)
     agg = make_policy("stf+agg", aggregators=["x"], sync=False).policy
     assert isinstance(agg, AggregationPolicy) and (agg.aggregators, agg.sync) == (("x",), False)
 

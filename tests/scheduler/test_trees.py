@@ -192,6 +192,7 @@ def test_the_simulator_runs_the_tree_policy_through_the_pipeline() -> None:
 
 def test_the_service_runs_the_tree_policy() -> None:
     setup = build_policy("stf+tree", incarnation="7f3a")
+    assert isinstance(setup.policy, TreePolicy)
     assert setup.policy.name == "stf+tree" and setup.policy.scope == "7f3a"
 
 

@@ -12,7 +12,7 @@ from mlfabric.scheduler.core.checker import check_schedule
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.core.schedule import Update
 from mlfabric.scheduler.policies.aggregation import AggregationPolicy
-from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Send, Snapshot
+from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Policy, Send, Snapshot
 from mlfabric.scheduler.policies.fair import FairPolicy
 from mlfabric.scheduler.policies.stf import STFPolicy
 from mlfabric.scheduler.sim.engine import SimulationError, Simulator, UpdateRecord
@@ -31,11 +31,26 @@ def _bottleneck(n: int, server_bps: float = 8e6, worker_bps: float = 80e6) -> Cl
     return Cluster(g, "ps", tuple(workers))
 
 
-def _one_round(c: Cluster, policy: object, **kw: object) -> Simulator:
-    it = AsyncSGD(ComputeModel(dict.fromkeys(c.workers, 0.0)), iterations=1)
-    sim = Simulator(c.graph, policy, it, server_host=c.server_host, workers=c.workers, **kw)
-    sim.run()
-    return sim
+def _one_round(
+    c: Cluster,
+    policy: Policy,
+    *,
+    update_bytes: float,
+    changes: Sequence[BandwidthChange] = (),
+    record_flows: bool = False,
+) -> Simulator:
+    """One push per worker (no compute time, no batching window), run to the end."""
+    compute = ComputeModel(dict.fromkeys(c.workers, 0.0))
+    scenario = Scenario(
+        c,
+        compute,
+        update_bytes=update_bytes,
+        iterations=1,
+        batch_window=0.0,
+        batch_max_wait=0.0,
+        changes=tuple(changes),
+    )
+    return run_scenario(scenario, policy, record_flows=record_flows)[1]
 
 
 @pytest.mark.parametrize("n", [1, 3, 6])

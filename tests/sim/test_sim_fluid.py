@@ -74,7 +74,7 @@ def test_progressive_filling_is_max_min_fair(inst: tuple[dict[int, list[int]], d
 
 def test_n_equal_flows_finish_together_at_n_times_t() -> None:
     n, size, cap = 5, 10.0, 2.0  # alone: T = 5 s
-    net = FluidNetwork({"bottleneck": cap})
+    net: FluidNetwork[str, int] = FluidNetwork({"bottleneck": cap})
     for i in range(n):
         net.add(i, ["bottleneck"], size)
     assert net.rate(0) == pytest.approx(cap / n)
@@ -85,7 +85,7 @@ def test_n_equal_flows_finish_together_at_n_times_t() -> None:
 
 
 def test_departure_speeds_up_the_rest() -> None:
-    net = FluidNetwork({"l": 2.0})
+    net: FluidNetwork[str, str] = FluidNetwork({"l": 2.0})
     net.add("short", ["l"], 2.0)
     net.add("long", ["l"], 6.0)
     assert net.next_completion() == pytest.approx(2.0)  # each at 1 B/s
@@ -96,7 +96,7 @@ def test_departure_speeds_up_the_rest() -> None:
 
 
 def test_bandwidth_change_mid_transfer() -> None:
-    net = FluidNetwork({"l": 1.0})
+    net: FluidNetwork[str, str] = FluidNetwork({"l": 1.0})
     net.add("u", ["l"], 10.0)
     assert net.next_completion() == pytest.approx(10.0)
     assert net.advance_to(4.0) == []
@@ -112,7 +112,9 @@ def test_bandwidth_change_mid_transfer() -> None:
 
 def test_rate_changes_are_reported_and_time_cannot_go_back() -> None:
     seen: list[tuple[str, float, float]] = []
-    net = FluidNetwork({"a": 4.0, "b": 1.0}, on_rate=lambda f, t, r: seen.append((str(f), t, r)))
+    net: FluidNetwork[str, str] = FluidNetwork(
+        {"a": 4.0, "b": 1.0}, on_rate=lambda f, t, r: seen.append((f, t, r))
+    )
     net.add("x", ["a"], 8.0)
     net.add("y", ["a", "b"], 1.0)
     net.next_completion()
@@ -127,7 +129,7 @@ def test_rate_changes_are_reported_and_time_cannot_go_back() -> None:
 
 
 def test_many_flows_grow_the_slots() -> None:
-    net = FluidNetwork({"l": 100.0})
+    net: FluidNetwork[str, int] = FluidNetwork({"l": 100.0})
     for i in range(200):
         net.add(i, ["l"], 1.0 + i)
     assert net.rate(199) == pytest.approx(0.5)
