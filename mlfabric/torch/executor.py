@@ -83,7 +83,8 @@ class PlanCache:
     def get(self, name: str, sig: int, epoch: int) -> RankPlan | None:
         """The plan of that epoch, or None."""
         with self._lock:
-            return self._plans.get((name, sig), {}).get(epoch)
+            plans = self._plans.get((name, sig))
+            return None if plans is None else plans.get(epoch)
 
     def newest(self, name: str, sig: int) -> int:
         """The newest epoch held (-1: none)."""
