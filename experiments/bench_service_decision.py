@@ -34,7 +34,6 @@ from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.cli import build_policy
 from mlfabric.scheduler.service.core import (
     CLIENT_CHANNEL_OPTIONS,
-    Metrics,
     SchedulerCore,
     StaticEstimator,
     start_server,
@@ -91,7 +90,6 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
         dispatcher=Dispatcher(),
         batcher=AdaptiveBatcher(window=0.5, max_wait=30.0),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(),
         replan=replan,
     )
     whole: list[tuple[int, float]] = []
@@ -129,7 +127,7 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    hist = {s.name: s.value for m in core.metrics.registry.collect() for s in m.samples}
+    decisions = core.stats().decision_seconds
     real = [(n, t) for n, t in whole if n]
     first_n, first_t = real[0]
     return {
@@ -138,9 +136,7 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
         "first_ms": first_t * 1e3,
         "median_ms": statistics.median(t for _, t in real) * 1e3,
         "max_ms": max(t for _, t in real) * 1e3,
-        "policy_mean_ms": hist["mlfabric_decision_seconds_sum"]
-        / hist["mlfabric_decision_seconds_count"]
-        * 1e3,
+        "policy_mean_ms": decisions.sum / decisions.count * 1e3,
         "drain_s": drain,
     }
 

@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.service.core import StaticEstimator
-from mlfabric.scheduler.service.metrics import ServiceCollector, drop_reason_class, serve_metrics
+from mlfabric.scheduler.service.metrics import ServiceCollector, serve_metrics
+from mlfabric.scheduler.service.observe import drop_reason_class
 from mlfabric.scheduler.service.records import JobParams, OutcomeKind
 from mlfabric.scheduler.service.state import SchedulerState
 
@@ -25,7 +26,8 @@ def _core() -> SimpleNamespace:
 
 def _registry(core: SimpleNamespace) -> CollectorRegistry:
     r = CollectorRegistry()
-    r.register(ServiceCollector(core))
+    state, estimator = core.state, core.estimator
+    r.register(ServiceCollector(lambda: state.recorder.stats(state, estimator.estimated_graph())))
     return r
 
 
