@@ -74,6 +74,7 @@ from typing import Protocol
 import networkx as nx
 
 from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.core.schedule import is_aggregate_id
 from mlfabric.scheduler.policies.base import Decision, Policy
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
 from mlfabric.scheduler.policies.runner import DecisionRunner
@@ -322,7 +323,7 @@ class SchedulerCore:
                 log.warning("host %s: %s", host, exc)
                 return
             self.runner.forget([r.update_id])
-            self._count(kind_)
+            self.recorder.count(kind_)
             self._execute(self.aggregates.reconcile(self.clock()))
             self._moved()
         elif kind == "aggregate_failed":
@@ -364,7 +365,7 @@ class SchedulerCore:
         ack.servers.extend(self.replication.server_infos(m.job))
         session.send(pb.Directive(role_ack=ack))
         if m.role == pb.ROLE_SERVER:
-            self._announce(m.job)
+            self._execute(self.replication.announce(m.job))  # its workers' daemons
 
     def _unregister_role(self, host: str, m: pb.UnregisterRole) -> None:
         try:
@@ -382,17 +383,13 @@ class SchedulerCore:
         except SchedulerError as exc:
             log.warning("host %s: cannot unregister: %s", host, exc)
 
-    def _announce(self, job: str) -> None:
-        """Send the job's current servers to every daemon with a worker of it."""
-        self._execute(self.replication.announce(job))
-
     def _apply_cleanup(self, cleanup: Cleanup) -> None:
         self.runner.forget(u.update_id for u, _ in cleanup.dropped)
         for u, reason in cleanup.dropped:
-            self._count(OutcomeKind.DROPPED)
+            self.recorder.count(OutcomeKind.DROPPED)
             self._send_to(u.src_host, wire.drop_directive(u.update_id, reason))
         for job in cleanup.jobs_changed:
-            self._announce(job)
+            self._execute(self.replication.announce(job))
         self._execute(self.aggregates.reconcile(self.clock()))
         self._wake.set()
         self._moved()
@@ -400,7 +397,7 @@ class SchedulerCore:
     # --------------------------------------------------------------- updates
 
     def _update_ready(self, session: DaemonSession, m: pb.UpdateReady) -> None:
-        if not m.worker and self.aggregates.is_aggregate(m.update_id):  # an aggregator: all members in
+        if not m.worker and is_aggregate_id(m.update_id):  # an aggregator: all members in
             self._execute(self.aggregates.ready(session.host, m.update_id))
             self.release()
             return
@@ -421,7 +418,7 @@ class SchedulerCore:
             log.warning("host %s: %s; ignored", session.host, exc)
             return
         except SchedulerError as exc:
-            self._count(OutcomeKind.DROPPED)
+            self.recorder.count(OutcomeKind.DROPPED)
             session.send(wire.drop_directive(m.update_id, str(exc), wire.error_code(exc)))
             return
         self.batcher.notify()
@@ -431,8 +428,8 @@ class SchedulerCore:
         now = self.clock()
         shared = self.state.sharing(result.update_id, now)
         book = self.aggregates
-        if book.is_aggregate(m.update_id) or book.is_member_send(m.update_id):
-            if book.is_aggregate(m.update_id):
+        if is_aggregate_id(m.update_id) or book.is_member_send(m.update_id):
+            if is_aggregate_id(m.update_id):
                 effects = book.aggregate_report(m, host, now)
             else:
                 effects = book.member_report(result, now)
@@ -453,7 +450,7 @@ class SchedulerCore:
         elif not result.ok:
             log.info("host %s: transfer of %s failed: %s", host, result.update_id, result.error)
         if result.outcome is not None:
-            self._count(result.outcome)
+            self.recorder.count(result.outcome)
         self.release()
         self._moved()
 
@@ -461,9 +458,6 @@ class SchedulerCore:
         """The one place measurements reach the bandwidth estimator (``scheduler/core/estimation.py``)."""
         self.recorder.measured(path, nbytes, duration, now)
         self.estimator.observe(path, nbytes, duration, now, shared=shared)
-
-    def _count(self, kind: OutcomeKind) -> None:
-        self.recorder.count(kind)
 
     # ------------------------------------------------------- deciding/releasing
 
@@ -484,7 +478,7 @@ class SchedulerCore:
         for d in decision.drops:
             src = self.state.source_host(d.update_id)
             self.state.drop(d.update_id, d.reason)
-            self._count(OutcomeKind.DROPPED)
+            self.recorder.count(OutcomeKind.DROPPED)
             self._send_to(src, wire.drop_directive(d.update_id, d.reason))
         self._execute(self.aggregates.reconcile(now))
         self._execute(self.replication.decide(snapshot, pending))
@@ -515,7 +509,7 @@ class SchedulerCore:
                 address = self.state.address(s.next_hop)
             except SchedulerError as exc:
                 self.state.drop(s.update_id, str(exc))
-                self._count(OutcomeKind.DROPPED)
+                self.recorder.count(OutcomeKind.DROPPED)
                 self._send_to(src, wire.drop_directive(s.update_id, str(exc), wire.error_code(exc)))
                 continue
             self.state.release(s.update_id, s.path, r.started_at, r.expected_end)
@@ -534,7 +528,7 @@ class SchedulerCore:
         for host, directive in effects.directives:
             self._send_to(host, directive)
         for kind in effects.resolved:
-            self._count(kind)
+            self.recorder.count(kind)
         if effects.requeued:
             self.batcher.notify()
         if effects.replan:
@@ -597,5 +591,5 @@ class SchedulerCore:
         self._execute(self.aggregates.expire_stalled(self.clock()))
         for f in self.state.expire_stalled(self.clock()):
             log.warning("%s", self.state.outcomes[f.update_id].reason)
-            self._count(OutcomeKind.DROPPED)
+            self.recorder.count(OutcomeKind.DROPPED)
             self._moved()

@@ -301,15 +301,15 @@ class Replication:
 
     Examples
     --------
+    Server ``ps`` on ``h0``, a worker on ``h2``; a replica registers on ``h1``:
+
     >>> from mlfabric.scheduler.core.graph import star
-    >>> from mlfabric.scheduler.policies.fair import FairPolicy
-    >>> from mlfabric.scheduler.policies.runner import DecisionRunner
     >>> from mlfabric.scheduler.service.records import JobParams
     >>> s = SchedulerState(star(["h0", "h1", "h2"], 8e9))
-    >>> for i, h in enumerate(("h0", "h1", "h2")):
-    ...     _ = s.connect(h, f"127.0.0.1:{9000 + i}")
+    >>> _ = [s.connect(h, f"127.0.0.1:{9000 + i}") for i, h in enumerate(("h0", "h1", "h2"))]
     >>> _ = s.register_server("h0", "j", "ps", (), JobParams(div_max=2.0), version=0)
     >>> _ = s.register_worker("h2", "j", "w")
+    >>> from mlfabric.scheduler.policies.fair import FairPolicy
     >>> rep = Replication(s, DecisionRunner(FairPolicy()))
     >>> m = pb.RegisterRole(job="j", role=pb.ROLE_REPLICA, name="r", replica_of="ps")
     >>> [(h, d.WhichOneof("kind")) for h, d in rep.register("h1", m).directives]

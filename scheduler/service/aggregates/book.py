@@ -100,11 +100,6 @@ class AggregateBook:
         """Aggregates that failed (their members planned afresh or resolved UNKNOWN)."""
         return self.ledger.failures
 
-    @property
-    def requeued(self) -> int:
-        """Members made pending again after their aggregate failed."""
-        return self.ledger.requeued
-
     # ------------------------------------------------------------------ hosts
 
     def hello(self, host: str, can_aggregate: bool) -> None:
@@ -233,17 +228,6 @@ class AggregateBook:
 
     # ----------------------------------------------------------------- events
 
-    @staticmethod
-    def is_aggregate(update_id: str) -> bool:
-        """Whether ``update_id`` names an aggregate (``agg:<scope>:<index>``).
-
-        Examples
-        --------
-        >>> AggregateBook.is_aggregate("agg:ps:3"), AggregateBook.is_aggregate("h1/3")
-        (True, False)
-        """
-        return is_aggregate_id(update_id)
-
     def is_member_send(self, update_id: str) -> bool:
         """Whether a report on ``update_id`` is about a send to an aggregator."""
         return self.ledger.is_member_send(update_id)
@@ -359,7 +343,7 @@ class AggregateBook:
         for f in list(self.state.in_flight.values()):
             deadline = stalled_after(f)
             uid = f.update_id
-            if now <= deadline or not (self.is_aggregate(uid) or self.is_member_send(uid)):
+            if now <= deadline or not (is_aggregate_id(uid) or self.is_member_send(uid)):
                 continue
             self.state.track(None, untrack=uid)
             why = (

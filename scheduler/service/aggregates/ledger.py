@@ -56,31 +56,26 @@ class Ledger:
     Parameters
     ----------
     state : SchedulerState
-        Pending and in-flight updates, daemons and jobs (members move through it).
+        Where members move (pending, in flight, pending again) and their outcomes are recorded.
     runner : DecisionRunner
-        The decision pipeline: which aggregates are gathering, which members are in.
+        Told which members and aggregates to forget, and which are in.
     timeout : float
-        Seconds an aggregator waits for the members (restarted by every re-issue).
+        The aggregators' wait for the members (``AggregateDirective.timeout_seconds``).
 
     Examples
     --------
+    An aggregate of one member aggregate, given up before it was issued:
+
     >>> from mlfabric.scheduler.core.graph import star
     >>> from mlfabric.scheduler.policies.base import PlannedAggregate
     >>> from mlfabric.scheduler.policies.fair import FairPolicy
-    >>> from mlfabric.scheduler.service.records import JobParams
-    >>> s = SchedulerState(star(["ps", "a", "x"], 8e9))
-    >>> for i, h in enumerate(("ps", "a", "x")):
-    ...     _ = s.connect(h, f"127.0.0.1:{9000 + i}")
-    >>> _ = s.register_server("ps", "j", "ps", (), JobParams(), version=0)
-    >>> _ = s.register_worker("a", "j", "w")
-    >>> _ = s.add_update("a", "a/1", "j", "ps", "w", 8, 1.0, 0, now=0.0)
-    >>> ledger = Ledger(s, DecisionRunner(FairPolicy()), timeout=60.0)
-    >>> e = ledger.start(PlannedAggregate("agg:ps:1", "x", ("a/1",), 8, "ps"))
-    >>> [(h, d.aggregate.members[0].update_id) for h, d in ledger.issue(e, now=0.0).directives]
-    [('x', 'a/1')]
+    >>> ledger = Ledger(SchedulerState(star(["ps", "x"], 8e9)), DecisionRunner(FairPolicy()), timeout=60.0)
+    >>> e = ledger.start(PlannedAggregate("agg:ps:1", "x", ("agg:x:0",), 8, "ps"))
+    >>> list(e.nested), e.parent
+    (['agg:x:0'], '')
     >>> out = ledger.fail(e, "its aggregator went away", now=1.0, discard=True)
-    >>> [(h, d.WhichOneof("kind")) for h, d in out.directives], ledger.failures
-    ([('x', 'drop')], 1)
+    >>> [(h, d.drop.update_id) for h, d in out.directives], ledger.failures, ledger.executions
+    ([('x', 'agg:ps:1')], 1, {})
     """
 
     def __init__(self, state: SchedulerState, runner: DecisionRunner, timeout: float) -> None:
@@ -183,17 +178,7 @@ class Ledger:
             address = self.state.address(e.planned.dst)
         except SchedulerError as exc:
             return self.fail(e, str(exc), now, discard=False)
-        members = [
-            pb.AggregateMember(
-                update_id=u.update_id,
-                worker=u.worker,
-                base_version=u.base_version,
-                norm=u.norm,
-                src_host=u.src_host,
-                bytes=u.bytes,
-            )
-            for u in e.members.values()
-        ]
+        members = [wire.aggregate_member(u) for u in e.members.values()]
         members += self._nested_members(e)
         job = self.state.jobs.get(e.job)
         directive = pb.AggregateDirective(
