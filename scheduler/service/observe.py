@@ -211,6 +211,15 @@ class ServiceStats:
     Counters only grow; gauges are read off the state when the snapshot is taken. Links are
     ``(src, dst)``, servers and replicas ``(job, server)``. The Prometheus names are those of
     :class:`~.metrics.ServiceCollector` (``mlfabric_`` and the field's name, mostly).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.service.state import SchedulerState
+    >>> s = SchedulerState(star(2, 8e9))
+    >>> st = s.recorder.stats(s, s.graph)
+    >>> st.daemons_connected, st.updates_ready, len(st.link_capacity), st.decision_seconds.count
+    (0, 0, 4, 0)
     """
 
     updates_ready: int
