@@ -35,7 +35,6 @@ from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.cli import build_policy
 from mlfabric.scheduler.service.core import (
     CLIENT_CHANNEL_OPTIONS,
-    Metrics,
     SchedulerCore,
     StaticEstimator,
     start_server,
@@ -104,7 +103,6 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
         dispatcher=Dispatcher(),
         batcher=AdaptiveBatcher(window=0.5, max_wait=30.0),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(),
         replan=replan,
     )
     server, port = await start_server(core, "127.0.0.1:0")
@@ -131,7 +129,7 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    hist = {s.name: s.value for m in core.metrics.registry.collect() for s in m.samples}
+    decisions = core.stats().decision_seconds
     real = [(n, t) for n, t in whole if n]
     first_n, first_t = real[0]
     return {
@@ -140,9 +138,7 @@ async def measure(horizon: int, nics: str, seed: int = 1) -> dict[str, float]:
         "first_ms": first_t * 1e3,
         "median_ms": statistics.median(t for _, t in real) * 1e3,
         "max_ms": max(t for _, t in real) * 1e3,
-        "policy_mean_ms": hist["mlfabric_decision_seconds_sum"]
-        / hist["mlfabric_decision_seconds_count"]
-        * 1e3,
+        "policy_mean_ms": decisions.sum / decisions.count * 1e3,
         "drain_s": drain,
     }
 

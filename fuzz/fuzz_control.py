@@ -24,7 +24,7 @@ with atheris.instrument_imports(include=["mlfabric"]):
     from mlfabric.scheduler.policies.dispatch import Dispatcher
     from mlfabric.scheduler.policies.registry import make_policy
     from mlfabric.scheduler.service.batching import AdaptiveBatcher
-    from mlfabric.scheduler.service.core import Metrics, SchedulerCore, StaticEstimator
+    from mlfabric.scheduler.service.core import SchedulerCore, StaticEstimator
     from mlfabric.scheduler.service.state import SchedulerState
 
 _HOSTS = ["ps", "w0", "fz"]
@@ -39,7 +39,6 @@ def _core() -> tuple[SchedulerCore, dict]:
         dispatcher=Dispatcher(),
         batcher=AdaptiveBatcher(),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(registry=None),
         replan=setup.trigger,
     )
     sessions = {

@@ -30,6 +30,7 @@ def test_wheel_holds_exactly_the_mlfabric_tree(tmp_path: Path) -> None:
         "mlfabric/cli.py",
         "mlfabric/scheduler/__init__.py",
         "mlfabric/scheduler/core/graph.py",
+        "mlfabric/scheduler/service/aggregates/book.py",
         "mlfabric/daemon/__init__.py",
         "mlfabric/aggregators/__init__.py",
         "mlfabric/proto/v1/control_pb2.py",

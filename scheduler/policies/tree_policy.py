@@ -6,7 +6,7 @@ their expected end) and turns the plan into a decision with
 :func:`~mlfabric.scheduler.policies.convert.schedule_to_decision`, so the simulator and the
 service run it through the one pipeline (:class:`~mlfabric.scheduler.policies.runner.DecisionRunner`).
 The service executes its nested aggregates through the daemons
-(:mod:`mlfabric.scheduler.service.aggregate_tree`), the simulator in its fluid network.
+(:mod:`mlfabric.scheduler.service.aggregates`), the simulator in its fluid network.
 """
 
 from __future__ import annotations

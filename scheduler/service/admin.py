@@ -1,9 +1,9 @@
 """The scheduler's admin service: cluster status and what holds each job back (``mlfabric status``).
 
-:class:`Activity` remembers, in the service's clock, when each worker announced an update
-and how many bytes each link carried; :class:`ObservedState` (the service state, feeding
-the pushes) and :class:`~.metrics.MeteredEstimator` (feeding the measured transfers) fill
-it. :func:`cluster_status` is a pure function from the state, the estimated graph and the
+:class:`~.observe.Activity` remembers, in the service's clock, when each worker announced an
+update and how many bytes each link carried; the service state notes the pushes there and the
+core the measured transfers (through the state's :class:`~.observe.Recorder`).
+:func:`cluster_status` is a pure function from the state, the estimated graph and the
 activity to a :class:`~mlfabric.proto.v1.admin_pb2.ClusterStatus`, including the report
 users of parameter servers and all-reduce ask for: which worker and which link hold a job
 back now.
@@ -16,14 +16,13 @@ back now.
   ``BUSY_UTILISATION``, or when the estimated rate (residual bandwidth, paper §5) is below
   ``DEGRADED_RATIO`` of the configured one; the busiest, else the most degraded, is named.
 
-:class:`AdminServicer` answers ``Admin.Status`` on the scheduler's gRPC server.
+:class:`AdminServicer` answers ``Admin.Status`` and ``Admin.Trace`` (the state's trace ring,
+:mod:`.tracelog`) on the scheduler's gRPC server.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import deque
-from collections.abc import Iterable, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -32,20 +31,18 @@ import networkx as nx
 
 from mlfabric.proto.v1 import admin_pb2 as apb
 from mlfabric.proto.v1 import admin_pb2_grpc
-from mlfabric.scheduler.policies.base import InFlight
-from mlfabric.scheduler.service.aggregates import AggregateBook
-from mlfabric.scheduler.service.records import SchedulerError, TransferResult, UpdateOutcome
-from mlfabric.scheduler.service.state import PendingUpdate, SchedulerState
-from mlfabric.scheduler.service.tracelog import MAX_REPLY, TraceLog
+from mlfabric.scheduler.service.core import SchedulerCore
+from mlfabric.scheduler.service.observe import Activity, per_link, per_server
+from mlfabric.scheduler.service.records import Job, SchedulerError
+from mlfabric.scheduler.service.state import SchedulerState
+from mlfabric.scheduler.service.tracelog import MAX_REPLY
 
 __all__ = [
     "BUSY_UTILISATION",
     "DEFAULT_WINDOW",
     "DEGRADED_RATIO",
     "STRAGGLER_FACTOR",
-    "Activity",
     "AdminServicer",
-    "ObservedState",
     "cluster_status",
 ]
 
@@ -57,141 +54,6 @@ STRAGGLER_FACTOR = 1.5
 BUSY_UTILISATION = 0.8
 #: a link estimated below this fraction of its configured rate is degraded
 DEGRADED_RATIO = 0.5
-#: events kept per worker or link
-_MAX_EVENTS = 4096
-
-
-class Activity:
-    """Recent pushes per (job, worker) and transfers per link; times are the service's clock.
-
-    Examples
-    --------
-    >>> a = Activity()
-    >>> for t in (0.0, 1.0, 2.0):
-    ...     a.push("j", "w0", t)
-    >>> a.worker_rate("j", "w0", now=2.0, window=10.0)
-    (0.3, 1.0, 3)
-    >>> a.transfer(("w0", "sw", "ps"), 1000, now=2.0)
-    >>> a.link_bytes(("w0", "sw"), now=2.0, window=10.0)
-    1000
-    """
-
-    def __init__(self) -> None:
-        self._pushes: dict[tuple[str, str], deque[float]] = {}
-        self._links: dict[tuple[str, str], deque[tuple[float, int]]] = {}
-        #: link -> bytes of every transfer released over it so far
-        self.scheduled: dict[tuple[str, str], int] = {}
-
-    def push(self, job: str, worker: str, now: float) -> None:
-        """``worker`` of ``job`` announced an update at ``now``."""
-        self._pushes.setdefault((job, worker), deque(maxlen=_MAX_EVENTS)).append(now)
-
-    def released(self, path: Sequence[str], nbytes: int) -> None:
-        """A transfer of ``nbytes`` along ``path`` was released (scheduled)."""
-        for link in pairwise(path):
-            self.scheduled[link] = self.scheduled.get(link, 0) + nbytes
-
-    def transfer(self, path: Sequence[str], nbytes: int, now: float) -> None:
-        """A transfer of ``nbytes`` along ``path`` was reported at ``now``."""
-        for link in pairwise(path):
-            self._links.setdefault(link, deque(maxlen=_MAX_EVENTS)).append((now, nbytes))
-
-    def worker_rate(self, job: str, worker: str, now: float, window: float) -> tuple[float, float, int]:
-        """(pushes per second, mean seconds between pushes or 0, pushes) over the window."""
-        times = [t for t in self._pushes.get((job, worker), ()) if t >= now - window]
-        interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else 0.0
-        return len(times) / window, interval, len(times)
-
-    def link_bytes(self, link: tuple[str, str], now: float, window: float) -> int:
-        """Bytes reported over ``link`` in the window."""
-        return sum(n for t, n in self._links.get(link, ()) if t >= now - window)
-
-
-class ObservedState(SchedulerState):
-    """The service state, also noting accepted update-readys and released transfers in an :class:`Activity`.
-
-    With a :class:`~.tracelog.TraceLog`, it also records the live timeline there: updates
-    ready, transfers released (planned) and reported (measured), verdicts.
-
-    Parameters
-    ----------
-    graph : networkx.DiGraph
-    activity : Activity
-    trace : TraceLog, optional
-    """
-
-    def __init__(self, graph: nx.DiGraph, activity: Activity, trace: TraceLog | None = None) -> None:
-        super().__init__(graph)
-        self.activity = activity
-        self.trace = trace
-
-    def add_update(
-        self,
-        host: str,
-        update_id: str,
-        job: str,
-        server: str,
-        worker: str,
-        nbytes: int,
-        norm: float,
-        base_version: int,
-        now: float,
-    ) -> PendingUpdate:
-        """:meth:`SchedulerState.add_update`, noting the push of ``worker`` at ``now``."""
-        u = super().add_update(host, update_id, job, server, worker, nbytes, norm, base_version, now)
-        self.activity.push(job, worker, now)
-        if self.trace is not None:
-            self.trace.ready(update_id, job, server, worker, (u.src_host, u.dst_host), u.bytes)
-        return u
-
-    def release(
-        self, update_id: str, path: tuple[str, ...], started_at: float, expected_end: float
-    ) -> InFlight:
-        """:meth:`SchedulerState.release`, counting the bytes scheduled on each link of ``path``."""
-        f = super().release(update_id, path, started_at, expected_end)
-        self.activity.released(f.path, f.bytes)
-        if self.trace is not None:
-            self.trace.planned(f.update_id, f.job, f.server, f.path, f.bytes, started_at, expected_end)
-        return f
-
-    def track(self, f: InFlight | None, untrack: str = "") -> InFlight | None:
-        """:meth:`SchedulerState.track`, tracing an aggregate leaving its aggregator as planned."""
-        if f is not None and self.trace is not None:
-            self.trace.planned(
-                f.update_id, f.job, f.server, f.path, f.bytes, f.started_at, f.expected_end, aggregate=True
-            )
-        return super().track(f, untrack)
-
-    def report(self, result: TransferResult) -> InFlight:
-        """:meth:`SchedulerState.report`, tracing the measured transfer."""
-        f = super().report(result)
-        if self.trace is not None:
-            self.trace.measured(
-                f.update_id,
-                f.job,
-                f.server,
-                f.path,
-                result.bytes,
-                result.start,
-                result.end,
-                ok=result.ok,
-                outcome="" if result.outcome is None else result.outcome.value,
-                reason=result.reason or result.error,
-                aggregate=AggregateBook.is_aggregate(f.update_id),
-            )
-        return f
-
-    def resolved(self, outcome: UpdateOutcome) -> None:
-        """Trace the verdict."""
-        if self.trace is not None:
-            self.trace.verdict(outcome.update_id, outcome.kind.value, outcome.reason)
-
-
-def _counts(items: Iterable[Any]) -> dict[tuple[str, str], int]:
-    out: dict[tuple[str, str], int] = {}
-    for u in items:
-        out[(u.job, u.server)] = out.get((u.job, u.server), 0) + 1
-    return out
 
 
 def cluster_status(
@@ -221,8 +83,8 @@ def cluster_status(
     --------
     >>> from mlfabric.scheduler.core.graph import star
     >>> from mlfabric.scheduler.service.records import JobParams
-    >>> act = Activity()
-    >>> s = ObservedState(star(3, 8e9), act)
+    >>> s = SchedulerState(star(3, 8e9))
+    >>> act = s.recorder.activity
     >>> for h in ("h0", "h1", "h2"):
     ...     _ = s.connect(h, "127.0.0.1:1")
     >>> _ = s.register_server("h0", "j", "ps", (), JobParams(tau_max=4), version=0)
@@ -241,14 +103,11 @@ def cluster_status(
     )
     for d in sorted(state.daemons.values(), key=lambda d: d.host):
         st.daemons.add(host=d.host, data_address=d.data_address, version=d.version)
-    pending, in_flight = _counts(state.pending.values()), _counts(state.in_flight.values())
+    pending, in_flight = per_server(state.pending.values()), per_server(state.in_flight.values())
     per_worker: dict[tuple[str, str], int] = {}
     for u in state.pending.values():
         per_worker[(u.job, u.worker)] = per_worker.get((u.job, u.worker), 0) + 1
-    crossing: dict[tuple[str, str], int] = {}
-    for f in state.in_flight.values():
-        for link in pairwise(f.path):
-            crossing[link] = crossing.get(link, 0) + 1
+    crossing = per_link(state.in_flight.values())
 
     links: dict[tuple[str, str], apb.LinkStatus] = {}
     for u, v, data in state.graph.edges(data=True):
@@ -321,7 +180,7 @@ def _straggler(js: apb.JobStatus, window: float) -> apb.Bottleneck | None:
 
 
 def _held_by_link(
-    state: SchedulerState, job: Any, links: dict[tuple[str, str], apb.LinkStatus]
+    state: SchedulerState, job: Job, links: dict[tuple[str, str], apb.LinkStatus]
 ) -> apb.Bottleneck | None:
     users: dict[tuple[str, str], int] = {}  # worker-to-server paths crossing each link
     for whost in set(job.workers.values()):
@@ -357,28 +216,26 @@ def _held_by_link(
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    """``Admin.Status`` of a running :class:`~.core.SchedulerCore` (runs on its loop).
+    """``Admin.Status`` and ``Admin.Trace`` of a running :class:`~.core.SchedulerCore` (runs on its loop).
+
+    Both read what the core's state recorded (its :class:`~.observe.Recorder`): the activity
+    behind the status, the trace ring if it has one.
 
     Parameters
     ----------
     core : SchedulerCore
-    activity : Activity
-        Fed by the core's :class:`ObservedState` and :class:`~.metrics.MeteredEstimator`.
-    trace : TraceLog, optional
-        Fed by the core's :class:`ObservedState`; ``Admin.Trace`` reads it.
     """
 
-    def __init__(self, core: Any, activity: Activity, trace: TraceLog | None = None) -> None:
+    def __init__(self, core: SchedulerCore) -> None:
         self._core = core
-        self._activity = activity
-        self._trace = trace
 
     async def Trace(self, request: apb.TraceRequest, context: Any) -> apb.TraceReply:
         """The trace events from ``request.cursor`` on (see :mod:`.tracelog`)."""
-        if self._trace is None:
+        trace = self._core.recorder.trace
+        if trace is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler records no trace")
-        assert self._trace is not None
-        return self._trace.reply(request.cursor, min(request.max_events or MAX_REPLY, MAX_REPLY))
+        assert trace is not None
+        return trace.reply(request.cursor, min(request.max_events or MAX_REPLY, MAX_REPLY))
 
     async def Status(self, request: apb.StatusRequest, context: Any) -> apb.ClusterStatus:
         """The cluster now (see :func:`cluster_status`)."""
@@ -389,7 +246,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return cluster_status(
             core.state,
             core.estimator.estimated_graph(),
-            self._activity,
+            core.recorder.activity,
             core.clock(),
             window,
             core.policy.name,

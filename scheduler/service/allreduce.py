@@ -1,7 +1,8 @@
 """The scheduler's side of all-reduce: collecting readiness, planning the tree or ring, failing cleanly.
 
 :class:`AllreduceBook` is pure (times are arguments; directives are returned as
-``(host, Directive)`` pairs). Each operation is keyed ``(job, name, seq)``:
+:class:`~mlfabric.scheduler.service.effects.Effects` the service core executes). Each operation
+is keyed ``(job, name, seq)``:
 
 1. ``AllreduceReady`` from each participant's daemon. The first fixes the operation's world
    size and tensors; a later one that disagrees (another world size, tensor names, dtypes or
@@ -26,18 +27,17 @@ import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import networkx as nx
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.allreduce import plan_allreduce
+from mlfabric.scheduler.service.effects import Effects
 
 __all__ = ["AllreduceBook"]
 
 log = logging.getLogger("mlfabric.scheduler")
 OpKey = tuple[str, str, int]
-Out = list[tuple[str, Any]]
 
 
 @dataclass
@@ -56,7 +56,7 @@ class _Op:
         return f"all-reduce {name!r}#{seq} of job {job!r}"
 
 
-def _spec(m: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+def _spec(m: pb.AllreduceReady) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(t.name, t.dtype, tuple(int(d) for d in t.shape)) for t in m.tensors]
 
 
@@ -78,12 +78,12 @@ class AllreduceBook:
     ...     t = pb.TensorSpec(name="w", dtype="float64", shape=shape)
     ...     return pb.AllreduceReady(job="j", name="g", seq=seq, participant=p, world_size=2,
     ...                              tensors=[t], bytes=8 * shape[0])
-    >>> book.ready("a", ready("pa", 1, [2]), 0.0)
+    >>> book.ready("a", ready("pa", 1, [2]), 0.0).directives
     []
-    >>> sorted(h for h, d in book.ready("b", ready("pb", 1, [2]), 0.1))
+    >>> sorted(h for h, d in book.ready("b", ready("pb", 1, [2]), 0.1).directives)
     ['a', 'b']
     >>> _ = book.ready("a", ready("pa", 2, [2]), 0.2)
-    >>> [d.allreduce_abort.code for _, d in book.ready("b", ready("pb", 2, [3]), 0.3)]
+    >>> [d.allreduce_abort.code for _, d in book.ready("b", ready("pb", 2, [3]), 0.3).directives]
     ['allreduce_mismatch', 'allreduce_mismatch']
     """
 
@@ -94,27 +94,27 @@ class AllreduceBook:
         #: aborted operations: key -> (code, reason), so a late participant is told at once
         self.aborted: collections.OrderedDict[OpKey, tuple[str, str]] = collections.OrderedDict()
 
-    def ready(self, host: str, m: Any, now: float) -> Out:
+    def ready(self, host: str, m: pb.AllreduceReady, now: float) -> Effects:
         """``AllreduceReady`` from ``host``; the directives (or aborts) it leads to."""
         key: OpKey = (m.job, m.name, int(m.seq))
         gone = self.aborted.get(key)
         if gone is not None:
-            return [(host, self._abort_directive(key, *gone))]
+            return Effects([(host, self._abort_directive(key, *gone))])
         op = self.ops.get(key)
         if op is None:
             op = self.ops[key] = _Op(key, int(m.world_size), _spec(m), int(m.bytes), now)
         problem = self._mismatch(op, host, m)
         if problem is not None:
             out = self.abort(key, "allreduce_mismatch", problem)
-            if host not in {h for h, _ in out}:  # the announcer (a participant announced twice: its host too)
-                out.append((host, self._abort_directive(key, "allreduce_mismatch", problem)))
+            if host not in {h for h, _ in out.directives}:  # the announcer (announced twice: its host too)
+                out.send(host, self._abort_directive(key, "allreduce_mismatch", problem))
             return out
         op.ready[m.participant] = host
         if len(op.ready) < op.world_size:
-            return []
+            return Effects()
         return self._plan(op)
 
-    def _mismatch(self, op: _Op, host: str, m: Any) -> str | None:
+    def _mismatch(self, op: _Op, host: str, m: pb.AllreduceReady) -> str | None:
         label, who = op.label(), f"participant {m.participant!r} on host {host!r}"
         first = next(iter(op.ready), None)
         if m.participant in op.ready:
@@ -139,7 +139,7 @@ class AllreduceBook:
             )
         return None
 
-    def _plan(self, op: _Op) -> Out:
+    def _plan(self, op: _Op) -> Effects:
         try:
             plan = plan_allreduce(self._graph(), sorted(op.ready.items()), op.nbytes)
         except ValueError as exc:
@@ -149,12 +149,12 @@ class AllreduceBook:
         describe = plan.describe(op.ready)
         log.info("%s: %s", op.label(), describe)
 
-        def peer(p: str | None) -> Any:
+        def peer(p: str | None) -> pb.AllreducePeer:
             if p is None:
                 return pb.AllreducePeer()
             return pb.AllreducePeer(participant=p, host=op.ready[p], data_address=self._address(op.ready[p]))
 
-        out: Out = []
+        out = Effects()
         ring = [peer(p) for p in plan.ring] if plan.kind == "ring" else []
         for p, host in sorted(op.ready.items()):
             d = pb.AllreduceDirective(
@@ -171,25 +171,25 @@ class AllreduceBook:
             else:
                 d.parent.CopyFrom(peer(plan.parent[p]))
                 d.children.extend(peer(c) for c in plan.children[p])
-            out.append((host, pb.Directive(allreduce=d)))
+            out.send(host, pb.Directive(allreduce=d))
         return out
 
-    def done(self, host: str, m: Any) -> Out:
+    def done(self, host: str, m: pb.AllreduceDone) -> Effects:
         """``AllreduceDone`` from ``host``: forget the operation when all are done, abort on a failure."""
         key: OpKey = (m.job, m.name, int(m.seq))
         op = self.ops.get(key)
         if op is None:
-            return []
+            return Effects()
         if not m.ok:
             return self.abort(key, m.code or "allreduce_failed", m.reason, skip=m.participant)
         op.done.add(m.participant)
         if op.done >= set(op.ready) and len(op.done) >= op.world_size:
             del self.ops[key]
-        return []
+        return Effects()
 
-    def host_lost(self, host: str) -> Out:
+    def host_lost(self, host: str) -> Effects:
         """The daemon of ``host`` went away: abort every operation with a participant there."""
-        out: Out = []
+        out = Effects()
         for key, op in list(self.ops.items()):
             lost = sorted(p for p, h in op.ready.items() if h == host and p not in op.done)
             if lost:
@@ -197,55 +197,22 @@ class AllreduceBook:
                 out += self.abort(key, "allreduce_peer_lost", reason, skip_host=host)
         return out
 
-    def abort(self, key: OpKey, code: str, reason: str, *, skip: str = "", skip_host: str = "") -> Out:
+    def abort(self, key: OpKey, code: str, reason: str, *, skip: str = "", skip_host: str = "") -> Effects:
         """Abort ``key`` at every participant but ``skip`` (and those on ``skip_host``)."""
         op = self.ops.pop(key, None)
         self.aborted[key] = (code, reason)
         while len(self.aborted) > 4096:
             self.aborted.popitem(last=False)
         if op is None:
-            return []
+            return Effects()
         log.info("%s aborted: %s", op.label(), reason)
         directive = self._abort_directive(key, code, reason)
         hosts = sorted({h for p, h in op.ready.items() if p != skip and h != skip_host and p not in op.done})
-        return [(h, directive) for h in hosts]
+        return Effects([(h, directive) for h in hosts])
 
     @staticmethod
-    def _abort_directive(key: OpKey, code: str, reason: str) -> Any:
+    def _abort_directive(key: OpKey, code: str, reason: str) -> pb.Directive:
         job, name, seq = key
         return pb.Directive(
             allreduce_abort=pb.AllreduceAbort(job=job, name=name, seq=seq, reason=reason, code=code)
         )
-
-
-class AllreduceService:
-    """The book wired to a :class:`~mlfabric.scheduler.service.core.SchedulerCore` (its sessions).
-
-    Parameters
-    ----------
-    core : SchedulerCore
-        Gives the graph (``estimator``), the daemons' addresses (``state``), the clock and
-        ``_send_to``.
-    """
-
-    def __init__(self, core: Any) -> None:
-        self.core = core
-        self.book = AllreduceBook(
-            core.estimator.estimated_graph, lambda h: core.state.daemons[h].data_address
-        )
-
-    def on_message(self, host: str, kind: str, m: Any) -> None:
-        """``allreduce_ready`` or ``allreduce_done`` from ``host``."""
-        if kind == "allreduce_ready":
-            out = self.book.ready(host, m, self.core.clock())
-        else:
-            out = self.book.done(host, m)
-        self._send(out)
-
-    def host_lost(self, host: str) -> None:
-        """A daemon's stream ended."""
-        self._send(self.book.host_lost(host))
-
-    def _send(self, out: Out) -> None:
-        for host, directive in out:
-            self.core._send_to(host, directive)

@@ -27,7 +27,7 @@ import os
 import secrets
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlfabric.config import (
     NOT_IN_SERVICE,
@@ -41,6 +41,9 @@ from mlfabric.config import (
 from mlfabric.readyfile import write_ready_file
 from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON, PolicySetup, make_policy
 from mlfabric.systemd import configure_logging
+
+if TYPE_CHECKING:  # imported when serving (``mlfabric --help`` stays light)
+    from mlfabric.scheduler.service.core import SchedulerCore
 
 __all__ = ["SERVICE_POLICIES", "build_policy", "configure", "main", "run"]
 
@@ -254,14 +257,12 @@ def _graph(args: argparse.Namespace) -> Any:
     return star(args.star if args.star is not None else DEFAULT_STAR, args.nic_gbps * 1e9)
 
 
-def _reload(args: argparse.Namespace, core: Any) -> None:
+def _reload(args: argparse.Namespace, core: SchedulerCore) -> None:
     """SIGHUP: re-read ``--config`` (if any) and the topology, swap the graph.
 
     The topology and ``log_level`` take effect; other changed keys (listening address,
     policy, ...) are logged as needing a restart.
     """
-    from mlfabric.scheduler.service.lifecycle import reload_topology
-
     level = None
     if args.config:
         values = load_config(args.config, "scheduler")
@@ -270,7 +271,7 @@ def _reload(args: argparse.Namespace, core: Any) -> None:
         restart = sorted(k for k, v in values.items() if getattr(args, k, v) != v)
         if restart:
             log.warning("reload: changed keys need a restart to take effect: %s", ", ".join(restart))
-    reload_topology(core, _graph(args), _make_estimator)
+    core.replace_graph(_graph(args), _make_estimator)
     if level is not None and level != args.log_level:
         logging.getLogger().setLevel(level)
         args.log_level = level
@@ -294,28 +295,29 @@ def _make_estimator(graph: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> int:
+    from prometheus_client import CollectorRegistry
+
     from mlfabric.proto.v1 import admin_pb2_grpc
     from mlfabric.scheduler.policies.dispatch import Dispatcher
-    from mlfabric.scheduler.service.admin import Activity, AdminServicer, ObservedState
+    from mlfabric.scheduler.service.admin import AdminServicer
     from mlfabric.scheduler.service.batching import AdaptiveBatcher
-    from mlfabric.scheduler.service.core import Metrics, SchedulerCore, start_server
+    from mlfabric.scheduler.service.core import SchedulerCore, start_server
     from mlfabric.scheduler.service.lifecycle import status_line, supervise
-    from mlfabric.scheduler.service.metrics import MeteredEstimator, ServiceCollector, serve_metrics
+    from mlfabric.scheduler.service.metrics import ServiceCollector, serve_metrics
+    from mlfabric.scheduler.service.observe import Recorder
+    from mlfabric.scheduler.service.state import SchedulerState
     from mlfabric.scheduler.service.tracelog import TraceLog
     from mlfabric.systemd import Notifier, watchdog_interval
 
-    metrics = Metrics()
     notifier = Notifier()
-    activity = Activity()
     trace = TraceLog()  # the live timeline (mlfabric trace), bounded
     policy = setup.policy
     core = SchedulerCore(
-        ObservedState(graph, activity, trace),
+        SchedulerState(graph, Recorder(trace)),  # what the service observes, noted once
         policy,
         dispatcher=Dispatcher(margin=args.release_margin_us * 1e-6),
         batcher=AdaptiveBatcher(window=args.batch_window_us * 1e-6, max_wait=args.batch_max_wait_us * 1e-6),
-        estimator=MeteredEstimator(_make_estimator(graph), metrics.registry, activity),
-        metrics=metrics,
+        estimator=_make_estimator(graph),
         replan=setup.trigger,
         aggregate_timeout=args.aggregate_timeout,
         replica_grace=args.replica_grace,
@@ -326,7 +328,7 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         return _fail(str(exc))
     try:
         trace.set_clock(core.clock)
-        admin = AdminServicer(core, activity, trace)
+        admin = AdminServicer(core)
         server, port = await start_server(
             core,
             args.listen,
@@ -339,11 +341,12 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     address = f"{host}:{port}"
     metrics_server = None
     if args.metrics_port is not None:
-        collector = ServiceCollector(core, refresh_on_collect=False)
-        metrics.registry.register(collector)
+        registry = CollectorRegistry()
+        collector = ServiceCollector(core.stats, refresh_on_collect=False)  # the snapshot, taken on the loop
+        registry.register(collector)
         try:
             metrics_server = await serve_metrics(
-                metrics.registry, host.strip("[]"), args.metrics_port, before=collector.refresh
+                registry, host.strip("[]"), args.metrics_port, before=collector.refresh
             )
         except OSError as exc:
             await server.stop(None)
@@ -353,6 +356,9 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    def status() -> str:
+        return status_line(core.state, core.policy.name)
+
     def on_hup() -> None:
         notifier.reloading()
         try:
@@ -361,8 +367,8 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
             log.error("reload failed: %s", exc)
             notifier.ready(f"reload failed: {exc}".splitlines()[0])
             return
-        log.warning("reloaded the topology: %s", status_line(core))
-        notifier.ready(status_line(core))
+        log.warning("reloaded the topology: %s", status())
+        notifier.ready(status())
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     core_task = asyncio.create_task(core.run())
@@ -372,8 +378,8 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
             info["metrics_port"] = metrics_server.sockets[0].getsockname()[1]
         write_ready_file(args.ready_file, info)
     print(f"mlfabric scheduler: serving on {address} (policy {policy.name})", file=sys.stderr, flush=True)
-    notifier.ready(f"serving on {address}; {status_line(core)}")
-    supervisor = asyncio.create_task(supervise(core, notifier, watchdog_interval()))
+    notifier.ready(f"serving on {address}; {status()}")
+    supervisor = asyncio.create_task(supervise(status, notifier, watchdog_interval()))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({core_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     notifier.stopping()

@@ -53,7 +53,11 @@ sends) the core also decides again, without a ready notification, when the runne
 fallen to its low-water mark while unplanned pending updates remain.
 
 Servicer methods only unpack messages, call :class:`~mlfabric.scheduler.service.state.SchedulerState`
-and the runner, and build replies.
+and the runner, and build replies. The books of aggregates, replicas and all-reduce operations
+are pure: they return :class:`~mlfabric.scheduler.service.effects.Effects`, which the core
+executes in one place (:meth:`SchedulerCore._execute`). What the service observes is counted in
+its state's :class:`~mlfabric.scheduler.service.observe.Recorder`; :meth:`SchedulerCore.stats`
+is the snapshot ``/metrics`` reports.
 """
 
 from __future__ import annotations
@@ -68,16 +72,18 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import networkx as nx
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.core.schedule import is_aggregate_id
 from mlfabric.scheduler.policies.base import Decision, Policy
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
 from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service import wire
-from mlfabric.scheduler.service.aggregates import DEFAULT_TIMEOUT, AggregateBook, Effects
-from mlfabric.scheduler.service.allreduce import AllreduceService
+from mlfabric.scheduler.service.aggregates import DEFAULT_TIMEOUT, AggregateBook
+from mlfabric.scheduler.service.allreduce import AllreduceBook
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.effects import Effects
+from mlfabric.scheduler.service.observe import ServiceStats
 from mlfabric.scheduler.service.records import (
     Cleanup,
     DuplicateUpdate,
@@ -96,7 +102,6 @@ __all__ = [
     "SERVER_OPTIONS",
     "DaemonSession",
     "Estimator",
-    "Metrics",
     "SchedulerCore",
     "SchedulerServicer",
     "StaticEstimator",
@@ -140,27 +145,6 @@ class StaticEstimator:
         return self._graph
 
 
-class Metrics:
-    """Prometheus counters of the service, in their own registry (exposed by ``--metrics-port``)."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = CollectorRegistry() if registry is None else registry
-        r = self.registry
-        self.updates_ready = Counter("mlfabric_updates_ready", "update-ready notifications", registry=r)
-        self.updates_applied = Counter("mlfabric_updates_applied", "updates applied at servers", registry=r)
-        self.updates_dropped = Counter("mlfabric_updates_dropped", "updates dropped", registry=r)
-        self.updates_unknown = Counter(
-            "mlfabric_updates_unknown", "updates whose application cannot be known", registry=r
-        )
-        self.transfers_released = Counter("mlfabric_transfers_released", "send directives", registry=r)
-        self.decision_seconds = Histogram(
-            "mlfabric_decision_seconds",
-            "time of one policy decision",
-            buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0),
-            registry=r,
-        )
-
-
 @dataclass(eq=False)
 class DaemonSession:
     """One daemon's stream: its host and the queue of directives to write to it."""
@@ -195,7 +179,6 @@ class SchedulerCore:
         Groups update-ready notifications.
     estimator : Estimator
         Fed with every successful transfer; its graph goes to the policy.
-    metrics : Metrics
     replan : ReplanTrigger, optional
         When to decide again with no new ready notification (default: low-water 0, i.e.
         only when nothing is planned and some pending update has no send).
@@ -215,7 +198,7 @@ class SchedulerCore:
     >>> from mlfabric.scheduler.policies.fair import FairPolicy
     >>> g = star(["ps", "a"], 8e9)
     >>> core = SchedulerCore(SchedulerState(g), FairPolicy(), dispatcher=Dispatcher(),
-    ...                      batcher=AdaptiveBatcher(), estimator=StaticEstimator(g), metrics=Metrics())
+    ...                      batcher=AdaptiveBatcher(), estimator=StaticEstimator(g))
     >>> ps = core.hello(pb.Hello(host="ps", data_address="127.0.0.1:9000"))
     >>> a = core.hello(pb.Hello(host="a", data_address="127.0.0.1:9001"))
     >>> msg = pb.DaemonMessage
@@ -226,6 +209,8 @@ class SchedulerCore:
     >>> _ = core.decide()  # what the decision loop does once the batch closes
     >>> [a.queue.get_nowait().WhichOneof("kind") for _ in range(a.queue.qsize())]
     ['role_ack', 'send']
+    >>> core.stats().transfers_released
+    1
     """
 
     def __init__(
@@ -236,7 +221,6 @@ class SchedulerCore:
         dispatcher: Dispatcher,
         batcher: AdaptiveBatcher,
         estimator: Estimator,
-        metrics: Metrics,
         replan: ReplanTrigger | None = None,
         clock: Callable[[], float] = time.monotonic,
         aggregate_timeout: float = DEFAULT_TIMEOUT,
@@ -249,14 +233,15 @@ class SchedulerCore:
         self.aggregates = AggregateBook(state, self.runner, timeout=aggregate_timeout)
         self.batcher = batcher
         self.estimator = estimator
-        self.metrics = metrics
+        #: where the state, the core and the replicas' book count what they see (``stats()``)
+        self.recorder = state.recorder
         self.clock = clock
         self.sessions: dict[str, DaemonSession] = {}
         self._wake = asyncio.Event()
         #: replicas: their books, replica sends, promotion (docs/replication.md)
-        self.replication = Replication(self, replica_grace)
+        self.replication = Replication(state, self.runner, replica_grace)
         #: all-reduce operations: readiness, tree plans, aborts (docs/allreduce.md)
-        self.allreduce = AllreduceService(self)
+        self.allreduce = AllreduceBook(lambda: self.estimator.estimated_graph(), state.address)
 
     @property
     def policy(self) -> Policy:
@@ -273,6 +258,23 @@ class SchedulerCore:
         """The runner's re-plan trigger."""
         return self.runner.trigger
 
+    def stats(self) -> ServiceStats:
+        """The service's counters and gauges now (call it on the loop: it copies them).
+
+        What :class:`~mlfabric.scheduler.service.metrics.ServiceCollector` reports at a scrape.
+        """
+        return self.recorder.stats(self.state, self.estimator.estimated_graph())
+
+    def replace_graph(self, graph: nx.DiGraph, make_estimator: Callable[[nx.DiGraph], Estimator]) -> None:
+        """A reload (SIGHUP): make ``graph`` the bandwidth graph, estimated by ``make_estimator(graph)``.
+
+        Sessions, roles, pending and in-flight updates stay (:meth:`SchedulerState.replace_graph`);
+        the old estimates belong to the old links, the counters go on. Raises ``ValueError``,
+        changing nothing, if ``graph`` lacks the host of a connected daemon.
+        """
+        self.state.replace_graph(graph)
+        self.estimator = make_estimator(graph)
+
     # -------------------------------------------------------------- sessions
 
     def hello(self, m: pb.Hello) -> DaemonSession:
@@ -288,10 +290,12 @@ class SchedulerCore:
         if self.sessions.get(session.host) is not session:
             return
         del self.sessions[session.host]
-        self.replication.host_lost(session.host)  # before its servers are forgotten: promote
+        # before its servers are forgotten: promote their replicas; its own replicas wait for it
+        # (the cleanup wakes the release loop, which then also waits for their grace)
+        self._execute(self.replication.host_lost(session.host, self.clock()))
         self._apply_cleanup(self.state.disconnect(session.host))
         self._execute(self.aggregates.host_lost(session.host, self.clock()))
-        self.allreduce.host_lost(session.host)
+        self._execute(self.allreduce.host_lost(session.host))
         log.info("daemon of host %s disconnected", session.host)
 
     def welcome(self) -> pb.Directive:
@@ -319,15 +323,17 @@ class SchedulerCore:
                 log.warning("host %s: %s", host, exc)
                 return
             self.runner.forget([r.update_id])
-            self._count(kind_)
+            self.recorder.count(kind_)
             self._execute(self.aggregates.reconcile(self.clock()))
             self._moved()
         elif kind == "aggregate_failed":
             self._execute(self.aggregates.failed(host, m.aggregate_failed, self.clock()))
-        elif kind in ("allreduce_ready", "allreduce_done"):
-            self.allreduce.on_message(host, kind, getattr(m, kind))
+        elif kind == "allreduce_ready":
+            self._execute(self.allreduce.ready(host, m.allreduce_ready, self.clock()))
+        elif kind == "allreduce_done":
+            self._execute(self.allreduce.done(host, m.allreduce_done))
         elif kind in ("server_applied", "replica_status"):
-            self.replication.on_message(kind, getattr(m, kind))
+            self._execute(self.replication.on_message(kind, getattr(m, kind)))
         elif kind == "hello":
             log.warning("host %s: a second Hello on an open session is ignored", host)
         else:
@@ -347,7 +353,7 @@ class SchedulerCore:
             elif m.role == pb.ROLE_WORKER:
                 job = self.state.register_worker(session.host, m.job, m.name)
             elif m.role == pb.ROLE_REPLICA:
-                self.replication.register(session.host, m)
+                self._execute(self.replication.register(session.host, m))
                 job = self.state.jobs[m.job]
             else:
                 name = pb.Role.Name(m.role) if m.role in pb.Role.values() else str(m.role)
@@ -356,43 +362,34 @@ class SchedulerCore:
             session.send(wire.role_refused(m.request_id, exc))
             return
         ack.params.CopyFrom(wire.job_params_pb(job.params))
-        ack.servers.extend(self._server_infos(m.job))
+        ack.servers.extend(self.replication.server_infos(m.job))
         session.send(pb.Directive(role_ack=ack))
         if m.role == pb.ROLE_SERVER:
-            self._announce(m.job)
+            self._execute(self.replication.announce(m.job))  # its workers' daemons
 
     def _unregister_role(self, host: str, m: pb.UnregisterRole) -> None:
         try:
             if m.role == pb.ROLE_SERVER:
                 reason = f"server process '{m.name}' of job '{m.job}' on host '{host}' went away"
-                if not self.replication.server_lost(m.job, m.name, reason):
+                promoted = self.replication.server_lost(m.job, m.name, reason)
+                if promoted is None:
                     self._apply_cleanup(self.state.unregister_server(host, m.job, m.name))
+                else:
+                    self._execute(promoted)
             elif m.role == pb.ROLE_REPLICA:
-                self.replication.replica_left(m.job, m.name)
+                self._execute(self.replication.replica_left(m.job, m.name))
             elif m.role == pb.ROLE_WORKER:
                 self.state.unregister_worker(host, m.job, m.name)
         except SchedulerError as exc:
             log.warning("host %s: cannot unregister: %s", host, exc)
 
-    def _server_infos(self, job: str) -> list[pb.ServerInfo]:
-        infos = [wire.server_info(s, self.state.address(s.host)) for s in self.state.servers(job)]
-        return self.replication.annotate(job, infos)
-
-    def _announce(self, job: str) -> None:
-        """Send the job's current servers to every daemon with a worker of it."""
-        servers = self._server_infos(job)
-        for host in sorted(self.state.worker_hosts(job)):
-            session = self.sessions.get(host)
-            if session is not None:
-                session.send(pb.Directive(job_update=pb.JobUpdate(job=job, servers=servers)))
-
     def _apply_cleanup(self, cleanup: Cleanup) -> None:
         self.runner.forget(u.update_id for u, _ in cleanup.dropped)
         for u, reason in cleanup.dropped:
-            self.metrics.updates_dropped.inc()
+            self.recorder.count(OutcomeKind.DROPPED)
             self._send_to(u.src_host, wire.drop_directive(u.update_id, reason))
         for job in cleanup.jobs_changed:
-            self._announce(job)
+            self._execute(self.replication.announce(job))
         self._execute(self.aggregates.reconcile(self.clock()))
         self._wake.set()
         self._moved()
@@ -400,11 +397,11 @@ class SchedulerCore:
     # --------------------------------------------------------------- updates
 
     def _update_ready(self, session: DaemonSession, m: pb.UpdateReady) -> None:
-        if not m.worker and self.aggregates.is_aggregate(m.update_id):  # an aggregator: all members in
+        if not m.worker and is_aggregate_id(m.update_id):  # an aggregator: all members in
             self._execute(self.aggregates.ready(session.host, m.update_id))
             self.release()
             return
-        self.metrics.updates_ready.inc()
+        self.recorder.updates_ready += 1
         try:
             self.state.add_update(
                 session.host,
@@ -421,7 +418,7 @@ class SchedulerCore:
             log.warning("host %s: %s; ignored", session.host, exc)
             return
         except SchedulerError as exc:
-            self.metrics.updates_dropped.inc()
+            self.recorder.count(OutcomeKind.DROPPED)
             session.send(wire.drop_directive(m.update_id, str(exc), wire.error_code(exc)))
             return
         self.batcher.notify()
@@ -431,14 +428,14 @@ class SchedulerCore:
         now = self.clock()
         shared = self.state.sharing(result.update_id, now)
         book = self.aggregates
-        if book.is_aggregate(m.update_id) or book.is_member_send(m.update_id):
-            if book.is_aggregate(m.update_id):
+        if is_aggregate_id(m.update_id) or book.is_member_send(m.update_id):
+            if is_aggregate_id(m.update_id):
                 effects = book.aggregate_report(m, host, now)
             else:
                 effects = book.member_report(result, now)
             f = effects.closed
             if f is not None and result.end > result.start:
-                self.estimator.observe(f.path, result.bytes, result.end - result.start, now, shared=shared)
+                self._measured(f.path, result.bytes, result.end - result.start, now, shared)
             self._execute(effects)
             self.release()
             self._moved()
@@ -449,21 +446,18 @@ class SchedulerCore:
             log.debug("host %s: report ignored: %s", host, exc)
             return
         if result.ok and result.end > result.start:
-            # the one place measurements reach the bandwidth estimator (scheduler/core/estimation.py)
-            self.estimator.observe(f.path, result.bytes, result.end - result.start, now, shared=shared)
+            self._measured(f.path, result.bytes, result.end - result.start, now, shared)
         elif not result.ok:
             log.info("host %s: transfer of %s failed: %s", host, result.update_id, result.error)
         if result.outcome is not None:
-            self._count(result.outcome)
+            self.recorder.count(result.outcome)
         self.release()
         self._moved()
 
-    def _count(self, kind: OutcomeKind) -> None:
-        counter = {
-            OutcomeKind.APPLIED: self.metrics.updates_applied,
-            OutcomeKind.UNKNOWN: self.metrics.updates_unknown,
-        }.get(kind, self.metrics.updates_dropped)
-        counter.inc()
+    def _measured(self, path: Sequence[str], nbytes: int, duration: float, now: float, shared: int) -> None:
+        """The one place measurements reach the bandwidth estimator (``scheduler/core/estimation.py``)."""
+        self.recorder.measured(path, nbytes, duration, now)
+        self.estimator.observe(path, nbytes, duration, now, shared=shared)
 
     # ------------------------------------------------------- deciding/releasing
 
@@ -479,15 +473,15 @@ class SchedulerCore:
         t0 = time.perf_counter()
         decision = self.runner.decide(snapshot, pending)
         seconds = time.perf_counter() - t0
-        self.metrics.decision_seconds.observe(seconds)
+        self.recorder.decision_seconds.observe(seconds)
         log.debug("decided %d pending in %.2f ms, %d sends", len(pending), seconds * 1e3, len(decision.sends))
         for d in decision.drops:
             src = self.state.source_host(d.update_id)
             self.state.drop(d.update_id, d.reason)
-            self.metrics.updates_dropped.inc()
+            self.recorder.count(OutcomeKind.DROPPED)
             self._send_to(src, wire.drop_directive(d.update_id, d.reason))
         self._execute(self.aggregates.reconcile(now))
-        self.replication.decide(snapshot, pending)
+        self._execute(self.replication.decide(snapshot, pending))
         self.release()
         return decision
 
@@ -506,7 +500,7 @@ class SchedulerCore:
             s = r.send
             planned = self.runner.aggregate_of(s.update_id)
             if planned is not None and s.next_hop == planned.aggregator:
-                self.metrics.transfers_released.inc()
+                self.recorder.transfers_released += 1
                 self._execute(self.aggregates.send_member(r, planned, now))
                 continue
             src = self.state.source_host(s.update_id)
@@ -515,11 +509,11 @@ class SchedulerCore:
                 address = self.state.address(s.next_hop)
             except SchedulerError as exc:
                 self.state.drop(s.update_id, str(exc))
-                self.metrics.updates_dropped.inc()
+                self.recorder.count(OutcomeKind.DROPPED)
                 self._send_to(src, wire.drop_directive(s.update_id, str(exc), wire.error_code(exc)))
                 continue
             self.state.release(s.update_id, s.path, r.started_at, r.expected_end)
-            self.metrics.transfers_released.inc()
+            self.recorder.transfers_released += 1
             directive = pb.SendDirective(
                 update_id=s.update_id, next_hop_host=s.next_hop, next_hop_address=address, dst_host=dst
             )
@@ -530,13 +524,15 @@ class SchedulerCore:
         return released
 
     def _execute(self, effects: Effects) -> None:
-        """Send the aggregate book's directives, count its outcomes, decide on what it re-queued."""
+        """Carry out what a book asks: its directives (in order), its outcomes counted, a decision."""
         for host, directive in effects.directives:
             self._send_to(host, directive)
         for kind in effects.resolved:
-            self._count(kind)
+            self.recorder.count(kind)
         if effects.requeued:
             self.batcher.notify()
+        if effects.replan:
+            self.batcher.request()
 
     def _moved(self) -> None:
         """Something left the plan or the network: ask for a decision if the plan runs low."""
@@ -582,7 +578,7 @@ class SchedulerCore:
                     await self._wake.wait()
             self._wake.clear()
             self._execute(self.aggregates.expire(self.clock()))
-            self.replication.expire(self.clock())
+            self._execute(self.replication.expire(self.clock()))
             self.expire_stalled()
             self.release()
 
@@ -595,5 +591,5 @@ class SchedulerCore:
         self._execute(self.aggregates.expire_stalled(self.clock()))
         for f in self.state.expire_stalled(self.clock()):
             log.warning("%s", self.state.outcomes[f.update_id].reason)
-            self.metrics.updates_dropped.inc()
+            self.recorder.count(OutcomeKind.DROPPED)
             self._moved()

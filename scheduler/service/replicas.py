@@ -8,8 +8,10 @@ policies their replica views and turns the replica sends of the
 :class:`~mlfabric.scheduler.policies.replication.ReplicationPolicy` into ``ReplicateDirective``
 messages to the server's daemon.
 
-:class:`Replication` is what the service core does with it: a replica's ``RegisterRole``,
-the two daemon messages, the replica sends of each decision, and **promotion** — when a
+:class:`Replication` is what the service core does with it, pure too (each call returns
+:class:`~mlfabric.scheduler.service.effects.Effects` the core executes): a replica's
+``RegisterRole``, the two daemon messages, the replica sends of each decision, the servers as
+``RoleAck``/``JobUpdate`` list them, and **promotion** — when a
 server's process unregisters or its daemon's session ends, its replica becomes the server
 (the server role moves to the replica's host, the pending updates bound for it are re-routed
 there and planned again, the replica's daemon gets a ``PromoteDirective`` and every daemon
@@ -21,13 +23,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from prometheus_client import Counter, Gauge
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.base import PendingUpdate, ReplicaSend, ReplicaView, Snapshot
 from mlfabric.scheduler.policies.replication import ReplicationPolicy
+from mlfabric.scheduler.policies.runner import DecisionRunner
+from mlfabric.scheduler.service import wire
+from mlfabric.scheduler.service.effects import Effects
 from mlfabric.scheduler.service.records import (
     DuplicateReplica,
     FailedOver,
@@ -107,7 +109,14 @@ class ReplicaBook:
         self.records: dict[tuple[str, str], ReplicaRecord] = {}
 
     def register(
-        self, host: str, job: str, server: str, name: str, model: Sequence[Any], *, rejoin: bool = False
+        self,
+        host: str,
+        job: str,
+        server: str,
+        name: str,
+        model: Sequence[pb.TensorSpec],
+        *,
+        rejoin: bool = False,
     ) -> Directives:
         """A replica ``name`` of ``server`` registers on ``host``; the attach directive to the server.
 
@@ -204,14 +213,14 @@ class ReplicaBook:
                 out += self.remove(*key)
         return out
 
-    def applied(self, m: Any) -> ReplicaRecord | None:
+    def applied(self, m: pb.ServerApplied) -> ReplicaRecord | None:
         """A ``ServerApplied``: one more entry the replica lacks."""
         rec = self.records.get((m.job, m.server))
         if rec is not None and m.version > rec.version:
             rec.log[int(m.version)] = (m.update_id, float(m.norm))
         return rec
 
-    def status(self, m: Any) -> ReplicaRecord | None:
+    def status(self, m: pb.ReplicaStatus) -> ReplicaRecord | None:
         """A ``ReplicaStatus``: the replica's version, whether the server waits, errors."""
         rec = self.records.get((m.job, m.server))
         if rec is None:
@@ -273,81 +282,98 @@ class ReplicaBook:
 
 
 class Replication:
-    """What the service core does for replicas (holds the core; see the module docstring)."""
+    """What the service does for replicas, as a pure book: every call returns :class:`~.effects.Effects`.
 
-    def __init__(self, core: Any, grace: float = REREGISTER_GRACE) -> None:
-        self.core = core
-        self.book = ReplicaBook(core.state, grace)
+    It keeps the :class:`ReplicaBook` and the servers that failed over, builds the servers'
+    ``ServerInfo`` (marked replicated, failed over) and the ``JobUpdate`` announcing them, runs
+    the :class:`~mlfabric.scheduler.policies.replication.ReplicationPolicy` in each decision and
+    promotes replicas (see the module docstring). Its waits, divergence, re-syncs and
+    promotions are counted in the state's :class:`~.observe.Recorder`.
+
+    Parameters
+    ----------
+    state : SchedulerState
+        Daemons, jobs and servers (a promotion moves a server and re-routes its pending updates).
+    runner : DecisionRunner
+        Forgets the plans of the updates a promotion re-routes.
+    grace : float
+        Seconds a replica whose daemon lost its session stays attached (:data:`REREGISTER_GRACE`).
+
+    Examples
+    --------
+    Server ``ps`` on ``h0``, a worker on ``h2``; a replica registers on ``h1``:
+
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> from mlfabric.scheduler.service.records import JobParams
+    >>> s = SchedulerState(star(["h0", "h1", "h2"], 8e9))
+    >>> _ = [s.connect(h, f"127.0.0.1:{9000 + i}") for i, h in enumerate(("h0", "h1", "h2"))]
+    >>> _ = s.register_server("h0", "j", "ps", (), JobParams(div_max=2.0), version=0)
+    >>> _ = s.register_worker("h2", "j", "w")
+    >>> from mlfabric.scheduler.policies.fair import FairPolicy
+    >>> rep = Replication(s, DecisionRunner(FairPolicy()))
+    >>> m = pb.RegisterRole(job="j", role=pb.ROLE_REPLICA, name="r", replica_of="ps")
+    >>> [(h, d.WhichOneof("kind")) for h, d in rep.register("h1", m).directives]
+    [('h0', 'replicate'), ('h2', 'job_update')]
+    >>> rep.server_infos("j")[0].replicated
+    True
+    """
+
+    def __init__(
+        self, state: SchedulerState, runner: DecisionRunner, grace: float = REREGISTER_GRACE
+    ) -> None:
+        self.state = state
+        self.runner = runner
+        self.book = ReplicaBook(state, grace)
         self.policy = ReplicationPolicy()
         self.promotions = 0
         #: (job, server) -> the host it was on before its replica was promoted
         self.failed_over: dict[tuple[str, str], str] = {}
-        r = core.metrics.registry
-        self.metric_waits = Counter(
-            "mlfabric_replica_server_waits",
-            "times a server waited for its replica (applying would have broken div_max)",
-            ["job", "server"],
-            registry=r,
-        )
-        self.metric_divergence = Gauge(
-            "mlfabric_replica_divergence",
-            "sum of the norms applied at a server and not yet at its replica",
-            ["job", "server"],
-            registry=r,
-        )
-        self.metric_resyncing = Gauge(
-            "mlfabric_replica_resyncing",
-            "1 while a replica registered again after it was detached is being re-synced (sent the "
-            "model again; not promotable, its server does not wait on it), else 0",
-            ["job", "server"],
-            registry=r,
-        )
-        self.metric_promotions = Counter(
-            "mlfabric_replica_promotions", "replicas promoted to server after a failure", registry=r
-        )
 
-    def _send(self, directives: Directives) -> None:
-        for host, d in directives:
-            self.core._send_to(host, d)
+    def _resyncing(self, job: str, server: str, value: int) -> None:
+        self.state.recorder.replica_resyncing[(job, server)] = value
 
-    def register(self, host: str, m: Any) -> None:
+    def register(self, host: str, m: pb.RegisterRole) -> Effects:
         """A ``RegisterRole`` with ``ROLE_REPLICA`` (raises :class:`SchedulerError` naming the problem)."""
-        self._send(self.book.register(host, m.job, m.replica_of, m.name, list(m.model), rejoin=m.rejoin))
+        out = Effects(self.book.register(host, m.job, m.replica_of, m.name, list(m.model), rejoin=m.rejoin))
         rec = self.book.records[(m.job, m.replica_of)]
-        self.metric_resyncing.labels(m.job, m.replica_of).set(1 if rec.resyncing else 0)
-        self.core._announce(m.job)  # workers' daemons learn the server is replicated
+        self._resyncing(m.job, m.replica_of, 1 if rec.resyncing else 0)
+        out += self.announce(m.job)  # workers' daemons learn the server is replicated
+        return out
 
-    def on_message(self, kind: str, m: Any) -> None:
+    def on_message(self, kind: str, m: pb.ServerApplied | pb.ReplicaStatus) -> Effects:
         """``server_applied`` / ``replica_status``: update the books, decide if it matters."""
         rec = self.book.applied(m) if kind == "server_applied" else self.book.status(m)
         if rec is None:
-            return
+            return Effects()
+        key = (rec.job, rec.server)
         if kind == "replica_status" and m.blocked:
-            self.metric_waits.labels(rec.job, rec.server).inc()
+            waits = self.state.recorder.replica_server_waits
+            waits[key] = waits.get(key, 0) + 1
         if kind == "replica_status":
-            self.metric_resyncing.labels(rec.job, rec.server).set(0)
-        self.metric_divergence.labels(rec.job, rec.server).set(rec.divergence())
+            self._resyncing(rec.job, rec.server, 0)
+        self.state.recorder.replica_divergence[key] = rec.divergence()
         if kind == "replica_status" and m.error:
             log.warning("replica %r of server %r of job %r: %s", rec.name, rec.server, rec.job, m.error)
-        if kind == "server_applied" or rec.blocked:
-            self.core.batcher.request()  # the replication policy decides on it
+        # the replication policy decides on it
+        return Effects(replan=kind == "server_applied" or rec.blocked)
 
-    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> None:
-        """Run the replication policy on the snapshot and send its replica sends' directives."""
+    def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Effects:
+        """Run the replication policy on the snapshot: the directives of its replica sends."""
         views = self.book.views()
         if not views:
-            return
+            return Effects()
         snapshot = Snapshot(
             snapshot.now, snapshot.graph, snapshot.in_flight, snapshot.server_versions, snapshot.tau_max,
             snapshot.aggregators, views,
         )  # fmt: skip
-        self._send(self.book.execute(self.policy.decide(snapshot, pending).replicas))
+        return Effects(self.book.execute(self.policy.decide(snapshot, pending).replicas))
 
-    def replica_left(self, job: str, server: str) -> None:
+    def replica_left(self, job: str, server: str) -> Effects:
         """The replica's process unregistered."""
-        self._send(self.book.remove(job, server))
-        self.metric_resyncing.labels(job, server).set(0)
-        self.core._announce(job)
+        out = Effects(self.book.remove(job, server))
+        self._resyncing(job, server, 0)
+        out += self.announce(job)
+        return out
 
     def check_server(self, host: str, job: str, name: str) -> None:
         """A server registering on ``host``: refused (:class:`FailedOver`) if ``name`` failed over.
@@ -357,32 +383,41 @@ class Replication:
         server's replica instead (``register_as_server`` does so on this code).
         """
         old = self.failed_over.get((job, name))
-        current = next((s for s in self.core.state.servers(job) if s.name == name), None)
+        current = next((s for s in self.state.servers(job) if s.name == name), None)
         if old is not None and current is not None and current.host != host:
             raise FailedOver(
                 f"server '{name}' of job '{job}' failed over from host '{old}' to its replica on host "
                 f"'{current.host}'; join as its replica (mlfabric.register_as_replica)"
             )
 
-    def annotate(self, job: str, infos: list[pb.ServerInfo]) -> list[pb.ServerInfo]:
-        """Mark the job's servers that have a replica, and those that failed over (from where)."""
+    def server_infos(self, job: str) -> list[pb.ServerInfo]:
+        """The job's servers as ``RoleAck``/``JobUpdate`` list them: marked replicated, or failed over."""
+        infos = [wire.server_info(s, self.state.address(s.host)) for s in self.state.servers(job)]
         for info in infos:
             info.replicated = (job, info.name) in self.book.records
             info.failed_over_from = self.failed_over.get((job, info.name), "")
         return infos
 
-    def server_lost(self, job: str, server: str, reason: str) -> bool:
-        """Promote the replica of ``server`` if it has a connected one; True if it did."""
+    def announce(self, job: str) -> Effects:
+        """The job's current servers (a ``JobUpdate``) to every daemon with a worker of it."""
+        out = Effects()
+        servers = self.server_infos(job)
+        for host in sorted(self.state.worker_hosts(job)):
+            out.send(host, pb.Directive(job_update=pb.JobUpdate(job=job, servers=servers)))
+        return out
+
+    def server_lost(self, job: str, server: str, reason: str) -> Effects | None:
+        """Promote the replica of ``server`` if it has a connected one; None if it has none."""
         rec = self.book.records.get((job, server))
-        if rec is None or not rec.confirmed or rec.host not in self.core.state.daemons:
-            return False
+        if rec is None or not rec.confirmed or rec.host not in self.state.daemons:
+            return None
         del self.book.records[(job, server)]
-        old = self.core.state.server_role(job, server).host
-        moved = self.core.state.promote(job, server, rec.host, rec.version)
+        old = self.state.server_role(job, server).host
+        moved = self.state.promote(job, server, rec.host, rec.version)
         self.failed_over[(job, server)] = old
-        self.core.runner.forget(moved)
+        self.runner.forget(moved)
         self.promotions += 1
-        self.metric_promotions.inc()
+        self.state.recorder.replica_promotions += 1
         log.warning(
             "server %r of job %r failed (%s): replica %r on %s promoted",
             server,
@@ -391,15 +426,12 @@ class Replication:
             rec.name,
             rec.host,
         )
-        self.core._send_to(
-            rec.host, pb.Directive(promote=pb.PromoteDirective(job=job, server=server, reason=reason))
-        )
-        self.core._announce(job)
-        if moved:
-            self.core.batcher.notify()
-        return True
+        out = Effects(requeued=len(moved))  # planned again at the replica's host
+        out.send(rec.host, pb.Directive(promote=pb.PromoteDirective(job=job, server=server, reason=reason)))
+        out += self.announce(job)
+        return out
 
-    def host_lost(self, host: str) -> None:
+    def host_lost(self, host: str, now: float) -> Effects:
         """``host``'s daemon left: promote the replicas of its servers; its replicas wait for it.
 
         A replica whose daemon lost its session stays attached (its server's daemon keeps
@@ -407,22 +439,28 @@ class Replication:
         (:data:`REREGISTER_GRACE` by default): a daemon that reconnects registers it again and
         it goes on as before (:meth:`ReplicaBook.register`); else it is detached
         (:meth:`expire`), and re-synced when its daemon registers it later. While its daemon
-        is away it cannot be promoted.
+        is away it cannot be promoted. The core's release loop wakes for the grace's end
+        (:meth:`next_deadline`).
         """
+        out = Effects()
         for (job, server), _ in list(self.book.records.items()):
-            target = next((s for s in self.core.state.servers(job) if s.name == server), None)
+            target = next((s for s in self.state.servers(job) if s.name == server), None)
             if target is not None and target.host == host:
-                self.server_lost(job, server, f"the daemon of host '{host}' disconnected")
-        self.book.lost(host, self.core.clock())
-        self.core._wake.set()  # the release loop's deadline: the grace's end
+                promoted = self.server_lost(job, server, f"the daemon of host '{host}' disconnected")
+                if promoted is not None:
+                    out += promoted
+        self.book.lost(host, now)
+        return out
 
     def next_deadline(self) -> float | None:
         """When a replica whose daemon is away is to be detached (the core's release loop)."""
         return self.book.next_deadline()
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float) -> Effects:
         """Detach the replicas whose daemon did not register them again in time."""
+        out = Effects()
         for host, d in self.book.expire(now):
-            self._send([(host, d)])
-            self.metric_resyncing.labels(d.replicate.job, d.replicate.server).set(0)
-            self.core._announce(d.replicate.job)
+            out.send(host, d)
+            self._resyncing(d.replicate.job, d.replicate.server, 0)
+            out += self.announce(d.replicate.job)
+        return out

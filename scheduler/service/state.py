@@ -6,6 +6,11 @@ their model spec, job params and model version; workers), the updates that are r
 not yet released (:class:`~mlfabric.scheduler.policies.base.PendingUpdate`), the transfers in
 flight (:class:`~mlfabric.scheduler.policies.base.InFlight`) and the outcome of each update.
 
+The state notes each of its own changes (an update ready, a transfer released or reported, an
+aggregate leaving its aggregator, every outcome) in the
+:class:`~mlfabric.scheduler.service.observe.Recorder` it was given: the activity behind
+``mlfabric status``, the trace ring, the outcome counters of ``/metrics``.
+
 Nothing here does I/O or reads a clock: times are passed in. Every domain problem is an
 exception subclassing :class:`~mlfabric.scheduler.service.records.SchedulerError` whose
 message names the host, job, server, worker or update at fault; the service turns them into
@@ -22,6 +27,7 @@ import networkx as nx
 
 from mlfabric.scheduler.core.graph import TopologyError, hosts, shortest_path
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
+from mlfabric.scheduler.service.observe import Recorder
 from mlfabric.scheduler.service.records import (
     Cleanup,
     DaemonInfo,
@@ -48,7 +54,7 @@ from mlfabric.scheduler.service.records import (
     model_bytes,
 )
 
-__all__ = ["MAX_OUTCOMES", "STALL_FACTOR", "STALL_SLACK", "SchedulerState"]
+__all__ = ["MAX_OUTCOMES", "STALL_FACTOR", "STALL_SLACK", "SchedulerState", "stalled_after"]
 
 #: outcomes kept for inspection (oldest forgotten first)
 MAX_OUTCOMES = 100_000
@@ -60,7 +66,14 @@ STALL_FACTOR = 4.0
 STALL_SLACK = 30.0
 
 
-def _stall_deadline(f: InFlight) -> float:
+def stalled_after(f: InFlight) -> float:
+    """When the transfer ``f``, in flight without a report, counts as stalled (its deadline).
+
+    Examples
+    --------
+    >>> stalled_after(InFlight("h1/1", "j", "ps", ("h1", "sw", "h0"), 8, 10.0, 12.0))
+    48.0
+    """
     return f.started_at + STALL_FACTOR * max(0.0, f.expected_end - f.started_at) + STALL_SLACK
 
 
@@ -72,6 +85,8 @@ class SchedulerState:
     graph : networkx.DiGraph
         The bandwidth graph (see :mod:`mlfabric.scheduler.core.graph`); daemons may only say
         hello for its hosts.
+    recorder : Recorder, optional
+        Where the state notes its changes (a fresh one, without a trace, by default).
 
     Examples
     --------
@@ -84,8 +99,9 @@ class SchedulerState:
     'h0'
     """
 
-    def __init__(self, graph: nx.DiGraph) -> None:
+    def __init__(self, graph: nx.DiGraph, recorder: Recorder | None = None) -> None:
         self.graph = graph
+        self.recorder = Recorder() if recorder is None else recorder
         self._graph_hosts = frozenset(hosts(graph))
         self.daemons: dict[str, DaemonInfo] = {}
         self.jobs: dict[str, Job] = {}
@@ -347,6 +363,7 @@ class SchedulerState:
             ready_at=now,
         )
         self.pending[update_id] = u
+        self.recorder.update_ready(u)
         return u
 
     def release(
@@ -358,6 +375,7 @@ class SchedulerState:
             raise UnknownUpdate(f"update '{update_id}' is not pending")
         f = InFlight(u.update_id, u.job, u.server, tuple(path), u.bytes, started_at, expected_end)
         self.in_flight[update_id] = f
+        self.recorder.released(f)
         return f
 
     def drop(self, update_id: str, reason: str) -> PendingUpdate:
@@ -390,6 +408,7 @@ class SchedulerState:
             server = self.jobs.get(f.job, Job(f.job, JobParams())).servers.get(f.server)
             if server is not None and result.server_version > server.version:
                 self.jobs[f.job].servers[f.server] = replace(server, version=result.server_version)
+        self.recorder.reported(f, result)
         return f
 
     def resolve(self, host: str, update_id: str, kind: OutcomeKind, reason: str) -> PendingUpdate | None:
@@ -417,6 +436,7 @@ class SchedulerState:
     def track(self, f: InFlight | None, untrack: str = "") -> InFlight | None:
         """Count ``f`` (an aggregate leaving its aggregator) in flight; forget ``untrack``'s entry."""
         if f is not None:
+            self.recorder.forwarded(f)
             self.in_flight[f.update_id] = f
         return self.in_flight.pop(untrack, None) if untrack else f
 
@@ -529,7 +549,7 @@ class SchedulerState:
 
     def stall_deadline(self) -> float | None:
         """When the first transfer in flight without a report counts as stalled (None: none in flight)."""
-        return min((_stall_deadline(f) for f in self.in_flight.values()), default=None)
+        return min((stalled_after(f) for f in self.in_flight.values()), default=None)
 
     def expire_stalled(self, now: float) -> list[InFlight]:
         """Forget the transfers in flight with no report past their deadline; return them.
@@ -541,13 +561,13 @@ class SchedulerState:
         update resolves its push itself (its own transfer and push deadlines), and a late
         report finds nothing in flight.
         """
-        stalled = [f for f in self.in_flight.values() if now > _stall_deadline(f)]
+        stalled = [f for f in self.in_flight.values() if now > stalled_after(f)]
         for f in stalled:
             del self.in_flight[f.update_id]
             self._resolve(
                 f.update_id,
                 OutcomeKind.DROPPED,
-                f"no report on the transfer of '{f.update_id}' by its deadline {_stall_deadline(f):g} s "
+                f"no report on the transfer of '{f.update_id}' by its deadline {stalled_after(f):g} s "
                 f"(expected {f.expected_end - f.started_at:g} s from {f.started_at:g} s): forgotten",
             )
         return stalled
@@ -564,7 +584,4 @@ class SchedulerState:
         self.outcomes.move_to_end(update_id)
         while len(self.outcomes) > MAX_OUTCOMES:
             self.outcomes.popitem(last=False)
-        self.resolved(outcome)
-
-    def resolved(self, outcome: UpdateOutcome) -> None:
-        """Called with every outcome recorded; nothing here (subclasses observe verdicts)."""
+        self.recorder.resolved(outcome)

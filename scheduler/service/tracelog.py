@@ -3,8 +3,8 @@
 :class:`TraceLog` keeps the last :data:`DEFAULT_CAPACITY` events of the running service,
 each a small tuple appended to a ``deque(maxlen=...)``: recording is one clock read and one
 append, and memory is bounded however long the scheduler runs (older events are
-overwritten). Four kinds, fed by :class:`~.admin.ObservedState` from the state's own
-mutations (no hook in the core):
+overwritten). Four kinds, recorded by the service state from its own mutations, through the
+:class:`~.observe.Recorder` it was given (no hook in the core):
 
 - ``READY``: an update was announced (the scheduler's time);
 - ``PLANNED``: a transfer was released (an update's send, a member's send to its

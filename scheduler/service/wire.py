@@ -8,6 +8,7 @@ directives sent back. Pure: no I/O, no state.
 from __future__ import annotations
 
 from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.policies.base import PendingUpdate
 from mlfabric.scheduler.service.records import (
     JobParams,
     OutcomeKind,
@@ -19,6 +20,7 @@ from mlfabric.scheduler.service.records import (
 __all__ = [
     "OUTCOMES",
     "OUTCOME_PB",
+    "aggregate_member",
     "drop_directive",
     "error_code",
     "job_params",
@@ -36,6 +38,23 @@ OUTCOMES = {
 }
 #: :class:`~mlfabric.scheduler.service.records.OutcomeKind` -> wire ``Outcome``
 OUTCOME_PB = {kind: value for value, kind in OUTCOMES.items()}
+
+
+#: what an ``AggregateMember`` says of the worker update it lists (the same names on both sides)
+_MEMBER_FIELDS = ("update_id", "worker", "base_version", "norm", "src_host", "bytes")
+
+
+def aggregate_member(u: PendingUpdate) -> pb.AggregateMember:
+    """Update ``u`` as a member of an ``AggregateDirective``.
+
+    Examples
+    --------
+    >>> u = PendingUpdate("h1/1", "j", "ps", "w0", "h1", "h0", 1024, norm=2.0, base_version=3, ready_at=0.0)
+    >>> m = aggregate_member(u)
+    >>> (m.update_id, m.worker, m.src_host, m.bytes, m.norm, m.base_version)
+    ('h1/1', 'w0', 'h1', 1024, 2.0, 3)
+    """
+    return pb.AggregateMember(**{name: getattr(u, name) for name in _MEMBER_FIELDS})
 
 
 def job_params(p: pb.JobParams) -> JobParams:

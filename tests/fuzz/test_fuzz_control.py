@@ -27,7 +27,7 @@ from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
-from mlfabric.scheduler.service.core import Metrics, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.core import SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.records import SchedulerError
 from mlfabric.scheduler.service.state import SchedulerState
 
@@ -44,7 +44,6 @@ def _core(policy: str) -> tuple[SchedulerCore, dict[str, Any]]:
         dispatcher=Dispatcher(),
         batcher=AdaptiveBatcher(),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(registry=None),
         replan=setup.trigger,
     )
     sessions = {

@@ -5,13 +5,15 @@ from __future__ import annotations
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import star
-from mlfabric.scheduler.service.admin import Activity, ObservedState, cluster_status
+from mlfabric.scheduler.service.admin import cluster_status
+from mlfabric.scheduler.service.observe import Activity
 from mlfabric.scheduler.service.records import JobParams
+from mlfabric.scheduler.service.state import SchedulerState
 
 
-def _state(workers: dict[str, str]) -> tuple[ObservedState, Activity]:
-    act = Activity()
-    s = ObservedState(star(4, 8e9), act)
+def _state(workers: dict[str, str]) -> tuple[SchedulerState, Activity]:
+    s = SchedulerState(star(4, 8e9))
+    act = s.recorder.activity
     for h in ("h0", "h1", "h2", "h3"):
         s.connect(h, "127.0.0.1:1")
     s.register_server("h0", "j", "ps", (), JobParams(tau_max=4), version=0)

@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.service.core import StaticEstimator
-from mlfabric.scheduler.service.metrics import ServiceCollector, drop_reason_class, serve_metrics
+from mlfabric.scheduler.service.metrics import ServiceCollector, serve_metrics
+from mlfabric.scheduler.service.observe import drop_reason_class
 from mlfabric.scheduler.service.records import JobParams, OutcomeKind
 from mlfabric.scheduler.service.state import SchedulerState
 
@@ -25,7 +26,8 @@ def _core() -> SimpleNamespace:
 
 def _registry(core: SimpleNamespace) -> CollectorRegistry:
     r = CollectorRegistry()
-    r.register(ServiceCollector(core))
+    state, estimator = core.state, core.estimator
+    r.register(ServiceCollector(lambda: state.recorder.stats(state, estimator.estimated_graph())))
     return r
 
 
@@ -80,3 +82,46 @@ def test_the_endpoint_serves_metrics_and_404s_the_rest() -> None:
     assert ok.startswith(b"HTTP/1.0 200 OK")
     assert ok.split(b"\r\n\r\n", 1)[1] == generate_latest(r)
     assert asyncio.run(fetch(b"/other")).startswith(b"HTTP/1.0 404")
+
+
+def test_one_collector_exports_every_metric_of_the_scheduler() -> None:
+    """The names the dashboard, the docs and scrapers know, from the one snapshot."""
+    core = _core()
+    names = {m.name for m in _registry(core).collect()}
+    assert names == {
+        "mlfabric_updates_ready",
+        "mlfabric_updates_applied",
+        "mlfabric_updates_dropped",
+        "mlfabric_updates_unknown",
+        "mlfabric_transfers_released",
+        "mlfabric_decision_seconds",
+        "mlfabric_link_capacity_bytes_per_second",
+        "mlfabric_link_estimated_bytes_per_second",
+        "mlfabric_link_in_flight_transfers",
+        "mlfabric_link_scheduled_bytes",
+        "mlfabric_link_transferred_bytes",
+        "mlfabric_transfer_duration_seconds",
+        "mlfabric_pending_updates",
+        "mlfabric_daemons_connected",
+        "mlfabric_jobs",
+        "mlfabric_updates_resolved",
+        "mlfabric_updates_dropped_by_reason",
+        "mlfabric_update_delay_versions",
+        "mlfabric_replica_server_waits",
+        "mlfabric_replica_divergence",
+        "mlfabric_replica_resyncing",
+        "mlfabric_replica_promotions",
+    }
+
+
+def test_measured_transfers_and_decisions_are_counted_where_they_happen() -> None:
+    core = _core()
+    r = _registry(core)
+    core.state.recorder.measured(("h1", "sw", "h0"), 1000, 0.002, now=1.0)
+    core.state.recorder.decision_seconds.observe(0.0002)
+    assert r.get_sample_value("mlfabric_link_transferred_bytes_total", {"src": "h1", "dst": "sw"}) == 1000
+    assert r.get_sample_value("mlfabric_transfer_duration_seconds_bucket", {"le": "0.005"}) == 1
+    assert r.get_sample_value("mlfabric_transfer_duration_seconds_bucket", {"le": "0.001"}) == 0
+    assert r.get_sample_value("mlfabric_decision_seconds_bucket", {"le": "0.0005"}) == 1
+    assert r.get_sample_value("mlfabric_decision_seconds_count") == 1
+    assert core.state.recorder.activity.link_bytes(("h1", "sw"), now=1.0, window=10.0) == 1000

@@ -10,9 +10,10 @@ from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.stf import STFPolicy
-from mlfabric.scheduler.service.admin import Activity, ObservedState
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
-from mlfabric.scheduler.service.core import Metrics, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.core import SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.observe import Recorder
+from mlfabric.scheduler.service.state import SchedulerState
 from mlfabric.scheduler.service.tracelog import Kind, TraceLog
 from mlfabric.trace_cli import build_trace
 
@@ -64,14 +65,13 @@ def test_the_core_records_ready_planned_measured_and_verdict() -> None:
     g = star(["ps", "a"], 8e9)
     t = [50.0]
     log = TraceLog(clock=lambda: t[0], wall=lambda: t[0] + 1e6)
-    state = ObservedState(g, Activity(), log)
+    state = SchedulerState(g, Recorder(log))
     core = SchedulerCore(
         state,
         STFPolicy(),
         dispatcher=Dispatcher(),
         batcher=AdaptiveBatcher(),
         estimator=StaticEstimator(g),
-        metrics=Metrics(),
         clock=lambda: t[0],
     )
     ps = core.hello(pb.Hello(host="ps", data_address="127.0.0.1:9000"))
@@ -148,7 +148,7 @@ def test_an_aggregate_leaving_its_aggregator_is_traced_planned_and_measured() ->
     from mlfabric.scheduler.service.records import OutcomeKind, TransferResult
 
     log = TraceLog(clock=lambda: 0.0, wall=lambda: 10.0)
-    state = ObservedState(star(["ps", "a", "b"], 8e9), Activity(), log)
+    state = SchedulerState(star(["ps", "a", "b"], 8e9), Recorder(log))
     f = InFlight("agg:ps.x:1", "j", "ps", ("a", "sw", "ps"), 4000, 1.0, 2.0)
     state.track(f)
     result = TransferResult("agg:ps.x:1", "a", "ps", 4000, 9.0, 9.5, outcome=OutcomeKind.APPLIED)

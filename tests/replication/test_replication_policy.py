@@ -169,12 +169,12 @@ def test_the_service_takes_the_grace_from_its_config_and_shows_a_resync_in_its_m
     from mlfabric.scheduler.policies.dispatch import Dispatcher
     from mlfabric.scheduler.policies.fair import FairPolicy
     from mlfabric.scheduler.service.batching import AdaptiveBatcher
-    from mlfabric.scheduler.service.core import Metrics, SchedulerCore, StaticEstimator
+    from mlfabric.scheduler.service.core import SchedulerCore, StaticEstimator
 
     g = star(["h0", "h1"], 8e9)
     core = SchedulerCore(
         SchedulerState(g), FairPolicy(), dispatcher=Dispatcher(), batcher=AdaptiveBatcher(),
-        estimator=StaticEstimator(g), metrics=Metrics(), replica_grace=0.25,
+        estimator=StaticEstimator(g), replica_grace=0.25,
     )  # fmt: skip
     assert core.replication.book.grace == 0.25
     ps = core.hello(pb.Hello(host="h0", data_address="127.0.0.1:9000"))
@@ -183,11 +183,10 @@ def test_the_service_takes_the_grace_from_its_config_and_shows_a_resync_in_its_m
     core.on_message(ps, msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="ps")))
     again = pb.RegisterRole(job="j", role=pb.ROLE_REPLICA, name="r", replica_of="ps", rejoin=True)
     core.on_message(rep, msg(register_role=again))
-    labels = {"job": "j", "server": "ps"}
-    assert core.metrics.registry.get_sample_value("mlfabric_replica_resyncing", labels) == 1.0
+    assert core.stats().replica_resyncing[("j", "ps")] == 1
     directives = [ps.queue.get_nowait() for _ in range(ps.queue.qsize())]
     replicates = [d.replicate for d in directives if d is not None and d.WhichOneof("kind") == "replicate"]
     assert any(r.resync for r in replicates)
     core.on_message(ps, msg(replica_status=pb.ReplicaStatus(job="j", server="ps", replica_version=0)))
-    assert core.metrics.registry.get_sample_value("mlfabric_replica_resyncing", labels) == 0.0
+    assert core.stats().replica_resyncing[("j", "ps")] == 0
     assert core.replication.book.records[("j", "ps")].confirmed

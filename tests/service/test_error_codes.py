@@ -10,7 +10,7 @@ from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service import records
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
-from mlfabric.scheduler.service.core import DaemonSession, Metrics, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.records import SchedulerError
 from mlfabric.scheduler.service.state import SchedulerState
 
@@ -46,7 +46,6 @@ def _core() -> tuple[SchedulerCore, dict[str, DaemonSession]]:
         dispatcher=Dispatcher(margin=0.001),
         batcher=AdaptiveBatcher(window=0.05, max_wait=0.2),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(),
         replan=setup.trigger,
     )
     sessions = {

@@ -16,7 +16,7 @@ from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
-from mlfabric.scheduler.service.core import DaemonSession, Metrics, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.records import OutcomeKind
 from mlfabric.scheduler.service.state import SchedulerState
 
@@ -43,7 +43,6 @@ def env() -> dict[str, Any]:
         dispatcher=Dispatcher(margin=0.0),
         batcher=AdaptiveBatcher(),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(),
         replan=setup.trigger,
         clock=clock,
     )
@@ -221,7 +220,6 @@ def test_a_member_staler_than_tau_max_is_dropped_not_summed() -> None:
         dispatcher=Dispatcher(margin=0.0),
         batcher=AdaptiveBatcher(),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(),
     )
     s = {h: core.hello(pb.Hello(host=h, data_address="127.0.0.1:1", can_aggregate=True)) for h in HOSTS}
     params = pb.JobParams(tau_max=2)
@@ -360,7 +358,7 @@ def test_a_lost_aggregator_after_the_forward_resolves_its_members_unknown(env: d
     assert {o.kind for o in outcomes} == {OutcomeKind.UNKNOWN}
     assert all("may have reached the server" in o.reason for o in outcomes)
     assert not core.state.pending
-    assert core.metrics.registry.get_sample_value("mlfabric_updates_unknown_total") == 3
+    assert core.stats().updates_unknown == 3
 
 
 def test_a_forwarded_aggregate_without_a_report_resolves_its_members_unknown(env: dict[str, Any]) -> None:

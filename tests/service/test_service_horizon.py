@@ -24,7 +24,6 @@ from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.cli import build_policy, main
 from mlfabric.scheduler.service.core import (
     CLIENT_CHANNEL_OPTIONS,
-    Metrics,
     SchedulerCore,
     StaticEstimator,
     start_server,
@@ -175,7 +174,6 @@ async def service(horizon: int) -> AsyncIterator[tuple[SchedulerCore, grpc.aio.C
         dispatcher=Dispatcher(margin=0.001),
         batcher=AdaptiveBatcher(window=0.2, max_wait=2.0),  # one batch for all 20,
         estimator=StaticEstimator(graph),
-        metrics=Metrics(),
         replan=replan,
     )
     server, port = await start_server(core, "127.0.0.1:0")
@@ -242,11 +240,7 @@ async def _drain(
 
 def _count(core: SchedulerCore) -> int:
     """How many decisions the service made (the histogram's count)."""
-    for metric in core.metrics.registry.collect():
-        for sample in metric.samples:
-            if sample.name == "mlfabric_decision_seconds_count":
-                return int(sample.value)
-    raise AssertionError("no decision histogram")
+    return core.stats().decision_seconds.count
 
 
 def _stf_order() -> list[str]:
@@ -275,7 +269,7 @@ def test_horizon_4_still_drops_updates_beyond_it_for_tau_max_at_their_turn() -> 
             assert sent == order[:11]
             assert set(dropped) == set(order[11:])
             assert all("> tau_max 10" in r for r in dropped.values())
-            assert not core.state.pending and core.metrics.updates_dropped._value.get() == 9
+            assert not core.state.pending and core.stats().updates_dropped == 9
 
     run(main_())
 

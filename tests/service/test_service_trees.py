@@ -21,7 +21,7 @@ from mlfabric.scheduler.core.graph import parse_topology
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
-from mlfabric.scheduler.service.core import DaemonSession, Metrics, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.state import SchedulerState
 
 WORKERS = ["a0", "a1", "b0", "b1"]
@@ -210,7 +210,6 @@ def run(
         dispatcher=Dispatcher(margin=0.0),
         batcher=AdaptiveBatcher(),
         estimator=StaticEstimator(graph),
-        metrics=Metrics(),
         replan=setup.trigger,
         clock=clock,
     )

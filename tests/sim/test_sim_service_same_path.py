@@ -22,7 +22,7 @@ from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
-from mlfabric.scheduler.service.core import Metrics, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.core import SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.state import SchedulerState
 from mlfabric.scheduler.sim.engine import Simulator
 from mlfabric.scheduler.sim.iteration import AsyncSGD
@@ -81,7 +81,6 @@ def serve(name: str, pending: Sequence[PendingUpdate]) -> tuple[Recording, Sched
         dispatcher=Dispatcher(margin=0.0),  # the simulator's default: no control latency to hide
         batcher=AdaptiveBatcher(),
         estimator=StaticEstimator(g),
-        metrics=Metrics(),
         replan=setup.trigger,
         clock=lambda: 0.0,
     )

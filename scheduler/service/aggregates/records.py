@@ -1,9 +1,8 @@
-"""What the service's aggregate book keeps per aggregate, and what it asks the service to do.
+"""What the service's aggregate book keeps per aggregate.
 
 :class:`Execution` is one aggregate on its way (its plan, its worker members and where each
 is; in a multi-level tree also its parent aggregate, its member aggregates and the worker
-updates they brought); :class:`Effects` are the directives and outcomes an
-:class:`~mlfabric.scheduler.service.aggregates.AggregateBook` call returns. Pure data.
+updates they brought); :class:`Stage` is where one member is. Pure data.
 """
 
 from __future__ import annotations
@@ -12,11 +11,9 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from mlfabric.proto.v1 import control_pb2 as pb
-from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, PlannedAggregate
-from mlfabric.scheduler.service.records import OutcomeKind
+from mlfabric.scheduler.policies.base import PendingUpdate, PlannedAggregate
 
-__all__ = ["Effects", "Execution", "Stage"]
+__all__ = ["Execution", "Stage"]
 
 
 class Stage(enum.Enum):
@@ -62,26 +59,3 @@ class Execution:
     def carried(self) -> dict[str, PendingUpdate]:
         """Every worker update it carries or expects: its own members and those absorbed."""
         return {**self.members, **self.absorbed}
-
-
-@dataclass
-class Effects:
-    """What the book asks the service to do: directives to send, outcomes to count."""
-
-    directives: list[tuple[str, pb.Directive]] = field(default_factory=list)
-    resolved: list[OutcomeKind] = field(default_factory=list)
-    #: updates made pending again (a decision is due)
-    requeued: int = 0
-    #: a transfer that ended (for the bandwidth estimator), with its report
-    closed: InFlight | None = None
-
-    def send(self, host: str, directive: pb.Directive) -> None:
-        """Queue ``directive`` for the daemon of ``host``."""
-        self.directives.append((host, directive))
-
-    def __iadd__(self, other: Effects) -> Effects:
-        self.directives += other.directives
-        self.resolved += other.resolved
-        self.requeued += other.requeued
-        self.closed = other.closed or self.closed
-        return self
