@@ -342,20 +342,21 @@ class Replication:
 
     def on_message(self, kind: str, m: pb.ServerApplied | pb.ReplicaStatus) -> Effects:
         """``server_applied`` / ``replica_status``: update the books, decide if it matters."""
-        rec = self.book.applied(m) if kind == "server_applied" else self.book.status(m)
+        status = m if isinstance(m, pb.ReplicaStatus) else None
+        rec = self.book.status(m) if isinstance(m, pb.ReplicaStatus) else self.book.applied(m)
         if rec is None:
             return Effects()
         key = (rec.job, rec.server)
-        if kind == "replica_status" and m.blocked:
+        if status is not None and status.blocked:
             waits = self.state.recorder.replica_server_waits
             waits[key] = waits.get(key, 0) + 1
-        if kind == "replica_status":
+        if status is not None:
             self._resyncing(rec.job, rec.server, 0)
         self.state.recorder.replica_divergence[key] = rec.divergence()
-        if kind == "replica_status" and m.error:
-            log.warning("replica %r of server %r of job %r: %s", rec.name, rec.server, rec.job, m.error)
+        if status is not None and status.error:
+            log.warning("replica %r of server %r of job %r: %s", rec.name, rec.server, rec.job, status.error)
         # the replication policy decides on it
-        return Effects(replan=kind == "server_applied" or rec.blocked)
+        return Effects(replan=status is None or rec.blocked)
 
     def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Effects:
         """Run the replication policy on the snapshot: the directives of its replica sends."""

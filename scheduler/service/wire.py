@@ -7,6 +7,8 @@ directives sent back. Pure: no I/O, no state.
 
 from __future__ import annotations
 
+from typing import cast
+
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.base import PendingUpdate
 from mlfabric.scheduler.service.records import (
@@ -136,7 +138,7 @@ def transfer_result(host: str, m: pb.TransferReport) -> TransferResult:
     )
 
 
-def error_code(exc: SchedulerError) -> pb.ErrorCode.ValueType:
+def error_code(exc: SchedulerError) -> pb.ErrorCode:
     """The wire ``ErrorCode`` of a scheduler error: the one its class declares (``code``).
 
     Examples
@@ -147,7 +149,7 @@ def error_code(exc: SchedulerError) -> pb.ErrorCode.ValueType:
     >>> pb.ErrorCode.Name(error_code(SchedulerError("a server needs a name")))
     'ERROR_CODE_REFUSED'
     """
-    return pb.ErrorCode.Value(f"ERROR_CODE_{exc.code}")
+    return cast(pb.ErrorCode, pb.ErrorCode.Value(f"ERROR_CODE_{exc.code}"))
 
 
 def role_refused(request_id: int, exc: SchedulerError) -> pb.Directive:
@@ -166,7 +168,7 @@ def role_refused(request_id: int, exc: SchedulerError) -> pb.Directive:
 
 
 def drop_directive(
-    update_id: str, reason: str, code: pb.ErrorCode.ValueType = pb.ERROR_CODE_UNSPECIFIED
+    update_id: str, reason: str, code: pb.ErrorCode = pb.ERROR_CODE_UNSPECIFIED
 ) -> pb.Directive:
     """The directive dropping update ``update_id`` for ``reason`` (``code``: set for a refusal).
 

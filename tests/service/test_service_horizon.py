@@ -18,8 +18,10 @@ import pytest
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.proto.v1 import control_pb2_grpc as pb_grpc
 from mlfabric.scheduler.core.graph import star
+from mlfabric.scheduler.policies.aggregation import AggregationPolicy
 from mlfabric.scheduler.policies.base import Decision, InFlight, Send
 from mlfabric.scheduler.policies.dispatch import Dispatcher, ReplanTrigger, low_water_mark
+from mlfabric.scheduler.policies.stf import STFPolicy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.cli import build_policy, main
 from mlfabric.scheduler.service.core import (
@@ -113,8 +115,10 @@ def test_batcher_request_returns_an_empty_batch_or_joins_the_open_one() -> None:
 
 def test_build_policy_passes_the_horizon_to_stf() -> None:
     policy, replan = build_policy("stf", 4)
+    assert isinstance(policy, STFPolicy)
     assert (policy.name, policy.horizon, replan.low_water) == ("stf", 4, 1)
     policy, replan = build_policy("stf", 0)
+    assert isinstance(policy, STFPolicy)
     assert (policy.horizon, replan.low_water) == (None, 0)
     policy, replan = build_policy("fair", 4)
     assert (policy.name, replan.low_water) == ("fair", 0)
@@ -123,6 +127,7 @@ def test_build_policy_passes_the_horizon_to_stf() -> None:
     with pytest.raises(ValueError, match="unknown policy 'lifo' "):
         build_policy("lifo")
     policy, replan = build_policy("stf+agg")
+    assert isinstance(policy, AggregationPolicy)
     assert (policy.name, policy.sync) == ("stf+agg", False)
 
 
@@ -147,7 +152,7 @@ class Worker:
         self.directives: asyncio.Queue[pb.Directive] = asyncio.Queue()
         self.reader: asyncio.Task[None] | None = None
 
-    async def start(self, role: int, name: str, **extra: Any) -> None:
+    async def start(self, role: pb.Role, name: str, **extra: Any) -> None:
         await self.call.write(pb.DaemonMessage(hello=pb.Hello(host=self.host, data_address="127.0.0.1:1")))
         assert (await self.call.read()).WhichOneof("kind") == "welcome"
         register = pb.RegisterRole(request_id=1, job="j", role=role, name=name, **extra)

@@ -61,7 +61,7 @@ class FakeDaemon:
         return (await self.recv()).welcome
 
     async def register(
-        self, role: int, name: str, job: str = "j", request_id: int = 1, **extra: Any
+        self, role: pb.Role, name: str, job: str = "j", request_id: int = 1, **extra: Any
     ) -> pb.RoleAck:
         await self.send(
             register_role=pb.RegisterRole(request_id=request_id, job=job, role=role, name=name, **extra)
