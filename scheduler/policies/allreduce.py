@@ -281,6 +281,8 @@ def tree_seconds(
     nbytes: int,
     chunk_bytes: int,
     pc: PathCache | None = None,
+    *,
+    overhead: float = CHUNK_OVERHEAD_SECONDS,
 ) -> float:
     """The model's time of a pipelined tree all-reduce (see the module docstring).
 
@@ -296,6 +298,8 @@ def tree_seconds(
         The payload and the chunk size.
     pc : PathCache, optional
         Paths of ``graph``.
+    overhead : float
+        Seconds per chunk frame a participant sends or receives (the executor's).
 
     Returns
     -------
@@ -316,7 +320,7 @@ def tree_seconds(
     2.008
     """
     pc = pc or PathCache(graph)
-    return _seconds(_terms(graph, parent, hosts, nbytes, pc), nbytes, chunk_bytes)
+    return _seconds(_terms(graph, parent, hosts, nbytes, pc), nbytes, chunk_bytes, overhead)
 
 
 def _chunk_candidates(nbytes: int) -> list[int]:

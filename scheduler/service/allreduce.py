@@ -19,19 +19,35 @@ is keyed ``(job, name, seq)``:
    (``allreduce_peer_lost``), announced or planned. An operation that never completes is failed
    by the participants' daemons at their deadline (their ``AllreduceDone``), so the scheduler
    needs no timer; a participant arriving at an operation already aborted gets the abort at once.
+
+Operations of a process group (``plan_only``: the participants' processes run the plan over
+their ``torch.distributed`` group, docs/allreduce.md) are agreed the same way, planned for the
+process group (participants in process-rank order, :data:`~mlfabric.scheduler.policies.
+allreduce.PROCESS_GROUP`: the group's own collective, or a tree where it wins) and finished
+once the plans are out. The plan is **kept** per operation (job, name and tensor layout: its
+``signature``) with an epoch: the processes run it on every later call without asking, and
+:meth:`AllreduceBook.replan` (as the bandwidth estimates move) plans each kept operation
+again and pushes the new plan (a higher epoch, ``seq`` 0) only when it differs.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import networkx as nx
 
 from mlfabric.proto.v1 import control_pb2 as pb
-from mlfabric.scheduler.policies.allreduce import plan_allreduce
+from mlfabric.scheduler.policies.allreduce import (
+    PROCESS_GROUP,
+    AllreducePlan,
+    plan_allreduce,
+    ring_seconds,
+    tree_seconds,
+)
 from mlfabric.scheduler.service.effects import Effects
 
 __all__ = ["AllreduceBook"]
@@ -50,6 +66,10 @@ class _Op:
     ready: dict[str, str] = field(default_factory=dict)  # participant -> host
     planned: bool = False
     done: set[str] = field(default_factory=set)
+    #: a process group runs it: participant -> process rank, and the operation's signature
+    plan_only: bool = False
+    ranks: dict[str, int] = field(default_factory=dict)
+    signature: int = 0
 
     def label(self) -> str:
         job, name, seq = self.key
@@ -58,6 +78,31 @@ class _Op:
 
 def _spec(m: pb.AllreduceReady) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(t.name, t.dtype, tuple(int(d) for d in t.shape)) for t in m.tensors]
+
+
+#: Seconds between two re-plannings of the kept process-group plans.
+REPLAN_INTERVAL = 1.0
+#: A kept plan is replaced only by one the model says is faster by more than this fraction.
+REPLAN_GAIN = 0.05
+
+
+@dataclass
+class _Kept:
+    """A process-group operation's plan, kept for its later calls."""
+
+    hosts: dict[str, str]  # participant -> host
+    ranks: dict[str, int]  # participant -> process rank
+    nbytes: int
+    world_size: int
+    plan: AllreducePlan
+    epoch: int
+
+
+def _shape(plan: AllreducePlan) -> tuple[object, ...]:
+    """What the processes run: the kind, and a tree's parents and chunk."""
+    if plan.kind == "native":
+        return (plan.kind,)
+    return (plan.kind, sorted(plan.parent.items()), plan.chunk_bytes)
 
 
 class AllreduceBook:
@@ -93,6 +138,9 @@ class AllreduceBook:
         self.ops: dict[OpKey, _Op] = {}
         #: aborted operations: key -> (code, reason), so a late participant is told at once
         self.aborted: collections.OrderedDict[OpKey, tuple[str, str]] = collections.OrderedDict()
+        #: process-group plans kept per (job, name, signature)
+        self.kept: dict[tuple[str, str, int], _Kept] = {}
+        self._replanned_at = -math.inf
 
     def ready(self, host: str, m: pb.AllreduceReady, now: float) -> Effects:
         """``AllreduceReady`` from ``host``; the directives (or aborts) it leads to."""
@@ -103,6 +151,7 @@ class AllreduceBook:
         op = self.ops.get(key)
         if op is None:
             op = self.ops[key] = _Op(key, int(m.world_size), _spec(m), int(m.bytes), now)
+            op.plan_only, op.signature = m.plan_only, int(m.signature)
         problem = self._mismatch(op, host, m)
         if problem is not None:
             out = self.abort(key, "allreduce_mismatch", problem)
@@ -110,9 +159,10 @@ class AllreduceBook:
                 out.send(host, self._abort_directive(key, "allreduce_mismatch", problem))
             return out
         op.ready[m.participant] = host
+        op.ranks[m.participant] = int(m.process_rank)
         if len(op.ready) < op.world_size:
             return Effects()
-        return self._plan(op)
+        return self._plan_group(op) if op.plan_only else self._plan(op)
 
     def _mismatch(self, op: _Op, host: str, m: pb.AllreduceReady) -> str | None:
         label, who = op.label(), f"participant {m.participant!r} on host {host!r}"
@@ -124,6 +174,15 @@ class AllreduceBook:
         if int(m.world_size) != op.world_size:
             return (
                 f"{label}: {who} says world size {m.world_size}, participant {first!r} said {op.world_size}"
+            )
+        if m.plan_only != op.plan_only:
+            how = "through a process group" if m.plan_only else "through the daemons"
+            return f"{label}: {who} runs it {how}, participant {first!r} does not"
+        if op.plan_only and (not 0 <= m.process_rank < op.world_size or m.process_rank in op.ranks.values()):
+            taken = sorted(op.ranks.values())
+            return (
+                f"{label}: {who} says process rank {m.process_rank} "
+                f"(world size {op.world_size}, ranks taken: {taken})"
             )
         spec = _spec(m)
         if spec != op.tensors:
@@ -174,6 +233,98 @@ class AllreduceBook:
             out.send(host, pb.Directive(allreduce=d))
         return out
 
+    def _plan_group(self, op: _Op) -> Effects:
+        """Plan a process-group operation (participants in rank order), keep it, send it out."""
+        job, name, _ = op.key
+        kept = self.kept.get((job, name, op.signature))
+        try:
+            plan = self._group_plan(op.ready, op.ranks, op.nbytes)
+        except ValueError as exc:
+            return self.abort(op.key, "allreduce_failed", f"{op.label()}: cannot plan: {exc}")
+        if kept is not None and kept.hosts == op.ready and kept.ranks == op.ranks:
+            if _shape(kept.plan) != _shape(plan):
+                kept.plan, kept.epoch = plan, kept.epoch + 1
+        else:
+            epoch = 0 if kept is None else kept.epoch + 1
+            kept = _Kept(dict(op.ready), dict(op.ranks), op.nbytes, op.world_size, plan, epoch)
+            self.kept[(job, name, op.signature)] = kept
+        del self.ops[op.key]  # the processes run it: nothing more to hear about
+        log.info("%s (process group, epoch %d): %s", op.label(), kept.epoch, kept.plan.describe(op.ready))
+        return self._group_directives(op.key, op.signature, kept)
+
+    def _group_plan(self, hosts: dict[str, str], ranks: dict[str, int], nbytes: int) -> AllreducePlan:
+        order = sorted(hosts, key=ranks.__getitem__)
+        return plan_allreduce(self._graph(), [(p, hosts[p]) for p in order], nbytes, executor=PROCESS_GROUP)
+
+    def _group_directives(self, key: OpKey, signature: int, kept: _Kept) -> Effects:
+        job, name, seq = key
+        plan, ranks = kept.plan, kept.ranks
+        parents = [-1] * kept.world_size
+        if plan.kind == "tree":
+            for p, q in plan.parent.items():
+                parents[ranks[p]] = -1 if q is None else ranks[q]
+        out = Effects()
+        for p, host in sorted(kept.hosts.items()):
+            d = pb.AllreduceDirective(
+                job=job,
+                name=name,
+                seq=seq,
+                participant=p,
+                chunk_bytes=plan.chunk_bytes,
+                world_size=kept.world_size,
+                plan=plan.describe(kept.hosts),
+                executor_kind=plan.kind,
+                epoch=kept.epoch,
+                parent_ranks=parents if plan.kind == "tree" else [],
+                model_seconds=plan.seconds,
+                signature=signature,
+            )
+            out.send(host, pb.Directive(allreduce=d))
+        return out
+
+    def replan(self, now: float, *, force: bool = False) -> Effects:
+        """Plan the kept process-group operations again on the current estimates (at most once per
+        :data:`REPLAN_INTERVAL` unless ``force``: a new topology); push each plan that changed and
+        is faster by :data:`REPLAN_GAIN`."""
+        if not self.kept or (now - self._replanned_at < REPLAN_INTERVAL and not force):
+            return Effects()
+        self._replanned_at = now
+        out = Effects()
+        for (job, name, signature), kept in self.kept.items():
+            try:
+                plan = self._group_plan(kept.hosts, kept.ranks, kept.nbytes)
+            except ValueError:
+                continue  # a host left the graph: the next call asks and fails there
+            if _shape(plan) == _shape(kept.plan):
+                kept.plan = plan  # the same plan; its model time moved
+                continue
+            current = self._group_plan_seconds(kept)
+            if plan.seconds < current * (1 - REPLAN_GAIN):
+                kept.plan, kept.epoch = plan, kept.epoch + 1
+                log.info(
+                    "all-reduce %r of job %r: new plan (epoch %d): %s",
+                    name,
+                    job,
+                    kept.epoch,
+                    plan.describe(kept.hosts),
+                )
+                out += self._group_directives((job, name, 0), signature, kept)
+        return out
+
+    def _group_plan_seconds(self, kept: _Kept) -> float:
+        """The kept plan's time on the current estimates."""
+        order = [kept.hosts[p] for p in sorted(kept.hosts, key=kept.ranks.__getitem__)]
+        graph, plan = self._graph(), kept.plan
+        if plan.kind == "native":
+            return ring_seconds(graph, order, kept.nbytes) + PROCESS_GROUP.op_overhead
+        overhead = PROCESS_GROUP.chunk_overhead
+        return tree_seconds(graph, plan.parent, kept.hosts, kept.nbytes, plan.chunk_bytes, overhead=overhead)
+
+    def host_left(self, host: str) -> None:
+        """Forget the kept plans with a participant on ``host`` (its daemon went away)."""
+        for key in [k for k, kept in self.kept.items() if host in kept.hosts.values()]:
+            del self.kept[key]
+
     def done(self, host: str, m: pb.AllreduceDone) -> Effects:
         """``AllreduceDone`` from ``host``: forget the operation when all are done, abort on a failure."""
         key: OpKey = (m.job, m.name, int(m.seq))
@@ -189,6 +340,7 @@ class AllreduceBook:
 
     def host_lost(self, host: str) -> Effects:
         """The daemon of ``host`` went away: abort every operation with a participant there."""
+        self.host_left(host)
         out = Effects()
         for key, op in list(self.ops.items()):
             lost = sorted(p for p, h in op.ready.items() if h == host and p not in op.done)

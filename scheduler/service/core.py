@@ -274,6 +274,7 @@ class SchedulerCore:
         """
         self.state.replace_graph(graph)
         self.estimator = make_estimator(graph)
+        self._execute(self.allreduce.replan(self.clock(), force=True))
 
     # -------------------------------------------------------------- sessions
 
@@ -458,6 +459,7 @@ class SchedulerCore:
         """The one place measurements reach the bandwidth estimator (``scheduler/core/estimation.py``)."""
         self.recorder.measured(path, nbytes, duration, now)
         self.estimator.observe(path, nbytes, duration, now, shared=shared)
+        self._execute(self.allreduce.replan(now))  # kept process-group plans follow the estimates
 
     # ------------------------------------------------------- deciding/releasing
 
