@@ -14,6 +14,12 @@ bandwidth graph::
 A :class:`~mlfabric.api.Worker` of a parameter-server job can all-reduce too
 (``worker.allreduce(tensors, world_size=N)``).
 
+Participants that share a ``torch.distributed`` process group pass it
+(``join_allreduce(..., process_group=group)``): the plan then runs in the processes
+themselves over that group (the group's own collective where it is at least as fast, else
+mlfabric's tree through its point-to-point operations), kept between calls, with no daemon
+and no scheduler round trip per call (:mod:`mlfabric.torch.executor`, docs/allreduce.md).
+
 Calls are matched by ``(name, sequence number)``: each participant numbers its calls of one
 name 1, 2, 3, ... so the ``k``-th call of every participant is one operation. Errors
 (:class:`~mlfabric.localclient.MlfabricError`, by ``code``): ``allreduce_mismatch`` (another
@@ -201,6 +207,8 @@ class AllreduceGroup:
     ----------
     job, participant : str
     world_size : int
+    executor : GroupExecutor or None
+        Runs the all-reduces over the participants' process group (None: the daemons run them).
     """
 
     def __init__(self, client: LocalClient, job: str, participant: str, world_size: int) -> None:
@@ -209,9 +217,74 @@ class AllreduceGroup:
         self._seqs: dict[str, itertools.count[int]] = {}
         self._lock = threading.Lock()
         self._buffers = MemfdPool(1 << 30, name="mlfabric-allreduce")
+        self.executor: Any = None
+
+    def _next_seq(self, name: str) -> int:
+        with self._lock:
+            return next(self._seqs.setdefault(name, itertools.count(1)))
+
+    def run_over(self, process_group: Any, timeout: float) -> None:
+        """Run this participant's all-reduces over ``process_group`` (collective: every rank calls it).
+
+        Needs torch (:mod:`mlfabric.torch.executor`).
+        """
+        from mlfabric.torch.executor import GroupExecutor
+
+        executor = GroupExecutor(process_group, self._plan, timeout=timeout)
+        self._client.set_unsolicited(self._pushed_plan)
+        executor.start()
+        if executor.world_size != self.world_size:
+            executor.stop()
+            raise ValueError(
+                f"world_size {self.world_size} but the process group has {executor.world_size} ranks"
+            )
+        self.executor = executor
+
+    def _plan(self, name: str, layouts: Any, signature: int, rank: int) -> Any:
+        """Ask the scheduler (through the daemon) for the plan of a process-group operation."""
+        seq = self._next_seq(name)
+        request = local_pb2.LocalRequest(
+            allreduce=local_pb2.AllreduceRequest(
+                job=self.job,
+                name=name,
+                seq=seq,
+                participant=self.participant,
+                world_size=self.world_size,
+                tensors=tcodec.layouts_to_pb(layouts),
+                payload_bytes=sum(x.nbytes for x in layouts),
+                has_payload=False,
+                timeout_seconds=self.executor.timeout,
+                plan_only=True,
+                process_rank=rank,
+                signature=signature,
+            )
+        )
+        try:
+            event, fd = self._client.call(request, timeout=self.executor.timeout + 5.0)
+        except TimeoutError as exc:
+            raise MlfabricError(f"all-reduce {name!r}: no plan: {exc}", "allreduce_timeout") from exc
+        if fd is not None:
+            os.close(fd)
+        if event.WhichOneof("kind") != "allreduce_plan":
+            kind = event.WhichOneof("kind")
+            raise MlfabricError(f"all-reduce {name!r}: unexpected reply {kind!r}", "bad_reply")
+        return rank_plan(event.allreduce_plan)
+
+    def _pushed_plan(self, event: Any, fd: int | None) -> None:
+        """A newer plan the scheduler pushed (the bandwidth graph changed): kept for the next calls."""
+        if fd is not None:
+            os.close(fd)
+        if event.WhichOneof("kind") == "allreduce_plan" and self.executor is not None:
+            p = event.allreduce_plan
+            self.executor.on_plan(p.name, int(p.signature), rank_plan(p))
 
     def allreduce_async(
-        self, tensors: Mapping[str, Any], *, name: str = "allreduce", timeout: float = DEFAULT_TIMEOUT
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        name: str = "allreduce",
+        timeout: float = DEFAULT_TIMEOUT,
+        inplace: bool = False,
     ) -> AllreduceHandle:
         """Start an all-reduce of ``tensors``; ``wait()`` on the handle gives the sum.
 
@@ -223,10 +296,14 @@ class AllreduceGroup:
         name : str
             Operations are matched by name and per-name sequence number.
         timeout : float
-            The operation's deadline at this participant (seconds).
+            The operation's deadline at this participant (seconds; over a process group the
+            group's timeout, given to :func:`join_allreduce`, applies).
+        inplace : bool
+            Over a process group, torch tensors may be summed into (a DDP bucket: no copy).
         """
-        with self._lock:
-            seq = next(self._seqs.setdefault(name, itertools.count(1)))
+        if self.executor is not None:
+            return self.executor.submit(name, tensors, seq=0, inplace=inplace)
+        seq = self._next_seq(name)
         return submit_allreduce(
             self._client,
             self._buffers,
@@ -254,6 +331,8 @@ class AllreduceGroup:
 
     def close(self) -> None:
         """Close the connection (operations in flight fail at the other participants)."""
+        if self.executor is not None:
+            self.executor.stop()
         self._client.close()
         self._buffers.close()
 
@@ -265,7 +344,13 @@ class AllreduceGroup:
 
 
 def join_allreduce(
-    job: str, world_size: int, *, participant: str | None = None, daemon: str | None = None
+    job: str,
+    world_size: int,
+    *,
+    participant: str | None = None,
+    daemon: str | None = None,
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> AllreduceGroup:
     """Take part in the all-reduces of ``job`` (no parameter server needed).
 
@@ -279,6 +364,12 @@ def join_allreduce(
         Unique in the job (default ``"<hostname>-<pid>"``).
     daemon : str, optional
         The daemon's socket (default ``$MLFABRIC_DAEMON``, else the default path).
+    process_group : torch.distributed.ProcessGroup, optional
+        The participants' process group (its size is ``world_size``): run the all-reduces in
+        the processes over it (needs torch; collective: every rank of the default group calls
+        ``join_allreduce`` at the same point, since mlfabric makes a group of its own).
+    timeout : float
+        Over a process group: seconds any operation of the group may wait (its timeout).
 
     Returns
     -------
@@ -287,4 +378,21 @@ def join_allreduce(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     client = connect(daemon)
-    return AllreduceGroup(client, job, participant or f"{os.uname().nodename}-{os.getpid()}", world_size)
+    group = AllreduceGroup(client, job, participant or f"{os.uname().nodename}-{os.getpid()}", world_size)
+    if process_group is not None:
+        try:
+            group.run_over(process_group, timeout)
+        except BaseException:
+            group.close()
+            raise
+    return group
+
+
+def rank_plan(p: Any) -> Any:
+    """A :class:`~mlfabric.torch.collective.RankPlan` from an ``AllreducePlan`` message."""
+    from mlfabric.torch.collective import RankPlan
+
+    if p.kind == "tree":
+        parent = {r: (None if q < 0 else int(q)) for r, q in enumerate(p.parent_ranks)}
+        return RankPlan.tree(parent, chunk_bytes=int(p.chunk_bytes), epoch=int(p.epoch), description=p.plan)
+    return RankPlan.native(epoch=int(p.epoch), description=p.plan)

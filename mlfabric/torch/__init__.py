@@ -81,7 +81,7 @@ def allreduce_hook(
     world = state.group.world_size
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     handle = state.group.allreduce_async(
-        {"bucket": buffer.detach()}, name=f"ddp-bucket-{bucket.index()}", timeout=state.timeout
+        {"bucket": buffer.detach()}, name=f"ddp-bucket-{bucket.index()}", timeout=state.timeout, inplace=True
     )
 
     def done(h: Any) -> None:

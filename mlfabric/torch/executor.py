@@ -134,7 +134,8 @@ class GroupExecutor:
     def __init__(self, group: Any, plan_source: PlanSource, *, timeout: float) -> None:
         self._given = group
         self._plan_source = plan_source
-        self._timeout = timeout
+        #: seconds any operation of the executor's group may wait
+        self.timeout = timeout
         self.plans = PlanCache()
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -150,7 +151,7 @@ class GroupExecutor:
         self._group = dist.new_group(
             ranks=ranks,
             backend=dist.get_backend(self._given),
-            timeout=datetime.timedelta(seconds=self._timeout),
+            timeout=datetime.timedelta(seconds=self.timeout),
         )
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
