@@ -242,9 +242,9 @@ def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
     from mlfabric.daemon.config import DaemonConfig
-    from mlfabric.daemon.daemon import Daemon
+    from mlfabric.daemon.host import Daemon
+    from mlfabric.daemon.reports import TransferReportLog
     from mlfabric.daemon.service import DaemonService
-    from mlfabric.daemon.transfers import TransferReportLog
     from mlfabric.wire.framing import default_socket_path
 
     for required in ("host", "scheduler"):

@@ -25,7 +25,7 @@ Names follow the Prometheus conventions; every series carries the daemon's host 
   ``receive`` budgets (``--max-inflight-bytes``), and ``mlfabric_daemon_pool_idle_bytes{host}``:
   released receive buffers kept for reuse
 
-:class:`MeteredDaemon` is the :class:`~mlfabric.daemon.daemon.Daemon` with these counts; a
+:class:`MeteredDaemon` is the :class:`~mlfabric.daemon.host.Daemon` with these counts; a
 daemon started without ``--metrics-port`` is the plain one.
 """
 
@@ -35,9 +35,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from mlfabric.daemon.aggregating import AGGREGATE_PREFIX as _AGGREGATE_PREFIX
-from mlfabric.daemon.daemon import Daemon
-from mlfabric.daemon.transfers import TransferReportLog
+from mlfabric.daemon.host import Daemon
+from mlfabric.daemon.reports import TransferReportLog
+from mlfabric.daemon.roles.aggregator.role import AGGREGATE_PREFIX as _AGGREGATE_PREFIX
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 __all__ = ["DaemonMetrics", "MeteredDaemon", "MeteredReportLog"]

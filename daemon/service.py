@@ -1,7 +1,7 @@
 """The daemon as a service: metrics endpoint, systemd notifications, reload (DESIGN §3).
 
 :class:`DaemonService` is what ``mlfabric daemon`` adds around a
-:class:`~mlfabric.daemon.daemon.Daemon`: ``/metrics`` on ``--metrics-port``
+:class:`~mlfabric.daemon.host.Daemon`: ``/metrics`` on ``--metrics-port``
 (:mod:`mlfabric.daemon.metrics`), ``READY=1`` once the scheduler welcomed the daemon,
 ``STATUS=`` lines, ``WATCHDOG=1`` from the main loop, ``STOPPING=1`` at shutdown, and
 SIGHUP (``systemctl reload``): the config file is read again; its log level takes

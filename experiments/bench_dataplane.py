@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, FrameLimits, recv_frame, send_frame
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.payloadio import payload_crc32
-from mlfabric.daemon.transport import PeerPool, parse_address
+from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.payloadio import payload_crc32
+from mlfabric.daemon.channels.peers import PeerPool, parse_address
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.auth import DataPlaneAuth, load_secret
 from mlfabric.wire.crc import crc32_implementation, use_crc32
@@ -97,7 +97,7 @@ def _allocator(mode: str) -> tuple[Callable[[int], Any], Callable[[], None]]:
         pool = MemfdPool(max_idle_bytes=2 << 30)
         return pool.allocate, pool.close
     try:
-        from mlfabric.daemon.serving import MemfdBuffer
+        from mlfabric.daemon.roles.server.serving import MemfdBuffer
     except ImportError:  # the daemon module is not there: the same mechanism, written here
         return MemfdPool(max_idle_bytes=0).allocate, lambda: None
     return MemfdBuffer.allocate, lambda: None

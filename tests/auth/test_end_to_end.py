@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from authkit import Procs, push
 
-from mlfabric.daemon.dataplane import FrameHeader, FrameLimits, recv_frame, send_frame
-from mlfabric.daemon.sockets import parse_address
+from mlfabric.daemon.channels.frames import FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.channels.sockets import parse_address
 from mlfabric.proto.v1 import dataplane_pb2
 
 pytestmark = pytest.mark.timeout(180)

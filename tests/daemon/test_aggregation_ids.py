@@ -11,9 +11,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from mlfabric.daemon.dataplane import Frame, FrameHeader, TransferStats
-from mlfabric.daemon.roles import ServerHandoff, Verdict
-from mlfabric.daemon.server_aggregates import ServerAggregation
+from mlfabric.daemon.channels.frames import Frame, FrameHeader, TransferStats
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
+from mlfabric.daemon.roles.server.rounds import ServerAggregation
 from mlfabric.proto.v1 import control_pb2
 
 APPLIED, DROPPED = control_pb2.OUTCOME_APPLIED, control_pb2.OUTCOME_DROPPED

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.daemon.dataplane import FrameHeader
-from mlfabric.daemon.transport import FrameLimits, PeerPool
+from mlfabric.daemon.channels.frames import FrameHeader
+from mlfabric.daemon.channels.peers import FrameLimits, PeerPool
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.tensors import layouts_to_pb, plan_layout
 

@@ -7,9 +7,12 @@ from typing import Any
 
 import pytest
 
-from mlfabric.daemon.roles import OutgoingPushes, ServerHandoff, Verdict, check_update
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes
 from mlfabric.proto.v1 import control_pb2
 from mlfabric.tensors import Layout
+from mlfabric.wire.tensors import check_update
 
 SPEC = {"w": ("float32", (2, 3)), "b": ("float64", (4,))}
 

@@ -2,8 +2,8 @@
 
 ``PeerUnavailable(sent=True)`` means the peer may have the whole frame (and may have applied
 it) before it went away; a retry would reach a restarted daemon that cannot know, so a worker's
-direct push (:class:`~mlfabric.daemon.transfers.PushSender`) and an aggregator's forward
-(:class:`~mlfabric.daemon.aggregating.AggregatorRole`) stop there and say UNKNOWN, naming why.
+direct push (:class:`~mlfabric.daemon.roles.worker.sender.PushSender`) and an aggregator's forward
+(:class:`~mlfabric.daemon.roles.aggregator.role.AggregatorRole`) stop there and say UNKNOWN, naming why.
 A peer that certainly got nothing (connection refused) is retried as before.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mlfabric.daemon.aggregating import AggregatorRole, _Aggregate
-from mlfabric.daemon.roles import OutgoingPushes, PendingPush
-from mlfabric.daemon.transfers import PushSender
-from mlfabric.daemon.transport import PeerUnavailable
+from mlfabric.daemon.channels.peers import PeerUnavailable
+from mlfabric.daemon.roles.aggregator.role import AggregatorRole, _Aggregate
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
+from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2
 
 ADDRESS = "127.0.0.1:1"

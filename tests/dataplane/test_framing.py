@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mlfabric.daemon.dataplane import (
+from mlfabric.daemon.channels.frames import (
     MAGIC,
     FileSpan,
     FrameError,

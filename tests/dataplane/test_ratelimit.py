@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from mlfabric.daemon.ratelimit import TokenBucket
+from mlfabric.daemon.channels.ratelimit import TokenBucket
 
 
 class FakeClock:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mlfabric.daemon.dataplane import (
+from mlfabric.daemon.channels.frames import (
     MAGIC,
     Frame,
     FrameHeader,
@@ -21,9 +21,9 @@ from mlfabric.daemon.dataplane import (
     error_header,
     recv_frame,
 )
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.ratelimit import TokenBucket
-from mlfabric.daemon.transport import PeerPool, PeerUnavailable, parse_address
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable, parse_address
+from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=64 << 20)
@@ -191,7 +191,7 @@ def test_bad_frames_are_rejected_and_listener_keeps_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     assert listener.address is not None
-    with caplog.at_level(logging.WARNING, logger="mlfabric.daemon.transport"):
+    with caplog.at_level(logging.WARNING, logger="mlfabric.daemon.channels.peers"):
         header = raw_exchange(listener.address, wire)
     if reason is None:
         assert header is None

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mlfabric.daemon.config import DaemonConfig
-from mlfabric.daemon.daemon import Daemon
+from mlfabric.daemon.host import Daemon
 from mlfabric.proto.v1 import local_pb2
 
 pytestmark = pytest.mark.slow

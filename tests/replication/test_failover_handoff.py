@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 
 from mlfabric import tensors as tcodec
-from mlfabric.daemon.dataplane import Frame, FrameHeader, FrameLimits, TransferStats
-from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.roles import ServerHandoff, Verdict
-from mlfabric.daemon.serving import ServerRoles
+from mlfabric.daemon.channels.frames import Frame, FrameHeader, FrameLimits, TransferStats
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
+from mlfabric.daemon.roles.server.serving import ServerRoles
 from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.replica import Replica

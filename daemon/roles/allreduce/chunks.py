@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlfabric.tensors import DTYPES, Layout
+from mlfabric.wire.tensors import DTYPES, Layout
 
 __all__ = ["Chunk", "split_chunks", "split_segments"]
 

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.dataplane import Frame, FrameHeader
-from mlfabric.daemon.roles import ServerHandoff, Verdict
+from mlfabric.daemon.channels.frames import Frame, FrameHeader
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
-from mlfabric.tensors import layouts_from_pb
+from mlfabric.wire.tensors import layouts_from_pb
 
 __all__ = ["ServerAggregation", "SyncRounds", "member_verdicts", "members_of"]
 

@@ -45,7 +45,7 @@ from typing import Any, TypeAlias
 
 from google.protobuf.message import DecodeError
 
-from mlfabric.daemon.payloadio import (
+from mlfabric.daemon.channels.payloadio import (
     Crc32Follower,
     FileSpan,
     Payload,
@@ -56,10 +56,10 @@ from mlfabric.daemon.payloadio import (
     payload_length,
     update_frames,
 )
-from mlfabric.daemon.ratelimit import TokenBucket
+from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
-from mlfabric.tensors import FiniteScan, layouts_from_pb
 from mlfabric.wire.crc import crc32 as _crc32
+from mlfabric.wire.tensors import FiniteScan, layouts_from_pb
 
 __all__ = [
     "DTYPE_ITEMSIZE",

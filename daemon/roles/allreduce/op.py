@@ -1,6 +1,6 @@
 """One participant's all-reduce operation on a daemon, its chunk senders, and request checks.
 
-Split from :mod:`mlfabric.daemon.allreduce` (the role that moves the chunks): :class:`Op`
+Split from :mod:`mlfabric.daemon.roles.allreduce.role` (the role that moves the chunks): :class:`Op`
 holds a participant's buffers and per-chunk bookkeeping, :class:`Sender` sends its chunks to
 one peer, :func:`check_request` says what is wrong with a local ``AllreduceRequest``.
 """
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.allreduce_chunks import Chunk
-from mlfabric.daemon.allreduce_routes import Route
-from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.tensors import DTYPES
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.roles.allreduce.chunks import Chunk
+from mlfabric.daemon.roles.allreduce.routes import Route
+from mlfabric.wire.tensors import DTYPES
 
 __all__ = ["SEND_WINDOW", "AllreduceError", "Key", "Op", "Sender", "check_request"]
 

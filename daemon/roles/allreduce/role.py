@@ -5,7 +5,7 @@ daemon checks the tensors, keeps the memfd, and tells the scheduler ``AllreduceR
 every participant is in and they agree, the scheduler sends each participant's daemon an
 ``AllreduceDirective``: its parent and children in the tree and the chunk size. Then, chunk by
 chunk (pipelined; for a ring every segment of the payload is such a chain along the ring,
-:mod:`~mlfabric.daemon.allreduce_routes`, so each chunk has its own children and parent):
+:mod:`~mlfabric.daemon.roles.allreduce.routes`, so each chunk has its own children and parent):
 
 - **reduce**: a participant sums (:class:`~mlfabric.aggregators.kernels.Accumulator`, in
   place in its result memfd) its own chunk and each child's partial sum, and sends the chunk
@@ -36,14 +36,14 @@ from collections.abc import Callable
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.allreduce_op import AllreduceError, Key, Op, Sender, check_request
-from mlfabric.daemon.allreduce_routes import routing
-from mlfabric.daemon.dataplane import Frame, FrameHeader, error_header
-from mlfabric.daemon.listener import Response
-from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.transport import PeerUnavailable
+from mlfabric.daemon.channels.frames import Frame, FrameHeader, error_header
+from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.channels.peers import PeerUnavailable
+from mlfabric.daemon.roles.allreduce.op import AllreduceError, Key, Op, Sender, check_request
+from mlfabric.daemon.roles.allreduce.routes import routing
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.tensors import layouts_from_pb, layouts_to_pb
+from mlfabric.wire.tensors import layouts_from_pb, layouts_to_pb
 
 __all__ = ["DEFAULT_TIMEOUT", "AllreduceRole"]
 

@@ -6,9 +6,9 @@ where it sends its partial sum (``parent``; none at the chunk's root), whom the 
 from (``source``; none at the root) and whom it forwards the result to (``forward``).
 
 - **tree**: one route for every chunk (the directive's parent and children); chunks of
-  :func:`~mlfabric.daemon.allreduce_chunks.split_chunks`.
+  :func:`~mlfabric.daemon.roles.allreduce.chunks.split_chunks`.
 - **ring** of ``N`` participants ``ring[0..N-1]``, this one at position ``i``: the payload is
-  cut into ``N`` segments, each into chunks (:func:`~mlfabric.daemon.allreduce_chunks.
+  cut into ``N`` segments, each into chunks (:func:`~mlfabric.daemon.roles.allreduce.chunks.
   split_segments`). Segment ``k`` is a chain along the ring: it starts at ``ring[k]`` (a leaf:
   its own contribution), is summed at each next participant, and is complete at its root
   ``ring[k-1]`` after ``N-1`` hops (reduce-scatter); the root sends it on, and every
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlfabric.daemon.allreduce_chunks import Chunk, split_chunks, split_segments
-from mlfabric.tensors import Layout
+from mlfabric.daemon.roles.allreduce.chunks import Chunk, split_chunks, split_segments
+from mlfabric.wire.tensors import Layout
 
 __all__ = ["Route", "Routing", "routing"]
 

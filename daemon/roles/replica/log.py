@@ -40,13 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from mlfabric.daemon.dataplane import FileSpan, FrameHeader
-from mlfabric.daemon.roles import ServerHandoff, Verdict
+from mlfabric.daemon.channels.frames import FileSpan, FrameHeader
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 __all__ = ["LogEntry", "ReplicationLog", "ReplicationLogs", "apply_replicated", "copy_payload"]
 
-_LOG = logging.getLogger("mlfabric.daemon.replication")
+_LOG = logging.getLogger("mlfabric.daemon.roles.replica.log")
 _APPLIED = control_pb2.OUTCOME_APPLIED
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _ACK = dataplane_pb2.FRAME_KIND_ACK

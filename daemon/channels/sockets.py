@@ -1,7 +1,7 @@
 """Socket helpers of the data plane: ``"ip:port"`` addresses, socket options, a lingering close;
 and the accept loop and connection limit that the data-plane listener and the local API share.
 
-Split out of :mod:`mlfabric.daemon.transport` (which re-exports :func:`parse_address` and
+Split out of :mod:`mlfabric.daemon.channels.peers` (which re-exports :func:`parse_address` and
 :func:`format_address`); its listener and peer pool use them on every connection.
 """
 

@@ -17,7 +17,7 @@ the scheduler cannot send it a second time. The server's daemon de-duplicates by
 ``update_id`` in any case.
 
 :class:`Fallback` does no I/O itself: the daemon passes in how to announce a push and how to
-send it; :meth:`Fallback.tick` is called periodically (:class:`~mlfabric.daemon.budget.Ticker`).
+send it; :meth:`Fallback.tick` is called periodically (:class:`~mlfabric.daemon.channels.budget.Ticker`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mlfabric.daemon.roles import Directory, OutgoingPushes, PendingPush, Verdict
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
 from mlfabric.proto.v1 import control_pb2
 
 __all__ = ["DEFAULT_FALLBACK_AFTER", "Fallback", "direct_send", "update_ready"]
 
-_LOG = logging.getLogger("mlfabric.daemon.fallback")
+_LOG = logging.getLogger("mlfabric.daemon.roles.worker.fallback")
 
 #: Seconds without a scheduler before a daemon sends directly (``--fallback-after``).
 DEFAULT_FALLBACK_AFTER = 2.0
@@ -67,7 +69,7 @@ def direct_send(directory: Directory, push: PendingPush) -> Any:
 
     Examples
     --------
-    >>> from mlfabric.daemon.roles import ServerLocation
+    >>> from mlfabric.daemon.roles.directory import ServerLocation
     >>> d = Directory()
     >>> d.add("j", ServerLocation("ps0", "h9", "10.0.0.9:7000", {}, 0))
     >>> p = PendingPush("h1/x/1", "j", "ps0", "w0", -1, [], 8, 1.0, 0, 0.0, 1, 0)
@@ -110,7 +112,7 @@ class Fallback:
 
     Examples
     --------
-    >>> from mlfabric.daemon.roles import ServerLocation
+    >>> from mlfabric.daemon.roles.directory import ServerLocation
     >>> book, d, now = OutgoingPushes("h1", "x"), Directory(), [0.0]
     >>> d.add("j", ServerLocation("ps0", "h9", "10.0.0.9:7000", {}, 0))
     >>> sent, told = [], []

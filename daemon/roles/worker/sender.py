@@ -6,29 +6,28 @@ reached or vanishes mid-transfer is retried a bounded number of times with expon
 backoff — safe, because the receiving daemon de-duplicates by ``update_id`` — and then the
 push resolves DROPPED naming the peer and the error. Either way the push is resolved (never
 silently lost) and the transfer is reported to the scheduler with its bytes, start, end,
-measured throughput and outcome. :class:`TransferReportLog` also appends each report to a
-JSON-lines file (``mlfabric daemon --report-file``) for experiments to collect.
+measured throughput and outcome.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
 
-from mlfabric.daemon.dataplane import FileSpan, FrameHeader
-from mlfabric.daemon.fallback import update_ready
-from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.roles import OutgoingPushes, PendingPush, Verdict
-from mlfabric.daemon.serving import MemfdBuffer
-from mlfabric.daemon.transport import Connection, PeerPool, PeerUnavailable, Reply
+from mlfabric.daemon.channels.frames import FileSpan, FrameHeader
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.channels.peers import Connection, PeerPool, PeerUnavailable, Reply, wire_timing
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.serving import MemfdBuffer
+from mlfabric.daemon.roles.worker.fallback import update_ready
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.tensors import layouts_to_pb
+from mlfabric.wire.tensors import layouts_to_pb
 
-__all__ = ["REPORT_FIELDS", "PushSender", "TransferReportLog", "report_record", "wire_timing"]
+__all__ = ["PushSender"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
@@ -36,139 +35,6 @@ _ACK = dataplane_pb2.FRAME_KIND_ACK
 _GET = dataplane_pb2.FRAME_KIND_GET
 _MODEL = dataplane_pb2.FRAME_KIND_MODEL
 _DROPPED = control_pb2.OUTCOME_DROPPED
-
-#: Keys of one line of a report file, in order (the ``TransferReport`` fields).
-REPORT_FIELDS = (
-    "update_id",
-    "src_host",
-    "dst_host",
-    "bytes",
-    "start",
-    "end",
-    "throughput",
-    "ok",
-    "error",
-    "outcome",
-    "delay",
-    "server_version",
-    "reason",
-)
-
-
-def report_record(report: Any) -> dict[str, Any]:
-    """One ``TransferReport`` as a JSON-able dict with the keys :data:`REPORT_FIELDS`.
-
-    Parameters
-    ----------
-    report : control_pb2.TransferReport
-        A report as the daemon sends it to the scheduler (MLfabric §4: daemons report each
-        transfer's bytes, times and measured throughput).
-
-    Returns
-    -------
-    dict
-        ``outcome`` is the enum's short name (``"APPLIED"``, ``"DROPPED"`` or
-        ``"UNSPECIFIED"``); every other value is the field's value.
-
-    Examples
-    --------
-    >>> r = control_pb2.TransferReport(update_id="w0/1", bytes=8, ok=True,
-    ...                                outcome=control_pb2.OUTCOME_APPLIED)
-    >>> rec = report_record(r)
-    >>> rec["update_id"], rec["bytes"], rec["ok"], rec["outcome"]
-    ('w0/1', 8, True, 'APPLIED')
-    """
-    record: dict[str, Any] = {name: getattr(report, name) for name in REPORT_FIELDS}
-    record["outcome"] = control_pb2.Outcome.Name(report.outcome).removeprefix("OUTCOME_")
-    return record
-
-
-class TransferReportLog:
-    """Appends every transfer report to a file, one JSON object per line, flushed per line.
-
-    Parameters
-    ----------
-    path : str
-        The file (appended to; created by :meth:`start`).
-    opener : callable
-        ``opener(path) -> text file`` (tests may pass their own).
-
-    Notes
-    -----
-    The constructor does no I/O: :meth:`start` opens the file, :meth:`stop` closes it. Lines
-    are written under a lock, so transfers finishing at once do not interleave.
-
-    Examples
-    --------
-    >>> import io
-    >>> buf = io.StringIO()
-    >>> log = TransferReportLog("unused", opener=lambda path: buf)
-    >>> log.start()
-    >>> log.write(control_pb2.TransferReport(update_id="w0/1", src_host="w0", dst_host="ps"))
-    >>> json.loads(buf.getvalue())["dst_host"]
-    'ps'
-    """
-
-    def __init__(self, path: str, opener: Callable[[str], IO[str]] | None = None) -> None:
-        self.path = path
-        self._opener = opener or (lambda p: open(p, "a", encoding="utf-8"))  # noqa: SIM115
-        self._lock = threading.Lock()
-        self._file: IO[str] | None = None
-
-    def start(self) -> None:
-        """Open the file for appending.
-
-        Raises
-        ------
-        OSError
-            The file cannot be opened.
-        """
-        with self._lock:
-            if self._file is None:
-                self._file = self._opener(self.path)
-
-    def write(self, report: Any) -> None:
-        """Append ``report`` (a ``TransferReport``) as one JSON line and flush it.
-
-        Raises
-        ------
-        RuntimeError
-            Before :meth:`start` or after :meth:`stop`.
-        """
-        line = json.dumps(report_record(report), separators=(",", ":")) + "\n"
-        with self._lock:
-            if self._file is None:
-                raise RuntimeError(f"transfer report log {self.path} is not open")
-            self._file.write(line)
-            self._file.flush()
-
-    def stop(self) -> None:
-        """Close the file; idempotent."""
-        with self._lock:
-            file, self._file = self._file, None
-        if file is not None:
-            file.close()
-
-
-def wire_timing(
-    nbytes: int, start: float, send_seconds: float, receive_seconds: float
-) -> tuple[float, float, float]:
-    """Start, end and throughput of a transfer as the wire saw it.
-
-    The sender's clock stops when the kernel took the last byte, which socket buffers can
-    make far shorter than the transfer (a 1 MB update on a 50 Mbit/s link "sent" at
-    6.7 Gbit/s); the receiver times its first to last byte and returns that in the ACK.
-    The longer of the two is the transfer's duration, so bandwidth estimates follow the
-    link, not the local socket.
-
-    Examples
-    --------
-    >>> wire_timing(1_000_000, 100.0, 0.001, 0.16)
-    (100.0, 100.16, 6250000.0)
-    """
-    seconds = max(send_seconds, receive_seconds)
-    throughput = nbytes / seconds if seconds > 0 and nbytes > 0 else 0.0
-    return start, start + seconds, throughput
 
 
 class PushSender:

@@ -43,13 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon import aggregate_tree
-from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
-from mlfabric.daemon.listener import Response
-from mlfabric.daemon.transfers import wire_timing
-from mlfabric.daemon.transport import PeerUnavailable, Reply
+from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
+from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.peers import PeerUnavailable, Reply, wire_timing
+from mlfabric.daemon.roles.aggregator import tree as aggregate_tree
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
-from mlfabric.tensors import layouts_from_pb
+from mlfabric.wire.tensors import layouts_from_pb
 
 __all__ = ["AggregatorRole"]
 

@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any
 
-from mlfabric.daemon.dataplane import (
+from mlfabric.daemon.channels.frames import (
     Frame,
     FrameError,
     FrameHeader,
@@ -26,14 +26,16 @@ from mlfabric.daemon.dataplane import (
     error_header,
     non_finite_reason,
 )
-from mlfabric.daemon.listener import Response
-from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.replication import ReplicationLogs, apply_replicated
-from mlfabric.daemon.roles import ModelSnapshot, ServerHandoff, Verdict, check_update, spec_from_pb
-from mlfabric.daemon.server_aggregates import ServerAggregation
+from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.directory import spec_from_pb
+from mlfabric.daemon.roles.replica.log import ReplicationLogs, apply_replicated
+from mlfabric.daemon.roles.server.handoff import ModelSnapshot, ServerHandoff
+from mlfabric.daemon.roles.server.rounds import ServerAggregation
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.tensors import layouts_from_pb, layouts_to_pb
 from mlfabric.wire.memfd import PooledBuffer
+from mlfabric.wire.tensors import check_update, layouts_from_pb, layouts_to_pb
 
 __all__ = ["MemfdBuffer", "ServerRoles"]
 

@@ -1,11 +1,11 @@
 """A host daemon's side of its scheduler session: registrations, directives, re-registration.
 
-:class:`SchedulerSession` is the part of :class:`~mlfabric.daemon.daemon.Daemon` that talks to
+:class:`SchedulerSession` is the part of :class:`~mlfabric.daemon.host.Daemon` that talks to
 the scheduler over the control stream (DESIGN §3): it sends ``RegisterRole`` and hands each
 ``RoleAck`` to its waiter, dispatches the scheduler's directives (send, drop, resolve,
 aggregate, job update) to the push sender, the aggregator role and the directory, and when the
 stream breaks hands the pushes waiting for a directive to the fallback
-(:mod:`mlfabric.daemon.fallback`) and, once it is back, re-registers the roles of this host's
+(:mod:`mlfabric.daemon.roles.worker.fallback`) and, once it is back, re-registers the roles of this host's
 processes.
 """
 
@@ -17,16 +17,18 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mlfabric.daemon.aggregating import AggregatorRole
-from mlfabric.daemon.allreduce import AllreduceRole
-from mlfabric.daemon.control import ControlStream
-from mlfabric.daemon.fallback import Fallback
-from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.replica_role import promote, reregister_replicas, send_resync
-from mlfabric.daemon.replication import ReplicationLogs
-from mlfabric.daemon.roles import Directory, OutgoingPushes, Verdict
-from mlfabric.daemon.serving import ServerRoles
-from mlfabric.daemon.transfers import PushSender
+from mlfabric.daemon.channels.control import ControlStream
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.roles.aggregator.role import AggregatorRole
+from mlfabric.daemon.roles.allreduce.role import AllreduceRole
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.replica.log import ReplicationLogs
+from mlfabric.daemon.roles.replica.role import promote, reregister_replicas, send_resync
+from mlfabric.daemon.roles.server.serving import ServerRoles
+from mlfabric.daemon.roles.worker.fallback import Fallback
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes
+from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2
 
 __all__ = ["SchedulerSession"]
@@ -35,7 +37,7 @@ _LOG = logging.getLogger("mlfabric.daemon")
 
 
 class SchedulerSession:
-    """The control-stream handlers of a daemon (a base of :class:`~mlfabric.daemon.daemon.Daemon`).
+    """The control-stream handlers of a daemon (a base of :class:`~mlfabric.daemon.host.Daemon`).
 
     The daemon builds the parts named below in its constructor; this class holds no state of
     its own.

@@ -5,7 +5,7 @@ another aggregate at another daemon instead of going to the server
 (``AggregateDirective.dst_aggregate_id``). Its UPDATE frame names, in ``members``, every worker
 update it carries (nested aggregates flattened), so the parent's sum carries the union of its
 members' worker updates and the server resolves each of them. The rules kept here, used by
-:class:`~mlfabric.daemon.aggregating.AggregatorRole`:
+:class:`~mlfabric.daemon.roles.aggregator.role.AggregatorRole`:
 
 * a member frame carries the worker updates in its ``members`` (an aggregate), or itself (a
   plain update) (:func:`carried`);

@@ -14,7 +14,7 @@ On the server's host the daemon hands each arriving update (its memfd) to the se
 and answers the sender with the process's verdict; ``get`` is answered from the model the
 server process last published. With a :class:`TransferReportLog` every transfer report
 also goes to a JSON-lines file (``--report-file``). If the scheduler stream breaks, pushes
-still waiting for a directive keep their place (:mod:`mlfabric.daemon.fallback`: announced
+still waiting for a directive keep their place (:mod:`mlfabric.daemon.roles.worker.fallback`: announced
 again when it is back, sent directly to their servers if it stays away longer than
 ``fallback_after``), and the daemon reconnects and re-registers.
 """
@@ -30,42 +30,36 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mlfabric import __version__
-from mlfabric.daemon.aggregating import AggregatorRole
-from mlfabric.daemon.allreduce import AllreduceRole
-from mlfabric.daemon.budget import BudgetExceeded, ByteBudget, Ticker
-from mlfabric.daemon.config import DaemonConfig
-from mlfabric.daemon.control import ControlStream, control_channel, local_error_code
-from mlfabric.daemon.dataplane import (
+from mlfabric.daemon.channels.budget import BudgetExceeded, ByteBudget, Ticker
+from mlfabric.daemon.channels.control import ControlStream, control_channel, local_error_code
+from mlfabric.daemon.channels.frames import (
     Frame,
     FrameError,
     FrameHeader,
     FrameLimits,
     check_header,
 )
-from mlfabric.daemon.fallback import Fallback, update_ready
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.localapi import LocalApiServer, LocalConnection
-from mlfabric.daemon.ratelimit import TokenBucket
-from mlfabric.daemon.replica_role import receive_resync, register_replica, reroute
-from mlfabric.daemon.replication import ReplicationLogs
-from mlfabric.daemon.roles import (
-    Directory,
-    OutgoingPushes,
-    PendingPush,
-    ServerLocation,
-    Verdict,
-    check_update,
-    new_incarnation,
-    spec_from_pb,
-)
-from mlfabric.daemon.serving import ServerRoles
-from mlfabric.daemon.session import SchedulerSession
-from mlfabric.daemon.transfers import PushSender, TransferReportLog
-from mlfabric.daemon.transport import PeerPool
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.localapi import LocalApiServer, LocalConnection
+from mlfabric.daemon.channels.peers import PeerPool
+from mlfabric.daemon.channels.ratelimit import TokenBucket
+from mlfabric.daemon.config import DaemonConfig
+from mlfabric.daemon.registration import SchedulerSession
+from mlfabric.daemon.reports import TransferReportLog
+from mlfabric.daemon.roles.aggregator.role import AggregatorRole
+from mlfabric.daemon.roles.allreduce.role import AllreduceRole
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.directory import Directory, ServerLocation, spec_from_pb
+from mlfabric.daemon.roles.replica.log import ReplicationLogs
+from mlfabric.daemon.roles.replica.role import receive_resync, register_replica, reroute
+from mlfabric.daemon.roles.server.serving import ServerRoles
+from mlfabric.daemon.roles.worker.fallback import Fallback, update_ready
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, new_incarnation
+from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.tensors import layouts_from_pb
 from mlfabric.wire.memfd import MemfdPool
+from mlfabric.wire.tensors import check_update, layouts_from_pb
+from mlfabric.wire.version import __version__
 
 __all__ = ["Daemon"]
 
@@ -78,7 +72,7 @@ class Daemon(SchedulerSession):
     """One host's daemon. Construct, :meth:`start`, and :meth:`stop` (no I/O before ``start``).
 
     Its side of the scheduler session (registrations, directives, re-registration) is
-    :class:`~mlfabric.daemon.session.SchedulerSession`.
+    :class:`~mlfabric.daemon.registration.SchedulerSession`.
 
     Parameters
     ----------

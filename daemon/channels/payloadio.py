@@ -1,6 +1,6 @@
 """Payload I/O helpers of the data plane: memfd spans, mapping, sendfile, and a pipelined CRC-32.
 
-Split out of :mod:`mlfabric.daemon.dataplane` (which re-exports :class:`FileSpan`,
+Split out of :mod:`mlfabric.daemon.channels.frames` (which re-exports :class:`FileSpan`,
 :func:`payload_length` and :func:`payload_crc32`); see there for the frame format.
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from mlfabric.proto.v1 import dataplane_pb2
-from mlfabric.tensors import FiniteScan
 from mlfabric.wire.crc import crc32
+from mlfabric.wire.tensors import FiniteScan
 
 __all__ = [
     "FUSED_PIECE_BYTES",

@@ -6,7 +6,7 @@ spec and that the server has no replica yet), fetches the server's model from th
 daemon with a GET naming the replica — the server's daemon starts its replication log at the
 version it answers — and hands the model to the process in the ``RegisterReply`` (memfd).
 From then on the replica is a server role of this host flagged as a replica
-(:class:`~mlfabric.daemon.serving.ServerRoles`): it applies replicated entries only, and
+(:class:`~mlfabric.daemon.roles.server.serving.ServerRoles`): it applies replicated entries only, and
 ``get`` on this host is not answered from it. A ``PromoteDirective`` makes it the server:
 the flag goes, the process learns it (``Promoted``) and keeps serving with the same loop.
 
@@ -28,17 +28,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlfabric.daemon.control import local_error_code
-from mlfabric.daemon.dataplane import Frame, FrameHeader, error_header
-from mlfabric.daemon.fallback import update_ready
-from mlfabric.daemon.listener import Response
-from mlfabric.daemon.replication import ReplicationLog, copy_payload, seed_memory
-from mlfabric.daemon.roles import ModelSnapshot, PendingPush, ServerLocation, Verdict
-from mlfabric.daemon.serving import MemfdBuffer
-from mlfabric.daemon.transport import PeerUnavailable
+from mlfabric.daemon.channels.control import local_error_code
+from mlfabric.daemon.channels.frames import Frame, FrameHeader, error_header
+from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.peers import PeerUnavailable
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.directory import ServerLocation
+from mlfabric.daemon.roles.replica.log import ReplicationLog, copy_payload, seed_memory
+from mlfabric.daemon.roles.server.handoff import ModelSnapshot
+from mlfabric.daemon.roles.server.serving import MemfdBuffer
+from mlfabric.daemon.roles.worker.fallback import update_ready
+from mlfabric.daemon.roles.worker.pushes import PendingPush
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.tensors import layouts_to_pb
 from mlfabric.wire.memfd import PooledBuffer
+from mlfabric.wire.tensors import layouts_to_pb
 
 __all__ = [
     "FAILOVER_WAIT",

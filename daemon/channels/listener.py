@@ -5,7 +5,7 @@ frames into buffers from its ``alloc`` and answers each with the :class:`Respons
 :data:`Handler` gives: UPDATE -> ACK, GET -> MODEL (either may be answered with ERROR). A frame
 that breaks a rule is logged, answered with ERROR when the stream is still in step, and its
 connection closed; every other connection carries on. The other end, the pool of connections to
-peers, is :mod:`mlfabric.daemon.transport`.
+peers, is :mod:`mlfabric.daemon.channels.peers`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from mlfabric.daemon.dataplane import (
+from mlfabric.daemon.channels.frames import (
     Alloc,
     Frame,
     FrameError,
@@ -30,8 +30,8 @@ from mlfabric.daemon.dataplane import (
     recv_frame,
     send_frame,
 )
-from mlfabric.daemon.ratelimit import TokenBucket
-from mlfabric.daemon.sockets import (
+from mlfabric.daemon.channels.ratelimit import TokenBucket
+from mlfabric.daemon.channels.sockets import (
     accept_until_stopped,
     admit,
     format_address,
@@ -44,7 +44,7 @@ from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
 __all__ = ["DataPlaneListener", "Handler", "Response"]
 
 #: the logger's name from before the listener had its own module (log filters keep working)
-_LOG = logging.getLogger("mlfabric.daemon.transport")
+_LOG = logging.getLogger("mlfabric.daemon.channels.peers")
 
 
 @dataclass

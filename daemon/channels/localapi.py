@@ -31,14 +31,14 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from mlfabric.daemon.sockets import accept_until_stopped, admit
+from mlfabric.daemon.channels.sockets import accept_until_stopped, admit
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, ReadTimeout, send_message
 from mlfabric.wire.peercred import LocalAccess, peer_credentials
 
 __all__ = ["LocalApiServer", "LocalConnection"]
 
-_LOG = logging.getLogger("mlfabric.daemon.localapi")
+_LOG = logging.getLogger("mlfabric.daemon.channels.localapi")
 
 _PAYLOAD_KINDS = ("push", "publish", "allreduce")
 
