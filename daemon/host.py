@@ -142,6 +142,8 @@ class Daemon(SchedulerSession):
             io_timeout=config.io_timeout,
             max_idle_seconds=None if config.idle_timeout is None else config.idle_timeout / 2,
             auth=config.data_auth,
+            send_attempts=config.send_attempts,
+            retry_backoff=config.retry_backoff,
         )
         self._local = LocalApiServer(
             config.socket_path,
@@ -180,12 +182,10 @@ class Daemon(SchedulerSession):
             self._pool,
             self.outgoing,
             self._send_report,
-            config.send_attempts,
-            config.retry_backoff,
         )
         self.sender.on_finish = lambda push: self.push_budget.release(push.payload_bytes)
         #: replication logs of this host's servers that have a replica (docs/replication.md)
-        self.replication = ReplicationLogs(config.host, self.sender.request, self._control.send)
+        self.replication = ReplicationLogs(config.host, self._pool.request, self._control.send)
         self.serving.replication = self.replication
         self.sender.reroute = lambda push, host, first: reroute(self, push, host, first)
         self.fallback = Fallback(
@@ -198,7 +198,7 @@ class Daemon(SchedulerSession):
             clock,
         )
         #: all-reduces of this host's processes (docs/allreduce.md)
-        self.allreduce = AllreduceRole(config.host, self._control.send, self.sender.request, clock)
+        self.allreduce = AllreduceRole(config.host, self._control.send, self._pool.request, clock)
         self._ticker = Ticker(0.1, [self.fallback.tick, self.receive_buffers.trim, self.allreduce.tick])
         self.aggregator = AggregatorRole(
             config.host,
@@ -206,10 +206,8 @@ class Daemon(SchedulerSession):
             lambda ready: self._control.send(control_pb2.DaemonMessage(update_ready=ready)),
             lambda failed: self._control.send(control_pb2.DaemonMessage(aggregate_failed=failed)),
             self._send_report,
-            self.sender.request,
+            self._pool.deliver,
             clock=clock,
-            send_attempts=config.send_attempts,
-            retry_backoff=config.retry_backoff,
             enabled=config.aggregator,
         )
         self.serving.aggregation.alloc = self.receive_buffers.allocate
@@ -255,7 +253,7 @@ class Daemon(SchedulerSession):
         self._listener.stop()
         self.aggregator.stop()
         self.allreduce.stop()
-        self.sender.stop()
+        self._pool.stop(f"daemon of host {self.host!r} is stopping")  # cut the transfers in flight
         self._tasks.shutdown(wait=True, cancel_futures=True)
         for push in self.outgoing.take_all():
             self.sender.finish(push, Verdict.dropped(f"daemon of host {self.host!r} shut down"))

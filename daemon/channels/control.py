@@ -31,7 +31,7 @@ from mlfabric.wire.tls import TlsFiles, grpc_channel
 
 __all__ = ["ControlStream", "control_channel", "local_error_code"]
 
-_LOG = logging.getLogger("mlfabric.daemon.channels.control")
+_LOG = logging.getLogger("mlfabric.daemon.control")
 
 
 def local_error_code(code: int) -> str:

@@ -79,6 +79,7 @@ __all__ = [
     "payload_crc32",
     "payload_length",
     "recv_frame",
+    "release_payload",
     "send_frame",
     "update_frames",
 ]
@@ -195,6 +196,29 @@ class Frame:
     stats: TransferStats
     finite_checked: bool = False
     non_finite: str | None = None
+
+    def release(self) -> None:
+        """Done with the payload: drop the view and give its buffer back (a pooled memfd goes back
+        for the next frame; a ``bytearray`` is left to the collector). Idempotent."""
+        release_payload(self.payload, self.buffer)
+
+
+def release_payload(payload: memoryview, buffer: Any) -> None:
+    """Release ``payload`` (a view) and ``buffer`` (what ``alloc`` gave, if it has ``release``).
+
+    Examples
+    --------
+    >>> buf = bytearray(4)
+    >>> view = memoryview(buf)
+    >>> release_payload(view, buf)
+    >>> len(view)
+    Traceback (most recent call last):
+    ValueError: operation forbidden on released memoryview object
+    """
+    payload.release()
+    release = getattr(buffer, "release", None)
+    if release is not None:
+        release()
 
 
 class FrameError(Exception):

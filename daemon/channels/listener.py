@@ -44,7 +44,7 @@ from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
 __all__ = ["DataPlaneListener", "Handler", "Response"]
 
 #: the logger's name from before the listener had its own module (log filters keep working)
-_LOG = logging.getLogger("mlfabric.daemon.channels.peers")
+_LOG = logging.getLogger("mlfabric.daemon.transport")
 
 
 @dataclass
@@ -282,10 +282,7 @@ class DataPlaneListener:
         with self._lock:
             self.auth_refused += 1
         self._log.warning("data plane: refused a frame from %s: %s; closing", peer, reason)
-        frame.payload.release()
-        release = getattr(frame.buffer, "release", None)
-        if release is not None:
-            release()
+        frame.release()
         self._reply_error(sock, peer, reason, frame.header.update_id)
         lingering_close(sock)
         return True

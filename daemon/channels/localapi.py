@@ -38,7 +38,7 @@ from mlfabric.wire.peercred import LocalAccess, peer_credentials
 
 __all__ = ["LocalApiServer", "LocalConnection"]
 
-_LOG = logging.getLogger("mlfabric.daemon.channels.localapi")
+_LOG = logging.getLogger("mlfabric.daemon.localapi")
 
 _PAYLOAD_KINDS = ("push", "publish", "allreduce")
 

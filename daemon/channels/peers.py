@@ -1,21 +1,22 @@
-"""Data-plane transport: the pool of connections to peer daemons.
+"""The daemon's peers: connections to peer daemons, and the one way a frame goes out to them.
 
 The listener those connections reach is :mod:`mlfabric.daemon.channels.listener`.
-
-NOTE (after the API was published, 05:45 UTC; signatures unchanged): ``is_stale`` no longer blocks
-(so ``PeerPool.request`` reuse is safe); a raising handler gets ERROR sent back and its connection
-kept; ``PeerPool.request`` closes a connection whose reply was ERROR.
 
 A small "Van"-style interface (connect, send, receive) over blocking TCP sockets and threads, so a
 daemon can move an update to its next hop (a peer daemon: the server's, or an aggregator's,
 MLfabric §4) with one call::
 
     reply = pool.request("127.0.0.1:7001", header, FileSpan(fd, 0, n), crc32=crc)
+    delivery = pool.deliver("127.0.0.1:7001", header, FileSpan(fd, 0, n), crc32=crc)
 
-Request/reply pairs: UPDATE -> ACK, GET -> MODEL (either may be answered with ERROR).
-:class:`PeerPool` never resends a frame by itself (a resend could apply an update twice):
-:class:`PeerUnavailable` says whether the request may have arrived, and the daemon retries or
-resolves the push DROPPED.
+Request/reply pairs: UPDATE -> ACK, GET -> MODEL (either may be answered with ERROR; a
+connection whose reply was ERROR is closed, not pooled). :meth:`PeerPool.request` is one
+attempt; :meth:`PeerPool.deliver` is the daemon's one retry loop and owns the exactly-once rule
+of sending (DESIGN §10): a peer that certainly got nothing is retried with backoff, a frame that
+may have arrived (:class:`PeerUnavailable` with ``sent``) is never sent again and its outcome is
+UNKNOWN. Both are cut by :meth:`PeerPool.stop`. The workers' pushes and the aggregator's
+forwards deliver through it; the all-reduce chunks, replication entries and model fetches
+request through it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.daemon.channels.frames import (
@@ -37,6 +38,7 @@ from mlfabric.daemon.channels.frames import (
     Payload,
     TransferStats,
     recv_frame,
+    release_payload,
     send_frame,
 )
 from mlfabric.daemon.channels.ratelimit import TokenBucket
@@ -46,6 +48,7 @@ from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
 
 __all__ = [
     "Connection",
+    "Delivery",
     "PeerPool",
     "PeerUnavailable",
     "Reply",
@@ -54,7 +57,7 @@ __all__ = [
     "wire_timing",
 ]
 
-_LOG = logging.getLogger("mlfabric.daemon.channels.peers")
+_LOG = logging.getLogger("mlfabric.daemon.transport")
 
 
 def wire_timing(
@@ -127,6 +130,14 @@ class Reply:
     buffer: Any
     sent: TransferStats
     received: TransferStats
+
+    def release(self) -> None:
+        """Done with the reply's payload: drop the view and give its buffer back. Idempotent."""
+        release_payload(self.payload, self.buffer)
+
+    def timing(self) -> tuple[float, float, float]:
+        """Start, end and throughput of the request's transfer (:func:`wire_timing`)."""
+        return wire_timing(self.sent.bytes, self.sent.start, self.sent.seconds, self.header.receive_seconds)
 
 
 class Connection:
@@ -250,8 +261,64 @@ class Connection:
             self._sock.close()
 
 
+@dataclass
+class Delivery:
+    """What :meth:`PeerPool.deliver` got from a peer: its reply, or why there is none.
+
+    Parameters
+    ----------
+    address : str
+        The peer's ``"ip:port"``.
+    attempts : int
+        The attempts allowed (named in :meth:`failed_reason`).
+    reply : Reply or None
+        The peer's reply (ACK, MODEL or ERROR), or None when no attempt got one.
+    errors : list of str
+        Why each failed attempt failed, in order.
+    maybe_sent : bool
+        The last attempt may have reached the peer whole before it went away: it may have been
+        applied there, so it was not sent again and its outcome is UNKNOWN (DESIGN §10).
+
+    Examples
+    --------
+    >>> d = Delivery("10.0.0.9:7000", 3, None, ["receive failed: reset"], maybe_sent=True)
+    >>> d.unknown_reason("h/1", "ps")
+    "h/1 may have reached host 'ps' (10.0.0.9:7000), which gave no verdict: receive failed: reset"
+    >>> Delivery("10.0.0.9:7000", 3, None, ["connect: refused"]).failed_reason("transfer of h/1", "ps")
+    "transfer of h/1 to host 'ps' (10.0.0.9:7000) failed after 3 attempts: connect: refused"
+    """
+
+    address: str
+    attempts: int
+    reply: Reply | None = None
+    errors: list[str] = field(default_factory=list)
+    maybe_sent: bool = False
+
+    @property
+    def last_error(self) -> str:
+        """Why the last attempt failed (``"no attempt"`` when none was made)."""
+        return self.errors[-1] if self.errors else "no attempt"
+
+    def unknown_reason(self, what: str, host: str) -> str:
+        """The UNKNOWN reason of ``what`` when :attr:`maybe_sent`: it may be applied at ``host``."""
+        where = f"host {host!r} ({self.address})"
+        return f"{what} may have reached {where}, which gave no verdict: {self.last_error}"
+
+    def failed_reason(self, what: str, host: str) -> str:
+        """Why ``what`` did not reach ``host`` when no attempt got a reply (certainly not applied)."""
+        return (
+            f"{what} to host {host!r} ({self.address}) failed after {self.attempts} attempts: "
+            f"{self.last_error}"
+        )
+
+
 class PeerPool:
-    """Connections to peer daemons by ``"ip:port"``, reused between requests.
+    """Connections to peer daemons by ``"ip:port"``, reused between requests; the one way out.
+
+    :meth:`request` sends one frame and returns the reply; :meth:`deliver` retries a peer that
+    got nothing with exponential backoff and never resends a frame that may have arrived (the
+    maybe-sent rule, DESIGN §10). :meth:`stop` cuts the requests in flight (they fail at once,
+    not at their I/O timeout) and refuses new ones.
 
     Parameters
     ----------
@@ -270,14 +337,19 @@ class PeerPool:
         peers' ``idle_timeout``, so a request never goes out on a connection the peer is closing).
     auth : DataPlaneAuth, optional
         Authenticate each new connection before its first frame (:mod:`mlfabric.wire.auth`).
+    send_attempts : int
+        Tries per :meth:`deliver`.
+    retry_backoff : float
+        Seconds before :meth:`deliver`'s first retry, doubling per retry.
 
     Examples
     --------
-    >>> pool = PeerPool(FrameLimits(), connect_timeout=1.0)
-    >>> pool.request("127.0.0.1:1", error_header("x"))  # doctest: +SKIP
-    Traceback (most recent call last):
-    PeerUnavailable: peer 127.0.0.1:1 unavailable: connect: ...
-    >>> pool.close()
+    >>> from mlfabric.daemon.channels.frames import error_header
+    >>> pool = PeerPool(FrameLimits(), connect_timeout=1.0, send_attempts=2, retry_backoff=0.0)
+    >>> d = pool.deliver("127.0.0.1:1", error_header("x"))   # nothing listens there
+    >>> d.reply is None, d.maybe_sent, len(d.errors)
+    (True, False, 2)
+    >>> pool.stop("daemon of host 'w0' is stopping"); pool.close()
     """
 
     def __init__(
@@ -291,6 +363,8 @@ class PeerPool:
         max_idle_per_peer: int = 4,
         max_idle_seconds: float | None = None,
         auth: DataPlaneAuth | None = None,
+        send_attempts: int = 3,
+        retry_backoff: float = 0.2,
     ) -> None:
         self._limits = limits
         self._auth = auth if auth is not None and auth.enabled else None
@@ -300,9 +374,14 @@ class PeerPool:
         self._connect_timeout = connect_timeout
         self._io_timeout = io_timeout
         self._max_idle = max_idle_per_peer
+        self.send_attempts = max(1, send_attempts)
+        self.retry_backoff = retry_backoff
         self._lock = threading.Lock()
         self._idle: dict[str, list[Connection]] = {}
+        self._active: set[Connection] = set()
         self._closed = False
+        self._stopping = threading.Event()
+        self._stop_reason = "stopping"
 
     def connect(self, address: str) -> Connection:
         """Open a new connection to ``address`` (not pooled; the caller closes it).
@@ -365,7 +444,7 @@ class PeerPool:
         crc32: int | None = None,
         alloc: Alloc = bytearray,
     ) -> Reply:
-        """Send one frame to the daemon at ``address`` and return its reply.
+        """Send one frame to the daemon at ``address`` and return its reply (one attempt).
 
         Parameters
         ----------
@@ -383,19 +462,84 @@ class PeerPool:
         ------
         PeerUnavailable
             The peer is unreachable or vanished mid-transfer (``sent`` tells whether the request
-            may have arrived). No automatic resend.
+            may have arrived), or the pool is stopping. No automatic resend.
         """
+        if self._stopping.is_set():
+            raise PeerUnavailable(address, self._stop_reason)
         conn = self.acquire(address)
+        with self._lock:
+            self._active.add(conn)
         try:
             reply = conn.request(header, payload, crc32=crc32, alloc=alloc)
         except BaseException:
             conn.close()
             raise
+        finally:
+            with self._lock:
+                self._active.discard(conn)
         if reply.header.kind == dataplane_pb2.FRAME_KIND_ERROR:
             conn.close()  # the listener closes after rejecting a frame; do not race it
         else:
             self.release(conn)
         return reply
+
+    def deliver(
+        self,
+        address: str,
+        header: Any,
+        payload: Payload | None = None,
+        *,
+        crc32: int | None = None,
+        may_resend: bool = False,
+    ) -> Delivery:
+        """Send one frame until the peer answers, at most ``send_attempts`` times (DESIGN §10).
+
+        A peer that certainly got nothing (refused, unreachable, gone before the whole frame
+        went out) is tried again after a backoff (``retry_backoff``, doubling). A frame that
+        may have reached the peer whole (:class:`PeerUnavailable` with ``sent``) may have been
+        applied there, and a resend could reach a restarted daemon that cannot know: it is
+        never sent again and the delivery says :attr:`Delivery.maybe_sent` (its outcome is
+        UNKNOWN) — unless ``may_resend``: the peer answers a repeated frame without applying
+        it twice (an aggregator's member). :meth:`stop` ends the attempts ("daemon shutting
+        down").
+
+        Returns
+        -------
+        Delivery
+            The reply, or the errors and whether the frame may have arrived. Never raises for
+            the peer's sake.
+        """
+        delivery = Delivery(address, self.send_attempts)
+        for attempt in range(self.send_attempts):
+            if attempt and self._stopping.wait(self.retry_backoff * 2 ** (attempt - 1)):
+                delivery.errors.append("daemon shutting down")
+                break
+            try:
+                delivery.reply = self.request(address, header, payload, crc32=crc32)
+                return delivery
+            except PeerUnavailable as exc:
+                _LOG.warning(
+                    "%s to %s, attempt %d/%d: %s",
+                    header.update_id or "frame",
+                    address,
+                    attempt + 1,
+                    self.send_attempts,
+                    exc,
+                )
+                delivery.errors.append(str(exc))
+                if exc.sent and not may_resend:
+                    delivery.maybe_sent = True
+                    break
+        return delivery
+
+    def stop(self, reason: str = "stopping") -> None:
+        """Cut the requests in flight (they fail now) and refuse new ones with ``reason``."""
+        self._stop_reason = reason
+        self._stopping.set()
+        with self._lock:
+            active = list(self._active)
+        for conn in active:
+            conn.close()
 
     def close(self) -> None:
         """Close every idle connection; later requests fail."""

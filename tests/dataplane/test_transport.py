@@ -191,7 +191,7 @@ def test_bad_frames_are_rejected_and_listener_keeps_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     assert listener.address is not None
-    with caplog.at_level(logging.WARNING, logger="mlfabric.daemon.channels.peers"):
+    with caplog.at_level(logging.WARNING, logger="mlfabric.daemon.transport"):
         header = raw_exchange(listener.address, wire)
     if reason is None:
         assert header is None

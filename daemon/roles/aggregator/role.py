@@ -45,7 +45,7 @@ from typing import Any
 from mlfabric.aggregators.kernels import Accumulator
 from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
 from mlfabric.daemon.channels.listener import Response
-from mlfabric.daemon.channels.peers import PeerUnavailable, Reply, wire_timing
+from mlfabric.daemon.channels.peers import Delivery
 from mlfabric.daemon.roles.aggregator import tree as aggregate_tree
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.tensors import layouts_from_pb
@@ -124,18 +124,14 @@ class AggregatorRole:
         ``failed(AggregateFailed)`` sends it to the scheduler.
     report : callable
         ``report(TransferReport)`` sends it to the scheduler (and the report log).
-    request : callable
-        ``request(address, header, payload) -> Reply``: one frame to a peer daemon
-        (``PushSender.request``); raises ``PeerUnavailable``.
+    deliver : callable
+        ``deliver(address, header, payload) -> Delivery``: one frame to a peer daemon, retried
+        while the peer certainly got nothing (:meth:`~mlfabric.daemon.channels.peers.PeerPool.deliver`).
     clock : callable
         Monotonic seconds (timeouts).
     early_wait : float
         Seconds a member frame waits for its aggregate's directive (the directive and the
         source's send directive travel on different streams and may arrive in either order).
-    send_attempts : int
-        Tries per forward to the server before the aggregate fails.
-    retry_backoff : float
-        Seconds before the first retry, doubling per retry.
     enabled : bool
         False (``--no-aggregator``): every directive is answered with ``AggregateFailed``.
 
@@ -153,12 +149,10 @@ class AggregatorRole:
         announce: Callable[[Any], bool],
         failed: Callable[[Any], Any],
         report: Callable[[Any], Any],
-        request: Callable[[str, Any, Any], Reply] | None,
+        deliver: Callable[[str, Any, Any], Delivery] | None,
         *,
         clock: Callable[[], float] = time.monotonic,
         early_wait: float = 5.0,
-        send_attempts: int = 3,
-        retry_backoff: float = 0.2,
         remember: int = 10_000,
         enabled: bool = True,
     ) -> None:
@@ -167,11 +161,9 @@ class AggregatorRole:
         self._announce = announce
         self._failed = failed
         self._report = report
-        self._request = request
+        self._deliver = deliver
         self._clock = clock
         self._early_wait = early_wait
-        self._attempts = max(1, send_attempts)
-        self._backoff = retry_backoff
         self._remember = remember
         self.enabled = enabled
         self._lock = threading.Lock()
@@ -349,9 +341,7 @@ class AggregatorRole:
         try:
             return self._on_member(frame)
         finally:
-            frame.payload.release()
-            if frame.buffer is not None and hasattr(frame.buffer, "release"):
-                frame.buffer.release()
+            frame.release()
 
     def _error(self, reason: str, update_id: str) -> Response:
         return Response(error_header(reason, update_id=update_id, src_host=self.host))
@@ -521,66 +511,18 @@ class AggregatorRole:
             dst_host=send.next_hop_host,
             bytes=agg.payload_bytes,
         )
-        reply, errors, maybe_sent = None, [], False
         payload: Any = b""
         if agg.payload_bytes and getattr(agg.buffer, "fd", -1) >= 0:
             payload = FileSpan(agg.buffer.fd, 0, agg.payload_bytes)  # sendfile from the pooled memfd
         elif agg.payload_bytes:
             payload = memoryview(agg.buffer)[: agg.payload_bytes]
         try:
-            for attempt in range(self._attempts):
-                if attempt and self._stopping.wait(self._backoff * 2 ** (attempt - 1)):
-                    errors.append("daemon shutting down")
-                    break
-                try:
-                    assert self._request is not None
-                    reply = self._request(address, header, payload)
-                    break
-                except PeerUnavailable as exc:
-                    errors.append(str(exc))
-                    if exc.sent:  # the server's daemon may have applied it: never resend
-                        maybe_sent = True
-                        break
+            assert self._deliver is not None
+            delivery = self._deliver(address, header, payload)  # never resent once it may have arrived
         finally:
             if isinstance(payload, memoryview):
                 payload.release()
-        failure = ""
-        if parent and reply is None:
-            # not known to be summed: the scheduler removes it from the parent (a parent that
-            # summed it then fails whole) and plans its members afresh
-            how = "may have reached" if maybe_sent else "did not reach"
-            failure = (
-                f"aggregate {agg.aggregate_id} {how} aggregate {parent} at host {send.next_hop_host!r} "
-                f"({address}): {errors[-1] if errors else 'no attempt'}"
-            )
-            report.ok, report.error = False, failure
-        elif reply is not None:
-            report.start, report.end, report.throughput = wire_timing(
-                reply.sent.bytes, reply.sent.start, reply.sent.seconds, reply.header.receive_seconds
-            )
-            if parent:
-                failure = aggregate_tree.fill_parent_report(report, reply, header.members)
-            else:
-                aggregate_tree.fill_server_report(report, reply, header.members)
-        elif maybe_sent:
-            unknown = (
-                f"aggregate {agg.aggregate_id} may have reached host {send.next_hop_host!r} ({address}), "
-                f"which gave no verdict: {errors[-1]}"
-            )
-            report.ok, report.error = False, unknown
-            report.outcome, report.reason = control_pb2.OUTCOME_UNKNOWN, unknown
-            report.member_verdicts.extend(
-                control_pb2.MemberVerdict(
-                    update_id=m.update_id, outcome=control_pb2.OUTCOME_UNKNOWN, reason=unknown
-                )
-                for m in header.members
-            )
-        else:
-            failure = (
-                f"forwarding aggregate {agg.aggregate_id} to host {send.next_hop_host!r} ({address}) failed "
-                f"after {self._attempts} attempts: {errors[-1] if errors else 'no attempt'}"
-            )
-            report.ok, report.error = False, failure
+        failure = aggregate_tree.fill_forward_report(report, delivery, header.members, parent)
         with agg.lock:
             agg.state = "abandoned"
             self._release(agg)

@@ -19,7 +19,8 @@ members' worker updates and the server resolves each of them. The rules kept her
   a DROPPED ACK (refused before summing) drops every member; an ERROR (not summed) makes the
   forward fail (:func:`fill_parent_report`).
 
-:func:`fill_server_report` fills the report of a forward to the server (the root).
+:func:`fill_server_report` fills the report of a forward to the server (the root);
+:func:`fill_forward_report` fills the report of any forward from how its delivery went.
 
 Pure: no sockets, no threads.
 """
@@ -27,11 +28,14 @@ Pure: no sockets, no threads.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
-__all__ = ["carried", "fill_parent_report", "fill_server_report", "flatten", "overlap"]
+if TYPE_CHECKING:
+    from mlfabric.daemon.channels.peers import Delivery
+
+__all__ = ["carried", "fill_forward_report", "fill_parent_report", "fill_server_report", "flatten", "overlap"]
 
 _ACK = dataplane_pb2.FRAME_KIND_ACK
 _DROPPED = control_pb2.OUTCOME_DROPPED
@@ -174,3 +178,56 @@ def fill_server_report(report: Any, reply: Any, members: Iterable[Any]) -> None:
     report.member_verdicts.extend(
         control_pb2.MemberVerdict(update_id=m.update_id, outcome=_DROPPED, reason=reason) for m in members
     )
+
+
+def fill_forward_report(report: Any, delivery: Delivery, members: Iterable[Any], parent: str) -> str:
+    """Fill the report of an aggregate's forward from its delivery; why it failed ("": it did not).
+
+    Parameters
+    ----------
+    report : TransferReport
+        The report to fill (``update_id`` the aggregate, ``dst_host`` the next hop).
+    delivery : Delivery
+        How :meth:`~mlfabric.daemon.channels.peers.PeerPool.deliver` went.
+    members : iterable of AggregateMember
+        The worker updates the aggregate carries.
+    parent : str
+        The parent aggregate it went into (multi-level), or "" (the server).
+
+    Returns
+    -------
+    str
+        Empty when the forward is over for the scheduler (answered, or UNKNOWN: it may have
+        reached the server, its members are never re-planned); else the failure, reported with
+        ``ok`` false and no outcome, so that the members are planned afresh (``AggregateFailed``).
+    """
+    what, host, reply = f"aggregate {report.update_id}", report.dst_host, delivery.reply
+    if parent and reply is None:
+        # not known to be summed: the scheduler removes it from the parent (a parent that
+        # summed it then fails whole) and plans its members afresh
+        how = "may have reached" if delivery.maybe_sent else "did not reach"
+        failure = (
+            f"{what} {how} aggregate {parent} at host {host!r} ({delivery.address}): {delivery.last_error}"
+        )
+        report.ok, report.error = False, failure
+        return failure
+    if reply is not None:
+        report.start, report.end, report.throughput = reply.timing()
+        if parent:
+            return fill_parent_report(report, reply, members)
+        fill_server_report(report, reply, members)
+        return ""
+    if delivery.maybe_sent:  # the server's daemon may have applied it: UNKNOWN, each member too
+        unknown = delivery.unknown_reason(what, host)
+        report.ok, report.error = False, unknown
+        report.outcome, report.reason = control_pb2.OUTCOME_UNKNOWN, unknown
+        report.member_verdicts.extend(
+            control_pb2.MemberVerdict(
+                update_id=m.update_id, outcome=control_pb2.OUTCOME_UNKNOWN, reason=unknown
+            )
+            for m in members
+        )
+        return ""
+    failure = delivery.failed_reason(f"forwarding {what}", host)
+    report.ok, report.error = False, failure
+    return failure

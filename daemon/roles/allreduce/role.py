@@ -332,9 +332,7 @@ class AllreduceRole:
             return False
         finally:
             payload.release()
-        reply.payload.release()
-        if reply.buffer is not None and hasattr(reply.buffer, "release"):
-            reply.buffer.release()
+        reply.release()
         if reply.header.kind != _ACK:
             self.fail(
                 op.key,
@@ -356,9 +354,7 @@ class AllreduceRole:
         except AllreduceError as exc:
             return Response(error_header(str(exc), update_id=frame.header.update_id, src_host=self.host))
         finally:
-            frame.payload.release()
-            if frame.buffer is not None and hasattr(frame.buffer, "release"):
-                frame.buffer.release()
+            frame.release()
 
     def _wait_for(self, key: Key) -> Op:
         deadline = self._clock() + EARLY_WAIT

@@ -47,7 +47,7 @@ from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 __all__ = ["LogEntry", "ReplicationLog", "ReplicationLogs", "apply_replicated", "copy_payload"]
 
-_LOG = logging.getLogger("mlfabric.daemon.roles.replica.log")
+_LOG = logging.getLogger("mlfabric.daemon.replication")
 _APPLIED = control_pb2.OUTCOME_APPLIED
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _ACK = dataplane_pb2.FRAME_KIND_ACK
@@ -306,8 +306,7 @@ class ReplicationLog:
             reply = self._request(self.address, self._frame(entry), FileSpan(entry.fd, 0, entry.nbytes))
             ok = reply.header.kind == _ACK and reply.header.version >= entry.version
             problem = "" if ok else f"replica answered {reply.header.reason or reply.header.kind!r}"
-            if hasattr(reply.payload, "release"):
-                reply.payload.release()
+            reply.release()
         except ConnectionError as exc:  # PeerUnavailable, a broken connection
             ok, problem = False, f"replica {self.replica!r} at {self.address} unreachable: {exc}"
         if not ok:

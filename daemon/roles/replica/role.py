@@ -36,11 +36,10 @@ from mlfabric.daemon.roles.base import Verdict
 from mlfabric.daemon.roles.directory import ServerLocation
 from mlfabric.daemon.roles.replica.log import ReplicationLog, copy_payload, seed_memory
 from mlfabric.daemon.roles.server.handoff import ModelSnapshot
-from mlfabric.daemon.roles.server.serving import MemfdBuffer
 from mlfabric.daemon.roles.worker.fallback import update_ready
 from mlfabric.daemon.roles.worker.pushes import PendingPush
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.wire.memfd import PooledBuffer
+from mlfabric.wire.memfd import PooledBuffer, allocate
 from mlfabric.wire.tensors import layouts_to_pb
 
 __all__ = [
@@ -111,12 +110,12 @@ def _attach(daemon: Any, conn: Any, rid: int, req: Any, ack: Any) -> None:
         kind=_GET, job=req.job, server=req.server, src_host=daemon.host, replica=req.name or req.server
     )
     try:
-        reply = daemon.sender.request(server.data_address, header, alloc=MemfdBuffer.allocate)
+        reply = daemon._pool.request(server.data_address, header, alloc=allocate)
     except PeerUnavailable as exc:
         conn.error(rid, "unavailable", f"replica of {where}: model fetch from {server.host!r} failed: {exc}")
         _unregister(daemon, req.job, req.server)
         return
-    buffer = reply.buffer if isinstance(reply.buffer, MemfdBuffer) else MemfdBuffer.allocate(0)
+    buffer = reply.buffer if isinstance(reply.buffer, PooledBuffer) else allocate(0)
     reply.payload.release()
     try:
         h = reply.header
@@ -277,9 +276,8 @@ def send_resync(daemon: Any, d: Any) -> bool:
         replica=d.replica,
     )
     try:
-        reply = daemon.sender.request(d.replica_address, header, snap.mapping, crc32=snap.checksum())
-        if hasattr(reply.payload, "release"):
-            reply.payload.release()
+        reply = daemon._pool.request(d.replica_address, header, snap.mapping, crc32=snap.checksum())
+        reply.release()
         problem = "" if reply.header.kind == _ACK else f"its daemon answered {reply.header.reason!r}"
     except ConnectionError as exc:  # PeerUnavailable, a broken connection
         problem = f"its daemon at {d.replica_address} is unreachable: {exc}"
@@ -307,7 +305,7 @@ def receive_resync(daemon: Any, frame: Frame) -> Response:
         key = (h.job, h.server)
         with daemon.serving._lock:
             entry = daemon.serving._roles.get(key) if key in daemon.serving.replica_keys else None
-        if entry is None or not isinstance(frame.buffer, MemfdBuffer | PooledBuffer):
+        if entry is None or not isinstance(frame.buffer, PooledBuffer):
             reason = f"no replica of server {h.server!r} of job {h.job!r} on host {daemon.host!r}"
             return Response(error_header(reason, src_host=daemon.host))
         handoff, conn = entry[0], entry[1]
@@ -330,6 +328,4 @@ def receive_resync(daemon: Any, frame: Frame) -> Response:
         ack = FrameHeader(kind=_ACK, job=h.job, server=h.server, version=h.version, src_host=daemon.host)
         return Response(ack)
     finally:
-        frame.payload.release()
-        if isinstance(frame.buffer, MemfdBuffer | PooledBuffer):
-            frame.buffer.release()
+        frame.release()

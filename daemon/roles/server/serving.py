@@ -11,7 +11,6 @@ last published (``PublishModel``, a memfd kept mapped, its CRC-32 computed at th
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import threading
@@ -34,50 +33,15 @@ from mlfabric.daemon.roles.replica.log import ReplicationLogs, apply_replicated
 from mlfabric.daemon.roles.server.handoff import ModelSnapshot, ServerHandoff
 from mlfabric.daemon.roles.server.rounds import ServerAggregation
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.wire.memfd import PooledBuffer
+from mlfabric.wire.memfd import PooledBuffer, allocate
 from mlfabric.wire.tensors import check_update, layouts_from_pb, layouts_to_pb
 
-__all__ = ["MemfdBuffer", "ServerRoles"]
+__all__ = ["ServerRoles"]
 
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _ACK = dataplane_pb2.FRAME_KIND_ACK
 _GET = dataplane_pb2.FRAME_KIND_GET
 _MODEL = dataplane_pb2.FRAME_KIND_MODEL
-
-
-class MemfdBuffer(mmap.mmap):
-    """A writable mapping of a fresh memfd; ``fd`` can be passed on to a local process.
-
-    Examples
-    --------
-    >>> buf = MemfdBuffer.allocate(8)
-    >>> buf[:2] = b"hi"; os.pread(buf.fd, 2, 0)
-    b'hi'
-    >>> buf.release()
-    """
-
-    fd: int
-
-    @classmethod
-    def allocate(cls, size: int) -> MemfdBuffer:
-        """A buffer of ``size`` bytes (the data plane's ``alloc``)."""
-        fd = os.memfd_create("mlfabric-dataplane", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, max(size, 1))
-            buf = cls(fd, max(size, 1))
-        except BaseException:
-            os.close(fd)
-            raise
-        buf.fd = fd
-        return buf
-
-    def release(self) -> None:
-        """Close the fd and the mapping (the mapping lingers while views of it exist)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        with contextlib.suppress(BufferError):
-            self.close()
 
 
 class ServerRoles:
@@ -98,7 +62,7 @@ class ServerRoles:
         self._limits = limits
         self._verdict_timeout = verdict_timeout
         #: aggregates' members and synchronous rounds (its ``alloc``/``round_timeout`` may be set)
-        self.aggregation = ServerAggregation(MemfdBuffer.allocate)
+        self.aggregation = ServerAggregation(allocate)
         self._lock = threading.Lock()
         self._roles: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
         #: replicas hosted here (keyed like their servers) not promoted yet (docs/replication.md)
@@ -294,9 +258,7 @@ class ServerRoles:
                 return self._on_get(h)
             return self._error(f"unexpected frame kind {h.kind}", h.update_id)
         finally:
-            frame.payload.release()
-            if isinstance(frame.buffer, MemfdBuffer | PooledBuffer):
-                frame.buffer.release()  # a pooled buffer goes back for the next frame
+            frame.release()  # a pooled buffer goes back for the next frame
 
     def _error(self, reason: str, update_id: str = "") -> Response:
         return Response(error_header(reason, update_id=update_id, src_host=self.host))
@@ -319,8 +281,8 @@ class ServerRoles:
 
         def hand_off(update_id: str, header: Any, given: Any) -> Verdict:
             buffer = given
-            if not isinstance(buffer, MemfdBuffer | PooledBuffer):
-                buffer = MemfdBuffer.allocate(0)
+            if not isinstance(buffer, PooledBuffer):
+                buffer = allocate(0)  # an empty payload: the process still gets a memfd
             logs = self.replication
             log = logs.get(h.job, h.server) if logs is not None else None
             reserved = log.admit(float(header.norm)) if log is not None else 0.0

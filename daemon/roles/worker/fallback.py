@@ -34,7 +34,7 @@ from mlfabric.proto.v1 import control_pb2
 
 __all__ = ["DEFAULT_FALLBACK_AFTER", "Fallback", "direct_send", "update_ready"]
 
-_LOG = logging.getLogger("mlfabric.daemon.roles.worker.fallback")
+_LOG = logging.getLogger("mlfabric.daemon.fallback")
 
 #: Seconds without a scheduler before a daemon sends directly (``--fallback-after``).
 DEFAULT_FALLBACK_AFTER = 2.0

@@ -19,12 +19,12 @@ from typing import Any
 
 from mlfabric.daemon.channels.frames import FileSpan, FrameHeader
 from mlfabric.daemon.channels.localapi import LocalConnection
-from mlfabric.daemon.channels.peers import Connection, PeerPool, PeerUnavailable, Reply, wire_timing
+from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
 from mlfabric.daemon.roles.base import Verdict
-from mlfabric.daemon.roles.server.serving import MemfdBuffer
 from mlfabric.daemon.roles.worker.fallback import update_ready
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
+from mlfabric.wire.memfd import PooledBuffer, allocate
 from mlfabric.wire.tensors import layouts_to_pb
 
 __all__ = ["PushSender"]
@@ -45,15 +45,12 @@ class PushSender:
     host : str
         This daemon's host name.
     pool : PeerPool
-        Connections to peer daemons.
+        Connections to peer daemons (its ``deliver`` retries and says when a frame may have
+        arrived).
     outgoing : OutgoingPushes
         The pushes held until they resolve.
     report : callable
         ``report(TransferReport)`` sends a report to the scheduler.
-    send_attempts : int
-        Tries per transfer.
-    retry_backoff : float
-        Seconds before the first retry, doubling per retry.
     """
 
     def __init__(
@@ -62,34 +59,20 @@ class PushSender:
         pool: PeerPool,
         outgoing: OutgoingPushes,
         report: Callable[[Any], Any],
-        send_attempts: int = 3,
-        retry_backoff: float = 0.2,
     ) -> None:
         self.host = host
         self._pool = pool
         self.outgoing = outgoing
         self._report = report
-        self._attempts = send_attempts
-        self._backoff = retry_backoff
         self._lock = threading.Lock()
-        self._active: set[Connection] = set()
         #: held pushes an aggregator summed (ACKed): update id -> (aggregate id, aggregator host)
         self._summed: dict[str, tuple[str, str]] = {}
-        self._stopping = threading.Event()
         #: ``on_finish(push)`` after a push resolved (the daemon gives back its push budget).
         self.on_finish: Callable[[PendingPush], None] | None = None
         #: ``reroute(push, host, report_first) -> bool``: the update's transfer to ``host`` failed
         #: (never applied there, or maybe but unanswered); if its server failed over, call
         #: ``report_first()`` then announce it anew and return True (docs/replication.md)
         self.reroute: Callable[[PendingPush, str, Callable[[], None]], bool] | None = None
-
-    def stop(self) -> None:
-        """Cut the transfers in flight (they fail now, not at their I/O timeout); no new ones."""
-        self._stopping.set()
-        with self._lock:
-            active = list(self._active)
-        for conn in active:
-            conn.close()
 
     def finish(self, push: PendingPush, verdict: Verdict) -> None:
         """Resolve a push: close its memfd, tell its process."""
@@ -165,57 +148,42 @@ class PushSender:
             src_host=self.host,
             aggregate_id=send.aggregate_id,
         )
-        span = FileSpan(push.fd, 0, push.payload_bytes)
-        attempts = max(1, self._attempts)
         report = control_pb2.TransferReport(
             update_id=push.update_id,
             src_host=self.host,
             dst_host=send.next_hop_host,
             bytes=push.payload_bytes,
         )
-        errors: list[str] = []
-        received = maybe_sent = refused = False
-        verdict: Verdict | None = None
-        for attempt in range(attempts):
-            if attempt and self._stopping.wait(self._backoff * 2 ** (attempt - 1)):
-                errors.append("daemon shutting down")
-                break
-            try:
-                reply = self.request(send.next_hop_address, header, span, crc32=push.crc32)
-            except PeerUnavailable as exc:
-                _LOG.warning("transfer %s, attempt %d/%d: %s", push.update_id, attempt + 1, attempts, exc)
-                errors.append(str(exc))
-                if exc.sent and not send.aggregate_id:
-                    # the server's daemon may have applied it; a resend could reach a new
-                    # incarnation that cannot know: never resend, the push resolves UNKNOWN
-                    maybe_sent = True
-                    break
-                continue
+        # to an aggregator a member that may have arrived goes again (it is summed once); to a
+        # server it never does: the push resolves UNKNOWN (the maybe-sent rule, in deliver())
+        delivery = self._pool.deliver(
+            send.next_hop_address,
+            header,
+            FileSpan(push.fd, 0, push.payload_bytes),
+            crc32=push.crc32,
+            may_resend=bool(send.aggregate_id),
+        )
+        reply, maybe_sent = delivery.reply, delivery.maybe_sent
+        received = refused = False
+        if reply is not None:
             h = reply.header
             received = h.kind == _ACK
             # an aggregator's ACK saying DROPPED: it refused the member (e.g. NaN or inf), unsummed
             refused = bool(send.aggregate_id) and received and h.outcome == _DROPPED
-            if h.kind == _ACK:
+            if received:
                 verdict = Verdict(h.outcome or _DROPPED, h.delay, h.version, h.reason)
             else:
                 reason = f"daemon of host {send.next_hop_host!r} refused {push.update_id}: {h.reason}"
                 verdict = Verdict.dropped(reason, h.version)
-            report.start, report.end, report.throughput = wire_timing(
-                reply.sent.bytes, reply.sent.start, reply.sent.seconds, h.receive_seconds
-            )
+            report.start, report.end, report.throughput = reply.timing()
             report.ok = True
-            break
-        if verdict is None:  # every attempt failed, or the daemon is shutting down between them
-            verdict = Verdict.dropped(
-                f"transfer of {push.update_id} to host {send.next_hop_host!r} ({send.next_hop_address}) "
-                f"failed after {attempts} attempts: {errors[-1] if errors else 'no attempt'}"
-            )
-            report.ok, report.error = False, verdict.reason
-        if maybe_sent:
-            verdict = Verdict.unknown(
-                f"{push.update_id} may have reached host {send.next_hop_host!r} "
-                f"({send.next_hop_address}), which gave no verdict: {errors[-1]}"
-            )
+        else:  # no reply: certainly not applied (DROPPED), or maybe (UNKNOWN)
+            if maybe_sent:
+                verdict = Verdict.unknown(delivery.unknown_reason(push.update_id, send.next_hop_host))
+            else:
+                verdict = Verdict.dropped(
+                    delivery.failed_reason(f"transfer of {push.update_id}", send.next_hop_host)
+                )
             report.ok, report.error = False, verdict.reason
         if send.aggregate_id and not refused:  # unresolved until a ResolveDirective or a new send
             with self._lock:
@@ -291,41 +259,15 @@ class PushSender:
         self.finish(push, verdict)
         return True
 
-    def request(
-        self, address: str, header: Any, payload: Any = None, alloc: Any = bytearray, crc32: int | None = None
-    ) -> Reply:
-        """One request/reply with a peer daemon over a pooled connection that :meth:`stop` can cut.
-
-        Raises
-        ------
-        PeerUnavailable
-            The peer cannot be reached or vanished (also when the daemon is stopping).
-        """
-        if self._stopping.is_set():
-            raise PeerUnavailable(address, f"daemon of host {self.host!r} is stopping")
-        conn = self._pool.acquire(address)
-        with self._lock:
-            self._active.add(conn)
-        try:
-            reply = conn.request(header, payload, alloc=alloc, crc32=crc32)
-        except BaseException:
-            conn.close()
-            raise
-        finally:
-            with self._lock:
-                self._active.discard(conn)
-        self._pool.release(conn)
-        return reply
-
     def remote_model(self, conn: LocalConnection, rid: int, job: str, server: str, address: str) -> None:
         """Answer a local ``get`` for a server on another host: GET frame -> MODEL -> memfd to ``conn``."""
         header = FrameHeader(kind=_GET, job=job, server=server, src_host=self.host)
         try:
-            reply = self.request(address, header, alloc=MemfdBuffer.allocate)
+            reply = self._pool.request(address, header, alloc=allocate)
         except PeerUnavailable as exc:
             conn.error(rid, "unavailable", f"get from server {server!r} of job {job!r}: {exc}")
             return
-        buffer = reply.buffer if isinstance(reply.buffer, MemfdBuffer) else MemfdBuffer.allocate(0)
+        buffer = reply.buffer if isinstance(reply.buffer, PooledBuffer) else allocate(0)
         reply.payload.release()
         try:
             if reply.header.kind != _MODEL:
