@@ -517,14 +517,9 @@ class Daemon(SchedulerSession):
                 request_id=rid, push_accepted=local_pb2.PushAccepted(update_id=push.update_id)
             )
         )
-        ready = update_ready(push)
         # re-registering: kept, announced once the worker is registered (or sent directly)
-        sent = lost is None and self._control.send(control_pb2.DaemonMessage(update_ready=ready))
-        if not sent and not self.fallback.keep(push):
-            taken = self.outgoing.take(push.update_id)
-            if taken is not None:
-                reason = f"scheduler at {self.config.scheduler} not connected; {push.update_id} not scheduled"
-                self.sender.finish(taken, Verdict.dropped(reason))
+        reason = f"scheduler at {self.config.scheduler} not connected; {push.update_id} not scheduled"
+        self.fallback.announce_or_keep(push, reason, announce=lost is None)
         return None
 
     def _get(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:

@@ -9,7 +9,7 @@ import pytest
 
 from mlfabric.daemon.roles.base import Verdict
 from mlfabric.daemon.roles.server.handoff import ServerHandoff
-from mlfabric.daemon.roles.worker.pushes import OutgoingPushes
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PushState
 from mlfabric.proto.v1 import control_pb2
 from mlfabric.tensors import Layout
 from mlfabric.wire.tensors import check_update
@@ -54,11 +54,15 @@ def test_outgoing_book_states() -> None:
     pushes: list[Any] = []
     for _ in range(3):
         uid = book.new_update_id()
-        push = type("P", (), {"update_id": uid, "state": "ready"})()
+        push = type("P", (), {"update_id": uid, "job": "j", "worker": "w0", "state": PushState.READY})()
         pushes.append(push)
         book.add(push)
     assert book.start_sending("h/1") is pushes[0]
     assert book.start_sending("h/1") is None  # a duplicate directive does not send twice
+    assert book.hold("h/1") and pushes[0].state is PushState.HELD  # sent to an aggregator
+    assert not book.hold("h/2")  # only a push being sent is held
+    assert book.unhold("j", "w0") == [pushes[0]] and pushes[0].state is PushState.READY
+    assert book.waiting("h/1") is pushes[0] and book.start_sending("h/1") is pushes[0]
     assert [p.update_id for p in book.take_waiting()] == ["h/2", "h/3"]
     assert len(book) == 1 and book.take("h/1") is pushes[0] and book.take("h/1") is None
 

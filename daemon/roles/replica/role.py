@@ -32,11 +32,9 @@ from mlfabric.daemon.channels.control import local_error_code
 from mlfabric.daemon.channels.frames import Frame, FrameHeader, error_header
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.peers import PeerUnavailable
-from mlfabric.daemon.roles.base import Verdict
 from mlfabric.daemon.roles.directory import ServerLocation
 from mlfabric.daemon.roles.replica.log import ReplicationLog, copy_payload, seed_memory
 from mlfabric.daemon.roles.server.handoff import ModelSnapshot
-from mlfabric.daemon.roles.worker.fallback import update_ready
 from mlfabric.daemon.roles.worker.pushes import PendingPush
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.wire.memfd import PooledBuffer, allocate
@@ -190,12 +188,8 @@ def reroute(daemon: Any, push: PendingPush, host: str, report_first: Callable[[]
         host,
         loc.host,
     )
-    sent = daemon._control.send(control_pb2.DaemonMessage(update_ready=update_ready(push)))
-    if not sent and not daemon.fallback.keep(push):
-        taken = daemon.outgoing.take(push.update_id)
-        if taken is not None:
-            reason = f"server {push.server!r} failed over; the scheduler is away: {push.update_id} not sent"
-            daemon.sender.finish(taken, Verdict.dropped(reason))
+    reason = f"server {push.server!r} failed over; the scheduler is away: {push.update_id} not sent"
+    daemon.fallback.announce_or_keep(push, reason)
     return True
 
 

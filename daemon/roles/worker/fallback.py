@@ -204,6 +204,22 @@ class Fallback:
             self._send_directly([push.update_id])
         return True
 
+    def announce_or_keep(self, push: PendingPush, reason: str, *, announce: bool = True) -> None:
+        """Tell the scheduler about ``push``; if it cannot be told, keep it; else resolve it DROPPED.
+
+        The one place of "announce, or keep for the fallback, or drop" (a new push, and a push
+        announced again after its server failed over). ``announce`` False: keep it without
+        trying (its worker is being registered again: the session would not know it).
+        ``reason`` is the DROPPED reason when there is no fallback.
+        """
+        if announce and self._announce(push):
+            return
+        if self.keep(push):
+            return
+        taken = self._outgoing.take(push.update_id)
+        if taken is not None:
+            self._finish(taken, Verdict.dropped(reason))
+
     def announce_worker(self, job: str, worker: str) -> int:
         """The worker is registered with the new session: announce its unannounced pushes.
 
@@ -213,8 +229,8 @@ class Fallback:
         announced = 0
         with self._lock:
             for update_id in list(self._unannounced):
-                push = self._outgoing.get(update_id)
-                if push is None or push.state != "ready":
+                push = self._outgoing.waiting(update_id)
+                if push is None:
                     self._unannounced.pop(update_id)  # resolved or sent meanwhile
                     continue
                 if (push.job, push.worker) != (job, worker):

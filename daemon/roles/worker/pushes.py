@@ -1,14 +1,23 @@
-"""The pushes a worker's daemon holds until each resolves (DESIGN §3, §10).
+"""The pushes a worker's daemon holds until each resolves, and their states (DESIGN §12, §10).
 
-:class:`OutgoingPushes` holds the updates this daemon keeps in memory (their memfds) until
-each is resolved APPLIED, DROPPED or UNKNOWN — never silently lost — and gives each its id
-``"<host>/<incarnation>/<seq>"``.
+A push is in the book from ``push`` until its verdict (APPLIED, DROPPED or UNKNOWN — never
+silently lost), in one :class:`PushState` at a time::
 
-Nothing here does I/O.
+    push ──> READY ──send──> SENDING ──ACK, refusal or failure──> (resolved: out of the book)
+               ▲                │  ▲
+               │ new session /  │  │ send again
+               │ failed over    ▼  │
+               └──────────────── HELD  (summed or refused by an aggregator: waits for the
+                                       aggregate's verdict, a ResolveDirective, or a new send)
+
+:class:`OutgoingPushes` is the only place a push changes state (:data:`TRANSITIONS` lists the
+moves it makes); everyone else asks it to. It also gives each push its id
+``"<host>/<incarnation>/<seq>"``. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import secrets
 import threading
@@ -16,7 +25,32 @@ from dataclasses import dataclass
 
 from mlfabric.wire.tensors import Layout
 
-__all__ = ["OutgoingPushes", "PendingPush", "new_incarnation"]
+__all__ = ["TRANSITIONS", "OutgoingPushes", "PendingPush", "PushState", "new_incarnation"]
+
+
+class PushState(enum.Enum):
+    """Where a held push is between ``push`` and its verdict.
+
+    Examples
+    --------
+    >>> PushState.HELD in TRANSITIONS[PushState.SENDING]
+    True
+    """
+
+    #: waiting for a directive (announced to the scheduler, or kept for the fallback)
+    READY = "ready"
+    #: its transfer is under way (a ``SendDirective``, or a direct send while falling back)
+    SENDING = "sending"
+    #: sent to an aggregator: waits for the aggregate's verdict or a new send
+    HELD = "held"
+
+
+#: state -> the states a push may move to (resolving takes it out of the book, from any state)
+TRANSITIONS: dict[PushState, frozenset[PushState]] = {
+    PushState.READY: frozenset({PushState.SENDING}),
+    PushState.SENDING: frozenset({PushState.HELD, PushState.READY}),
+    PushState.HELD: frozenset({PushState.SENDING, PushState.READY}),
+}
 
 
 @dataclass
@@ -39,7 +73,8 @@ class PendingPush:
     ready_at: float
     request_id: int
     owner: int
-    state: str = "ready"  # ready -> sending -> [held -> sending ->] (resolved: removed)
+    #: changed by :class:`OutgoingPushes` only
+    state: PushState = PushState.READY
     #: CRC-32 of the payload as the pushing process computed it (None: computed while sending)
     crc32: int | None = None
 
@@ -96,40 +131,48 @@ class OutgoingPushes:
         with self._lock:
             self._pushes[push.update_id] = push
 
+    def _move(self, push: PendingPush | None, to: PushState) -> bool:
+        """With the lock held: move ``push`` to ``to`` if :data:`TRANSITIONS` allows it."""
+        if push is None or to not in TRANSITIONS[push.state]:
+            return False
+        push.state = to
+        return True
+
     def start_sending(self, update_id: str) -> PendingPush | None:
-        """Mark a push as being sent (ready, or held after an aggregator); None if unknown or sending."""
+        """READY or HELD -> SENDING (a send directive, or a direct send); None if unknown or sending."""
         with self._lock:
             push = self._pushes.get(update_id)
-            if push is None or push.state not in ("ready", "held"):
-                return None
-            push.state = "sending"
-            return push
+            return push if self._move(push, PushState.SENDING) else None
 
     def hold(self, update_id: str) -> bool:
-        """Keep a push sent to an aggregator until a resolve or a new send (state ``held``)."""
+        """SENDING -> HELD: sent to an aggregator, kept until a resolve or a new send."""
         with self._lock:
-            push = self._pushes.get(update_id)
-            if push is not None:
-                push.state = "held"
-            return push is not None
+            return self._move(self._pushes.get(update_id), PushState.HELD)
 
     def unhold(self, job: str, worker: str) -> list[PendingPush]:
-        """Make the pushes of a worker held after a send to an aggregator ready again; return them."""
+        """HELD -> READY for every push of ``worker`` of ``job`` (a new session never planned them)."""
         with self._lock:
             held = [
-                p for p in self._pushes.values() if p.state == "held" and (p.job, p.worker) == (job, worker)
+                p
+                for p in self._pushes.values()
+                if p.state is PushState.HELD and (p.job, p.worker) == (job, worker)
             ]
             for p in held:
-                p.state = "ready"
+                self._move(p, PushState.READY)
             return held
 
     def requeue(self, update_id: str) -> PendingPush | None:
-        """Make a push being sent ready again (to announce it anew); None if unknown."""
+        """SENDING -> READY (to announce it anew: its server failed over); None if unknown."""
         with self._lock:
             push = self._pushes.get(update_id)
-            if push is not None:
-                push.state = "ready"
+            self._move(push, PushState.READY)
             return push
+
+    def waiting(self, update_id: str) -> PendingPush | None:
+        """The push with ``update_id`` if it is READY (waiting for a directive), else None."""
+        with self._lock:
+            push = self._pushes.get(update_id)
+            return push if push is not None and push.state is PushState.READY else None
 
     def take(self, update_id: str) -> PendingPush | None:
         """Remove and return a push to resolve it (the caller closes its fd)."""
@@ -142,14 +185,14 @@ class OutgoingPushes:
             return self._pushes.get(update_id)
 
     def waiting_ids(self) -> list[str]:
-        """The ids of the pushes waiting for a directive (state ``ready``)."""
+        """The ids of the pushes waiting for a directive (READY)."""
         with self._lock:
-            return [u for u, p in self._pushes.items() if p.state == "ready"]
+            return [u for u, p in self._pushes.items() if p.state is PushState.READY]
 
     def take_waiting(self) -> list[PendingPush]:
-        """Remove and return every push still waiting for a directive (state ``ready``)."""
+        """Remove and return every push still waiting for a directive (READY)."""
         with self._lock:
-            waiting = [p for p in self._pushes.values() if p.state == "ready"]
+            waiting = [p for p in self._pushes.values() if p.state is PushState.READY]
             for p in waiting:
                 del self._pushes[p.update_id]
             return waiting
@@ -157,7 +200,9 @@ class OutgoingPushes:
     def take_expired(self, now: float, timeout: float) -> list[PendingPush]:
         """Remove and return the pushes still waiting for a directive ``timeout`` s after ``ready_at``."""
         with self._lock:
-            expired = [p for p in self._pushes.values() if p.state == "ready" and now - p.ready_at >= timeout]
+            expired = [
+                p for p in self._pushes.values() if p.state is PushState.READY and now - p.ready_at >= timeout
+            ]
             for p in expired:
                 del self._pushes[p.update_id]
             return expired
