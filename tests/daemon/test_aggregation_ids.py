@@ -30,7 +30,7 @@ class Server:
 
     def _deliver(self, update_id: str, header: Any, fd: int) -> None:
         self.applied.append((update_id, [m.update_id for m in header.members]))
-        self.handoff.resolve(update_id, Verdict(APPLIED, 0, self.handoff.version + 1, ""))
+        self.handoff.verdicts.resolve(update_id, Verdict(APPLIED, 0, self.handoff.version + 1, ""))
 
     def _hand_off(self, update_id: str, header: Any, buffer: Any) -> Verdict:
         return self.handoff.handle(update_id, header, -1, timeout=5.0)
@@ -108,5 +108,7 @@ def test_copy_arriving_while_the_first_is_applied_gets_its_verdict() -> None:
     copy["thread"].join(5.0)
     verdict, members = copy["r"]
     assert verdict == first and {v.outcome for v in members.values()} == {APPLIED}
-    assert s.handoff.stored("w0/1") is not None and s.handoff.stored("w0/1").outcome == APPLIED
+    assert (
+        s.handoff.verdicts.stored("w0/1") is not None and s.handoff.verdicts.stored("w0/1").outcome == APPLIED
+    )
     assert len(s.applied) == 1

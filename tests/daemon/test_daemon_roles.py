@@ -74,7 +74,7 @@ def test_concurrent_retries_deliver_once_and_share_the_verdict() -> None:
     def deliver(update_id: str, header: Any, fd: int) -> None:
         delivered.append(update_id)
         threading.Timer(
-            0.1, handoff.resolve, (update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
+            0.1, handoff.verdicts.resolve, (update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
         ).start()
 
     handoff = ServerHandoff("j", "ps0", {}, 0, deliver)
@@ -119,6 +119,6 @@ def test_failed_hand_off_is_dropped_and_a_verdict_timeout_is_unknown() -> None:
 def test_verdict_cache_is_bounded() -> None:
     handoff = ServerHandoff("j", "ps0", {}, 0, lambda *a: None, max_verdicts=2)
     for i in range(3):
-        handoff.resolve(f"u{i}", Verdict(control_pb2.OUTCOME_APPLIED, 0, i + 1, ""))
+        handoff.verdicts.resolve(f"u{i}", Verdict(control_pb2.OUTCOME_APPLIED, 0, i + 1, ""))
     assert handoff.handle("u2", None, -1, 1).version == 3
     assert handoff.handle("u0", None, -1, 0.05).outcome == control_pb2.OUTCOME_UNKNOWN  # forgotten: times out

@@ -507,7 +507,7 @@ def apply_replicated(handoff: ServerHandoff, header: Any, hand_off: Callable[[],
         verdict = hand_off()
     if verdict.outcome == _APPLIED:
         for m in header.members:
-            handoff.resolve(
+            handoff.verdicts.resolve(
                 m.update_id, Verdict(_APPLIED, verdict.version - 1 - m.base_version, verdict.version, "")
             )
         if verdict.version != header.replica_version:
@@ -524,4 +524,4 @@ def apply_replicated(handoff: ServerHandoff, header: Any, hand_off: Callable[[],
 def seed_memory(handoff: ServerHandoff, applied_ids: Any, version: int) -> None:
     """Remember the ids the server applied before the replica attached (its model has them)."""
     for update_id in applied_ids:
-        handoff.resolve(update_id, Verdict(_APPLIED, 0, version, ""))
+        handoff.verdicts.resolve(update_id, Verdict(_APPLIED, 0, version, ""))

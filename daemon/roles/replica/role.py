@@ -266,7 +266,7 @@ def send_resync(daemon: Any, d: Any) -> bool:
         version=snap.version,
         tensors=layouts_to_pb(snap.layouts),
         src_host=daemon.host,
-        applied_ids=handoff.applied_ids(4096),
+        applied_ids=handoff.verdicts.applied_ids(4096),
         replica=d.replica,
     )
     try:
@@ -314,7 +314,7 @@ def receive_resync(daemon: Any, frame: Frame) -> Response:
                 if not conn.send(event, fd):
                     reason = f"replica process of server {h.server!r} of job {h.job!r} disconnected"
                     return Response(error_header(reason, src_host=daemon.host))
-                handoff.advance(int(h.version))
+                handoff.verdicts.advance(int(h.version))
                 seed_memory(handoff, h.applied_ids, int(h.version))
         finally:
             os.close(fd)

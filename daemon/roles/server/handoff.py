@@ -2,24 +2,24 @@
 
 :class:`ServerHandoff` is the server side of exactly-once (DESIGN §10): each arriving update
 goes to the server process once; a retried update (same ``update_id``) gets the stored verdict
-and is never applied twice (de-duplication by ``update_id``). :class:`ModelSnapshot` is the
-model the process last published, which ``get`` answers from.
+and is never applied twice (its :class:`~mlfabric.daemon.roles.server.verdicts.VerdictStore`).
+:class:`ModelSnapshot` is the model the process last published, which ``get`` answers from.
 
 Nothing here does I/O; the serving role passes in the function that talks to the process.
 """
 
 from __future__ import annotations
 
-import collections
 import mmap
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mlfabric.daemon.channels import payloadio
 from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.verdicts import VerdictStore
 from mlfabric.proto.v1 import control_pb2
 from mlfabric.wire.tensors import Layout, Spec
 
@@ -50,14 +50,10 @@ class ModelSnapshot:
             self.fd = -1
 
 
-@dataclass
-class _Delivery:
-    done: threading.Event = field(default_factory=threading.Event)
-    verdict: Verdict | None = None
-
-
 class ServerHandoff:
     """A server role on this host: hands updates to its process, once each (thread-safe).
+
+    What it decided is in :attr:`verdicts` (the server's :class:`VerdictStore`).
 
     Parameters
     ----------
@@ -78,7 +74,7 @@ class ServerHandoff:
     >>> sent = []
     >>> def deliver(update_id, header, fd):  # the process applies it and answers at once
     ...     sent.append(update_id)
-    ...     h.resolve(update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
+    ...     h.verdicts.resolve(update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
     >>> h = ServerHandoff("j", "ps0", {}, 0, deliver)
     >>> h.handle("u1", None, -1, timeout=5).version
     1
@@ -98,16 +94,18 @@ class ServerHandoff:
         self.job = job
         self.name = name
         self.spec = spec
-        self.version = version
         self._deliver = deliver
-        self._max = max_verdicts
+        #: the server's exactly-once memory (verdicts, deliveries, aggregates' members, claims)
+        self.verdicts = VerdictStore(version, max_verdicts)
         self._lock = threading.Lock()
-        self._verdicts: collections.OrderedDict[str, Verdict] = collections.OrderedDict()
-        self._inflight: dict[str, _Delivery] = {}
         self._snapshot: ModelSnapshot | None = None
-        self._closed_reason: str | None = None
-        #: a replica's replicated entries and its re-sync take turns under it (replication.py)
+        #: a replica's replicated entries and its re-sync take turns under it (replica/log.py)
         self.replicating = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        """The server's model version, as far as this daemon knows."""
+        return self.verdicts.version
 
     def handle(self, update_id: str, header: Any, fd: int, timeout: float | None) -> Verdict:
         """The verdict on an arriving update: stored, awaited, or delivered now and awaited.
@@ -119,22 +117,17 @@ class ServerHandoff:
 
         The caller keeps ownership of ``fd`` (the process gets its own copy).
         """
-        with self._lock:
-            stored = self._verdicts.get(update_id)
-            if stored is not None:
-                return stored
-            if self._closed_reason is not None:
-                return Verdict(control_pb2.OUTCOME_DROPPED, 0, self.version, self._closed_reason, False)
-            delivery = self._inflight.get(update_id)
-            first = delivery is None
-            if delivery is None:
-                delivery = self._inflight[update_id] = _Delivery()
+        stored, delivery, first = self.verdicts.begin(update_id)
+        if stored is not None:
+            return stored
+        assert delivery is not None
         if first:
             try:
                 self._deliver(update_id, header, fd)
             except OSError as exc:
                 reason = f"server process {self.name!r} unreachable: {exc}"
-                self.resolve(update_id, Verdict(control_pb2.OUTCOME_DROPPED, 0, self.version, reason, False))
+                verdict = Verdict(control_pb2.OUTCOME_DROPPED, 0, self.version, reason, False)
+                self.verdicts.resolve(update_id, verdict)
         if not delivery.done.wait(timeout):
             return Verdict.unknown(
                 f"server process {self.name!r} gave no verdict on {update_id} within {timeout} s "
@@ -144,52 +137,17 @@ class ServerHandoff:
         assert delivery.verdict is not None
         return delivery.verdict
 
-    def stored(self, update_id: str) -> Verdict | None:
-        """The verdict remembered for ``update_id`` (an update or an aggregate's member), or None."""
-        with self._lock:
-            return self._verdicts.get(update_id)
-
-    def applied_ids(self, limit: int) -> list[str]:
-        """The ids of the (at most ``limit``) latest updates and members remembered APPLIED."""
-        with self._lock:
-            ids = [u for u, v in reversed(self._verdicts.items()) if v.outcome == control_pb2.OUTCOME_APPLIED]
-        return ids[:limit]
-
-    def advance(self, version: int) -> None:
-        """The process's model was replaced by one at ``version`` (a replica re-synced)."""
-        with self._lock:
-            self.version = max(self.version, version)
-
-    def in_flight(self, update_id: str) -> bool:
-        """Whether ``update_id`` was delivered and still awaits the process's verdict."""
-        with self._lock:
-            return update_id in self._inflight
-
-    def resolve(self, update_id: str, verdict: Verdict) -> None:
-        """Record the process's verdict and wake everyone waiting for it."""
-        with self._lock:
-            if verdict.outcome == control_pb2.OUTCOME_APPLIED:
-                self.version = max(self.version, verdict.version)
-            self._verdicts[update_id] = verdict
-            while len(self._verdicts) > self._max:
-                self._verdicts.popitem(last=False)
-            delivery = self._inflight.pop(update_id, None)
-        if delivery is not None:
-            delivery.verdict = verdict
-            delivery.done.set()
-
     def close(self, reason: str) -> None:
         """The process went away: every update handed to it without a verdict resolves UNKNOWN.
 
         It may have been applied just before the process went (its verdict lost), so neither
         APPLIED nor DROPPED would be true. Updates arriving later are DROPPED with ``reason``.
         """
+        pending = self.verdicts.close(reason)
         with self._lock:
-            self._closed_reason = reason
-            pending = list(self._inflight)
             snapshot, self._snapshot = self._snapshot, None
         for update_id in pending:
-            self.resolve(
+            self.verdicts.resolve(
                 update_id,
                 Verdict.unknown(
                     f"{reason} after {update_id} was handed to it and before its verdict: "

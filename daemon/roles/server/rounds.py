@@ -27,11 +27,10 @@ before the server process sees it (paper §5; DESIGN §3):
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,33 +100,6 @@ def member_verdicts(members: Iterable[Any], verdict: Verdict) -> list[Any]:
 
 def _as_verdict(v: Any, version: int) -> Verdict:
     return Verdict(v.outcome, v.delay, version, v.reason)
-
-
-class _Claims:
-    """Which frame is applying which member right now (so no member is applied twice at once)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._owner: dict[str, str] = {}
-
-    def acquire(
-        self, ids: Sequence[str], owner: str, stored: Callable[[str], Verdict | None]
-    ) -> dict[str, Verdict]:
-        """Wait until no other frame holds any of ``ids``; the stored verdicts, else claim them all."""
-        with self._cond:
-            self._cond.wait_for(lambda: all(self._owner.get(i, owner) == owner for i in ids))
-            done = {i: v for i in ids if (v := stored(i)) is not None}
-            if not done:
-                for i in ids:
-                    self._owner[i] = owner
-            return done
-
-    def release(self, ids: Sequence[str], owner: str) -> None:
-        with self._cond:
-            for i in ids:
-                if self._owner.get(i) == owner:
-                    del self._owner[i]
-            self._cond.notify_all()
 
 
 @dataclass
@@ -248,6 +220,10 @@ class SyncRounds:
 class ServerAggregation:
     """Aggregates, member verdicts and synchronous rounds for the servers of one host (thread-safe).
 
+    What is decided goes into each server's verdict store (``handoff.verdicts``,
+    :class:`~mlfabric.daemon.roles.server.verdicts.VerdictStore`): the members' verdicts, and
+    the claims that keep two frames from applying one member at once.
+
     Parameters
     ----------
     alloc : callable
@@ -256,8 +232,6 @@ class ServerAggregation:
         Seconds a synchronous round waits for its missing workers.
     clock : callable
         Monotonic seconds.
-    remember : int
-        How many aggregates' member verdicts are kept for retried frames.
     """
 
     def __init__(
@@ -265,16 +239,12 @@ class ServerAggregation:
         alloc: Callable[[int], Any],
         round_timeout: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
-        remember: int = 100_000,
     ) -> None:
         self.alloc = alloc
         self.round_timeout = round_timeout
         self._clock = clock
-        self._remember = remember
-        self._claims = _Claims()
         self._lock = threading.Lock()
         self._rounds: dict[tuple[str, str], SyncRounds] = {}
-        self._aggregates: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
 
     def handle(
         self, frame: Frame, handoff: ServerHandoff, params: Any, hand_off: HandOff
@@ -296,13 +266,13 @@ class ServerAggregation:
         h = frame.header
         members = members_of(h)
         ids = [m.update_id for m in members]
-        stored = handoff.stored(h.update_id)
+        stored = handoff.verdicts.stored(h.update_id)
         if stored is not None:
-            known = self._stored_members(h.update_id)
+            known = handoff.verdicts.members(h.update_id)
             if not h.members or sorted(v.update_id for v in known) == sorted(ids):
                 return stored, known  # a re-sent copy: the verdict it got
             return self._reused(h, members, handoff)
-        done = self._claims.acquire(ids, h.update_id, handoff.stored)
+        done = handoff.verdicts.claim(ids, h.update_id)
         if done:
             return self._already_resolved(h, members, done, handoff)
         try:
@@ -315,17 +285,17 @@ class ServerAggregation:
             verdicts = member_verdicts(members, verdict)
             if h.members:
                 for v in verdicts:
-                    handoff.resolve(v.update_id, _as_verdict(v, verdict.version))
+                    handoff.verdicts.resolve(v.update_id, _as_verdict(v, verdict.version))
                 oldest = max(v.delay for v in verdicts)
                 verdict = Verdict(verdict.outcome, oldest, verdict.version, verdict.reason)
-                handoff.resolve(h.update_id, verdict)
-                self._keep(h.update_id, verdicts)
+                handoff.verdicts.resolve(h.update_id, verdict)
+                handoff.verdicts.keep_members(h.update_id, verdicts)
                 return verdict, verdicts
             verdict = _as_verdict(verdicts[0], verdict.version)
-            handoff.resolve(h.update_id, verdict)
+            handoff.verdicts.resolve(h.update_id, verdict)
             return verdict, []
         finally:
-            self._claims.release(ids, h.update_id)
+            handoff.verdicts.release(ids, h.update_id)
 
     def refuse(self, frame: Frame, handoff: ServerHandoff, reason: str) -> tuple[Verdict, list[Any]]:
         """DROPPED with ``reason`` without handing the payload over (e.g. it holds NaN or inf).
@@ -337,24 +307,24 @@ class ServerAggregation:
         h = frame.header
         members = members_of(h)
         ids = [m.update_id for m in members]
-        stored = handoff.stored(h.update_id)
+        stored = handoff.verdicts.stored(h.update_id)
         if stored is not None:
-            known = self._stored_members(h.update_id)
+            known = handoff.verdicts.members(h.update_id)
             if not h.members or sorted(v.update_id for v in known) == sorted(ids):
                 return stored, known
             return self._reused(h, members, handoff)
-        done = self._claims.acquire(ids, h.update_id, handoff.stored)
+        done = handoff.verdicts.claim(ids, h.update_id)
         try:
             if not h.members:
                 verdict = done.get(h.update_id)
                 if verdict is None:
                     version = handoff.version
                     verdict = Verdict(_DROPPED, version - h.base_version, version, reason)
-                    handoff.resolve(h.update_id, verdict)
+                    handoff.verdicts.resolve(h.update_id, verdict)
                 return verdict, []
             return self._refuse(h, members, done, handoff, reason, remember=True)
         finally:
-            self._claims.release(ids, h.update_id)
+            handoff.verdicts.release(ids, h.update_id)
 
     def _rounds_of(self, handoff: ServerHandoff, params: Any) -> SyncRounds:
         key = (handoff.job, handoff.name)
@@ -372,16 +342,6 @@ class ServerAggregation:
                 self._rounds[key] = rounds
             return rounds
 
-    def _keep(self, aggregate_id: str, verdicts: list[Any]) -> None:
-        with self._lock:
-            self._aggregates[aggregate_id] = verdicts
-            while len(self._aggregates) > self._remember:
-                self._aggregates.popitem(last=False)
-
-    def _stored_members(self, update_id: str) -> list[Any]:
-        with self._lock:
-            return list(self._aggregates.get(update_id, []))
-
     def _reused(self, h: Any, members: list[Any], handoff: ServerHandoff) -> tuple[Verdict, list[Any]]:
         """Refuse an aggregate whose id was already applied here with other members.
 
@@ -390,12 +350,12 @@ class ServerAggregation:
         """
         ids = [m.update_id for m in members]
         owner = f"{h.update_id} (id already used)"  # not the first copy's owner: waits for it
-        done = self._claims.acquire(ids, owner, handoff.stored)
+        done = handoff.verdicts.claim(ids, owner)
         try:
-            earlier = sorted(v.update_id for v in self._stored_members(h.update_id))
-            stored = handoff.stored(h.update_id)
+            earlier = sorted(v.update_id for v in handoff.verdicts.members(h.update_id))
+            stored = handoff.verdicts.stored(h.update_id)
             if earlier == sorted(ids) and stored is not None:
-                return stored, self._stored_members(h.update_id)
+                return stored, handoff.verdicts.members(h.update_id)
             before = f"members {earlier}" if earlier else "members no longer remembered"
             reason = (
                 f"aggregate id {h.update_id} was already used at this server with other {before}; "
@@ -403,7 +363,7 @@ class ServerAggregation:
             )
             return self._refuse(h, members, done, handoff, reason, remember=False)
         finally:
-            self._claims.release(ids, owner)
+            handoff.verdicts.release(ids, owner)
 
     def _already_resolved(
         self, h: Any, members: list[Any], done: dict[str, Verdict], handoff: ServerHandoff
@@ -445,10 +405,10 @@ class ServerAggregation:
                 dropped = control_pb2.MemberVerdict(
                     update_id=m.update_id, outcome=_DROPPED, delay=version - m.base_version, reason=reason
                 )
-                handoff.resolve(m.update_id, _as_verdict(dropped, version))
+                handoff.verdicts.resolve(m.update_id, _as_verdict(dropped, version))
                 verdicts.append(dropped)
         verdict = Verdict.dropped(reason, version)
         if remember:
-            handoff.resolve(h.update_id, verdict)
-            self._keep(h.update_id, verdicts)
+            handoff.verdicts.resolve(h.update_id, verdict)
+            handoff.verdicts.keep_members(h.update_id, verdicts)
         return verdict, verdicts

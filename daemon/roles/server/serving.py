@@ -200,7 +200,7 @@ class ServerRoles:
         v = request.verdict
         if v.has_norm and self.replication is not None:
             self.replication.note_norm(v.update_id, v.norm)
-        handoff.resolve(v.update_id, Verdict(v.outcome, v.delay, v.version, v.reason))
+        handoff.verdicts.resolve(v.update_id, Verdict(v.outcome, v.delay, v.version, v.reason))
         return fd
 
     def publish(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
@@ -303,7 +303,7 @@ class ServerRoles:
                     self._finite_checked.discard(update_id)
                 if buffer is not given:
                     buffer.release()  # the empty stand-in
-                elif isinstance(buffer, PooledBuffer) and handoff.in_flight(update_id):
+                elif isinstance(buffer, PooledBuffer) and handoff.verdicts.in_flight(update_id):
                     buffer.discard()  # no verdict yet (timeout): the process may still read it
                 elif given is not frame.buffer:
                     given.release()  # a synchronous round's sum (the frame's buffer: on_frame's)
@@ -356,7 +356,7 @@ class ServerRoles:
                 return current
 
             snap = handoff.with_snapshot(attach)
-            applied_ids = handoff.applied_ids(4096)
+            applied_ids = handoff.verdicts.applied_ids(4096)
         if snap is None:
             return self._error(f"no model of server {h.server!r} of job {h.job!r} on host {self.host!r}")
         header = FrameHeader(
