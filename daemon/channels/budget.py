@@ -1,4 +1,4 @@
-"""Bounded in-flight payload memory per daemon, and the daemon's periodic housekeeping (DESIGN §3).
+"""Bounded in-flight payload memory per daemon (DESIGN §3).
 
 A daemon holds payloads in memfds: the updates its workers pushed until each resolves, and
 the payloads it receives (updates for a server here, members of an aggregate, models fetched
@@ -11,9 +11,6 @@ sizes (it could never fit).
 A daemon keeps two budgets of the same size, one for pushes and one for receives, so that
 pushes waiting for their receivers can never hold up the receives that would let them
 finish (two daemons pushing to each other cannot deadlock).
-
-:class:`Ticker` runs the daemon's periodic work (the fallback's :meth:`tick`, trimming idle
-pooled buffers) on one thread.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
 
-__all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "BudgetExceeded", "BudgetTimeout", "ByteBudget", "Ticker"]
+__all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "BudgetExceeded", "BudgetTimeout", "ByteBudget"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 
@@ -146,43 +142,3 @@ class ByteBudget:
         with self._cond:
             self._in_use = max(0, self._in_use - nbytes)
             self._cond.notify_all()
-
-
-class Ticker:
-    """Calls each function every ``interval`` seconds on one thread, between :meth:`start` and :meth:`stop`.
-
-    A function that raises is logged with its traceback and called again at the next tick.
-
-    Examples
-    --------
-    >>> calls = []
-    >>> t = Ticker(0.01, [lambda: calls.append(1)])
-    >>> t.start(); import time; time.sleep(0.1); t.stop()
-    >>> len(calls) > 0
-    True
-    """
-
-    def __init__(self, interval: float, functions: Sequence[Callable[[], object]]) -> None:
-        self.interval = interval
-        self._functions = list(functions)
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread = threading.Thread(target=self._run, name="daemon-ticker", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread (after the tick running now)."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self.interval):
-            for fn in self._functions:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001 - housekeeping must go on; the error is logged
-                    _LOG.exception("daemon housekeeping %r failed", fn)

@@ -45,6 +45,7 @@ from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.daemon.channels.sockets import format_address, parse_address, tune_socket
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
+from mlfabric.wire.memfd import PooledBuffer, allocate
 
 __all__ = [
     "Connection",
@@ -134,6 +135,16 @@ class Reply:
     def release(self) -> None:
         """Done with the reply's payload: drop the view and give its buffer back. Idempotent."""
         release_payload(self.payload, self.buffer)
+
+    def memfd(self) -> PooledBuffer:
+        """The reply's payload as a memfd the caller releases (its view released; empty: a new one).
+
+        For a reply received with ``alloc=mlfabric.wire.memfd.allocate`` (a fetched model,
+        whose fd goes on to a local process).
+        """
+        buffer = self.buffer if isinstance(self.buffer, PooledBuffer) else allocate(0)
+        self.payload.release()
+        return buffer
 
     def timing(self) -> tuple[float, float, float]:
         """Start, end and throughput of the request's transfer (:func:`wire_timing`)."""

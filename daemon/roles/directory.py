@@ -9,10 +9,12 @@ that failed waits in it for the failover (docs/replication.md).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from mlfabric.proto.v1 import control_pb2
 from mlfabric.wire.tensors import Spec
 
 __all__ = ["Directory", "ServerLocation", "spec_from_pb"]
@@ -23,7 +25,6 @@ def spec_from_pb(model: Iterable[Any]) -> Spec:
 
     Examples
     --------
-    >>> from mlfabric.proto.v1 import control_pb2
     >>> spec_from_pb([control_pb2.TensorSpec(name="w", dtype="float64", shape=[2])])
     {'w': ('float64', (2,))}
     """
@@ -49,7 +50,6 @@ class Directory:
 
     Examples
     --------
-    >>> from mlfabric.proto.v1 import control_pb2
     >>> d = Directory()
     >>> d.update("j", [control_pb2.ServerInfo(name="ps0", host="h1", data_address="1.2.3.4:5")])
     >>> d.lookup("j", "ps0").host
@@ -100,3 +100,45 @@ class Directory:
         """Block until ``job`` has a server or ``timeout`` passes; True if it has one."""
         with self._lock:
             return self._changed.wait_for(lambda: bool(self._jobs.get(job)), timeout)
+
+    def info(self, job: str, name: str) -> Any:
+        """The ``ServerInfo`` of server ``name`` of ``job`` (as a process learns it), or None."""
+        loc = self.lookup(job, name)
+        if loc is None:
+            return None
+        return control_pb2.ServerInfo(
+            name=loc.name,
+            host=loc.host,
+            data_address=loc.data_address,
+            version=loc.version,
+            model=[control_pb2.TensorSpec(name=n, dtype=d, shape=list(s)) for n, (d, s) in loc.spec.items()],
+        )
+
+    def wait_for_failover(
+        self, job: str, server: str, host: str, timeout: float, cancel: threading.Event
+    ) -> ServerLocation | None:
+        """Where ``server`` went when it failed over from ``host``; None if it does not (docs/replication.md).
+
+        Only a server that has a replica (or already failed over from ``host``) may: its new
+        location (the promoted replica, from the ``JobUpdate``) is awaited up to ``timeout``
+        seconds, or until ``cancel`` is set.
+
+        Examples
+        --------
+        >>> d = Directory()
+        >>> d.add("j", ServerLocation("ps0", "h2", "10.0.0.2:7000", {}, 0, failed_over_from="h1"))
+        >>> d.wait_for_failover("j", "ps0", "h1", 1.0, threading.Event()).host
+        'h2'
+        >>> d.wait_for_failover("j", "ps0", "h9", 1.0, threading.Event()) is None   # not replicated
+        True
+        """
+        loc = self.lookup(job, server)
+        if loc is None or not (loc.replicated or loc.failed_over_from == host):
+            return None
+        deadline = time.monotonic() + timeout
+        while loc is None or loc.host == host or loc.failed_over_from != host:
+            if time.monotonic() >= deadline or cancel.is_set():
+                return None
+            time.sleep(0.02)
+            loc = self.lookup(job, server)
+        return loc

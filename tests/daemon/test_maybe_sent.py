@@ -16,6 +16,8 @@ from typing import Any
 from mlfabric.daemon.channels.frames import FrameLimits
 from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
 from mlfabric.daemon.roles.aggregator.role import AggregatorRole, _Aggregate
+from mlfabric.daemon.roles.base import RoleContext
+from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
 from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2
@@ -69,7 +71,7 @@ def _push(sender: PushSender) -> Owner:
 def test_a_push_that_may_have_reached_the_server_is_not_resent_and_resolves_unknown() -> None:
     reports: list[Any] = []
     peer = Peer(PeerUnavailable(ADDRESS, "peer closed the connection before replying", sent=True))
-    sender = PushSender("w", _pool(peer), OutgoingPushes("w"), reports.append)
+    sender = PushSender(RoleContext("w"), _pool(peer), OutgoingPushes("w"), reports.append, Directory())
     owner = _push(sender)
     assert peer.calls == 1
     [report] = reports
@@ -83,7 +85,7 @@ def test_a_push_that_may_have_reached_the_server_is_not_resent_and_resolves_unkn
 def test_a_push_the_server_never_got_is_retried_and_then_dropped() -> None:
     reports: list[Any] = []
     peer = Peer(PeerUnavailable(ADDRESS, "connect: [Errno 111] Connection refused"))
-    sender = PushSender("w", _pool(peer), OutgoingPushes("w"), reports.append)
+    sender = PushSender(RoleContext("w"), _pool(peer), OutgoingPushes("w"), reports.append, Directory())
     owner = _push(sender)
     assert peer.calls == 3
     [report] = reports
@@ -95,7 +97,7 @@ def _forward(peer: Peer) -> tuple[list[Any], list[Any]]:
     reports: list[Any] = []
     failed: list[Any] = []
     role = AggregatorRole(
-        "x",
+        RoleContext("x"),
         bytearray,
         lambda m: True,
         failed.append,
@@ -145,7 +147,7 @@ def test_a_push_whose_daemon_stops_between_attempts_resolves_dropped_naming_it()
     peer = Peer(PeerUnavailable(ADDRESS, "connect: [Errno 111] Connection refused"))
     pool = _pool(peer)
     pool.stop("daemon of host 'w' is stopping")
-    sender = PushSender("w", pool, OutgoingPushes("w"), reports.append)
+    sender = PushSender(RoleContext("w"), pool, OutgoingPushes("w"), reports.append, Directory())
     owner = _push(sender)
     assert peer.calls == 1
     [report] = reports

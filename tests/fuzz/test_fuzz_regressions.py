@@ -37,13 +37,13 @@ def test_a_waiting_registration_stops_when_its_process_disconnects(
         )
     )
     attempts: list[float] = []
-    register = daemon._register
+    register = daemon.registrar.register
 
     def counting(message: Any, on_ack: Any) -> None:
         attempts.append(time.monotonic())
         register(message, on_ack)
 
-    daemon._register = counting
+    daemon.registrar.register = counting  # type: ignore[method-assign]
     daemon.start(timeout=10)
     try:
         request = local_pb2.LocalRequest(

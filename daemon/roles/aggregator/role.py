@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,15 +45,15 @@ from mlfabric.aggregators.kernels import Accumulator
 from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.peers import Delivery
+from mlfabric.daemon.channels.routing import FrameRoute
 from mlfabric.daemon.roles.aggregator import tree as aggregate_tree
+from mlfabric.daemon.roles.base import Role, RoleContext, Routes
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.tensors import layouts_from_pb
 
 __all__ = ["AggregatorRole"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
-#: aggregate ids are "agg:<scope>:<index>" (mlfabric.scheduler.core.schedule.aggregate_id)
-AGGREGATE_PREFIX = "agg:"
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _ACK = dataplane_pb2.FRAME_KIND_ACK
 _DROPPED = control_pb2.OUTCOME_DROPPED
@@ -109,13 +108,13 @@ class _Aggregate:
         )
 
 
-class AggregatorRole:
+class AggregatorRole(Role):
     """The aggregates a daemon runs as an aggregator hop (thread-safe). :meth:`start`, :meth:`stop`.
 
     Parameters
     ----------
-    host : str
-        This daemon's host name.
+    context : RoleContext
+        This daemon's host name, its task pool (forwards), its clock.
     alloc : callable
         ``alloc(nbytes)`` -> a writable buffer with ``release()`` (the daemon's ``MemfdPool``).
     announce : callable
@@ -127,8 +126,6 @@ class AggregatorRole:
     deliver : callable
         ``deliver(address, header, payload) -> Delivery``: one frame to a peer daemon, retried
         while the peer certainly got nothing (:meth:`~mlfabric.daemon.channels.peers.PeerPool.deliver`).
-    clock : callable
-        Monotonic seconds (timeouts).
     early_wait : float
         Seconds a member frame waits for its aggregate's directive (the directive and the
         source's send directive travel on different streams and may arrive in either order).
@@ -137,32 +134,32 @@ class AggregatorRole:
 
     Examples
     --------
-    >>> role = AggregatorRole("a0", bytearray, lambda m: True, print, print, None)
+    >>> role = AggregatorRole(RoleContext("a0"), bytearray, lambda m: True, print, print, None)
     >>> role.owns("agg:x:0")
     False
     """
 
     def __init__(
         self,
-        host: str,
+        context: RoleContext,
         alloc: Callable[[int], Any],
         announce: Callable[[Any], bool],
         failed: Callable[[Any], Any],
         report: Callable[[Any], Any],
         deliver: Callable[[str, Any, Any], Delivery] | None,
         *,
-        clock: Callable[[], float] = time.monotonic,
         early_wait: float = 5.0,
         remember: int = 10_000,
         enabled: bool = True,
     ) -> None:
-        self.host = host
+        self.host = context.host
+        self._submit = context.submit
         self._alloc = alloc
         self._announce = announce
         self._failed = failed
         self._report = report
         self._deliver = deliver
-        self._clock = clock
+        self._clock = context.clock
         self._early_wait = early_wait
         self._remember = remember
         self.enabled = enabled
@@ -172,6 +169,20 @@ class AggregatorRole:
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._stopping = threading.Event()
         self._sweeper: threading.Thread | None = None
+
+    def routes(self) -> Routes:
+        return Routes(
+            frames={FrameRoute.AGGREGATE_MEMBER: self.on_frame},
+            directives={
+                "aggregate": self.on_directive,
+                "send_aggregate": lambda send: self._submit(self.forward, send),  # sends: not inline
+                "drop_aggregate": lambda drop: self.drop(drop.update_id, drop.reason),
+            },
+        )
+
+    def scheduler_lost(self, reason: str) -> None:
+        """Abandon every aggregate (the scheduler forgets them too)."""
+        self.abandon_all(f"scheduler connection lost: {reason}")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -195,17 +206,6 @@ class AggregatorRole:
             self.expire(self._clock())
 
     # ------------------------------------------------------------------ directives
-
-    @staticmethod
-    def names_aggregate(update_id: str) -> bool:
-        """Whether ``update_id`` is an aggregate's id (``agg:<scope>:<index>``), held or not.
-
-        Examples
-        --------
-        >>> AggregatorRole.names_aggregate("agg:ps:3"), AggregatorRole.names_aggregate("h1/3")
-        (True, False)
-        """
-        return update_id.startswith(AGGREGATE_PREFIX)
 
     def owns(self, aggregate_id: str) -> bool:
         """Whether this daemon runs aggregate ``aggregate_id`` (so a send or drop is for it)."""

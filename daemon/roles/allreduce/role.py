@@ -31,7 +31,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +39,10 @@ from mlfabric.daemon.channels.frames import Frame, FrameHeader, error_header
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.channels.peers import PeerUnavailable
+from mlfabric.daemon.channels.routing import FrameRoute
 from mlfabric.daemon.roles.allreduce.op import AllreduceError, Key, Op, Sender, check_request
 from mlfabric.daemon.roles.allreduce.routes import routing
+from mlfabric.daemon.roles.base import Role, RoleContext, Routes
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.wire.tensors import layouts_from_pb, layouts_to_pb
 
@@ -57,39 +58,36 @@ DEFAULT_TIMEOUT = 60.0
 EARLY_WAIT = 10.0
 
 
-class AllreduceRole:
+class AllreduceRole(Role):
     """The all-reduces of this daemon's processes (thread-safe). :meth:`stop` fails what is left.
 
     Parameters
     ----------
-    host : str
-        This daemon's host.
-    control : callable
-        ``control(DaemonMessage) -> bool`` sends to the scheduler (False: not connected).
+    context : RoleContext
+        This daemon's host, the scheduler session (``send``: False when not connected), the clock.
     request : callable
         ``request(address, header, payload) -> Reply``: one frame to a peer daemon
-        (``PushSender.request``); raises ``PeerUnavailable``.
-    clock : callable
-        Monotonic seconds.
+        (:meth:`~mlfabric.daemon.channels.peers.PeerPool.request`); raises ``PeerUnavailable``.
     """
 
-    def __init__(
-        self,
-        host: str,
-        control: Callable[[Any], bool],
-        request: Callable[..., Any],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.host = host
-        self._control = control
+    def __init__(self, context: RoleContext, request: Callable[..., Any]) -> None:
+        self.host = context.host
+        self._control = context.send
         self._request = request
-        self._clock = clock
+        self._clock = context.clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._ops: dict[Key, Op] = {}
         #: recently finished or failed operations: key -> why (a late frame is refused at once)
         self._gone: collections.OrderedDict[Key, str] = collections.OrderedDict()
         self._stopping = threading.Event()
+
+    def routes(self) -> Routes:
+        return Routes(
+            requests={"allreduce": self.on_request},
+            frames={FrameRoute.ALLREDUCE_CHUNK: self.on_frame},
+            directives={"allreduce": self.on_directive, "allreduce_abort": self.on_abort},
+        )
 
     # ------------------------------------------------------------------ local API
 

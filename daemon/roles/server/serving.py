@@ -1,16 +1,21 @@
-"""The server roles a daemon hosts: hand-off of arriving updates and the published model (DESIGN §3).
+"""The server role: servers (and replicas) of this host, hand-off of arriving updates, the model.
 
 On the server's host the daemon passes each update arriving on the data plane (its memfd,
 filled by the data plane's ``alloc``) to the server process as ``DeliverUpdate``, waits for
 the process's ``UpdateVerdict`` and answers the sender with an ACK frame carrying it. A
-retried update gets the stored verdict (:class:`~mlfabric.daemon.roles.ServerHandoff`
-de-duplicates by ``update_id``), so it is never applied twice. ``get`` — a GET frame from a
-peer daemon, or a local worker's request — is answered from the model the server process
-last published (``PublishModel``, a memfd kept mapped, its CRC-32 computed at the first GET).
+retried update gets the stored verdict (each server's
+:class:`~mlfabric.daemon.roles.server.verdicts.VerdictStore`), so it is never applied twice;
+aggregates and synchronous rounds pass through
+:class:`~mlfabric.daemon.roles.server.rounds.ServerAggregation` first. ``get`` — a GET frame
+from a peer daemon, or a local worker's request — is answered from the model the server
+process last published (``PublishModel``, a memfd kept mapped, its CRC-32 computed at the
+first GET). A replica of a server is a server role here flagged as a replica until it is
+promoted (:mod:`mlfabric.daemon.roles.replica`).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -27,8 +32,10 @@ from mlfabric.daemon.channels.frames import (
 )
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.localapi import LocalConnection
-from mlfabric.daemon.roles.base import Verdict
-from mlfabric.daemon.roles.directory import spec_from_pb
+from mlfabric.daemon.channels.routing import FrameRoute
+from mlfabric.daemon.roles.base import Role, RoleContext, Routes, Verdict, already_registered, refused
+from mlfabric.daemon.roles.directory import Directory, ServerLocation, spec_from_pb
+from mlfabric.daemon.roles.registrar import Registrar
 from mlfabric.daemon.roles.replica.log import ReplicationLogs, apply_replicated
 from mlfabric.daemon.roles.server.handoff import ModelSnapshot, ServerHandoff
 from mlfabric.daemon.roles.server.rounds import ServerAggregation
@@ -44,41 +51,107 @@ _GET = dataplane_pb2.FRAME_KIND_GET
 _MODEL = dataplane_pb2.FRAME_KIND_MODEL
 
 
-class ServerRoles:
+class ServerRoles(Role):
     """The server roles on one host, keyed by (job, server name) (thread-safe).
 
     Parameters
     ----------
-    host : str
-        This host's name (in messages).
+    context : RoleContext
+        This host (its name and data-plane address in messages), the scheduler session.
+    registrar : Registrar
+        Registers the servers with the scheduler.
+    directory : Directory
+        Where every job's servers are (a server registered here is added).
     limits : FrameLimits
         What a published model may be.
     verdict_timeout : float or None
         Seconds to wait for a server process's verdict (None: until it answers or disconnects).
+    replication : ReplicationLogs, optional
+        The replication logs of the servers here that have a replica (docs/replication.md).
+    alloc : callable
+        ``alloc(nbytes)`` -> a memfd buffer for a synchronous round's sum.
+    round_timeout : float
+        Seconds a synchronous round waits for its missing workers.
     """
 
-    def __init__(self, host: str, limits: FrameLimits, verdict_timeout: float | None) -> None:
-        self.host = host
+    def __init__(
+        self,
+        context: RoleContext,
+        registrar: Registrar,
+        directory: Directory,
+        limits: FrameLimits,
+        verdict_timeout: float | None,
+        *,
+        replication: ReplicationLogs | None = None,
+        alloc: Any = allocate,
+        round_timeout: float = 60.0,
+    ) -> None:
+        self._ctx = context
+        self.host = context.host
+        self._registrar = registrar
+        self._directory = directory
         self._limits = limits
         self._verdict_timeout = verdict_timeout
-        #: aggregates' members and synchronous rounds (its ``alloc``/``round_timeout`` may be set)
-        self.aggregation = ServerAggregation(allocate)
+        #: aggregates' members and synchronous rounds
+        self.aggregation = ServerAggregation(alloc, round_timeout, context.clock)
         self._lock = threading.Lock()
         self._roles: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
-        #: replicas hosted here (keyed like their servers) not promoted yet (docs/replication.md)
-        self.replica_keys: set[tuple[str, str]] = set()
-        #: their names (re-registered after a scheduler restart)
-        self.replica_names: dict[tuple[str, str], str] = {}
-        #: the replication logs of the servers here that have a replica (set by the daemon)
-        self.replication: ReplicationLogs | None = None
+        #: replicas hosted here (keyed like their servers) not promoted yet -> their names
+        self._replicas: dict[tuple[str, str], str] = {}
+        self.replication = replication
         #: ids of updates being handed off whose payload was found finite in the CRC pass
         self._finite_checked: set[str] = set()
 
-    def add(self, conn: LocalConnection, req: Any, *, replica: bool = False) -> str | None:
+    def routes(self) -> Routes:
+        return Routes(
+            requests={"register_server": self.register, "verdict": self.verdict, "publish": self.publish},
+            frames={FrameRoute.UPDATE: self.on_frame, FrameRoute.GET: self.on_frame},
+        )
+
+    @property
+    def processes(self) -> int:
+        """Server and replica processes registered here."""
+        with self._lock:
+            return len(self._roles)
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
+        """``RegisterServerRequest``: register with the scheduler, then host the server here."""
+        req, rid = request.register_server, request.request_id
+        if already_registered(conn, rid):
+            return fd
+        message = control_pb2.RegisterRole(
+            job=req.job,
+            name=req.name,
+            role=control_pb2.ROLE_SERVER,
+            model=req.model,
+            params=req.params,
+            version=req.version,
+        )
+
+        def on_ack(ack: Any) -> None:
+            if refused(conn, rid, ack, self._ctx):
+                return
+            taken = self.add(conn, req)
+            if taken is not None:
+                conn.error(rid, "refused", taken)
+                return
+            spec = spec_from_pb(req.model)
+            self._directory.update(req.job, ack.servers)
+            location = ServerLocation(req.name, self.host, self._ctx.data_address, spec, req.version)
+            self._directory.add(req.job, location)
+            reply = local_pb2.RegisterReply(params=req.params, servers=ack.servers)
+            conn.send(local_pb2.LocalEvent(request_id=rid, registered=reply))
+
+        self._registrar.register(message, on_ack)
+        return fd
+
+    def add(self, conn: LocalConnection, req: Any, *, replica: str | None = None) -> str | None:
         """Host server ``req`` (a ``RegisterServerRequest``) for ``conn``; an error message if taken.
 
-        ``replica``: ``conn`` is a replica of that server (it applies only replicated entries
-        until :meth:`promote`).
+        ``replica``: ``conn`` is the replica of that server with this name (it applies only
+        replicated entries until :meth:`promote`).
         """
         key = (req.job, req.name)
 
@@ -111,9 +184,45 @@ class ServerRoles:
             conn.role, conn.job, conn.name = "server", req.job, req.name
             handoff = ServerHandoff(req.job, req.name, spec_from_pb(req.model), req.version, deliver)
             self._roles[key] = (handoff, conn, req.params)
-            if replica:
-                self.replica_keys.add(key)
+            if replica is not None:
+                self._replicas[key] = replica
         return None
+
+    def register_again(self) -> None:
+        """Register every server hosted here again, at its current version (not the replicas)."""
+        with self._lock:
+            entries = [e for k, e in self._roles.items() if k not in self._replicas]
+        for handoff, _, params in entries:
+            message = control_pb2.RegisterRole(
+                job=handoff.job,
+                name=handoff.name,
+                role=control_pb2.ROLE_SERVER,
+                params=params,
+                version=handoff.version,
+                model=[
+                    control_pb2.TensorSpec(name=n, dtype=d, shape=list(s))
+                    for n, (d, s) in handoff.spec.items()
+                ],
+            )
+            self._registrar.register(
+                message, functools.partial(self._registrar.log_answer, handoff.job, handoff.name)
+            )
+
+    def connection_closed(self, conn: LocalConnection) -> None:
+        """A server (or replica) process went away: drop what waits for it, tell the scheduler."""
+        if conn.role != "server":
+            return
+        replica = self.is_replica(conn)
+        self.remove(conn)
+        role = control_pb2.ROLE_REPLICA if replica else control_pb2.ROLE_SERVER
+        message = control_pb2.UnregisterRole(job=conn.job, role=role, name=conn.name)
+        self._ctx.send(control_pb2.DaemonMessage(unregister_role=message))
+
+    def stop(self) -> None:
+        """Resolve every waiting hand-off (the daemon is shutting down)."""
+        self.close_all(f"daemon of host {self.host!r} shut down")
+
+    # ------------------------------------------------------------------ the servers and replicas here
 
     def handoff(self, job: str, server: str) -> ServerHandoff | None:
         """The hand-off of server (or replica) ``server`` of ``job`` here, or None."""
@@ -121,19 +230,38 @@ class ServerRoles:
             entry = self._roles.get((job, server))
         return entry[0] if entry is not None else None
 
+    def hosts(self, job: str, server: str) -> bool:
+        """Whether server ``server`` of ``job`` runs on this host (not as a replica)."""
+        with self._lock:
+            return (job, server) in self._roles and (job, server) not in self._replicas
+
     def is_replica(self, conn: LocalConnection) -> bool:
         """Whether ``conn`` is a replica here that has not been promoted."""
         with self._lock:
             entry = self._roles.get((conn.job, conn.name))
-            return entry is not None and entry[1] is conn and (conn.job, conn.name) in self.replica_keys
+            return entry is not None and entry[1] is conn and (conn.job, conn.name) in self._replicas
+
+    def replicas(self) -> list[tuple[str, str]]:
+        """(job, server) of every replica here not promoted yet, sorted."""
+        with self._lock:
+            return sorted(self._replicas)
+
+    def replica_name(self, job: str, server: str) -> str | None:
+        """The name of the replica of ``server`` here, or None if there is none (any more)."""
+        with self._lock:
+            return self._replicas.get((job, server))
+
+    def replica(self, job: str, server: str) -> tuple[ServerHandoff, LocalConnection] | None:
+        """The hand-off and connection of the replica of ``server`` here, or None."""
+        with self._lock:
+            entry = self._roles.get((job, server)) if (job, server) in self._replicas else None
+        return None if entry is None else (entry[0], entry[1])
 
     def promote(self, job: str, server: str) -> LocalConnection | None:
         """The replica of ``server`` here becomes the server; its connection, or None if none."""
         with self._lock:
-            if (job, server) not in self.replica_keys:
+            if self._replicas.pop((job, server), None) is None:
                 return None
-            self.replica_keys.discard((job, server))
-            self.replica_names.pop((job, server), None)
             return self._roles[(job, server)][1]
 
     def remove(self, conn: LocalConnection) -> bool:
@@ -143,8 +271,7 @@ class ServerRoles:
             if entry is None or entry[1] is not conn:
                 return False
             del self._roles[(conn.job, conn.name)]
-            self.replica_keys.discard((conn.job, conn.name))
-            self.replica_names.pop((conn.job, conn.name), None)
+            self._replicas.pop((conn.job, conn.name), None)
         if self.replication is not None:
             self.replication.close(conn.job, conn.name)
         entry[0].close(f"server process {conn.name!r} of job {conn.job!r} on host {self.host!r} disconnected")
@@ -157,32 +284,6 @@ class ServerRoles:
             self._roles.clear()
         for handoff, _, _ in entries:
             handoff.close(reason)
-
-    def registrations(self) -> list[Any]:
-        """``RegisterRole`` messages re-registering every hosted server at its current version."""
-        with self._lock:
-            entries = [e for k, e in self._roles.items() if k not in self.replica_keys]
-        messages = []
-        for handoff, _, params in entries:
-            messages.append(
-                control_pb2.RegisterRole(
-                    job=handoff.job,
-                    name=handoff.name,
-                    role=control_pb2.ROLE_SERVER,
-                    params=params,
-                    version=handoff.version,
-                    model=[
-                        control_pb2.TensorSpec(name=n, dtype=d, shape=list(s))
-                        for n, (d, s) in handoff.spec.items()
-                    ],
-                )
-            )
-        return messages
-
-    def hosts(self, job: str, server: str) -> bool:
-        """Whether server ``server`` of ``job`` runs on this host."""
-        with self._lock:
-            return (job, server) in self._roles and (job, server) not in self.replica_keys
 
     def _own(self, conn: LocalConnection) -> ServerHandoff | None:
         with self._lock:
@@ -270,7 +371,7 @@ class ServerRoles:
         if entry is None:
             return self._error(f"no server {h.server!r} of job {h.job!r} on host {self.host!r}", h.update_id)
         handoff = entry[0]
-        is_replica = (h.job, h.server) in self.replica_keys
+        is_replica = (h.job, h.server) in self._replicas
         where = f"server {h.server!r} of job {h.job!r}"
         if is_replica != bool(h.replica_version):
             what = "is only a replica here" if is_replica else "is served here, not replicated"

@@ -1,12 +1,15 @@
-"""The worker side of a daemon: moving held updates to their next hop, and fetching models.
+"""The worker side of a daemon: moving held updates to their next hop, and resolving them.
 
 On a ``SendDirective`` the daemon sends the update's memfd with ``sendfile`` to the next hop
-(MLfabric §4: daemons move the bytes, the scheduler only decides). A peer that cannot be
-reached or vanishes mid-transfer is retried a bounded number of times with exponential
-backoff — safe, because the receiving daemon de-duplicates by ``update_id`` — and then the
-push resolves DROPPED naming the peer and the error. Either way the push is resolved (never
-silently lost) and the transfer is reported to the scheduler with its bytes, start, end,
-measured throughput and outcome.
+(MLfabric §4: daemons move the bytes, the scheduler only decides), through
+:meth:`~mlfabric.daemon.channels.peers.PeerPool.deliver`: a peer that certainly got nothing is
+retried a bounded number of times with exponential backoff, and then the push resolves DROPPED
+naming the peer and the error; a frame that may have reached the server's daemon is never sent
+again and the push resolves UNKNOWN. An ACK resolves it with the server's verdict; a send to
+an aggregator keeps it HELD until the aggregate's verdict. Either way the push is resolved
+(never silently lost) and the transfer is reported to the scheduler with its bytes, start, end,
+measured throughput and outcome. A transfer to a replicated server that failed over is
+announced again instead (docs/replication.md).
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from mlfabric.daemon.channels.frames import FileSpan, FrameHeader
-from mlfabric.daemon.channels.localapi import LocalConnection
-from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
-from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.channels.peers import PeerPool
+from mlfabric.daemon.roles.base import RoleContext, Verdict
+from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.worker.fallback import update_ready
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.wire.memfd import PooledBuffer, allocate
 from mlfabric.wire.tensors import layouts_to_pb
 
 __all__ = ["PushSender"]
@@ -32,18 +34,19 @@ __all__ = ["PushSender"]
 _LOG = logging.getLogger("mlfabric.daemon")
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _ACK = dataplane_pb2.FRAME_KIND_ACK
-_GET = dataplane_pb2.FRAME_KIND_GET
-_MODEL = dataplane_pb2.FRAME_KIND_MODEL
 _DROPPED = control_pb2.OUTCOME_DROPPED
+
+#: seconds an update whose transfer to a replicated server failed waits for the failover
+FAILOVER_WAIT = 3.0
 
 
 class PushSender:
-    """Executes send directives for the pushes a daemon holds, and fetches remote models.
+    """Executes send directives for the pushes a daemon holds, and resolves them.
 
     Parameters
     ----------
-    host : str
-        This daemon's host name.
+    context : RoleContext
+        This daemon's host name, its stopping flag.
     pool : PeerPool
         Connections to peer daemons (its ``deliver`` retries and says when a frame may have
         arrived).
@@ -51,28 +54,38 @@ class PushSender:
         The pushes held until they resolve.
     report : callable
         ``report(TransferReport)`` sends a report to the scheduler.
+    directory : Directory
+        Where the servers are (a failed-over server's new place).
+    reannounce : callable, optional
+        ``reannounce(push, reason)`` announces a push again (its server failed over; the
+        fallback's :meth:`~mlfabric.daemon.roles.worker.fallback.Fallback.announce_or_keep`);
+        None: a push is never re-routed.
+    on_finish : callable, optional
+        ``on_finish(push)`` after a push resolved (the worker role gives back its push budget).
     """
 
     def __init__(
         self,
-        host: str,
+        context: RoleContext,
         pool: PeerPool,
         outgoing: OutgoingPushes,
         report: Callable[[Any], Any],
+        directory: Directory,
+        *,
+        reannounce: Callable[[PendingPush, str], None] | None = None,
+        on_finish: Callable[[PendingPush], None] | None = None,
     ) -> None:
-        self.host = host
+        self._ctx = context
+        self.host = context.host
         self._pool = pool
         self.outgoing = outgoing
         self._report = report
+        self._directory = directory
+        self._reannounce = reannounce
+        self._on_finish = on_finish
         self._lock = threading.Lock()
         #: held pushes an aggregator summed (ACKed): update id -> (aggregate id, aggregator host)
         self._summed: dict[str, tuple[str, str]] = {}
-        #: ``on_finish(push)`` after a push resolved (the daemon gives back its push budget).
-        self.on_finish: Callable[[PendingPush], None] | None = None
-        #: ``reroute(push, host, report_first) -> bool``: the update's transfer to ``host`` failed
-        #: (never applied there, or maybe but unanswered); if its server failed over, call
-        #: ``report_first()`` then announce it anew and return True (docs/replication.md)
-        self.reroute: Callable[[PendingPush, str, Callable[[], None]], bool] | None = None
 
     def finish(self, push: PendingPush, verdict: Verdict) -> None:
         """Resolve a push: close its memfd, tell its process."""
@@ -87,8 +100,8 @@ class PushSender:
             reason=verdict.reason,
         )
         push.owner.send(local_pb2.LocalEvent(request_id=push.request_id, push_result=result))
-        if self.on_finish is not None:
-            self.on_finish(push)
+        if self._on_finish is not None:
+            self._on_finish(push)
 
     def transfer(self, push: PendingPush, send: Any) -> None:
         """Move one update to its next hop (retrying a vanished peer), then resolve and report it.
@@ -194,12 +207,8 @@ class PushSender:
             self._hold_for_aggregate(push, report, verdict, received)
             return
         unanswered = maybe_sent or not received or verdict.outcome == control_pb2.OUTCOME_UNKNOWN
-        if unanswered and self.reroute is not None:
-            failed = control_pb2.TransferReport()
-            failed.CopyFrom(report)
-            failed.ok, failed.error = False, report.error or verdict.reason  # no outcome: not resolved
-            if self.reroute(push, send.next_hop_host, lambda: self._report(failed)):
-                return  # announced again: it goes to the promoted replica
+        if unanswered and self._failed_over(push, send.next_hop_host, report, verdict):
+            return  # announced again: it goes to the promoted replica
         report.outcome, report.delay, report.server_version = verdict.outcome, verdict.delay, verdict.version
         report.reason = verdict.reason
         taken = self.outgoing.take(push.update_id)
@@ -259,28 +268,38 @@ class PushSender:
         self.finish(push, verdict)
         return True
 
-    def remote_model(self, conn: LocalConnection, rid: int, job: str, server: str, address: str) -> None:
-        """Answer a local ``get`` for a server on another host: GET frame -> MODEL -> memfd to ``conn``."""
-        header = FrameHeader(kind=_GET, job=job, server=server, src_host=self.host)
-        try:
-            reply = self._pool.request(address, header, alloc=allocate)
-        except PeerUnavailable as exc:
-            conn.error(rid, "unavailable", f"get from server {server!r} of job {job!r}: {exc}")
-            return
-        buffer = reply.buffer if isinstance(reply.buffer, PooledBuffer) else allocate(0)
-        reply.payload.release()
-        try:
-            if reply.header.kind != _MODEL:
-                conn.error(
-                    rid, "unavailable", f"get from server {server!r} of job {job!r}: {reply.header.reason}"
-                )
-                return
-            model = local_pb2.ModelReply(
-                version=reply.header.version,
-                tensors=reply.header.tensors,
-                payload_bytes=reply.header.payload_bytes,
-                has_payload=True,
-            )
-            conn.send(local_pb2.LocalEvent(request_id=rid, model=model), buffer.fd)
-        finally:
-            buffer.release()
+    def _failed_over(self, push: PendingPush, host: str, report: Any, verdict: Verdict) -> bool:
+        """The transfer of ``push`` to ``host`` got no verdict: announce it again if its server failed over.
+
+        Only for a server that has a replica (or already failed over from ``host``): wait up to
+        :data:`FAILOVER_WAIT` s for the ``JobUpdate`` naming the promoted replica, then report
+        the failed transfer (no outcome: not resolved) and announce the update again; the
+        scheduler sends it to the promoted replica, whose daemon answers from memory an update
+        it already applied (replicated from the server) and applies one it lacks — which the
+        surviving model then holds exactly once. False (resolve as before) when the server did
+        not fail over (docs/replication.md).
+        """
+        if self._reannounce is None:
+            return False
+        loc = self._directory.wait_for_failover(
+            push.job, push.server, host, FAILOVER_WAIT, self._ctx.stopping
+        )
+        if loc is None:
+            return False
+        failed = control_pb2.TransferReport()
+        failed.CopyFrom(report)
+        failed.ok, failed.error = False, report.error or verdict.reason  # no outcome: not resolved
+        self._report(failed)
+        if self.outgoing.requeue(push.update_id) is None:
+            return True  # resolved meanwhile (e.g. the daemon stopping)
+        _LOG.warning(
+            "%s: server %r failed over from %r to %r; announced again",
+            push.update_id,
+            push.server,
+            host,
+            loc.host,
+        )
+        self._reannounce(
+            push, f"server {push.server!r} failed over; the scheduler is away: {push.update_id} not sent"
+        )
+        return True
