@@ -270,7 +270,7 @@ class Daemon:
                     raise ValueError(
                         f"{type(role).__name__} claims kinds another role owns: {sorted(map(str, taken))}"
                     )
-                table.update(owned)  # type: ignore[attr-defined]
+                table.update(owned)
         self._ticker = Ticker(0.1, [self.receive_buffers.trim, *(role.tick for role in self._roles)])
 
     @property

@@ -1,11 +1,5 @@
 """Data-plane framing: daemon <-> daemon bulk transfer of updates and models (DESIGN §7, §9).
 
-NOTE (changes after the API was published, all additive): ``send_frame`` computes a missing CRC
-while sending and appends it as a trailer (new ``FrameHeader.crc_trailer``); ``recv_frame``
-stores the verified CRC in ``frame.header.payload_crc32``; ``send_frame(..., zero_copy=True)``
-sends a :class:`FileSpan` with ``os.sendfile`` by default (from a mapping with ``sendall`` if
-False).
-
 A frame on the wire (see ``proto/mlfabric/v1/dataplane.proto``)::
 
     b"MLF1" | 4-byte big-endian header length | FrameHeader | payload | [CRC-32 trailer]
@@ -26,7 +20,9 @@ Pass the CRC in when it is known (e.g. computed when the update was handed to th
 sender then never reads the payload itself.
 
 Every rule a frame can break raises :class:`FrameError` naming the problem. Functions here are
-blocking and thread-safe as long as each socket is used by one thread at a time.
+blocking and thread-safe as long as each socket is used by one thread at a time. With
+:mod:`.payloadio` this is where bytes go in and out (the data path's speed work belongs here;
+connections to peers are :mod:`.peers`).
 """
 
 from __future__ import annotations
@@ -54,6 +50,7 @@ from mlfabric.daemon.channels.payloadio import (
     non_finite_reason,
     payload_crc32,
     payload_length,
+    release_payload,
     update_frames,
 )
 from mlfabric.daemon.channels.ratelimit import TokenBucket
@@ -79,7 +76,6 @@ __all__ = [
     "payload_crc32",
     "payload_length",
     "recv_frame",
-    "release_payload",
     "send_frame",
     "update_frames",
 ]
@@ -201,24 +197,6 @@ class Frame:
         """Done with the payload: drop the view and give its buffer back (a pooled memfd goes back
         for the next frame; a ``bytearray`` is left to the collector). Idempotent."""
         release_payload(self.payload, self.buffer)
-
-
-def release_payload(payload: memoryview, buffer: Any) -> None:
-    """Release ``payload`` (a view) and ``buffer`` (what ``alloc`` gave, if it has ``release``).
-
-    Examples
-    --------
-    >>> buf = bytearray(4)
-    >>> view = memoryview(buf)
-    >>> release_payload(view, buf)
-    >>> len(view)
-    Traceback (most recent call last):
-    ValueError: operation forbidden on released memoryview object
-    """
-    payload.release()
-    release = getattr(buffer, "release", None)
-    if release is not None:
-        release()
 
 
 class FrameError(Exception):

@@ -1,7 +1,10 @@
-"""Payload I/O helpers of the data plane: memfd spans, mapping, sendfile, and a pipelined CRC-32.
+"""Moving a payload's bytes on the data plane: memfd spans and their mapping, ``sendfile``, the
+pipelined CRC-32 with the NaN/inf scan, releasing a received payload (DESIGN §9).
 
-Split out of :mod:`mlfabric.daemon.channels.frames` (which re-exports :class:`FileSpan`,
-:func:`payload_length` and :func:`payload_crc32`); see there for the frame format.
+:mod:`mlfabric.daemon.channels.frames` says what a frame is (header, limits, checks) and sends and
+receives it with these (it re-exports :class:`FileSpan`, :func:`payload_length` and
+:func:`payload_crc32`); together they are the one place bytes go in and out of a daemon, where
+the data path's speed work belongs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "non_finite_reason",
     "payload_crc32",
     "payload_length",
+    "release_payload",
     "update_frames",
 ]
 
@@ -125,6 +129,24 @@ def non_finite_reason(tensor: str, update_id: str, refused_by: str) -> str:
         f"tensor {tensor!r} of {update_id} holds non-finite values (NaN or inf); {refused_by} "
         "refuses them (Params(refuse_non_finite=False) allows them)"
     )
+
+
+def release_payload(payload: memoryview, buffer: Any) -> None:
+    """Release ``payload`` (a view) and ``buffer`` (what ``alloc`` gave, if it has ``release``).
+
+    Examples
+    --------
+    >>> buf = bytearray(4)
+    >>> view = memoryview(buf)
+    >>> release_payload(view, buf)
+    >>> len(view)
+    Traceback (most recent call last):
+    ValueError: operation forbidden on released memoryview object
+    """
+    payload.release()
+    release = getattr(buffer, "release", None)
+    if release is not None:
+        release()
 
 
 @contextlib.contextmanager

@@ -38,9 +38,9 @@ from mlfabric.daemon.channels.frames import (
     Payload,
     TransferStats,
     recv_frame,
-    release_payload,
     send_frame,
 )
+from mlfabric.daemon.channels.payloadio import release_payload
 from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.daemon.channels.sockets import format_address, parse_address, tune_socket
 from mlfabric.proto.v1 import dataplane_pb2

@@ -42,7 +42,7 @@ class Peer:
 def _pool(peer: Peer) -> PeerPool:
     """A pool whose every attempt goes to ``peer`` (3 attempts, no backoff)."""
     pool = PeerPool(FrameLimits(), send_attempts=3, retry_backoff=0.0)
-    pool.request = peer  # type: ignore[method-assign]
+    pool.request = peer
     return pool
 
 

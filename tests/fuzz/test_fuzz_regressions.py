@@ -43,7 +43,7 @@ def test_a_waiting_registration_stops_when_its_process_disconnects(
         attempts.append(time.monotonic())
         register(message, on_ack)
 
-    daemon.registrar.register = counting  # type: ignore[method-assign]
+    daemon.registrar.register = counting
     daemon.start(timeout=10)
     try:
         request = local_pb2.LocalRequest(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 if TYPE_CHECKING:
-    from mlfabric.daemon.channels.peers import Delivery
+    from mlfabric.daemon.channels.peers import Delivery, Reply
 
 __all__ = ["carried", "fill_forward_report", "fill_parent_report", "fill_server_report", "flatten", "overlap"]
 
@@ -117,7 +117,7 @@ def flatten(members: Mapping[str, Any], summed: Mapping[str, list[Any]]) -> list
     return out
 
 
-def fill_parent_report(report: Any, reply: Any, members: Iterable[Any]) -> str:
+def fill_parent_report(report: Any, reply: Reply, members: Iterable[Any]) -> str:
     """Fill the report of a forward into a parent aggregate from the parent's reply.
 
     Parameters
@@ -151,7 +151,7 @@ def fill_parent_report(report: Any, reply: Any, members: Iterable[Any]) -> str:
     return ""
 
 
-def fill_server_report(report: Any, reply: Any, members: Iterable[Any]) -> None:
+def fill_server_report(report: Any, reply: Reply, members: Iterable[Any]) -> None:
     """Fill the report of a forward to the server from its daemon's reply (ACK or ERROR).
 
     The ACK's verdict and its member verdicts (each member the aggregate's verdict when the

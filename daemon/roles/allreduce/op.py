@@ -11,6 +11,7 @@ import mmap
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,11 +84,12 @@ class Sender:
     one queue (in queue order), the next chunk is already on the wire while the peer sums and
     ACKs the previous one, so the ACK's round trip (behind the reverse direction's queue on a
     shaped link) does not idle the link. Chunks may arrive out of order; the receiver keys
-    everything by chunk index.
+    everything by chunk index. ``send_chunk(op, peer, phase, index) -> bool`` sends one (False:
+    the operation failed, the thread ends).
     """
 
-    def __init__(self, role: Any, op: Op, peer: Any) -> None:
-        self.role, self.op, self.peer = role, op, peer
+    def __init__(self, send_chunk: Callable[[Op, Any, int, int], bool], op: Op, peer: Any) -> None:
+        self._send_chunk, self.op, self.peer = send_chunk, op, peer
         self.queue: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self.threads = [
             threading.Thread(target=self._run, name="allreduce-send", daemon=True) for _ in range(SEND_WINDOW)
@@ -97,7 +99,7 @@ class Sender:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            if not self.role.send_chunk(self.op, self.peer, *item):
+            if not self._send_chunk(self.op, self.peer, *item):
                 return
 
     def stop(self) -> None:

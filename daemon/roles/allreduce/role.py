@@ -183,7 +183,7 @@ class AllreduceRole(Role):
                 op.have = [False] * n
                 op.forwarded = [0] * n
                 op.state = "planned"
-                op.senders = {p: Sender(self, op, peer) for p, peer in r.peers.items()}
+                op.senders = {p: Sender(self.send_chunk, op, peer) for p, peer in r.peers.items()}
         if problem is not None:
             self.fail(key, "allreduce_failed", problem)
             return

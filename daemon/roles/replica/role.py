@@ -35,6 +35,7 @@ from typing import Any
 
 from mlfabric.daemon.channels.frames import Frame, FrameHeader, error_header
 from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
 from mlfabric.daemon.channels.routing import FrameRoute
 from mlfabric.daemon.roles.base import Role, RoleContext, Routes, already_registered, model_reply, refused
@@ -109,7 +110,7 @@ class ReplicaRole(Role):
 
     # ------------------------------------------------------------------ registration
 
-    def register(self, conn: Any, request: Any, fd: int | None) -> int | None:
+    def register(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
         """``RegisterReplicaRequest``: register with the scheduler, then attach (on the task pool)."""
         req, rid = request.register_replica, request.request_id
         if already_registered(conn, rid):
@@ -132,7 +133,7 @@ class ReplicaRole(Role):
         self._registrar.register(message, on_ack)
         return fd
 
-    def _attach(self, conn: Any, rid: int, req: Any, ack: Any) -> None:
+    def _attach(self, conn: LocalConnection, rid: int, req: Any, ack: Any) -> None:
         """Fetch the server's model (attaching this replica) and take the replica role."""
         where = f"server {req.server!r} of job {req.job!r}"
         server = next((s for s in ack.servers if s.name == req.server), None)

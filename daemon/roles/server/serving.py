@@ -19,6 +19,7 @@ import functools
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mlfabric.daemon.channels.frames import (
@@ -83,7 +84,7 @@ class ServerRoles(Role):
         verdict_timeout: float | None,
         *,
         replication: ReplicationLogs | None = None,
-        alloc: Any = allocate,
+        alloc: Callable[[int], Any] = allocate,
         round_timeout: float = 60.0,
     ) -> None:
         self._ctx = context

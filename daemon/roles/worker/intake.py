@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mlfabric.daemon.channels.budget import BudgetExceeded, ByteBudget
@@ -81,6 +82,11 @@ class WorkerRole(Role):
         Seconds a push waits for push budget.
     """
 
+    #: the pushes held until they resolve, how they are sent, the fallback while the scheduler is away
+    outgoing: OutgoingPushes
+    sender: PushSender
+    fallback: Fallback
+
     def __init__(
         self,
         context: RoleContext,
@@ -89,7 +95,7 @@ class WorkerRole(Role):
         peers: PeerPool,
         serving: ServerRoles,
         budget: ByteBudget,
-        report: Any,
+        report: Callable[[Any], Any],
         *,
         limits: FrameLimits,
         fallback_after: float | None,
@@ -205,23 +211,25 @@ class WorkerRole(Role):
             return self._workers.get(conn.conn_id) is conn
 
     def _registered_again(self, conn: LocalConnection) -> OnAck:
+        conn_id, job, name = conn.conn_id, conn.job, conn.name
+
         def on_ack(ack: Any) -> None:
             with self._lock:
-                if self._workers.get(conn.conn_id) is not conn:
+                if self._workers.get(conn_id) is not conn:
                     return  # the worker's process went away meanwhile
                 if ack is not None and ack.code == _UNKNOWN_JOB:
                     why = f"refused ({ack.error}); retrying until the job's server is back"
-                    self._unregistered[conn.conn_id] = (False, why)
+                    self._unregistered[conn_id] = (False, why)
                 elif ack is not None and ack.ok:
-                    self._unregistered.pop(conn.conn_id, None)
+                    self._unregistered.pop(conn_id, None)
                 elif ack is not None:
-                    self._unregistered[conn.conn_id] = (True, ack.error)
+                    self._unregistered[conn_id] = (True, ack.error)
             if ack is not None and ack.code == _UNKNOWN_JOB:
                 return  # registered again later
-            if self._registrar.log_answer(conn.job, conn.name, ack):
-                for ready in self.sender.unhold(conn.job, conn.name):  # held for an aggregate it never saw
+            if self._registrar.log_answer(job, name, ack):
+                for ready in self.sender.unhold(job, name):  # held for an aggregate it never saw
                     self._ctx.send(control_pb2.DaemonMessage(update_ready=ready))
-                self.fallback.announce_worker(conn.job, conn.name)  # kept while it was away
+                self.fallback.announce_worker(job, name)  # kept while it was away
 
         return on_ack
 
