@@ -9,33 +9,8 @@ face for training code and the client (:mod:`mlfabric.api`, :mod:`mlfabric.serve
 
 from __future__ import annotations
 
-from mlfabric.wire.tensors import (
-    DTYPES,
-    FiniteScan,
-    Layout,
-    TensorError,
-    decode,
-    dtype_name,
-    encode_into,
-    first_non_finite,
-    l2_norm,
-    layouts_from_pb,
-    layouts_to_pb,
-    plan_layout,
-)
+from mlfabric.wire import tensors as _codec
+from mlfabric.wire.tensors import *  # noqa: F403 - the codec's public names, as they are there
 from mlfabric.wire.tensors import _is_torch as _is_torch  # the client's torch detection
 
-__all__ = [
-    "DTYPES",
-    "FiniteScan",
-    "Layout",
-    "TensorError",
-    "decode",
-    "dtype_name",
-    "encode_into",
-    "first_non_finite",
-    "l2_norm",
-    "layouts_from_pb",
-    "layouts_to_pb",
-    "plan_layout",
-]
+__all__ = list(_codec.__all__)

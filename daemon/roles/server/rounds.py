@@ -266,12 +266,9 @@ class ServerAggregation:
         h = frame.header
         members = members_of(h)
         ids = [m.update_id for m in members]
-        stored = handoff.verdicts.stored(h.update_id)
-        if stored is not None:
-            known = handoff.verdicts.members(h.update_id)
-            if not h.members or sorted(v.update_id for v in known) == sorted(ids):
-                return stored, known  # a re-sent copy: the verdict it got
-            return self._reused(h, members, handoff)
+        answered = self._answered(h, members, handoff)
+        if answered is not None:
+            return answered
         done = handoff.verdicts.claim(ids, h.update_id)
         if done:
             return self._already_resolved(h, members, done, handoff)
@@ -307,12 +304,9 @@ class ServerAggregation:
         h = frame.header
         members = members_of(h)
         ids = [m.update_id for m in members]
-        stored = handoff.verdicts.stored(h.update_id)
-        if stored is not None:
-            known = handoff.verdicts.members(h.update_id)
-            if not h.members or sorted(v.update_id for v in known) == sorted(ids):
-                return stored, known
-            return self._reused(h, members, handoff)
+        answered = self._answered(h, members, handoff)
+        if answered is not None:
+            return answered
         done = handoff.verdicts.claim(ids, h.update_id)
         try:
             if not h.members:
@@ -325,6 +319,22 @@ class ServerAggregation:
             return self._refuse(h, members, done, handoff, reason, remember=True)
         finally:
             handoff.verdicts.release(ids, h.update_id)
+
+    def _answered(
+        self, h: Any, members: list[Any], handoff: ServerHandoff
+    ) -> tuple[Verdict, list[Any]] | None:
+        """The answer to a frame whose id is decided here already, else None.
+
+        A re-sent copy gets the verdict (and member verdicts) the first got; the same id with
+        other members is refused (:meth:`_reused`).
+        """
+        stored = handoff.verdicts.stored(h.update_id)
+        if stored is None:
+            return None
+        known = handoff.verdicts.members(h.update_id)
+        if not h.members or sorted(v.update_id for v in known) == sorted(m.update_id for m in members):
+            return stored, known  # a re-sent copy: the verdict it got
+        return self._reused(h, members, handoff)
 
     def _rounds_of(self, handoff: ServerHandoff, params: Any) -> SyncRounds:
         key = (handoff.job, handoff.name)
