@@ -1,4 +1,4 @@
-"""Frame encoding and decoding (daemon/dataplane.py) over socket pairs."""
+"""Frame encoding and decoding (daemon/channels/frames.py) over socket pairs."""
 
 from __future__ import annotations
 

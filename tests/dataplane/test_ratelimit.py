@@ -1,4 +1,4 @@
-"""Token bucket (daemon/ratelimit.py): rate accuracy with a fake clock, sharing, thread safety."""
+"""Token bucket (daemon/channels/ratelimit.py): rate accuracy with a fake clock, sharing, thread safety."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The scheduler only decides when an update moves (MLfabric §4); the bytes never 
 it. So when its control stream is down for longer than ``after`` seconds, a daemon need not
 drop the pushes it holds: it falls back to *direct sends* — each waiting update goes straight
 to its server's daemon, whose data address the daemon knows from the last ``RoleAck`` or
-``JobUpdate`` (:class:`~mlfabric.daemon.roles.Directory`). Concurrent direct sends share the
+``JobUpdate`` (:class:`~mlfabric.daemon.roles.directory.Directory`). Concurrent direct sends share the
 links as TCP shares them (plain fair sharing). tau_max is still enforced where it always is:
 the server compares each update's ``base_version`` with its version and drops a stale one.
 
@@ -17,7 +17,7 @@ the scheduler cannot send it a second time. The server's daemon de-duplicates by
 ``update_id`` in any case.
 
 :class:`Fallback` does no I/O itself: the daemon passes in how to announce a push and how to
-send it; :meth:`Fallback.tick` is called periodically (:class:`~mlfabric.daemon.channels.budget.Ticker`).
+send it; :meth:`Fallback.tick` is called periodically (:class:`~mlfabric.daemon.host.Ticker`).
 """
 
 from __future__ import annotations
