@@ -1,4 +1,4 @@
-"""Listener and peer pool (daemon/channels/listener.py, daemon/channels/peers.py) against real sockets on 127.0.0.1:0."""
+"""Listener and peer pool (daemon/channels/listener.py, peers.py) against real sockets on 127.0.0.1:0."""
 
 from __future__ import annotations
 
