@@ -173,7 +173,10 @@ class DataPlaneListener:
         bound = server.getsockname()
         self.address = format_address(bound[0], bound[1])
         self._accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"dataplane-accept-{self.address}", daemon=True
+            target=accept_until_stopped,
+            args=(server, self._stopping, self._accepted),
+            name=f"dataplane-accept-{self.address}",
+            daemon=True,
         )
         self._accept_thread.start()
         return self.address
@@ -195,11 +198,6 @@ class DataPlaneListener:
                 sock.shutdown(socket.SHUT_RDWR)
         for _sock, thread in conns:
             thread.join(timeout)
-
-    def _accept_loop(self) -> None:
-        server = self._server
-        assert server is not None
-        accept_until_stopped(server, self._stopping, self._accepted)
 
     def _accepted(self, sock: socket.socket, peer: Any) -> None:
         tune_socket(sock)

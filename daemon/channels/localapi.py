@@ -163,7 +163,12 @@ class LocalApiServer:
         server.bind(self.path)
         server.listen(64)
         self._server = server
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="local-accept", daemon=True)
+        self._accept_thread = threading.Thread(
+            target=accept_until_stopped,
+            args=(server, self._stopping, self._accepted),
+            name="local-accept",
+            daemon=True,
+        )
         self._accept_thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -184,11 +189,6 @@ class LocalApiServer:
             conn.close()
         for _, thread in conns:
             thread.join(timeout)
-
-    def _accept_loop(self) -> None:
-        server = self._server
-        assert server is not None
-        accept_until_stopped(server, self._stopping, self._accepted)
 
     def _accepted(self, sock: socket.socket, _peer: Any) -> None:
         conn = LocalConnection(next(self._ids), sock)

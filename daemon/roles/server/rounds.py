@@ -27,6 +27,7 @@ before the server process sees it (paper §5; DESIGN §3):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -263,36 +264,39 @@ class ServerAggregation:
             ``hand_off(update_id, header, buffer) -> Verdict`` delivers a payload to the server
             process and waits for its verdict.
         """
+        return self._once(frame, handoff, functools.partial(self._apply, frame, handoff, params, hand_off))
+
+    def _apply(
+        self,
+        frame: Frame,
+        handoff: ServerHandoff,
+        params: Any,
+        hand_off: HandOff,
+        members: list[Any],
+        done: dict[str, Verdict],
+    ) -> tuple[Verdict, list[Any]]:
+        """:meth:`handle` with the members claimed (``done``: those resolved here already)."""
         h = frame.header
-        members = members_of(h)
-        ids = [m.update_id for m in members]
-        answered = self._answered(h, members, handoff)
-        if answered is not None:
-            return answered
-        done = handoff.verdicts.claim(ids, h.update_id)
         if done:
             return self._already_resolved(h, members, done, handoff)
-        try:
-            if params is None or params.sync_workers <= 0:
-                verdict = hand_off(h.update_id, h, frame.buffer)
-                if not h.members:
-                    return verdict, []  # a plain update: the process's verdict, stored by the hand-off
-            else:
-                verdict = self._rounds_of(handoff, params).join(frame, members, hand_off)
-            verdicts = member_verdicts(members, verdict)
-            if h.members:
-                for v in verdicts:
-                    handoff.verdicts.resolve(v.update_id, _as_verdict(v, verdict.version))
-                oldest = max(v.delay for v in verdicts)
-                verdict = Verdict(verdict.outcome, oldest, verdict.version, verdict.reason)
-                handoff.verdicts.resolve(h.update_id, verdict)
-                handoff.verdicts.keep_members(h.update_id, verdicts)
-                return verdict, verdicts
-            verdict = _as_verdict(verdicts[0], verdict.version)
+        if params is None or params.sync_workers <= 0:
+            verdict = hand_off(h.update_id, h, frame.buffer)
+            if not h.members:
+                return verdict, []  # a plain update: the process's verdict, stored by the hand-off
+        else:
+            verdict = self._rounds_of(handoff, params).join(frame, members, hand_off)
+        verdicts = member_verdicts(members, verdict)
+        if h.members:
+            for v in verdicts:
+                handoff.verdicts.resolve(v.update_id, _as_verdict(v, verdict.version))
+            oldest = max(v.delay for v in verdicts)
+            verdict = Verdict(verdict.outcome, oldest, verdict.version, verdict.reason)
             handoff.verdicts.resolve(h.update_id, verdict)
-            return verdict, []
-        finally:
-            handoff.verdicts.release(ids, h.update_id)
+            handoff.verdicts.keep_members(h.update_id, verdicts)
+            return verdict, verdicts
+        verdict = _as_verdict(verdicts[0], verdict.version)
+        handoff.verdicts.resolve(h.update_id, verdict)
+        return verdict, []
 
     def refuse(self, frame: Frame, handoff: ServerHandoff, reason: str) -> tuple[Verdict, list[Any]]:
         """DROPPED with ``reason`` without handing the payload over (e.g. it holds NaN or inf).
@@ -301,22 +305,37 @@ class ServerAggregation:
         already resolved here keep theirs, every other member is DROPPED with ``reason`` and
         remembered, so a later copy of it is never applied either.
         """
+
+        def refuse_now(members: list[Any], done: dict[str, Verdict]) -> tuple[Verdict, list[Any]]:
+            h = frame.header
+            if h.members:
+                return self._refuse(h, members, done, handoff, reason, remember=True)
+            verdict = done.get(h.update_id)
+            if verdict is None:
+                version = handoff.version
+                verdict = Verdict(_DROPPED, version - h.base_version, version, reason)
+                handoff.verdicts.resolve(h.update_id, verdict)
+            return verdict, []
+
+        return self._once(frame, handoff, refuse_now)
+
+    def _once(
+        self,
+        frame: Frame,
+        handoff: ServerHandoff,
+        decide: Callable[[list[Any], dict[str, Verdict]], tuple[Verdict, list[Any]]],
+    ) -> tuple[Verdict, list[Any]]:
+        """Decide ``frame`` once: a re-sent copy gets its answer; else ``decide(members, done)``
+        with its members claimed (``done``: their verdicts stored here already, if any)."""
         h = frame.header
         members = members_of(h)
-        ids = [m.update_id for m in members]
         answered = self._answered(h, members, handoff)
         if answered is not None:
             return answered
+        ids = [m.update_id for m in members]
         done = handoff.verdicts.claim(ids, h.update_id)
         try:
-            if not h.members:
-                verdict = done.get(h.update_id)
-                if verdict is None:
-                    version = handoff.version
-                    verdict = Verdict(_DROPPED, version - h.base_version, version, reason)
-                    handoff.verdicts.resolve(h.update_id, verdict)
-                return verdict, []
-            return self._refuse(h, members, done, handoff, reason, remember=True)
+            return decide(members, done)
         finally:
             handoff.verdicts.release(ids, h.update_id)
 
