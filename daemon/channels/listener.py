@@ -32,11 +32,11 @@ from mlfabric.daemon.channels.frames import (
 )
 from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.daemon.channels.sockets import (
-    accept_until_stopped,
     admit,
     format_address,
     lingering_close,
     parse_address,
+    start_accepting,
     tune_socket,
 )
 from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
@@ -172,13 +172,9 @@ class DataPlaneListener:
         self._server = server
         bound = server.getsockname()
         self.address = format_address(bound[0], bound[1])
-        self._accept_thread = threading.Thread(
-            target=accept_until_stopped,
-            args=(server, self._stopping, self._accepted),
-            name=f"dataplane-accept-{self.address}",
-            daemon=True,
+        self._accept_thread = start_accepting(
+            server, self._stopping, self._accepted, f"dataplane-accept-{self.address}"
         )
-        self._accept_thread.start()
         return self.address
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from mlfabric.daemon.channels.sockets import accept_until_stopped, admit
+from mlfabric.daemon.channels.sockets import admit, start_accepting
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, ReadTimeout, send_message
 from mlfabric.wire.peercred import LocalAccess, peer_credentials
@@ -163,13 +163,7 @@ class LocalApiServer:
         server.bind(self.path)
         server.listen(64)
         self._server = server
-        self._accept_thread = threading.Thread(
-            target=accept_until_stopped,
-            args=(server, self._stopping, self._accepted),
-            name="local-accept",
-            daemon=True,
-        )
-        self._accept_thread.start()
+        self._accept_thread = start_accepting(server, self._stopping, self._accepted, "local-accept")
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, remove the socket file."""

@@ -23,6 +23,7 @@ __all__ = [
     "format_address",
     "lingering_close",
     "parse_address",
+    "start_accepting",
     "tune_socket",
 ]
 
@@ -141,6 +142,17 @@ def accept_until_stopped(
                 return
             raise
         handle(sock, peer)
+
+
+def start_accepting(
+    server: socket.socket, stopping: threading.Event, handle: Callable[[socket.socket, Any], None], name: str
+) -> threading.Thread:
+    """Run :func:`accept_until_stopped` on a daemon thread named ``name``; the thread, started."""
+    thread = threading.Thread(
+        target=accept_until_stopped, args=(server, stopping, handle), name=name, daemon=True
+    )
+    thread.start()
+    return thread
 
 
 def admit(conns: MutableMapping[K, V], key: K, value: V, max_connections: int | None) -> bool:
