@@ -2,7 +2,7 @@
 
 :mod:`mlfabric.aggregators.kernels` holds the summing kernels (in place, vectorised, float16
 and bfloat16 accumulated in float32). The daemons run them: an aggregator hop's daemon
-(:mod:`mlfabric.daemon.aggregating`) and, for synchronous rounds, the server's daemon
-(:mod:`mlfabric.daemon.server_aggregates`). The plans are made by
+(:mod:`mlfabric.daemon.roles.aggregator.role`) and, for synchronous rounds, the server's daemon
+(:mod:`mlfabric.daemon.roles.server.rounds`). The plans are made by
 :mod:`mlfabric.scheduler.policies.aggregation`.
 """

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.tensors import DTYPES, Layout
+from mlfabric.wire.tensors import DTYPES, Layout
 
 __all__ = ["WIDE_DTYPES", "Accumulator", "Run", "bf16_to_f32", "f16_to_f32", "f32_to_bf16", "plan_runs"]
 

@@ -242,9 +242,9 @@ def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
     from mlfabric.daemon.config import DaemonConfig
-    from mlfabric.daemon.daemon import Daemon
+    from mlfabric.daemon.host import Daemon
+    from mlfabric.daemon.reports import TransferReportLog
     from mlfabric.daemon.service import DaemonService
-    from mlfabric.daemon.transfers import TransferReportLog
     from mlfabric.wire.framing import default_socket_path
 
     for required in ("host", "scheduler"):
@@ -297,18 +297,15 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     service = DaemonService(args)
     signal.signal(signal.SIGHUP, lambda *_: service.reload_requested.set())
-    if args.metrics_port is not None:
-        daemon: Daemon = service.metered_daemon(config)
-    else:
-        report_log = TransferReportLog(args.report_file) if args.report_file else None
-        daemon = Daemon(config, report_log=report_log)
+    report_log = TransferReportLog(args.report_file) if args.report_file else None
+    daemon = Daemon(config, report_log=report_log)
     try:
         daemon.start(timeout=args.connect_timeout)
     except (TimeoutError, OSError) as exc:
         _LOG.error("daemon of host %r could not start: %s", args.host, exc)
         return 1
     try:
-        service.start_metrics()
+        service.start_metrics(daemon)
     except OSError as exc:
         _LOG.error("daemon of host %r cannot serve metrics on port %s: %s", args.host, args.metrics_port, exc)
         daemon.stop()

@@ -1,15 +1,15 @@
 """What a host daemon is told at start-up: :class:`DaemonConfig` (DESIGN §3).
 
 Addresses, NIC rates, retry and timeout settings and memory limits of one
-:class:`~mlfabric.daemon.daemon.Daemon`; ``mlfabric-daemon`` builds it from its command line.
+:class:`~mlfabric.daemon.host.Daemon`; ``mlfabric-daemon`` builds it from its command line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlfabric.daemon.budget import DEFAULT_MAX_INFLIGHT_BYTES
-from mlfabric.daemon.fallback import DEFAULT_FALLBACK_AFTER
+from mlfabric.daemon.channels.budget import DEFAULT_MAX_INFLIGHT_BYTES
+from mlfabric.daemon.roles.worker.fallback import DEFAULT_FALLBACK_AFTER
 from mlfabric.wire.auth import DataPlaneAuth
 from mlfabric.wire.peercred import LocalAccess
 from mlfabric.wire.tls import TlsFiles
@@ -59,9 +59,9 @@ class DaemonConfig:
         A transfer once started is bounded by ``send_attempts`` x ``io_timeout``.
     fallback_after : float or None
         Seconds without the scheduler before pushes are sent directly to their servers
-        (:mod:`mlfabric.daemon.fallback`); None: pushes waiting for it resolve DROPPED.
+        (:mod:`mlfabric.daemon.roles.worker.fallback`); None: pushes waiting for it resolve DROPPED.
     max_inflight_bytes : int
-        Payload bytes of pushes held, and of receives, at once (:mod:`mlfabric.daemon.budget`);
+        Payload bytes of pushes held, and of receives, at once (:mod:`mlfabric.daemon.channels.budget`);
         more waits, a single larger payload is refused.
     pool_idle_seconds : float or None
         Released receive buffers idle this long go back to the OS (None: kept).

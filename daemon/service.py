@@ -1,7 +1,7 @@
 """The daemon as a service: metrics endpoint, systemd notifications, reload (DESIGN §3).
 
 :class:`DaemonService` is what ``mlfabric daemon`` adds around a
-:class:`~mlfabric.daemon.daemon.Daemon`: ``/metrics`` on ``--metrics-port``
+:class:`~mlfabric.daemon.host.Daemon`: ``/metrics`` on ``--metrics-port``
 (:mod:`mlfabric.daemon.metrics`), ``READY=1`` once the scheduler welcomed the daemon,
 ``STATUS=`` lines, ``WATCHDOG=1`` from the main loop, ``STOPPING=1`` at shutdown, and
 SIGHUP (``systemctl reload``): the config file is read again; its log level takes
@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlfabric.config import ConfigError, load_config
 from mlfabric.systemd import Notifier, watchdog_interval
+
+if TYPE_CHECKING:
+    from mlfabric.daemon.host import Daemon
 
 __all__ = ["DaemonService"]
 
@@ -43,38 +46,38 @@ class DaemonService:
         #: seconds between two runs of :meth:`tick_once` by the main loop
         self.tick = min(0.5, watchdog) if watchdog else 0.5
         self._watchdog = watchdog is not None
-        self.metrics: Any = None
         self._http: Any = None
         self.metrics_port: int | None = None
         self._status = ""
 
-    def metered_daemon(self, config: Any) -> Any:
-        """The daemon with its metrics (:class:`~mlfabric.daemon.metrics.MeteredDaemon`)."""
-        from mlfabric.daemon.metrics import DaemonMetrics, MeteredDaemon
+    def start_metrics(self, daemon: Daemon) -> None:
+        """Serve ``/metrics`` of ``daemon`` when ``--metrics-port`` is set (OSError when it cannot bind).
 
-        self.metrics = DaemonMetrics(config.host)
-        return MeteredDaemon(config, self.metrics, self.args.report_file)
-
-    def start_metrics(self) -> None:
-        """Serve ``/metrics`` when ``--metrics-port`` is set (OSError when it cannot bind)."""
-        if self.metrics is None:
+        The registry holds one :class:`~mlfabric.daemon.metrics.DaemonCollector`, which reads
+        ``daemon.stats()`` at every scrape.
+        """
+        if self.args.metrics_port is None:
             return
-        from prometheus_client import start_http_server
+        from prometheus_client import CollectorRegistry, start_http_server
 
+        from mlfabric.daemon.metrics import DaemonCollector
+
+        registry = CollectorRegistry()
+        registry.register(DaemonCollector(daemon.stats))
         host = self.args.data_listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
-        self._http, _ = start_http_server(self.args.metrics_port, addr=host, registry=self.metrics.registry)
+        self._http, _ = start_http_server(self.args.metrics_port, addr=host, registry=registry)
         self.metrics_port = self._http.server_port
 
     def ready_info(self) -> dict[str, Any]:
         """Extra ready-file fields (``metrics_port`` when serving metrics)."""
         return {} if self.metrics_port is None else {"metrics_port": self.metrics_port}
 
-    def ready(self, daemon: Any) -> None:
+    def ready(self, daemon: Daemon) -> None:
         """``READY=1``: registered with the scheduler and serving."""
         self._status = _status(daemon)
         self.notifier.ready(self._status)
 
-    def tick_once(self, daemon: Any) -> None:
+    def tick_once(self, daemon: Daemon) -> None:
         """From the main loop: watchdog ping, status refresh, a pending reload."""
         if self._watchdog:
             self.notifier.watchdog()
@@ -86,7 +89,7 @@ class DaemonService:
             self._status = status
             self.notifier.status(status)
 
-    def reload(self, daemon: Any) -> list[str]:
+    def reload(self, daemon: Daemon) -> list[str]:
         """Re-read ``--config``; apply the log level; the keys that need a restart."""
         self.notifier.reloading()
         if not self.args.config:
@@ -124,5 +127,5 @@ class DaemonService:
             self._http = None
 
 
-def _status(daemon: Any) -> str:
+def _status(daemon: Daemon) -> str:
     return f"host {daemon.host}: data plane {daemon.data_address}, scheduler {daemon.config.scheduler}"

@@ -48,14 +48,14 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, FrameLimits, recv_frame, send_frame
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.payloadio import payload_crc32
-from mlfabric.daemon.transport import PeerPool, parse_address
+from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.payloadio import payload_crc32
+from mlfabric.daemon.channels.peers import PeerPool, parse_address
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.auth import DataPlaneAuth, load_secret
 from mlfabric.wire.crc import crc32_implementation, use_crc32
-from mlfabric.wire.memfd import MemfdPool
+from mlfabric.wire.memfd import MemfdPool, allocate
 from mlfabric.wire.tls import TlsFiles
 
 ACK = b"k"
@@ -96,11 +96,7 @@ def _allocator(mode: str) -> tuple[Callable[[int], Any], Callable[[], None]]:
     if mode == "pool":
         pool = MemfdPool(max_idle_bytes=2 << 30)
         return pool.allocate, pool.close
-    try:
-        from mlfabric.daemon.serving import MemfdBuffer
-    except ImportError:  # the daemon module is not there: the same mechanism, written here
-        return MemfdPool(max_idle_bytes=0).allocate, lambda: None
-    return MemfdBuffer.allocate, lambda: None
+    return allocate, lambda: None
 
 
 def _auth(mode: str, host: str, certs: str) -> DataPlaneAuth:
@@ -430,8 +426,9 @@ NOTES = """## What the rows are
 - `dataplane_trailer`: the CRC is not known; the sender computes it while sending and appends it.
 - `dataplane_mapped`: the span sent from a mapping with `sendall` (`zero_copy=False`) instead
   of `os.sendfile`.
-- `dataplane_fresh`: the receiver allocates a new memfd per frame (`MemfdBuffer`, what the daemon
-  did before it received into a `MemfdPool`): every page is allocated and zeroed on first touch.
+- `dataplane_fresh`: the receiver allocates a new memfd per frame (`mlfabric.wire.memfd.allocate`,
+  what the daemon did before it received into a `MemfdPool`): every page is allocated and zeroed
+  on first touch.
 - `dataplane_hmac`: as `dataplane`, the pooled connection authenticated once by the HMAC
   challenge/response (`data_auth = "hmac"`); payload bytes in the clear, still `os.sendfile`.
 - `dataplane_tls`: as `dataplane` over mutual TLS (`data_auth = "tls"`, TLS 1.3 AES-GCM by
@@ -554,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         (
             "dataplane_fresh",
-            "same as dataplane, a new memfd per frame (MemfdBuffer.allocate)",
+            "same as dataplane, a new memfd per frame (mlfabric.wire.memfd.allocate)",
             lambda: dataplane_session("dataplane_fresh", n, ctx, pass_crc=True, alloc="fresh"),
         ),
         (

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlfabric.daemon.dataplane import FileSpan, FrameHeader, FrameLimits, recv_frame, send_frame
-from mlfabric.daemon.payloadio import Crc32Follower, payload_crc32
+from mlfabric.daemon.channels.frames import FileSpan, FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.channels.payloadio import Crc32Follower, payload_crc32
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.tensors import FiniteScan, decode, first_non_finite, layouts_from_pb
 from mlfabric.wire.crc import crc32_implementation

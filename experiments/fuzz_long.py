@@ -34,7 +34,7 @@ def seeds(name: str) -> list[bytes]:
     import socket
     import struct
 
-    from mlfabric.daemon.dataplane import send_frame
+    from mlfabric.daemon.channels.frames import send_frame
     from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 
     if name == "dataplane":

@@ -2,7 +2,7 @@
 
 Run: ``python fuzz/fuzz_dataplane.py -max_total_time=180 [corpus_dir]`` (atheris/libFuzzer
 flags). Each input is the byte stream a peer daemon sends; ``recv_frame`` reads frames from it
-until the end. Only :class:`~mlfabric.daemon.dataplane.FrameError` (naming the problem) may
+until the end. Only :class:`~mlfabric.daemon.channels.frames.FrameError` (naming the problem) may
 come out; any other exception is a crash, saved by libFuzzer as ``crash-<sha1>``.
 """
 
@@ -13,7 +13,7 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["mlfabric"]):
-    from mlfabric.daemon.dataplane import FrameError, FrameLimits, recv_frame
+    from mlfabric.daemon.channels.frames import FrameError, FrameLimits, recv_frame
     from mlfabric.proto.v1 import dataplane_pb2  # noqa: F401 - instrumented with the decoder
 
 _LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=1 << 16)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from mlfabric.wire.version import __version__ as __version__
 
 _API = {
     "register_as_worker",

@@ -49,7 +49,6 @@ from mlfabric import tensorio
 from mlfabric import tensors as tcodec
 from mlfabric.allreduce import DEFAULT_TIMEOUT as ALLREDUCE_TIMEOUT
 from mlfabric.allreduce import AllreduceGroup, AllreduceHandle, join_allreduce, submit_allreduce
-from mlfabric.daemon.roles import check_update
 from mlfabric.localclient import (
     APPLIED,
     DROPPED,
@@ -67,6 +66,7 @@ from mlfabric.replica import Replica, register_as_replica
 from mlfabric.server import Server, UpdateMeta, register_as_server
 from mlfabric.wire.crc import crc32 as payload_crc32
 from mlfabric.wire.memfd import MemfdPool
+from mlfabric.wire.tensors import check_update
 
 __all__ = [
     "APPLIED",

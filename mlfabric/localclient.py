@@ -2,7 +2,7 @@
 
 :class:`LocalClient` sends ``LocalRequest`` messages and reads ``LocalEvent`` messages with
 the framing of :mod:`mlfabric.wire.framing` (shared with the daemon's
-:mod:`mlfabric.daemon.localapi`); tensor bytes go in a memfd passed alongside.
+:mod:`mlfabric.daemon.channels.localapi`); tensor bytes go in a memfd passed alongside.
 :class:`PushHandle` / :class:`PushResult` are how a push's outcome (APPLIED or DROPPED)
 comes back to it.
 """

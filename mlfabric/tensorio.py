@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.tensors import (
+from mlfabric.wire.tensors import (
     DTYPES,
     Layout,
     TensorError,

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from mlfabric.cluster import LocalCluster
-from mlfabric.daemon.transfers import REPORT_FIELDS
 from mlfabric.testbed.cluster import CONTROL, Testbed
+from mlfabric.wire.reports import REPORT_FIELDS
 
 __all__ = ["TestbedCluster", "write_transfer_csv"]
 
@@ -91,7 +91,7 @@ class TestbedCluster(LocalCluster):
         -------
         list of dict
             One per transfer, with the keys of
-            :data:`mlfabric.daemon.transfers.REPORT_FIELDS`; a daemon that moved nothing adds
+            :data:`mlfabric.wire.reports.REPORT_FIELDS`; a daemon that moved nothing adds
             none. A line still being written (a daemon killed mid-line) is skipped.
         """
         reports = []
@@ -138,7 +138,7 @@ def write_transfer_csv(
     path : str or Path
         The CSV file (overwritten).
     reports : sequence of mapping
-        Report dicts with the keys of :data:`~mlfabric.daemon.transfers.REPORT_FIELDS`.
+        Report dicts with the keys of :data:`~mlfabric.wire.reports.REPORT_FIELDS`.
     leading : sequence of str
         Extra keys of the dicts (e.g. ``"policy"``) written as the first columns.
 

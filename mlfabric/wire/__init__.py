@@ -1,8 +1,13 @@
 """What the client and the daemon share on the host: one definition, imported by both sides.
 
+- :mod:`mlfabric.wire.tensors`: the tensor layout and codec, the NaN/inf scan, the model-spec
+  check (``check_update``); training code sees it as :mod:`mlfabric.tensors`;
 - :mod:`mlfabric.wire.framing`: the local API's length-prefixed messages with a memfd
   descriptor alongside, and where the daemon's socket is;
-- :mod:`mlfabric.wire.memfd`: the pool of recycled memfd-backed buffers payloads travel in;
+- :mod:`mlfabric.wire.memfd`: the memfd-backed buffers payloads travel in (one type, pooled
+  or of its own);
+- :mod:`mlfabric.wire.reports`: the lines of a transfer-report file;
+- :mod:`mlfabric.wire.version`: the release (``Hello.version``);
 - :mod:`mlfabric.wire.crc`: the CRC-32 of payloads (ISA-L when installed);
 - :mod:`mlfabric.wire.keepalive`: the control stream's gRPC keepalive.
 

@@ -50,7 +50,7 @@ MAGIC = b"MLFA"
 VERSION = 1
 NONCE = 32
 _MAC = hashlib.sha256().digest_size
-#: the first bytes of a data-plane frame (``mlfabric.daemon.dataplane.MAGIC``): a peer that
+#: the first bytes of a data-plane frame (``mlfabric.daemon.channels.frames.MAGIC``): a peer that
 #: sends them speaks frames without authenticating
 _FRAME_MAGIC = b"MLF1"
 

@@ -10,7 +10,7 @@ in message order; :class:`MessageReader` queues them and each payload-carrying m
 takes the next.
 
 Both ends import this module: the client (:mod:`mlfabric.localclient`) and the daemon
-(:mod:`mlfabric.daemon.localapi`). It also says where the daemon's socket is
+(:mod:`mlfabric.daemon.channels.localapi`). It also says where the daemon's socket is
 (:func:`default_socket_path`).
 """
 

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MemfdPool", "PooledBuffer", "privatize", "size_class"]
+__all__ = ["MemfdPool", "PooledBuffer", "allocate", "privatize", "size_class"]
 
 #: Smallest capacity handed out.
 MIN_CLASS_BYTES = 64 * 1024
@@ -63,7 +63,9 @@ def size_class(nbytes: int) -> int:
 class PooledBuffer(mmap.mmap):
     """A shared mapping of a memfd; ``fd`` is the memfd, ``release()`` gives it back to its pool.
 
-    Created by :meth:`MemfdPool.allocate`, not directly.
+    The one buffer type payloads travel in (client and daemon). Created by
+    :meth:`MemfdPool.allocate`, or by :func:`allocate` for a buffer of its own (no pool:
+    ``release()`` frees it), not directly.
     """
 
     fd: int
@@ -74,6 +76,8 @@ class PooledBuffer(mmap.mmap):
     #: Bytes charged to the pool's budget while handed out; when it was last released.
     _charged: int
     _idle_since: float
+    #: made by :func:`allocate`: no pool, ``release()`` frees it
+    _own: bool = False
 
     def release(self) -> None:
         """Return the buffer to its pool (or free it when the pool is full or closed); idempotent."""
@@ -81,6 +85,8 @@ class PooledBuffer(mmap.mmap):
         if pool is not None:
             pool._uncharge(self)
             pool._give_back(self)
+        elif self._own:
+            self._free()
 
     def discard(self) -> None:
         """Free the buffer instead of pooling it: for when a reader may still use it; idempotent."""
@@ -205,14 +211,8 @@ class MemfdPool:
                 buf._charged = nbytes if self.budget is not None else 0
                 return buf
             self.created += 1
-        fd = os.memfd_create(self._name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, capacity)
-            buf = PooledBuffer(fd, capacity)
-        except BaseException:
-            os.close(fd)
-            raise
-        buf.fd, buf.capacity, buf.uses, buf._pool = fd, capacity, 1, self
+        buf = _new_buffer(self._name, capacity)
+        buf._pool = self
         buf._charged = nbytes if self.budget is not None else 0
         return buf
 
@@ -263,6 +263,38 @@ class MemfdPool:
             self._idle_bytes = 0
         for buf in bufs:
             buf._free()
+
+
+def _new_buffer(name: str, capacity: int) -> PooledBuffer:
+    """A fresh memfd of ``capacity`` bytes, mapped shared; no pool, nothing charged."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, capacity)
+        buf = PooledBuffer(fd, capacity)
+    except BaseException:
+        os.close(fd)
+        raise
+    buf.fd, buf.capacity, buf.uses, buf._pool, buf._charged = fd, capacity, 1, None, 0
+    return buf
+
+
+def allocate(nbytes: int, name: str = "mlfabric-dataplane") -> PooledBuffer:
+    """A buffer of its own of ``nbytes`` bytes (at least 1), in no pool: ``release()`` frees it.
+
+    For one-off payloads whose fd goes on to a local process (a model fetched from a peer
+    daemon for a ``get``), or an allocator where no pool is wanted (``alloc=allocate``).
+
+    Examples
+    --------
+    >>> buf = allocate(8)
+    >>> buf[:2] = b"hi"; os.pread(buf.fd, 2, 0), len(buf)
+    (b'hi', 8)
+    >>> buf.release(); buf.fd
+    -1
+    """
+    buf = _new_buffer(name, max(nbytes, 1))
+    buf._own = True
+    return buf
 
 
 #: Linux ``MAP_FIXED`` (the mmap module does not export it).

@@ -18,7 +18,7 @@ import pytest
 
 import mlfabric
 from mlfabric.cluster import LocalCluster
-from mlfabric.daemon.allreduce_routes import routing
+from mlfabric.daemon.roles.allreduce.routes import routing
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.tensors import Layout
 

@@ -71,7 +71,7 @@ def test_existing_files_kept_unless_forced(certs: Path) -> None:
 def test_missing_cryptography_names_the_extra(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['cryptography'] = None\n"
-        "import mlfabric, mlfabric.daemon.daemon, mlfabric.wire.auth  # the core needs no cryptography\n"
+        "import mlfabric, mlfabric.daemon.host, mlfabric.wire.auth  # the core needs no cryptography\n"
         "from mlfabric.cli import main\n"
         f"sys.exit(main(['certs', '--out', {str(tmp_path)!r}, '--hosts', 'h0']))\n"
     )

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric.daemon.dataplane import FileSpan, Frame, FrameHeader, FrameLimits, error_header
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.transport import PeerPool, PeerUnavailable
+from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, FrameLimits, error_header
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.wire.auth import DataPlaneAuth, load_secret
 from mlfabric.wire.tls import TlsFiles

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric.daemon.dataplane import FrameHeader, FrameLimits, recv_frame, send_frame
-from mlfabric.daemon.sockets import parse_address
+from mlfabric.daemon.channels.frames import FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.channels.sockets import parse_address
 from mlfabric.proto.v1 import dataplane_pb2
 from tests.auth.authkit import Procs, push
 

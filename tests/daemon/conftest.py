@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from mlfabric.daemon.config import DaemonConfig
-from mlfabric.daemon.daemon import Daemon
+from mlfabric.daemon.host import Daemon
 from mlfabric.proto.v1 import control_pb2, control_pb2_grpc
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from mlfabric.daemon.dataplane import Frame, FrameHeader, TransferStats
-from mlfabric.daemon.roles import ServerHandoff, Verdict
-from mlfabric.daemon.server_aggregates import ServerAggregation
+from mlfabric.daemon.channels.frames import Frame, FrameHeader, TransferStats
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
+from mlfabric.daemon.roles.server.rounds import ServerAggregation
 from mlfabric.proto.v1 import control_pb2
 
 APPLIED, DROPPED = control_pb2.OUTCOME_APPLIED, control_pb2.OUTCOME_DROPPED
@@ -29,7 +30,7 @@ class Server:
 
     def _deliver(self, update_id: str, header: Any, fd: int) -> None:
         self.applied.append((update_id, [m.update_id for m in header.members]))
-        self.handoff.resolve(update_id, Verdict(APPLIED, 0, self.handoff.version + 1, ""))
+        self.handoff.verdicts.resolve(update_id, Verdict(APPLIED, 0, self.handoff.version + 1, ""))
 
     def _hand_off(self, update_id: str, header: Any, buffer: Any) -> Verdict:
         return self.handoff.handle(update_id, header, -1, timeout=5.0)
@@ -107,5 +108,7 @@ def test_copy_arriving_while_the_first_is_applied_gets_its_verdict() -> None:
     copy["thread"].join(5.0)
     verdict, members = copy["r"]
     assert verdict == first and {v.outcome for v in members.values()} == {APPLIED}
-    assert s.handoff.stored("w0/1") is not None and s.handoff.stored("w0/1").outcome == APPLIED
+    assert (
+        s.handoff.verdicts.stored("w0/1") is not None and s.handoff.verdicts.stored("w0/1").outcome == APPLIED
+    )
     assert len(s.applied) == 1

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.daemon.dataplane import FrameHeader
-from mlfabric.daemon.transport import FrameLimits, PeerPool
+from mlfabric.daemon.channels.frames import FrameHeader
+from mlfabric.daemon.channels.peers import FrameLimits, PeerPool
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.tensors import layouts_to_pb, plan_layout
 
@@ -85,7 +85,7 @@ def test_update_ids_and_ready_notifications(cluster: dict[str, Any], scheduler: 
         worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)}, norm=2.5) for _ in range(2)
     ]
     results = [h.wait(10) for h in handles]
-    incarnation = cluster["w0"].outgoing.incarnation
+    incarnation = cluster["w0"].worker.outgoing.incarnation
     assert len(incarnation) == 16
     assert [r.update_id for r in results] == [f"w0/{incarnation}/1", f"w0/{incarnation}/2"]
     ready = scheduler.ready
@@ -182,7 +182,7 @@ def test_drop_directive_resolves_with_its_reason(cluster: dict[str, Any], schedu
 def test_scheduler_loss_resolves_waiting_pushes(cluster: dict[str, Any], scheduler: Any) -> None:
     """Without a fallback (``fallback_after=None``) waiting pushes resolve DROPPED at once."""
     worker = cluster["worker"]
-    cluster["w0"].fallback.after = None
+    cluster["w0"].worker.fallback.after = None
     scheduler.hold = True
     handle = worker.push("ps0", {"w": np.ones((2, 3)), "b": np.ones(4, np.float32)})
     wait_until(lambda: scheduler.ready)

@@ -7,9 +7,12 @@ from typing import Any
 
 import pytest
 
-from mlfabric.daemon.roles import OutgoingPushes, ServerHandoff, Verdict, check_update
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PushState
 from mlfabric.proto.v1 import control_pb2
 from mlfabric.tensors import Layout
+from mlfabric.wire.tensors import check_update
 
 SPEC = {"w": ("float32", (2, 3)), "b": ("float64", (4,))}
 
@@ -51,11 +54,15 @@ def test_outgoing_book_states() -> None:
     pushes: list[Any] = []
     for _ in range(3):
         uid = book.new_update_id()
-        push = type("P", (), {"update_id": uid, "state": "ready"})()
+        push = type("P", (), {"update_id": uid, "job": "j", "worker": "w0", "state": PushState.READY})()
         pushes.append(push)
         book.add(push)
     assert book.start_sending("h/1") is pushes[0]
     assert book.start_sending("h/1") is None  # a duplicate directive does not send twice
+    assert book.hold("h/1") and pushes[0].state is PushState.HELD  # sent to an aggregator
+    assert not book.hold("h/2")  # only a push being sent is held
+    assert book.unhold("j", "w0") == [pushes[0]] and pushes[0].state is PushState.READY
+    assert book.waiting("h/1") is pushes[0] and book.start_sending("h/1") is pushes[0]
     assert [p.update_id for p in book.take_waiting()] == ["h/2", "h/3"]
     assert len(book) == 1 and book.take("h/1") is pushes[0] and book.take("h/1") is None
 
@@ -67,7 +74,7 @@ def test_concurrent_retries_deliver_once_and_share_the_verdict() -> None:
     def deliver(update_id: str, header: Any, fd: int) -> None:
         delivered.append(update_id)
         threading.Timer(
-            0.1, handoff.resolve, (update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
+            0.1, handoff.verdicts.resolve, (update_id, Verdict(control_pb2.OUTCOME_APPLIED, 0, 1, ""))
         ).start()
 
     handoff = ServerHandoff("j", "ps0", {}, 0, deliver)
@@ -112,6 +119,6 @@ def test_failed_hand_off_is_dropped_and_a_verdict_timeout_is_unknown() -> None:
 def test_verdict_cache_is_bounded() -> None:
     handoff = ServerHandoff("j", "ps0", {}, 0, lambda *a: None, max_verdicts=2)
     for i in range(3):
-        handoff.resolve(f"u{i}", Verdict(control_pb2.OUTCOME_APPLIED, 0, i + 1, ""))
+        handoff.verdicts.resolve(f"u{i}", Verdict(control_pb2.OUTCOME_APPLIED, 0, i + 1, ""))
     assert handoff.handle("u2", None, -1, 1).version == 3
     assert handoff.handle("u0", None, -1, 0.05).outcome == control_pb2.OUTCOME_UNKNOWN  # forgotten: times out

@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 import mlfabric
 from mlfabric.daemon.config import DaemonConfig
-from mlfabric.daemon.metrics import DaemonMetrics, MeteredDaemon
+from mlfabric.daemon.host import Daemon
+from mlfabric.daemon.metrics import DaemonCollector
 from mlfabric.proto.v1 import control_pb2
 from tests.daemon.conftest import FakeScheduler
 from tests.daemon.test_daemon_processes import Processes
@@ -65,16 +67,16 @@ def test_waiting_push_is_sent_directly_when_the_scheduler_stays_away(
     scheduler.stop()
     result = handle.wait(10)
     assert result.applied and result.version == 1 and pair["server"].version == 1
-    assert w0.fallback.direct_sends == 1
+    assert w0.worker.fallback.direct_sends == 1
     new = worker.push("ps0", UPDATE).wait(10)  # while falling back: sent at once
-    assert new.applied and new.version == 2 and w0.fallback.direct_sends == 2
+    assert new.applied and new.version == 2 and w0.worker.fallback.direct_sends == 2
 
 
 def test_waiting_push_is_announced_again_to_a_scheduler_back_in_time(
     pair: dict[str, Any], scheduler: FakeScheduler
 ) -> None:
     worker, w0 = pair["worker"], pair["w0"]
-    w0.fallback.after = 30.0  # the scheduler is back long before
+    w0.worker.fallback.after = 30.0  # the scheduler is back long before
     scheduler.hold = True
     handle = worker.push("ps0", UPDATE)
     wait_until(lambda: scheduler.ready)
@@ -90,7 +92,7 @@ def test_waiting_push_is_announced_again_to_a_scheduler_back_in_time(
         assert sorted(r.version for r in results) == [1, 2] and pair["server"].version == 2
         announced = [r.update_id for r in fresh.ready]
         assert update_id in announced and len(announced) == len(set(announced)) == 2
-        assert w0.fallback.direct_sends == 0
+        assert w0.worker.fallback.direct_sends == 0
     finally:
         fresh.stop()
 
@@ -100,7 +102,7 @@ def test_push_made_while_the_worker_re_registers_is_kept_and_announced_once_regi
 ) -> None:
     """The worker's daemon is back before the server's: its push waits instead of being DROPPED."""
     worker, w0 = pair["worker"], pair["w0"]
-    w0.fallback.after = 30.0
+    w0.worker.fallback.after = 30.0
     port = int(scheduler.address.rsplit(":", 1)[1])
     scheduler.stop()
     fresh = FakeScheduler()
@@ -118,13 +120,14 @@ def test_push_made_while_the_worker_re_registers_is_kept_and_announced_once_regi
     try:
         wait_until(lambda: any(h == "w0" for h, _, _ in fresh.registered), timeout=15)
         handle = worker.push("ps0", UPDATE)  # refused "unknown job" meanwhile: kept
-        wait_until(lambda: w0.fallback.unannounced() == 1)
+        wait_until(lambda: w0.worker.fallback.unannounced() == 1)
         assert not fresh.ready
         servers_allowed.append(True)
         pair["ps"]._on_connected(None)  # the server's daemon comes back and re-registers
         result = handle.wait(15)
         assert result.applied and result.version == 1
-        assert [r.update_id for r in fresh.ready] == [result.update_id] and w0.fallback.direct_sends == 0
+        assert [r.update_id for r in fresh.ready] == [result.update_id]
+        assert w0.worker.fallback.direct_sends == 0
     finally:
         fresh.stop()
 
@@ -132,7 +135,7 @@ def test_push_made_while_the_worker_re_registers_is_kept_and_announced_once_regi
 def test_without_fallback_a_push_made_while_the_scheduler_is_away_is_dropped(
     pair: dict[str, Any], scheduler: FakeScheduler
 ) -> None:
-    pair["w0"].fallback.after = None
+    pair["w0"].worker.fallback.after = None
     scheduler.stop()
     wait_until(lambda: not pair["w0"]._control.connected.is_set())
     result = pair["worker"].push("ps0", UPDATE).wait(10)
@@ -140,17 +143,18 @@ def test_without_fallback_a_push_made_while_the_scheduler_is_away_is_dropped(
 
 
 def test_metrics_show_the_fallback_and_the_budgets(scheduler: FakeScheduler, sockdir: str) -> None:
-    metrics = DaemonMetrics("w9")
     config = DaemonConfig(
         host="w9",
         scheduler=scheduler.address,
         socket_path=os.path.join(sockdir, "w9.sock"),
         fallback_after=0.2,
     )
-    daemon = MeteredDaemon(config, metrics)
+    daemon = Daemon(config)
+    registry = CollectorRegistry()
+    registry.register(DaemonCollector(daemon.stats))  # what --metrics-port serves
     daemon.start(timeout=10)
     try:
-        get, host = metrics.registry.get_sample_value, {"host": "w9"}
+        get, host = registry.get_sample_value, {"host": "w9"}
         assert get("mlfabric_daemon_fallback_active", host) == 0
         assert get("mlfabric_daemon_inflight_bytes", {**host, "budget": "receive"}) == 0
         assert get("mlfabric_daemon_unannounced_pushes", host) == 0

@@ -2,9 +2,10 @@
 
 ``PeerUnavailable(sent=True)`` means the peer may have the whole frame (and may have applied
 it) before it went away; a retry would reach a restarted daemon that cannot know, so a worker's
-direct push (:class:`~mlfabric.daemon.transfers.PushSender`) and an aggregator's forward
-(:class:`~mlfabric.daemon.aggregating.AggregatorRole`) stop there and say UNKNOWN, naming why.
-A peer that certainly got nothing (connection refused) is retried as before.
+direct push (:class:`~mlfabric.daemon.roles.worker.sender.PushSender`) and an aggregator's forward
+(:class:`~mlfabric.daemon.roles.aggregator.role.AggregatorRole`) both deliver through
+:meth:`~mlfabric.daemon.channels.peers.PeerPool.deliver`, which stops there; they say UNKNOWN,
+naming why. A peer that certainly got nothing (connection refused) is retried as before.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mlfabric.daemon.aggregating import AggregatorRole, _Aggregate
-from mlfabric.daemon.roles import OutgoingPushes, PendingPush
-from mlfabric.daemon.transfers import PushSender
-from mlfabric.daemon.transport import PeerUnavailable
+from mlfabric.daemon.channels.frames import FrameLimits
+from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
+from mlfabric.daemon.roles.aggregator.role import AggregatorRole, _Aggregate
+from mlfabric.daemon.roles.base import RoleContext
+from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
+from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2
 
 ADDRESS = "127.0.0.1:1"
@@ -35,6 +39,13 @@ class Peer:
         raise PeerUnavailable(address, "connect: [Errno 111] Connection refused")
 
 
+def _pool(peer: Peer) -> PeerPool:
+    """A pool whose every attempt goes to ``peer`` (3 attempts, no backoff)."""
+    pool = PeerPool(FrameLimits(), send_attempts=3, retry_backoff=0.0)
+    pool.request = peer
+    return pool
+
+
 class Owner:
     def __init__(self) -> None:
         self.events: list[Any] = []
@@ -43,14 +54,13 @@ class Owner:
         self.events.append(event)
 
 
-def _push(sender: PushSender, peer: Peer) -> Owner:
+def _push(sender: PushSender) -> Owner:
     fd = os.memfd_create("payload")
     os.write(fd, b"\0" * 8)
     owner = Owner()
     push = PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, owner)
     sender.outgoing.add(push)
     sender.outgoing.start_sending(push.update_id)
-    sender.request = peer
     send = control_pb2.SendDirective(
         update_id=push.update_id, next_hop_host="ps", next_hop_address=ADDRESS, dst_host="ps"
     )
@@ -60,9 +70,9 @@ def _push(sender: PushSender, peer: Peer) -> Owner:
 
 def test_a_push_that_may_have_reached_the_server_is_not_resent_and_resolves_unknown() -> None:
     reports: list[Any] = []
-    sender = PushSender("w", None, OutgoingPushes("w"), reports.append, send_attempts=3, retry_backoff=0.0)
     peer = Peer(PeerUnavailable(ADDRESS, "peer closed the connection before replying", sent=True))
-    owner = _push(sender, peer)
+    sender = PushSender(RoleContext("w"), _pool(peer), OutgoingPushes("w"), reports.append, Directory())
+    owner = _push(sender)
     assert peer.calls == 1
     [report] = reports
     assert (report.ok, report.outcome) == (False, control_pb2.OUTCOME_UNKNOWN)
@@ -74,9 +84,9 @@ def test_a_push_that_may_have_reached_the_server_is_not_resent_and_resolves_unkn
 
 def test_a_push_the_server_never_got_is_retried_and_then_dropped() -> None:
     reports: list[Any] = []
-    sender = PushSender("w", None, OutgoingPushes("w"), reports.append, send_attempts=3, retry_backoff=0.0)
     peer = Peer(PeerUnavailable(ADDRESS, "connect: [Errno 111] Connection refused"))
-    owner = _push(sender, peer)
+    sender = PushSender(RoleContext("w"), _pool(peer), OutgoingPushes("w"), reports.append, Directory())
+    owner = _push(sender)
     assert peer.calls == 3
     [report] = reports
     assert report.outcome == control_pb2.OUTCOME_DROPPED and "after 3 attempts" in report.reason
@@ -87,14 +97,12 @@ def _forward(peer: Peer) -> tuple[list[Any], list[Any]]:
     reports: list[Any] = []
     failed: list[Any] = []
     role = AggregatorRole(
-        "x",
+        RoleContext("x"),
         bytearray,
         lambda m: True,
         failed.append,
         reports.append,
-        peer,
-        send_attempts=3,
-        retry_backoff=0.0,
+        _pool(peer).deliver,
     )
     members = {
         u: control_pb2.AggregateMember(update_id=u, worker=f"w{i}", base_version=1, norm=1.0, bytes=8)
@@ -136,10 +144,11 @@ def test_an_aggregate_the_server_never_got_is_retried_and_then_fails() -> None:
 def test_a_push_whose_daemon_stops_between_attempts_resolves_dropped_naming_it() -> None:
     """Shutting down during the retry back-off ended the attempts with no verdict (UnboundLocalError)."""
     reports: list[Any] = []
-    sender = PushSender("w", None, OutgoingPushes("w"), reports.append, send_attempts=3, retry_backoff=0.0)
-    sender._stopping.set()
     peer = Peer(PeerUnavailable(ADDRESS, "connect: [Errno 111] Connection refused"))
-    owner = _push(sender, peer)
+    pool = _pool(peer)
+    pool.stop("daemon of host 'w' is stopping")
+    sender = PushSender(RoleContext("w"), pool, OutgoingPushes("w"), reports.append, Directory())
+    owner = _push(sender)
     assert peer.calls == 1
     [report] = reports
     assert not report.ok and "daemon shutting down" in report.error

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.daemon.budget import BudgetExceeded, BudgetTimeout, ByteBudget
+from mlfabric.daemon.channels.budget import BudgetExceeded, BudgetTimeout, ByteBudget
 from mlfabric.wire.memfd import MemfdPool
 
 MIB = 1 << 20

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.daemon.transfers import REPORT_FIELDS, TransferReportLog
+from mlfabric.daemon.reports import TransferReportLog
 from mlfabric.proto.v1 import control_pb2
+from mlfabric.wire.reports import REPORT_FIELDS
 
 
 def test_report_log_writes_one_flushed_line_per_report() -> None:

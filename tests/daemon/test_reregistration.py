@@ -74,7 +74,7 @@ def test_worker_refused_while_its_job_has_no_server_keeps_retrying(
     Without a fallback (``fallback_after=None``); test_degradation.py has the kept pushes.
     """
     worker, server = cluster["worker"], cluster["server"]
-    cluster["w0"].fallback.after = None
+    cluster["w0"].worker.fallback.after = None
     fresh, port = _restart(scheduler)
     fresh.hold = True
     original = fresh._on_message

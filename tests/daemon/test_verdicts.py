@@ -40,7 +40,7 @@ def test_memfd_shrunk_after_accept_resolves_dropped_quickly(served: dict[str, An
             break
         threading.Event().wait(0.01)
     ready = scheduler.ready[-1]
-    pending = w0.outgoing._pushes[ready.update_id]
+    pending = w0.worker.outgoing._pushes[ready.update_id]
     os.ftruncate(pending.fd, 8)  # same file as the process's memfd: what a shrink does
     scheduler.send_to_server(ready)
     result = handle.wait(10)
@@ -60,7 +60,7 @@ def test_push_never_scheduled_resolves_dropped_at_the_push_deadline(make_daemon:
         result = worker.push("ps0", {"w": np.ones(2)}).wait(10)
         assert result.status == mlfabric.DROPPED
         assert "push deadline" in result.reason and "0.5 s" in result.reason
-        assert len(w0.outgoing) == 0
+        assert len(w0.worker.outgoing) == 0
     finally:
         worker.close()
         server.close()

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from mlfabric import tensors as tcodec
-from mlfabric.daemon.dataplane import FrameError, FrameHeader, FrameLimits, recv_frame, send_frame
-from mlfabric.daemon.payloadio import FUSED_PIECE_BYTES, THREADED_CRC_BYTES
+from mlfabric.daemon.channels.frames import FrameError, FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.channels.payloadio import FUSED_PIECE_BYTES, THREADED_CRC_BYTES
 from mlfabric.proto.v1 import dataplane_pb2
 
 LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=64 << 20)

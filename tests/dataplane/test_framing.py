@@ -1,4 +1,4 @@
-"""Frame encoding and decoding (daemon/dataplane.py) over socket pairs."""
+"""Frame encoding and decoding (daemon/channels/frames.py) over socket pairs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mlfabric.daemon.dataplane import (
+from mlfabric.daemon.channels.frames import (
     MAGIC,
     FileSpan,
     FrameError,

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from mlfabric.daemon.dataplane import Frame, FrameHeader, FrameLimits
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.transport import PeerPool
+from mlfabric.daemon.channels.frames import Frame, FrameHeader, FrameLimits
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.peers import PeerPool
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.wire.memfd import MemfdPool, size_class
 

@@ -1,4 +1,4 @@
-"""Token bucket (daemon/ratelimit.py): rate accuracy with a fake clock, sharing, thread safety."""
+"""Token bucket (daemon/channels/ratelimit.py): rate accuracy with a fake clock, sharing, thread safety."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from mlfabric.daemon.ratelimit import TokenBucket
+from mlfabric.daemon.channels.ratelimit import TokenBucket
 
 
 class FakeClock:

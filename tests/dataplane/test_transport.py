@@ -1,4 +1,4 @@
-"""Listener and peer pool (daemon/listener.py, daemon/transport.py) against real sockets on 127.0.0.1:0."""
+"""Listener and peer pool (daemon/channels/listener.py, peers.py) against real sockets on 127.0.0.1:0."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mlfabric.daemon.dataplane import (
+from mlfabric.daemon.channels.frames import (
     MAGIC,
     Frame,
     FrameHeader,
@@ -21,9 +21,9 @@ from mlfabric.daemon.dataplane import (
     error_header,
     recv_frame,
 )
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.ratelimit import TokenBucket
-from mlfabric.daemon.transport import PeerPool, PeerUnavailable, parse_address
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable, parse_address
+from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=64 << 20)

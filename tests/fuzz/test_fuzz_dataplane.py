@@ -25,8 +25,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlfabric.daemon.dataplane import MAGIC, FrameError, FrameLimits, recv_frame
-from mlfabric.daemon.sockets import parse_address
+from mlfabric.daemon.channels.frames import MAGIC, FrameError, FrameLimits, recv_frame
+from mlfabric.daemon.channels.sockets import parse_address
 from mlfabric.proto.v1 import dataplane_pb2
 
 pytestmark = pytest.mark.slow

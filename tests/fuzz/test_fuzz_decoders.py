@@ -1,7 +1,7 @@
 """Fuzzing the pure decoders (DESIGN §7): whatever the bytes, only the documented errors.
 
-:func:`~mlfabric.daemon.dataplane.recv_frame` (over a socket pair),
-:func:`~mlfabric.daemon.dataplane.check_header`,
+:func:`~mlfabric.daemon.channels.frames.recv_frame` (over a socket pair),
+:func:`~mlfabric.daemon.channels.frames.check_header`,
 :class:`~mlfabric.wire.framing.MessageReader` and the tensor layout of the daemon's payload
 code each get 1,000 generated inputs, random and mutated from well-formed ones; each either
 decodes or raises its one error class (``FrameError``, ``ProtocolError``, ``ValueError``)
@@ -19,7 +19,14 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlfabric.daemon.dataplane import MAGIC, FrameError, FrameLimits, check_header, recv_frame, send_frame
+from mlfabric.daemon.channels.frames import (
+    MAGIC,
+    FrameError,
+    FrameLimits,
+    check_header,
+    recv_frame,
+    send_frame,
+)
 from mlfabric.proto.v1 import dataplane_pb2, local_pb2
 from mlfabric.wire.framing import MessageReader, ProtocolError
 

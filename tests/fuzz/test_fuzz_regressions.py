@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mlfabric.daemon.config import DaemonConfig
-from mlfabric.daemon.daemon import Daemon
+from mlfabric.daemon.host import Daemon
 from mlfabric.proto.v1 import local_pb2
 
 pytestmark = pytest.mark.slow
@@ -37,13 +37,13 @@ def test_a_waiting_registration_stops_when_its_process_disconnects(
         )
     )
     attempts: list[float] = []
-    register = daemon._register
+    register = daemon.registrar.register
 
     def counting(message: Any, on_ack: Any) -> None:
         attempts.append(time.monotonic())
         register(message, on_ack)
 
-    monkeypatch.setattr(daemon, "_register", counting)
+    monkeypatch.setattr(daemon.registrar, "register", counting)
     daemon.start(timeout=10)
     try:
         request = local_pb2.LocalRequest(

@@ -22,11 +22,18 @@ from typing import Any
 
 import pytest
 
-from mlfabric.daemon.dataplane import MAGIC, FrameError, FrameLimits, error_header, recv_frame, send_frame
-from mlfabric.daemon.listener import DataPlaneListener, Response
-from mlfabric.daemon.localapi import LocalApiServer
-from mlfabric.daemon.sockets import parse_address
-from mlfabric.daemon.transport import PeerPool
+from mlfabric.daemon.channels.frames import (
+    MAGIC,
+    FrameError,
+    FrameLimits,
+    error_header,
+    recv_frame,
+    send_frame,
+)
+from mlfabric.daemon.channels.listener import DataPlaneListener, Response
+from mlfabric.daemon.channels.localapi import LocalApiServer
+from mlfabric.daemon.channels.peers import PeerPool
+from mlfabric.daemon.channels.sockets import parse_address
 from mlfabric.proto.v1 import dataplane_pb2, local_pb2
 
 

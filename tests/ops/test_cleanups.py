@@ -60,7 +60,7 @@ def test_the_tree_policy_in_a_config_is_accepted(tmp_path: Path) -> None:
 def test_the_push_deadline_is_an_option_and_a_key_that_reaches_the_daemon(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlfabric.daemon import cli, daemon
+    from mlfabric.daemon import cli, host
 
     path = tmp_path / "daemon.toml"
     path.write_text('host = "h0"\nscheduler = "127.0.0.1:1"\npush_timeout = 2.5\n')
@@ -79,7 +79,7 @@ def test_the_push_deadline_is_an_option_and_a_key_that_reaches_the_daemon(
         def start(self, timeout: float) -> None:
             raise OSError("not started in this test")
 
-    monkeypatch.setattr(daemon, "Daemon", Recorder)
+    monkeypatch.setattr(host, "Daemon", Recorder)
     args.socket = str(tmp_path / "d.sock")
     assert cli.run(args) == 1
     assert [c.push_timeout for c in seen] == [7.0]

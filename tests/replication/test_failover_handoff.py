@@ -17,10 +17,13 @@ from typing import Any
 import numpy as np
 
 from mlfabric import tensors as tcodec
-from mlfabric.daemon.dataplane import Frame, FrameHeader, FrameLimits, TransferStats
-from mlfabric.daemon.localapi import LocalConnection
-from mlfabric.daemon.roles import ServerHandoff, Verdict
-from mlfabric.daemon.serving import ServerRoles
+from mlfabric.daemon.channels.frames import Frame, FrameHeader, FrameLimits, TransferStats
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.roles.base import RoleContext, Verdict
+from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.registrar import Registrar
+from mlfabric.daemon.roles.server.handoff import ServerHandoff
+from mlfabric.daemon.roles.server.serving import ServerRoles
 from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.replica import Replica
@@ -32,7 +35,8 @@ def _update(update_id: str) -> Frame:
 
 
 def test_an_update_for_a_dead_server_process_gets_an_error_frame_not_a_dropped_ack() -> None:
-    roles = ServerRoles("ps", FrameLimits(), verdict_timeout=5.0)
+    ctx, directory = RoleContext("ps"), Directory()
+    roles = ServerRoles(ctx, Registrar(ctx, directory), directory, FrameLimits(), verdict_timeout=5.0)
     mine, theirs = socket.socketpair()
     conn = LocalConnection(1, mine)
     register = local_pb2.RegisterServerRequest(job="j", name="ps0", version=3)

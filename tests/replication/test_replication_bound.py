@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from mlfabric.daemon.replication import ReplicationLog
-from mlfabric.daemon.roles import Verdict
+from mlfabric.daemon.roles.base import Verdict
+from mlfabric.daemon.roles.replica.log import ReplicationLog
 
 
 def test_an_update_beyond_div_max_is_admitted_once_the_reservations_are_settled() -> None:

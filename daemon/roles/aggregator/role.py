@@ -1,0 +1,548 @@
+"""The aggregator role of a daemon: summing members into an aggregate and forwarding it (paper §5).
+
+An aggregator hop (MLfabric §5, Fig. 6) receives the updates of several workers, sums them and
+sends one update's worth of bytes on to the server. The scheduler plans it; this daemon runs it:
+
+1. ``AggregateDirective`` (aggregate id, job, server, members, where the server lives, a
+   timeout): the daemon expects the listed members. A directive again with the same id
+   replaces the member list (the scheduler removes members that were dropped or lost their
+   source); one without members cancels the aggregate.
+2. Each member arrives as an UPDATE frame whose header names the aggregate
+   (``aggregate_id``); it is summed at once into the aggregate's pooled buffer
+   (:class:`~mlfabric.aggregators.kernels.Accumulator`) and ACKed with no outcome (received).
+   A retried member is ACKed again and not summed twice. A frame for an unknown, abandoned or
+   finished aggregate, or from an update that is not a member, gets an ERROR naming it.
+3. When every listed member is in, the daemon announces the aggregate with ``UpdateReady``
+   (update id = aggregate id, one update's bytes, ``norm`` the sum of the members' norms,
+   ``base_version`` the oldest member's: an aggregate's delay is its oldest member's).
+4. ``SendDirective`` for the aggregate id: one UPDATE frame carrying the sum, its members and
+   ``num_updates = len(members)`` goes to the server's daemon; the ACK's verdict, with each
+   member's verdict, goes to the scheduler as the ``TransferReport``; the buffer is released.
+   With ``dst_aggregate_id`` in the directive (a multi-level tree) the sum goes instead into
+   that aggregate at another daemon, as one of its members (:mod:`.aggregate_tree`: the frame
+   names every worker update it carries; a parent sums disjoint members only).
+5. Members still missing ``timeout_seconds`` after the directive, a server that cannot be
+   reached, or a re-issued directive that would remove a member already summed: the partial
+   sum is discarded and ``AggregateFailed`` tells the scheduler, which re-plans the members
+   (their sources still hold the payloads). A forward whose frame may have reached the server's
+   daemon (it went away before answering) is never resent: the report says UNKNOWN, for the
+   aggregate and each member.
+
+All state is in memory; the scheduler stream ending abandons every aggregate (the scheduler
+forgets them too).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlfabric.aggregators.kernels import Accumulator
+from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
+from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.peers import Delivery
+from mlfabric.daemon.channels.routing import FrameRoute
+from mlfabric.daemon.roles.aggregator import tree as aggregate_tree
+from mlfabric.daemon.roles.base import Role, RoleContext, Routes
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2
+from mlfabric.wire.tensors import layouts_from_pb
+
+__all__ = ["AggregatorRole"]
+
+_LOG = logging.getLogger("mlfabric.daemon")
+_UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
+_ACK = dataplane_pb2.FRAME_KIND_ACK
+_DROPPED = control_pb2.OUTCOME_DROPPED
+
+#: Seconds an aggregate may wait for its members when its directive gives no timeout.
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass
+class _Aggregate:
+    """One aggregate this daemon runs."""
+
+    aggregate_id: str
+    job: str
+    server: str
+    dst_host: str
+    dst_address: str
+    members: dict[str, Any]  # update id -> AggregateMember, in the directive's order
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    arrived: list[str] = field(default_factory=list)
+    tensors: list[Any] = field(default_factory=list)  # TensorLayout messages of the first member
+    payload_bytes: int = 0
+    buffer: Any = None
+    acc: Accumulator | None = None
+    state: str = "collecting"  # -> ready -> forwarding -> (removed); or abandoned
+    allow_non_finite: bool = False  # the job's option (AggregateDirective.allow_non_finite)
+    refused: dict[str, str] = field(default_factory=dict)  # member id -> why it was not summed
+    dst_aggregate_id: str = ""  # the parent aggregate (multi-level tree); "": the server
+    summed: dict[str, list[Any]] = field(default_factory=dict)  # member id -> worker updates it brought
+
+    def missing(self) -> list[str]:
+        arrived = set(self.arrived)
+        return [m for m in self.members if m not in arrived]
+
+    def header(self, host: str) -> Any:
+        """The UPDATE frame header that carries the sum to the server (or into its parent aggregate)."""
+        members = aggregate_tree.flatten(self.members, self.summed)
+        return FrameHeader(
+            kind=_UPDATE,
+            update_id=self.aggregate_id,
+            aggregate_id=self.dst_aggregate_id or self.aggregate_id,
+            job=self.job,
+            server=self.server,
+            worker="",
+            base_version=min(m.base_version for m in members),
+            norm=sum(m.norm for m in members),
+            num_updates=len(members),
+            members=members,
+            tensors=self.tensors,
+            src_host=host,
+        )
+
+
+class AggregatorRole(Role):
+    """The aggregates a daemon runs as an aggregator hop (thread-safe). :meth:`start`, :meth:`stop`.
+
+    Parameters
+    ----------
+    context : RoleContext
+        This daemon's host name, its task pool (forwards), its clock.
+    alloc : callable
+        ``alloc(nbytes)`` -> a writable buffer with ``release()`` (the daemon's ``MemfdPool``).
+    announce : callable
+        ``announce(UpdateReady) -> bool`` sends it to the scheduler (False: not connected).
+    failed : callable
+        ``failed(AggregateFailed)`` sends it to the scheduler.
+    report : callable
+        ``report(TransferReport)`` sends it to the scheduler (and the report log).
+    deliver : callable
+        ``deliver(address, header, payload) -> Delivery``: one frame to a peer daemon, retried
+        while the peer certainly got nothing (:meth:`~mlfabric.daemon.channels.peers.PeerPool.deliver`).
+    early_wait : float
+        Seconds a member frame waits for its aggregate's directive (the directive and the
+        source's send directive travel on different streams and may arrive in either order).
+    enabled : bool
+        False (``--no-aggregator``): every directive is answered with ``AggregateFailed``.
+
+    Examples
+    --------
+    >>> role = AggregatorRole(RoleContext("a0"), bytearray, lambda m: True, print, print, None)
+    >>> role.owns("agg:x:0")
+    False
+    """
+
+    def __init__(
+        self,
+        context: RoleContext,
+        alloc: Callable[[int], Any],
+        announce: Callable[[Any], bool],
+        failed: Callable[[Any], Any],
+        report: Callable[[Any], Any],
+        deliver: Callable[[str, Any, Any], Delivery] | None,
+        *,
+        early_wait: float = 5.0,
+        remember: int = 10_000,
+        enabled: bool = True,
+    ) -> None:
+        self.host = context.host
+        self._submit = context.submit
+        self._alloc = alloc
+        self._announce = announce
+        self._failed = failed
+        self._report = report
+        self._deliver = deliver
+        self._clock = context.clock
+        self._early_wait = early_wait
+        self._remember = remember
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._aggregates: dict[str, _Aggregate] = {}
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
+        self._stopping = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    def routes(self) -> Routes:
+        return Routes(
+            frames={FrameRoute.AGGREGATE_MEMBER: self.on_frame},
+            directives={
+                "aggregate": self.on_directive,
+                "send_aggregate": lambda send: self._submit(self.forward, send),  # sends: not inline
+                "drop_aggregate": lambda drop: self.drop(drop.update_id, drop.reason),
+            },
+        )
+
+    def scheduler_lost(self, reason: str) -> None:
+        """Abandon every aggregate (the scheduler forgets them too)."""
+        self.abandon_all(f"scheduler connection lost: {reason}")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the thread that fails aggregates whose members are late."""
+        self._stopping.clear()
+        self._sweeper = threading.Thread(target=self._sweep, name=f"aggregator-{self.host}", daemon=True)
+        self._sweeper.start()
+
+    def stop(self) -> None:
+        """Abandon every aggregate (no messages: the daemon is going) and stop the sweeper."""
+        self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
+        if self._sweeper is not None:
+            self._sweeper.join(5)
+        self.abandon_all(f"daemon of host {self.host!r} shut down", notify=False)
+
+    def _sweep(self) -> None:
+        while not self._stopping.wait(0.1):
+            self.expire(self._clock())
+
+    # ------------------------------------------------------------------ directives
+
+    def owns(self, aggregate_id: str) -> bool:
+        """Whether this daemon runs aggregate ``aggregate_id`` (so a send or drop is for it)."""
+        with self._lock:
+            return aggregate_id in self._aggregates
+
+    def on_directive(self, directive: Any) -> None:
+        """An ``AggregateDirective``: expect its members, or replace the member list of a known one."""
+        d = directive
+        if not self.enabled:
+            reason = f"host {self.host!r} does not aggregate (its daemon runs with --no-aggregator)"
+            self._failed(control_pb2.AggregateFailed(aggregate_id=d.aggregate_id, reason=reason))
+            return
+        members = {m.update_id: m for m in d.members}
+        timeout = d.timeout_seconds if d.timeout_seconds > 0 else DEFAULT_TIMEOUT
+        with self._lock:
+            agg = self._aggregates.get(d.aggregate_id)
+            if agg is None:
+                if not members:
+                    return
+                self._aggregates[d.aggregate_id] = _Aggregate(
+                    d.aggregate_id,
+                    d.job,
+                    d.server,
+                    d.dst_host,
+                    d.dst_address,
+                    members,
+                    self._clock() + timeout,
+                    allow_non_finite=d.allow_non_finite,
+                    dst_aggregate_id=d.dst_aggregate_id,
+                )
+                self._gone.pop(d.aggregate_id, None)
+                self._changed.notify_all()
+                return
+        ready = None
+        with agg.lock:
+            if agg.state == "ready" and members and set(members) > set(agg.members):
+                agg.state = "collecting"  # a member joins before the aggregate leaves: open again
+            if agg.state != "collecting":
+                if agg.state == "ready" and set(members) == set(agg.members):
+                    return  # the same list again: nothing changes
+                problem = f"re-issued while {agg.state}"
+            elif not members:
+                self._abandon(agg, "cancelled by the scheduler (no members left)", notify=False)
+                return
+            else:
+                summed = [m for m in agg.arrived if m not in members]
+                problem = f"re-issued without member(s) {summed} already summed" if summed else ""
+                if not problem:
+                    agg.members = members
+                    agg.allow_non_finite = d.allow_non_finite
+                    agg.dst_aggregate_id = d.dst_aggregate_id
+                    agg.deadline = self._clock() + timeout
+                    agg.dst_host, agg.dst_address = (
+                        d.dst_host or agg.dst_host,
+                        d.dst_address or agg.dst_address,
+                    )
+                    ready = self._complete_if_in(agg)
+                    self._changed_notify()
+            if problem:
+                self._abandon(agg, f"aggregate {agg.aggregate_id} {problem}", notify=True)
+                return
+        if ready is not None:
+            self._announce_ready(ready)
+
+    def drop(self, aggregate_id: str, reason: str) -> bool:
+        """A ``DropDirective`` for an aggregate: discard it (no report). False if unknown."""
+        with self._lock:
+            agg = self._aggregates.get(aggregate_id)
+        if agg is None:
+            return False
+        with agg.lock:
+            self._abandon(agg, f"dropped by the scheduler: {reason}", notify=False)
+        return True
+
+    def abandon_all(self, reason: str, *, notify: bool = False) -> None:
+        """Discard every aggregate (the scheduler stream ended, or shutdown)."""
+        with self._lock:
+            aggregates = list(self._aggregates.values())
+        for agg in aggregates:
+            with agg.lock:
+                self._abandon(agg, reason, notify=notify)
+
+    def expire(self, now: float) -> None:
+        """Fail every aggregate still missing members after its deadline."""
+        with self._lock:
+            late = [a for a in self._aggregates.values() if a.state == "collecting" and now >= a.deadline]
+        for agg in late:
+            with agg.lock:
+                if agg.state == "collecting" and now >= agg.deadline:
+                    self._abandon(
+                        agg,
+                        f"aggregate {agg.aggregate_id}: member(s) {agg.missing()} did not arrive "
+                        f"within its timeout",
+                        notify=True,
+                    )
+
+    def _abandon(self, agg: _Aggregate, reason: str, *, notify: bool) -> None:
+        """Discard ``agg`` (its lock held): release the buffer, remember why, tell the scheduler."""
+        if agg.state == "abandoned":
+            return
+        if agg.state == "forwarding":  # the forward releases the buffer when it ends
+            agg.state = "abandoned"
+        else:
+            agg.state = "abandoned"
+            self._release(agg)
+        with self._lock:
+            if self._aggregates.get(agg.aggregate_id) is agg:
+                del self._aggregates[agg.aggregate_id]
+            self._forget(agg.aggregate_id, reason)
+        _LOG.info("aggregate %s abandoned: %s", agg.aggregate_id, reason)
+        if notify:
+            self._failed(
+                control_pb2.AggregateFailed(aggregate_id=agg.aggregate_id, reason=reason, arrived=agg.arrived)
+            )
+
+    def _forget(self, aggregate_id: str, reason: str) -> None:
+        self._gone[aggregate_id] = reason
+        while len(self._gone) > self._remember:
+            self._gone.popitem(last=False)
+
+    @staticmethod
+    def _release(agg: _Aggregate) -> None:
+        agg.acc = None
+        buffer, agg.buffer = agg.buffer, None
+        if buffer is not None and hasattr(buffer, "release"):
+            buffer.release()
+
+    # ------------------------------------------------------------------ members
+
+    def on_frame(self, frame: Frame) -> Response:
+        """A member's UPDATE frame (``header.aggregate_id`` set): sum it, ACK it; ERROR if it cannot be."""
+        try:
+            return self._on_member(frame)
+        finally:
+            frame.release()
+
+    def _error(self, reason: str, update_id: str) -> Response:
+        return Response(error_header(reason, update_id=update_id, src_host=self.host))
+
+    def _changed_notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _wait_for(self, aggregate_id: str, member: str = "") -> tuple[_Aggregate | None, str]:
+        """The aggregate, once its directive (listing ``member``, if given) is in; or why not.
+
+        A member joining an aggregate being gathered may arrive before the re-issued
+        directive that lists it: it waits for it as for an unknown aggregate's directive.
+        """
+        deadline = self._clock() + self._early_wait
+        with self._changed:
+            while True:
+                agg = self._aggregates.get(aggregate_id)
+                listed = agg is not None and (not member or member in agg.members or agg.state == "abandoned")
+                if agg is not None and (listed or deadline <= self._clock() or self._stopping.is_set()):
+                    return agg, ""
+                gone = self._gone.get(aggregate_id)
+                if gone is not None:
+                    return None, f"aggregate {aggregate_id} was abandoned on host {self.host!r}: {gone}"
+                left = deadline - self._clock()
+                if left <= 0 or self._stopping.is_set():
+                    return None, f"aggregate {aggregate_id} is unknown on host {self.host!r}"
+                self._changed.wait(min(left, 0.1))
+
+    def _on_member(self, frame: Frame) -> Response:
+        h = frame.header
+        agg, problem = self._wait_for(h.aggregate_id, h.update_id)
+        if agg is None:
+            return self._error(problem, h.update_id)
+        ready = None
+        with agg.lock:
+            if agg.state == "abandoned":
+                return self._error(
+                    f"aggregate {h.aggregate_id} was abandoned on host {self.host!r}", h.update_id
+                )
+            if h.update_id in agg.arrived:
+                return self._ack(h, frame)  # a retry: summed once already
+            if h.update_id in agg.refused:
+                return self._ack(h, frame, agg.refused[h.update_id])  # a retry: refused already
+            if h.update_id not in agg.members or agg.state != "collecting":
+                return self._error(
+                    f"update {h.update_id} is not a member of aggregate {h.aggregate_id} "
+                    f"(members: {sorted(agg.members)})",
+                    h.update_id,
+                )
+            if (h.job, h.server) != (agg.job, agg.server):
+                return self._error(
+                    f"update {h.update_id} is for server {h.server!r} of job {h.job!r}, aggregate "
+                    f"{h.aggregate_id} for server {agg.server!r} of job {agg.job!r}",
+                    h.update_id,
+                )
+            brings = aggregate_tree.carried(h, agg.members[h.update_id])
+            twice = aggregate_tree.overlap(h.update_id, brings, agg.members, agg.summed)
+            if twice:  # summing it would count these worker updates twice
+                return self._error(
+                    f"update {h.update_id} carries worker update(s) {twice} that aggregate "
+                    f"{h.aggregate_id} already carries or expects; not summed",
+                    h.update_id,
+                )
+            if frame.non_finite is not None and not agg.allow_non_finite:
+                # found in the CRC pass: refused before it is summed; its source resolves the push
+                # DROPPED and the scheduler re-issues the aggregate without it
+                refused_by = f"aggregator {self.host!r} (aggregate {h.aggregate_id})"
+                agg.refused[h.update_id] = non_finite_reason(frame.non_finite, h.update_id, refused_by)
+                return self._ack(h, frame, agg.refused[h.update_id])
+            if agg.acc is None:
+                try:
+                    buffer = self._alloc(h.payload_bytes)
+                    agg.acc = Accumulator(layouts_from_pb(h.tensors), buffer)
+                except ValueError as exc:
+                    return self._error(f"update {h.update_id}: cannot be summed: {exc}", h.update_id)
+                agg.buffer, agg.tensors, agg.payload_bytes = buffer, list(h.tensors), h.payload_bytes
+            elif list(h.tensors) != agg.tensors:
+                return self._error(
+                    f"update {h.update_id}: its tensor layout differs from the other members of "
+                    f"aggregate {h.aggregate_id}",
+                    h.update_id,
+                )
+            agg.acc.add(frame.payload)
+            agg.arrived.append(h.update_id)
+            agg.summed[h.update_id] = brings
+            ready = self._complete_if_in(agg)
+        if ready is not None:
+            self._announce_ready(ready)
+        return self._ack(h, frame)
+
+    def _ack(self, h: Any, frame: Frame, refused: str = "") -> Response:
+        """ACK a member: received (no outcome), or ``refused`` (DROPPED with that reason, not summed)."""
+        return Response(
+            FrameHeader(
+                kind=_ACK,
+                update_id=h.update_id,
+                aggregate_id=h.aggregate_id,
+                job=h.job,
+                server=h.server,
+                src_host=self.host,
+                receive_seconds=frame.stats.seconds,
+                outcome=_DROPPED if refused else control_pb2.OUTCOME_UNSPECIFIED,
+                reason=refused,
+            )
+        )
+
+    def _complete_if_in(self, agg: _Aggregate) -> Any:
+        """With ``agg.lock`` held: if every member is in, finish the sum; the UpdateReady to send."""
+        if agg.state != "collecting" or agg.missing() or agg.acc is None:
+            return None
+        agg.state = "ready"  # summed by forward(): a member may still join (re-issued directive)
+        h = agg.header(self.host)
+        return control_pb2.UpdateReady(
+            update_id=agg.aggregate_id,
+            job=agg.job,
+            server=agg.server,
+            worker="",
+            bytes=agg.payload_bytes,
+            norm=h.norm,
+            base_version=h.base_version,
+            ready_at=self._clock(),
+        )
+
+    def _announce_ready(self, ready: Any) -> None:
+        if not self._announce(ready):
+            with self._lock:
+                agg = self._aggregates.get(ready.update_id)
+            if agg is not None:
+                with agg.lock:
+                    self._abandon(
+                        agg, "scheduler not connected when the aggregate was complete", notify=False
+                    )
+
+    # ------------------------------------------------------------------ forwarding
+
+    def forward(self, send: Any) -> None:
+        """A ``SendDirective`` for a ready aggregate: send it to the server, report, release it."""
+        with self._lock:
+            agg = self._aggregates.get(send.update_id)
+            gone = self._gone.get(send.update_id, "never directed to this daemon")
+        if agg is None:
+            if gone.startswith("forwarded to "):
+                return  # a repeated directive: the forward reported already
+            self._cannot_forward(send, f"this daemon does not hold it ({gone})")
+            return
+        with agg.lock:
+            if agg.state == "forwarding":
+                return  # a repeated directive: the forward under way reports
+            if agg.state != "ready":
+                state = agg.state
+                self._abandon(agg, f"send directive while {state}", notify=False)
+                self._cannot_forward(send, f"it is {state}, not complete")
+                return
+            agg.state = "forwarding"
+            if agg.acc is not None and not agg.acc.finished:
+                agg.acc.finish()
+            header = agg.header(self.host)
+        address = send.next_hop_address or agg.dst_address
+        parent = send.aggregate_id if send.aggregate_id and send.aggregate_id != agg.aggregate_id else ""
+        parent = parent or agg.dst_aggregate_id
+        if parent:  # into the parent aggregate the scheduler named (it may differ from the directive's)
+            header.aggregate_id = parent
+        report = control_pb2.TransferReport(
+            update_id=agg.aggregate_id,
+            src_host=self.host,
+            dst_host=send.next_hop_host,
+            bytes=agg.payload_bytes,
+        )
+        payload: Any = b""
+        if agg.payload_bytes and getattr(agg.buffer, "fd", -1) >= 0:
+            payload = FileSpan(agg.buffer.fd, 0, agg.payload_bytes)  # sendfile from the pooled memfd
+        elif agg.payload_bytes:
+            payload = memoryview(agg.buffer)[: agg.payload_bytes]
+        try:
+            assert self._deliver is not None
+            delivery = self._deliver(address, header, payload)  # never resent once it may have arrived
+        finally:
+            if isinstance(payload, memoryview):
+                payload.release()
+        failure = aggregate_tree.fill_forward_report(report, delivery, header.members, parent)
+        with agg.lock:
+            agg.state = "abandoned"
+            self._release(agg)
+            with self._lock:
+                if self._aggregates.get(agg.aggregate_id) is agg:
+                    del self._aggregates[agg.aggregate_id]
+                self._forget(agg.aggregate_id, failure or f"forwarded to {parent or 'the server'}")
+        self._report(report)
+        if failure:
+            self._failed(
+                control_pb2.AggregateFailed(
+                    aggregate_id=agg.aggregate_id, reason=failure, arrived=agg.arrived
+                )
+            )
+
+    def _cannot_forward(self, send: Any, why: str) -> None:
+        """Report that the aggregate of ``send`` never left this daemon (its members are re-planned)."""
+        error = f"cannot forward aggregate {send.update_id!r}: {why}"
+        _LOG.warning("%s", error)
+        report = control_pb2.TransferReport(
+            update_id=send.update_id, src_host=self.host, dst_host=send.next_hop_host, ok=False, error=error
+        )
+        self._report(report)

@@ -1,0 +1,1 @@
+"""All-reduce on the daemons: operations, chunks, tree and ring routes."""

@@ -1,0 +1,1 @@
+"""Replication: the replica role on its daemon, and the server's replication log on the server's daemon."""

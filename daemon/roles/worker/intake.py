@@ -1,0 +1,425 @@
+"""The worker role: a worker process's registration, its pushes and gets (DESIGN §3, paper Table 1).
+
+The life of a push on its worker's daemon (MLfabric §4): the process hands its update in a
+memfd (``push``); :class:`WorkerRole` checks it against the server's model spec, waits for
+push budget, gives it its id ``"<host>/<incarnation>/<seq>"`` and keeps the memfd
+(:class:`~mlfabric.daemon.roles.worker.pushes.OutgoingPushes`) until it resolves; tells the
+scheduler ``UpdateReady`` (or keeps it for the fallback while the scheduler is away,
+:mod:`~mlfabric.daemon.roles.worker.fallback`); on a ``SendDirective`` sends it
+(:class:`~mlfabric.daemon.roles.worker.sender.PushSender`); a ``DropDirective`` or the push
+deadline resolves it DROPPED, a ``ResolveDirective`` with the aggregate's verdict. ``get`` is
+answered from the model a server of this host published, or fetched from the server's daemon.
+
+When the scheduler session breaks the waiting pushes keep their place (or, without a fallback,
+resolve DROPPED); after a new ``Welcome`` each worker registers again, with backoff while its
+job has no server yet, and its kept pushes are announced once it is registered.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from mlfabric.daemon.channels.budget import BudgetExceeded, ByteBudget
+from mlfabric.daemon.channels.frames import FrameError, FrameHeader, FrameLimits, check_header
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
+from mlfabric.daemon.roles.base import (
+    Role,
+    RoleContext,
+    Routes,
+    Verdict,
+    already_registered,
+    model_reply,
+    refused,
+)
+from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.registrar import OnAck, Registrar
+from mlfabric.daemon.roles.server.serving import ServerRoles
+from mlfabric.daemon.roles.worker.fallback import Fallback, update_ready
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, new_incarnation
+from mlfabric.daemon.roles.worker.sender import PushSender
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
+from mlfabric.wire.memfd import allocate
+from mlfabric.wire.tensors import check_update, layouts_from_pb
+
+__all__ = ["WorkerRole"]
+
+_LOG = logging.getLogger("mlfabric.daemon")
+_UNKNOWN_JOB = control_pb2.ERROR_CODE_UNKNOWN_JOB
+
+
+class WorkerRole(Role):
+    """The workers of this host's processes, and the pushes they made (thread-safe).
+
+    Parameters
+    ----------
+    context : RoleContext
+        Host, scheduler session, task pool, stopping flag, clock.
+    registrar : Registrar
+        Registers the workers with the scheduler.
+    directory : Directory
+        Where every job's servers are.
+    peers : PeerPool
+        The data plane's way out (transfers, model fetches).
+    serving : ServerRoles
+        The servers of this host (a ``get`` for one of them is answered here).
+    budget : ByteBudget
+        The push budget: bytes of pushes held at once.
+    report : callable
+        ``report(TransferReport)`` to the scheduler (and the report log).
+    limits : FrameLimits
+        What a pushed update may be.
+    fallback_after : float or None
+        Seconds without a scheduler before pushes are sent directly (None: they resolve DROPPED).
+    push_timeout : float
+        The push deadline: seconds a push may wait for a directive.
+    budget_timeout : float or None
+        Seconds a push waits for push budget.
+    """
+
+    #: the pushes held until they resolve, how they are sent, the fallback while the scheduler is away
+    outgoing: OutgoingPushes
+    sender: PushSender
+    fallback: Fallback
+
+    def __init__(
+        self,
+        context: RoleContext,
+        registrar: Registrar,
+        directory: Directory,
+        peers: PeerPool,
+        serving: ServerRoles,
+        budget: ByteBudget,
+        report: Callable[[Any], Any],
+        *,
+        limits: FrameLimits,
+        fallback_after: float | None,
+        push_timeout: float,
+        budget_timeout: float | None,
+    ) -> None:
+        self._ctx = context
+        self._registrar = registrar
+        self._directory = directory
+        self._peers = peers
+        self._serving = serving
+        self._budget = budget
+        self._limits = limits
+        self._push_timeout = push_timeout
+        self._budget_timeout = budget_timeout
+        self._lock = threading.Lock()
+        #: registered workers by connection id
+        self._workers: dict[int, LocalConnection] = {}
+        #: workers (by connection) not registered with the scheduler: (for good, why)
+        self._unregistered: dict[int, tuple[bool, str]] = {}
+        self.outgoing = OutgoingPushes(context.host, new_incarnation())
+        self.sender = PushSender(
+            context,
+            peers,
+            self.outgoing,
+            report,
+            directory,
+            reannounce=lambda push, reason: self.fallback.announce_or_keep(push, reason),
+            on_finish=lambda push: budget.release(push.payload_bytes),
+        )
+        self.fallback = Fallback(
+            fallback_after,
+            self.outgoing,
+            directory,
+            lambda push: context.send(control_pb2.DaemonMessage(update_ready=update_ready(push))),
+            lambda push, send: context.submit(self.sender.transfer, push, send),
+            self.sender.finish,
+            context.clock,
+        )
+        self._deadlines: threading.Thread | None = None
+
+    def routes(self) -> Routes:
+        return Routes(
+            requests={"register_worker": self.register, "push": self.push, "get": self.get},
+            directives={"send": self.on_send, "drop": self.on_drop, "resolve": self.sender.resolve},
+        )
+
+    @property
+    def workers(self) -> int:
+        """Worker processes registered here."""
+        with self._lock:
+            return len(self._workers)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the push deadline's thread."""
+        self._deadlines = threading.Thread(target=self._push_deadlines, name="push-deadline", daemon=True)
+        self._deadlines.start()
+
+    def stop(self) -> None:
+        """Resolve DROPPED every push still held (after the transfers in flight were cut)."""
+        for push in self.outgoing.take_all():
+            self.sender.finish(push, Verdict.dropped(f"daemon of host {self._ctx.host!r} shut down"))
+
+    def tick(self) -> None:
+        self.fallback.tick()
+
+    def _push_deadlines(self) -> None:
+        """Resolve DROPPED every push still waiting for a directive past ``push_timeout``."""
+        timeout = self._push_timeout
+        while not self._ctx.stopping.wait(min(1.0, timeout / 4)):
+            for push in self.outgoing.take_expired(self._ctx.clock(), timeout):
+                reason = (
+                    f"push deadline: {push.update_id} got no directive from the scheduler at "
+                    f"{self._ctx.scheduler} within {timeout:g} s"
+                )
+                self.sender.finish(push, Verdict.dropped(reason))
+                resolved = control_pb2.UpdateResolved(
+                    update_id=push.update_id, outcome=control_pb2.OUTCOME_DROPPED, reason=reason
+                )
+                self._ctx.send(control_pb2.DaemonMessage(update_resolved=resolved))
+
+    # ------------------------------------------------------------------ the scheduler session
+
+    def scheduler_connected(self) -> None:
+        """Back to scheduled sends; every worker is unregistered until it registered again."""
+        self.fallback.connected()
+        with self._lock:
+            for conn_id in self._workers:
+                self._unregistered[conn_id] = (False, "re-registering after the scheduler restarted")
+
+    def register_again(self) -> None:
+        """Register every worker again (retried while its job has no server, as long as it is here).
+
+        Until then its pushes are kept (announced once it is registered, or sent directly after
+        ``fallback_after``), or without a fallback resolve DROPPED naming that. Refused for
+        another reason, its role is gone for good: its pushes get an error.
+        """
+        with self._lock:
+            workers = list(self._workers.values())
+        for conn in workers:
+            message = control_pb2.RegisterRole(job=conn.job, name=conn.name, role=control_pb2.ROLE_WORKER)
+            self._registrar.register_until(
+                message,
+                self._registered_again(conn),
+                retry=(_UNKNOWN_JOB,),
+                wanted=functools.partial(self._is_worker, conn),
+            )
+
+    def _is_worker(self, conn: LocalConnection) -> bool:
+        with self._lock:
+            return self._workers.get(conn.conn_id) is conn
+
+    def _registered_again(self, conn: LocalConnection) -> OnAck:
+        conn_id, job, name = conn.conn_id, conn.job, conn.name
+
+        def on_ack(ack: Any) -> None:
+            with self._lock:
+                if self._workers.get(conn_id) is not conn:
+                    return  # the worker's process went away meanwhile
+                if ack is not None and ack.code == _UNKNOWN_JOB:
+                    why = f"refused ({ack.error}); retrying until the job's server is back"
+                    self._unregistered[conn_id] = (False, why)
+                elif ack is not None and ack.ok:
+                    self._unregistered.pop(conn_id, None)
+                elif ack is not None:
+                    self._unregistered[conn_id] = (True, ack.error)
+            if ack is not None and ack.code == _UNKNOWN_JOB:
+                return  # registered again later
+            if self._registrar.log_answer(job, name, ack):
+                for ready in self.sender.unhold(job, name):  # held for an aggregate it never saw
+                    self._ctx.send(control_pb2.DaemonMessage(update_ready=ready))
+                self.fallback.announce_worker(job, name)  # kept while it was away
+
+        return on_ack
+
+    def scheduler_lost(self, reason: str) -> None:
+        """Waiting pushes keep their place (sent directly if it stays away), or resolve DROPPED."""
+        if self.fallback.enabled:
+            self.fallback.lost()
+            return
+        for push in self.outgoing.take_waiting():
+            self.sender.finish(
+                push, Verdict.dropped(f"scheduler connection lost before {push.update_id} was sent: {reason}")
+            )
+
+    def connection_closed(self, conn: LocalConnection) -> None:
+        """A worker's process went away: forget it, tell the scheduler (its pushes still resolve)."""
+        with self._lock:
+            self._workers.pop(conn.conn_id, None)
+            self._unregistered.pop(conn.conn_id, None)
+        if conn.role == "worker":
+            message = control_pb2.UnregisterRole(job=conn.job, role=control_pb2.ROLE_WORKER, name=conn.name)
+            self._ctx.send(control_pb2.DaemonMessage(unregister_role=message))
+
+    # ------------------------------------------------------------------ directives
+
+    def on_send(self, send: Any) -> None:
+        """A ``SendDirective`` for a push held here: send it (on the task pool)."""
+        push = self.outgoing.start_sending(send.update_id)
+        if push is None:
+            _LOG.warning("send directive for unknown or busy update %r", send.update_id)
+        else:
+            self._ctx.submit(self.sender.transfer, push, send)
+
+    def on_drop(self, drop: Any) -> None:
+        """A ``DropDirective``: the push resolves DROPPED with the scheduler's reason."""
+        dropped = self.outgoing.take(drop.update_id)
+        if dropped is not None:
+            self.sender.finish(dropped, Verdict.dropped(drop.reason or "dropped by the scheduler"))
+
+    # ------------------------------------------------------------------ local requests
+
+    def register(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
+        """``RegisterWorkerRequest``: register with the scheduler, waiting for the job's servers."""
+        req, rid = request.register_worker, request.request_id
+        if already_registered(conn, rid):
+            return fd
+        deadline = self._ctx.clock() + max(0.0, req.wait_seconds)
+        message = control_pb2.RegisterRole(job=req.job, name=req.name, role=control_pb2.ROLE_WORKER)
+
+        def on_ack(ack: Any) -> None:
+            if ack is not None and ack.ok:
+                conn.role, conn.job, conn.name = "worker", req.job, req.name
+                with self._lock:
+                    self._workers[conn.conn_id] = conn
+                self._directory.update(req.job, ack.servers)
+                self._ctx.submit(reply_when_servers, ack.params)
+            elif (
+                ack is not None
+                and ack.code == _UNKNOWN_JOB
+                and self._ctx.clock() < deadline
+                and not self._ctx.stopping.is_set()
+                and not conn.closed  # its process went away: stop asking for it
+            ):  # the job has no server yet: wait for one
+                self._ctx.submit(retry)
+            else:
+                refused(conn, rid, ack, self._ctx)
+
+        def retry() -> None:
+            self._ctx.stopping.wait(0.2)
+            self._registrar.register(message, on_ack)
+
+        def reply_when_servers(params: Any) -> None:
+            job = req.job
+            while not self._directory.wait_for_servers(job, min(0.5, deadline - self._ctx.clock())):
+                if self._ctx.stopping.is_set() or self._ctx.clock() >= deadline or conn.closed:
+                    break
+            if not self._directory.servers(job):
+                why = f"unknown job {job!r}: no servers registered (waited {req.wait_seconds} s)"
+                conn.error(rid, "unknown_job", why)
+                return
+            infos = (self._directory.info(job, name) for name in self._directory.servers(job))
+            servers = [info for info in infos if info is not None]  # one may have left meanwhile
+            reply = local_pb2.RegisterReply(params=params, servers=servers)
+            conn.send(local_pb2.LocalEvent(request_id=rid, registered=reply))
+
+        self._registrar.register(message, on_ack)
+        return fd
+
+    def push(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
+        """``PushRequest``: check the update, keep its memfd, announce it. Returns an fd to close."""
+        req, rid = request.push, request.request_id
+        if conn.role != "worker":
+            conn.error(rid, "bad_request", "push before register_as_worker on this connection")
+            return fd
+        with self._lock:
+            lost, why = self._unregistered.get(conn.conn_id, (None, ""))
+        where = (
+            f"worker {conn.name!r} of job {conn.job!r} is {{}} registered with the scheduler at "
+            f"{self._ctx.scheduler}: {why}"
+        )
+        if lost:
+            conn.error(rid, "role_lost", where.format("no longer") + " (register again)")
+            return fd
+        if lost is not None and not self.fallback.enabled:  # re-registering: the scheduler would not know it
+            result = local_pb2.PushResult(outcome=control_pb2.OUTCOME_DROPPED, reason=where.format("not"))
+            conn.send(local_pb2.LocalEvent(request_id=rid, push_result=result))
+            return fd
+        loc = self._directory.lookup(conn.job, req.server)
+        if loc is None:
+            known = self._directory.servers(conn.job)
+            conn.error(
+                rid, "unknown_server", f"unknown server {req.server!r} in job {conn.job!r} (servers: {known})"
+            )
+            return fd
+        if fd is None:
+            conn.error(rid, "bad_request", "push without a payload memfd")
+            return fd
+        layouts = layouts_from_pb(req.tensors)
+        problem = check_update(loc.spec, layouts, f"server {req.server!r} of job {conn.job!r}")
+        header = FrameHeader(
+            kind=dataplane_pb2.FRAME_KIND_UPDATE, payload_bytes=req.payload_bytes, tensors=req.tensors
+        )
+        try:
+            check_header(header, self._limits)
+        except FrameError as exc:
+            problem = problem or f"bad tensor layout: {exc}"
+        if problem is None and os.fstat(fd).st_size < req.payload_bytes:
+            problem = f"payload memfd holds {os.fstat(fd).st_size} bytes, push says {req.payload_bytes}"
+        if problem is not None:
+            conn.error(rid, "bad_tensor", problem)
+            return fd
+        try:  # back-pressure: wait for push budget
+            self._budget.acquire(req.payload_bytes, self._budget_timeout, self._ctx.stopping)
+        except MemoryError as exc:  # BudgetExceeded or BudgetTimeout, named in the message
+            conn.error(rid, "too_large" if isinstance(exc, BudgetExceeded) else "unavailable", str(exc))
+            return fd
+        push = PendingPush(
+            update_id=self.outgoing.new_update_id(),
+            job=conn.job,
+            server=req.server,
+            worker=conn.name,
+            fd=fd,
+            layouts=layouts,
+            payload_bytes=req.payload_bytes,
+            norm=req.norm,
+            base_version=req.base_version,
+            ready_at=self._ctx.clock(),
+            request_id=rid,
+            owner=conn,
+            crc32=req.payload_crc32 if req.has_crc32 else None,
+        )
+        self.outgoing.add(push)
+        accepted = local_pb2.PushAccepted(update_id=push.update_id)
+        conn.send(local_pb2.LocalEvent(request_id=rid, push_accepted=accepted))
+        # re-registering: kept, announced once the worker is registered (or sent directly)
+        reason = f"scheduler at {self._ctx.scheduler} not connected; {push.update_id} not scheduled"
+        self.fallback.announce_or_keep(push, reason, announce=lost is None)
+        return None
+
+    def get(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
+        """``GetRequest``: the server's model, from here or fetched from the server's daemon."""
+        server, rid = request.get.server, request.request_id
+        job = conn.job
+        loc = self._directory.lookup(job, server) if conn.role else None
+        if loc is None:
+            known = self._directory.servers(job)
+            conn.error(rid, "unknown_server", f"unknown server {server!r} in job {job!r} (servers: {known})")
+            return fd
+        if self._serving.hosts(job, server):
+            self._serving.send_model(conn, rid, job, server)
+        else:
+            self._ctx.submit(self._remote_model, conn, rid, job, server, loc.data_address)
+        return fd
+
+    def _remote_model(self, conn: LocalConnection, rid: int, job: str, server: str, address: str) -> None:
+        """Answer a ``get`` for a server on another host: GET frame -> MODEL -> memfd to ``conn``."""
+        header = FrameHeader(
+            kind=dataplane_pb2.FRAME_KIND_GET, job=job, server=server, src_host=self._ctx.host
+        )
+        try:
+            reply = self._peers.request(address, header, alloc=allocate)
+        except PeerUnavailable as exc:
+            conn.error(rid, "unavailable", f"get from server {server!r} of job {job!r}: {exc}")
+            return
+        buffer = reply.memfd()
+        try:
+            if reply.header.kind != dataplane_pb2.FRAME_KIND_MODEL:
+                conn.error(
+                    rid, "unavailable", f"get from server {server!r} of job {job!r}: {reply.header.reason}"
+                )
+                return
+            conn.send(local_pb2.LocalEvent(request_id=rid, model=model_reply(reply.header)), buffer.fd)
+        finally:
+            buffer.release()

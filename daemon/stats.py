@@ -1,0 +1,142 @@
+"""What a daemon counts, and the snapshot :meth:`~mlfabric.daemon.host.Daemon.stats` returns.
+
+:class:`Counters` counts, as they happen, the transfer reports the daemon sends to the
+scheduler and the data-plane frames it receives; :class:`DaemonStats` is one snapshot of those
+counts and of the daemon's gauges (local clients, the fallback, the payload budgets, pooled
+buffers). The Prometheus collector (:mod:`mlfabric.daemon.metrics`) reads a snapshot at every
+scrape; nothing here knows Prometheus (docs/operations.md lists the metrics).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlfabric.daemon.channels.routing import FrameRoute, names_aggregate
+from mlfabric.proto.v1 import control_pb2
+
+__all__ = ["Counters", "DaemonStats"]
+
+_OUTCOMES = {control_pb2.OUTCOME_APPLIED: "applied", control_pb2.OUTCOME_DROPPED: "dropped"}
+
+
+@dataclass(frozen=True)
+class DaemonStats:
+    """One daemon's counts and gauges at one moment.
+
+    Attributes
+    ----------
+    host : str
+        The daemon's host.
+    sent_bytes : dict
+        Next hop -> payload bytes of the transfers reported ok.
+    transfers : dict
+        ``"ok"``/``"failed"`` -> transfers reported.
+    dataplane_errors : int
+        Transfers reported failed (each failed forward or push counts).
+    resolved : dict
+        ``"applied"``/``"dropped"`` -> transfers reported with that outcome.
+    aggregates_sent : dict
+        ``"ok"``/``"failed"`` -> aggregates forwarded from here.
+    received_bytes : dict
+        Source host -> payload bytes of the frames received from it.
+    received_frames : int
+        Data-plane frames received.
+    aggregate_members, aggregate_member_bytes : int
+        Worker updates received here to be summed into an aggregate, and their payload bytes.
+    local_clients : int
+        Training processes registered on the local API.
+    fallback_active : bool
+        Whether the daemon sends directly because the scheduler is away.
+    unannounced_pushes : int
+        Pushes no scheduler session knows.
+    inflight_bytes : dict
+        ``"push"``/``"receive"`` -> payload bytes held against that budget.
+    pool_idle_bytes : int
+        Released receive buffers kept for reuse.
+    """
+
+    host: str
+    sent_bytes: dict[str, int] = field(default_factory=dict)
+    transfers: dict[str, int] = field(default_factory=dict)
+    dataplane_errors: int = 0
+    resolved: dict[str, int] = field(default_factory=dict)
+    aggregates_sent: dict[str, int] = field(default_factory=dict)
+    received_bytes: dict[str, int] = field(default_factory=dict)
+    received_frames: int = 0
+    aggregate_members: int = 0
+    aggregate_member_bytes: int = 0
+    local_clients: int = 0
+    fallback_active: bool = False
+    unannounced_pushes: int = 0
+    inflight_bytes: dict[str, int] = field(default_factory=dict)
+    pool_idle_bytes: int = 0
+
+
+class Counters:
+    """The daemon's counts of reports and frames (thread-safe).
+
+    Examples
+    --------
+    >>> c = Counters()
+    >>> c.report(control_pb2.TransferReport(update_id="w0/a/1", dst_host="ps", bytes=512, ok=True))
+    >>> s = c.snapshot("w0")
+    >>> s.sent_bytes, s.transfers
+    ({'ps': 512}, {'ok': 1, 'failed': 0})
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent_bytes: collections.Counter[str] = collections.Counter()
+        self._transfers = collections.Counter({"ok": 0, "failed": 0})
+        self._errors = 0
+        self._resolved = collections.Counter(dict.fromkeys(_OUTCOMES.values(), 0))
+        self._aggregates_sent: collections.Counter[str] = collections.Counter()
+        self._received_bytes: collections.Counter[str] = collections.Counter()
+        self._frames = 0
+        self._members = 0
+        self._member_bytes = 0
+
+    def report(self, report: Any) -> None:
+        """Count one ``TransferReport`` the daemon sends to the scheduler."""
+        result = "ok" if report.ok else "failed"
+        outcome = _OUTCOMES.get(report.outcome)
+        with self._lock:
+            if names_aggregate(report.update_id):
+                self._aggregates_sent[result] += 1
+            self._transfers[result] += 1
+            if report.ok:
+                self._sent_bytes[report.dst_host] += report.bytes
+            else:
+                self._errors += 1
+            if outcome is not None:
+                self._resolved[outcome] += 1
+
+    def frame(self, header: Any, route: FrameRoute) -> None:
+        """Count one received data-plane frame (``route``: its :func:`~.channels.routing.frame_route`)."""
+        with self._lock:
+            self._frames += 1
+            if route is FrameRoute.AGGREGATE_MEMBER:
+                self._members += 1
+                self._member_bytes += header.payload_bytes
+            if header.payload_bytes:
+                self._received_bytes[header.src_host or "unknown"] += header.payload_bytes
+
+    def snapshot(self, host: str, **gauges: Any) -> DaemonStats:
+        """The counts now, with the daemon's ``gauges`` (the other :class:`DaemonStats` fields)."""
+        with self._lock:
+            return DaemonStats(
+                host=host,
+                sent_bytes=dict(self._sent_bytes),
+                transfers=dict(self._transfers),
+                dataplane_errors=self._errors,
+                resolved=dict(self._resolved),
+                aggregates_sent=dict(self._aggregates_sent),
+                received_bytes=dict(self._received_bytes),
+                received_frames=self._frames,
+                aggregate_members=self._members,
+                aggregate_member_bytes=self._member_bytes,
+                **gauges,
+            )
