@@ -43,6 +43,7 @@ __all__ = [
     "Agreement",
     "RankPlan",
     "agree",
+    "describe_all",
     "native_allreduce",
     "signature",
     "tree_allreduce",
@@ -208,6 +209,23 @@ def agree(sig: int, epoch: int, group: Any, *, oldest: int = -1) -> Agreement:
     return Agreement(
         tuple(int(t[0]) for t in out), tuple(int(t[1]) for t in out), tuple(int(t[2]) for t in out)
     )
+
+
+#: Bytes of each rank's description in :func:`describe_all` (longer ones are cut).
+DESCRIPTION_BYTES = 512
+
+
+def describe_all(text: str, group: Any) -> list[str]:
+    """All-gather a short text from every rank (collective; used to name a mismatch's both sides).
+
+    Each text is cut to :data:`DESCRIPTION_BYTES` bytes of UTF-8.
+    """
+    raw = text.encode()[:DESCRIPTION_BYTES]
+    mine = torch.zeros(DESCRIPTION_BYTES, dtype=torch.uint8)
+    mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty(DESCRIPTION_BYTES, dtype=torch.uint8) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in out]
 
 
 def native_allreduce(flat: torch.Tensor, group: Any) -> torch.Tensor:

@@ -39,7 +39,14 @@ import torch.distributed as dist
 from mlfabric import tensors as tcodec
 from mlfabric.allreduce import AllreduceHandle
 from mlfabric.localclient import MlfabricError
-from mlfabric.torch.collective import RankPlan, agree, native_allreduce, signature, tree_allreduce
+from mlfabric.torch.collective import (
+    RankPlan,
+    agree,
+    describe_all,
+    native_allreduce,
+    signature,
+    tree_allreduce,
+)
 
 __all__ = ["GroupExecutor", "PlanCache", "PlanSource"]
 
@@ -142,6 +149,8 @@ class GroupExecutor:
         self._group: Any = None
         self._ops = itertools.count()
         self._broken: MlfabricError | None = None
+        #: plans asked of the scheduler (one per operation, unless the group's plans diverge)
+        self.plan_requests = 0
         self.rank = -1
         self.world_size = 0
 
@@ -215,9 +224,14 @@ class GroupExecutor:
         agreement = agree(sig, newest, self._group, oldest=oldest)
         wrong = agreement.mismatched()
         if wrong:
+            mine = f"{name!r}: " + ", ".join(f"{x.name!r} {x.dtype} {x.shape}" for x in layouts)
+            seen = describe_all(mine, self._group)  # every rank takes this branch alike
+            first = wrong[0]
+            other = next(r for r in range(len(seen)) if r not in wrong)
+            sides = f"rank {first} has {seen[first]}, rank {other} has {seen[other]}"
             raise MlfabricError(
-                f"all-reduce {name!r}: the tensors (names, dtypes, shapes) or the operation name of "
-                f"rank(s) {wrong} of the process group differ from the other ranks'",
+                f"all-reduce {name!r}: the operation or tensors of rank(s) {wrong} of the process group "
+                f"differ from the other ranks': {sides}",
                 "allreduce_mismatch",
             )
         epoch = agreement.epoch()
@@ -225,6 +239,7 @@ class GroupExecutor:
             plan = self.plans.get(name, sig, epoch)
             if plan is not None:
                 return plan
+        self.plan_requests += 1
         plan = self._plan_source(name, layouts, sig, self.rank)  # every rank asks: the same data
         self.plans.add(name, sig, plan)
         return plan

@@ -109,18 +109,24 @@ class Sender:
 
 
 def check_request(req: Any, fd: int | None) -> tuple[str, str] | None:
-    """``(code, message)`` of what is wrong with an ``AllreduceRequest``, or None."""
+    """``(code, message)`` of what is wrong with an ``AllreduceRequest``, or None.
+
+    A ``plan_only`` request (a process group runs the operation) has no payload; its process
+    rank must be one of the world's.
+    """
     if not req.participant or not req.name or not req.job:
         return "bad_request", "an all-reduce needs a job, a name and a participant"
     if req.world_size < 1:
         return "bad_request", f"world_size must be >= 1, got {req.world_size}"
-    if fd is None:
+    if req.plan_only and not 0 <= req.process_rank < req.world_size:
+        return "bad_request", f"process_rank {req.process_rank} is not a rank of a world of {req.world_size}"
+    if fd is None and not req.plan_only:
         return "bad_request", "all-reduce without a payload memfd"
-    problem = _check_layout(req, fd)
+    problem = _check_layout(req, None if req.plan_only else fd)
     return None if problem is None else ("bad_tensor", problem)
 
 
-def _check_layout(req: Any, fd: int) -> str | None:
+def _check_layout(req: Any, fd: int | None) -> str | None:
     end = 0
     for t in sorted(req.tensors, key=lambda t: t.offset):
         if t.dtype not in DTYPES:
@@ -133,6 +139,6 @@ def _check_layout(req: Any, fd: int) -> str | None:
         end += t.nbytes
     if end != req.payload_bytes:
         return f"tensor layout covers {end} bytes but payload_bytes is {req.payload_bytes}"
-    if os.fstat(fd).st_size < req.payload_bytes:
+    if fd is not None and os.fstat(fd).st_size < req.payload_bytes:
         return f"payload memfd holds {os.fstat(fd).st_size} bytes, the request says {req.payload_bytes}"
     return None

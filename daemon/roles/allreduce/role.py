@@ -21,6 +21,9 @@ Failures never hang: a peer that cannot be reached, a refused frame, the local p
 disconnecting, the scheduler stream breaking, or the participant's deadline passing fail the
 operation here (a ``LocalError`` to the process, ``AllreduceDone{ok=false}`` to the scheduler,
 which aborts it at every other participant with ``AllreduceAbort``).
+
+Operations a process group runs (``plan_only``) only have their plans carried here
+(:mod:`~mlfabric.daemon.roles.allreduce.group`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.channels.peers import PeerUnavailable
 from mlfabric.daemon.channels.routing import FrameRoute
+from mlfabric.daemon.roles.allreduce.group import GroupPlans
 from mlfabric.daemon.roles.allreduce.op import AllreduceError, Key, Op, Sender, check_request
 from mlfabric.daemon.roles.allreduce.routes import routing
 from mlfabric.daemon.roles.base import Role, RoleContext, Routes
@@ -81,6 +85,8 @@ class AllreduceRole(Role):
         #: recently finished or failed operations: key -> why (a late frame is refused at once)
         self._gone: collections.OrderedDict[Key, str] = collections.OrderedDict()
         self._stopping = threading.Event()
+        #: the plan requests of process-group participants
+        self.group = GroupPlans(self._control, self._clock)
 
     def routes(self) -> Routes:
         return Routes(
@@ -99,8 +105,11 @@ class AllreduceRole(Role):
         if problem is not None:
             conn.error(rid, *problem)
             return fd
-        assert fd is not None
         timeout = req.timeout_seconds if req.timeout_seconds > 0 else DEFAULT_TIMEOUT
+        if req.plan_only:
+            self.group.request(conn, req, rid, timeout=timeout)
+            return fd
+        assert fd is not None
         size = req.payload_bytes
         own = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
         result_fd = os.memfd_create("mlfabric-allreduce", os.MFD_CLOEXEC)
@@ -150,6 +159,7 @@ class AllreduceRole(Role):
 
     def connection_closed(self, conn: LocalConnection) -> None:
         """The process of ``conn`` went away: its operations fail (the others are told)."""
+        self.group.connection_closed(conn)
         with self._lock:
             keys = [k for k, op in self._ops.items() if op.conn is conn]
         for key in keys:
@@ -161,6 +171,9 @@ class AllreduceRole(Role):
 
     def on_directive(self, d: Any) -> None:
         """``AllreduceDirective``: this participant's place in the tree or ring; start moving chunks."""
+        if d.executor_kind:  # a process group runs it: the plan goes to the process
+            self.group.directive(d)
+            return
         key: Key = (d.job, d.name, int(d.seq), d.participant)
         with self._lock:
             op = self._ops.get(key)
@@ -200,6 +213,7 @@ class AllreduceRole(Role):
 
     def on_abort(self, a: Any) -> None:
         """``AllreduceAbort``: fail every local participant of the operation with its reason."""
+        self.group.abort(a)
         with self._lock:
             keys = [k for k in self._ops if k[:3] == (a.job, a.name, int(a.seq))]
         for key in keys:
@@ -207,6 +221,7 @@ class AllreduceRole(Role):
 
     def scheduler_lost(self, reason: str) -> None:
         """The control stream broke: every operation fails (the scheduler forgets them too)."""
+        self.group.scheduler_lost(reason)
         with self._lock:
             keys = list(self._ops)
         for key in keys:
@@ -214,6 +229,7 @@ class AllreduceRole(Role):
 
     def tick(self) -> None:
         """Fail operations past their deadline."""
+        self.group.tick()
         now = self._clock()
         with self._lock:
             late = [(k, op) for k, op in self._ops.items() if now > op.deadline]
@@ -231,6 +247,7 @@ class AllreduceRole(Role):
     def stop(self) -> None:
         """Fail every operation (the daemon is stopping)."""
         self._stopping.set()
+        self.group.stop(self.host)
         with self._lock:
             keys = list(self._ops)
         for key in keys:
