@@ -2,9 +2,13 @@
 
 The same script trains with PyTorch's ``DistributedDataParallel`` either way; ``--comm
 mlfabric`` adds the one line that sends every gradient bucket through mlfabric's all-reduce
-(:func:`mlfabric.torch.allreduce_hook`), ``--comm gloo`` leaves DDP's own gloo all-reduce.
-DDP's setup (the initial broadcast of the parameters) uses gloo in both cases. Nothing is
-downloaded (``load_digits`` ships inside scikit-learn).
+(:func:`mlfabric.torch.allreduce_hook`): planned by the scheduler from the bandwidth graph and
+run over the ranks' process group (gloo's own all-reduce where the graph is uniform,
+mlfabric's tree through gloo's point-to-point operations where that is faster), with the plan
+kept between steps. ``--comm mlfabric-daemons`` runs the same plans through the daemons
+instead (no process group needed by the hook), ``--comm gloo`` leaves DDP's own gloo
+all-reduce. DDP's setup (the initial broadcast of the parameters) uses gloo in every case.
+Nothing is downloaded (``load_digits`` ships inside scikit-learn).
 
 One rank per process, next to its host's daemon (``MLFABRIC_DAEMON`` or ``--daemon``)::
 
@@ -35,6 +39,9 @@ import numpy as np
 
 from mlfabric.examples.digits import load_data
 
+#: Who all-reduces the buckets: mlfabric over the process group, mlfabric's daemons, or gloo.
+COMMS = ("mlfabric", "mlfabric-daemons", "gloo")
+
 __all__ = ["build_model", "launch", "main", "train_rank"]
 
 
@@ -64,7 +71,7 @@ def train_rank(
 
     Parameters
     ----------
-    comm : {"mlfabric", "gloo"}
+    comm : {"mlfabric", "mlfabric-daemons", "gloo"}
         Who all-reduces the gradient buckets.
     bucket_cap_mb : float
         DDP's bucket size (small by default, so the tiny model still has several buckets).
@@ -72,19 +79,23 @@ def train_rank(
     import torch
     import torch.distributed as dist
 
-    if comm not in ("mlfabric", "gloo"):
-        raise ValueError(f"--comm must be 'mlfabric' or 'gloo', got {comm!r}")
+    if comm not in COMMS:
+        raise ValueError(f"--comm must be one of {COMMS}, got {comm!r}")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     group = None
     try:
         model = torch.nn.parallel.DistributedDataParallel(build_model(seed), bucket_cap_mb=bucket_cap_mb)
-        if comm == "mlfabric":
+        if comm.startswith("mlfabric"):
             import mlfabric
             import mlfabric.torch
 
             group = mlfabric.join_allreduce(
-                job, world_size=world_size, participant=f"rank{rank}", daemon=daemon
+                job,
+                world_size=world_size,
+                participant=f"rank{rank}",
+                daemon=daemon,
+                process_group=dist.group.WORLD if comm == "mlfabric" else None,
             )
             model.register_comm_hook(
                 mlfabric.torch.HookState(group, timeout=60.0), mlfabric.torch.allreduce_hook
@@ -179,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--job", default="ddp-digits")
     for p in (r, sub.add_parser("launch", help="run all ranks with a scheduler and daemons on loopback")):
         p.add_argument("--world-size", type=int, default=2)
-        p.add_argument("--comm", choices=["mlfabric", "gloo"], default="mlfabric")
+        p.add_argument("--comm", choices=COMMS, default="mlfabric")
         p.add_argument("--steps", type=int, default=200)
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -36,9 +36,10 @@ def train(cluster: LocalCluster, comm: str, world: int, work: Path) -> list[dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [3])  # three ranks: a tree with an inner node
-def test_hook_trains_like_gloo(cluster: LocalCluster, tmp_path: Path, world: int) -> None:
-    ours = train(cluster, "mlfabric", world, tmp_path)
+@pytest.mark.parametrize("comm", ["mlfabric", "mlfabric-daemons"])  # over the process group, or the daemons
+def test_hook_trains_like_gloo(cluster: LocalCluster, tmp_path: Path, comm: str) -> None:
+    world = 3  # three ranks: a tree with an inner node (the daemons)
+    ours = train(cluster, comm, world, tmp_path)
     gloo = train(cluster, "gloo", world, tmp_path)
     names = sorted(gloo[0]["params"])
     assert sorted(ours[0]["params"]) == names and len(names) == 4
