@@ -1,20 +1,34 @@
-"""All-reduce: mlfabric's scheduled tree or ring vs torch.distributed gloo's ring (docs/allreduce.md).
+"""All-reduce: mlfabric (as planned) vs torch.distributed gloo's ring, side by side (docs/allreduce.md).
 
-The same ranks, tensors and sizes with both systems, seeds and systems interleaved; every
-rank times each all-reduce (after a small all-reduce that lines the ranks up), and a run's
-time is the slowest rank's. Per (setting, size) the summary gives the median over seeds and
-repetitions, the min-max spread and ``gloo / mlfabric`` (> 1: mlfabric faster).
+The same ranks, tensors and sizes with each system, seeds and systems interleaved; every rank
+times each all-reduce (after a barrier that lines the ranks up), and a run's time is the
+slowest rank's. Systems:
 
-- ``--setting loopback``: a scheduler and one daemon per rank on 127.0.0.1, unshaped (both
-  systems run at memory/CPU speed; no network effect to exploit);
-- ``--setting uniform`` / ``hetero`` (root; the namespace testbed): 8 hosts on one switch,
-  every NIC shaped by tc — uniform: all ``--mbps``; hetero: half the hosts at ``--mbps``,
-  half at a quarter of it (the issue's targets: >= 1.3x gloo on hetero, >= 0.8x on uniform).
+- ``gloo``: ``torch.distributed.all_reduce`` (gloo's ring);
+- ``mlfabric``: ``mlfabric.join_allreduce(..., process_group=WORLD)``: the scheduler plans once
+  from the bandwidth graph and the ranks run the kept plan over the same gloo group (gloo's
+  own all-reduce where it is at least as fast, mlfabric's tree through its point-to-point
+  operations where it wins);
+- ``mlfabric-daemons``: ``mlfabric.join_allreduce(...)`` without a process group: the daemons
+  move and sum the chunks (a scheduler round trip per call).
 
-    python experiments/bench_allreduce.py --setting loopback --ranks 4 --sizes 4,16,64
-    python experiments/bench_allreduce.py --setting hetero,uniform --sizes 4,16 --seeds 1,2,3
+Settings:
 
-Writes experiments/results/bench_allreduce_<settings>.{json,md}. Needs torch.
+- ``loopback``: a scheduler and one daemon per rank on 127.0.0.1, unshaped;
+- ``uniform`` / ``hetero`` (root; the namespace testbed): hosts on one switch, every NIC
+  shaped by tc at each of ``--mbps`` — uniform: all at the rate; hetero: every other host at a
+  quarter of it. Before the runs of a rate, a concurrent-flow link check (every host sending
+  to the next, at once) prints what the testbed delivers with that many flows on this machine.
+
+Per (setting, rate, size) the summary gives each system's median over seeds and repetitions,
+the min-max spread, ``gloo / mlfabric`` (> 1: mlfabric faster) overall and per seed, and
+mlfabric's time against its planner's model; then CPU seconds per GB all-reduced (ranks'
+processes and daemons).
+
+    python experiments/bench_allreduce.py --setting loopback --ranks 4 --sizes 16,64
+    python experiments/bench_allreduce.py --setting hetero,uniform --mbps 100,1000,2500 --sizes 16,64
+
+Writes experiments/results/bench_allreduce_<settings>[_<label>].{json,md}. Needs torch.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import statistics
 import subprocess
@@ -34,8 +49,12 @@ from typing import Any
 
 import numpy as np
 
+from mlfabric.readyfile import write_ready_file
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ME = [sys.executable, str(Path(__file__).resolve())]
+SYSTEMS = ("gloo", "mlfabric", "mlfabric-daemons")
+_MODEL = re.compile(r"model ([0-9.]+) ms")
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -46,57 +65,73 @@ def _tensor(size_mb: int, rank: int, seed: int) -> np.ndarray:
     return rng.integers(-4, 4, size=size_mb * (1 << 20) // 4).astype(np.float32)
 
 
+def _init_group(args: argparse.Namespace) -> None:
+    """The ranks' gloo process group, rank 0 serving the store (its port in a ready file)."""
+    import torch.distributed as dist
+
+    host, port = args.store.rsplit(":", 1)
+    if args.rank == 0:
+        store = dist.TCPStore(host, 0, args.world, is_master=True, wait_for_workers=False)
+        write_ready_file(args.ready_file, {"port": store.port})
+    else:
+        store = dist.TCPStore(host, int(port), args.world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
+
+
 def rank_main(args: argparse.Namespace) -> int:
-    """One rank: for each size, ``--reps`` timed all-reduces; writes ``{size: [seconds]}``."""
+    """One rank: for each size, ``--reps`` timed all-reduces; writes times, plans and CPU."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
     times: dict[str, list[float]] = {}
     plans: dict[str, str] = {}
-    cpu_start = 0.0  # CPU seconds of this process when its first all-reduce begins
-    if args.system == "mlfabric":
+    uses_group = args.system in ("gloo", "mlfabric")
+    if uses_group:
+        _init_group(args)
+    group = None
+    if args.system.startswith("mlfabric"):
         import mlfabric
 
-        group = mlfabric.join_allreduce(args.job, world_size=args.world, participant=f"rank{args.rank}")
-        barrier = np.zeros(1, np.float32)
-        cpu_start = _cpu()
-        for size in sizes:
-            x = _tensor(size, args.rank, args.seed)
-            group.allreduce({"x": x}, name=f"warm{size}", timeout=600)
-            for rep in range(args.reps):
-                group.allreduce({"b": barrier}, name="barrier", timeout=600)
-                start = time.perf_counter()
-                h = group.allreduce_async({"x": x}, name=f"x{size}", timeout=600)
-                total = h.wait()
-                times.setdefault(str(size), []).append(time.perf_counter() - start)
-                plans[str(size)] = h.plan
-                if rep == 0:
-                    _check(total["x"], size, args)
-        group.close()
-    else:
-        import torch
-        import torch.distributed as dist
-
-        host, port = args.store.rsplit(":", 1)
-        if args.rank == 0:
-            store = dist.TCPStore(host, 0, args.world, is_master=True, wait_for_workers=False)
-            Path(args.ready_file).write_text(json.dumps({"port": store.port}))
-        else:
-            store = dist.TCPStore(host, int(port), args.world, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
-        cpu_start = _cpu()
-        for size in sizes:
-            base = torch.from_numpy(_tensor(size, args.rank, args.seed))
-            dist.all_reduce(base.clone())
-            for rep in range(args.reps):
-                t = base.clone()
+        group = mlfabric.join_allreduce(
+            args.job,
+            world_size=args.world,
+            participant=f"rank{args.rank}",
+            process_group=dist.group.WORLD if args.system == "mlfabric" else None,
+            timeout=600,
+        )
+    barrier = np.zeros(1, np.float32)
+    cpu_start = _cpu()
+    for size in sizes:
+        x = _tensor(size, args.rank, args.seed)
+        for rep in range(args.reps + 1):  # the first is a warm-up (and plans)
+            t = torch.from_numpy(x.copy())
+            if uses_group:
                 dist.barrier()
-                start = time.perf_counter()
+            else:
+                assert group is not None
+                group.allreduce({"b": barrier}, name="barrier", timeout=600)
+            start = time.perf_counter()
+            if group is None:
                 dist.all_reduce(t)
-                times.setdefault(str(size), []).append(time.perf_counter() - start)
-                if rep == 0:
-                    _check(t.numpy(), size, args)
-        dist.destroy_process_group()
+                total = t.numpy()
+            else:
+                # in place, as gloo's all_reduce (t is this repetition's copy)
+                handle = group.allreduce_async({"x": t}, name=f"x{size}", timeout=600, inplace=True)
+                total = handle.wait()["x"].numpy()
+                plans[str(size)] = handle.plan
+            seconds = time.perf_counter() - start
+            if rep == 0:
+                _check(total, size, args)
+            else:
+                times.setdefault(str(size), []).append(seconds)
     cpu = _cpu() - cpu_start
-    Path(args.out).write_text(json.dumps({"times": times, "plans": plans, "cpu": cpu}))
+    if group is not None:
+        group.close()
+    write_ready_file(args.out, {"times": times, "plans": plans, "cpu": cpu})
+    if uses_group:
+        dist.destroy_process_group()
     return 0
 
 
@@ -164,33 +199,33 @@ def _daemon_cpu() -> float:
 
 def _run_system(
     system: str, env: Any, hosts: list[str], args: argparse.Namespace, seed: int, work: Path
-) -> dict:
+) -> dict[str, Any]:
     """One system's ranks (rank i on a seeded permutation of the hosts); per-size slowest-rank times."""
     order = list(hosts)
     random.Random(seed).shuffle(order)
     common = ["--system", system, "--world", str(len(hosts)), "--sizes", args.sizes, "--reps", str(args.reps)]
-    common += ["--seed", str(seed), "--job", f"bench-{seed}"]
-    outs = [work / f"{system}-{seed}-{r}.json" for r in range(len(hosts))]
+    common += ["--seed", str(seed), "--job", f"bench-{seed}-{system}-{env['rate']}"]
+    outs = [work / f"{system}-{seed}-{env['rate']}-{r}.json" for r in range(len(hosts))]
+    ready = work / f"{system}-{seed}-{env['rate']}.ready"
     procs: list[Any] = []
     daemons_before = _daemon_cpu()
     try:
-        if system == "mlfabric":
-            for r, h in enumerate(order):
-                argv = [*ME, "rank", *common, "--rank", str(r), "--out", str(outs[r])]
-                procs.append(env["cluster"].spawn(h, argv, name=f"mlf-{seed}-{r}").popen)
-        else:
-            ready, port = work / f"gloo-{seed}.ready", 0
-            for r, h in enumerate(order):
-                store = f"{env['address'](order[0])}:{0 if r == 0 else port}"
-                argv = [*ME, "rank", *common, "--rank", str(r), "--out", str(outs[r]), "--store", store]
-                procs.append(env["popen"](h, [*argv, "--ready-file", str(ready)]))
-                if r == 0:
-                    deadline = time.monotonic() + 120
-                    while not ready.exists():
-                        if procs[0].poll() is not None or time.monotonic() > deadline:
-                            raise RuntimeError("gloo rank 0 did not start its store")
-                        time.sleep(0.05)
-                    port = json.loads(ready.read_text())["port"]
+        port = 0
+        for r, h in enumerate(order):
+            store = f"{env['address'](order[0])}:{port}"
+            argv = [*ME, "rank", *common, "--rank", str(r), "--out", str(outs[r]), "--store", store]
+            argv += ["--ready-file", str(ready)]
+            if system.startswith("mlfabric"):
+                procs.append(env["cluster"].spawn(h, argv, name=f"{system}-{seed}-{r}", env=env["env"]).popen)
+            else:
+                procs.append(env["popen"](h, argv))
+            if r == 0 and system != "mlfabric-daemons":
+                deadline = time.monotonic() + 180
+                while not ready.exists():
+                    if procs[0].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"{system} rank 0 did not start its store")
+                    time.sleep(0.05)
+                port = json.loads(ready.read_text())["port"]
         _wait(procs, args.time_limit)
     finally:
         for p in procs:
@@ -204,40 +239,80 @@ def _run_system(
     return {"times": slowest, "plans": per_rank[0]["plans"], "cpu": cpu}
 
 
+def _seeds(
+    setting: str,
+    rate: int,
+    env: Any,
+    hosts: list[str],
+    args: argparse.Namespace,
+    seeds: list[int],
+    work: Path,
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    systems = [s for s in args.systems.split(",") if s]
+    for i, seed in enumerate(seeds):
+        order = systems[i % len(systems) :] + systems[: i % len(systems)]  # interleaved
+        for system in order:
+            res = _run_system(system, {**env, "rate": rate}, hosts, args, seed, work)
+            base = {"setting": setting, "mbps": rate, "system": system, "seed": seed}
+            for size, ts in res["times"].items():
+                rows += [{**base, "size_mb": int(size), "seconds": t} for t in ts]
+            rows.append({**base, "cpu": res["cpu"], "sizes": args.sizes, "reps": args.reps})
+            for size, plan in res["plans"].items():
+                rows.append({**base, "size_mb": int(size), "plan": plan})
+            load = os.getloadavg()[0]
+            print(
+                f"{setting} {rate} Mbit/s seed {seed} {system}: {res['times']} (load {load:.1f})", flush=True
+            )
+    return rows
+
+
 def driver(args: argparse.Namespace) -> int:
     from mlfabric.cluster import LocalCluster
     from mlfabric.testbed.topologies import to_toml
 
     seeds = [int(s) for s in args.seeds.split(",")]
     rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
     load = os.getloadavg()
     for setting in args.setting.split(","):
         hosts = [f"h{i}" for i in range(args.ranks)]
-        with tempfile.TemporaryDirectory(prefix="mlfbar-") as tmp:
-            work = Path(tmp)
-            topo = work / "topology.toml"
-            topo.write_text(to_toml(_topology(hosts, setting, args.mbps)))
-            if setting == "loopback":
-                cluster = LocalCluster(topo, policy="fair", workdir=work / "run", ready_timeout=180)
-                env = {
-                    "cluster": cluster,
-                    "address": lambda h: "127.0.0.1",
-                    "popen": lambda h, argv: subprocess.Popen(
-                        argv, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-                    ),
-                }
-                with cluster:
-                    rows += _seeds(setting, env, hosts, args, seeds, work)
-            else:
-                rows += _testbed(setting, topo, hosts, args, seeds, work)
+        rates = [0] if setting == "loopback" else [int(m) for m in args.mbps.split(",")]
+        for rate in rates:
+            with tempfile.TemporaryDirectory(prefix="mlfbar-") as tmp:
+                work = Path(tmp)
+                topo = work / "topology.toml"
+                topo.write_text(to_toml(_topology(hosts, setting, rate or 10_000)))
+                if setting == "loopback":
+                    cluster = LocalCluster(topo, policy="fair", workdir=work / "run", ready_timeout=180)
+                    gloo_env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+                    env = {
+                        "cluster": cluster,
+                        "env": gloo_env,
+                        "address": lambda h: "127.0.0.1",
+                        "popen": lambda h, argv, e=gloo_env: subprocess.Popen(argv, env={**os.environ, **e}),
+                    }
+                    with cluster:
+                        rows += _seeds(setting, rate, env, hosts, args, seeds, work)
+                else:
+                    got, check = _testbed(setting, rate, topo, hosts, args, seeds, work)
+                    rows += got
+                    checks.append(check)
     commit = _commit()
-    summary = report(rows, args, load, os.getloadavg(), commit)
+    summary = report(rows, checks, args, load, os.getloadavg(), commit)
     print(summary)
     name = "bench_allreduce_" + args.setting.replace(",", "_") + (f"_{args.label}" if args.label else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(
         json.dumps(
-            {"rows": rows, "args": vars(args), "load": load, "load_end": os.getloadavg(), "commit": commit},
+            {
+                "rows": rows,
+                "link_checks": checks,
+                "args": vars(args),
+                "load": load,
+                "load_end": os.getloadavg(),
+                "commit": commit,
+            },
             indent=1,
         )
     )
@@ -259,116 +334,133 @@ def _commit() -> str:
     return head + ("+changes" if dirty.returncode else "")
 
 
-def _seeds(
-    setting: str, env: Any, hosts: list[str], args: argparse.Namespace, seeds: list[int], work: Path
-) -> list:
-    rows = []
-    for seed in seeds:
-        systems = ["mlfabric", "gloo"] if seed % 2 else ["gloo", "mlfabric"]  # interleaved
-        for system in systems:
-            res = _run_system(system, env, hosts, args, seed, work)
-            for size, ts in res["times"].items():
-                base = {"setting": setting, "system": system, "seed": seed, "size_mb": int(size)}
-                rows += [{**base, "seconds": t} for t in ts]
-            rows.append({"setting": setting, "seed": seed, "system": system, "cpu": res["cpu"]})
-            if system == "mlfabric":
-                print(f"{setting} seed {seed}: plans {res['plans']}", flush=True)
-                for size, plan in res["plans"].items():
-                    rows.append({"setting": setting, "seed": seed, "size_mb": int(size), "plan": plan})
-            print(
-                f"{setting} seed {seed} {system}: {res['times']} (load {os.getloadavg()[0]:.1f})", flush=True
-            )
-    return rows
-
-
 def _testbed(
-    setting: str, topo: Path, hosts: list[str], args: argparse.Namespace, seeds: list[int], work: Path
-) -> list:
+    setting: str,
+    rate: int,
+    topo: Path,
+    hosts: list[str],
+    args: argparse.Namespace,
+    seeds: list[int],
+    work: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from mlfabric.scheduler.core.graph import load_topology
     from mlfabric.testbed.cluster import Testbed
     from mlfabric.testbed.launch import TestbedCluster
+    from mlfabric.testbed.linkcheck import measure_concurrent, ring_pairs
     from mlfabric.testbed.netns import SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale
 
     missing = missing_prerequisites()
     if missing:
         raise SystemExit("testbed unavailable: " + "; ".join(missing))
     sweep_stale(SubprocessRunner())
-    with Testbed(load_topology(topo), new_prefix(random.Random())) as testbed:
+    graph = load_topology(topo)
+    with Testbed(graph, new_prefix(random.Random())) as testbed:
+        check = measure_concurrent(testbed, graph, ring_pairs(hosts), seconds=3.0)
+        print(f"{setting} {rate} Mbit/s: {check.summary()}", flush=True)
+        summary = {"setting": setting, "mbps": rate, "summary": check.summary(), "ratios": check.ratios()}
         gloo_env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         with TestbedCluster(testbed, topo, policy="fair", workdir=work / "run", ready_timeout=180) as cluster:
             env = {
                 "cluster": cluster,
+                "env": gloo_env,
                 "address": testbed.address,
                 "popen": lambda h, argv: testbed.popen(h, argv, env=gloo_env),
             }
-            return _seeds(setting, env, hosts, args, seeds, work)
+            return _seeds(setting, rate, env, hosts, args, seeds, work), summary
+
+
+def _model_seconds(plan: str) -> float | None:
+    m = _MODEL.search(plan)
+    return float(m.group(1)) / 1e3 if m else None
 
 
 def report(
     rows: list[dict[str, Any]],
+    checks: list[dict[str, Any]],
     args: argparse.Namespace,
     load: tuple[float, ...],
     load_end: tuple[float, ...] | None = None,
     commit: str = "",
 ) -> str:
-    """The markdown table: median (min-max) per system, gloo / mlfabric, and mlfabric's plans."""
+    """The markdown tables: per (setting, rate, size) each system's median (min-max), the ratios."""
     plans = [r for r in rows if "plan" in r]
     cpus = [r for r in rows if "cpu" in r]
-    rows = [r for r in rows if "seconds" in r]
+    timed = [r for r in rows if "seconds" in r]
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in timed)]
     end = (
-        "" if load_end is None else f"; at the end: {load_end[0]:.1f} / {load_end[1]:.1f} / {load_end[2]:.1f}"
+        "" if load_end is None else f"; at the end {load_end[0]:.1f} / {load_end[1]:.1f} / {load_end[2]:.1f}"
     )
     lines = [
-        f"# All-reduce: mlfabric (tree or ring, as planned) vs gloo ring ({args.ranks} ranks, "
-        f"{args.reps} reps x seeds {args.seeds})",
+        f"# All-reduce: mlfabric vs gloo's ring ({args.ranks} ranks, {args.reps} reps x seeds {args.seeds})",
         "",
         *([f"Commit: {commit}.", ""] if commit else []),
-        f"Load average at start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}{end}. "
-        f"Testbed NICs: {args.mbps} Mbit/s (hetero: every other host at a quarter).",
+        f"Load average at start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}{end}. Testbed NICs at each "
+        "rate (hetero: every other host at a quarter). Times: the slowest rank's, seconds.",
         "",
-        "| setting | MB | mlfabric s (min-max) | gloo s (min-max) | gloo / mlfabric | per seed |",
-        "|---|---|---|---|---|---|",
     ]
-    keys = sorted({(r["setting"], r["size_mb"]) for r in rows})
-    for setting, size in keys:
-        sel = [r for r in rows if r["setting"] == setting and r["size_mb"] == size]
-        by = {s: [r["seconds"] for r in sel if r["system"] == s] for s in ("mlfabric", "gloo")}
+    if checks:
+        lines += ["Link checks (every host sending to the next at once, before the runs):", ""]
+        lines += [f"- {c['setting']} {c['mbps']} Mbit/s: {c['summary']}" for c in checks]
+        lines.append("")
+    head = " | ".join(f"{s} s (min-max)" for s in systems)
+    lines += [
+        f"| setting | Mbit/s | MB | {head} | gloo / mlfabric | per seed | mlfabric / its model |",
+        "|---|---|---|" + "---|" * len(systems) + "---|---|---|",
+    ]
+    keys = sorted({(r["setting"], r["mbps"], r["size_mb"]) for r in timed})
+    for setting, rate, size in keys:
+        sel = [r for r in timed if (r["setting"], r["mbps"], r["size_mb"]) == (setting, rate, size)]
+        by = {s: [r["seconds"] for r in sel if r["system"] == s] for s in systems}
         med = {s: statistics.median(v) for s, v in by.items() if v}
+        cells = [f"{med[s]:.3f} ({min(by[s]):.3f}-{max(by[s]):.3f})" if by[s] else "-" for s in systems]
         per_seed = []
         for seed in sorted({r["seed"] for r in sel}):
             m = [r["seconds"] for r in sel if r["seed"] == seed and r["system"] == "mlfabric"]
             g = [r["seconds"] for r in sel if r["seed"] == seed and r["system"] == "gloo"]
             if m and g:
                 per_seed.append(f"{statistics.median(g) / statistics.median(m):.2f}")
-        spread = {s: f"{med[s]:.3f} ({min(v):.3f}-{max(v):.3f})" for s, v in by.items() if v}
-        ratio = med["gloo"] / med["mlfabric"] if len(med) == 2 else float("nan")
+        ratio = med["gloo"] / med["mlfabric"] if "gloo" in med and "mlfabric" in med else float("nan")
+        models = [
+            _model_seconds(p["plan"])
+            for p in plans
+            if (p["setting"], p["mbps"], p["size_mb"], p["system"]) == (setting, rate, size, "mlfabric")
+        ]
+        model = statistics.median([m for m in models if m]) if any(models) else None
+        vs_model = f"{med['mlfabric'] / model:.2f}x" if model and "mlfabric" in med else "-"
         lines.append(
-            f"| {setting} | {size} | {spread.get('mlfabric', '-')} | {spread.get('gloo', '-')} | "
-            f"{ratio:.2f}x | {' / '.join(per_seed)} |"
+            f"| {setting} | {rate or 'loopback'} | {size} | {' | '.join(cells)} | {ratio:.2f}x | "
+            f"{' / '.join(per_seed)} | {vs_model} |"
         )
     if cpus:
         lines += [
             "",
-            "CPU seconds per run of one system, median over seeds: the ranks' processes from their "
-            f"first all-reduce on (per size, one warm-up and {args.reps} timed all-reduces, with "
-            "barriers), and the mlfabric daemons over the whole run (idle while gloo runs: that "
-            "row is their baseline).",
+            "CPU seconds per GB all-reduced (every rank's contribution counted; median over seeds): the "
+            "ranks' processes from their first all-reduce on (warm-ups and barriers included), and the "
+            "mlfabric daemons over the run of the system (their idle cost while another system runs is "
+            "counted there).",
             "",
-            "| setting | system | ranks' processes | daemons | total |",
-            "|---|---|---|---|---|",
+            "| setting | Mbit/s | system | ranks' processes | daemons | total |",
+            "|---|---|---|---|---|---|",
         ]
-        for setting in sorted({r["setting"] for r in cpus}):
-            for system in ("mlfabric", "gloo"):
-                sel = [r["cpu"] for r in cpus if r["setting"] == setting and r["system"] == system]
-                if sel:
-                    ranks = statistics.median(c["ranks"] for c in sel)
-                    daemons = statistics.median(c["daemons"] for c in sel)
-                    total = statistics.median(c["ranks"] + c["daemons"] for c in sel)
-                    lines.append(f"| {setting} | {system} | {ranks:.1f} | {daemons:.1f} | {total:.1f} |")
+        for setting, rate in sorted({(r["setting"], r["mbps"]) for r in cpus}):
+            for system in systems:
+                sel = [r for r in cpus if (r["setting"], r["mbps"], r["system"]) == (setting, rate, system)]
+                if not sel:
+                    continue
+                sizes = [int(s) for s in sel[0]["sizes"].split(",")]
+                gb = sum(sizes) * (1 << 20) / 1e9 * args.ranks * (sel[0]["reps"] + 1)
+                ranks = statistics.median(r["cpu"]["ranks"] for r in sel) / gb
+                daemons = statistics.median(r["cpu"]["daemons"] for r in sel) / gb
+                lines.append(
+                    f"| {setting} | {rate or 'loopback'} | {system} | {ranks:.2f} | {daemons:.2f} | "
+                    f"{ranks + daemons:.2f} |"
+                )
     if plans:
-        lines += ["", "mlfabric's plans (setting, MB, seed: the plan's line):", ""]
-        for r in sorted(plans, key=lambda r: (r["setting"], r["size_mb"], r["seed"])):
-            lines.append(f"- {r['setting']} {r['size_mb']} MB seed {r['seed']}: {r['plan']}")
+        lines += ["", "mlfabric's plans (setting, rate, MB, seed, system: the plan's line):", ""]
+        for r in sorted(plans, key=lambda r: (r["setting"], r["mbps"], r["size_mb"], r["seed"], r["system"])):
+            lines.append(
+                f"- {r['setting']} {r['mbps']} {r['size_mb']} MB seed {r['seed']} {r['system']}: {r['plan']}"
+            )
     return "\n".join(lines)
 
 
@@ -381,18 +473,24 @@ def main() -> int:
     for a in ("--world", "--reps", "--seed", "--rank"):
         r.add_argument(a, type=int)
     parser.add_argument("--setting", default="loopback", help="loopback, uniform, hetero (comma-separated)")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--sizes", default="4,16,64", help="MB per tensor, comma-separated")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--sizes", default="16,64", help="MB per tensor, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument(
-        "--mbps", type=int, default=1000, help="testbed NIC rate (hetero: half the hosts at 1/4)"
+        "--systems", default="gloo,mlfabric", help=f"comma-separated, of {', '.join(SYSTEMS)}"
     )
-    parser.add_argument("--time-limit", type=float, default=1800.0)
+    parser.add_argument(
+        "--mbps", default="1000", help="testbed NIC rates, comma-separated (hetero: half the hosts at 1/4)"
+    )
+    parser.add_argument("--time-limit", type=float, default=3600.0)
     parser.add_argument("--label", default="", help="suffix of the result files' name")
     args = parser.parse_args()
     if args.command == "rank":
         return rank_main(args)
+    bad = [s for s in args.systems.split(",") if s not in SYSTEMS]
+    if bad:
+        parser.error(f"unknown systems {bad}; choose from {SYSTEMS}")
     return driver(args)
 
 

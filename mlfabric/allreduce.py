@@ -285,6 +285,7 @@ class AllreduceGroup:
         name: str = "allreduce",
         timeout: float = DEFAULT_TIMEOUT,
         inplace: bool = False,
+        trusted: bool = False,
     ) -> AllreduceHandle:
         """Start an all-reduce of ``tensors``; ``wait()`` on the handle gives the sum.
 
@@ -300,9 +301,14 @@ class AllreduceGroup:
             group's timeout, given to :func:`join_allreduce`, applies).
         inplace : bool
             Over a process group, torch tensors may be summed into (a DDP bucket: no copy).
+        trusted : bool
+            Over a process group: every participant's tensors of this ``name`` agree by
+            construction (DDP's buckets), so they are compared only every few calls
+            (:data:`mlfabric.torch.executor.AGREE_EVERY`). Anything else must not pass it: a
+            mismatch between those checks would abort the processes in the native collective.
         """
         if self.executor is not None:
-            return self.executor.submit(name, tensors, seq=0, inplace=inplace)
+            return self.executor.submit(name, tensors, seq=0, inplace=inplace, trusted=trusted)
         seq = self._next_seq(name)
         return submit_allreduce(
             self._client,

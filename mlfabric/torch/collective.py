@@ -197,18 +197,22 @@ class Agreement:
 
 
 def agree(sig: int, epoch: int, group: Any, *, oldest: int = -1) -> Agreement:
-    """All-gather every rank's operation signature and newest and oldest plan epochs.
+    """Gather every rank's operation signature and newest and oldest plan epochs at the group's
+    first rank, which broadcasts the table (three int64 per rank).
 
     Collective: every rank of ``group`` calls it once per operation, in the same order. Every
-    rank gets the same :class:`Agreement`, so every rank decides alike from it.
+    rank gets the same :class:`Agreement`, so every rank decides alike from it. A gather and a
+    broadcast take two message latencies where gloo's ``all_gather`` takes one per rank.
     """
-    mine = torch.tensor([sig, epoch, oldest], dtype=torch.int64)
     world = dist.get_world_size(group)
-    out = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
-    return Agreement(
-        tuple(int(t[0]) for t in out), tuple(int(t[1]) for t in out), tuple(int(t[2]) for t in out)
-    )
+    first = dist.get_global_rank(group, 0)
+    mine = torch.tensor([sig, epoch, oldest], dtype=torch.int64)
+    table = torch.empty(3 * world, dtype=torch.int64)
+    parts = [table[3 * r : 3 * r + 3] for r in range(world)] if dist.get_rank(group) == 0 else None
+    dist.gather(mine, parts, dst=first, group=group)
+    dist.broadcast(table, src=first, group=group)
+    rows = table.view(world, 3).tolist()
+    return Agreement(tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows))
 
 
 #: Bytes of each rank's description in :func:`describe_all` (longer ones are cut).

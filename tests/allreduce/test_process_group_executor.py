@@ -43,7 +43,7 @@ def _expected(n: int, world: int, dtype: Any = np.float32) -> np.ndarray:
 def _scenarios(rank: int, world: int, port: int, out: Any) -> None:
     from mlfabric.localclient import MlfabricError
     from mlfabric.torch.collective import RankPlan
-    from mlfabric.torch.executor import GroupExecutor
+    from mlfabric.torch.executor import AGREE_EVERY, GroupExecutor
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -87,6 +87,20 @@ def _scenarios(rank: int, world: int, port: int, out: Any) -> None:
         h2 = ex.submit("tree-op", {"a": _values(n, rank), "b": _values(7, rank, np.float64)}, seq=0)
         assert np.array_equal(h2.wait(30)["a"], _expected(n, world))
         report["second_after_push"] = h2.plan
+        # a trusted operation (DDP's buckets) agrees only every AGREE_EVERY calls: a pushed plan
+        # is adopted at the next such call
+        trusted = []
+        for call in range(AGREE_EVERY + 2):
+            if call == 3:
+                ex.on_plan(
+                    "t-trusted", _sig_one("t-trusted", n), RankPlan.native(epoch=5, description="later")
+                )
+            h = ex.submit(
+                "t-trusted", {"a": torch.from_numpy(_values(n, rank))}, seq=0, inplace=True, trusted=True
+            )
+            assert torch.equal(h.wait(30)["a"], torch.from_numpy(_expected(n, world)))
+            trusted.append(h.plan)
+        report["trusted"] = trusted
         # a mismatch: rank 2's tensor is shorter; every rank gets allreduce_mismatch naming it
         length = n - 1 if rank == 2 else n
         try:
@@ -124,6 +138,12 @@ def _leave(out: Any, report: dict[str, Any]) -> None:
     os._exit(0)
 
 
+def _sig_one(name: str, n: int) -> int:
+    from mlfabric.torch.collective import signature
+
+    return signature(name, [("a", "float32", (n,))])
+
+
 def _sig(name: str, n: int) -> int:
     from mlfabric.torch.collective import signature
 
@@ -148,6 +168,8 @@ def test_executor_sums_keeps_plans_adopts_pushed_plans_and_names_failures() -> N
         r = by_rank[rank]
         # one plan request per operation, however many calls
         assert r["asks"] == 3 and r["asked"] == [("native-op", rank), ("t-bf16", rank), ("tree-op", rank)]
+        trusted = r["trusted"]
+        assert trusted[:16] == ["tree"] * 16 and trusted[16:] == ["later"] * 2
         # the pushed plan is used only once every rank holds it
         assert r["first_after_push"] == "tree" and r["second_after_push"] == "pushed"
         code, message = r["mismatch"]
