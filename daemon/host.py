@@ -21,9 +21,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from mlfabric.daemon.channels.budget import ByteBudget
 from mlfabric.daemon.channels.control import ControlStream, control_channel
@@ -52,6 +52,24 @@ from mlfabric.wire.version import __version__
 __all__ = ["Daemon", "Ticker"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
+
+
+_Key = TypeVar("_Key")
+_Handler = TypeVar("_Handler")
+
+
+def _claim(table: dict[_Key, _Handler], owned: Mapping[_Key, _Handler], role: Role) -> None:
+    """Route the kinds ``role`` owns (``owned``) to their handlers in ``table``.
+
+    Raises
+    ------
+    ValueError
+        Another role owns one of the kinds already.
+    """
+    taken = set(table) & set(owned)
+    if taken:
+        raise ValueError(f"{type(role).__name__} claims kinds another role owns: {sorted(map(str, taken))}")
+    table.update(owned)
 
 
 class Ticker:
@@ -260,17 +278,9 @@ class Daemon:
         self._directives: dict[str, DirectiveHandler] = {}
         for role in self._roles:
             routes = role.routes()
-            for table, owned in (
-                (self._requests, routes.requests),
-                (self._frames, routes.frames),
-                (self._directives, routes.directives),
-            ):
-                taken = set(table) & set(owned)
-                if taken:
-                    raise ValueError(
-                        f"{type(role).__name__} claims kinds another role owns: {sorted(map(str, taken))}"
-                    )
-                table.update(owned)
+            _claim(self._requests, routes.requests, role)
+            _claim(self._frames, routes.frames, role)
+            _claim(self._directives, routes.directives, role)
         self._ticker = Ticker(0.1, [self.receive_buffers.trim, *(role.tick for role in self._roles)])
 
     @property

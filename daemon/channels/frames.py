@@ -440,8 +440,8 @@ def _recv_exact(
     at_boundary: bool = False,
     deadline: float | None = None,
     late: Callable[[int], FrameError] | None = None,
-) -> bytes | None:
-    """Read exactly ``n`` bytes; None on EOF before the first byte when ``at_boundary``.
+) -> bytes:
+    """Read exactly ``n`` bytes; empty on EOF before the first byte when ``at_boundary``.
 
     With ``deadline`` (monotonic seconds), ``late(got)`` is raised when the bytes are not all
     there by then (a peer trickling a header byte by byte is cut off, not waited for).
@@ -456,7 +456,7 @@ def _recv_exact(
         k = sock.recv_into(view[got:])
         if k == 0:
             if got == 0 and at_boundary:
-                return None
+                return b""
             raise FrameError(f"peer closed mid-frame ({what}: {got} of {n} bytes)", reply_possible=False)
         got += k
     return bytes(buf)
@@ -539,7 +539,7 @@ def recv_frame(
     head = _recv_exact(
         sock, _PREFIX.size, "prefix", at_boundary=True, deadline=deadline, late=late("prefix", _PREFIX.size)
     )
-    if head is None:
+    if not head:  # EOF between frames
         return None
     start = time.time()
     magic, hlen = _PREFIX.unpack(head)
@@ -581,7 +581,6 @@ def recv_frame(
                 bucket.consume(k)
         if header.crc_trailer:
             trailer = _recv_exact(sock, _CRC.size, "CRC-32 trailer")
-            assert trailer is not None
             (expected,) = _CRC.unpack(trailer)
         else:
             expected = header.payload_crc32

@@ -1,14 +1,16 @@
-"""What every role of a daemon shares: the :class:`Role` protocol, its context, the verdict.
+"""What every role of a daemon shares: the :class:`Role` base class, its context, the verdict.
 
 A role (worker, server, replica, aggregator, all-reduce; and the registrar, the scheduler
 session's side of registrations) owns the messages of its kinds: :meth:`Role.routes` names the
 local requests, data-plane frames (:class:`~mlfabric.daemon.channels.routing.FrameRoute`) and
 directives it takes, with their handlers, and the host (:class:`mlfabric.daemon.host.Daemon`)
-routes each message to the one role that owns its key. The rest of the protocol is the
+routes each message to the one role that owns its key. The rest of the class is the
 daemon's life: :meth:`Role.start` and :meth:`Role.stop`, :meth:`Role.tick` (every 0.1 s), a
 local process going away (:meth:`Role.connection_closed`) and the scheduler session coming and
 going (:meth:`Role.scheduler_connected`, :meth:`Role.register_again`,
-:meth:`Role.scheduler_lost`). Every method but :meth:`Role.routes` does nothing by default.
+:meth:`Role.scheduler_lost`). Every role subclasses :class:`Role` and must define
+:meth:`Role.routes`; the other methods are hooks that do nothing unless the role overrides them,
+so a role's class shows which of the daemon's events it takes part in.
 
 :class:`RoleContext` is what a role may use of its host besides the parts passed to it: its
 names, the control stream, the task pool, the stopping flag and the clock (DESIGN §12).
@@ -16,11 +18,12 @@ names, the control stream, the task pool, the stopping flag and the clock (DESIG
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
 
 from mlfabric.daemon.channels.control import local_error_code
 from mlfabric.daemon.channels.frames import Frame
@@ -47,8 +50,9 @@ __all__ = [
 RequestHandler: TypeAlias = Callable[[LocalConnection, Any, "int | None"], "int | None"]
 #: ``handler(frame) -> Response``: a data-plane frame; the frame's buffer is the handler's
 FrameHandler: TypeAlias = Callable[[Frame], Response]
-#: ``handler(directive)``: the directive's message (e.g. the ``SendDirective``), on the stream thread
-DirectiveHandler: TypeAlias = Callable[[Any], None]
+#: ``handler(directive)``: the directive's message (e.g. the ``SendDirective``), on the stream
+#: thread; what the handler returns is ignored
+DirectiveHandler: TypeAlias = Callable[[Any], object]
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class Verdict:
     server process (it was gone): certainly not applied, so it may go to a promoted replica.
     """
 
-    outcome: int
+    outcome: control_pb2.Outcome
     delay: int
     version: int
     reason: str
@@ -134,33 +138,53 @@ class Routes:
     directives: Mapping[str, DirectiveHandler] = field(default_factory=dict)
 
 
-class Role(Protocol):
-    """A part of the daemon that owns some kinds of messages (see the module's docstring)."""
+class Role(abc.ABC):
+    """A part of the daemon that owns some kinds of messages (see the module's docstring).
 
+    A subclass defines :meth:`routes` and overrides the hooks it needs; the others do nothing.
+
+    Examples
+    --------
+    >>> class Echo(Role):
+    ...     def routes(self) -> Routes:
+    ...         return Routes(directives={"echo": print})
+    >>> role = Echo()
+    >>> role.start(); role.tick(); role.scheduler_lost("gone")   # hooks it does not override
+    >>> sorted(role.routes().directives)
+    ['echo']
+    """
+
+    @abc.abstractmethod
     def routes(self) -> Routes:
         """The local requests, frames and directives this role takes."""
-        return Routes()
 
     def start(self) -> None:
         """The daemon starts (its data-plane address is known, nothing is connected yet)."""
+        return None
 
     def stop(self) -> None:
         """The daemon stops: resolve or fail whatever this role still holds."""
+        return None
 
     def tick(self) -> None:
         """Periodic work (every 0.1 s, on the daemon's ticker thread)."""
+        return None
 
     def connection_closed(self, conn: LocalConnection) -> None:
         """The local process of ``conn`` went away."""
+        return None
 
     def scheduler_connected(self) -> None:
         """A scheduler session was welcomed (called on every role before any registers again)."""
+        return None
 
     def register_again(self) -> None:
         """Register this role's processes with the new session (it knows none of them)."""
+        return None
 
     def scheduler_lost(self, reason: str) -> None:
         """The scheduler session ended (the scheduler forgets what it knew of this daemon)."""
+        return None
 
 
 def already_registered(conn: LocalConnection, request_id: int) -> bool:

@@ -26,8 +26,9 @@ __all__ = ["OnAck", "Registrar"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 
-#: ``on_ack(RoleAck or None)``: None when the scheduler could not be asked or the session ended
-OnAck = Callable[[Any], None]
+#: ``on_ack(RoleAck or None)``: None when the scheduler could not be asked or the session ended;
+#: what it returns is ignored
+OnAck = Callable[[Any], object]
 
 #: seconds between re-registrations refused for now: doubling from the first to the second
 _BACKOFF = (0.2, 2.0)

@@ -108,7 +108,6 @@ def test_copy_arriving_while_the_first_is_applied_gets_its_verdict() -> None:
     copy["thread"].join(5.0)
     verdict, members = copy["r"]
     assert verdict == first and {v.outcome for v in members.values()} == {APPLIED}
-    assert (
-        s.handoff.verdicts.stored("w0/1") is not None and s.handoff.verdicts.stored("w0/1").outcome == APPLIED
-    )
+    stored = s.handoff.verdicts.stored("w0/1")
+    assert stored is not None and stored.outcome == APPLIED
     assert len(s.applied) == 1

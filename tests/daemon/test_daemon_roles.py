@@ -9,7 +9,7 @@ import pytest
 
 from mlfabric.daemon.roles.base import Verdict
 from mlfabric.daemon.roles.server.handoff import ServerHandoff
-from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PushState
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, PushState
 from mlfabric.proto.v1 import control_pb2
 from mlfabric.tensors import Layout
 from mlfabric.wire.tensors import check_update
@@ -49,12 +49,19 @@ def test_duplicate_tensor_names_are_refused() -> None:
     assert "more than once" in (check_update(SPEC, layouts, "ps0") or "")
 
 
+class _Gone:
+    """A pushing process that has gone (the book never tells it anything)."""
+
+    def send(self, event: Any) -> bool:
+        return False
+
+
 def test_outgoing_book_states() -> None:
     book = OutgoingPushes("h")
-    pushes: list[Any] = []
+    pushes: list[PendingPush] = []
     for _ in range(3):
         uid = book.new_update_id()
-        push = type("P", (), {"update_id": uid, "job": "j", "worker": "w0", "state": PushState.READY})()
+        push = PendingPush(uid, "j", "ps0", "w0", -1, [], 0, 0.0, 0, 0.0, 0, _Gone())
         pushes.append(push)
         book.add(push)
     assert book.start_sending("h/1") is pushes[0]

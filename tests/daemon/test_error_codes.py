@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import mlfabric
 from mlfabric.proto.v1 import control_pb2
 
 
-def _refuse(scheduler: Any, monkeypatch: Any, job: str, code: int, error: str) -> list[str]:
+def _refuse(scheduler: Any, monkeypatch: Any, job: str, code: control_pb2.ErrorCode, error: str) -> list[str]:
     """Make the fake scheduler refuse every registration in ``job`` with ``code``; names registered."""
     original = scheduler._on_message
     asked: list[str] = []
@@ -55,7 +55,9 @@ def test_a_code_this_daemon_does_not_know_is_refused(
     make_daemon: Any, scheduler: Any, monkeypatch: Any
 ) -> None:
     d = make_daemon("h")
-    _refuse(scheduler, monkeypatch, "j", 999, "a newer scheduler's reason")
+    # an ErrorCode no enum value of this version names, as the wire may carry it
+    unknown = cast(control_pb2.ErrorCode, 999)
+    _refuse(scheduler, monkeypatch, "j", unknown, "a newer scheduler's reason")
     with pytest.raises(mlfabric.MlfabricError) as info:
         mlfabric.register_as_server("j", "ps", {"w": np.zeros(2)}, daemon=d.config.socket_path)
     assert info.value.code == "refused" and "newer" in str(info.value)

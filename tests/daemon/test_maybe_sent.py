@@ -39,11 +39,20 @@ class Peer:
         raise PeerUnavailable(address, "connect: [Errno 111] Connection refused")
 
 
+class _PoolTo(PeerPool):
+    """A pool whose every attempt goes to ``peer`` (3 attempts, no backoff)."""
+
+    def __init__(self, peer: Peer) -> None:
+        super().__init__(FrameLimits(), send_attempts=3, retry_backoff=0.0)
+        self._peer = peer
+
+    def request(self, address: str, header: Any, payload: Any = None, **kw: Any) -> Any:
+        return self._peer(address, header, payload, **kw)
+
+
 def _pool(peer: Peer) -> PeerPool:
     """A pool whose every attempt goes to ``peer`` (3 attempts, no backoff)."""
-    pool = PeerPool(FrameLimits(), send_attempts=3, retry_backoff=0.0)
-    pool.request = peer
-    return pool
+    return _PoolTo(peer)
 
 
 class Owner:

@@ -41,7 +41,7 @@ def _inode(fd: int) -> int:
     return os.fstat(fd).st_ino
 
 
-def _resolve(handler: Any, outcome: int = control_pb2.OUTCOME_APPLIED) -> None:
+def _resolve(handler: Any, outcome: control_pb2.Outcome = control_pb2.OUTCOME_APPLIED) -> None:
     handler(local_pb2.LocalEvent(push_result=local_pb2.PushResult(outcome=outcome, version=1)), None)
 
 

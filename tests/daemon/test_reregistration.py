@@ -22,7 +22,7 @@ def _restart(scheduler: Any) -> Any:
     return fresh, port
 
 
-def _refuse_workers(fresh: Any, code: int, error: str) -> list[str]:
+def _refuse_workers(fresh: Any, code: control_pb2.ErrorCode, error: str) -> list[str]:
     """Refuse every worker registration with ``code``; drop updates of unregistered workers."""
     original = fresh._on_message
     asked: list[str] = []

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import pytest
 
 from mlfabric import tensors as tcodec
-from mlfabric.daemon.channels.frames import FrameError, FrameHeader, FrameLimits, recv_frame, send_frame
+from mlfabric.daemon.channels.frames import (
+    Frame,
+    FrameError,
+    FrameHeader,
+    FrameLimits,
+    recv_frame,
+    send_frame,
+)
 from mlfabric.daemon.channels.payloadio import FUSED_PIECE_BYTES, THREADED_CRC_BYTES
 from mlfabric.proto.v1 import dataplane_pb2
 
@@ -47,9 +55,16 @@ def _frame(tensors: dict[str, tuple[str, np.ndarray]]) -> tuple[FrameHeader, byt
     return header, b"".join(parts)
 
 
+class _Receive(TypedDict, total=False):
+    """The options of :func:`recv_frame` these tests change."""
+
+    chunk_bytes: int
+    check_finite: Callable[[Any], bool] | None
+
+
 def _exchange(
-    pair: tuple[socket.socket, socket.socket], header: FrameHeader, payload: bytes, **recv: object
-) -> tuple[object, bytes]:
+    pair: tuple[socket.socket, socket.socket], header: FrameHeader, payload: bytes, **recv: Unpack[_Receive]
+) -> tuple[Frame, bytes]:
     a, b = pair
     t = threading.Thread(target=send_frame, args=(a, header, payload))
     t.start()
@@ -85,7 +100,7 @@ def test_non_finite_found_in_the_crc_pass(
         t = _bad_tensor(dtype, count, where, bad)
         header, payload = _frame({"first": ("float32", ok), "t": (dtype, t)})
         frame, got = _exchange(pair, header, payload)
-        assert frame.finite_checked and frame.non_finite == "t", (dtype, bad, where)  # type: ignore[attr-defined]
+        assert frame.finite_checked and frame.non_finite == "t", (dtype, bad, where)
         assert got == payload  # received intact, CRC verified
 
 
@@ -93,7 +108,7 @@ def test_finite_payload_and_a_sum_that_overflows_pass(pair: tuple[socket.socket,
     huge = np.full(1 << 16, np.finfo(np.float32).max, np.float32)  # the block sum overflows to inf
     header, payload = _frame({"a": ("float64", np.ones(5000)), "huge": ("float32", huge)})
     frame, _ = _exchange(pair, header, payload)
-    assert frame.finite_checked and frame.non_finite is None  # type: ignore[attr-defined]
+    assert frame.finite_checked and frame.non_finite is None
 
 
 def test_elements_split_across_receive_chunks(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -102,7 +117,7 @@ def test_elements_split_across_receive_chunks(pair: tuple[socket.socket, socket.
     t[300] = np.nan
     header, payload = _frame({"x": ("float16", np.ones(3, np.float16)), "t": ("float64", t)})
     frame, _ = _exchange(pair, header, payload, chunk_bytes=7)
-    assert frame.non_finite == "t"  # type: ignore[attr-defined]
+    assert frame.non_finite == "t"
 
 
 def test_integer_tensors_are_not_tested(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -110,23 +125,23 @@ def test_integer_tensors_are_not_tested(pair: tuple[socket.socket, socket.socket
     words = np.full(4096, 0x7F80, np.uint16)
     header, payload = _frame({"ids": ("uint16", words), "c": ("int32", np.full(9, -1, np.int32))})
     frame, _ = _exchange(pair, header, payload)
-    assert frame.finite_checked and frame.non_finite is None  # type: ignore[attr-defined]
+    assert frame.finite_checked and frame.non_finite is None
     header, payload = _frame({"ids": ("uint16", words), "w": ("bfloat16", words)})
     frame, _ = _exchange(pair, header, payload)
-    assert frame.non_finite == "w"  # type: ignore[attr-defined]
+    assert frame.non_finite == "w"
 
 
 def test_check_off_and_other_frame_kinds(pair: tuple[socket.socket, socket.socket]) -> None:
     header, payload = _frame({"t": ("float32", np.array([np.nan], np.float32))})
     frame, _ = _exchange(pair, header, payload, check_finite=None)
-    assert not frame.finite_checked and frame.non_finite is None  # type: ignore[attr-defined]
+    assert not frame.finite_checked and frame.non_finite is None
     header.kind = dataplane_pb2.FRAME_KIND_MODEL  # a model reply: not an update, not tested
     frame, _ = _exchange(pair, header, payload)
-    assert not frame.finite_checked  # type: ignore[attr-defined]
+    assert not frame.finite_checked
     header.kind = dataplane_pb2.FRAME_KIND_UPDATE
     header.replica_version = 3  # a replicated entry: checked where it was first applied
     frame, _ = _exchange(pair, header, payload)
-    assert not frame.finite_checked  # type: ignore[attr-defined]
+    assert not frame.finite_checked
 
 
 def test_crc_mismatch_still_wins(pair: tuple[socket.socket, socket.socket]) -> None:

@@ -9,6 +9,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 import pytest
@@ -244,7 +245,11 @@ def test_malformed_wire(
     assert info.value.reply_possible is reply_possible
 
 
-def layout(*tensors: tuple[str, str, list[int], int, int], size: int, kind: int = 1) -> FrameHeader:
+def layout(
+    *tensors: tuple[str, str, list[int], int, int],
+    size: int,
+    kind: dataplane_pb2.FrameKind = dataplane_pb2.FRAME_KIND_UPDATE,
+) -> FrameHeader:
     h = FrameHeader(kind=kind, payload_bytes=size)
     for name, dtype, shape, offset, nbytes in tensors:
         h.tensors.add(name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes)
@@ -264,8 +269,9 @@ def layout(*tensors: tuple[str, str, list[int], int, int], size: int, kind: int 
         (layout(("a", "float32", [3], 0, 8), size=8), "nbytes 8 != 3 elements x 4 bytes"),
         (layout(("a", "complex64", [1], 0, 8), size=8), "unknown dtype 'complex64'"),
         (layout(("a", "float32", [-1, -2], 0, 8), size=8), "negative dimension"),
-        (layout(size=0, kind=0), "unknown frame kind 0"),
-        (layout(size=0, kind=99), "unknown frame kind 99"),
+        (layout(size=0, kind=dataplane_pb2.FRAME_KIND_UNSPECIFIED), "unknown frame kind 0"),
+        # a kind no enum value names, as the wire may carry it
+        (layout(size=0, kind=cast(dataplane_pb2.FrameKind, 99)), "unknown frame kind 99"),
     ],
 )
 def test_bad_layout_rejected_by_receiver(

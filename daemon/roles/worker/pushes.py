@@ -22,10 +22,11 @@ import itertools
 import secrets
 import threading
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from mlfabric.wire.tensors import Layout
 
-__all__ = ["TRANSITIONS", "OutgoingPushes", "PendingPush", "PushState", "new_incarnation"]
+__all__ = ["TRANSITIONS", "OutgoingPushes", "PendingPush", "PushOwner", "PushState", "new_incarnation"]
 
 
 class PushState(enum.Enum):
@@ -53,12 +54,31 @@ TRANSITIONS: dict[PushState, frozenset[PushState]] = {
 }
 
 
+class PushOwner(Protocol):
+    """The pushing process, as its push uses it.
+
+    The daemon's is the process's :class:`~mlfabric.daemon.channels.localapi.LocalConnection`.
+
+    Examples
+    --------
+    >>> class Printer:
+    ...     def send(self, event):
+    ...         print(event)
+    >>> owner: PushOwner = Printer()
+    >>> owner.send("push_result { outcome: OUTCOME_APPLIED }")
+    push_result { outcome: OUTCOME_APPLIED }
+    """
+
+    def send(self, event: Any) -> object:
+        """Send the process a ``LocalEvent`` (it may have gone: then it does nothing)."""
+
+
 @dataclass
 class PendingPush:
     """An update in this daemon's memory, from ``push`` until it resolves.
 
-    ``fd`` is the memfd holding ``payload_bytes`` bytes laid out by ``layouts``; ``reply``
-    sends a ``LocalEvent`` to the pushing process (it may have gone: then it does nothing).
+    ``fd`` is the memfd holding ``payload_bytes`` bytes laid out by ``layouts``; the push's
+    verdict goes to ``owner``, the pushing process, as the answer to its ``request_id``.
     """
 
     update_id: str
@@ -72,7 +92,7 @@ class PendingPush:
     base_version: int
     ready_at: float
     request_id: int
-    owner: int
+    owner: PushOwner
     #: changed by :class:`OutgoingPushes` only
     state: PushState = PushState.READY
     #: CRC-32 of the payload as the pushing process computed it (None: computed while sending)
