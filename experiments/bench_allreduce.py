@@ -49,6 +49,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import init_gloo
+
 from mlfabric.readyfile import write_ready_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,19 +68,6 @@ def _tensor(size_mb: int, rank: int, seed: int) -> np.ndarray:
     return rng.integers(-4, 4, size=size_mb * (1 << 20) // 4).astype(np.float32)
 
 
-def _init_group(args: argparse.Namespace) -> None:
-    """The ranks' gloo process group, rank 0 serving the store (its port in a ready file)."""
-    import torch.distributed as dist
-
-    host, port = args.store.rsplit(":", 1)
-    if args.rank == 0:
-        store = dist.TCPStore(host, 0, args.world, is_master=True, wait_for_workers=False)
-        write_ready_file(args.ready_file, {"port": store.port})
-    else:
-        store = dist.TCPStore(host, int(port), args.world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
-
-
 def rank_main(args: argparse.Namespace) -> int:
     """One rank: for each size, ``--reps`` timed all-reduces; writes times, plans and CPU."""
     import torch
@@ -89,7 +79,7 @@ def rank_main(args: argparse.Namespace) -> int:
     plans: dict[str, str] = {}
     uses_group = args.system in ("gloo", "mlfabric")
     if uses_group:
-        _init_group(args)
+        init_gloo(args.store, args.rank, args.world, args.ready_file)
     group = None
     if args.system.startswith("mlfabric"):
         import mlfabric

@@ -3,7 +3,9 @@
 - :func:`start`: run ``python -m mlfabric CMD --ready-file F`` and wait for its ready file
   (``bench_memory.py``, ``soak.py``);
 - :func:`stop_all`: SIGTERM the processes still running, wait, kill those that do not stop
-  (``testbed_e2e.py``, ``testbed_aggregation.py``: ranks stuck in gloo).
+  (``testbed_e2e.py``, ``testbed_aggregation.py``: ranks stuck in gloo);
+- :func:`init_gloo`: a gloo process group whose rank 0 serves the store on a free port and
+  says which in its ready file (written atomically: a reader never sees it half written).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["start", "stop_all"]
+__all__ = ["init_gloo", "start", "stop_all"]
 
 
 def start(
@@ -56,3 +58,24 @@ def stop_all(procs: Iterable[Any], grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:  # e.g. a rank stuck in gloo
             p.kill()
             p.wait()
+
+
+def init_gloo(store: str, rank: int, world: int, ready_file: str) -> Any:
+    """Join the ranks' gloo process group; ``torch.distributed``, initialised.
+
+    ``store`` is ``"host:port"`` of rank 0's store (rank 0 itself gives port 0: it binds a free
+    port and writes ``{"port": ...}`` to ``ready_file`` with
+    :func:`mlfabric.readyfile.write_ready_file`; the launcher reads it to start the others).
+    """
+    import torch.distributed as dist
+
+    from mlfabric.readyfile import write_ready_file
+
+    host, port = store.rsplit(":", 1)
+    if rank == 0:
+        tcp = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
+        write_ready_file(ready_file, {"port": tcp.port})
+    else:
+        tcp = dist.TCPStore(host, int(port), world, is_master=False)
+    dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world)
+    return dist

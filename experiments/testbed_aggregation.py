@@ -49,7 +49,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_e2e as e2e  # the model, data, accuracy log, gloo PS and NS schedule
-from harness import stop_all
+from harness import init_gloo, stop_all
+
+from mlfabric.readyfile import write_ready_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fair", "stf+agg", "gloo", "ddp")
@@ -73,7 +75,7 @@ def mlf_server(args: argparse.Namespace) -> int:
     params = mlfabric.Params(tau_max=args.tau_max, sync_workers=args.sync_workers, div_max=args.div_max)
     server = mlfabric.register_as_server("agg", "ps", tensors, params)
     log = e2e.AccuracyLog(Path(args.out), args.target)
-    Path(args.ready_file).write_text("{}")
+    write_ready_file(args.ready_file, {})
     # the time limit counts from the first update: on a loaded machine the workers' start-up
     # (torch, the data set) can take a large part of it, and the run would stop before training
     deadline = time.monotonic() + args.time_limit + STARTUP_ALLOWANCE
@@ -108,16 +110,7 @@ def mlf_server(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace, world: int) -> Any:
-    import torch.distributed as dist
-
-    host, port = args.store.rsplit(":", 1)
-    if args.rank == 0:
-        store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
-        Path(args.ready_file).write_text(json.dumps({"port": store.port}))
-    else:
-        store = dist.TCPStore(host, int(port), world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=world)
-    return dist
+    return init_gloo(args.store, args.rank, world, args.ready_file)
 
 
 def gloo_sync(args: argparse.Namespace) -> int:

@@ -42,7 +42,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import stop_all
+from harness import init_gloo, stop_all
+
+from mlfabric.readyfile import write_ready_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("stf", "fair", "gloo")
@@ -138,7 +140,7 @@ def mlf_server(args: argparse.Namespace) -> int:
     tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
     server = mlfabric.register_as_server("e2e", "ps", tensors, mlfabric.Params(tau_max=args.tau_max))
     log = AccuracyLog(Path(args.out), args.target)
-    Path(args.ready_file).write_text("{}")
+    write_ready_file(args.ready_file, {})
     deadline = time.monotonic() + args.time_limit
     delays: list[int] = []
 
@@ -196,13 +198,7 @@ def gloo_role(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    host, port = args.store.rsplit(":", 1)
-    if args.rank == 0:
-        store = dist.TCPStore(host, 0, args.world, is_master=True, wait_for_workers=False)
-        Path(args.ready_file).write_text(json.dumps({"port": store.port}))
-    else:
-        store = dist.TCPStore(host, int(port), args.world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
+    init_gloo(args.store, args.rank, args.world, args.ready_file)
     model = make_model()
     names = [k for k, _ in model.named_parameters()]
     shapes = [p.shape for _, p in model.named_parameters()]
