@@ -312,10 +312,15 @@ def ns_changes(graph: Any, workers: list[str], args: argparse.Namespace) -> list
 
 
 def topology(workers: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """A star whose server ingress is the bottleneck; heterogeneous uplinks, 1 Gbit/s downlinks."""
-    links = [{"a": "ps", "b": "tor", "mbps": args.server_egress_mbps, "mbps_ba": args.server_mbps}]
+    """A star whose server ingress is the bottleneck; heterogeneous uplinks, 1 Gbit/s downlinks.
+
+    Every rate is multiplied by ``--scale`` (10: the paper's setting at a 1 Gbit/s server ingress).
+    """
+    k = args.scale
+    links = [{"a": "ps", "b": "tor", "mbps": args.server_egress_mbps * k, "mbps_ba": args.server_mbps * k}]
     links += [
-        {"a": w, "b": "tor", "mbps": up, "mbps_ba": 1000} for w, up in zip(workers, UPLINKS, strict=True)
+        {"a": w, "b": "tor", "mbps": up * k, "mbps_ba": 1000 * k}
+        for w, up in zip(workers, UPLINKS, strict=True)
     ]
     return {"hosts": ["ps", *workers], "switches": ["tor"], "links": links}
 
@@ -331,7 +336,11 @@ def driver(args: argparse.Namespace) -> int:
         print("testbed unavailable: " + "; ".join(missing), file=sys.stderr)
         return 2
     workers = [f"w{i}" for i in range(len(UPLINKS))]
-    name = "testbed_aggregation" + ("_quick" if args.quick else "")
+    name = (
+        "testbed_aggregation"
+        + ("_quick" if args.quick else "")
+        + (f"_x{args.scale:g}" if args.scale != 1 else "")
+    )
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
     systems = args.systems.split(",")
@@ -401,13 +410,15 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"# Aggregation on the testbed ({'quick' if args.quick else 'full'})",
         "",
         f"Digits MLP 64-1024-1024-10 (4.5 MB float32 updates), lr {args.lr}, batch {args.batch}; "
-        f"{len(UPLINKS)} workers, uplinks {UPLINKS} Mbit/s (downlinks 1000); server ingress "
-        f"{args.server_mbps:g} Mbit/s (the bottleneck), egress {args.server_egress_mbps:g}. NS: the "
+        f"{len(UPLINKS)} workers, uplinks {[u * args.scale for u in UPLINKS]} Mbit/s (downlinks "
+        f"{1000 * args.scale:g}); server ingress {args.server_mbps * args.scale:g} Mbit/s (the "
+        f"bottleneck), egress {args.server_egress_mbps * args.scale:g}. NS: the "
         f"server's ingress changes every {args.period:g} s "
         f"(1, 1/2, 1/4), uplinks (1, 1/2); CS: one straggler {args.slowdown:g}x slower "
         f"(compute {args.compute:g} s). Target {args.target}; tau_max {args.tau_max}; "
         f"seeds {args.seeds}. Command: `python experiments/testbed_aggregation.py"
-        f"{' --quick' if args.quick else ''} --seeds {args.seeds}`.",
+        f"{' --quick' if args.quick else ''} --seeds {args.seeds} --modes {args.modes}"
+        f"{f' --scale {args.scale:g}' if args.scale != 1 else ''}`.",
         "",
         "| mode | system | runs | reached | median time to target (s) | min-max (s) | vs fair "
         "| vs faster gloo baseline | server ingress per applied update (MB) | vs fair | final accuracy "
@@ -464,6 +475,9 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute", type=float, default=0.02, help="compute delay per iteration, s")
     parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's compute delay factor")
     parser.add_argument("--tau-max", type=int, default=32)
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every link rate (10: a 1 Gbit/s server ingress)"
+    )
 
 
 def main() -> int:
