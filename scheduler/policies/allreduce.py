@@ -6,17 +6,13 @@ contribution and sends the sum to its parent; the root's sum is the result, whic
 down the same tree. The payload is cut into chunks that are pipelined, so reduction and
 broadcast overlap and every tree edge carries ``B`` bytes up and ``B`` bytes down.
 
-The cost model (:func:`tree_seconds`): with pipelining, the time is set by the most loaded
-directed link, ``max over links of (bytes crossing it / capacity)`` — each tree edge loads
-every link of its path with ``B`` in each direction, an edge between two participants of
-one host loads none — plus the pipeline's fill (the slowest root-to-leaf path up plus the
-slowest down, one chunk per hop, a hop taking ``chunk x m / capacity`` on its worst link when
-``m`` tree edges' streams share that link), plus a per-chunk overhead at the busiest
-participant (:data:`CHUNK_OVERHEAD_SECONDS` per frame it sends or receives). The same model
-gives a ring all-reduce's time (:func:`ring_seconds`: ``2 (N-1)/N B`` on every link of every
-ring hop, plus the last chunk's hop and the ring's per-frame cost, :func:`ring_chunk_seconds`);
-where the ring is faster than the best tree the plan is the ring (``kind == "ring"``), and
-the daemons execute either.
+The cost model (:mod:`~mlfabric.scheduler.policies.allreduce_model`: :func:`tree_seconds`,
+:func:`ring_seconds`, :func:`ring_chunk_seconds`) gives each candidate's time for the executor
+that runs it (:data:`DAEMONS`, or :data:`PROCESS_GROUP`: the training processes over their
+``torch.distributed`` group). For the daemons, where the ring is faster than the best tree the
+plan is the ring (``kind == "ring"``); for a process group, the plan is the group's own
+collective (``kind == "native"``, modelled as a ring in process-rank order) unless a tree beats
+it by the executor's margin.
 
 Candidate trees (:func:`plan_allreduce` keeps the fastest under the model, each with the chunk
 size, 64 KiB .. 16 MiB or the whole payload, that the model says is fastest for it):
@@ -56,6 +52,20 @@ from dataclasses import dataclass
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.policies.allreduce_model import (
+    CHUNK_OVERHEAD_SECONDS,
+    DAEMONS,
+    PROCESS_GROUP,
+    Executor,
+    chunk_candidates,
+    link_capacity,
+    nic_rate,
+    ring_chunk_seconds,
+    ring_seconds,
+    tree_seconds,
+    tree_terms,
+    tree_time,
+)
 
 __all__ = [
     "CHUNK_OVERHEAD_SECONDS",
@@ -68,54 +78,6 @@ __all__ = [
     "ring_seconds",
     "tree_seconds",
 ]
-
-#: Per-chunk cost at a participant for each frame it sends or receives (the frame, its ACK, a
-#: summing call), in seconds: measured on the namespace testbed (8 Python daemons on 2 shared
-#: cores, load average ~32) as 0.7-0.8 ms of daemon CPU per frame end (docs/allreduce.md).
-CHUNK_OVERHEAD_SECONDS = 700e-6
-#: Chunk sizes the planner chooses from (bytes), per candidate tree, by the model.
-_CHUNK_CANDIDATES = (64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20)
-
-
-@dataclass(frozen=True)
-class Executor:
-    """Who moves an all-reduce's bytes, as the planner models it.
-
-    Attributes
-    ----------
-    name : str
-        ``"daemons"`` (the daemons' data plane: trees and rings) or ``"process_group"`` (the
-        training processes' ``torch.distributed`` group: its own collective, or mlfabric's
-        trees through its point-to-point operations; ``mlfabric/torch/collective.py``).
-    chunk_overhead : float
-        Seconds per chunk a participant sends or receives (CPU, per-message costs).
-    native : bool
-        The executor has a collective of its own (a ring in process-rank order) that the plan
-        may choose (``kind == "native"``).
-    native_margin : float
-        A tree replaces the native collective only when its model is faster by more than this
-        fraction: the native collective is the safer bet where the two are close.
-    op_overhead : float
-        Fixed seconds per operation of the native collective.
-
-    Examples
-    --------
-    >>> DAEMONS.name, PROCESS_GROUP.native
-    ('daemons', True)
-    """
-
-    name: str
-    chunk_overhead: float
-    native: bool = False
-    native_margin: float = 0.1
-    op_overhead: float = 0.0
-
-
-#: The daemons' data plane (the default).
-DAEMONS = Executor("daemons", CHUNK_OVERHEAD_SECONDS)
-#: A torch process group (gloo on CPU, NCCL on GPU): 0.1 ms per point-to-point chunk, 0.5 ms
-#: per native operation (gloo on the namespace testbed).
-PROCESS_GROUP = Executor("process_group", 100e-6, native=True, op_overhead=500e-6)
 
 
 @dataclass(frozen=True)
@@ -192,236 +154,6 @@ class AllreducePlan:
         )
 
 
-def _capacity(graph: nx.DiGraph, link: tuple[str, str]) -> float:
-    return float(graph.edges[link]["capacity"])
-
-
-def _nic(graph: nx.DiGraph, host: str) -> float:
-    """The slower direction of a host's NIC (bytes/s); inf for an isolated host."""
-    out = [float(c) for _, _, c in graph.out_edges(host, data="capacity")]
-    inn = [float(c) for _, _, c in graph.in_edges(host, data="capacity")]
-    return min(max(out, default=math.inf), max(inn, default=math.inf))
-
-
-def _link_loads(
-    pc: PathCache, edges: Sequence[tuple[str, str]], per_edge: float
-) -> dict[tuple[str, str], float]:
-    """Bytes on each directed link when every (a, b) host pair moves ``per_edge`` both ways."""
-    load: dict[tuple[str, str], float] = {}
-    for a, b in edges:
-        if a == b:
-            continue
-        for link in (*pc.links(a, b), *pc.links(b, a)):
-            load[link] = load.get(link, 0.0) + per_edge
-    return load
-
-
-def _terms(
-    graph: nx.DiGraph,
-    parent: Mapping[str, str | None],
-    hosts: Mapping[str, str],
-    nbytes: int,
-    pc: PathCache,
-) -> tuple[float, float, int]:
-    """``(busiest seconds, fill seconds per chunk byte, busiest participant's tree edges)``.
-
-    A chunk crossing a link shared by ``m`` tree edges' streams gets ``1/m`` of it, so one
-    hop of a chunk of ``c`` bytes takes ``c * m / capacity`` on the hop's worst link; the fill
-    is the slowest root-to-leaf path up plus the slowest down (store and forward per hop).
-    """
-    edges = [(hosts[c], hosts[p]) for c, p in parent.items() if p is not None]
-    load = _link_loads(pc, edges, float(nbytes))
-    busiest = max((b / _capacity(graph, link) for link, b in load.items()), default=0.0)
-
-    def hop(a: str, b: str) -> float:
-        if a == b or nbytes <= 0:
-            return 0.0
-        return max(load[link] / nbytes / _capacity(graph, link) for link in pc.links(a, b))
-
-    up: dict[str, float] = {}
-    down: dict[str, float] = {}
-
-    def climb(p: str) -> tuple[float, float]:
-        """Per-byte time of ``p``'s path to the root, up and down (memoised, iterative)."""
-        chain = []
-        q: str | None = p
-        while q is not None and q not in up:
-            chain.append(q)
-            q = parent[q]
-        for v in reversed(chain):
-            w = parent[v]
-            if w is None:
-                up[v] = down[v] = 0.0
-            else:
-                up[v] = up[w] + hop(hosts[v], hosts[w])
-                down[v] = down[w] + hop(hosts[w], hosts[v])
-        return up[p], down[p]
-
-    paths = [climb(p) for p in parent]
-    fill = max((u for u, _ in paths), default=0.0) + max((d for _, d in paths), default=0.0)
-    edges_at: dict[str, int] = {p: int(q is not None) for p, q in parent.items()}
-    for q in parent.values():
-        if q is not None:
-            edges_at[q] += 1
-    return busiest, fill, max(edges_at.values(), default=0)
-
-
-def _seconds(
-    terms: tuple[float, float, int], nbytes: int, chunk_bytes: int, overhead: float = CHUNK_OVERHEAD_SECONDS
-) -> float:
-    busiest, fill, degree = terms
-    chunks = max(1, math.ceil(nbytes / max(1, chunk_bytes)))
-    return busiest + fill * min(chunk_bytes, nbytes) + chunks * degree * 2 * overhead
-
-
-def tree_seconds(
-    graph: nx.DiGraph,
-    parent: Mapping[str, str | None],
-    hosts: Mapping[str, str],
-    nbytes: int,
-    chunk_bytes: int,
-    pc: PathCache | None = None,
-    *,
-    overhead: float = CHUNK_OVERHEAD_SECONDS,
-) -> float:
-    """The model's time of a pipelined tree all-reduce (see the module docstring).
-
-    Parameters
-    ----------
-    graph : networkx.DiGraph
-        Link capacities (bytes/s) in ``capacity``.
-    parent : mapping
-        participant -> parent participant (None at the root).
-    hosts : mapping
-        participant -> host.
-    nbytes, chunk_bytes : int
-        The payload and the chunk size.
-    pc : PathCache, optional
-        Paths of ``graph``.
-    overhead : float
-        Seconds per chunk frame a participant sends or receives (the executor's).
-
-    Returns
-    -------
-    float
-        Seconds.
-
-    Examples
-    --------
-    A chain of three hosts on one 1 GB/s switch, 1 GB in 1 MB chunks: the middle host's NIC
-    carries 2 GB each way (2 s); a chunk's hop shares that NIC with the other direction's
-    stream (2 x 1 ms per hop, 2 hops up and 2 down: 8 ms); 1000 chunks x 2 edges x 2 frames
-    of overhead.
-
-    >>> from mlfabric.scheduler.core.graph import star
-    >>> chain = {"a": None, "b": "a", "c": "b"}
-    >>> t = tree_seconds(star(3, 8e9), chain, {"a": "h0", "b": "h1", "c": "h2"}, 10**9, 10**6)
-    >>> round(t - 1000 * 2 * 2 * CHUNK_OVERHEAD_SECONDS, 4)
-    2.008
-    """
-    pc = pc or PathCache(graph)
-    return _seconds(_terms(graph, parent, hosts, nbytes, pc), nbytes, chunk_bytes, overhead)
-
-
-def _chunk_candidates(nbytes: int) -> list[int]:
-    """Chunk sizes to try for ``nbytes``: the candidates below it, and the whole payload."""
-    sizes = [c for c in _CHUNK_CANDIDATES if c < nbytes]
-    if nbytes <= _CHUNK_CANDIDATES[-1]:
-        sizes.append(max(1, nbytes))
-    return sizes
-
-
-def ring_seconds(graph: nx.DiGraph, order: Sequence[str], nbytes: int, pc: PathCache | None = None) -> float:
-    """The model's time of a ring all-reduce over the hosts ``order`` (reduce-scatter + all-gather).
-
-    Examples
-    --------
-    >>> from mlfabric.scheduler.core.graph import star
-    >>> round(ring_seconds(star(4, 8e9), ["h0", "h1", "h2", "h3"], 10**9), 3)   # 2*3/4 s
-    1.5
-    """
-    n = len(order)
-    if n < 2:
-        return 0.0
-    pc = pc or PathCache(graph)
-    per_hop = 2 * (n - 1) / n * nbytes
-    load: dict[tuple[str, str], float] = {}
-    for i, a in enumerate(order):
-        b = order[(i + 1) % n]
-        if a != b:
-            for link in pc.links(a, b):
-                load[link] = load.get(link, 0.0) + per_hop
-    return max((v / _capacity(graph, link) for link, v in load.items()), default=0.0)
-
-
-def ring_chunk_seconds(
-    graph: nx.DiGraph,
-    order: Sequence[str],
-    hosts: Mapping[str, str],
-    nbytes: int,
-    chunk_bytes: int,
-    pc: PathCache | None = None,
-) -> float:
-    """The model's time of the daemons' ring over the participants ``order``, in chunks.
-
-    The payload is cut into ``N`` segments of ``B/N``; segment ``k`` is summed along the
-    ring from participant ``k`` to participant ``k-1`` (reduce-scatter: ``N-1`` hops) and the
-    sum goes on around to ``k-2`` (all-gather: ``N-1`` hops), each segment in chunks of
-    ``chunk_bytes`` that move as soon as they are summed. Every ring hop so carries
-    ``2 (N-1)/N B`` (:func:`ring_seconds`, the most loaded link sets the time), and every link
-    is busy from the first step on (each participant starts with its own segment), so the only
-    fill is the last chunk's hop (``chunk x m / capacity`` on the worst link shared by ``m``
-    ring hops). Each participant sends and receives ``2 (N-1)`` frames per chunk of a segment,
-    at :data:`CHUNK_OVERHEAD_SECONDS` each.
-
-    Parameters
-    ----------
-    graph : networkx.DiGraph
-        Link capacities (bytes/s) in ``capacity``.
-    order : sequence of str
-        Participants in ring order (each sends to the next, the last to the first).
-    hosts : mapping
-        participant -> host (hops between two participants of one host cost no network).
-    nbytes, chunk_bytes : int
-        The payload and the chunk size (at most one segment).
-    pc : PathCache, optional
-        Paths of ``graph``.
-
-    Returns
-    -------
-    float
-        Seconds (0 for fewer than two participants).
-
-    Examples
-    --------
-    Four hosts on one 1 GB/s switch, 1 GB in 250 MB segments sent whole: ``2 * 3/4`` s on
-    every NIC, one 250 ms hop of fill and 12 frame ends per participant.
-
-    >>> from mlfabric.scheduler.core.graph import star
-    >>> hosts = {f"p{i}": f"h{i}" for i in range(4)}
-    >>> t = ring_chunk_seconds(star(4, 8e9), list(hosts), hosts, 10**9, 250 * 10**6)
-    >>> round(t - 12 * CHUNK_OVERHEAD_SECONDS, 3)
-    1.75
-    """
-    n = len(order)
-    if n < 2 or nbytes <= 0:
-        return 0.0
-    pc = pc or PathCache(graph)
-    segment = math.ceil(nbytes / n)
-    chunk = max(1, min(chunk_bytes, segment))
-    per_hop = 2 * (n - 1) / n * nbytes
-    load: dict[tuple[str, str], float] = {}
-    for i, p in enumerate(order):
-        a, b = hosts[p], hosts[order[(i + 1) % n]]
-        if a != b:
-            for link in pc.links(a, b):
-                load[link] = load.get(link, 0.0) + per_hop
-    busiest = max((v / _capacity(graph, link) for link, v in load.items()), default=0.0)
-    fill = max((v / per_hop * chunk / _capacity(graph, link) for link, v in load.items()), default=0.0)
-    frames = 4 * (n - 1) * math.ceil(segment / chunk)
-    return busiest + fill + frames * CHUNK_OVERHEAD_SECONDS
-
-
 # ------------------------------------------------------------------ tree shapes
 
 
@@ -476,7 +208,7 @@ def _chain_orders(
 
     def width(a: str, b: str) -> float:
         links = (*pc.links(host(a), host(b)), *pc.links(host(b), host(a)))
-        return min((_capacity(graph, link) for link in links), default=math.inf)
+        return min((link_capacity(graph, link) for link in links), default=math.inf)
 
     rank = {p: i for i, p in enumerate(order)}
     local = [order[-1]]
@@ -554,7 +286,7 @@ def plan_allreduce(
         for i, p in enumerate(members[1:]):
             local[p] = members[i]
     rep = {h: members[0] for h, members in by_host.items()}
-    rate = {h: _nic(graph, h) for h in by_host}
+    rate = {h: nic_rate(graph, h) for h in by_host}
     host_order = sorted(by_host, key=lambda h: (-rate[h], h))
 
     def host_rate(p: str) -> float:
@@ -583,13 +315,13 @@ def plan_allreduce(
                 candidates[f"rack-{name}"] = _join(top, inner)
         for name, chain in _chain_orders(reps, hosts.__getitem__, pc, graph).items():
             candidates[f"chain-{name}"] = _path_tree(chain)
-    chunks = [chunk_bytes] if chunk_bytes else _chunk_candidates(nbytes)
+    chunks = [chunk_bytes] if chunk_bytes else chunk_candidates(nbytes)
     best: tuple[float, int, str, dict[str, str | None]] | None = None
     for name in sorted(candidates):
         parent = {**candidates[name], **local}
-        terms = _terms(graph, parent, hosts, nbytes, pc)
+        terms = tree_terms(graph, parent, hosts, nbytes, pc)
         for chunk in sorted(chunks, reverse=True):  # ties: the larger chunk (fewer frames)
-            seconds = _seconds(terms, nbytes, chunk, executor.chunk_overhead)
+            seconds = tree_time(terms, nbytes, chunk, executor.chunk_overhead)
             if best is None or seconds < best[0] - 1e-12:
                 best = (seconds, chunk, name, parent)
     assert best is not None
@@ -616,7 +348,7 @@ def plan_allreduce(
     segment = math.ceil(nbytes / len(ring)) if nbytes > 0 else 0
     ring_best: tuple[float, int] | None = None
     if len(ring) > 1 and segment > 0:
-        for chunk_r in sorted([chunk_bytes] if chunk_bytes else _chunk_candidates(segment), reverse=True):
+        for chunk_r in sorted([chunk_bytes] if chunk_bytes else chunk_candidates(segment), reverse=True):
             t = ring_chunk_seconds(graph, ring, hosts, nbytes, chunk_r, pc)
             if ring_best is None or t < ring_best[0] - 1e-12:
                 ring_best = (t, min(chunk_r, segment))
