@@ -192,6 +192,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "extra_scheduler_args": ["--aggregate-timeout", "5"] if "agg" in cfg.policy else [],
         "aggregator_host": "x",
         "log_level": cfg.log_level,
+        # a daemon restarted while the scheduler is down too is ready only once it is welcomed
+        "ready_timeout": 120.0,
     }
     with contextlib.ExitStack() as stack:
         if cfg.testbed:
