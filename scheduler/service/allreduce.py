@@ -140,6 +140,8 @@ class AllreduceBook:
         self.aborted: collections.OrderedDict[OpKey, tuple[str, str]] = collections.OrderedDict()
         #: process-group plans kept per (job, name, signature)
         self.kept: dict[tuple[str, str, int], _Kept] = {}
+        #: plans made, by (executor, kind): what the metric ``mlfabric_allreduce_plans_total`` counts
+        self.plans: collections.Counter[tuple[str, str]] = collections.Counter()
         self._replanned_at = -math.inf
 
     def ready(self, host: str, m: pb.AllreduceReady, now: float) -> Effects:
@@ -204,6 +206,7 @@ class AllreduceBook:
         except ValueError as exc:
             return self.abort(op.key, "allreduce_failed", f"{op.label()}: cannot plan: {exc}")
         op.planned = True
+        self.plans["daemons", plan.kind] += 1
         job, name, seq = op.key
         describe = plan.describe(op.ready)
         log.info("%s: %s", op.label(), describe)
@@ -249,6 +252,7 @@ class AllreduceBook:
             kept = _Kept(dict(op.ready), dict(op.ranks), op.nbytes, op.world_size, plan, epoch)
             self.kept[(job, name, op.signature)] = kept
         del self.ops[op.key]  # the processes run it: nothing more to hear about
+        self.plans["process_group", kept.plan.kind] += 1
         log.info("%s (process group, epoch %d): %s", op.label(), kept.epoch, kept.plan.describe(op.ready))
         return self._group_directives(op.key, op.signature, kept)
 
@@ -301,6 +305,7 @@ class AllreduceBook:
             current = self._group_plan_seconds(kept)
             if plan.seconds < current * (1 - REPLAN_GAIN):
                 kept.plan, kept.epoch = plan, kept.epoch + 1
+                self.plans["process_group", plan.kind] += 1
                 log.info(
                     "all-reduce %r of job %r: new plan (epoch %d): %s",
                     name,

@@ -263,7 +263,8 @@ class SchedulerCore:
 
         What :class:`~mlfabric.scheduler.service.metrics.ServiceCollector` reports at a scrape.
         """
-        return self.recorder.stats(self.state, self.estimator.estimated_graph())
+        snap = self.recorder.stats(self.state, self.estimator.estimated_graph())
+        return replace(snap, allreduce_plans=dict(self.allreduce.plans))
 
     def replace_graph(self, graph: nx.DiGraph, make_estimator: Callable[[nx.DiGraph], Estimator]) -> None:
         """A reload (SIGHUP): make ``graph`` the bandwidth graph, estimated by ``make_estimator(graph)``.

@@ -235,6 +235,15 @@ class ServiceCollector(Collector):
             "replicas promoted to server after a failure",
             value=snap.replica_promotions,
         )
+        yield _labelled(
+            CounterMetricFamily(
+                "mlfabric_allreduce_plans",
+                "all-reduce plans made, by executor (daemons, process_group) and kind (tree, ring, native: "
+                "the process group's own collective)",
+                labels=["executor", "kind"],
+            ),
+            snap.allreduce_plans,
+        )
 
 
 async def serve_metrics(

@@ -24,7 +24,7 @@ import bisect
 import re
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -247,6 +247,8 @@ class ServiceStats:
     pending_updates: dict[tuple[str, str], int]
     daemons_connected: int
     jobs: int
+    #: all-reduce plans made, by (executor, kind): ("daemons" | "process_group", "tree" | "ring" | "native")
+    allreduce_plans: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class Recorder:

@@ -111,6 +111,7 @@ def test_one_collector_exports_every_metric_of_the_scheduler() -> None:
         "mlfabric_replica_divergence",
         "mlfabric_replica_resyncing",
         "mlfabric_replica_promotions",
+        "mlfabric_allreduce_plans",
     }
 
 

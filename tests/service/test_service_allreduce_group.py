@@ -60,6 +60,7 @@ def test_a_uniform_group_gets_the_native_collective_and_the_operation_is_finishe
         assert "native collective of 4" in a.plan and a.model_seconds > 0
     assert book.ops == {}  # nothing more to hear about: the processes run it
     assert list(book.kept) == [("j", "g", 77)]
+    assert book.plans == {("process_group", "native"): 1}  # the metric mlfabric_allreduce_plans_total
 
 
 def test_a_heterogeneous_group_gets_a_tree_over_process_ranks() -> None:
