@@ -59,6 +59,7 @@ from mlfabric.scheduler.policies.allreduce_model import (
     Executor,
     chunk_candidates,
     link_capacity,
+    native_seconds,
     nic_rate,
     ring_chunk_seconds,
     ring_seconds,
@@ -321,7 +322,7 @@ def plan_allreduce(
         parent = {**candidates[name], **local}
         terms = tree_terms(graph, parent, hosts, nbytes, pc)
         for chunk in sorted(chunks, reverse=True):  # ties: the larger chunk (fewer frames)
-            seconds = tree_time(terms, nbytes, chunk, executor.chunk_overhead)
+            seconds = tree_time(terms, nbytes, chunk, executor)
             if best is None or seconds < best[0] - 1e-12:
                 best = (seconds, chunk, name, parent)
     assert best is not None
@@ -333,8 +334,7 @@ def plan_allreduce(
             children[q].append(c)
     root = next(p for p, q in parent.items() if q is None)
     if executor.native:
-        order = [hosts[p] for p, _ in participants]
-        native = ring_seconds(graph, order, nbytes, pc) + executor.op_overhead if len(order) > 1 else 0.0
+        native = native_seconds(graph, [hosts[p] for p, _ in participants], nbytes, executor)
         if seconds * (1 + executor.native_margin) >= native:
             return AllreducePlan(root, parent, children, chunk, native, native, name, "native", (), seconds)
         return AllreducePlan(root, parent, children, chunk, seconds, native, name, "tree", (), seconds)

@@ -44,8 +44,8 @@ from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.allreduce import (
     PROCESS_GROUP,
     AllreducePlan,
+    native_seconds,
     plan_allreduce,
-    ring_seconds,
     tree_seconds,
 )
 from mlfabric.scheduler.service.effects import Effects
@@ -321,9 +321,9 @@ class AllreduceBook:
         order = [kept.hosts[p] for p in sorted(kept.hosts, key=kept.ranks.__getitem__)]
         graph, plan = self._graph(), kept.plan
         if plan.kind == "native":
-            return ring_seconds(graph, order, kept.nbytes) + PROCESS_GROUP.op_overhead
-        overhead = PROCESS_GROUP.chunk_overhead
-        return tree_seconds(graph, plan.parent, kept.hosts, kept.nbytes, plan.chunk_bytes, overhead=overhead)
+            return native_seconds(graph, order, kept.nbytes, PROCESS_GROUP)
+        chunk = plan.chunk_bytes
+        return tree_seconds(graph, plan.parent, kept.hosts, kept.nbytes, chunk, executor=PROCESS_GROUP)
 
     def host_left(self, host: str) -> None:
         """Forget the kept plans with a participant on ``host`` (its daemon went away)."""
