@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import networkx as nx
 
+from mlfabric.cluster import python_module
 from mlfabric.scheduler.core.graph import bottleneck, hosts, shortest_path
 from mlfabric.testbed.cluster import Testbed
 
@@ -72,25 +72,26 @@ class Measurement:
 def plan_link_checks(graph: nx.DiGraph) -> list[LinkCheck]:
     """For every directed link, the host pair that best exercises it.
 
-    Among the host pairs whose shortest path crosses the link, take the one whose path
-    bottleneck is highest (ideally the link itself), ties broken by host order.
+        Among the host pairs whose shortest path crosses the link, take the one whose path
+        bottleneck is highest (ideally the link itself), ties broken by host order.
 
-    Parameters
-    ----------
-    graph : networkx.DiGraph
-        A bandwidth graph.
+        Parameters
+        ----------
+        graph : networkx.DiGraph
+            A bandwidth graph.
 
-    Returns
-    -------
-    list of LinkCheck
-        One per directed link that some host pair crosses, in edge order.
+        Returns
+        -------
+        list of LinkCheck
+            One per directed link that some host pair crosses, in edge order.
 
-    Examples
-    --------
-    >>> from mlfabric.scheduler.core.graph import star
-    >>> g = star(["a", "b"], 50e6)
-    >>> [(c.link, c.src, c.dst, c.expected) for c in plan_link_checks(g)][:2]
-    [(('sw', 'a'), 'b', 'a', 6250000.0), (('sw', 'b'), 'a', 'b', 6250000.0)]
+        Examples
+        --------
+        >>> from mlfabric.cluster import python_module
+    from mlfabric.scheduler.core.graph import star
+        >>> g = star(["a", "b"], 50e6)
+        >>> [(c.link, c.src, c.dst, c.expected) for c in plan_link_checks(g)][:2]
+        [(('sw', 'a'), 'b', 'a', 6250000.0), (('sw', 'b'), 'a', 'b', 6250000.0)]
     """
     names = hosts(graph)
     best: dict[tuple[str, str], LinkCheck] = {}
@@ -145,7 +146,7 @@ def measure_transfer(
     """
     with tempfile.TemporaryDirectory(prefix="mlfabric-probe-") as tmp:
         ready = Path(tmp) / "ready.json"
-        probe = [sys.executable, "-m", "mlfabric.testbed.probe"]
+        probe = python_module("mlfabric.testbed.probe")
         listen = f"{testbed.address(dst)}:0"
         recv = testbed.popen(
             dst,
@@ -247,7 +248,7 @@ def measure_concurrent(
     ConcurrentCheck
     """
     expected = tuple(bottleneck(graph, shortest_path(graph, a, b))[1] for a, b in pairs)
-    probe = [sys.executable, "-m", "mlfabric.testbed.probe"]
+    probe = python_module("mlfabric.testbed.probe")
     receivers: list[subprocess.Popen[str]] = []
     senders: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-probe-") as tmp:
