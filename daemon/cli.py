@@ -3,7 +3,9 @@ for peer daemons and the control stream to the scheduler (DESIGN §3).
 
 Once the scheduler has welcomed it, the daemon writes ``--ready-file`` (JSON
 ``{"pid", "socket", "data_address", "host"}``, atomically). SIGTERM or SIGINT stops it
-cleanly (exit 0); pushes not yet resolved resolve DROPPED with the reason. With
+cleanly (exit 0): no new process is accepted, transfers under way get 2 s to bring their
+verdicts (then they are cut: UNKNOWN where the update may have arrived), pushes never sent
+resolve DROPPED with the reason, and only then are the training processes disconnected. With
 ``--report-file`` every transfer report the daemon sends to the scheduler is also appended
 to that file as one JSON line, flushed per line.
 

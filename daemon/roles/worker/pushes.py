@@ -232,6 +232,11 @@ class OutgoingPushes:
                 del self._pushes[p.update_id]
             return expired
 
+    def sending(self) -> int:
+        """How many pushes are being sent (SENDING: their transfers under way)."""
+        with self._lock:
+            return sum(p.state is PushState.SENDING for p in self._pushes.values())
+
     def take_all(self) -> list[PendingPush]:
         """Remove and return every push (shutdown)."""
         with self._lock:
