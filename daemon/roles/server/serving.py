@@ -390,6 +390,9 @@ class ServerRoles(Role):
             what = "is only a replica here" if is_replica else "is served here, not replicated"
             return self._error(f"{where} {what} (host {self.host!r})", h.update_id)
         problem = check_update(handoff.spec, layouts_from_pb(h.tensors), where)
+        negative = [b for b in (h.base_version, *(m.base_version for m in h.members)) if b < 0]
+        if problem is None and negative:
+            problem = f"base_version {negative[0]} is negative: a model version is 0 or more"
         if problem is not None:
             return self._error(problem, h.update_id)
 

@@ -366,6 +366,13 @@ class WorkerRole(Role):
         if fd is None:
             conn.error(rid, "bad_request", "push without a payload memfd")
             return fd
+        if req.base_version < 0:
+            conn.error(
+                rid,
+                "bad_request",
+                f"base_version {req.base_version} is negative: a model version is 0 or more",
+            )
+            return fd
         layouts = layouts_from_pb(req.tensors)
         problem = check_update(loc.spec, layouts, f"server {req.server!r} of job {conn.job!r}")
         header = FrameHeader(
