@@ -424,5 +424,7 @@ class Daemon:
             role.register_again()
 
     def _on_disconnected(self, reason: str) -> None:
+        if self._context.stopping.is_set():
+            return  # our own stop ended the session: the roles' stop resolves what they hold
         for role in self._roles:
             role.scheduler_lost(reason)
