@@ -72,26 +72,25 @@ class Measurement:
 def plan_link_checks(graph: nx.DiGraph) -> list[LinkCheck]:
     """For every directed link, the host pair that best exercises it.
 
-        Among the host pairs whose shortest path crosses the link, take the one whose path
-        bottleneck is highest (ideally the link itself), ties broken by host order.
+    Among the host pairs whose shortest path crosses the link, take the one whose path
+    bottleneck is highest (ideally the link itself), ties broken by host order.
 
-        Parameters
-        ----------
-        graph : networkx.DiGraph
-            A bandwidth graph.
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        A bandwidth graph.
 
-        Returns
-        -------
-        list of LinkCheck
-            One per directed link that some host pair crosses, in edge order.
+    Returns
+    -------
+    list of LinkCheck
+        One per directed link that some host pair crosses, in edge order.
 
-        Examples
-        --------
-        >>> from mlfabric.cluster import python_module
-    from mlfabric.scheduler.core.graph import star
-        >>> g = star(["a", "b"], 50e6)
-        >>> [(c.link, c.src, c.dst, c.expected) for c in plan_link_checks(g)][:2]
-        [(('sw', 'a'), 'b', 'a', 6250000.0), (('sw', 'b'), 'a', 'b', 6250000.0)]
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> g = star(["a", "b"], 50e6)
+    >>> [(c.link, c.src, c.dst, c.expected) for c in plan_link_checks(g)][:2]
+    [(('sw', 'a'), 'b', 'a', 6250000.0), (('sw', 'b'), 'a', 'b', 6250000.0)]
     """
     names = hosts(graph)
     best: dict[tuple[str, str], LinkCheck] = {}
