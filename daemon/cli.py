@@ -3,7 +3,9 @@ for peer daemons and the control stream to the scheduler (DESIGN §3).
 
 Once the scheduler has welcomed it, the daemon writes ``--ready-file`` (JSON
 ``{"pid", "socket", "data_address", "host"}``, atomically). SIGTERM or SIGINT stops it
-cleanly (exit 0); pushes not yet resolved resolve DROPPED with the reason. With
+cleanly (exit 0): no new process is accepted, transfers under way get 2 s to bring their
+verdicts (then they are cut: UNKNOWN where the update may have arrived), pushes never sent
+resolve DROPPED with the reason, and only then are the training processes disconnected. With
 ``--report-file`` every transfer report the daemon sends to the scheduler is also appended
 to that file as one JSON line, flushed per line.
 
@@ -239,6 +241,37 @@ def host_nic_rates(topology_path: str, host: str) -> tuple[float, float]:
     return egress, ingress
 
 
+def unauthenticated_warnings(config: Any) -> list[str]:
+    """What a daemon with ``config`` exposes without authentication beyond loopback (docs/security.md).
+
+    Examples
+    --------
+    >>> from mlfabric.daemon.config import DaemonConfig
+    >>> unauthenticated_warnings(DaemonConfig("h0", "127.0.0.1:7077", "/tmp/s"))
+    []
+    >>> [w.split(" without")[0] for w in unauthenticated_warnings(
+    ...     DaemonConfig("h0", "10.0.0.1:7077", "/tmp/s", data_listen="0.0.0.0:7078"))]
+    ['data plane on 0.0.0.0:7078', 'control stream to the scheduler on 10.0.0.1:7077']
+    """
+    from mlfabric.wire.auth import unauthenticated_warning
+
+    warnings = []
+    if config.data_auth is None or config.data_auth.mode == "none":
+        warnings.append(unauthenticated_warning("data plane", config.data_listen, 'data_auth = "hmac"'))
+    if config.tls is None:
+        warnings.append(
+            unauthenticated_warning(
+                "control stream to the scheduler", config.scheduler, "tls_ca, tls_cert and tls_key"
+            )
+        )
+    return [w for w in warnings if w is not None]
+
+
+def _warn_unauthenticated(config: Any) -> None:
+    for warning in unauthenticated_warnings(config):
+        _LOG.warning("%s", warning)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; 0 on a clean stop, 1 when it cannot start."""
     from mlfabric.daemon.config import DaemonConfig
@@ -323,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 },
             )
         _LOG.info("daemon %s: socket %s, data plane %s", args.host, socket_path, daemon.data_address)
+        _warn_unauthenticated(config)
         service.ready(daemon)
         while not stop.wait(service.tick):
             service.tick_once(daemon)

@@ -49,9 +49,12 @@ from mlfabric.proto.v1 import control_pb2
 from mlfabric.wire.memfd import MemfdPool
 from mlfabric.wire.version import __version__
 
-__all__ = ["Daemon", "Ticker"]
+__all__ = ["SHUTDOWN_DRAIN", "Daemon", "Ticker"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
+
+#: seconds a stopping daemon waits for its transfers under way to bring their verdicts
+SHUTDOWN_DRAIN = 2.0
 
 
 _Key = TypeVar("_Key")
@@ -327,16 +330,25 @@ class Daemon:
             )
 
     def stop(self) -> None:
-        """Stop everything; pushes not yet resolved resolve DROPPED."""
+        """Stop everything; every push held resolves before its process is disconnected.
+
+        No new process is accepted; the transfers under way get up to :data:`SHUTDOWN_DRAIN`
+        seconds to bring their verdicts, the rest are cut (UNKNOWN where the frame may have
+        arrived); pushes never sent resolve DROPPED (UNKNOWN if an aggregator summed them).
+        Only then are the training processes' connections closed (issue 27: a worker got
+        "disconnected" for a push that was then applied).
+        """
         self._context.stopping.set()
         self._control.stop()
         self._ticker.stop()
-        self._local.stop()
+        self._local.stop_accepting()
+        self.worker.drain(SHUTDOWN_DRAIN)
         self._listener.stop()
         self._peers.stop(f"daemon of host {self.host!r} is stopping")  # cut the transfers in flight
         self._tasks.shutdown(wait=True, cancel_futures=True)
         for role in self._roles:
             role.stop()
+        self._local.stop()
         self._peers.close()
         self.receive_buffers.close()
         if self._report_log is not None:
@@ -412,5 +424,7 @@ class Daemon:
             role.register_again()
 
     def _on_disconnected(self, reason: str) -> None:
+        if self._context.stopping.is_set():
+            return  # our own stop ended the session: the roles' stop resolves what they hold
         for role in self._roles:
             role.scheduler_lost(reason)

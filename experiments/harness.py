@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from mlfabric.cluster import python_module
 
 __all__ = ["init_gloo", "start", "stop_all"]
 
@@ -32,7 +33,7 @@ def start(
     """
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mlfabric", *cmd, "--ready-file", str(ready)], stdout=out, stderr=out
+            [*python_module("mlfabric"), *cmd, "--ready-file", str(ready)], stdout=out, stderr=out
         )
     deadline = time.monotonic() + timeout
     while not ready.exists():

@@ -94,6 +94,23 @@ PUSH_POOL_BYTES = 1 << 30
 Tensors = Mapping[str, Any]
 
 
+def _check_base_version(base: int) -> None:
+    """Refuse a negative base version, naming it (the daemon refuses one too).
+
+    Examples
+    --------
+    >>> _check_base_version(0)
+    >>> _check_base_version(-3)
+    Traceback (most recent call last):
+    ...
+    mlfabric.localclient.MlfabricError: base_version -3 is negative: a model version is 0 or more
+    """
+    if base < 0:
+        raise MlfabricError(
+            f"base_version {base} is negative: a model version is 0 or more", code="bad_request"
+        )
+
+
 class Worker:
     """A worker of a job (paper Table 1, ``register_as_worker``). Create with :func:`register_as_worker`.
 
@@ -141,8 +158,8 @@ class Worker:
         norm : float, optional
             The update's norm (for divergence bounds); default its L2 norm.
         base_version : int, optional
-            The model version the update was computed from; default the version of the
-            last :meth:`get` from this server (0 before any).
+            The model version the update was computed from (0 or more); default the version
+            of the last :meth:`get` from this server (0 before any).
 
         Returns
         -------
@@ -160,7 +177,8 @@ class Worker:
         MlfabricError
             With code ``bad_tensor``: a tensor's name, shape or dtype differs from the
             server's model (checked before the update is copied; the message names the tensor
-            and both shapes and dtypes).
+            and both shapes and dtypes). With code ``bad_request``: a negative
+            ``base_version`` (named; the daemon refuses one too).
 
         Examples
         --------
@@ -169,10 +187,11 @@ class Worker:
         >>> r.status, r.delay, r.version                               # doctest: +SKIP
         ('APPLIED', 0, 1)
         """
+        base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
+        _check_base_version(base)
         self._check_update(server, update)
         if norm is None:
             norm = tcodec.l2_norm(update)
-        base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
         buf, layouts, total = tensorio.encode_pooled(self._buffers, update)
         crc = payload_crc32(memoryview(buf)[:total])  # while the bytes are hot in cache
         # lost connection: the daemon may still read the buffer, so it is never reused

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("mlfabric.scheduler.service.cli", "run the central scheduler service (one per cluster)"),
     "daemon": ("mlfabric.daemon.cli", "run a host daemon (one per host)"),
-    "demo": ("mlfabric.demo", "train on an emulated cluster on this machine, stf vs fair"),
+    "demo": ("mlfabric.demo", "train on an emulated cluster on this machine: fair, stf and stf+agg"),
     "simulate": ("mlfabric.scheduler.sim.cli", "simulate policies on large clusters (fluid, discrete-event)"),
     "plan": ("mlfabric.scheduler.plan.cli", "plan an instance offline: ILP, STF, fair, and their gaps"),
     "testbed": ("mlfabric.testbed.cli", "build an emulated cluster of network namespaces (root)"),

@@ -34,10 +34,26 @@ __all__ = [
     "LocalCluster",
     "ManagedProcess",
     "ingress_bytes",
+    "python_module",
     "read_reports",
     "stop_processes",
     "wait_for_ready_file",
 ]
+
+
+def python_module(module: str, python: str = sys.executable) -> list[str]:
+    """The command line that runs ``python -m module`` from the installed package, wherever it runs.
+
+    ``-P`` (Python 3.11) keeps the working directory off ``sys.path``: run from the folder
+    that holds a clone named ``mlfabric``, a plain ``python -m mlfabric`` would import that
+    folder (a namespace package without ``__version__``) instead of the installed package.
+
+    Examples
+    --------
+    >>> python_module("mlfabric", python="python3")
+    ['python3', '-P', '-m', 'mlfabric']
+    """
+    return [python, "-P", "-m", module]
 
 
 class ClusterError(RuntimeError):
@@ -303,7 +319,7 @@ class LocalCluster:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def _launch(self, host: str | None, name: str, mlfabric_argv: list[str]) -> ManagedProcess:
-        argv = [self.python, "-m", "mlfabric", "--log-level", self.log_level, *mlfabric_argv]
+        argv = [*python_module("mlfabric", self.python), "--log-level", self.log_level, *mlfabric_argv]
         return self._start_process(host, name, argv, dict(os.environ))
 
     def _start_process(

@@ -353,19 +353,25 @@ def parse_config(
         raise ConfigError(f"{where}: unknown config kind {kind!r} (kinds: {', '.join(KINDS)})")
     keys = {k.name: k for k in KINDS[kind]}
     out: dict[str, Any] = {}
+    errors: list[str] = []  # every bad key, one line each, not only the first
     for name, value in data.items():
         key = keys.get(name)
         if key is None:
             hint = " (options use '_', not '-')" if name.replace("-", "_") in keys else ""
-            raise ConfigError(
-                f"{where}: unknown key '{name}' in a {kind} config{hint} (keys: {', '.join(keys)})"
-            )
-        value = _check(key, value, where)
+            errors.append(f"{where}: unknown key '{name}' in a {kind} config{hint} (keys: {', '.join(keys)})")
+            continue
+        try:
+            value = _check(key, value, where)
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
         if key.path and isinstance(value, str) and base is not None and not Path(value).is_absolute():
             value = str(base / value)
         out[name] = value
     if "topology" in out and "star" in out and kind == "scheduler":
-        raise ConfigError(f"{where}: keys 'topology' and 'star' exclude each other; set one")
+        errors.append(f"{where}: keys 'topology' and 'star' exclude each other; set one")
+    if errors:
+        raise ConfigError("\n".join(errors))
     return out
 
 
@@ -476,15 +482,37 @@ def run(args: argparse.Namespace) -> int:
         return 0
     path = Path(args.file)
     kind = args.kind or _guess_kind(path) or "scheduler"
+    errors: list[str] = []
+    values: dict[str, Any] = {}
     try:
         values = load_config(path, kind)
-        if kind == "scheduler" and isinstance(values.get("topology"), str | dict):
-            load_graph(values["topology"], str(path))
     except ConfigError as exc:
-        print(f"mlfabric config: error: {exc}", file=sys.stderr)
+        errors += str(exc).splitlines()
+        # the topology is checked even when other keys are bad: every problem at once
+        values = _raw_topology(path) if kind == "scheduler" else {}
+    if kind == "scheduler" and isinstance(values.get("topology"), str | dict):
+        try:
+            load_graph(values["topology"], str(path))
+        except ConfigError as exc:
+            errors.append(str(exc))
+    for line in errors:
+        print(f"mlfabric config: error: {line}", file=sys.stderr)
+    if errors:
         return 1
     print(f"{path}: valid {kind} config ({len(values)} keys set)")
     return 0
+
+
+def _raw_topology(path: Path) -> dict[str, Any]:
+    """The ``topology`` of a scheduler config whose other keys may be bad (a path made absolute)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    topology = data.get("topology")
+    if isinstance(topology, str) and not Path(topology).is_absolute():
+        topology = str(path.resolve().parent / topology)
+    return {"topology": topology} if isinstance(topology, str | dict) else {}
 
 
 def load_graph(topology: str | Mapping[str, Any], where: str = "<config>") -> Any:

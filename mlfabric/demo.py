@@ -124,16 +124,14 @@ def _progress(policy: str, status: dict[str, Any], started: float, target: float
 
 def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyResult:
     """Run the whole training once with ``policy`` in ``workdir``; every process is reaped."""
-    from mlfabric.cluster import ClusterError, LocalCluster, ingress_bytes, read_reports
+    from mlfabric.cluster import ClusterError, LocalCluster, ingress_bytes, python_module, read_reports
 
     workdir.mkdir(parents=True, exist_ok=True)
     topology = workdir / "topology.toml"
     worker_hosts = write_topology(topology, args.workers)
     status_path, stop_file = workdir / "server-status.json", workdir / "stop"
     example = [
-        sys.executable,
-        "-m",
-        "mlfabric.examples.digits",
+        *python_module("mlfabric.examples.digits"),
         "--hidden",
         str(args.hidden),
         "--job",

@@ -6,7 +6,7 @@ placeholders: ``@EXEC@``, the ``mlfabric`` command to run, and ``@CONFIG_DIR@``,
 
     <prefix>/etc/systemd/system/mlfabric-scheduler.service
     <prefix>/etc/systemd/system/mlfabric-daemon.service
-    <prefix>/etc/mlfabric/{scheduler,daemon}.toml   (examples; only with --configs, never overwritten)
+    <prefix>/etc/mlfabric/{scheduler,daemon,topology}.toml  (examples: --configs; never overwritten)
 
 ``--prefix`` (default ``/``) roots every path (packaging, tests); ``--unit-dir`` writes the
 units to a directory of their own instead. ``--exec`` is the command the units run:
@@ -23,11 +23,11 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["UNITS", "configure", "default_exec", "render_unit", "run", "write_units"]
+__all__ = ["UNITS", "configure", "default_exec", "hidden_by_private_tmp", "render_unit", "run", "write_units"]
 
 #: the unit files shipped in the package
 UNITS = ("mlfabric-scheduler.service", "mlfabric-daemon.service")
-_CONFIGS = ("scheduler.toml", "daemon.toml")
+_CONFIGS = ("scheduler.toml", "daemon.toml", "topology.toml")  # scheduler.toml names topology.toml
 
 
 def default_exec(python: str | None = None) -> str:
@@ -115,8 +115,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--configs",
         action="store_true",
-        help="also write example scheduler.toml and daemon.toml to <prefix>/<config-dir> (never overwritten)",
+        help="also write example scheduler.toml, daemon.toml and topology.toml to <prefix>/<config-dir> "
+        "(never overwritten)",
     )
+
+
+def hidden_by_private_tmp(exec_command: str) -> str | None:
+    """The program of ``exec_command`` if it lies under /tmp or /var/tmp, else None.
+
+    The units say ``PrivateTmp=yes``: the service sees empty /tmp and /var/tmp of its own,
+    so a program there (a virtualenv made in /tmp) is not found and the unit fails to start.
+
+    Examples
+    --------
+    >>> hidden_by_private_tmp("/tmp/venv/bin/mlfabric")
+    '/tmp/venv/bin/mlfabric'
+    >>> hidden_by_private_tmp("/opt/venv/bin/python3 -m mlfabric") is None
+    True
+    """
+    program = shlex.split(exec_command)[0] if exec_command.strip() else ""
+    parts = Path(program).parts
+    return program if parts[:2] == ("/", "tmp") or parts[:3] == ("/", "var", "tmp") else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,6 +143,14 @@ def run(args: argparse.Namespace) -> int:
     prefix = Path(args.prefix)
     unit_dir = Path(args.unit_dir) if args.unit_dir else prefix / "etc/systemd/system"
     exec_command = args.exec_command or default_exec(args.python)
+    hidden = hidden_by_private_tmp(exec_command)
+    if hidden is not None:
+        print(
+            f"mlfabric install-units: warning: the units run {hidden}, under /tmp or /var/tmp, which "
+            "PrivateTmp=yes hides from them: they would not start; install mlfabric elsewhere "
+            "(or give --exec/--python)",
+            file=sys.stderr,
+        )
     configs_to = prefix / args.config_dir.lstrip("/") if args.configs else None
     try:
         written = write_units(unit_dir, exec_command, args.config_dir, configs_to)

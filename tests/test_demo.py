@@ -22,17 +22,24 @@ def test_table_shows_accuracy_at_target_and_final() -> None:
     assert "not reached" in lines[3]
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 @pytest.mark.slow
 def test_demo_trains_to_a_low_target_and_resolves_every_push(tmp_path: Path) -> None:
+    """Run as a new user with the clone at ``~/mlfabric`` who runs from ``~`` (issue 27 item 1):
+    the working directory holds a folder named ``mlfabric`` (the clone), and every child the
+    demo starts must still import the installed package, not that folder."""
+    (tmp_path / "mlfabric").symlink_to(ROOT, target_is_directory=True)
     workdir = tmp_path / "demo"
     out = subprocess.run(
         [
-            sys.executable, "-m", "mlfabric", "demo",
+            sys.executable, "-P", "-m", "mlfabric", "demo",
             "--policies", "stf", "--workers", "2", "--hidden", "64",
             "--target-accuracy", "0.5", "--compute-seconds", "0.01",
             "--time-limit", "60", "--workdir", str(workdir),
         ],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     row = next(line for line in out.stdout.splitlines() if line.strip().startswith("stf "))

@@ -165,8 +165,8 @@ class LocalApiServer:
         self._server = server
         self._accept_thread = start_accepting(server, self._stopping, self._accepted, "local-accept")
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop accepting, close every connection, remove the socket file."""
+    def stop_accepting(self, timeout: float = 5.0) -> None:
+        """Accept no new process (the socket file goes); the connections stay open."""
         self._stopping.set()
         server, self._server = self._server, None
         if server is not None:
@@ -177,6 +177,10 @@ class LocalApiServer:
                 os.unlink(self.path)
         if self._accept_thread is not None:
             self._accept_thread.join(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close every connection, remove the socket file."""
+        self.stop_accepting(timeout)
         with self._lock:
             conns = list(self._conns.values())
         for conn, _ in conns:

@@ -28,7 +28,6 @@ parameters agree to float32 rounding (``tests/allreduce/test_ddp_hook.py``).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -132,7 +131,7 @@ def launch(world_size: int, comm: str, steps: int, seed: int = 0) -> list[dict[s
     list of dict
         Per rank: ``accuracy``, ``seconds`` and the final ``params`` (read back from the ranks).
     """
-    from mlfabric.cluster import LocalCluster
+    from mlfabric.cluster import LocalCluster, python_module
 
     hosts = [f"h{i}" for i in range(world_size)]
     with tempfile.TemporaryDirectory(prefix="mlfddp-") as tmp:
@@ -146,7 +145,7 @@ def launch(world_size: int, comm: str, steps: int, seed: int = 0) -> list[dict[s
             procs = []
             for rank in range(world_size):
                 argv = [
-                    sys.executable, "-m", "mlfabric.examples.ddp_digits", "rank",
+                    *python_module("mlfabric.examples.ddp_digits"), "rank",
                     "--rank", str(rank), "--world-size", str(world_size),
                     "--init-method", f"file://{work / 'store'}", "--comm", comm,
                     "--steps", str(steps), "--seed", str(seed), "--out", str(work / f"rank{rank}.npz"),

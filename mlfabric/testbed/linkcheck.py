@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import networkx as nx
 
+from mlfabric.cluster import python_module
 from mlfabric.scheduler.core.graph import bottleneck, hosts, shortest_path
 from mlfabric.testbed.cluster import Testbed
 
@@ -145,7 +145,7 @@ def measure_transfer(
     """
     with tempfile.TemporaryDirectory(prefix="mlfabric-probe-") as tmp:
         ready = Path(tmp) / "ready.json"
-        probe = [sys.executable, "-m", "mlfabric.testbed.probe"]
+        probe = python_module("mlfabric.testbed.probe")
         listen = f"{testbed.address(dst)}:0"
         recv = testbed.popen(
             dst,
@@ -247,7 +247,7 @@ def measure_concurrent(
     ConcurrentCheck
     """
     expected = tuple(bottleneck(graph, shortest_path(graph, a, b))[1] for a, b in pairs)
-    probe = [sys.executable, "-m", "mlfabric.testbed.probe"]
+    probe = python_module("mlfabric.testbed.probe")
     receivers: list[subprocess.Popen[str]] = []
     senders: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-probe-") as tmp:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import socket
 import ssl
@@ -42,7 +43,14 @@ from pathlib import Path
 
 from mlfabric.wire.tls import TlsFiles, cert_names, client_context, server_context
 
-__all__ = ["MODES", "AuthFailed", "DataPlaneAuth", "load_secret"]
+__all__ = [
+    "MODES",
+    "AuthFailed",
+    "DataPlaneAuth",
+    "beyond_loopback",
+    "load_secret",
+    "unauthenticated_warning",
+]
 
 #: data-plane authentication modes
 MODES = ("none", "hmac", "tls")
@@ -53,6 +61,45 @@ _MAC = hashlib.sha256().digest_size
 #: the first bytes of a data-plane frame (``mlfabric.daemon.channels.frames.MAGIC``): a peer that
 #: sends them speaks frames without authenticating
 _FRAME_MAGIC = b"MLF1"
+
+
+def beyond_loopback(address: str) -> bool:
+    """Whether ``"host:port"`` may be reached from other machines (not a loopback address).
+
+    Examples
+    --------
+    >>> addresses = ("127.0.0.1:0", "[::1]:7077", "localhost:1", "0.0.0.0:7078", "10.0.0.5:1")
+    >>> [beyond_loopback(a) for a in addresses]
+    [False, False, False, True, True]
+    """
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name (or "" for every interface): reachable as far as we know
+        return True
+
+
+def unauthenticated_warning(what: str, address: str, turn_on: str) -> str | None:
+    """The warning for ``what`` at ``address`` without authentication, if it reaches beyond loopback.
+
+    Authentication is off by default (a laptop demo on loopback needs none); on an address
+    other machines can reach, anyone who reaches it can act as a daemon (docs/security.md).
+
+    Examples
+    --------
+    >>> unauthenticated_warning("data plane", "127.0.0.1:0", "data_auth") is None
+    True
+    >>> unauthenticated_warning("data plane", "0.0.0.0:7078", "data_auth").split(":")[0]
+    'data plane on 0.0.0.0'
+    """
+    if not beyond_loopback(address):
+        return None
+    return (
+        f"{what} on {address} without authentication: anyone who reaches it is trusted as a cluster "
+        f"member (turn on {turn_on}; docs/security.md)"
+    )
 
 
 class AuthFailed(ConnectionError):

@@ -52,6 +52,10 @@ class PendingUpdate:
     norm: float
     base_version: int
     ready_at: float
+    #: announced again after its server failed over (``UpdateReady.resent``): it may be
+    #: applied already, so it goes whole to the server at once (:class:`DecisionRunner
+    #: <mlfabric.scheduler.policies.runner.DecisionRunner>`), never aggregated or dropped
+    resent: bool = False
 
 
 @dataclass(frozen=True)

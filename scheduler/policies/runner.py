@@ -5,7 +5,10 @@ simulator (:class:`~mlfabric.scheduler.sim.engine.Simulator`) both hold a
 :class:`DecisionRunner` and differ only in what they do around it (gRPC directives and
 daemons; a fluid network and a simulated server). The runner
 
-* calls ``policy.decide(snapshot, pending)`` with every update not yet released and
+* calls ``policy.decide(snapshot, pending)`` with every update not yet released (but the
+  ``resent`` ones: announced again after their server failed over, they may be applied
+  there already, so they go whole to the server at once, ahead of the policy's sends: no
+  policy may sum them into an aggregate or drop them; docs/replication.md) and
   adopts the decision: its sends replace the unreleased plan of the
   :class:`~mlfabric.scheduler.policies.dispatch.Dispatcher`, its aggregates join those
   being gathered (an earlier aggregate not listed again, none of whose members has been
@@ -27,12 +30,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from mlfabric.scheduler.core.graph import shortest_path
 from mlfabric.scheduler.policies.base import (
     Decision,
     InFlight,
     PendingUpdate,
     PlannedAggregate,
     Policy,
+    Send,
     Snapshot,
 )
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
@@ -124,7 +129,8 @@ class DecisionRunner:
         Returns
         -------
         Decision
-            The policy's decision (empty, without calling the policy, if nothing is pending).
+            The policy's decision (empty, without calling the policy, if nothing is pending),
+            after the sends of the ``resent`` updates (straight to their servers, at once).
 
         Raises
         ------
@@ -132,9 +138,17 @@ class DecisionRunner:
             If a send names an update that is not in ``pending``.
         """
         decision = Decision()
-        if pending:
-            decision = self.policy.decide(replace(snapshot, gathering=self.gathering), pending)
+        planned = [p for p in pending if not p.resent]
+        if planned:
+            decision = self.policy.decide(replace(snapshot, gathering=self.gathering), planned)
             self.decisions += 1
+        whole = tuple(
+            Send(p.update_id, p.dst_host, tuple(shortest_path(snapshot.graph, p.src_host, p.dst_host)))
+            for p in pending
+            if p.resent
+        )
+        if whole:
+            decision = replace(decision, sends=(*whole, *decision.sends))
         ids = {p.update_id for p in pending}
         for s in decision.sends:
             if s.update_id not in ids:

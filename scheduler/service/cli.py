@@ -339,6 +339,12 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         return _fail(f"cannot listen on {args.listen}: {exc}")
     host = args.listen.rpartition(":")[0]
     address = f"{host}:{port}"
+    if credentials is None:
+        from mlfabric.wire.auth import unauthenticated_warning
+
+        warning = unauthenticated_warning("scheduler", address, "tls_ca, tls_cert and tls_key")
+        if warning is not None:
+            log.warning("%s", warning)
     metrics_server = None
     if args.metrics_port is not None:
         registry = CollectorRegistry()

@@ -415,6 +415,7 @@ class SchedulerCore:
                 m.norm,
                 m.base_version,
                 now=self.clock(),
+                resent=m.resent,
             )
         except DuplicateUpdate as exc:
             log.warning("host %s: %s; ignored", session.host, exc)

@@ -323,10 +323,12 @@ class SchedulerState:
         norm: float,
         base_version: int,
         now: float,
+        resent: bool = False,
     ) -> PendingUpdate:
         """Record that ``update_id`` is ready at ``host`` (an ``UpdateReady``).
 
         ``now`` is the scheduler's clock: daemon clocks are not comparable across hosts.
+        ``resent``: announced again after its server failed over (``PendingUpdate.resent``).
 
         Raises
         ------
@@ -361,6 +363,7 @@ class SchedulerState:
             norm=float(norm),
             base_version=int(base_version),
             ready_at=now,
+            resent=bool(resent),
         )
         self.pending[update_id] = u
         self.recorder.update_ready(u)
@@ -423,13 +426,17 @@ class SchedulerState:
     def requeue(self, u: PendingUpdate) -> PendingUpdate:
         """Make ``u`` pending again (its aggregate failed; its source still holds the payload).
 
+        Bound for its server's host now: where the server moved if its replica was promoted
+        meanwhile (an aggregate bound for the failed server failed with it).
+
         Raises ``UnknownDaemon``/``UnknownJob``/``UnknownServer`` if its source, job or server
         is gone, ``DuplicateUpdate`` if it is pending or in flight already.
         """
         self._require_daemon(u.src_host)
-        self._server(u.job, u.server)
+        server = self._server(u.job, u.server)
         if u.update_id in self.pending or u.update_id in self.in_flight:
             raise DuplicateUpdate(f"update '{u.update_id}' is already pending or in flight")
+        u = replace(u, dst_host=server.host)
         self.pending[u.update_id] = u
         return u
 

@@ -1,10 +1,11 @@
 """Simulate scheduling policies on a large cluster (fluid, discrete-event; DESIGN §6).
 
-Runs the same policy code as the scheduler service (fair, stf, and stf+agg: STF with
-aggregation groups) on a simulated cluster: concurrent transfers share links max-min
-fairly, the policy's sends are released when the transfers they follow are done, links
-may change bandwidth over time, the server applies updates in arrival order. Prints one
-row per policy (delay, completion time, applied/dropped, sync makespan) and the ratios
+Runs the same policy code as the scheduler service (fair, stf, stf+agg: STF with
+aggregation groups, and stf+tree: multi-level aggregation trees) on a simulated cluster:
+concurrent transfers share links max-min fairly, the policy's sends are released when the
+transfers they follow are done, links may change bandwidth over time, the server applies
+updates in arrival order. Prints one row per policy (delay, completion time, applied/dropped,
+sync makespan) and the ratios
 to fair. Every policy sees the same cluster and the same compute times (--seed).
 
 examples:
@@ -83,7 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default="fair,stf",
         help="comma-separated policies: fair, stf, stf+agg (aggregation groups, meant for sync "
-        "SGD: it does not drop on tau_max) (default fair,stf)",
+        "SGD: it does not drop on tau_max), stf+tree (multi-level aggregation trees) (default fair,stf)",
     )
     w.add_argument("--mode", choices=["async", "sync"], default="async", help="SGD iteration model")
     w.add_argument("--aggregation", action="store_true", help="also run stf+agg (aggregation groups)")

@@ -79,3 +79,26 @@ def test_missing_cryptography_names_the_extra(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "pip install 'mlfabric[auth]'" in out.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_daemon_or_scheduler_reachable_beyond_loopback_without_auth_warns() -> None:
+    """Issue 27: auth is off by default (fine on loopback); on another address, say so loudly.
+    (The scheduler logs ``unauthenticated_warning("scheduler", ...)`` the same way.)"""
+    from mlfabric.daemon.cli import unauthenticated_warnings
+    from mlfabric.daemon.config import DaemonConfig
+    from mlfabric.wire.auth import DataPlaneAuth, unauthenticated_warning
+
+    assert unauthenticated_warnings(DaemonConfig("h0", "127.0.0.1:7077", "/tmp/s")) == []
+    exposed = unauthenticated_warnings(
+        DaemonConfig("h0", "127.0.0.1:7077", "/tmp/s", data_listen="0.0.0.0:0")
+    )
+    assert len(exposed) == 1 and "data plane on 0.0.0.0:0 without authentication" in exposed[0]
+    hmac_on = DaemonConfig(
+        "h0",
+        "127.0.0.1:7077",
+        "/tmp/s",
+        data_listen="10.1.2.3:0",
+        data_auth=DataPlaneAuth("hmac", "h0", secret=b"k" * 32),
+    )
+    assert unauthenticated_warnings(hmac_on) == []
+    assert "scheduler on [::]:7077 without" in str(unauthenticated_warning("scheduler", "[::]:7077", "tls"))

@@ -58,6 +58,17 @@ def test_base_version_ahead_of_the_server_is_dropped_naming_it(served: dict[str,
     assert worker.push("ps0", _good(), base_version=0).wait(10).applied
 
 
+def test_negative_base_version_is_refused_naming_it(served: dict[str, Any], monkeypatch: Any) -> None:
+    """Was applied, with a delay larger than the version (issue 27)."""
+    worker, server = served["worker"], served["server"]
+    with pytest.raises(mlfabric.MlfabricError, match="base_version -1 is negative"):
+        worker.push("ps0", _good(), base_version=-1)
+    monkeypatch.setattr(mlfabric.api, "_check_base_version", lambda base: None)  # the daemon checks too
+    with pytest.raises(mlfabric.MlfabricError, match="base_version -5 is negative") as refused:
+        worker.push("ps0", _good(), base_version=-5).wait(10)
+    assert refused.value.code == "bad_request" and server.version == 0
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_update_is_dropped_naming_the_tensor(served: dict[str, Any], bad: float) -> None:
     worker, server = served["worker"], served["server"]

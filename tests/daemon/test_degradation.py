@@ -285,3 +285,17 @@ def _run_outage(procs: Processes, sockdir: str) -> None:
     untouched = np.delete(model, list(final))
     assert not untouched.any()
     server.close()
+
+
+def test_a_daemon_that_stops_itself_does_not_warn_that_the_scheduler_was_lost(
+    scheduler: FakeScheduler, sockdir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 27: every clean stop logged "scheduler lost: 0 pushes kept; sending directly ..."."""
+    config = DaemonConfig(
+        host="h0", scheduler=scheduler.address, socket_path=os.path.join(sockdir, "h0.sock")
+    )
+    daemon = Daemon(config)
+    daemon.start(timeout=10)
+    with caplog.at_level("WARNING"):
+        daemon.stop()
+    assert not [r for r in caplog.records if "scheduler lost" in r.getMessage()], caplog.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,46 @@ def test_restarted_worker_daemon_pushes_reach_the_server(procs: Processes, sockd
         server.stop()
         thread.join(5)
         server.close()
+
+
+@pytest.mark.parametrize(("apply_seconds", "outcomes"), [(0.5, {"APPLIED"}), (4.0, {"UNKNOWN", "APPLIED"})])
+def test_sigterm_of_the_worker_daemon_resolves_the_push_in_flight(
+    procs: Processes, sockdir: str, apply_seconds: float, outcomes: set[str]
+) -> None:
+    """SIGTERM of a worker's daemon while its push waits for the server's verdict (issue 27):
+    the push resolves (APPLIED once its transfer is back within the daemon's drain, else
+    UNKNOWN: it may have arrived), never ``MlfabricError(disconnected)``: the worker's
+    connection closes only then."""
+    sched = procs.start(
+        "scheduler", "mlfabric.scheduler.service.cli", "--listen", "127.0.0.1:0", "--star", "2"
+    )
+    h0 = _daemon(procs, "h0", sched["address"], sockdir)
+    _daemon(procs, "h1", sched["address"], sockdir)
+    server = mlfabric.register_as_server("job", "ps0", {"w": np.zeros(4)}, daemon=h0["socket"])
+    entered = threading.Event()
+
+    @server.on_update
+    def apply(update: dict[str, np.ndarray], meta: mlfabric.UpdateMeta) -> None:
+        entered.set()
+        time.sleep(apply_seconds)
+        server.model["w"] -= update["w"]
+
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        worker = mlfabric.register_as_worker(
+            "job", name="w1", daemon=os.path.join(sockdir, "h1.sock"), wait=10
+        )
+        handle = worker.push("ps0", {"w": np.ones(4)})
+        assert entered.wait(20), "the push never reached the server process"
+        procs.procs["h1"].send_signal(signal.SIGTERM)
+        result = handle.wait(30)
+        assert result.status in outcomes, result
+        assert result.status == "APPLIED" or result.reason, result
+        assert procs.procs["h1"].wait(20) == 0
+        worker.close()
+    finally:
+        server.stop()
+        thread.join(10)
+        server.close()
+    assert server.version == 1  # it was applied: never reported DROPPED

@@ -129,3 +129,33 @@ def test_systemd_analyze_verifies_the_units(tmp_path: Path) -> None:
         ["systemd-analyze", "verify", *(str(tmp_path / u) for u in UNITS)], capture_output=True, text=True
     )
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+
+
+def test_the_example_configs_install_units_writes_pass_config_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27 item 5: scheduler.toml named a topology.toml that was not written."""
+    assert (
+        main(["install-units", "--prefix", str(tmp_path), "--python", "/srv/py/bin/python3", "--configs"])
+        == 0
+    )
+    for name in ("scheduler.toml", "daemon.toml"):
+        assert main(["config", "check", str(tmp_path / "etc/mlfabric" / name)]) == 0, capsys.readouterr().err
+
+
+def test_config_check_reports_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "scheduler.toml"
+    bad.write_text('policy = "best"\nmetrics-port = 9\nbatch_window_us = -1\ntopology = "missing.toml"\n')
+    assert main(["config", "check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    for problem in ("'policy'", "'metrics-port'", "'batch_window_us'", "missing.toml"):
+        assert problem in err, (problem, err)
+
+
+def test_install_units_warns_when_the_units_would_run_a_program_under_tmp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["install-units", "--unit-dir", str(tmp_path), "--exec", "/tmp/venv/bin/mlfabric"]) == 0
+    assert "PrivateTmp=yes" in capsys.readouterr().err
+    assert main(["install-units", "--unit-dir", str(tmp_path), "--exec", "/opt/venv/bin/mlfabric"]) == 0
+    assert "PrivateTmp" not in capsys.readouterr().err

@@ -2,7 +2,10 @@
 
 ``python roles.py server OUT DIV_MAX`` serves a float64 model of integer values with
 ``Params(div_max=DIV_MAX)``; ``python roles.py replica OUT`` replicates it (the same
-``on_update``; ``python roles.py replica OUT PAUSE`` sleeps PAUSE s after each update);
+``on_update``; ``python roles.py replica OUT PAUSE`` sleeps PAUSE s after each update;
+``python roles.py replica OUT PAUSE READY_FILE N`` SIGKILLs the process whose pid the ready
+file names inside its N-th ``on_update``: the server's daemon dies after the replica applied
+an update and before the server's daemon could ACK it);
 ``python roles.py worker OUT RANK PUSHES GAP`` pushes ``PUSHES``
 integer-valued float64 updates, one every ``GAP`` seconds, and records every verdict;
 ``python roles.py flood OUT RANK SECONDS K`` pushes for ``SECONDS`` with ``K`` pushes
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -43,7 +47,14 @@ def update_for(rank: int, index: int) -> dict[str, np.ndarray]:
     return {k: rng.integers(-5, 6, size=s).astype(np.float64) for k, s in SHAPES.items()}
 
 
-def _serve(srv: mlfabric.Server, out: Path, role: str, extra: dict[str, object], pause: float = 0.0) -> None:
+def _serve(
+    srv: mlfabric.Server,
+    out: Path,
+    role: str,
+    extra: dict[str, object],
+    pause: float = 0.0,
+    kill: tuple[Path, int] | None = None,
+) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     applied: list[str] = []
@@ -53,6 +64,8 @@ def _serve(srv: mlfabric.Server, out: Path, role: str, extra: dict[str, object],
         for k, v in update.items():
             srv.model[k] -= v
         applied.append(meta.update_id)
+        if kill is not None and len(applied) == kill[1]:
+            os.kill(int(json.loads(kill[0].read_text())["pid"]), signal.SIGKILL)
         time.sleep(pause)
         extra.setdefault("first_apply_after_promotion", None)
         if extra.get("promoted_at") is not None and extra["first_apply_after_promotion"] is None:
@@ -78,8 +91,9 @@ def rejoin(out: Path) -> None:
     )
 
 
-def replica(out: Path, pause: float = 0.0) -> None:
-    """The replica; ``pause``: seconds it sleeps after each update (a slow replica)."""
+def replica(out: Path, pause: float = 0.0, kill: tuple[Path, int] | None = None) -> None:
+    """The replica; ``pause``: seconds it sleeps after each update (a slow replica); ``kill``:
+    (ready file, n): SIGKILL the process that ready file names while applying the n-th update."""
     rep = mlfabric.register_as_replica(JOB, SERVER, initial_model())
     extra: dict[str, object] = {"start_version": rep.version, "promoted_at": None, "reason": ""}
 
@@ -96,7 +110,7 @@ def replica(out: Path, pause: float = 0.0) -> None:
 
     threading.Thread(target=watch, daemon=True).start()
     threading.Thread(target=watch_resync, daemon=True).start()
-    _serve(rep, out, "replica", extra, pause)
+    _serve(rep, out, "replica", extra, pause, kill)
     info = json.loads((out / "replica.json").read_text())
     (out / "replica.json").write_text(json.dumps({**info, "resyncs": rep.resyncs}))
 
@@ -135,7 +149,15 @@ def flood(out: Path, rank: int, seconds: float, outstanding: int) -> None:
                 i += 1
             index, handle = handles.pop(0)
             r = handle.wait(timeout=120.0)
-            results.append({"index": index, "status": r.status, "update_id": r.update_id, "t": time.time()})
+            results.append(
+                {
+                    "index": index,
+                    "status": r.status,
+                    "reason": r.reason,
+                    "update_id": r.update_id,
+                    "t": time.time(),
+                }
+            )
             (out / f"worker{rank}.progress").write_text(str(len(results)))
     (out / f"worker{rank}.json").write_text(json.dumps(results))
 
@@ -156,7 +178,8 @@ if __name__ == "__main__":
     if role == "server":
         server(out_dir, float(sys.argv[3]))
     elif role == "replica":
-        replica(out_dir, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+        kill_at = (Path(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else None
+        replica(out_dir, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0, kill_at)
     elif role == "rejoin":
         rejoin(out_dir)
     elif role == "flood":

@@ -98,3 +98,48 @@ def test_a_promoted_replica_applies_an_update_based_on_the_failed_servers_later_
     replica._handle(*_deliver("w0/3", 2, 1.0))  # an old one still meets tau_max: delay 4 > 2
     stale = [r.verdict for r in client.sent if r.WhichOneof("kind") == "verdict"][-1]
     assert stale.outcome == control_pb2.OUTCOME_DROPPED and "tau_max" in stale.reason
+
+
+def test_a_resent_update_goes_whole_to_its_server_never_into_an_aggregate_nor_dropped() -> None:
+    """Announced again after its server failed over (issue 27), an update may be applied at the
+    promoted replica already: summed with fresh updates, the aggregate was refused there and the
+    fresh members DROPPED. The runner sends it straight to the server, first, even if stale."""
+    from dataclasses import replace
+
+    from mlfabric.scheduler.core.graph import star
+    from mlfabric.scheduler.policies.base import PendingUpdate, Snapshot
+    from mlfabric.scheduler.policies.registry import make_policy
+    from mlfabric.scheduler.policies.runner import DecisionRunner
+
+    hosts = ["ps", "w0", "w1", "w2", "w3", "x"]
+    graph = star(hosts, {"ps": 8e6, **{h: 32e6 for h in hosts[1:]}})
+    mk = lambda i: PendingUpdate(f"u{i}", "j", "s", f"w{i}", f"w{i}", "ps", 10**6, 1.0, 0, 0.0)  # noqa: E731
+    snapshot = Snapshot(0.0, graph, server_versions={("j", "s"): 50}, tau_max={"j": 4})
+    fresh = DecisionRunner(make_policy("stf+agg", aggregators=["x"], sync=False).policy)
+    plan = fresh.decide(replace(snapshot, server_versions={("j", "s"): 0}), [mk(i) for i in range(4)])
+    assert any("u2" in a.members for a in plan.aggregates)  # as planned when not resent
+    runner = DecisionRunner(make_policy("stf+agg", aggregators=["x"], sync=False).policy)
+    updates = [replace(mk(i), base_version=49) for i in range(4)]
+    updates[2] = replace(updates[2], resent=True, base_version=0)  # stale: 50 - 0 > tau_max
+    d = runner.decide(snapshot, updates)
+    assert (d.sends[0].update_id, d.sends[0].next_hop, d.sends[0].after) == ("u2", "ps", ())
+    assert not any("u2" in a.members for a in d.aggregates) and "u2" not in {x.update_id for x in d.drops}
+
+
+def test_a_member_planned_afresh_after_a_failover_goes_to_the_promoted_host() -> None:
+    """An aggregate bound for the failed server fails with it; its members, made pending again,
+    were still bound for the old host (DROPPED "host 'ps' has no connected daemon")."""
+    from mlfabric.scheduler.core.graph import star
+    from mlfabric.scheduler.service.records import JobParams
+    from mlfabric.scheduler.service.state import SchedulerState
+
+    s = SchedulerState(star(["ps", "rep", "w"], 8e9))
+    for i, h in enumerate(("ps", "rep", "w")):
+        s.connect(h, f"127.0.0.1:{9000 + i}")
+    s.register_server("ps", "j", "ps0", (), JobParams(), version=0)
+    s.register_worker("w", "j", "w0")
+    u = s.add_update("w", "w/1", "j", "ps0", "w0", 8, 1.0, 0, now=0.0)
+    s.release("w/1", ("w", "sw", "x"), 0.0, 1.0)  # into an aggregate at x, say
+    s.promote("j", "ps0", "rep", 0)
+    s.in_flight.pop("w/1")  # its aggregate failed
+    assert s.requeue(u).dst_host == "rep" and s.pending["w/1"].dst_host == "rep"

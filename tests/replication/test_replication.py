@@ -26,26 +26,13 @@ from mlfabric.cluster import LocalCluster
 HERE = Path(__file__).resolve().parent
 ROLES = HERE / "roles.py"
 
-TOPOLOGY = """
-hosts = ["ps", "rep", "a", "b"]
-switches = ["sw"]
-[[links]]
-a = "ps"
-b = "sw"
-mbps = 1000
-[[links]]
-a = "rep"
-b = "sw"
-mbps = 1000
-[[links]]
-a = "a"
-b = "sw"
-mbps = 1000
-[[links]]
-a = "b"
-b = "sw"
-mbps = 1000
-"""
+WORKER_HOSTS = ("a", "b", "c")
+
+
+def _topology(workers: int = 2) -> str:
+    hosts = ["ps", "rep", *WORKER_HOSTS[:workers]]
+    links = "".join(f'[[links]]\na = "{h}"\nb = "sw"\nmbps = 1000\n' for h in hosts)
+    return f'hosts = {json.dumps(hosts)}\nswitches = ["sw"]\n{links}'
 
 
 def _roles() -> Any:
@@ -76,9 +63,10 @@ class Run:
         policy: str = "stf",
         replica_args: tuple[str, ...] = (),
         scheduler_args: tuple[str, ...] = (),
+        workers: int = 2,
     ) -> None:
         topology = tmp_path / "topology.toml"
-        topology.write_text(TOPOLOGY)
+        topology.write_text(_topology(workers))
         self.out = tmp_path / "out"
         self.out.mkdir()
         self.cluster = cluster_cls(
@@ -94,8 +82,8 @@ class Run:
         argv = [sys.executable, str(ROLES), role, str(self.out), *args]
         return self.cluster.spawn(host, argv, name=name or role)
 
-    def start_workers(self, pushes: int, gap: float) -> None:
-        for host, rank in (("a", 0), ("b", 1)):
+    def start_workers(self, pushes: int, gap: float, workers: int = 2) -> None:
+        for rank, host in enumerate(WORKER_HOSTS[:workers]):
             args = (str(rank), str(pushes), str(gap))
             self.workers.append(self.spawn(host, "worker", *args, name=f"worker{rank}"))
 
@@ -214,6 +202,32 @@ def test_chain_failover_is_exactly_once(tmp_path: Path, victim: str, after: int)
     replica = json.loads((run.out / "replica.json").read_text())
     assert len(replica["applied"]) == len(set(replica["applied"])), "an update applied twice at the replica"
     assert replica["promoted_at"] is not None and replica["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [4, 10, 16])
+def test_stf_agg_chain_failover_applies_re_routed_updates_the_replica_has_not(
+    tmp_path: Path, kill_at: int
+) -> None:
+    """stf+agg, chain replication, 3 workers (issue 27): the server's daemon dies right after
+    the replica applied an update (the replica's ``on_update`` SIGKILLs it), so that update's
+    ACK is lost, its worker's daemon announces it again, and it may meet fresh updates at the
+    scheduler. It goes whole to the promoted replica (answered from memory), never summed
+    with them: an aggregate holding it was refused there, and its fresh members DROPPED."""
+    ready = tmp_path / "run" / "ready" / "daemon-ps.json"
+    run = Run(
+        tmp_path, div_max=0.0, policy="stf+agg", workers=3, replica_args=("0", str(ready), str(kill_at))
+    )
+    try:
+        for rank, host in enumerate(WORKER_HOSTS):  # 2 pushes each unresolved at a time
+            run.workers.append(run.spawn(host, "flood", str(rank), "3", "2", name=f"worker{rank}"))
+        _wait_file(run.out / "replica.promoted", run.replica, timeout=60)
+        results = run.finish(run.replica)
+    finally:
+        run.stop()
+    pushes = [p for ps in results.values() for p in ps]
+    assert pushes and not [p for p in pushes if p["status"] not in ("APPLIED", "UNKNOWN")]
+    _check_exact(_model(run.out, "replica"), results)
 
 
 @pytest.mark.slow

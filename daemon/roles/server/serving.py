@@ -51,6 +51,11 @@ _ACK = dataplane_pb2.FRAME_KIND_ACK
 _GET = dataplane_pb2.FRAME_KIND_GET
 _MODEL = dataplane_pb2.FRAME_KIND_MODEL
 
+#: seconds a worker's update arriving at a replica here waits for the replica's promotion: the
+#: scheduler promotes the replica and re-routes the failed server's updates at once, and the
+#: first of them may overtake the ``PromoteDirective`` (docs/replication.md)
+PROMOTION_WAIT = 3.0
+
 
 class ServerRoles(Role):
     """The server roles on one host, keyed by (job, server name) (thread-safe).
@@ -96,6 +101,8 @@ class ServerRoles(Role):
         #: aggregates' members and synchronous rounds
         self.aggregation = ServerAggregation(alloc, round_timeout, context.clock)
         self._lock = threading.Lock()
+        #: notified when a replica here is promoted (an update may arrive just before)
+        self._promoted = threading.Condition(self._lock)
         self._roles: dict[tuple[str, str], tuple[ServerHandoff, LocalConnection, Any]] = {}
         #: replicas hosted here (keyed like their servers) not promoted yet -> their names
         self._replicas: dict[tuple[str, str], str] = {}
@@ -263,6 +270,7 @@ class ServerRoles(Role):
         with self._lock:
             if self._replicas.pop((job, server), None) is None:
                 return None
+            self._promoted.notify_all()
             return self._roles[(job, server)][1]
 
     def remove(self, conn: LocalConnection) -> bool:
@@ -373,11 +381,18 @@ class ServerRoles(Role):
             return self._error(f"no server {h.server!r} of job {h.job!r} on host {self.host!r}", h.update_id)
         handoff = entry[0]
         is_replica = (h.job, h.server) in self._replicas
+        if is_replica and not h.replica_version:  # a worker's update: the promotion may be on its way
+            with self._lock:
+                self._promoted.wait_for(lambda: (h.job, h.server) not in self._replicas, PROMOTION_WAIT)
+                is_replica = (h.job, h.server) in self._replicas
         where = f"server {h.server!r} of job {h.job!r}"
         if is_replica != bool(h.replica_version):
             what = "is only a replica here" if is_replica else "is served here, not replicated"
             return self._error(f"{where} {what} (host {self.host!r})", h.update_id)
         problem = check_update(handoff.spec, layouts_from_pb(h.tensors), where)
+        negative = [b for b in (h.base_version, *(m.base_version for m in h.members)) if b < 0]
+        if problem is None and negative:
+            problem = f"base_version {negative[0]} is negative: a model version is 0 or more"
         if problem is not None:
             return self._error(problem, h.update_id)
 

@@ -59,6 +59,7 @@ def update_ready(push: PendingPush) -> Any:
         norm=push.norm,
         base_version=push.base_version,
         ready_at=push.ready_at,
+        resent=push.resent,
     )
 
 

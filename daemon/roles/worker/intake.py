@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -156,10 +157,24 @@ class WorkerRole(Role):
         self._deadlines = threading.Thread(target=self._push_deadlines, name="push-deadline", daemon=True)
         self._deadlines.start()
 
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the transfers under way to end (shutdown); True if they did.
+
+        Their pushes then resolve with the server's verdict (APPLIED, DROPPED) rather than
+        UNKNOWN when the daemon cuts them.
+        """
+        deadline = self._ctx.clock() + timeout
+        while self.outgoing.sending():
+            if self._ctx.clock() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def stop(self) -> None:
-        """Resolve DROPPED every push still held (after the transfers in flight were cut)."""
-        for push in self.outgoing.take_all():
-            self.sender.finish(push, Verdict.dropped(f"daemon of host {self._ctx.host!r} shut down"))
+        """Resolve every push still held (after the transfers in flight were cut), while the
+        processes that pushed them are still connected: DROPPED, or UNKNOWN if summed at an
+        aggregator."""
+        self.sender.shut_down(self.outgoing.take_all(), f"daemon of host {self._ctx.host!r} shut down")
 
     def tick(self) -> None:
         self.fallback.tick()
@@ -323,6 +338,11 @@ class WorkerRole(Role):
         if conn.role != "worker":
             conn.error(rid, "bad_request", "push before register_as_worker on this connection")
             return fd
+        if self._ctx.stopping.is_set():
+            reason = f"daemon of host {self._ctx.host!r} is shutting down; not accepted"
+            result = local_pb2.PushResult(outcome=control_pb2.OUTCOME_DROPPED, reason=reason)
+            conn.send(local_pb2.LocalEvent(request_id=rid, push_result=result))
+            return fd
         with self._lock:
             lost, why = self._unregistered.get(conn.conn_id, (None, ""))
         where = (
@@ -345,6 +365,13 @@ class WorkerRole(Role):
             return fd
         if fd is None:
             conn.error(rid, "bad_request", "push without a payload memfd")
+            return fd
+        if req.base_version < 0:
+            conn.error(
+                rid,
+                "bad_request",
+                f"base_version {req.base_version} is negative: a model version is 0 or more",
+            )
             return fd
         layouts = layouts_from_pb(req.tensors)
         problem = check_update(loc.spec, layouts, f"server {req.server!r} of job {conn.job!r}")

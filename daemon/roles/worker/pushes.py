@@ -97,6 +97,9 @@ class PendingPush:
     state: PushState = PushState.READY
     #: CRC-32 of the payload as the pushing process computed it (None: computed while sending)
     crc32: int | None = None
+    #: announced again after its server failed over: it may be applied there already, so it
+    #: must reach the server whole (``UpdateReady.resent``; docs/replication.md)
+    resent: bool = False
 
 
 def new_incarnation() -> str:
@@ -182,10 +185,12 @@ class OutgoingPushes:
             return held
 
     def requeue(self, update_id: str) -> PendingPush | None:
-        """SENDING -> READY (to announce it anew: its server failed over); None if unknown."""
+        """SENDING -> READY (to announce it anew, ``resent``: its server failed over); None if unknown."""
         with self._lock:
             push = self._pushes.get(update_id)
             self._move(push, PushState.READY)
+            if push is not None:
+                push.resent = True
             return push
 
     def waiting(self, update_id: str) -> PendingPush | None:
@@ -226,6 +231,11 @@ class OutgoingPushes:
             for p in expired:
                 del self._pushes[p.update_id]
             return expired
+
+    def sending(self) -> int:
+        """How many pushes are being sent (SENDING: their transfers under way)."""
+        with self._lock:
+            return sum(p.state is PushState.SENDING for p in self._pushes.values())
 
     def take_all(self) -> list[PendingPush]:
         """Remove and return every push (shutdown)."""

@@ -246,15 +246,31 @@ class PushSender:
             if summed is not None:
                 taken = self.outgoing.take(push.update_id)
                 if taken is not None:
-                    reason = (
-                        f"{push.update_id} was summed into aggregate {summed[0]} at host {summed[1]!r}; "
-                        "the scheduler session that planned it ended before its verdict, so whether "
-                        "it reached the server cannot be known"
-                    )
-                    self.finish(taken, Verdict.unknown(reason))
+                    why = "the scheduler session that planned it ended before its verdict"
+                    self.finish(taken, self._summed_verdict(push.update_id, summed, why))
                 continue
             messages.append(update_ready(push))
         return messages
+
+    @staticmethod
+    def _summed_verdict(update_id: str, summed: tuple[str, str], why: str) -> Verdict:
+        """UNKNOWN for a push its aggregator summed: the aggregate may still reach the server."""
+        return Verdict.unknown(
+            f"{update_id} was summed into aggregate {summed[0]} at host {summed[1]!r}; {why}, "
+            "so whether it reached the server cannot be known"
+        )
+
+    def shut_down(self, pushes: list[PendingPush], reason: str) -> None:
+        """Resolve every push left at shutdown: DROPPED (never sent), UNKNOWN if its aggregator summed it."""
+        for push in pushes:
+            with self._lock:
+                summed = self._summed.get(push.update_id)
+            if summed is not None:
+                self.finish(
+                    push, self._summed_verdict(push.update_id, summed, f"{reason} before its verdict")
+                )
+            else:
+                self.finish(push, Verdict.dropped(reason))
 
     def resolve(self, directive: Any) -> bool:
         """A ``ResolveDirective``: resolve a held push with the scheduler's verdict; False if unknown."""
