@@ -193,7 +193,12 @@ class Server:
                 break  # our own close() ended the connection
             raise_for_error(event, fd)
             if event.WhichOneof("kind") == "deliver":
-                self._handle(event.deliver, fd)
+                try:
+                    self._handle(event.deliver, fd)
+                except MlfabricError as exc:
+                    if exc.code == "disconnected" and self._stop.is_set():
+                        break  # closed while on_update ran: the verdict cannot be sent (UNKNOWN)
+                    raise
                 handled += 1
             elif event.WhichOneof("kind") == "promoted":
                 self._on_promoted(event.promoted)

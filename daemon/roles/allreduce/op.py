@@ -67,6 +67,12 @@ class Op:
     forwarded: list[int] = field(default_factory=list)
     senders: dict[str, Sender] = field(default_factory=dict)  # peer participant -> its sender
     state: str = "waiting"  # -> planned -> done | failed
+    #: why it failed (the first reason; a peer refused a chunk because of it names it again)
+    why: str = ""
+
+    def ended(self) -> str:
+        """``"has ended (done)"``, or ``"has ended (failed: why)"``: a refusal that names the cause."""
+        return f"{self.name()} has ended ({self.state}{': ' + self.why if self.why else ''})"
 
     def route(self, index: int) -> Route:
         """Chunk ``index``'s children, parent and result forwarding here."""

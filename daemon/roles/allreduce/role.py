@@ -395,7 +395,7 @@ class AllreduceRole(Role):
         a = h.allreduce
         op = self._wait_for((a.job, a.name, int(a.seq), a.to_participant))
         if op.state != "planned":
-            raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state})")
+            raise AllreduceError("allreduce_failed", op.ended())
         if a.index >= len(op.chunks) or a.count != len(op.chunks):  # chunks are fixed once planned
             raise AllreduceError(
                 "allreduce_failed",
@@ -417,7 +417,7 @@ class AllreduceRole(Role):
         # bytes do not (other chunks of the operation, and its senders, go on meanwhile).
         with op.lock:
             if op.state != "planned":
-                raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state})")
+                raise AllreduceError("allreduce_failed", op.ended())
             if a.phase == REDUCE:
                 if a.from_participant not in route.children:
                     raise AllreduceError(
@@ -467,7 +467,7 @@ class AllreduceRole(Role):
                 op.result[c.lo : c.hi] = frame.payload
                 self._result_chunk(op, a.index)
         except ValueError as exc:  # the operation failed meanwhile: its mappings are closed
-            raise AllreduceError("allreduce_failed", f"{op.name()} has ended ({op.state}): {exc}") from exc
+            raise AllreduceError("allreduce_failed", f"{op.ended()} ({exc})") from exc
         return self._ack(h)
 
     def _ack(self, h: Any) -> Response:
@@ -489,6 +489,7 @@ class AllreduceRole(Role):
             if op.state in ("done", "failed"):
                 return
             op.state = "failed"
+            op.why = reason
         _LOG.info("%s failed: %s", op.name(), reason)
         op.conn.error(op.request_id, code, reason)
         self._finish(op, reason)
