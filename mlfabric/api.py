@@ -66,7 +66,7 @@ from mlfabric.replica import Replica, register_as_replica
 from mlfabric.server import Server, UpdateMeta, register_as_server
 from mlfabric.wire.crc import crc32 as payload_crc32
 from mlfabric.wire.memfd import MemfdPool
-from mlfabric.wire.tensors import check_update
+from mlfabric.wire.tensors import TensorError, check_update
 
 __all__ = [
     "APPLIED",
@@ -80,6 +80,7 @@ __all__ = [
     "PushResult",
     "Replica",
     "Server",
+    "TensorError",
     "UpdateMeta",
     "Worker",
     "join_allreduce",
@@ -103,7 +104,7 @@ def _check_base_version(base: int) -> None:
     >>> _check_base_version(-3)
     Traceback (most recent call last):
     ...
-    mlfabric.localclient.MlfabricError: base_version -3 is negative: a model version is 0 or more
+    mlfabric.wire.errors.MlfabricError: base_version -3 is negative: a model version is 0 or more
     """
     if base < 0:
         raise MlfabricError(
