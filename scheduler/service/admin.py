@@ -77,7 +77,8 @@ def cluster_status(
     now : float
         The service's clock (the activity's time base).
     window : float
-        Seconds behind rates and utilisations.
+        Seconds behind rates and utilisations; early in a run, the seconds since the first
+        push or transfer (:meth:`~.observe.Activity.span`), reported as ``window_seconds``.
     policy : str
         The policy's name, reported as is.
 
@@ -100,6 +101,7 @@ def cluster_status(
     >>> [(b.kind, b.name) for b in st.holding_back]
     [('worker', 'slow'), ('link', 'sw->h0')]
     """
+    window = activity.span(now, window)  # early in a run: the seconds there were
     st = apb.ClusterStatus(
         policy=policy, window_seconds=window, pending=len(state.pending), in_flight=len(state.in_flight)
     )
