@@ -30,6 +30,7 @@ _API = {
     "UpdateMeta",
     "Params",
     "MlfabricError",
+    "TensorError",
     "APPLIED",
     "DROPPED",
     "UNKNOWN",

@@ -40,6 +40,7 @@ The worker role lives here; the server role (:class:`Server`, :class:`UpdateMeta
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -66,7 +67,7 @@ from mlfabric.replica import Replica, register_as_replica
 from mlfabric.server import Server, UpdateMeta, register_as_server
 from mlfabric.wire.crc import crc32 as payload_crc32
 from mlfabric.wire.memfd import MemfdPool
-from mlfabric.wire.tensors import check_update
+from mlfabric.wire.tensors import TensorError, check_update
 
 __all__ = [
     "APPLIED",
@@ -80,6 +81,7 @@ __all__ = [
     "PushResult",
     "Replica",
     "Server",
+    "TensorError",
     "UpdateMeta",
     "Worker",
     "join_allreduce",
@@ -87,6 +89,8 @@ __all__ = [
     "register_as_server",
     "register_as_worker",
 ]
+
+_log = logging.getLogger("mlfabric")
 
 #: Capacity of a worker's idle update memfds kept for reuse (in-flight pushes hold their own).
 PUSH_POOL_BYTES = 1 << 30
@@ -103,7 +107,7 @@ def _check_base_version(base: int) -> None:
     >>> _check_base_version(-3)
     Traceback (most recent call last):
     ...
-    mlfabric.localclient.MlfabricError: base_version -3 is negative: a model version is 0 or more
+    mlfabric.wire.errors.MlfabricError: base_version -3 is negative: a model version is 0 or more
     """
     if base < 0:
         raise MlfabricError(
@@ -342,7 +346,10 @@ def register_as_worker(
     daemon : str, optional
         The daemon's socket; default ``$MLFABRIC_DAEMON``, else the default socket path.
     wait : float
-        Seconds to wait for the job's servers to register (0: fail at once).
+        Seconds to wait for the job's servers to register (0: fail at once), so workers may
+        start before their servers. When the job has no server yet, a WARNING on the
+        ``mlfabric`` logger says so at once, naming the jobs the scheduler knows (a typo in
+        the job's name shows there) and how long it waits.
 
     Returns
     -------
@@ -351,7 +358,8 @@ def register_as_worker(
     Raises
     ------
     MlfabricError
-        No daemon at the socket, or the job has no servers after ``wait`` seconds.
+        No daemon at the socket, or the job has no servers after ``wait`` seconds
+        (``unknown_job``, naming the known jobs).
 
     Examples
     --------
@@ -361,13 +369,26 @@ def register_as_worker(
     """
     del params
     worker_name = name or f"{os.uname().nodename}-{os.getpid()}"
-    request = local_pb2.LocalRequest(
-        register_worker=local_pb2.RegisterWorkerRequest(job=job, name=worker_name, wait_seconds=wait)
-    )
-    check_size(request, "the worker registration")
+
+    def request(seconds: float) -> Any:
+        register = local_pb2.RegisterWorkerRequest(job=job, name=worker_name, wait_seconds=seconds)
+        return local_pb2.LocalRequest(register_worker=register)
+
+    check_size(request(wait), "the worker registration")
     client = connect(daemon)
     try:
-        event, _ = client.call(request, timeout=wait + 30.0)
+        try:  # first without waiting: a job without servers is said at once, not after `wait` s
+            event, _ = client.call(request(0.0), timeout=30.0)
+        except MlfabricError as exc:
+            if exc.code != "unknown_job" or wait <= 0:
+                raise
+            _log.warning(
+                "%s; waiting up to %g s for a server of job %r to register (register_as_worker(wait=...))",
+                exc,
+                wait,
+                job,
+            )
+            event, _ = client.call(request(wait), timeout=wait + 30.0)
     except BaseException:
         client.close()
         raise

@@ -21,7 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("mlfabric.scheduler.plan.cli", "plan an instance offline: ILP, STF, fair, and their gaps"),
     "testbed": ("mlfabric.testbed.cli", "build an emulated cluster of network namespaces (root)"),
     "config": ("mlfabric.config", "check a scheduler or daemon config file; list the config keys"),
-    "install-units": ("mlfabric.units", "write the systemd unit files (mlfabric-scheduler, mlfabric-daemon)"),
+    "install-units": (
+        "mlfabric.units",
+        "write the systemd units (and --configs: example configs), authenticated unless --no-auth",
+    ),
     "status": ("mlfabric.status", "a running cluster: hosts, jobs, links, and what holds each job back"),
     "certs": ("mlfabric.certs", "make a test CA, host/scheduler certificates and the data-plane secret"),
     "trace": ("mlfabric.trace_cli", "record a running cluster's planned and measured transfers (Perfetto)"),

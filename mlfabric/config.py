@@ -159,6 +159,13 @@ SCHEDULER_KEYS: tuple[Key, ...] = (
         path=True,
     ),
     Key("tls_key", str, None, "this process's private key (PEM, mode 0600)", path=True),
+    Key(
+        "tls_admin",
+        str,
+        "admin",
+        "under mTLS: client certificate names (comma-separated) that may read the admin service "
+        "(mlfabric status, trace); host certificates may not",
+    ),
 )
 
 #: keys of ``daemon.toml`` (the options of ``mlfabric daemon``)

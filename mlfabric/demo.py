@@ -4,9 +4,13 @@ Starts, on loopback and in a temporary directory (no root, no set-up), a schedul
 daemon per emulated host, a parameter server and several workers running asynchronous
 SGD on the digits MLP (:mod:`mlfabric.examples.digits`); trains to a target accuracy with
 each policy (``fair``, ``stf`` and ``stf+agg`` by default; ``--runs N`` repeats each, the
-policies interleaved); prints progress while it runs and then a table per policy: wall
+policies interleaved); says what it is doing while it runs (starting the cluster, the
+server and the workers, with how many are ready; training progress; the policy's number
+and, from the second on, an estimate of the time left) and then a table per policy: wall
 time to the target, worker updates applied (and the payloads that carried them: an
-aggregate carries several) and dropped, the bytes that crossed the server's ingress per
+aggregate carries several), pushes dropped (every push whose verdict was DROPPED: mostly
+the scheduler's tau_max drops, before the bottleneck) and the server's own drops (payloads
+the server refused: what the progress lines count), the bytes that crossed the server's ingress per
 applied worker update, mean and max delay, the accuracy of the evaluation that reached the
 target ("at target") and the final accuracy (the model after the last update, which
 asynchronous SGD can move either way). With several runs, a summary gives each policy's
@@ -88,6 +92,8 @@ class PolicyResult:
     worker_updates: int | None = None
     #: bytes into the server's host per applied worker update
     ingress_per_update: float | None = None
+    #: payloads the server refused (delay > tau_max at the server): the progress lines' count
+    server_dropped: int | None = None
 
     def row(self) -> list[str]:
         """The table row."""
@@ -99,6 +105,7 @@ class PolicyResult:
             wall,
             f"{updates} ({self.applied})",
             str(self.dropped),
+            str(self.server_dropped) if self.server_dropped is not None else "-",
             per_update,
             f"{self.mean_delay:.2f}",
             str(self.max_delay),
@@ -115,11 +122,23 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _progress(policy: str, status: dict[str, Any], started: float, target: float) -> str:
+    """A progress line while training.
+
+    Examples
+    --------
+    >>> status = {"version": 12, "applied": 12, "dropped": 1, "accuracy": 0.5}
+    >>> _progress("stf", status, time.monotonic(), 0.95)
+    '  [stf]   0.0s  version   12  applied   12  dropped by the server   1  accuracy 0.500 (target 0.95)'
+    """
     return (
         f"  [{policy}] {time.monotonic() - started:5.1f}s  version {status['version']:4d}  "
-        f"applied {status['applied']:4d}  dropped {status['dropped']:3d}  "
+        f"applied {status['applied']:4d}  dropped by the server {status['dropped']:3d}  "
         f"accuracy {status['accuracy']:.3f} (target {target})"
     )
+
+
+def _say(policy: str, text: str) -> None:
+    print(f"  [{policy}] {text}", flush=True)
 
 
 def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyResult:
@@ -136,6 +155,8 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
         str(args.hidden),
         "--job",
         "demo",
+        "--progress",
+        "0",  # the demo says what they do
     ]
     tty = sys.stdout.isatty()
     sync = ["--aggregate-plan", "sync"] if args.sync else []
@@ -147,7 +168,9 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
         report_files=True,
         extra_scheduler_args=sync if policy == "stf+agg" else [],
     )
+    began = time.monotonic()
     with cluster:
+        _say(policy, f"scheduler and {len(cluster.hosts)} daemons ready in {time.monotonic() - began:.1f} s")
         server_argv = [*example, "server", "--status-file", str(status_path)]
         server_argv += ["--target-accuracy", str(args.target_accuracy)]
         if args.sync:
@@ -155,11 +178,18 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
         if args.tau_max is not None:
             server_argv += ["--tau-max", str(args.tau_max)]
         server = cluster.spawn("ps", server_argv, name="server")
-        deadline = time.monotonic() + 60
+        step = time.monotonic()
+        deadline = step + 60
         while _read_json(status_path) is None:
             if server.popen.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"the server did not start; its log:\n{server.log_tail()}")
             time.sleep(0.05)
+        _say(
+            policy,
+            f"parameter server ready in {time.monotonic() - step:.1f} s; starting {len(worker_hosts)} "
+            "workers (each imports torch, registers and fetches the model)",
+        )
+        step = time.monotonic()
         go_file = workdir / "go"
         workers = [
             cluster.spawn(
@@ -189,7 +219,12 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
             for rank, host in enumerate(worker_hosts)
         ]
         deadline = time.monotonic() + 120
-        while not all((workdir / f"worker{rank}.ready").exists() for rank in range(len(workers))):
+        said = -1.0
+        ready_files = [workdir / f"worker{rank}.ready" for rank in range(len(workers))]
+        while (ready := sum(f.exists() for f in ready_files)) < len(workers):
+            if time.monotonic() - said >= 5.0:
+                _say(policy, f"workers ready: {ready}/{len(workers)} ({time.monotonic() - step:.0f} s)")
+                said = time.monotonic()
             cluster.check_alive()
             for w in workers:
                 if w.popen.poll() is not None:
@@ -197,6 +232,11 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
             if time.monotonic() > deadline:
                 raise ClusterError("workers did not register within 120 s")
             time.sleep(0.05)
+        _say(
+            policy,
+            f"{len(workers)} workers ready in {time.monotonic() - step:.1f} s; training to accuracy "
+            f"{args.target_accuracy} (at most {args.time_limit:g} s)",
+        )
         started_unix, started = time.time(), time.monotonic()
         go_file.touch()
         status: dict[str, Any] = {}
@@ -213,6 +253,17 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
             time.sleep(0.1)
         if tty:
             print()
+        if status.get("reached_at") is not None:
+            ended = f"target reached at {status['reached_at'] - started_unix:.1f} s"
+        elif time.monotonic() - started >= args.time_limit:
+            ended = f"time limit of {args.time_limit:g} s reached"
+        else:
+            ended = "every worker exited"
+        _say(
+            policy,
+            f"{ended}; stopping: the workers wait for their last pushes' verdicts, then the cluster stops",
+        )
+        step = time.monotonic()
         stop_file.touch()
         for w in workers:
             try:
@@ -221,6 +272,10 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
                 print(f"  [{policy}] {w.name} did not stop in time; terminating it", file=sys.stderr)
         server.popen.terminate()
         server.popen.wait(timeout=30)
+    _say(
+        policy,
+        f"stopped in {time.monotonic() - step:.1f} s; {time.monotonic() - began:.0f} s for this policy",
+    )
     final = _read_json(status_path) or status
     pushes = [
         p
@@ -244,12 +299,14 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: Path) -> PolicyRe
         unresolved=unresolved,
         worker_updates=int(updates) if updates is not None else None,
         ingress_per_update=into_server / updates if updates else None,
+        server_dropped=int(final["dropped"]) if "dropped" in final else None,
     )
 
 
 def format_table(results: list[PolicyResult]) -> str:
     """A plain-text table of the results."""
-    header = ["policy", "wall time (s)", "applied (payloads)", "dropped", "server in kB/update"]
+    header = ["policy", "wall time (s)", "applied (payloads)", "pushes dropped", "server drops"]
+    header += ["server in kB/update"]
     header += ["mean delay", "max delay"]
     header += ["at target", "final accuracy"]
     rows = [header, *(r.row() for r in results)]
@@ -257,6 +314,14 @@ def format_table(results: list[PolicyResult]) -> str:
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+#: what the table's drop columns count
+TABLE_NOTE = (
+    "pushes dropped: worker pushes whose verdict was DROPPED, by the scheduler (delay would exceed "
+    "tau_max: dropped before the bottleneck) or by the server; server drops: payloads the server "
+    "itself refused, the count of the progress lines"
+)
 
 
 def format_summary(results: list[PolicyResult]) -> str:
@@ -339,15 +404,25 @@ def run(args: argparse.Namespace) -> int:
         f"server ingress {SERVER_INGRESS_MBPS} Mbit/s, target accuracy {args.target_accuracy}"
     )
     results = []
+    total, spent = args.runs * len(policies), []
     with tempfile.TemporaryDirectory(prefix="mlfabric-demo-") as tmp:
         root = args.workdir or Path(tmp)
         for run_index in range(args.runs):
             for policy in policies:
                 where = root / policy if args.runs == 1 else root / f"{policy}-{run_index}"
-                print(f"policy {policy}: starting scheduler, {args.workers + 1} daemons, server, workers")
+                left = total - len(spent)
+                eta = f"; about {statistics.mean(spent) * left:.0f} s left" if spent else ""
+                print(
+                    f"policy {policy} ({len(spent) + 1} of {total}{eta}): starting the scheduler and "
+                    f"{args.workers + 1} daemons",
+                    flush=True,
+                )
+                began = time.monotonic()
                 results.append(run_policy(policy, args, where))
+                spent.append(time.monotonic() - began)
     print()
     print(format_table(results))
+    print(TABLE_NOTE)
     if args.runs > 1:
         print()
         print(format_summary(results))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric.proto.v1 import control_pb2, local_pb2
+from mlfabric.wire.errors import MlfabricError  # defined beside the codec, which raises it too
 from mlfabric.wire.framing import (
     MAX_LOCAL_MESSAGE,
     MessageReader,
@@ -36,22 +37,6 @@ __all__ = [
     "PushHandle",
     "PushResult",
 ]
-
-
-class MlfabricError(RuntimeError):
-    """An error reported by mlfabric: the daemon refused a request or cannot be reached.
-
-    Attributes
-    ----------
-    code : str
-        Machine-readable: ``unknown_job``, ``unknown_server``, ``duplicate_server``,
-        ``params_mismatch`` (the scheduler's ``ErrorCode`` in lower case), ``bad_tensor``,
-        ``bad_request``, ``unavailable``, ``no_daemon``, ``disconnected``, ...
-    """
-
-    def __init__(self, message: str, code: str = "error") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 #: A push whose update the server applied.

@@ -21,9 +21,9 @@ import json
 import sys
 from typing import Any
 
-from mlfabric.wire.tls import TlsError, add_client_arguments, client_channel
+from mlfabric.wire.tls import TlsError, add_client_arguments, client_channel, client_error
 
-__all__ = ["configure", "format_status", "run"]
+__all__ = ["configure", "format_status", "message_json", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -100,10 +100,45 @@ def format_status(st: Any, address: str, health: str, links: int = 20) -> str:
     return "\n".join(out)
 
 
+def message_json(message: Any) -> dict[str, Any]:
+    """A protobuf message as a JSON-ready dict (field names as in the .proto, every field),
+    64-bit integers as numbers: protobuf's JSON mapping writes them as strings.
+
+    Examples
+    --------
+    >>> from mlfabric.proto.v1 import admin_pb2 as apb
+    >>> st = apb.ClusterStatus()
+    >>> _ = st.jobs.add(name="j", tau_max=8).servers.add(name="ps", version=12)
+    >>> job = message_json(st)["jobs"][0]
+    >>> job["tau_max"], job["servers"][0]["version"]
+    (8, 12)
+    """
+    from google.protobuf.json_format import MessageToDict
+
+    body = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _numbers(message.DESCRIPTOR, body)
+
+
+def _numbers(descriptor: Any, body: dict[str, Any]) -> dict[str, Any]:
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    wide = {F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64}
+    for field in descriptor.fields:
+        if field.name not in body:
+            continue
+        value = body[field.name]
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            items = value if field.is_repeated else [value]
+            for item in items:
+                _numbers(field.message_type, item)
+        elif field.type in wide:
+            body[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
+    return body
+
+
 def run(args: argparse.Namespace) -> int:
     """Ask the scheduler and print the report."""
     import grpc
-    from google.protobuf.json_format import MessageToDict
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from mlfabric.proto.v1 import admin_pb2, admin_pb2_grpc
@@ -122,16 +157,11 @@ def run(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(service="mlfabric.v1.Scheduler"), timeout=args.timeout
             )
         except grpc.RpcError as exc:
-            print(
-                f"mlfabric status: error: scheduler {args.scheduler}: {exc.code().name}: {exc.details()}",
-                file=sys.stderr,
-            )
+            print(client_error("status", args, exc), file=sys.stderr)
             return 1
     health = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
     if args.json:
-        body = MessageToDict(
-            reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        )
+        body = message_json(reply)
         print(json.dumps({"scheduler": args.scheduler, "health": health, **body}, indent=2))
     else:
         print(format_status(reply, args.scheduler, health, args.links))

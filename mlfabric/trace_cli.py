@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from mlfabric.wire.tls import TlsError, add_client_arguments, client_channel
+from mlfabric.wire.tls import TlsError, add_client_arguments, client_channel, client_error
 
 __all__ = ["build_trace", "configure", "run"]
 
@@ -297,10 +297,7 @@ def run(args: argparse.Namespace) -> int:
                     break
                 time.sleep(min(POLL_INTERVAL, max(0.0, args.seconds - (now - t0))))
         except grpc.RpcError as exc:
-            print(
-                f"mlfabric trace: error: scheduler {args.scheduler}: {exc.code().name}: {exc.details()}",
-                file=sys.stderr,
-            )
+            print(client_error("trace", args, exc), file=sys.stderr)
             return 1
     trace, meta = build_trace(events, capacities)
     meta.update(scheduler=args.scheduler, seconds=args.seconds, events=len(events), lost=lost)

@@ -22,6 +22,20 @@ def test_table_shows_accuracy_at_target_and_final() -> None:
     assert "not reached" in lines[3]
 
 
+def test_the_table_and_the_progress_lines_name_their_drops() -> None:
+    """Issue 27 item 3: the table's "dropped" (every DROPPED push: mostly the scheduler's tau_max
+    drops) contradicted the progress lines' (the server's own) under the same name."""
+    from mlfabric.demo import TABLE_NOTE, _progress
+
+    result = PolicyResult("stf", 7.9, 122, 90, 2.59, 8, 0.911, 0.953, 212, 0, server_dropped=1)
+    header, _, row = format_table([result]).splitlines()
+    assert "pushes dropped" in header and "server drops" in header and "  dropped" not in header
+    assert row.split()[4:6] == ["90", "1"]
+    line = _progress("stf", {"version": 3, "applied": 3, "dropped": 1, "accuracy": 0.5}, 0.0, 0.95)
+    assert "dropped by the server   1" in line
+    assert "pushes dropped" in TABLE_NOTE and "server drops" in TABLE_NOTE and "tau_max" in TABLE_NOTE
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,6 +56,16 @@ def test_demo_trains_to_a_low_target_and_resolves_every_push(tmp_path: Path) -> 
         capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+    # it says what it does (issue 27 item 2): each phase, how long it took, what it waits for
+    for said in (
+        "policy stf (1 of 1): starting the scheduler and 3 daemons",
+        "[stf] scheduler and 3 daemons ready in",
+        "[stf] parameter server ready in",
+        "[stf] 2 workers ready in",
+        "[stf] target reached at",
+        "s for this policy",
+    ):
+        assert said in out.stdout, (said, out.stdout)
     row = next(line for line in out.stdout.splitlines() if line.strip().startswith("stf "))
     assert "not reached" not in row
     status = json.loads((workdir / "stf" / "server-status.json").read_text())

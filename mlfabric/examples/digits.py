@@ -11,6 +11,11 @@ Run a server and N workers, each next to its host's daemon (``MLFABRIC_DAEMON`` 
     python -m mlfabric.examples.digits worker --rank 0 --world 4 --stop-file /tmp/stop
     ...
 
+Both say on stderr what they do: the server once it serves, then every ``--progress``
+seconds (default 5; 0: quiet) its version, updates applied and dropped and the test
+accuracy; a worker once registered, then its pushes so far (applied, dropped, the last
+delay), and a summary when it stops.
+
 The server applies each update (the worker already scaled its gradient by the learning
 rate; an aggregate or a synchronous round is the sum of its members' updates), refuses any
 whose delay exceeds ``--tau-max``, evaluates test accuracy every few
@@ -120,6 +125,10 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve the model until SIGTERM/SIGINT, recording progress in ``--status-file``."""
     import mlfabric
@@ -181,13 +190,33 @@ def run_server(args: argparse.Namespace) -> int:
             },
         )
 
+    def progress() -> str:
+        return (
+            f"server {args.name}: version {server.version}, applied {server.applied} ({counts['updates']} "
+            f"worker updates), dropped {server.dropped}, accuracy {state['accuracy']:.3f}"
+        )
+
     with server:
         write_status(final=False)
+        if args.progress > 0:
+            bound = (
+                f"tau_max {args.tau_max}" if args.tau_max is not None and args.tau_max >= 0 else "no tau_max"
+            )
+            _say(
+                f"server {args.name} of job {args.job}: serving ({bound}); accuracy {state['accuracy']:.3f}; "
+                "Ctrl-C stops"
+            )
+        said = time.monotonic()
         while not stop.is_set():
             server.serve(timeout=0.25)
             write_status(final=False)
+            if args.progress > 0 and time.monotonic() - said >= args.progress:
+                _say(progress())
+                said = time.monotonic()
         state["accuracy"] = accuracy(server.model, x_test, y_test)
         write_status(final=True)
+        if args.progress > 0:
+            _say(f"{progress()}; stopped")
     return 0
 
 
@@ -203,6 +232,17 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = mlfabric.register_as_worker(args.job, name=f"worker{args.rank}", daemon=args.daemon, wait=60.0)
     stop_file = Path(args.stop_file) if args.stop_file else None
     results: list[dict[str, Any]] = []
+    me = f"worker{args.rank}"
+
+    def progress() -> str:
+        applied = sum(r["status"] == mlfabric.APPLIED for r in results)
+        dropped = sum(r["status"] == mlfabric.DROPPED for r in results)
+        last = f", last delay {results[-1]['delay']}" if results and results[-1]["delay"] is not None else ""
+        return f"{me}: {len(results)} pushes to {args.server}: {applied} applied, {dropped} dropped{last}"
+
+    if args.progress > 0:
+        _say(f"{me}: registered with job {args.job} (servers: {', '.join(sorted(worker.servers))})")
+    said = time.monotonic()
     with worker:
         worker.get(args.server)  # warm up (imports, connections) before the clock starts
         if args.ready_file:
@@ -230,6 +270,11 @@ def run_worker(args: argparse.Namespace) -> int:
                     "seconds": time.monotonic() - pushed,
                 }
             )
+            if args.progress > 0 and time.monotonic() - said >= args.progress:
+                _say(progress())
+                said = time.monotonic()
+    if args.progress > 0:
+        _say(f"{progress()}; done")
     if args.stats_file:
         _write_json(Path(args.stats_file), {"rank": args.rank, "pushes": results})
     return 0
@@ -237,11 +282,22 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The example's command line (``server`` and ``worker`` subcommands)."""
-    parser = argparse.ArgumentParser(prog="python -m mlfabric.examples.digits", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m mlfabric.examples.digits",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the usage examples' lines
+    )
     parser.add_argument("--daemon", help="the daemon's Unix socket (default: $MLFABRIC_DAEMON)")
     parser.add_argument("--job", default="digits")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden units of the MLP")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--progress",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="say on stderr what it does every S seconds (default 5; 0: quiet)",
+    )
     sub = parser.add_subparsers(dest="role", required=True)
     server = sub.add_parser("server", help="serve the model")
     server.add_argument("--name", default="ps0")

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from mlfabric.wire.errors import MlfabricError
+
 __all__ = [
     "DTYPES",
     "FiniteScan",
@@ -61,8 +63,21 @@ DTYPES: dict[str, np.dtype[Any]] = {
 _NUMPY_NAMES = {"float32": "float32", "float16": "float16", "uint16": "bfloat16", "float64": "float64"}
 
 
-class TensorError(ValueError):
-    """A tensor the codec cannot carry (unsupported dtype, not an array, bad layout)."""
+class TensorError(MlfabricError, ValueError):
+    """A tensor the codec cannot carry (unsupported dtype, not an array, bad layout).
+
+    An :class:`~mlfabric.wire.errors.MlfabricError` (code ``bad_tensor``), and a ``ValueError``
+    as before.
+
+    Examples
+    --------
+    >>> err = TensorError("tensor 'w': dtype int8 is not supported")
+    >>> isinstance(err, MlfabricError), isinstance(err, ValueError), err.code
+    (True, True, 'bad_tensor')
+    """
+
+    def __init__(self, message: str, code: str = "bad_tensor") -> None:
+        super().__init__(message, code)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,11 @@ __all__ = [
     "channel_credentials",
     "client_channel",
     "client_context",
+    "client_error",
     "grpc_channel",
     "server_context",
     "server_credentials",
+    "speaks_tls",
 ]
 
 
@@ -249,3 +251,53 @@ def client_channel(args: Any) -> Any:
     """
     files = TlsFiles.from_options(args.tls_ca, args.tls_cert, args.tls_key)
     return grpc_channel(args.scheduler, files, args.tls_server_name)
+
+
+def speaks_tls(address: str, timeout: float = 5.0) -> bool:
+    """Whether the server at ``host:port`` answers a TLS handshake (a scheduler serving mTLS).
+
+    Nothing is verified: this only tells a plaintext client why the server closed its
+    connection. A TLS 1.3 server completes the client's side of the handshake before it asks
+    for the client's certificate, or answers with an alert; a plaintext HTTP/2 server does neither.
+
+    Examples
+    --------
+    >>> speaks_tls("127.0.0.1:1", timeout=1.0)    # nothing listens there
+    False
+    """
+    import socket
+
+    host, _, port = address.rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock,
+            ctx.wrap_socket(sock) as tls,
+        ):
+            tls.do_handshake()
+    except ssl.SSLError as exc:
+        return "ALERT" in (exc.reason or "")
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def client_error(command: str, args: Any, exc: Any) -> str:
+    """The message of a failed call of ``command`` (``status``, ``trace``) to ``args.scheduler``.
+
+    Names the scheduler and the gRPC status; when the command gave no certificate and the
+    scheduler serves TLS (it closes plaintext connections: "Socket closed"), says so and which
+    options to give.
+    """
+    import grpc
+
+    message = f"mlfabric {command}: error: scheduler {args.scheduler}: {exc.code().name}: {exc.details()}"
+    plaintext = not (args.tls_ca or args.tls_cert or args.tls_key)
+    if plaintext and exc.code() == grpc.StatusCode.UNAVAILABLE and speaks_tls(args.scheduler):
+        message += (
+            f"\nthe scheduler serves mutual TLS: it needs a client certificate; give --tls-ca, --tls-cert "
+            f"and --tls-key (the admin.pem/admin.key of mlfabric certs; mlfabric {command} --help)"
+        )
+    return message

@@ -15,7 +15,7 @@ aggregator's (two-level routes, plan/ilp_relays.py). The ILP starts from the bet
 aggregation. --out writes the same as JSON (objective, bound, gap, status, solver,
 updates: [{id, route, start, finish}]; with --solver all, a "plans" list of those).
 --trace writes a Chrome trace (one track per link, one process per plan); --plot a Gantt
-chart by link (needs matplotlib). Long ILP solves print progress to stderr; Ctrl-C stops
+chart by link (needs matplotlib: the [plot] extra). Long ILP solves print progress to stderr; Ctrl-C stops
 the solver and keeps its best plan.
 """
 
@@ -101,6 +101,26 @@ def _fmt(value: float | None, digits: int = 6) -> str:
 
 def _percent(gap: float | None) -> float | None:
     return None if gap is None else 100 * gap
+
+
+def summary_table(records: list[dict[str, Any]]) -> str:
+    """The table of ``--solver all``: each solver's objective and its gap to the ILP's bound,
+    in aligned columns.
+
+    Examples
+    --------
+    >>> print(summary_table([{"solver": "ilp", "objective": 0.0516667, "gap": 0.0},
+    ...                      {"solver": "aggregation", "objective": 0.055, "gap": 0.06061}]))
+    solver       objective (s)  gap to ILP bound
+    ilp              0.0516667                0%
+    aggregation          0.055            6.061%
+    """
+    rows = [("solver", "objective (s)", "gap to ILP bound")]
+    for r in records:
+        gap = _fmt(_percent(r["gap"]), 4)
+        rows.append((r["solver"], _fmt(r["objective"]), gap if gap == "-" else f"{gap}%"))
+    width = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(f"{a:<{width[0]}}  {b:>{width[1]}}  {c:>{width[2]}}" for a, b, c in rows)
 
 
 def _print_plan(record: dict[str, Any]) -> None:
@@ -269,11 +289,7 @@ def run(args: argparse.Namespace) -> int:
     for record in records:
         _print_plan(record)
     if len(records) > 1:
-        print(f"{'solver':<12} {'objective (s)':>14} {'gap to ILP bound':>17}")
-        for record in records:
-            print(
-                f"{record['solver']:<8} {record['objective']:>14.6g} {_fmt(_percent(record['gap']), 4):>16}%"
-            )
+        print(summary_table(records))
     if args.out is not None:
         doc = records[0] if len(records) == 1 else {"plans": records}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")

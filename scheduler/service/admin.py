@@ -36,6 +36,7 @@ from mlfabric.scheduler.service.observe import Activity, per_link, per_server
 from mlfabric.scheduler.service.records import Job, SchedulerError
 from mlfabric.scheduler.service.state import SchedulerState
 from mlfabric.scheduler.service.tracelog import MAX_REPLY
+from mlfabric.wire.tls import auth_context_names
 
 __all__ = [
     "BUSY_UTILISATION",
@@ -44,6 +45,7 @@ __all__ = [
     "STRAGGLER_FACTOR",
     "AdminServicer",
     "cluster_status",
+    "refused_admin",
 ]
 
 #: seconds of history behind rates when the request names none
@@ -75,7 +77,8 @@ def cluster_status(
     now : float
         The service's clock (the activity's time base).
     window : float
-        Seconds behind rates and utilisations.
+        Seconds behind rates and utilisations; early in a run, the seconds since the first
+        push or transfer (:meth:`~.observe.Activity.span`), reported as ``window_seconds``.
     policy : str
         The policy's name, reported as is.
 
@@ -98,6 +101,7 @@ def cluster_status(
     >>> [(b.kind, b.name) for b in st.holding_back]
     [('worker', 'slow'), ('link', 'sw->h0')]
     """
+    window = activity.span(now, window)  # early in a run: the seconds there were
     st = apb.ClusterStatus(
         policy=policy, window_seconds=window, pending=len(state.pending), in_flight=len(state.in_flight)
     )
@@ -215,22 +219,59 @@ def _held_by_link(
     return None
 
 
+def refused_admin(names: frozenset[str], admins: frozenset[str] | None) -> str | None:
+    """Why a client whose certificate carries ``names`` may not use the admin service; None if it may.
+
+    ``admins`` are the certificate names allowed (the scheduler's ``tls_admin``, by default
+    ``admin``: the ``admin.pem`` of ``mlfabric certs``); None when the scheduler serves no
+    mTLS, and then every client may. A host's certificate is not an admin certificate: a
+    daemon (or whoever holds a host's key) may not read the cluster's status or trace.
+
+    Examples
+    --------
+    >>> refused_admin(frozenset({"admin"}), frozenset({"admin"})) is None
+    True
+    >>> refused_admin(frozenset({"h0"}), frozenset({"admin"}))
+    "the admin service needs an admin certificate (names: admin); this client's certificate names h0"
+    >>> refused_admin(frozenset(), None) is None
+    True
+    """
+    if admins is None or names & admins:
+        return None
+    return (
+        f"the admin service needs an admin certificate (names: {', '.join(sorted(admins))}); "
+        f"this client's certificate names {', '.join(sorted(names)) or 'nothing'}"
+    )
+
+
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     """``Admin.Status`` and ``Admin.Trace`` of a running :class:`~.core.SchedulerCore` (runs on its loop).
 
     Both read what the core's state recorded (its :class:`~.observe.Recorder`): the activity
-    behind the status, the trace ring if it has one.
+    behind the status, the trace ring if it has one. Under mTLS both answer only a client whose
+    certificate carries one of ``admins`` (:func:`refused_admin`; else ``PERMISSION_DENIED``).
 
     Parameters
     ----------
     core : SchedulerCore
+    admins : frozenset of str, optional
+        Certificate names allowed (None: no mTLS, every client).
     """
 
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: SchedulerCore, admins: frozenset[str] | None = None) -> None:
         self._core = core
+        self._admins = admins
+
+    async def _check(self, context: Any) -> None:
+        if self._admins is None:
+            return
+        why = refused_admin(auth_context_names(context.auth_context()), self._admins)
+        if why is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     async def Trace(self, request: apb.TraceRequest, context: Any) -> apb.TraceReply:
         """The trace events from ``request.cursor`` on (see :mod:`.tracelog`)."""
+        await self._check(context)
         trace = self._core.recorder.trace
         if trace is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler records no trace")
@@ -239,6 +280,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def Status(self, request: apb.StatusRequest, context: Any) -> apb.ClusterStatus:
         """The cluster now (see :func:`cluster_status`)."""
+        await self._check(context)
         window = request.window_seconds or DEFAULT_WINDOW
         if window < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"window_seconds must be > 0, got {window}")

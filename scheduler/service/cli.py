@@ -160,6 +160,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tls-cert", metavar="PEM", help="the scheduler's certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the scheduler's private key")
+    parser.add_argument(
+        "--tls-admin",
+        default="admin",
+        metavar="NAME[,NAME...]",
+        help="under mTLS, the client certificate names that may read Admin.Status and Admin.Trace "
+        "(mlfabric status, trace); a host's certificate may not (default admin: the admin.pem of "
+        "mlfabric certs)",
+    )
     add_config_argument(parser, "scheduler")
 
 
@@ -328,7 +336,8 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         return _fail(str(exc))
     try:
         trace.set_clock(core.clock)
-        admin = AdminServicer(core)
+        admins = frozenset(n.strip() for n in args.tls_admin.split(",") if n.strip())
+        admin = AdminServicer(core, admins if credentials is not None else None)
         server, port = await start_server(
             core,
             args.listen,

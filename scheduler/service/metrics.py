@@ -9,7 +9,8 @@ do. Names follow the Prometheus conventions (base units, ``_total`` counters, ``
 
 - ``mlfabric_updates_ready_total``, ``mlfabric_updates_applied_total``,
   ``mlfabric_updates_dropped_total``, ``mlfabric_updates_unknown_total``: update-ready
-  notifications and the verdicts the core passed on; ``mlfabric_transfers_released_total``:
+  notifications and the verdicts the core passed on, one per push (worker update);
+  ``mlfabric_transfers_released_total``:
   send directives; ``mlfabric_decision_seconds``: histogram of one policy decision's time
 - ``mlfabric_link_capacity_bytes_per_second{src,dst}``: configured rate of each directed link
 - ``mlfabric_link_estimated_bytes_per_second{src,dst}``: the estimator's residual bandwidth
@@ -19,7 +20,10 @@ do. Names follow the Prometheus conventions (base units, ``_total`` counters, ``
   link; ``mlfabric_transfer_duration_seconds``: histogram of their completion times
 - ``mlfabric_pending_updates{job,server}``: updates ready and not yet released
 - ``mlfabric_daemons_connected``, ``mlfabric_jobs``
-- ``mlfabric_updates_resolved_total{outcome}``: outcomes recorded (``applied``/``dropped``/``unknown``)
+- ``mlfabric_updates_resolved_total{outcome}``: outcomes recorded (``applied``/``dropped``/``unknown``):
+  every push's and, with aggregation (``stf+agg``, ``stf+tree``), every aggregate's own (the
+  sum the server applied or dropped), so ``{outcome="applied"}`` exceeds
+  ``mlfabric_updates_applied_total`` by the aggregates applied; count pushes with the latter
 - ``mlfabric_updates_dropped_by_reason_total{reason}``: the drop reason without its
   names and numbers (``delay > tau_max``), so the label set stays small
 - ``mlfabric_update_delay_versions``: histogram of the delay (server versions, paper §3)

@@ -42,6 +42,7 @@ __all__ = [
     "DECISION_BUCKETS",
     "DELAY_BUCKETS",
     "DURATION_BUCKETS",
+    "MIN_SPAN",
     "Activity",
     "Buckets",
     "Recorder",
@@ -61,6 +62,8 @@ DECISION_BUCKETS: tuple[float, ...] = (1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2,
 DURATION_BUCKETS: tuple[float, ...] = (1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 #: events kept per worker or link
 _MAX_EVENTS = 4096
+#: the shortest span rates are averaged over (:meth:`Activity.span`), seconds
+MIN_SPAN = 1.0
 
 
 def drop_reason_class(reason: str) -> str:
@@ -171,16 +174,30 @@ class Activity:
     >>> a.transfer(("w0", "sw", "ps"), 1000, now=2.0)
     >>> a.link_bytes(("w0", "sw"), now=2.0, window=10.0)
     1000
+    >>> a.span(now=2.0, window=10.0), a.span(now=60.0, window=10.0)
+    (2.0, 10.0)
     """
 
     def __init__(self) -> None:
+        #: when the first push or transfer was noted (None: nothing yet)
+        self.started: float | None = None
         self._pushes: dict[tuple[str, str], deque[float]] = {}
         self._links: dict[tuple[str, str], deque[tuple[float, int]]] = {}
         #: link -> bytes of every transfer released over it so far
         self.scheduled: dict[tuple[str, str], int] = {}
 
+    def span(self, now: float, window: float) -> float:
+        """The seconds of activity a ``window`` behind ``now`` covers: less than the window early
+        in a run (since the first push or transfer, at least :data:`MIN_SPAN`), so rates are
+        averaged over the time there was, not over seconds before anything ran."""
+        if self.started is None:
+            return window
+        return min(window, max(now - self.started, MIN_SPAN))
+
     def push(self, job: str, worker: str, now: float) -> None:
         """``worker`` of ``job`` announced an update at ``now``."""
+        if self.started is None:
+            self.started = now
         self._pushes.setdefault((job, worker), deque(maxlen=_MAX_EVENTS)).append(now)
 
     def released(self, path: Sequence[str], nbytes: int) -> None:
@@ -190,11 +207,14 @@ class Activity:
 
     def transfer(self, path: Sequence[str], nbytes: int, now: float) -> None:
         """A transfer of ``nbytes`` along ``path`` was reported at ``now``."""
+        if self.started is None:
+            self.started = now
         for link in pairwise(path):
             self._links.setdefault(link, deque(maxlen=_MAX_EVENTS)).append((now, nbytes))
 
     def worker_rate(self, job: str, worker: str, now: float, window: float) -> tuple[float, float, int]:
-        """(pushes per second, mean seconds between pushes or 0, pushes) over the window."""
+        """(pushes per second, mean seconds between pushes or 0, pushes) over the window (give
+        :meth:`span`'s, early in a run)."""
         times = [t for t in self._pushes.get((job, worker), ()) if t >= now - window]
         interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else 0.0
         return len(times) / window, interval, len(times)

@@ -68,6 +68,19 @@ def test_status_over_tls(procs: Procs, certs: Path) -> None:
     assert '"h0"' in ok.stdout and "SERVING" in ok.stdout
     refused = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+    # it says why: the scheduler serves mTLS and wants a certificate (issue 27 item 10)
+    assert "serves mutual TLS: it needs a client certificate" in refused.stderr, refused.stderr
+    assert "--tls-cert" in refused.stderr
+    # a host's certificate is of the CA but not an admin's: refused, naming what is needed
+    host = subprocess.run([*base, *tls_args(certs, "h0")], capture_output=True, text=True, timeout=60)
+    assert host.returncode == 1 and "PERMISSION_DENIED" in host.stderr, host.stderr
+    assert "needs an admin certificate" in host.stderr and "names h0" in host.stderr
+    trace = subprocess.run(
+        [sys.executable, "-m", "mlfabric", "trace", "--scheduler", address, "--seconds", "1",
+         "--out", str(procs.dir / "t.json"), "--timeout", "20", *tls_args(certs, "h0")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert trace.returncode != 0 and "PERMISSION_DENIED" in trace.stderr, trace.stderr
     half = subprocess.run(
         [*base, "--tls-ca", str(certs / "ca.pem")], capture_output=True, text=True, timeout=60
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -59,14 +60,19 @@ def test_unknown_job_is_named(make_daemon: Any) -> None:
     assert "nojob" in str(info.value) and info.value.code == "unknown_job"
 
 
-def test_worker_waits_for_a_server_to_appear(make_daemon: Any) -> None:
+def test_worker_waits_for_a_server_to_appear(make_daemon: Any, caplog: pytest.LogCaptureFixture) -> None:
     d = make_daemon("h")
+    caplog.set_level(logging.WARNING, logger="mlfabric")
     got: list[Any] = []
     thread = threading.Thread(
         target=lambda: got.append(mlfabric.register_as_worker("late", daemon=d.config.socket_path, wait=10))
     )
     thread.start()
     threading.Event().wait(0.5)
+    # said at once (issue 27 item 7: a typo in the job's name waited 30 s in silence)
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "mlfabric"]
+    assert "unknown job 'late'" in said and "waiting up to 10 s for a server of job 'late'" in said
+    assert "wait=" in said
     server = mlfabric.register_as_server("late", "ps0", {"w": np.zeros(2)}, daemon=d.config.socket_path)
     thread.join(10)
     assert got and "ps0" in got[0].servers

@@ -61,3 +61,12 @@ def test_a_code_this_daemon_does_not_know_is_refused(
     with pytest.raises(mlfabric.MlfabricError) as info:
         mlfabric.register_as_server("j", "ps", {"w": np.zeros(2)}, daemon=d.config.socket_path)
     assert info.value.code == "refused" and "newer" in str(info.value)
+
+
+def test_tensor_error_is_an_mlfabric_error_and_exported() -> None:
+    """Issue 27 item 10: TensorError was a plain ValueError, not exported."""
+    assert issubclass(mlfabric.TensorError, mlfabric.MlfabricError)
+    assert issubclass(mlfabric.TensorError, ValueError)  # as before
+    with pytest.raises(mlfabric.MlfabricError) as info:
+        mlfabric.tensors.plan_layout({"w": np.zeros(3, dtype=np.int8)})
+    assert isinstance(info.value, mlfabric.TensorError) and info.value.code == "bad_tensor"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import networkx as nx
+import pytest
 
 from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.service.admin import cluster_status
@@ -51,3 +52,19 @@ def test_a_silent_worker_is_named_and_old_pushes_leave_the_window() -> None:
     st = cluster_status(s, s.graph, act, now=102.0, window=30.0)
     (b,) = st.holding_back
     assert (b.kind, b.name, b.reason) == ("worker", "w2", "no push in the last 30 s while others push")
+
+
+def test_early_in_a_run_rates_are_over_the_seconds_there_were() -> None:
+    """Issue 27 item 8: 3 s into a run, rates were averaged over the full 30 s window (9.7 pushes/s
+    for 80, a saturated bottleneck at 10 % and "holding back: nothing")."""
+    s, act = _state({"w1": "h1", "w2": "h2"})
+    for i in range(240):  # 80 pushes/s each for 3 s
+        for w, h in (("w1", "h1"), ("w2", "h2")):
+            s.add_update(h, f"{h}/{i}", "j", "ps", w, 1, 1.0, 0, now=i / 80)
+    ingress = s.graph["sw"]["h0"]["capacity"]
+    act.transfer(("h1", "sw", "h0"), int(ingress * 3), now=3.0)  # 3 s of the server's ingress
+    st = cluster_status(s, s.graph, act, now=3.0, window=30.0)
+    assert st.window_seconds == pytest.approx(3.0)
+    assert [round(w.pushes_per_second) for w in st.jobs[0].workers] == [80, 80]
+    (held,) = st.holding_back
+    assert (held.kind, held.name) == ("link", "sw->h0") and "100%" in held.reason

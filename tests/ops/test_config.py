@@ -123,9 +123,14 @@ def test_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def test_the_shipped_example_configs_are_valid() -> None:
     from importlib import resources
 
+    from mlfabric.units import render
+
     for kind in ("scheduler", "daemon"):
-        text = resources.files("mlfabric").joinpath("data", "config", f"{kind}.toml").read_text()
-        assert parse_config(tomllib.loads(text), kind)
+        template = resources.files("mlfabric").joinpath("data", "config", f"{kind}.toml").read_text()
+        for auth in (True, False):
+            config = parse_config(tomllib.loads(render(template, auth=auth)), kind)
+            assert config
+            assert ("tls_ca" in config) == auth
 
 
 def test_describe_lists_every_key() -> None:

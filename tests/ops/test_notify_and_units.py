@@ -159,3 +159,43 @@ def test_install_units_warns_when_the_units_would_run_a_program_under_tmp(
     assert "PrivateTmp=yes" in capsys.readouterr().err
     assert main(["install-units", "--unit-dir", str(tmp_path), "--exec", "/opt/venv/bin/mlfabric"]) == 0
     assert "PrivateTmp" not in capsys.readouterr().err
+
+
+def test_install_units_authenticates_by_default_and_says_what_it_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27, secure by default: the deployment authenticates unless --no-auth."""
+    from mlfabric.config import load_config
+
+    args = ["install-units", "--prefix", str(tmp_path / "on"), "--python", "/srv/py/bin/python3", "--configs"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "authentication is on" in err and "mlfabric certs --out" in err and "ca.pem" in err
+    etc = tmp_path / "on/etc"
+    for kind in ("scheduler", "daemon"):
+        unit = (etc / f"systemd/system/mlfabric-{kind}.service").read_text().splitlines()
+        assert "LoadCredential=tls:/etc/mlfabric/tls" in unit
+        config = load_config(etc / f"mlfabric/{kind}.toml", kind)
+        assert config["tls_ca"] == f"/run/credentials/mlfabric-{kind}.service/tls_ca.pem"
+        assert config["tls_cert"] and config["tls_key"]
+    daemon = load_config(etc / "mlfabric/daemon.toml", "daemon")
+    assert daemon["data_auth"] == "hmac" and daemon["data_secret"].endswith("tls_dataplane.secret")
+    assert daemon["local_peer_check"] is True and daemon["local_group"] == "mlfabric"
+
+    # the files of `mlfabric certs` in place: nothing is said missing; ca.key there is warned of
+    tls = etc / "mlfabric/tls"
+    tls.mkdir()
+    for name in ("ca.pem", "ca.key", "h0.pem", "h0.key", "mlfabric-scheduler.pem", "mlfabric-scheduler.key"):
+        (tls / name).write_text("x")
+    (tls / "dataplane.secret").write_text("00" * 32)
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "lacks" not in err and "ca.key" in err
+
+    off = ["install-units", "--prefix", str(tmp_path / "off"), "--python", "/srv/py/bin/python3", "--configs"]
+    assert main([*off, "--no-auth"]) == 0
+    assert "authentication" not in capsys.readouterr().err
+    for kind in ("scheduler", "daemon"):
+        unit = (tmp_path / f"off/etc/systemd/system/mlfabric-{kind}.service").read_text().splitlines()
+        assert not any(line.startswith("LoadCredential=") for line in unit)
+        assert "tls_ca" not in load_config(tmp_path / f"off/etc/mlfabric/{kind}.toml", kind)

@@ -44,6 +44,8 @@ def test_status_names_the_straggler(ops_cluster: Any) -> None:
     assert [d["host"] for d in st["daemons"]] == ["h0", "h1"]
     (job,) = st["jobs"]
     assert job["name"] == "ops"
+    # int64 fields are JSON numbers, not strings (issue 27 item 10)
+    assert type(job["tau_max"]) is int and type(job["servers"][0]["version"]) is int
     assert [(s["name"], s["host"]) for s in job["servers"]] == [("ps0", "h0")]
     workers = {w["name"]: w for w in job["workers"]}
     assert set(workers) == {"fast", "slow"} and {w["host"] for w in workers.values()} == {"h1"}
@@ -62,3 +64,4 @@ def test_status_of_no_scheduler_fails_naming_it(tmp_path: Path) -> None:
     out = _status("127.0.0.1:1", "--timeout", "2")
     assert out.returncode == 1
     assert "scheduler 127.0.0.1:1: UNAVAILABLE" in out.stderr
+    assert "mutual TLS" not in out.stderr  # nothing listens: no talk of certificates

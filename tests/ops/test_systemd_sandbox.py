@@ -3,6 +3,12 @@ two daemons as ``Type=notify`` services with their hardening and dynamic user, a
 through them, ``systemctl reload`` with a changed topology, ``systemctl kill -s KILL`` of a
 daemon brought back by ``Restart=``, and ``systemctl stop`` exiting cleanly.
 
+The units and configs are those ``mlfabric install-units --configs`` writes, authentication
+on as shipped, with the files of ``mlfabric certs`` (issue 27, secure by default): the test
+changes only addresses, ports and paths (two daemons on one machine: a unit per host), and
+checks that the cluster authenticates — ``mlfabric status`` needs the admin certificate (no
+certificate, or a host's, is refused) and the data plane refuses a peer without the secret.
+
 The sandbox shares the host's file system apart from ``/run``, ``/tmp``, ``/var/tmp`` and
 ``/etc/systemd/system`` (a copy of the unit directory), so the units run this Python's
 ``mlfabric`` and their config files live in the unit directory (``mlfabric/`` under it).
@@ -36,7 +42,9 @@ from typing import Any
 
 import pytest
 
-from mlfabric.units import render_unit
+from mlfabric.daemon.channels.frames import FrameHeader, FrameLimits
+from mlfabric.daemon.channels.peers import PeerPool
+from mlfabric.proto.v1 import dataplane_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -128,11 +136,9 @@ class Sandbox:
 def sandbox() -> Iterator[tuple[Sandbox, Path]]:
     # not under /tmp or /var/tmp: the sandbox mounts fresh ones before it copies the units
     root = Path(tempfile.mkdtemp(prefix="mlfabric-units-", dir=Path.home()))
-    units, state = root / "units", root / "state"
-    units.mkdir()
-    sb = Sandbox(state)
+    sb = Sandbox(root / "state")
     try:
-        yield sb, units
+        yield sb, root / "prefix"
     finally:
         try:
             for unit in UNITS:  # leave a journal behind for a failing test
@@ -142,29 +148,77 @@ def sandbox() -> Iterator[tuple[Sandbox, Path]]:
             shutil.rmtree(root)
 
 
-def _install(units: Path, scheduler_port: int) -> None:
-    exec_command = f"{sys.executable} -m mlfabric"
-    conf = units / "mlfabric"
-    conf.mkdir()
-    (units / "mlfabric-scheduler.service").write_text(
-        render_unit("mlfabric-scheduler.service", exec_command, CONF)
+def _mlfabric(*args: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "mlfabric", *args], capture_output=True, text=True, timeout=60
     )
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def _set(path: Path, **values: str) -> None:
+    """Set TOML keys of ``path`` (replacing the line of each key that is there, else appending)."""
+    lines = path.read_text().splitlines()
+    for key, value in values.items():
+        line = f"{key} = {value}"
+        at = [i for i, text in enumerate(lines) if text.startswith(f"{key} =")]
+        if at:
+            lines[at[0]] = line
+        else:
+            lines.append(line)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _install(prefix: Path, scheduler_port: int) -> Path:
+    """``mlfabric certs`` and ``mlfabric install-units --configs`` under ``prefix``; the unit directory.
+
+    The sandbox's ``/etc/systemd/system`` is the copy of ``<prefix>/etc/systemd/system``, so
+    the config directory is ``CONF`` under it. Changed from what install-units wrote: the
+    addresses and ports (loopback, port 0), the topology, and one daemon unit per host.
+    """
+    units = prefix / "etc/systemd/system"
+    conf = units / "mlfabric"
+    _mlfabric(
+        "certs", "--out", str(conf / "tls"), "--hosts", "h0,h1", "--scheduler", "mlfabric-scheduler,127.0.0.1"
+    )
+    (conf / "tls/ca.key").unlink()  # kept off the hosts (docs/security.md)
+    installed = _mlfabric(
+        "install-units",
+        "--prefix",
+        str(prefix),
+        "--config-dir",
+        CONF,
+        "--configs",
+        "--exec",
+        f"{sys.executable} -m mlfabric",
+    )
+    assert "lacks" not in installed.stderr and "ca.key" not in installed.stderr, installed.stderr
     (conf / "topology.toml").write_text(_topology(1))
-    (conf / "scheduler.toml").write_text(
-        f'listen = "127.0.0.1:{scheduler_port}"\npolicy = "stf"\nmetrics_port = 0\nlog_level = "INFO"\n'
-        'topology = "topology.toml"\nready_file = "/run/mlfabric-scheduler/ready.json"\n'
+    _set(
+        conf / "scheduler.toml",
+        listen=f'"127.0.0.1:{scheduler_port}"',
+        metrics_port="0",
+        ready_file='"/run/mlfabric-scheduler/ready.json"',
     )
     dropin = "[Service]\n" + _home_dropin()
     (units / "mlfabric-scheduler.service.d").mkdir()
     (units / "mlfabric-scheduler.service.d/test.conf").write_text(dropin)
+    daemon_unit = (units / "mlfabric-daemon.service").read_text()
+    daemon_conf = (conf / "daemon.toml").read_text()
     for host in ("h0", "h1"):
         name = f"mlfabric-daemon-{host}.service"
-        (units / name).write_text(render_unit("mlfabric-daemon.service", exec_command, f"{CONF}/{host}"))
+        (units / name).write_text(daemon_unit.replace(f"{CONF}/daemon.toml", f"{CONF}/{host}/daemon.toml"))
         (conf / host).mkdir()
-        (conf / host / "daemon.toml").write_text(
-            f'host = "{host}"\nscheduler = "127.0.0.1:{scheduler_port}"\nmetrics_port = 0\n'
-            f'log_level = "INFO"\nsocket = "/run/mlfabric-{host}/daemon.sock"\n'
-            f'ready_file = "/run/mlfabric-{host}/ready.json"\n'
+        config = conf / host / "daemon.toml"
+        # the credentials are under the unit's name; h0's certificate -> this host's
+        config.write_text(daemon_conf.replace("mlfabric-daemon.service", name).replace("h0", host))
+        _set(
+            config,
+            scheduler=f'"127.0.0.1:{scheduler_port}"',
+            data_listen='"127.0.0.1:0"',
+            metrics_port="0",
+            socket=f'"/run/mlfabric-{host}/daemon.sock"',
+            ready_file=f'"/run/mlfabric-{host}/ready.json"',
         )
         (units / f"{name}.d").mkdir()
         # two daemons on one machine: each its own runtime directory (one per host in production)
@@ -172,6 +226,8 @@ def _install(units: Path, scheduler_port: int) -> None:
             f"{dropin}RuntimeDirectory=\nRuntimeDirectory=mlfabric-{host}\n"
             f"Environment=MLFABRIC_DAEMON=/run/mlfabric-{host}/daemon.sock\n"
         )
+    (units / "mlfabric-daemon.service").unlink()
+    return units
 
 
 def _scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -208,10 +264,15 @@ def _push(sb: Sandbox, n: int) -> dict[str, Any]:
 
 
 def test_units_under_systemd(sandbox: tuple[Sandbox, Path]) -> None:
-    sb, units = sandbox
+    sb, prefix = sandbox
     port = _free_port()
-    _install(units, port)
+    units = _install(prefix, port)
+    tls = units / "mlfabric/tls"
     sb("start", str(units))
+    # a booted systemd finds / shared (its mount_setup makes it so); the sandbox's unshare made
+    # its mounts private, copies of the host's, so this shares them inside the sandbox only.
+    # LoadCredential= moves the services' credential mounts into place through it.
+    sb("run", "mount", "--make-rshared", "/")
     # the sandbox's /var/log is the host's: keep its journal in the sandbox's /run
     sb(
         "run",
@@ -253,16 +314,35 @@ def test_units_under_systemd(sandbox: tuple[Sandbox, Path]) -> None:
     ]
     assert sent >= 10 * 64 * 1024 * 4
 
-    # the admin service and health beside the scheduler
-    status = subprocess.run(
-        [sys.executable, "-m", "mlfabric", "status", "--scheduler", sched["address"], "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert status.returncode == 0, status.stderr
-    st = json.loads(status.stdout)
+    # the admin service and health beside the scheduler: mTLS, the admin's certificate only
+    def status(*tls_of: str) -> subprocess.CompletedProcess[str]:
+        files = [
+            f"--tls-{kind}={tls / name}" for kind, name in zip(("ca", "cert", "key"), tls_of, strict=False)
+        ]
+        return subprocess.run(
+            [sys.executable, "-m", "mlfabric", "status", "--scheduler", sched["address"], "--json", *files],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    admin = status("ca.pem", "admin.pem", "admin.key")
+    assert admin.returncode == 0, admin.stderr
+    st = json.loads(admin.stdout)
     assert st["health"] == "SERVING" and [d["host"] for d in st["daemons"]] == ["h0", "h1"]
+    assert status().returncode == 1
+    host = status("ca.pem", "h0.pem", "h0.key")
+    assert host.returncode == 1 and "PERMISSION_DENIED" in host.stderr, host.stderr
+    # the data plane: a peer without the cluster's secret is refused
+    h0 = sb.read_json("/run/mlfabric-h0/ready.json")
+    pool = PeerPool(FrameLimits(), connect_timeout=5, io_timeout=10)
+    try:
+        probe = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, update_id="x/1", src_host="h1", job="ops")
+        reply = pool.request(h0["data_address"], probe, b"")
+    finally:
+        pool.close()
+    assert reply.header.kind == dataplane_pb2.FRAME_KIND_ERROR
+    assert "authentication required" in reply.header.reason
 
     # reload with a changed topology: the graph changes, no session drops
     sb("run", "sh", "-c", f"cat > {CONF}/topology.toml", input=_topology(4))

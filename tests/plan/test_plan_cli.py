@@ -50,6 +50,16 @@ def test_all_solvers_table_json_and_trace(tmp_path: Path, capsys: pytest.Capture
             assert u["start"] < u["finish"]
         # the printed table carries the same objective
         assert f"{p['objective']:.6g}" in text
+    # the summary table's columns line up (issue 27 item 10: a long solver name shifted its row)
+    table = text[text.index("solver ") :].splitlines()[:6]
+    assert [line.split()[0] for line in table[1:]] == ["ilp", "stf", "aggregation", "tree", "fair"]
+    assert len({len(line) for line in table}) == 1
+    objective_ends = {
+        line.index(f"{plans[line.split()[0]]['objective']:.6g}")
+        + len(f"{plans[line.split()[0]]['objective']:.6g}")
+        for line in table[1:]
+    }
+    assert len(objective_ends) == 1
     ilp, stf, fair = plans["ilp"], plans["stf"], plans["fair"]
     assert ilp["objective"] <= min(stf["objective"], plans["aggregation"]["objective"])
     assert stf["objective"] <= fair["objective"]
