@@ -68,6 +68,8 @@ ACK = b"k"
 Sample = tuple[float, float | None]
 #: A case's running session: each ``next()`` runs one transfer per row it measures.
 Session = Generator[dict[str, Sample], None, None]
+#: The processes of the sessions started, by role (``profile_dataplane.py`` records one).
+PIDS: dict[str, int] = {}
 
 
 def _cpu() -> float:
@@ -212,6 +214,7 @@ def dataplane_session(
     ``tls``: mTLS, every byte encrypted, no sendfile) with the files in ``certs``.
     """
     proc, ctl, results, address = _start_receiver(ctx, "sink", auth, certs)
+    PIDS["receiver"] = proc.pid
     fd, span = _memfd_payload(nbytes)
     pool = PeerPool(FrameLimits(), io_timeout=300, auth=_auth(auth, "h1", certs))
     try:
@@ -240,6 +243,7 @@ def middle_session(name: str, nbytes: int, ctx: Any, *, role: str) -> Session:
     """
     sink = _start_receiver(ctx, "sink") if role == "relay" else None
     proc, ctl, results, address = _start_receiver(ctx, role)
+    PIDS["middle"] = proc.pid
     if sink is not None:
         ctl.send(sink[3])
     fd, span = _memfd_payload(nbytes)
@@ -344,6 +348,7 @@ def push_session(name: str, nbytes: int, ctx: Any) -> Session:
                 server.recv()
                 worker.recv()
                 pids = [p.pid for p in procs] + [int(cluster.daemons[h]["pid"]) for h in ("ps", "w0")]
+                PIDS.update(zip(("server", "worker", "receiver", "sender"), pids, strict=True))
                 while True:
                     c0 = _proc_cpu(pids)
                     worker.send("go")
