@@ -8,7 +8,8 @@ after a warm-up, medians:
 - ``handoff``: ``mlfabric.tensorio.to_memfd`` (a new memfd per push: every page allocated and
   zeroed on first touch), CRC-32 computed after the copy;
 - ``handoff_pooled``: what ``Worker.push`` does: the update copied into a recycled memfd of its
-  pool (``tensorio.encode_pooled``), the CRC-32 with the copy.
+  pool (``tensorio.encode_pooled(..., crc=True)``), the CRC-32 computed piece by piece with the
+  copy (``mlfabric.wire._native.copy_crc``).
 
 CPU seconds per GB are both processes' (``getrusage``). The daemons' data path itself is
 ``bench_dataplane.py``, whose helpers this script shares.
@@ -81,8 +82,7 @@ def handoff_session(name: str, nbytes: int, ctx: Any, *, pooled: bool) -> Sessio
                 while True:
                     c0, t0 = _cpu(), time.perf_counter()
                     if pooled:
-                        buf, _layouts, total = tensorio.encode_pooled(kept, update)
-                        crc32(memoryview(buf)[:total])
+                        buf, _layouts, total, _crc = tensorio.encode_pooled(kept, update, crc=True)
                         fd = buf.fd
                     else:
                         fd, _layouts, total = tensorio.to_memfd(update, name="bench-update")
