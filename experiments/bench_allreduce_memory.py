@@ -44,7 +44,10 @@ def rank_main(args: argparse.Namespace) -> int:
     progress = Path(args.progress)
     with mlfabric.join_allreduce(args.job, world_size=args.world, participant=f"rank{args.rank}") as group:
         for op in range(1, args.ops + 1):
-            total = group.allreduce({"x": x}, name="x", timeout=600)["x"]
+            handle = group.allreduce_async({"x": x}, name="x", timeout=600)
+            total = handle.wait()["x"]
+            if op == 1 and args.rank == 0:
+                Path(f"{progress}.plan").write_text(handle.plan)
             if (op == 1 or op == args.ops or op % 100 == 0) and not bool((total == expected).all()):
                 raise RuntimeError(f"all-reduce {op}: wrong sum (expected {expected} everywhere)")
             if args.rank == 0:
@@ -120,12 +123,15 @@ def driver(args: argparse.Namespace) -> str:
             late = {h: _rss(p) for h, p in pids.items()}
             cpu1 = {h: _cpu(p) for h, p in pids.items()}
             rate_ops = args.ops - ops_early
+            plan = Path(f"{progress}.plan").read_text()
             per_op = (time.monotonic() - t_early) / max(1, rate_ops)
     gb = args.mb / 1000 * rate_ops
     lines = [
         f"{args.ranks} ranks on loopback, {args.ops} all-reduces of {args.mb} MB float32 through the "
         f"daemons in {seconds:.0f} s ({per_op:.2f} s each after the {args.early}th); "
         f"{os.cpu_count()} CPUs, load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end",
+        "",
+        f"plan: {plan}",
         "",
         f"| daemon | RSS at start (MB) | after {args.early} (MB) | after {args.ops} (MB) | change | "
         f"CPU s per GB all-reduced ({args.early}..{args.ops}) |",

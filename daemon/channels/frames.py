@@ -53,12 +53,13 @@ from mlfabric.daemon.channels.payloadio import (
     release_payload,
     send_payload,
     update_frames,
+    wait_readable,
 )
 from mlfabric.daemon.channels.ratelimit import TokenBucket
-from mlfabric.daemon.channels.sockets import io_timeout, set_receive_timeout
+from mlfabric.daemon.channels.sockets import io_timeout
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire import _native
-from mlfabric.wire.tensors import layouts_from_pb, pack_layout
+from mlfabric.wire.tensors import pack_layout
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -98,6 +99,7 @@ DTYPE_ITEMSIZE.update({"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 #: Payloads up to this size (from a buffer) go out in one ``sendall`` with their header.
 _SMALL_BYTES = 64 * 1024
+_KINDS = frozenset(k for k in dataplane_pb2.FrameKind.values() if k)
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,7 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
     ...     print(exc)
     tensor layout covers 8 bytes but payload_bytes is 12
     """
-    if header.kind not in dataplane_pb2.FrameKind.values() or header.kind == 0:
+    if header.kind not in _KINDS:
         raise FrameError(f"unknown frame kind {header.kind}")
     size = header.payload_bytes if payload_bytes is None else payload_bytes
     if size > limits.max_payload_bytes:
@@ -398,7 +400,8 @@ def send_frame(
     """
     size = payload_length(payload)
     tls = isinstance(sock, ssl.SSLSocket)
-    timeout = io_timeout(sock)
+    if not tls and sock.gettimeout() is not None:
+        io_timeout(sock)  # a Python timeout becomes the kernel's: no poll before each call
     trailer = crc32 is None and size > 0  # compute the CRC while sending, append it
     check_header(header, _SENDER_LIMITS, payload_bytes=size)
     prefix = encode_header(header, size, 0 if crc32 is None else crc32, trailer)
@@ -425,7 +428,7 @@ def send_frame(
                 zero_copy=zero_copy and not tls,  # sendfile would bypass TLS
             )
     except BlockingIOError as exc:  # the kernel's SO_SNDTIMEO
-        raise TimeoutError(f"send: the peer took no bytes for {timeout or 0:g} s (I/O timeout)") from exc
+        raise _timed_out("send: the peer took", sock) from exc
     return TransferStats(bytes=size, start=start, end=time.time())
 
 
@@ -458,8 +461,8 @@ def _fill(
         raise FrameError(f"peer closed mid-frame ({what}: {got} of {len(view)} bytes)", reply_possible=False)
 
 
-def _timed_out(what: str, timeout: float | None) -> TimeoutError:
-    return TimeoutError(f"{what}: no bytes for {timeout or 0:g} s (I/O timeout)")
+def _timed_out(what: str, sock: socket.socket) -> TimeoutError:
+    return TimeoutError(f"{what}: no bytes for {io_timeout(sock) or 0:g} s (I/O timeout)")
 
 
 def recv_frame(
@@ -527,22 +530,19 @@ def recv_frame(
     >>> f.header.update_id, bytes(f.payload)
     ('u1', b'abc')
     """
-    timeout = io_timeout(sock)
+    if not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is not None:
+        io_timeout(sock)  # a Python timeout becomes the kernel's: no poll before each call
+    if idle_timeout is not None and not wait_readable(sock, idle_timeout):
+        raise IdleTimeout(f"no frame for {idle_timeout:g} s (idle timeout)")
     head = memoryview(bytearray(_PREFIX.size))
-    if idle_timeout is not None:
-        set_receive_timeout(sock, idle_timeout)
     try:
-        got = sock.recv_into(head)  # the first bytes, whenever they come (idle timeout)
+        got = sock.recv_into(head)  # the first bytes: (at least) one arrived or the peer closed
     except (BlockingIOError, TimeoutError):
-        if idle_timeout is None:
-            raise _timed_out("waiting for a frame", timeout) from None
-        raise IdleTimeout(f"no frame for {idle_timeout:g} s (idle timeout)") from None
+        raise _timed_out("waiting for a frame", sock) from None
     if got == 0:  # EOF between frames
         return None
     start = time.time()
     deadline = None if header_timeout is None else time.monotonic() + header_timeout
-    if deadline is None and idle_timeout is not None:
-        set_receive_timeout(sock, timeout)
 
     def late(what: str, size: int) -> Callable[[int], FrameError]:
         return lambda got: FrameError(
@@ -560,9 +560,7 @@ def recv_frame(
         raw = bytearray(hlen)
         _fill(sock, memoryview(raw), 0, "header", deadline, late("header", hlen))
     except (BlockingIOError, TimeoutError):
-        raise _timed_out("frame header", timeout) from None
-    if deadline is not None:
-        set_receive_timeout(sock, timeout)  # the payload: the socket's own timeout per call
+        raise _timed_out("frame header", sock) from None
     header = FrameHeader()
     try:
         header.ParseFromString(bytes(raw))
@@ -582,11 +580,9 @@ def recv_frame(
     if payload.nbytes < size or payload.readonly:
         raise ValueError(f"alloc({size}) returned {payload.nbytes} bytes (readonly={payload.readonly})")
     checked = bool(check_finite and check_finite(header))
-    layouts = layouts_from_pb(header.tensors) if checked else []
+    layout = pack_layout(header.tensors) if checked else b""
     try:
-        got, crc, bad = recv_payload(
-            sock, payload, pack_layout(layouts), piece_bytes=chunk_bytes, bucket=bucket
-        )
+        got, crc, bad = recv_payload(sock, payload, layout, piece_bytes=chunk_bytes, bucket=bucket)
         if got < size:
             raise FrameError(f"peer closed mid-frame (payload: {got} of {size} bytes)", reply_possible=False)
         if header.crc_trailer:
@@ -596,7 +592,7 @@ def recv_frame(
         else:
             expected = header.payload_crc32
     except (BlockingIOError, TimeoutError):
-        raise _timed_out(f"payload of update {header.update_id!r}", timeout) from None
+        raise _timed_out(f"payload of update {header.update_id!r}", sock) from None
     end = time.time()
     if crc != expected:
         raise FrameError(
@@ -606,5 +602,5 @@ def recv_frame(
     header.payload_crc32, header.crc_trailer = crc, False  # verified: forward it without re-reading
     frame = Frame(header, payload, buffer, TransferStats(size, start, end))
     if checked:
-        frame.finite_checked, frame.non_finite = True, layouts[bad].name if bad >= 0 else None
+        frame.finite_checked, frame.non_finite = True, header.tensors[bad].name if bad >= 0 else None
     return frame

@@ -17,8 +17,10 @@ holds, in one pass in C.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
+import select
 import socket
 import ssl
 import time
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from mlfabric.daemon.channels.ratelimit import TokenBucket
-from mlfabric.daemon.channels.sockets import set_receive_timeout
+from mlfabric.daemon.channels.sockets import io_timeout, set_receive_timeout
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.wire import _native
 
@@ -44,6 +46,7 @@ __all__ = [
     "release_payload",
     "send_payload",
     "update_frames",
+    "wait_readable",
 ]
 
 
@@ -169,31 +172,62 @@ def mapped(span: FileSpan) -> Iterator[memoryview]:
             view.release()
 
 
+def wait_readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether ``sock`` has input (or EOF) within ``seconds`` (``math.inf``: wait as long as it takes).
+
+    One ``poll``: the wait for a frame's first byte (the idle timeout), once per frame; the
+    socket's own timeouts are not changed.
+    """
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True  # TLS: bytes already decrypted are not seen by poll
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(None if math.isinf(seconds) else max(0, int(seconds * 1000) + 1)))
+
+
 def recv_exact(sock: socket.socket, view: memoryview, got: int = 0, deadline: float | None = None) -> int:
     """Receive into ``view[got:]`` until it is full or the peer closed; the bytes ``view`` holds then.
 
-    With ``deadline`` (monotonic seconds) each call waits at most until then, and what arrived
-    by then is returned (a peer trickling bytes is cut off, not waited for); without, the
-    socket's I/O timeout bounds each call (``BlockingIOError``/``TimeoutError``).
+    Without ``deadline`` the socket's I/O timeout bounds each call (``BlockingIOError`` or
+    ``TimeoutError``). With ``deadline`` (monotonic seconds) what is there already is taken
+    first without waiting (a header usually comes in the segment of its prefix); only then is
+    the socket's receive timeout set to the time left, each call waits at most until the
+    deadline, what arrived by then is returned (a peer trickling bytes is cut off, not waited
+    for), and the timeout is set back.
     """
     size = len(view)
-    waitall = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
-    while got < size:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+    tls = isinstance(sock, ssl.SSLSocket)
+    waiting = 0 if tls else socket.MSG_WAITALL
+    first = deadline is not None and not tls  # take what is there (MSG_DONTWAIT) before waiting
+    restore: float | None = None
+    changed = False
+    try:
+        while got < size:
+            flags = socket.MSG_DONTWAIT if first else waiting
+            if deadline is not None and not first:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return got
+                if not changed:
+                    restore, changed = io_timeout(sock), True
+                set_receive_timeout(sock, remaining)
+            try:
+                k = sock.recv_into(view[got:], size - got, flags)
+            except (BlockingIOError, TimeoutError):
+                if first:
+                    first = False
+                    continue
+                if deadline is None:
+                    raise
                 return got
-            set_receive_timeout(sock, remaining)
-        try:
-            k = sock.recv_into(view[got:], size - got, waitall)
-        except (BlockingIOError, TimeoutError):
-            if deadline is None:
-                raise
-            return got
-        if k == 0:
-            return got
-        got += k
-    return got
+            first = False
+            if k == 0:
+                return got
+            got += k
+        return got
+    finally:
+        if changed:
+            set_receive_timeout(sock, restore)
 
 
 def recv_payload(

@@ -299,12 +299,13 @@ LAYOUT_KINDS: dict[str, int] = {"float32": 1, "float64": 2, "float16": 3, "bfloa
 _SEGMENT = struct.Struct("<3Q")  # offset, nbytes, kind
 
 
-def pack_layout(layouts: Sequence[Layout]) -> bytes:
+def pack_layout(layouts: Sequence[Any]) -> bytes:
     """The layout as :func:`mlfabric.wire._native.check` takes it: ``(offset, nbytes, kind)`` each.
 
     Three little-endian uint64 per tensor, in the order given (``check`` reports the index of
     the first tensor holding a NaN or an infinity); ``kind`` is :data:`LAYOUT_KINDS`' (1
     float32, 2 float64, 3 float16, 4 bfloat16), 0 for a dtype that is not tested (integers).
+    ``layouts`` are :class:`Layout` or ``TensorLayout`` messages (a frame header's ``tensors``).
 
     Examples
     --------

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.channels.frames import Frame, FrameHeader, error_header
+from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.channels.peers import PeerUnavailable
@@ -300,6 +300,8 @@ class AllreduceRole(Role):
                 return False
             c = op.chunks[index]
             summed = sorted(op.summed[index]) if phase == REDUCE else []
+            crc = op.crcs.get((phase, index))
+            fd = os.dup(op.fd)  # this send's own: the operation may end (closing op.fd) meanwhile
         job, name, seq, participant = op.key
         header = FrameHeader(
             kind=_UPDATE,
@@ -321,12 +323,15 @@ class AllreduceRole(Role):
                 summed=summed,
             ),
         )
-        payload = memoryview(op.data)[c.lo : c.hi]
-        crc = op.crcs.get((phase, index))
         try:
             if crc is None:  # a leaf's own chunk: read here once
-                crc = _native.crc32(payload)
-            reply = self._request(peer.data_address, header, payload, crc32=crc)
+                with memoryview(op.data)[c.lo : c.hi] as own:
+                    crc = _native.crc32(own)
+            # sendfile from the memfd: no copy into the socket. The bytes sent do not change until
+            # the peer has them: a chunk is overwritten only by its result, which comes after every
+            # contribution was received, and the operation ends only once every result was ACKed.
+            span = FileSpan(fd, c.lo, c.hi - c.lo)
+            reply = self._request(peer.data_address, header, span, crc32=crc)
         except (PeerUnavailable, OSError, ValueError) as exc:
             self.fail(
                 op.key,
@@ -336,7 +341,7 @@ class AllreduceRole(Role):
             )
             return False
         finally:
-            payload.release()
+            os.close(fd)
         reply.release()
         if reply.header.kind != _ACK:
             self.fail(
