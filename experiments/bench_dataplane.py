@@ -270,20 +270,12 @@ def middle_session(name: str, nbytes: int, ctx: Any, *, role: str) -> Session:
 
 
 # --------------------------------------------------------------------------- (a) a push end to end
-_TOPOLOGY = """
-hosts = ["ps", "w0"]
-switches = ["sw"]
-
-[[links]]
-a = "ps"
-b = "sw"
-gbps = 100
-
-[[links]]
-a = "w0"
-b = "sw"
-gbps = 100
-"""
+#: The cluster of a push: the server's host and the worker's, 100 Gbit/s NICs on one switch.
+_TOPOLOGY = {
+    "hosts": ["ps", "w0"],
+    "switches": ["sw"],
+    "links": [{"a": "ps", "b": "sw", "gbps": 100}, {"a": "w0", "b": "sw", "gbps": 100}],
+}
 
 
 def _push_server(socket_path: str, nbytes: int, ctl: Connection) -> None:
@@ -331,10 +323,11 @@ def push_session(name: str, nbytes: int, ctx: Any) -> Session:
     (``/proc/PID/stat``, 10 ms ticks: use a payload of 100 MB or more).
     """
     from mlfabric.cluster import LocalCluster
+    from mlfabric.testbed.topologies import to_toml
 
     with tempfile.TemporaryDirectory(prefix="mlfb-") as tmp:
         topo = Path(tmp) / "topology.toml"
-        topo.write_text(_TOPOLOGY)
+        topo.write_text(to_toml(_TOPOLOGY))
         with LocalCluster(topo, policy="fair", workdir=tmp) as cluster:
             pipes = [ctx.Pipe() for _ in range(2)]
             procs = [

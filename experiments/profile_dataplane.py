@@ -13,8 +13,10 @@ and records one of its processes for ``--seconds``:
 
 The process (``--process``) is named by its role in the case: ``push``: ``receiver`` (the
 server's daemon), ``sender`` (the worker's daemon), ``server``, ``worker``; ``dataplane``:
-``receiver``; ``relay`` / ``sum``: ``middle``. Also counts the system calls of the process
-with ``strace -c -f`` for ``--strace`` seconds when ``strace`` is installed.
+``receiver``; ``relay`` / ``sum``: ``middle``; ``allreduce`` (``bench_allreduce_memory.py``:
+four ranks all-reducing through their daemons): ``h0`` .. ``h3``, a daemon. Also counts the
+system calls of the process with ``strace -c -f`` for ``--strace`` seconds when ``strace`` is
+installed (not for ``allreduce``).
 
 Run::
 
@@ -25,14 +27,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,25 +56,25 @@ def _loop(session: bench.Session, stop: threading.Event) -> int:
 CATEGORIES = [
     (
         "socket copy (kernel)",
-        r"copy_to_iter|copy_from_iter|check_object_size|virt_addr_valid|copy_user|memcpy_orig",
+        r"\[k\] .*(copy_to_iter|copy_from_iter|check_object_size|virt_addr_valid|copy_user)",
     ),
     (
-        "page faults, zeroing",
-        r"clear_page|fault|alloc_pages|folio_alloc|shmem_alloc|lru|memcg|zap_|unmap|rmqueue",
+        "page faults, mapping, zeroing",
+        r"\[k\] .*(fault|clear_page|alloc_pages|folio|pte|page_range|get_user_pages|rmap|tlb)",
     ),
     (
         "sendfile (splice from the memfd)",
-        r"splice|filemap_get|shmem_get_folio|xas_|pipe_buf|pagefrags|iov_iter_extract",
+        r"\[k\] .*(splice|filemap_get|shmem_get|xas_|pipe_buf|pagefrags|iov_iter_extract)",
     ),
     (
         "wake-ups, switches, futex",
-        r"spin_unlock_irq|finish_task_switch|futex|schedule|try_to_wake|select_task|pick_next|enqueue|dequeue",
+        r"\[k\] .*(spin_unlock_irq|finish_task_switch|futex|schedule|wake|pick_next|enqueue|dequeue)",
     ),
-    ("TCP/IP, softirq, other kernel", r"\[kernel|tcp_|ip_|skb|softirq|net_rx|napi|__dev|loopback"),
-    ("CRC-32", r"isal|fold_128|crc"),
-    ("C extension (CRC + NaN/inf, copy + CRC)", r"_native"),
-    ("NaN/inf scan (numpy)", r"pairwise_sum|isfinite|reduce"),
-    ("summing (numpy add)", r"FLOAT_add|DOUBLE_add|_add_"),
+    ("TCP/IP, softirq, other kernel", r"\[k\]"),
+    ("CRC-32 (C extension or ISA-L)", r"isal|fold_128|crc_le"),
+    ("NaN/inf test (C extension: py_check; numpy: block sums)", r"py_check|pairwise_sum|isfinite"),
+    ("copy (user space)", r"memmove|memcpy|py_copy_crc|copy_out"),
+    ("summing (numpy add)", r"FLOAT_add|DOUBLE_add"),
     ("interpreter, protobuf, other user space", r"."),
 ]
 
@@ -115,11 +120,60 @@ def _pyspy_report(raw: Path, top: int) -> str:
     return "\n".join(lines)
 
 
+def _descendant_daemon(root: int, host: str) -> int | None:
+    """The pid of the ``mlfabric daemon --host host`` among the descendants of ``root``."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                parents[int(entry)] = int(
+                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
+    for pid in parents:
+        q = parents.get(pid, 0)
+        while q and q != root:
+            q = parents.get(q, 0)
+        if q != root:
+            continue
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"daemon" in argv and b"--host" in argv and argv[argv.index(b"--host") + 1] == host.encode():
+                return pid
+    return None
+
+
+def _allreduce(args: argparse.Namespace) -> int:
+    """Record daemon ``args.process`` while four ranks all-reduce ``--mib`` MB through the daemons."""
+    script = Path(__file__).resolve().parent / "bench_allreduce_memory.py"
+    driver = subprocess.Popen(
+        [sys.executable, str(script), "--ranks", "4", "--mb", str(args.mib), "--ops", "100000"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (pid := _descendant_daemon(driver.pid, args.process)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no daemon of host {args.process!r} started")
+            time.sleep(0.5)
+        time.sleep(20)  # the ranks start and warm up
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "profile"
+            cmd = ["perf", "record", "-e", "cpu-clock", "-g", "-p", str(pid), "-o", str(out)]
+            subprocess.run(["timeout", "-s", "INT", str(args.seconds), *cmd], capture_output=True)
+            report = _perf_report(out, args.top)
+    finally:
+        driver.send_signal(signal.SIGINT)  # the driver's cluster stops its processes
+        driver.wait(60)
+    print(f"allreduce / {args.process} (pid {pid}), {args.mib} MB, load {os.getloadavg()[0]:.2f}")
+    print(report)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--case", choices=["push", "dataplane", "relay", "sum"], default="push")
+    parser.add_argument("--case", choices=["push", "dataplane", "relay", "sum", "allreduce"], default="push")
     parser.add_argument("--process", default="receiver", help="which process of the case (see above)")
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=15.0)
@@ -135,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         "relay": lambda: bench.middle_session("relay", n, ctx, role="relay"),
         "sum": lambda: bench.middle_session("sum", n, ctx, role="sum"),
     }
+    if args.case == "allreduce":
+        return _allreduce(args)
     session = starts[args.case]()
     next(session)  # set up and warm up; the case's processes are in bench.PIDS now
     pid = bench.PIDS[args.process]
