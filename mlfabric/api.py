@@ -65,7 +65,6 @@ from mlfabric.params import Params
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.replica import Replica, register_as_replica
 from mlfabric.server import Server, UpdateMeta, register_as_server
-from mlfabric.wire.crc import crc32 as payload_crc32
 from mlfabric.wire.memfd import MemfdPool
 from mlfabric.wire.tensors import TensorError, check_update
 
@@ -196,8 +195,7 @@ class Worker:
         self._check_update(server, update)
         if norm is None:
             norm = tcodec.l2_norm(update)
-        buf, layouts, total = tensorio.encode_pooled(self._buffers, update)
-        crc = payload_crc32(memoryview(buf)[:total])  # while the bytes are hot in cache
+        buf, layouts, total, crc = tensorio.encode_pooled(self._buffers, update, crc=True)
         # lost connection: the daemon may still read the buffer, so it is never reused
         handle = PushHandle(server, on_final=lambda lost: buf.discard() if lost else buf.release())
         push = local_pb2.PushRequest(

@@ -404,7 +404,8 @@ def run(args: argparse.Namespace) -> int:
         f"server ingress {SERVER_INGRESS_MBPS} Mbit/s, target accuracy {args.target_accuracy}"
     )
     results = []
-    total, spent = args.runs * len(policies), []
+    total = args.runs * len(policies)
+    spent: list[float] = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-demo-") as tmp:
         root = args.workdir or Path(tmp)
         for run_index in range(args.runs):

@@ -1,8 +1,9 @@
 """Named tensors in and out of a memfd: the one copy of a payload (DESIGN §7).
 
 The training process hands an update or a model to its daemon in a memfd passed with the
-local message: :func:`encode_pooled` writes a push into a recycled memfd of a
-:class:`~mlfabric.wire.memfd.MemfdPool`, :func:`to_memfd` a model into a new one. The other
+local message: :func:`encode_pooled` writes an update into a recycled memfd of a
+:class:`~mlfabric.wire.memfd.MemfdPool` (``crc=True``: with the payload's CRC-32, computed as the
+bytes are copied, so the daemon never reads them), :func:`to_memfd` a model into a new one. The other
 end gets them out with :func:`read_memfd` (a copy), :func:`map_memfd` (a view of the pages,
 no copy) or :func:`from_fd` (either, from a local message's layouts). The payload's layout
 (tensors back to back, no padding) and the dtype checks are :mod:`mlfabric.tensors`.
@@ -13,10 +14,11 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
+from mlfabric.wire import _native
 from mlfabric.wire.tensors import (
     DTYPES,
     Layout,
@@ -24,7 +26,6 @@ from mlfabric.wire.tensors import (
     _as_numpy,
     _to_torch,
     decode,
-    encode_into,
     layouts_from_pb,
     plan_layout,
 )
@@ -105,7 +106,19 @@ def write_fd(fd: int, tensors: Mapping[str, object], layouts: Sequence[Layout]) 
         _pwrite_all(fd, _as_numpy(tensors[layout.name]).reshape(-1).view(np.uint8).data, layout.offset)
 
 
-def encode_pooled(pool: Any, tensors: Mapping[str, object]) -> tuple[Any, list[Layout], int]:
+@overload
+def encode_pooled(
+    pool: Any, tensors: Mapping[str, object], *, crc: Literal[False] = False
+) -> tuple[Any, list[Layout], int]: ...
+
+
+@overload
+def encode_pooled(
+    pool: Any, tensors: Mapping[str, object], *, crc: Literal[True]
+) -> tuple[Any, list[Layout], int, int]: ...
+
+
+def encode_pooled(pool: Any, tensors: Mapping[str, object], *, crc: bool = False) -> tuple[Any, ...]:
     """Write the tensors into a recycled memfd from ``pool`` (one copy, no new pages once warm).
 
     Parameters
@@ -114,6 +127,10 @@ def encode_pooled(pool: Any, tensors: Mapping[str, object]) -> tuple[Any, list[L
         Where the buffer comes from.
     tensors : Mapping[str, numpy.ndarray or torch.Tensor]
         The update.
+    crc : bool
+        Also compute the payload's CRC-32, piece by piece right behind the copy
+        (:func:`mlfabric.wire._native.copy_crc`; a fresh buffer is filled with ``pwrite``, which
+        faults no pages in, and the CRC-32 read from the tensors).
 
     Returns
     -------
@@ -124,30 +141,45 @@ def encode_pooled(pool: Any, tensors: Mapping[str, object]) -> tuple[Any, list[L
         Where each tensor sits.
     total : int
         Payload size in bytes.
+    crc32 : int
+        Only with ``crc``: the payload's CRC-32 (zlib's).
 
     Examples
     --------
+    >>> import zlib
     >>> from mlfabric.wire.memfd import MemfdPool
     >>> pool = MemfdPool()
     >>> buf, layouts, n = encode_pooled(pool, {"w": np.ones(4, np.float32)})
     >>> read_memfd(buf.fd, layouts)["w"].sum(), n
     (np.float32(4.0), 16)
+    >>> buf.release()
+    >>> buf, layouts, n, crc = encode_pooled(pool, {"w": np.ones(4, np.float32)}, crc=True)
+    >>> crc == zlib.crc32(np.ones(4, np.float32).tobytes())
+    True
     >>> buf.release(); pool.close()
     """
     layouts, total = plan_layout(tensors)
     buf = pool.allocate(total)
+    checksum = 0
     try:
         if buf.uses > 1 and os.fstat(buf.fd).st_size < total:
             os.ftruncate(buf.fd, total)  # shrunk by someone since its last use: writing would SIGBUS
-        # fresh pages: pwrite (no page faults); pages this process mapped before: memcpy
-        if buf.uses > 1:
-            encode_into(buf, tensors, layouts)
-        else:
-            write_fd(buf.fd, tensors, layouts)
+        with memoryview(buf) as view:
+            for layout in layouts:
+                src = _as_numpy(tensors[layout.name]).reshape(-1).view(np.uint8)
+                dst = view[layout.offset : layout.offset + layout.nbytes]
+                if buf.uses == 1:  # fresh pages: pwrite (no page faults), the CRC from the source
+                    _pwrite_all(buf.fd, src.data, layout.offset)
+                    checksum = _native.crc32(src, checksum) if crc else 0
+                elif crc:  # pages this process mapped before: copy, each piece checksummed in cache
+                    checksum = _native.copy_crc(dst, src, checksum)
+                else:
+                    dst[:] = src.data
+                dst.release()
     except BaseException:
         buf.release()
         raise
-    return buf, layouts, total
+    return (buf, layouts, total, checksum) if crc else (buf, layouts, total)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -5,19 +5,22 @@ A frame on the wire (see ``proto/mlfabric/v1/dataplane.proto``)::
     b"MLF1" | 4-byte big-endian header length | FrameHeader | payload | [CRC-32 trailer]
 
 The payload is the update's (or aggregate's, or model's) tensors concatenated as the header's
-``tensors`` layout lists them, protected by a CRC-32 (zlib's checksum; computed with ISA-L when
-``isal`` is installed, see :func:`~mlfabric.wire.crc.crc32`) carried in the header, or in
-a 4-byte trailer when the sender did not know it in advance. The bytes move over plain TCP
-sockets, not gRPC, so that one transfer runs at link speed (MLfabric §4: the daemons, not the
-training processes, move the bytes; the scheduler only sees reports).
+``tensors`` layout lists them, protected by a CRC-32 (zlib's checksum, by the C extension
+:mod:`mlfabric.wire._native`) carried in the header, or in a 4-byte trailer when the sender
+did not know it in advance. The bytes move over plain TCP sockets, not gRPC, so that one
+transfer runs at link speed (MLfabric §4: the daemons, not the training processes, move the
+bytes; the scheduler only sees reports).
 
-Sending takes the payload either as a buffer or as a :class:`FileSpan` of a memfd (mapped and
-sent with ``sendall``, or ``os.sendfile``). Receiving goes into a buffer the caller allocates
-(``alloc(nbytes)``; the daemon hands out memfd-backed mmaps, see
-:mod:`mlfabric.wire.memfd`, so it can pass the fd on to the server process),
-``recv_into`` in large chunks, with the CRC computed on a helper thread right behind the copy.
-Pass the CRC in when it is known (e.g. computed when the update was handed to the daemon): the
-sender then never reads the payload itself.
+Sending takes the payload either as a buffer or as a :class:`FileSpan` of a memfd (sent with
+``os.sendfile``, or from a mapping through TLS); the frame's prefix and header are encoded once
+into one ``bytes`` (:func:`encode_header`) and go out with ``MSG_MORE`` ahead of the payload.
+Receiving goes into a buffer the caller allocates (``alloc(nbytes)``; the daemon hands out
+memfd-backed mmaps, see :mod:`mlfabric.wire.memfd`, so it can pass the fd on to the server
+process), ``recv_into(..., MSG_WAITALL)`` in pieces of about 1 MiB, each checked (CRC-32 and
+NaN/inf, :func:`~mlfabric.daemon.channels.payloadio.recv_payload`) while it is in cache. Pass
+the CRC in when it is known (e.g. computed when the update was handed to the daemon): the
+sender then never reads the payload itself. Sockets are blocking with their I/O timeout in the
+kernel (:func:`~mlfabric.daemon.channels.sockets.set_io_timeout`): no poll precedes a call.
 
 Every rule a frame can break raises :class:`FrameError` naming the problem. Functions here are
 blocking and thread-safe as long as each socket is used by one thread at a time. With
@@ -27,10 +30,7 @@ connections to peers are :mod:`.peers`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
-import select
 import socket
 import ssl
 import struct
@@ -42,21 +42,24 @@ from typing import Any, TypeAlias
 from google.protobuf.message import DecodeError
 
 from mlfabric.daemon.channels.payloadio import (
-    Crc32Follower,
+    RECV_PIECE_BYTES,
     FileSpan,
     Payload,
-    SendfileWriter,
-    mapped,
     non_finite_reason,
     payload_crc32,
     payload_length,
+    recv_exact,
+    recv_payload,
     release_payload,
+    send_payload,
     update_frames,
+    wait_readable,
 )
 from mlfabric.daemon.channels.ratelimit import TokenBucket
+from mlfabric.daemon.channels.sockets import io_timeout
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
-from mlfabric.wire.crc import crc32 as _crc32
-from mlfabric.wire.tensors import FiniteScan, layouts_from_pb
+from mlfabric.wire import _native
+from mlfabric.wire.tensors import pack_layout
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -71,6 +74,7 @@ __all__ = [
     "Payload",
     "TransferStats",
     "check_header",
+    "encode_header",
     "error_header",
     "non_finite_reason",
     "payload_crc32",
@@ -88,21 +92,14 @@ _PREFIX = struct.Struct(">4sI")
 _CRC = struct.Struct(">I")
 
 #: Bytes per element of the dtypes a tensor layout may name (DESIGN §7).
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "uint16": 2,
-}
+DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint16": 2}
+DTYPE_ITEMSIZE.update({"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8})
 
-#: Bytes moved per ``send``/``recv_into``/``sendfile`` call (and per token-bucket reservation).
+#: Bytes handed to the kernel per ``sendfile``/``send`` call (and per token-bucket reservation).
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+#: Payloads up to this size (from a buffer) go out in one ``sendall`` with their header.
+_SMALL_BYTES = 64 * 1024
+_KINDS = frozenset(k for k in dataplane_pb2.FrameKind.values() if k)
 
 
 @dataclass(frozen=True)
@@ -126,6 +123,9 @@ class FrameLimits:
     max_header_bytes: int = 1 << 20
     max_payload_bytes: int = 4 << 30
 
+
+#: What a sender checks its own headers against (the layout, not the sizes).
+_SENDER_LIMITS = FrameLimits(max_header_bytes=1 << 32, max_payload_bytes=1 << 62)
 
 #: ``alloc(nbytes)`` returns a writable buffer of at least ``nbytes`` bytes.
 Alloc: TypeAlias = Callable[[int], Any]
@@ -239,7 +239,7 @@ def error_header(reason: str, *, update_id: str = "", src_host: str = "") -> Any
     )
 
 
-def check_header(header: Any, limits: FrameLimits) -> None:
+def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = None) -> None:
     """Check a header's kind, payload size and tensor layout; raise :class:`FrameError` if broken.
 
     The layout rules: every tensor has a known dtype, non-negative dims and
@@ -252,6 +252,8 @@ def check_header(header: Any, limits: FrameLimits) -> None:
         The header to check.
     limits : FrameLimits
         The receiver's limits.
+    payload_bytes : int, optional
+        The payload's size, when it is not (yet) the header's ``payload_bytes`` (a sender's).
 
     Examples
     --------
@@ -265,9 +267,9 @@ def check_header(header: Any, limits: FrameLimits) -> None:
     ...     print(exc)
     tensor layout covers 8 bytes but payload_bytes is 12
     """
-    if header.kind not in dataplane_pb2.FrameKind.values() or header.kind == 0:
+    if header.kind not in _KINDS:
         raise FrameError(f"unknown frame kind {header.kind}")
-    size = header.payload_bytes
+    size = header.payload_bytes if payload_bytes is None else payload_bytes
     if size > limits.max_payload_bytes:
         raise FrameError(f"payload of {size} bytes exceeds the limit of {limits.max_payload_bytes}")
     spans: list[tuple[int, int, str]] = []
@@ -300,6 +302,40 @@ def check_header(header: Any, limits: FrameLimits) -> None:
         raise FrameError(f"tensor layout covers {covered} bytes but payload_bytes is {size}")
 
 
+def encode_header(header: Any, payload_bytes: int, crc32: int, crc_trailer: bool) -> bytes:
+    """A frame's first bytes: magic, header length and ``header`` with its payload fields set.
+
+    ``payload_bytes``, ``payload_crc32`` and ``crc_trailer`` are appended to ``header``'s
+    serialization as fields of their own where they differ from it (a later field overrides an
+    earlier one when protobuf parses), so ``header`` is neither copied nor modified.
+
+    Examples
+    --------
+    >>> h = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, update_id="u", payload_bytes=1)
+    >>> raw = encode_header(h, 12, 0xABC, False)
+    >>> parsed = FrameHeader.FromString(raw[8:])
+    >>> raw[:4], parsed.payload_bytes, parsed.payload_crc32, parsed.update_id, h.payload_bytes
+    (b'MLF1', 12, 2748, 'u', 1)
+    """
+    raw = header.SerializeToString()
+    if header.payload_bytes != payload_bytes:
+        raw += b"\x50" + _varint(payload_bytes)  # field 10, varint
+    if header.payload_crc32 != crc32:
+        raw += b"\x58" + _varint(crc32)  # field 11, varint
+    if header.crc_trailer != crc_trailer:
+        raw += b"\x88\x01" + (b"\x01" if crc_trailer else b"\x00")  # field 17, varint
+    return _PREFIX.pack(MAGIC, len(raw)) + raw
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def send_frame(
     sock: socket.socket,
     header: Any,
@@ -312,20 +348,22 @@ def send_frame(
 ) -> TransferStats:
     """Send one frame; block until every byte is handed to the kernel.
 
-    ``payload_bytes``, ``payload_crc32`` and ``crc_trailer`` are set on a copy of ``header`` (the
-    caller's message is not modified). Without ``crc32`` the CRC is computed while the payload
-    goes out and sent as a 4-byte trailer (``crc_trailer``), so no separate pass over the payload
-    delays the first byte. The header is checked with :func:`check_header` (without size limits)
-    first, so a bad layout fails here and not at the peer.
+    ``payload_bytes``, ``payload_crc32`` and ``crc_trailer`` go on the wire with the header
+    (:func:`encode_header`; the caller's message is not modified). Without ``crc32`` the CRC is
+    computed while the payload goes out and sent as a 4-byte trailer (``crc_trailer``), so no
+    separate pass over the payload delays the first byte. The header is checked with
+    :func:`check_header` (without size limits) first, so a bad layout fails here and not at the
+    peer. The encoded header goes out with ``MSG_MORE``, in the same segments as the payload.
 
     Parameters
     ----------
     sock : socket.socket
-        A connected stream socket (blocking, or with a timeout).
+        A connected stream socket (see :func:`~mlfabric.daemon.channels.sockets.set_io_timeout`;
+        one with a Python timeout is switched to the kernel's).
     header : FrameHeader
         The header; its ``kind`` and ``tensors`` describe the payload.
     payload : bytes-like or FileSpan, optional
-        The payload; a :class:`FileSpan` (a memfd's bytes) is mapped (``zero_copy``: sendfile).
+        The payload; a :class:`FileSpan` (a memfd's bytes) goes out with ``os.sendfile``.
     crc32 : int, optional
         The payload's CRC-32 when the caller already has it (e.g. computed by the pushing
         process): it goes in the header and a :class:`FileSpan` is sent without being read
@@ -335,10 +373,8 @@ def send_frame(
     chunk_bytes : int
         Bytes per write call and per token reservation.
     zero_copy : bool
-        Send a :class:`FileSpan` with ``os.sendfile`` (default) instead of ``sendall`` from a
-        mapping of it. On a quiet machine sendfile measured 1.5-2.7x the mapped path's rate on
-        loopback and 0.27-0.55 vs 0.64-0.73 CPU seconds per GB (``experiments/bench_dataplane.py``);
-        under heavy load from other processes the two were about even.
+        Send a :class:`FileSpan` with ``os.sendfile`` (default; not through TLS) instead of
+        ``sendall`` from a mapping of it.
 
     Returns
     -------
@@ -350,7 +386,8 @@ def send_frame(
     FrameError
         The header's layout does not describe the payload.
     OSError
-        The socket failed (peer gone: ``BrokenPipeError``/``ConnectionResetError``; ``TimeoutError``).
+        The socket failed (peer gone: ``BrokenPipeError``/``ConnectionResetError``;
+        ``TimeoutError`` naming the I/O timeout).
 
     Examples
     --------
@@ -362,48 +399,36 @@ def send_frame(
     'j'
     """
     size = payload_length(payload)
-    zero_copy = zero_copy and not isinstance(sock, ssl.SSLSocket)  # sendfile would bypass TLS
-    out = FrameHeader()
-    out.CopyFrom(header)
-    out.payload_bytes = size
+    tls = isinstance(sock, ssl.SSLSocket)
+    if not tls and sock.gettimeout() is not None:
+        io_timeout(sock)  # a Python timeout becomes the kernel's: no poll before each call
     trailer = crc32 is None and size > 0  # compute the CRC while sending, append it
-    out.crc_trailer = trailer
-    out.payload_crc32 = 0 if crc32 is None else crc32
-    check_header(out, FrameLimits(max_header_bytes=1 << 32, max_payload_bytes=1 << 62))
-    raw = out.SerializeToString()
-    prefix = _PREFIX.pack(MAGIC, len(raw)) + raw
+    check_header(header, _SENDER_LIMITS, payload_bytes=size)
+    prefix = encode_header(header, size, 0 if crc32 is None else crc32, trailer)
     start = time.time()
-    if payload is None or size == 0:
-        sock.sendall(prefix)
-        return TransferStats(bytes=0, start=start, end=time.time())
-    if not isinstance(payload, FileSpan) and size <= 64 * 1024 and (bucket is None or not bucket.enabled):
-        small = memoryview(payload).cast("B")  # one segment
-        tail = _CRC.pack(_crc32(small)) if trailer else b""
-        sock.sendall(b"".join((prefix, small, tail)))
-        return TransferStats(bytes=size, start=start, end=time.time())
-    sock.sendall(prefix)
-    with contextlib.ExitStack() as stack:
-        view: memoryview | None = None  # the payload's bytes, when they must be read here
-        writer: SendfileWriter | None = None
-        if isinstance(payload, FileSpan):
-            if zero_copy:
-                writer = SendfileWriter(sock, payload)
-            if trailer or not zero_copy:
-                view = stack.enter_context(mapped(payload))
+    try:
+        if payload is None or size == 0:
+            sock.sendall(prefix)
+        elif (
+            not isinstance(payload, FileSpan)
+            and size <= _SMALL_BYTES
+            and (bucket is None or not bucket.enabled)
+        ):
+            small = memoryview(payload).cast("B")  # one segment
+            tail = _CRC.pack(_native.crc32(small)) if trailer else b""
+            sock.sendall(b"".join((prefix, small, tail)))
         else:
-            view = memoryview(payload).cast("B")
-        crc = stack.enter_context(Crc32Follower(view if trailer else None, size))
-        for pos in range(0, size, chunk_bytes):
-            n = min(chunk_bytes, size - pos)
-            if bucket is not None:
-                bucket.consume(n)
-            crc.advance(pos + n)  # on a helper thread for large payloads: beside the send
-            if writer is not None:
-                writer.send(pos, n)
-            elif view is not None:
-                sock.sendall(view[pos : pos + n])
-        if trailer:
-            sock.sendall(_CRC.pack(crc.result()))
+            sock.sendall(prefix, 0 if tls else socket.MSG_MORE)
+            send_payload(
+                sock,
+                payload,
+                trailer=trailer,
+                chunk_bytes=chunk_bytes,
+                bucket=bucket,
+                zero_copy=zero_copy and not tls,  # sendfile would bypass TLS
+            )
+    except BlockingIOError as exc:  # the kernel's SO_SNDTIMEO
+        raise _timed_out("send: the peer took", sock) from exc
     return TransferStats(bytes=size, start=start, end=time.time())
 
 
@@ -420,46 +445,24 @@ class IdleTimeout(FrameError):
         super().__init__(reason, reply_possible=False)
 
 
-def _wait_readable(sock: socket.socket, deadline: float | None) -> bool:
-    """Whether ``sock`` has input (or EOF) before ``deadline`` (monotonic; None: do not wait here)."""
-    if deadline is None or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
-        return True  # TLS: bytes already decrypted are not seen by poll
-    remaining = deadline - time.monotonic()
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
-    if math.isinf(remaining):
-        return bool(poller.poll())
-    return bool(poller.poll(max(0, int(remaining * 1000) + 1) if remaining > 0 else 0))
-
-
-def _recv_exact(
+def _fill(
     sock: socket.socket,
-    n: int,
+    view: memoryview,
+    got: int,
     what: str,
-    *,
-    at_boundary: bool = False,
-    deadline: float | None = None,
-    late: Callable[[int], FrameError] | None = None,
-) -> bytes:
-    """Read exactly ``n`` bytes; empty on EOF before the first byte when ``at_boundary``.
-
-    With ``deadline`` (monotonic seconds), ``late(got)`` is raised when the bytes are not all
-    there by then (a peer trickling a header byte by byte is cut off, not waited for).
-    """
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        if not _wait_readable(sock, deadline):
-            assert late is not None
+    deadline: float | None,
+    late: Callable[[int], FrameError],
+) -> None:
+    """Fill ``view[got:]`` (:func:`recv_exact`); ``late(got)`` past ``deadline``, or the peer closed."""
+    got = recv_exact(sock, view, got, deadline)
+    if got < len(view):
+        if deadline is not None and time.monotonic() >= deadline:
             raise late(got)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0 and at_boundary:
-                return b""
-            raise FrameError(f"peer closed mid-frame ({what}: {got} of {n} bytes)", reply_possible=False)
-        got += k
-    return bytes(buf)
+        raise FrameError(f"peer closed mid-frame ({what}: {got} of {len(view)} bytes)", reply_possible=False)
+
+
+def _timed_out(what: str, sock: socket.socket) -> TimeoutError:
+    return TimeoutError(f"{what}: no bytes for {io_timeout(sock) or 0:g} s (I/O timeout)")
 
 
 def recv_frame(
@@ -468,7 +471,7 @@ def recv_frame(
     alloc: Alloc = bytearray,
     *,
     bucket: TokenBucket | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = RECV_PIECE_BYTES,
     idle_timeout: float | None = None,
     header_timeout: float | None = None,
     check_finite: Callable[[Any], bool] | None = update_frames,
@@ -478,16 +481,17 @@ def recv_frame(
     Parameters
     ----------
     sock : socket.socket
-        A connected stream socket (blocking, or with a timeout).
+        A connected stream socket (see :func:`~mlfabric.daemon.channels.sockets.set_io_timeout`;
+        one with a Python timeout is switched to the kernel's).
     limits : FrameLimits
         Header and payload size limits, checked before anything is allocated.
     alloc : callable
         ``alloc(nbytes)`` returns a writable buffer of at least ``nbytes`` bytes for the payload
         (default ``bytearray``; the daemon passes memfd-backed mmaps). Not called for 0 bytes.
     bucket : TokenBucket, optional
-        Ingress rate limit, consumed per chunk after the chunk is read.
+        Ingress rate limit, consumed per piece after the piece is read.
     chunk_bytes : int
-        Bytes per ``recv_into`` call at most.
+        Bytes per ``recv_into`` call at most (each piece is checked while it is in cache).
     idle_timeout : float, optional
         Seconds to wait for the frame's first byte (``math.inf``: forever, whatever the
         socket's timeout; None: the socket's timeout applies); then :class:`IdleTimeout`.
@@ -497,9 +501,9 @@ def recv_frame(
         the limit. The payload is bounded by the socket's own timeout per ``recv_into``.
     check_finite : callable or None
         ``check_finite(header)``: test this frame's float tensors for NaN and infinity in the
-        CRC pass (:class:`~mlfabric.tensors.FiniteScan`), the result in ``Frame.non_finite``
-        (default :func:`update_frames`; None: never). The frame is received whole either way:
-        what to do with a non-finite update is the caller's (the job's) decision.
+        CRC pass, the result in ``Frame.non_finite`` (default :func:`update_frames`; None:
+        never). The frame is received whole either way: what to do with a non-finite update
+        is the caller's (the job's) decision.
 
     Returns
     -------
@@ -514,7 +518,7 @@ def recv_frame(
         or ``alloc`` failed (``MemoryError``/``OSError``); :class:`IdleTimeout` when no frame
         began within ``idle_timeout``.
     OSError
-        The socket failed (``ConnectionResetError``, ``TimeoutError``).
+        The socket failed (``ConnectionResetError``; ``TimeoutError`` naming the I/O timeout).
 
     Examples
     --------
@@ -526,8 +530,18 @@ def recv_frame(
     >>> f.header.update_id, bytes(f.payload)
     ('u1', b'abc')
     """
-    if idle_timeout is not None and not _wait_readable(sock, time.monotonic() + idle_timeout):
+    if not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is not None:
+        io_timeout(sock)  # a Python timeout becomes the kernel's: no poll before each call
+    if idle_timeout is not None and not wait_readable(sock, idle_timeout):
         raise IdleTimeout(f"no frame for {idle_timeout:g} s (idle timeout)")
+    head = memoryview(bytearray(_PREFIX.size))
+    try:
+        got = sock.recv_into(head)  # the first bytes: (at least) one arrived or the peer closed
+    except (BlockingIOError, TimeoutError):
+        raise _timed_out("waiting for a frame", sock) from None
+    if got == 0:  # EOF between frames
+        return None
+    start = time.time()
     deadline = None if header_timeout is None else time.monotonic() + header_timeout
 
     def late(what: str, size: int) -> Callable[[int], FrameError]:
@@ -536,21 +550,20 @@ def recv_frame(
             f"({what}: {got} of {size} bytes; header timeout)"
         )
 
-    head = _recv_exact(
-        sock, _PREFIX.size, "prefix", at_boundary=True, deadline=deadline, late=late("prefix", _PREFIX.size)
-    )
-    if not head:  # EOF between frames
-        return None
-    start = time.time()
-    magic, hlen = _PREFIX.unpack(head)
-    if magic != MAGIC:
-        raise FrameError(f"bad magic {magic!r} (expected {MAGIC!r})", reply_possible=False)
-    if hlen > limits.max_header_bytes:
-        raise FrameError(f"header of {hlen} bytes exceeds the limit of {limits.max_header_bytes}")
-    raw = _recv_exact(sock, hlen, "header", deadline=deadline, late=late("header", hlen))
+    try:
+        _fill(sock, head, got, "prefix", deadline, late("prefix", _PREFIX.size))
+        magic, hlen = _PREFIX.unpack(head)
+        if magic != MAGIC:
+            raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})", reply_possible=False)
+        if hlen > limits.max_header_bytes:
+            raise FrameError(f"header of {hlen} bytes exceeds the limit of {limits.max_header_bytes}")
+        raw = bytearray(hlen)
+        _fill(sock, memoryview(raw), 0, "header", deadline, late("header", hlen))
+    except (BlockingIOError, TimeoutError):
+        raise _timed_out("frame header", sock) from None
     header = FrameHeader()
     try:
-        header.ParseFromString(raw)
+        header.ParseFromString(bytes(raw))
     except DecodeError as exc:
         raise FrameError(f"header does not parse: {exc}") from exc
     check_header(header, limits)
@@ -566,25 +579,20 @@ def recv_frame(
     payload = memoryview(buffer).cast("B")[:size]
     if payload.nbytes < size or payload.readonly:
         raise ValueError(f"alloc({size}) returned {payload.nbytes} bytes (readonly={payload.readonly})")
-    scan = FiniteScan(layouts_from_pb(header.tensors)) if check_finite and check_finite(header) else None
-    with Crc32Follower(payload, size, scan) as follower:
-        got = 0
-        while got < size:
-            k = sock.recv_into(payload[got : got + chunk_bytes])
-            if k == 0:
-                raise FrameError(
-                    f"peer closed mid-frame (payload: {got} of {size} bytes)", reply_possible=False
-                )
-            got += k
-            follower.advance(got)  # on a helper thread for large payloads: beside the copy
-            if bucket is not None:
-                bucket.consume(k)
+    checked = bool(check_finite and check_finite(header))
+    layout = pack_layout(header.tensors) if checked else b""
+    try:
+        got, crc, bad = recv_payload(sock, payload, layout, piece_bytes=chunk_bytes, bucket=bucket)
+        if got < size:
+            raise FrameError(f"peer closed mid-frame (payload: {got} of {size} bytes)", reply_possible=False)
         if header.crc_trailer:
-            trailer = _recv_exact(sock, _CRC.size, "CRC-32 trailer")
+            trailer = memoryview(bytearray(_CRC.size))
+            _fill(sock, trailer, 0, "CRC-32 trailer", None, late("CRC-32 trailer", _CRC.size))
             (expected,) = _CRC.unpack(trailer)
         else:
             expected = header.payload_crc32
-        crc = follower.result()
+    except (BlockingIOError, TimeoutError):
+        raise _timed_out(f"payload of update {header.update_id!r}", sock) from None
     end = time.time()
     if crc != expected:
         raise FrameError(
@@ -593,6 +601,6 @@ def recv_frame(
         )
     header.payload_crc32, header.crc_trailer = crc, False  # verified: forward it without re-reading
     frame = Frame(header, payload, buffer, TransferStats(size, start, end))
-    if scan is not None:
-        frame.finite_checked, frame.non_finite = scan.done, scan.bad
+    if checked:
+        frame.finite_checked, frame.non_finite = True, header.tensors[bad].name if bad >= 0 else None
     return frame

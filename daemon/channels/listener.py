@@ -36,6 +36,7 @@ from mlfabric.daemon.channels.sockets import (
     format_address,
     lingering_close,
     parse_address,
+    set_io_timeout,
     start_accepting,
     tune_socket,
 )
@@ -197,7 +198,7 @@ class DataPlaneListener:
 
     def _accepted(self, sock: socket.socket, peer: Any) -> None:
         tune_socket(sock)
-        sock.settimeout(self._io_timeout)
+        set_io_timeout(sock, self._io_timeout)
         name = f"{peer[0]}:{peer[1]}"
         thread = threading.Thread(target=self._serve, args=(sock, name), name="dataplane-conn", daemon=True)
         with self._lock:

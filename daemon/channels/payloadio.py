@@ -1,50 +1,57 @@
 """Moving a payload's bytes on the data plane: memfd spans and their mapping, ``sendfile``, the
-pipelined CRC-32 with the NaN/inf scan, releasing a received payload (DESIGN §9).
+receive loop with its CRC-32 and NaN/inf test, releasing a received payload (DESIGN §9).
 
 :mod:`mlfabric.daemon.channels.frames` says what a frame is (header, limits, checks) and sends and
 receives it with these (it re-exports :class:`FileSpan`, :func:`payload_length` and
 :func:`payload_crc32`); together they are the one place bytes go in and out of a daemon, where
 the data path's speed work belongs.
+
+The sockets are blocking with their I/O timeout in the kernel
+(:func:`~mlfabric.daemon.channels.sockets.set_io_timeout`): each ``recv_into``/``sendfile`` is one
+system call, no poll before it. A payload is received in pieces of :data:`RECV_PIECE_BYTES` with
+``MSG_WAITALL``, and each piece, while it is still in the core's cache, goes through
+:func:`mlfabric.wire._native.check`: its CRC-32 and the NaN/inf test of the float tensors it
+holds, in one pass in C.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
-import queue
 import select
 import socket
-import threading
+import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from mlfabric.daemon.channels.ratelimit import TokenBucket
+from mlfabric.daemon.channels.sockets import io_timeout, set_receive_timeout
 from mlfabric.proto.v1 import dataplane_pb2
-from mlfabric.wire.crc import crc32
-from mlfabric.wire.tensors import FiniteScan
+from mlfabric.wire import _native
 
 __all__ = [
-    "FUSED_PIECE_BYTES",
-    "THREADED_CRC_BYTES",
-    "Crc32Follower",
+    "RECV_PIECE_BYTES",
     "FileSpan",
     "Payload",
-    "SendfileWriter",
     "mapped",
     "non_finite_reason",
     "payload_crc32",
     "payload_length",
+    "recv_exact",
+    "recv_payload",
     "release_payload",
+    "send_payload",
     "update_frames",
+    "wait_readable",
 ]
 
 
-#: Payloads at least this large get their CRC-32 computed on a helper thread.
-THREADED_CRC_BYTES = 8 * 1024 * 1024
-_CRC_STEP_BYTES = 1024 * 1024
-#: Bytes CRC'd then scanned for NaN/inf at a time (fits a core's L2 cache).
-FUSED_PIECE_BYTES = 256 * 1024
+#: Bytes received (``MSG_WAITALL``), then checksummed and tested, at a time: in cache for the check.
+RECV_PIECE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ def payload_length(payload: Payload | None) -> int:
 
 
 def payload_crc32(payload: Payload | None) -> int:
-    """CRC-32 (:func:`crc32`) of the payload's bytes; a :class:`FileSpan` is read through mmap.
+    """CRC-32 (zlib's) of the payload's bytes; a :class:`FileSpan` is read through mmap.
 
     Examples
     --------
@@ -95,11 +102,11 @@ def payload_crc32(payload: Payload | None) -> int:
     if payload is None:
         return 0
     if not isinstance(payload, FileSpan):
-        return crc32(memoryview(payload).cast("B"))
+        return _native.crc32(memoryview(payload).cast("B"))
     if payload.length == 0:
         return 0
     with mapped(payload) as view:
-        return crc32(view)
+        return _native.crc32(view)
 
 
 def update_frames(header: Any) -> bool:
@@ -165,103 +172,165 @@ def mapped(span: FileSpan) -> Iterator[memoryview]:
             view.release()
 
 
-class Crc32Follower:
-    """CRC-32 of a growing prefix of ``view``; on a helper thread for large payloads.
+def wait_readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether ``sock`` has input (or EOF) within ``seconds`` (``math.inf``: wait as long as it takes).
 
-    :func:`crc32` releases the GIL, so on a multi-core host the checksum of bytes already
-    received (or handed to the kernel) runs beside the socket copy of the next ones instead of
-    after it. Payloads under :data:`THREADED_CRC_BYTES`, and single-CPU hosts, do it inline.
-    ``view`` None means nothing to compute. Use as a context manager: leaving it stops the thread.
-
-    With ``scan`` (a :class:`~mlfabric.tensors.FiniteScan` of the payload's layout), each piece
-    of :data:`FUSED_PIECE_BYTES` is tested for NaN and infinity right after its CRC, while it is
-    still in cache: the receiver's one read of the payload does both (DESIGN §9).
+    One ``poll``: the wait for a frame's first byte (the idle timeout), once per frame; the
+    socket's own timeouts are not changed.
     """
-
-    def __init__(self, view: memoryview | None, size: int, scan: FiniteScan | None = None) -> None:
-        self._view = view
-        self._scan = scan
-        self._crc = 0
-        self._done = 0  # bytes checksummed
-        self._fed = 0  # bytes handed to the thread
-        self._end = 0  # bytes final so far
-        self._queue: queue.SimpleQueue[int | None] | None = None
-        self._thread: threading.Thread | None = None
-        if view is not None and size >= THREADED_CRC_BYTES and (os.cpu_count() or 1) > 1:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name="mlfabric-crc32", daemon=True)
-            self._thread.start()
-
-    def __enter__(self) -> Crc32Follower:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop()
-
-    def advance(self, end: int) -> None:
-        """Bytes ``[0, end)`` of the view are final."""
-        if self._view is None:
-            return
-        self._end = end
-        if self._queue is None:
-            self._consume(end)
-        elif end - self._fed >= _CRC_STEP_BYTES:
-            self._queue.put(end)
-            self._fed = end
-
-    def result(self) -> int:
-        """The CRC-32 of bytes ``[0, end)`` of the last :meth:`advance`."""
-        if self._queue is not None and self._end > self._fed:
-            self._queue.put(self._end)
-            self._fed = self._end
-        self._stop()
-        return self._crc
-
-    def _run(self) -> None:
-        assert self._queue is not None and self._view is not None
-        while (end := self._queue.get()) is not None:
-            self._consume(end)
-
-    def _consume(self, end: int) -> None:
-        """CRC (and scan) bytes ``[done, end)``: piece by piece when scanning, so each is in cache."""
-        assert self._view is not None
-        if self._scan is None or self._scan.done:
-            self._crc = crc32(self._view[self._done : end], self._crc)
-        else:
-            for pos in range(self._done, end, FUSED_PIECE_BYTES):
-                stop = min(end, pos + FUSED_PIECE_BYTES)
-                self._crc = crc32(self._view[pos:stop], self._crc)
-                self._scan.scan(self._view, stop)
-        self._done = end
-
-    def _stop(self) -> None:
-        if self._thread is not None and self._queue is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True  # TLS: bytes already decrypted are not seen by poll
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(None if math.isinf(seconds) else max(0, int(seconds * 1000) + 1)))
 
 
-class SendfileWriter:
-    """Writes ranges of a :class:`FileSpan` to a socket with ``os.sendfile``, honouring its timeout."""
+def recv_exact(sock: socket.socket, view: memoryview, got: int = 0, deadline: float | None = None) -> int:
+    """Receive into ``view[got:]`` until it is full or the peer closed; the bytes ``view`` holds then.
 
-    def __init__(self, sock: socket.socket, span: FileSpan) -> None:
-        self._fd = sock.fileno()
-        self._timeout = sock.gettimeout()
-        self._span = span
-        self._poller = select.poll()
-        self._poller.register(self._fd, select.POLLOUT)
-
-    def send(self, pos: int, n: int) -> None:
-        """Send bytes ``[pos, pos + n)`` of the span."""
-        offset, stop = self._span.offset + pos, self._span.offset + pos + n
-        timeout = self._timeout
-        while offset < stop:
+    Without ``deadline`` the socket's I/O timeout bounds each call (``BlockingIOError`` or
+    ``TimeoutError``). With ``deadline`` (monotonic seconds) what is there already is taken
+    first without waiting (a header usually comes in the segment of its prefix); only then is
+    the socket's receive timeout set to the time left, each call waits at most until the
+    deadline, what arrived by then is returned (a peer trickling bytes is cut off, not waited
+    for), and the timeout is set back.
+    """
+    size = len(view)
+    tls = isinstance(sock, ssl.SSLSocket)
+    waiting = 0 if tls else socket.MSG_WAITALL
+    first = deadline is not None and not tls  # take what is there (MSG_DONTWAIT) before waiting
+    restore: float | None = None
+    changed = False
+    try:
+        while got < size:
+            flags = socket.MSG_DONTWAIT if first else waiting
+            if deadline is not None and not first:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return got
+                if not changed:
+                    restore, changed = io_timeout(sock), True
+                set_receive_timeout(sock, remaining)
             try:
-                sent = os.sendfile(self._fd, self._span.fd, offset, stop - offset)
-            except BlockingIOError:
-                if not self._poller.poll(None if timeout is None else timeout * 1000):
-                    raise TimeoutError(f"sendfile: no progress within {timeout} s") from None
-                continue
-            if sent == 0:
-                raise EOFError(f"sendfile: fd {self._span.fd} ended at offset {offset}, before {stop}")
-            offset += sent
+                k = sock.recv_into(view[got:], size - got, flags)
+            except (BlockingIOError, TimeoutError):
+                if first:
+                    first = False
+                    continue
+                if deadline is None:
+                    raise
+                return got
+            first = False
+            if k == 0:
+                return got
+            got += k
+        return got
+    finally:
+        if changed:
+            set_receive_timeout(sock, restore)
+
+
+def recv_payload(
+    sock: socket.socket,
+    payload: memoryview,
+    layout: bytes,
+    *,
+    piece_bytes: int = RECV_PIECE_BYTES,
+    bucket: TokenBucket | None = None,
+) -> tuple[int, int, int]:
+    """Receive ``len(payload)`` bytes into ``payload``, checking each piece as it lands.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        Blocking, with its I/O timeout in the kernel (or a TLS socket).
+    payload : memoryview
+        Writable bytes, exactly the payload's size.
+    layout : bytes
+        :func:`~mlfabric.wire.tensors.pack_layout` of the tensors to test for NaN and infinity
+        (empty: CRC only).
+    piece_bytes : int
+        Bytes per ``recv_into`` call at most (and per test; an element cut by a piece
+        boundary is tested with the piece it ends in).
+    bucket : TokenBucket, optional
+        Ingress rate limit, consumed per piece after it is read.
+
+    Returns
+    -------
+    tuple of int
+        Bytes received (less than asked when the peer closed), the CRC-32 of those, and the
+        index in ``layout`` of the first tensor holding a NaN or an infinity (-1: none).
+
+    Raises
+    ------
+    BlockingIOError, TimeoutError
+        Nothing arrived for the socket's I/O timeout.
+    """
+    size = len(payload)
+    waitall = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
+    crc, bad, got = 0, -1, 0
+    while got < size:
+        n = min(piece_bytes, size - got)
+        k = sock.recv_into(payload[got : got + n], n, waitall)
+        if k == 0:
+            break
+        crc, found = _native.check(payload, got, got + k, crc, layout)
+        if found >= 0 and bad < 0:
+            bad, layout = found, b""  # the first one is reported: no more testing
+        got += k
+        if bucket is not None:
+            bucket.consume(k)
+    return got, crc, bad
+
+
+def send_payload(
+    sock: socket.socket,
+    payload: Payload,
+    *,
+    trailer: bool,
+    chunk_bytes: int,
+    bucket: TokenBucket | None = None,
+    zero_copy: bool = True,
+) -> int:
+    """Send ``payload``'s bytes (and its CRC-32 trailer when ``trailer``); the CRC-32 (0: not computed).
+
+    A :class:`FileSpan` goes out with ``os.sendfile`` (``zero_copy``; never read in user space
+    unless its CRC must be computed here), else from a mapping of it; a buffer with ``sendall``.
+    The CRC-32 of a ``trailer`` is computed piece by piece just before each piece is sent.
+    """
+    size = payload_length(payload)
+    with contextlib.ExitStack() as stack:
+        view: memoryview | None = None  # the bytes, when they are read here
+        if not isinstance(payload, FileSpan):
+            view = memoryview(payload).cast("B")
+        elif trailer or not zero_copy:
+            view = stack.enter_context(mapped(payload))
+        sendfile = isinstance(payload, FileSpan) and zero_copy
+        crc = 0
+        for pos in range(0, size, chunk_bytes):
+            n = min(chunk_bytes, size - pos)
+            if bucket is not None:
+                bucket.consume(n)
+            if trailer:
+                assert view is not None
+                crc = _native.crc32(view[pos : pos + n], crc)
+            if sendfile:
+                assert isinstance(payload, FileSpan)
+                _sendfile(sock, payload, pos, n)
+            else:
+                assert view is not None
+                sock.sendall(view[pos : pos + n])
+    if trailer:
+        sock.sendall(crc.to_bytes(4, "big"))
+    return crc
+
+
+def _sendfile(sock: socket.socket, span: FileSpan, pos: int, n: int) -> None:
+    """Send bytes ``[pos, pos + n)`` of ``span`` with ``os.sendfile`` (the socket is blocking)."""
+    offset, stop = span.offset + pos, span.offset + pos + n
+    out = sock.fileno()
+    while offset < stop:
+        sent = os.sendfile(out, span.fd, offset, stop - offset)
+        if sent == 0:
+            raise EOFError(f"sendfile: fd {span.fd} ended at offset {offset}, before {stop}")
+        offset += sent

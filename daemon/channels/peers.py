@@ -42,7 +42,7 @@ from mlfabric.daemon.channels.frames import (
 )
 from mlfabric.daemon.channels.payloadio import release_payload
 from mlfabric.daemon.channels.ratelimit import TokenBucket
-from mlfabric.daemon.channels.sockets import format_address, parse_address, tune_socket
+from mlfabric.daemon.channels.sockets import format_address, parse_address, set_io_timeout, tune_socket
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
 from mlfabric.wire.memfd import PooledBuffer, allocate
@@ -414,7 +414,7 @@ class PeerPool:
             except AuthFailed as exc:
                 sock.close()
                 raise PeerUnavailable(address, f"authentication: {exc.reason}") from exc
-        sock.settimeout(self._io_timeout)
+        set_io_timeout(sock, self._io_timeout)
         return Connection(address, sock, self._limits, self._egress, self._ingress)
 
     def acquire(self, address: str) -> Connection:

@@ -1,5 +1,6 @@
-"""Socket helpers of the data plane: ``"ip:port"`` addresses, socket options, a lingering close;
-and the accept loop and connection limit that the data-plane listener and the local API share.
+"""Socket helpers of the data plane: ``"ip:port"`` addresses, socket options, I/O timeouts in the
+kernel, a lingering close; and the accept loop and connection limit that the data-plane listener
+and the local API share.
 
 Split out of :mod:`mlfabric.daemon.channels.peers` (which re-exports :func:`parse_address` and
 :func:`format_address`); its listener and peer pool use them on every connection.
@@ -8,7 +9,10 @@ Split out of :mod:`mlfabric.daemon.channels.peers` (which re-exports :func:`pars
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
+import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, MutableMapping
@@ -21,11 +25,16 @@ __all__ = [
     "accept_until_stopped",
     "admit",
     "format_address",
+    "io_timeout",
     "lingering_close",
     "parse_address",
+    "set_io_timeout",
+    "set_receive_timeout",
     "start_accepting",
     "tune_socket",
 ]
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -68,6 +77,82 @@ def tune_socket(sock: socket.socket) -> None:
     1
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _timeval(seconds: float | None) -> bytes:
+    """``seconds`` as a ``struct timeval`` for ``SO_RCVTIMEO``/``SO_SNDTIMEO`` (all zero: no limit)."""
+    if seconds is None or math.isinf(seconds):
+        return _TIMEVAL.pack(0, 0)
+    micros = max(1, round(seconds * 1e6))  # zero would mean "no limit"
+    return _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
+
+
+def set_io_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bound each send and receive call on ``sock`` by ``seconds`` (None: no bound), without polls.
+
+    A plain socket is put in blocking mode with the bound kept by the kernel (``SO_RCVTIMEO``,
+    ``SO_SNDTIMEO``): CPython then calls ``recv``/``send`` directly instead of polling before
+    each call, as it does on a socket with a Python timeout. A call that times out fails with
+    ``BlockingIOError`` (``EAGAIN``) instead of ``TimeoutError``; the framing functions turn it
+    into a ``TimeoutError`` naming the bound. A TLS socket keeps a Python timeout (its reads
+    would retry a kernel timeout forever).
+
+    Examples
+    --------
+    >>> a, b = socket.socketpair()
+    >>> set_io_timeout(a, 0.1)
+    >>> a.gettimeout(), io_timeout(a)
+    (None, 0.1)
+    >>> try:
+    ...     a.recv(1)
+    ... except BlockingIOError:
+    ...     print("timed out")
+    timed out
+    >>> a.close(); b.close()
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(None if seconds is None or math.isinf(seconds) else seconds)
+        return
+    sock.settimeout(None)
+    value = _timeval(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+def io_timeout(sock: socket.socket) -> float | None:
+    """The bound on each receive call of ``sock`` in seconds (None: none); see :func:`set_io_timeout`.
+
+    A plain socket that still has a Python timeout is switched to the kernel's, with the same
+    bound, first: from then on no poll precedes its calls.
+
+    Examples
+    --------
+    >>> a, b = socket.socketpair()
+    >>> a.settimeout(2.5)
+    >>> io_timeout(a), a.gettimeout()
+    (2.5, None)
+    >>> a.close(); b.close()
+    """
+    python = sock.gettimeout()
+    if isinstance(sock, ssl.SSLSocket):
+        return python
+    if python is not None:
+        set_io_timeout(sock, python)
+        return python
+    sec, usec = _TIMEVAL.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.size))
+    return None if sec == usec == 0 else sec + usec / 1e6
+
+
+def set_receive_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bound the next receive calls of ``sock`` (set up by :func:`set_io_timeout`) by ``seconds``.
+
+    For a frame's phases: its first byte (the idle timeout), its header (the header timeout),
+    then back to the I/O timeout for its payload.
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(None if seconds is None or math.isinf(seconds) else seconds)
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
 
 
 def lingering_close(

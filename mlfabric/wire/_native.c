@@ -19,8 +19,10 @@
  *
  *   copy_crc(dst, src, value=0) -> int
  *       Copy src into the start of dst and return the CRC-32 of the bytes copied (continuing
- *       from `value`), piece by piece: each piece is checksummed right after its copy, while
- *       it is in cache (a training process filling its push's memfd).
+ *       from `value`), in 16 KiB pieces: each piece is checksummed, then copied from the
+ *       cache with non-temporal stores (a training process filling its push's memfd: 0.145
+ *       CPU s/GB at 64 MiB, against 0.23 copying then checksumming each piece, and 0.2 for
+ *       memcpy then CRC-32 over all of it).
  *
  * All three release the GIL while they run.
  */
@@ -36,6 +38,7 @@
 #endif
 
 #define PIECE_BYTES (64 * 1024)
+#define COPY_PIECE_BYTES (16 * 1024) /* a piece the copy reads from L1 after its CRC */
 
 /* ------------------------------------------------------------------ CRC-32: tables */
 
@@ -303,6 +306,32 @@ static PyObject *py_check(PyObject *self, PyObject *args) {
     return Py_BuildValue("(kl)", (unsigned long)~crc, bad);
 }
 
+/* Copy n bytes from src (in cache) to dst with non-temporal stores where dst is 16-byte
+ * aligned: the destination's lines are written without being read first (no read for
+ * ownership), as memcpy does for large copies. The caller fences. */
+static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
+#ifdef MLF_X86
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (n < head + 64) {
+        memcpy(dst, src, n);
+        return;
+    }
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src), b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32)), e = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), e);
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
     PyObject *dst, *src;
     unsigned long value = 0;
@@ -321,11 +350,15 @@ static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
     }
     uint32_t crc = ~(uint32_t)value;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t pos = 0; pos < s.len; pos += PIECE_BYTES) {
-        size_t n = (size_t)(s.len - pos < PIECE_BYTES ? s.len - pos : PIECE_BYTES);
-        memcpy((uint8_t *)d.buf + pos, (const uint8_t *)s.buf + pos, n);
-        crc = crc_le(crc, (const uint8_t *)d.buf + pos, n);
+    for (Py_ssize_t pos = 0; pos < s.len; pos += COPY_PIECE_BYTES) {
+        size_t n = (size_t)(s.len - pos < COPY_PIECE_BYTES ? s.len - pos : COPY_PIECE_BYTES);
+        const uint8_t *from = (const uint8_t *)s.buf + pos;
+        crc = crc_le(crc, from, n); /* the source piece is in cache now: */
+        copy_out(((uint8_t *)d.buf) + pos, from, n);
     }
+#ifdef MLF_X86
+    _mm_sfence();
+#endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&d);
     PyBuffer_Release(&s);

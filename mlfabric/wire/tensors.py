@@ -25,19 +25,20 @@ Client and daemon both import this module (:mod:`mlfabric.wire`); training code 
 
 from __future__ import annotations
 
-import math
 import mmap
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from mlfabric.wire import _native
 from mlfabric.wire.errors import MlfabricError
 
 __all__ = [
     "DTYPES",
-    "FiniteScan",
+    "LAYOUT_KINDS",
     "Layout",
     "Spec",
     "TensorError",
@@ -49,6 +50,7 @@ __all__ = [
     "l2_norm",
     "layouts_from_pb",
     "layouts_to_pb",
+    "pack_layout",
     "plan_layout",
 ]
 
@@ -306,46 +308,43 @@ def l2_norm(tensors: Mapping[str, object]) -> float:
     return float(np.sqrt(total))
 
 
-#: Bytes per block of the NaN/inf test (a block and its scratch stay in cache).
-_FINITE_BLOCK_BYTES = 256 * 1024
-
-#: Exponent bits of the 2-byte float dtypes (raw words): all ones means inf or NaN.
-_EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
-#: Wider float dtypes tested by a block sum (:func:`_block_non_finite`).
-_SUMMED: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
-_RAW_WORDS: np.dtype[Any] = np.dtype("<u2")
+#: ``kind`` of a dtype in :func:`pack_layout` (the C extension's NaN/inf test; 0: not tested).
+LAYOUT_KINDS: dict[str, int] = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
+_SEGMENT = struct.Struct("<3Q")  # offset, nbytes, kind
 
 
-def _block_non_finite(block: np.ndarray, exponent_bits: int = 0, scratch: np.ndarray | None = None) -> bool:
-    """Whether ``block`` holds a NaN or an infinity.
+def pack_layout(layouts: Sequence[Any]) -> bytes:
+    """The layout as :func:`mlfabric.wire._native.check` takes it: ``(offset, nbytes, kind)`` each.
 
-    float32/float64: a block whose sum is finite holds only finite values (a NaN or an infinity
-    makes the sum non-finite), so the exact per-element test runs only on a block whose sum is
-    not (a non-finite value, or a sum that overflowed). 2-byte floats (``exponent_bits`` given,
-    ``block`` their raw ``uint16`` words): non-finite when the exponent bits are all ones, i.e.
-    when the largest ``word & exponent_bits`` equals them (``scratch``: a ``uint16`` array at
-    least as long as the block for the masked words, so nothing is allocated per block).
+    Three little-endian uint64 per tensor, in the order given (``check`` reports the index of
+    the first tensor holding a NaN or an infinity); ``kind`` is :data:`LAYOUT_KINDS`' (1
+    float32, 2 float64, 3 float16, 4 bfloat16), 0 for a dtype that is not tested (integers).
+    ``layouts`` are :class:`Layout` or ``TensorLayout`` messages (a frame header's ``tensors``).
+
+    Examples
+    --------
+    >>> from mlfabric.wire import _native
+    >>> t = {"a": np.ones(3), "b": np.array([1.0, np.inf], np.float32)}
+    >>> layouts, n = plan_layout(t)
+    >>> buf = bytearray(n); encode_into(memoryview(buf), t, layouts)
+    >>> len(pack_layout(layouts)), _native.check(buf, 0, n, 0, pack_layout(layouts))[1]
+    (48, 1)
     """
-    if exponent_bits:
-        masked = np.empty_like(block) if scratch is None else scratch[: block.size]
-        np.bitwise_and(block, exponent_bits, out=masked)
-        return bool(masked.size) and int(masked.max()) == exponent_bits
-    # (callers silence numpy's overflow/invalid warnings once per call, not per block)
-    return not math.isfinite(np.add.reduce(block)) and not bool(np.isfinite(block).all())
+    return b"".join(_SEGMENT.pack(x.offset, x.nbytes, LAYOUT_KINDS.get(x.dtype, 0)) for x in layouts)
 
 
 def first_non_finite(tensors: Mapping[str, object]) -> str | None:
     """The name of the first tensor holding a NaN or an infinity, or None when all are finite.
 
-    One read of each tensor, block by block (:func:`_block_non_finite`: a block sum for
-    float32/float64, the exponent bits for float16 and bfloat16). The daemons run the same test
-    on a payload's bytes as they arrive (:class:`FiniteScan`); this is the server process's
-    fallback for a payload no daemon checked (DESIGN §9).
+    One read of each tensor by the C extension (a value is non-finite when its exponent bits
+    are all ones; :func:`mlfabric.wire._native.check`). The daemons run the same test on a
+    payload's bytes as they arrive (``recv_frame``); this is the server process's fallback for
+    a payload no daemon checked (DESIGN §9).
 
     Parameters
     ----------
     tensors : Mapping[str, numpy.ndarray or torch.Tensor]
-        The update.
+        The update (numpy ``uint16``: raw bfloat16 words).
 
     Examples
     --------
@@ -363,97 +362,11 @@ def first_non_finite(tensors: Mapping[str, object]) -> str | None:
             if not bool(torch.isfinite(value).all()):  # type: ignore[arg-type]
                 return name
             continue
-        flat = np.asarray(value).reshape(-1)
-        bits = {np.dtype(np.uint16): 0x7F80, np.dtype(np.float16): 0x7C00}.get(flat.dtype, 0)
-        if bits:
-            flat = flat.view(np.uint16)
-        step = _FINITE_BLOCK_BYTES // max(1, flat.itemsize)
-        scratch = np.empty(min(step, flat.size), np.uint16) if bits else None
-        with np.errstate(over="ignore", invalid="ignore"):
-            for start in range(0, flat.size, step):
-                if _block_non_finite(flat[start : start + step], bits, scratch):
-                    return name
+        flat = _as_numpy(value).reshape(-1)
+        kind = LAYOUT_KINDS.get(_NUMPY_NAMES.get(flat.dtype.name, ""), 0)
+        if kind and _native.check(flat, 0, flat.nbytes, 0, _SEGMENT.pack(0, flat.nbytes, kind))[1] >= 0:
+            return name
     return None
-
-
-class FiniteScan:
-    """The NaN/inf test of a payload's tensors, run piece by piece as its bytes become final.
-
-    The receiving daemon calls :meth:`scan` right after the CRC-32 of each piece (see
-    :class:`~mlfabric.daemon.channels.payloadio.Crc32Follower`), while the piece is still in cache, so
-    the test costs no extra pass over the payload. Each tensor region of the layout is tested
-    on its complete elements: float32/float64 by a block sum, float16/bfloat16 by their
-    exponent bits (:func:`_block_non_finite`); other dtypes (``uint8``, ``int32``, ...) are
-    skipped. Pieces must come in order; an element split across two pieces is tested with the
-    second.
-
-    Parameters
-    ----------
-    layouts : sequence of Layout
-        Where each tensor sits in the payload.
-
-    Attributes
-    ----------
-    bad : str or None
-        The name of the first tensor found holding a NaN or an infinity (scanning stops there).
-    done : bool
-        Every tensor was scanned to its end (and ``bad`` is None, or it stopped at ``bad``).
-
-    Examples
-    --------
-    >>> t = {"a": np.ones(3), "b": np.array([1.0, np.inf], np.float32)}
-    >>> layouts, n = plan_layout(t)
-    >>> buf = bytearray(n); encode_into(memoryview(buf), t, layouts)
-    >>> scan = FiniteScan(layouts)
-    >>> scan.scan(memoryview(buf), 27); scan.bad is None   # 'b' has one complete element so far
-    True
-    >>> scan.scan(memoryview(buf), n); scan.bad, scan.done
-    ('b', True)
-    """
-
-    def __init__(self, layouts: Sequence[Layout]) -> None:
-        self._regions: list[tuple[int, int, str, np.dtype[Any] | None, int]] = []
-        for x in sorted(layouts, key=lambda x: x.offset):
-            bits = _EXPONENT_BITS.get(x.dtype, 0)
-            dtype: np.dtype[Any] | None = _RAW_WORDS if bits else _SUMMED.get(x.dtype)
-            self._regions.append((x.offset, x.offset + x.nbytes, x.name, dtype, bits))
-        wants = any(r[4] for r in self._regions)  # a 2-byte float: scratch for its masked words
-        self._scratch = np.empty(_FINITE_BLOCK_BYTES // 2, np.uint16) if wants else None
-        self._next = 0  # index of the region being scanned
-        self._pos = 0  # bytes before this are scanned (or skipped)
-        self.bad: str | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether the scan is over (every region scanned, or a non-finite tensor found)."""
-        return self.bad is not None or self._next >= len(self._regions)
-
-    def scan(self, view: memoryview, end: int) -> None:
-        """Bytes ``[0, end)`` of ``view`` (the payload) are final: test those not tested yet."""
-        with np.errstate(over="ignore", invalid="ignore"):
-            self._scan(view, end)
-
-    def _scan(self, view: memoryview, end: int) -> None:
-        while self.bad is None and self._next < len(self._regions):
-            offset, stop, name, dtype, bits = self._regions[self._next]
-            start = max(self._pos, offset)
-            limit = min(end, stop)
-            if dtype is None:  # not a float: nothing to test
-                start = limit
-            else:
-                count = (limit - start) // dtype.itemsize
-                step = _FINITE_BLOCK_BYTES // dtype.itemsize
-                for first in range(0, count, step):
-                    n = min(step, count - first)
-                    block = np.frombuffer(view, dtype=dtype, count=n, offset=start + first * dtype.itemsize)
-                    if _block_non_finite(block, bits, self._scratch):
-                        self.bad = name
-                        return
-                start += count * dtype.itemsize
-            self._pos = start
-            if start < stop:
-                return  # wait for the rest of this tensor
-            self._next += 1
 
 
 def layouts_to_pb(layouts: Sequence[Layout]) -> list[Any]:

@@ -1,9 +1,9 @@
-"""The NaN/inf test fused into the receiver's CRC pass (recv_frame, Crc32Follower, FiniteScan).
+"""The NaN/inf test fused into the receiver's CRC pass (recv_frame, recv_payload, _native.check).
 
 Issue #16, defect 8: a non-finite update is refused where its payload is already being read,
 not in an extra pass. These tests check that :func:`recv_frame` finds the first tensor holding
 a NaN or an infinity for every float dtype, wherever the bad element sits (first, across a
-piece or chunk boundary, last), on the inline and the threaded CRC path, and that the payload
+receive piece boundary, last), in a payload of one piece or of several, and that the payload
 and its CRC check are unchanged by it.
 """
 
@@ -26,8 +26,9 @@ from mlfabric.daemon.channels.frames import (
     recv_frame,
     send_frame,
 )
-from mlfabric.daemon.channels.payloadio import FUSED_PIECE_BYTES, THREADED_CRC_BYTES
+from mlfabric.daemon.channels.payloadio import RECV_PIECE_BYTES
 from mlfabric.proto.v1 import dataplane_pb2
+from mlfabric.wire import _native
 
 LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=64 << 20)
 BF16_BITS = {np.nan: 0x7FC0, np.inf: 0x7F80, -np.inf: 0xFF80}
@@ -88,14 +89,15 @@ def _bad_tensor(dtype: str, count: int, where: int, bad: float) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("big", [False, True], ids=["inline", "threaded"])
+@pytest.mark.parametrize("big", [False, True], ids=["one-piece", "pieces"])
 def test_non_finite_found_in_the_crc_pass(
     pair: tuple[socket.socket, socket.socket], dtype: str, bad: float, big: bool
 ) -> None:
     itemsize = 2 if dtype in ("float16", "bfloat16") else int(dtype[-2:]) // 8
-    nbytes = THREADED_CRC_BYTES + 3 * FUSED_PIECE_BYTES if big else 3 * FUSED_PIECE_BYTES // 8
+    nbytes = 3 * RECV_PIECE_BYTES + 1000 if big else RECV_PIECE_BYTES // 8
     count = nbytes // itemsize
-    for where in (0, FUSED_PIECE_BYTES // itemsize if big else count // 2, count - 1):
+    second_piece = (RECV_PIECE_BYTES - 4000) // itemsize  # 4000 bytes of "first" before "t"
+    for where in (0, second_piece if big else count // 2, count - 1):
         ok = np.arange(1000, dtype=np.float32)
         t = _bad_tensor(dtype, count, where, bad)
         header, payload = _frame({"first": ("float32", ok), "t": (dtype, t)})
@@ -155,7 +157,7 @@ def test_crc_mismatch_still_wins(pair: tuple[socket.socket, socket.socket]) -> N
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_scan_in_random_pieces_agrees_with_first_non_finite(seed: int) -> None:
+def test_check_in_random_pieces_agrees_with_first_non_finite(seed: int) -> None:
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
     for i in range(int(rng.integers(1, 6))):
@@ -172,11 +174,11 @@ def test_scan_in_random_pieces_agrees_with_first_non_finite(seed: int) -> None:
     layouts, total = tcodec.plan_layout(tensors)
     buf = bytearray(total)
     tcodec.encode_into(memoryview(buf), tensors, layouts)
-    scan = tcodec.FiniteScan(layouts)
-    view, pos = memoryview(buf), 0
+    layout = tcodec.pack_layout(layouts)
+    crc, found, pos = 0, -1, 0
     while pos < total:
-        pos = min(total, pos + int(rng.integers(1, 300_000)))
-        scan.scan(view, pos)
-    scan.scan(view, total)
-    assert scan.done
-    assert scan.bad == tcodec.first_non_finite(tensors)
+        end = min(total, pos + int(rng.integers(1, 300_000)))
+        crc, bad = _native.check(buf, pos, end, crc, layout)
+        found = bad if found < 0 else found
+        pos = end
+    assert (layouts[found].name if found >= 0 else None) == tcodec.first_non_finite(tensors)

@@ -107,3 +107,14 @@ def test_copy_crc_copies_and_checksums() -> None:
         native.copy_crc(bytearray(3), b"abcd")
     with pytest.raises(TypeError, match="writable"):
         native.copy_crc(b"xxxx", b"ab")  # type: ignore[arg-type]  # the refusal under test
+
+
+@pytest.mark.parametrize("length", [0, 1, 63, 64, 79, 16_384, 16_385, 200_001])
+def test_copy_crc_at_every_destination_alignment(length: int) -> None:
+    """The non-temporal copy handles any destination offset, head and tail."""
+    src = os.urandom(length)
+    for skew in range(17):
+        dst = bytearray(length + 32)
+        view = memoryview(dst)[skew:]
+        assert native.copy_crc(view, src) == zlib.crc32(src)
+        assert bytes(view[:length]) == src and not any(dst[:skew]) and not any(dst[skew + length :])

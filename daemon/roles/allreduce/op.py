@@ -43,13 +43,13 @@ class Op:
     key: Key
     conn: LocalConnection
     request_id: int
+    #: the process's memfd: its contribution, then, chunk by chunk, the partial sums and the
+    #: result in place (the process gets it back with the result; DESIGN §9)
     fd: int
-    own: mmap.mmap
+    data: mmap.mmap  # ``fd`` mapped shared, read-write
     tensors: list[Any]  # TensorLayout messages
     payload_bytes: int
     world_size: int
-    result_fd: int
-    result: mmap.mmap
     deadline: float
     started: float
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -65,6 +65,9 @@ class Op:
     summed: list[set[str]] = field(default_factory=list)
     have: list[bool] = field(default_factory=list)
     forwarded: list[int] = field(default_factory=list)
+    #: (phase, chunk) -> the CRC-32 of the bytes that phase sends, when known (a received result
+    #: chunk's, checked on arrival; a sum's, computed while it is in cache)
+    crcs: dict[tuple[int, int], int] = field(default_factory=dict)
     senders: dict[str, Sender] = field(default_factory=dict)  # peer participant -> its sender
     state: str = "waiting"  # -> planned -> done | failed
     #: why it failed (the first reason; a peer refused a chunk because of it names it again)

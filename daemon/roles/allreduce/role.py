@@ -7,15 +7,17 @@ every participant is in and they agree, the scheduler sends each participant's d
 chunk (pipelined; for a ring every segment of the payload is such a chain along the ring,
 :mod:`~mlfabric.daemon.roles.allreduce.routes`, so each chunk has its own children and parent):
 
-- **reduce**: a participant sums (:class:`~mlfabric.aggregators.kernels.Accumulator`, in
-  place in its result memfd) its own chunk and each child's partial sum, and sends the chunk
-  to its parent. A leaf's partial sum is its own contribution, sent from its memfd. Each
+- **reduce**: a participant sums (:class:`~mlfabric.aggregators.kernels.Accumulator`) each
+  child's partial sum into its own chunk, in place in its process's memfd, and sends the chunk
+  to its parent. A leaf's partial sum is its own contribution, sent from that memfd. Each
   partial sum names the participants it holds: a repeated frame is ACKed and not summed again,
   and a frame whose participants overlap what the chunk already holds is refused, so nothing is
   counted twice; the root checks that every chunk holds all ``world_size`` participants.
 - **broadcast**: the root's finished chunks, and every chunk received from the parent, go to
-  the children. Once every chunk of the result is in and forwarded, the result memfd goes to
-  the local process (``AllreduceResult``) and ``AllreduceDone`` to the scheduler.
+  the children, and overwrite the chunk in the memfd. Once every chunk of the result is in
+  and forwarded, the memfd (the process's own, now holding the sum: no memory of the daemon's
+  per operation) goes back to the local process (``AllreduceResult``) and ``AllreduceDone``
+  to the scheduler.
 
 Failures never hang: a peer that cannot be reached, a refused frame, the local process
 disconnecting, the scheduler stream breaking, or the participant's deadline passing fail the
@@ -38,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.channels.frames import Frame, FrameHeader, error_header
+from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.channels.peers import PeerUnavailable
@@ -48,6 +50,7 @@ from mlfabric.daemon.roles.allreduce.op import AllreduceError, Key, Op, Sender, 
 from mlfabric.daemon.roles.allreduce.routes import routing
 from mlfabric.daemon.roles.base import Role, RoleContext, Routes
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
+from mlfabric.wire import _native
 from mlfabric.wire.tensors import layouts_from_pb, layouts_to_pb
 
 __all__ = ["DEFAULT_TIMEOUT", "AllreduceRole"]
@@ -60,6 +63,8 @@ REDUCE, BROADCAST = 1, 2
 DEFAULT_TIMEOUT = 60.0
 #: Seconds a chunk that arrives before its operation's directive waits for it.
 EARLY_WAIT = 10.0
+#: The process's memfd, mapped shared with its pages mapped in at once.
+_SHARED_POPULATE = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class AllreduceRole(Role):
@@ -111,25 +116,13 @@ class AllreduceRole(Role):
             return fd
         assert fd is not None
         size = req.payload_bytes
-        own = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
-        result_fd = os.memfd_create("mlfabric-allreduce", os.MFD_CLOEXEC)
-        os.ftruncate(result_fd, size)
-        result = mmap.mmap(result_fd, size) if size else mmap.mmap(-1, 1)
+        try:  # the sums and the result go in place: its pages exist already (no zeroing, no faults)
+            data = mmap.mmap(fd, size, _SHARED_POPULATE) if size else mmap.mmap(-1, 1)
+        except OSError as exc:  # e.g. a read-only or sealed memfd
+            conn.error(rid, "bad_request", f"the all-reduce's memfd cannot be mapped for writing: {exc}")
+            return fd
         now = self._clock()
-        op = Op(
-            key,
-            conn,
-            rid,
-            fd,
-            own,
-            list(req.tensors),
-            size,
-            req.world_size,
-            result_fd,
-            result,
-            now + timeout,
-            now,
-        )
+        op = Op(key, conn, rid, fd, data, list(req.tensors), size, req.world_size, now + timeout, now)
         with self._lock:
             if key in self._ops:
                 taken = True
@@ -203,12 +196,8 @@ class AllreduceRole(Role):
         with self._changed:
             self._changed.notify_all()
         for c in op.chunks:  # where this participant is a leaf, its partial sum is its own chunk
-            route = op.route(c.index)
-            if route.children:
-                continue
-            if route.parent is None:  # and the root (a world of one): the result is its own
-                op.result[c.lo : c.hi] = op.own[c.lo : c.hi]
-            self._reduced(op, c.index)
+            if not op.route(c.index).children:  # (and at the root of a world of one, the result)
+                self._reduced(op, c.index)
         self._maybe_done(op)  # a payload with no chunks
 
     def on_abort(self, a: Any) -> None:
@@ -295,7 +284,7 @@ class AllreduceRole(Role):
             has_payload=True,
             plan=op.directive.plan,
         )
-        op.conn.send(local_pb2.LocalEvent(request_id=op.request_id, allreduce_result=result), op.result_fd)
+        op.conn.send(local_pb2.LocalEvent(request_id=op.request_id, allreduce_result=result), op.fd)
         seconds = self._clock() - op.started
         self._finish(op, "delivered")
         job, name, seq, participant = op.key
@@ -310,8 +299,9 @@ class AllreduceRole(Role):
             if op.state != "planned":
                 return False
             c = op.chunks[index]
-            leaf = phase == REDUCE and not op.route(index).children
             summed = sorted(op.summed[index]) if phase == REDUCE else []
+            crc = op.crcs.get((phase, index))
+            fd = os.dup(op.fd)  # this send's own: the operation may end (closing op.fd) meanwhile
         job, name, seq, participant = op.key
         header = FrameHeader(
             kind=_UPDATE,
@@ -333,10 +323,15 @@ class AllreduceRole(Role):
                 summed=summed,
             ),
         )
-        source = op.own if leaf else op.result
-        payload = memoryview(source)[c.lo : c.hi]
         try:
-            reply = self._request(peer.data_address, header, payload)
+            if crc is None:  # a leaf's own chunk: read here once
+                with memoryview(op.data)[c.lo : c.hi] as own:
+                    crc = _native.crc32(own)
+            # sendfile from the memfd: no copy into the socket. The bytes sent do not change until
+            # the peer has them: a chunk is overwritten only by its result, which comes after every
+            # contribution was received, and the operation ends only once every result was ACKed.
+            span = FileSpan(fd, c.lo, c.hi - c.lo)
+            reply = self._request(peer.data_address, header, span, crc32=crc)
         except (PeerUnavailable, OSError, ValueError) as exc:
             self.fail(
                 op.key,
@@ -346,7 +341,7 @@ class AllreduceRole(Role):
             )
             return False
         finally:
-            payload.release()
+            os.close(fd)
         reply.release()
         if reply.header.kind != _ACK:
             self.fail(
@@ -451,20 +446,23 @@ class AllreduceRole(Role):
             if a.phase == REDUCE:
                 with chunk_lock:  # one chunk's sums, one at a time
                     acc = op.accs.get(a.index)
-                    if acc is None:
-                        acc = op.accs[a.index] = Accumulator(c.layouts, memoryview(op.result)[c.lo : c.hi])
-                        own = memoryview(op.own)[c.lo : c.hi]
+                    if acc is None:  # the participant's own chunk is the first member, in place
+                        own = memoryview(op.data)[c.lo : c.hi]
+                        acc = op.accs[a.index] = Accumulator(c.layouts, own)
                         acc.add(own)
-                        own.release()
                     acc.add(frame.payload)
                     complete = acc.count == len(route.children) + 1
                     if complete:
                         acc.finish()
                         op.accs.pop(a.index, None)
+                        with memoryview(op.data)[c.lo : c.hi] as summed:  # in cache: for its frame
+                            crc = _native.crc32(summed)
                 if complete:
+                    op.crcs[(REDUCE, a.index)] = op.crcs[(BROADCAST, a.index)] = crc
                     self._reduced(op, a.index)
             else:
-                op.result[c.lo : c.hi] = frame.payload
+                op.data[c.lo : c.hi] = frame.payload
+                op.crcs[(BROADCAST, a.index)] = h.payload_crc32  # verified on arrival
                 self._result_chunk(op, a.index)
         except ValueError as exc:  # the operation failed meanwhile: its mappings are closed
             raise AllreduceError("allreduce_failed", f"{op.ended()} ({exc})") from exc
@@ -516,11 +514,9 @@ class AllreduceRole(Role):
         self._close(op)  # a sender still sending keeps the mapping alive (BufferError, below)
 
     def _close(self, op: Op) -> None:
-        for m in (op.own, op.result):
-            try:
-                m.close()
-            except BufferError:  # a view still exported (a frame being sent): the GC closes it
-                _LOG.debug("%s: mapping still in use at close", op.name())
-        for fd in (op.fd, op.result_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        try:
+            op.data.close()
+        except BufferError:  # a view still exported (a frame being sent): the GC closes it
+            _LOG.debug("%s: mapping still in use at close", op.name())
+        with contextlib.suppress(OSError):
+            os.close(op.fd)

@@ -40,7 +40,7 @@ class ModelSnapshot:
     def checksum(self) -> int:
         """The payload's CRC-32, computed on first use (a peer's GET) and kept."""
         if self.crc32 is None:
-            self.crc32 = payloadio.crc32(self.mapping) if self.mapping is not None else 0
+            self.crc32 = payloadio.payload_crc32(self.mapping)
         return self.crc32
 
     def close(self) -> None:
