@@ -7,8 +7,11 @@ reason; the listener keeps serving the authenticated ones, memfd payloads includ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,3 +148,78 @@ def test_hmac_needs_a_secret_and_tls_needs_files(certs: Path, tmp_path: Path) ->
     with pytest.raises(ValueError, match="need at least 16"):
         load_secret(str(tmp_path / "short"))
     assert error_header("x").kind == _ERROR
+
+
+class _Tamperer:
+    """An on-path TCP relay between a peer and the listener that flips one byte of the peer's
+    stream at offset ``at`` (past the handshake, inside the first frame's payload)."""
+
+    def __init__(self, target: str, at: int) -> None:
+        host, _, port = target.rpartition(":")
+        self._target, self._at = (host, int(port)), at
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self.flipped = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        t = threading.Thread(target=self._serve, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            peer, _ = self._sock.accept()
+            upstream = socket.create_connection(self._target, timeout=10)
+            back = threading.Thread(target=self._pump, args=(upstream, peer, False), daemon=True)
+            back.start()
+            self._threads.append(back)
+            self._pump(peer, upstream, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
+        seen = 0
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if tamper and not self.flipped and seen <= self._at < seen + len(data):
+                    data = bytearray(data)
+                    data[self._at - seen] ^= 0x01
+                    self.flipped = True
+                seen += len(data)
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        self._sock.close()
+        for t in self._threads:
+            t.join(5)
+
+
+def test_a_frame_modified_inside_an_authenticated_connection_is_refused(
+    served: Served, mode: str, certs: Path
+) -> None:
+    """Issue 27: bytes changed on the path after the handshake never reach the handler.
+
+    ``tls``: the record's MAC fails, the listener drops the connection (a deliberate forgery
+    too: the attacker holds no key). ``hmac`` authenticates the connection only: a changed byte
+    is refused by the payload's CRC-32 (ERROR naming it), which catches corruption, not a
+    forger who fixes the CRC up -- docs/security.md says to use ``tls`` against on-path
+    attackers.
+    """
+    _listener, address, seen = served
+    relay = _Tamperer(address, at=512 * 1024)  # well past either handshake, inside the payload
+    relay.start()
+    pool = PeerPool(FrameLimits(), connect_timeout=5, io_timeout=10, auth=auth(mode, "h1", certs))
+    try:
+        if mode == "tls":
+            with pytest.raises(PeerUnavailable):
+                pool.request(relay.address, update("h1", 1 << 20), b"x" * (1 << 20))
+        else:
+            reply = pool.request(relay.address, update("h1", 1 << 20), b"x" * (1 << 20))
+            assert reply.header.kind == _ERROR and "CRC" in reply.header.reason, reply.header.reason
+    finally:
+        pool.close()
+        relay.stop()
+    assert relay.flipped
+    assert seen == []  # the handler never saw the modified frame
