@@ -179,9 +179,9 @@ class _Tamperer:
     def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
         seen = 0
         with contextlib.suppress(OSError):
-            while data := src.recv(65536):
+            while received := src.recv(65536):
+                data = bytearray(received)
                 if tamper and not self.flipped and seen <= self._at < seen + len(data):
-                    data = bytearray(data)
                     data[self._at - seen] ^= 0x01
                     self.flipped = True
                 seen += len(data)
