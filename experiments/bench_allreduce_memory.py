@@ -104,8 +104,18 @@ def driver(args: argparse.Namespace) -> str:
             start = time.monotonic()
             early: dict[str, int] = {}
             cpu0: dict[str, float] = {}
+            said = start
             while True:
                 done = _done(progress)
+                if time.monotonic() - said >= 30:  # a long run says how far it is
+                    said = time.monotonic()
+                    rss = max(_rss(p) for p in pids.values()) / 1e6
+                    print(
+                        f"{done}/{args.ops} all-reduces in {said - start:.0f} s; "
+                        f"largest daemon RSS {rss:.0f} MB",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if not early and all(Path(f"{progress}.{r}").exists() for r in range(args.ranks)):
                     early = {h: _rss(p) for h, p in pids.items()}  # every rank waits: nothing in flight
                     cpu0 = {h: _cpu(p) for h, p in pids.items()}
