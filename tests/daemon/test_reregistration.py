@@ -57,6 +57,8 @@ def test_worker_whose_role_is_gone_gets_an_error_on_push(cluster: dict[str, Any]
     fresh.start(port)
     try:
         wait_until(lambda: asked == ["w0"], timeout=15)
+        role = cluster["w0"].worker  # the refusal is on its way back: wait until the daemon has it
+        wait_until(lambda: any(lost for lost, _ in list(role._unregistered.values())), timeout=15)
         with pytest.raises(mlfabric.MlfabricError) as info:
             worker.push("ps0", UPDATE).wait(10)
         assert info.value.code == "role_lost"
