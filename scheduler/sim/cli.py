@@ -136,18 +136,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 class _Progress:
-    """Prints simulated time and events to stderr at most every ``every`` wall seconds."""
+    """Prints simulated time, events and events per wall second to stderr, at most every
+    ``every`` wall seconds."""
 
     def __init__(self, label: str, every: float = 3.0) -> None:
         self.label = label
         self.every = every
-        self.last = time.monotonic()
+        self.started = self.last = time.monotonic()
+        self.events = 0
 
     def __call__(self, sim_time: float, events: int) -> None:
         now = time.monotonic()
         if now - self.last >= self.every:
-            self.last = now
-            print(f"  [{self.label}] t={sim_time:.3f}s simulated, {events} events", file=sys.stderr)
+            rate = (events - self.events) / (now - self.last)
+            self.last, self.events = now, events
+            print(
+                f"  [{self.label}] {now - self.started:.0f} s: t={sim_time:.3f}s simulated, {events} events "
+                f"({rate:.0f} events/s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _cluster(args: argparse.Namespace, rng: Any) -> Any:
@@ -269,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         write_trace(args.trace, events)
         print(f"# trace: {args.trace} (open in ui.perfetto.dev)")
     if args.json is not None:
-        args.json.write_text(json.dumps([s.as_dict() for s in stats], indent=2))
+        args.json.write_text(json.dumps([s.as_json() for s in stats], indent=2, allow_nan=False))
     return 0
 
 

@@ -54,8 +54,21 @@ class PolicyStats:
     wall_s: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON-ready; NaN stays NaN)."""
+        """Plain dict (NaN stays NaN: "no value", e.g. no makespan without iterations)."""
         return asdict(self)
+
+    def as_json(self) -> dict[str, Any]:
+        """:meth:`as_dict` with every non-finite number as None, so that the JSON is valid.
+
+        Examples
+        --------
+        >>> s = summarize("fair", [], sim_time=0.0)
+        >>> s.as_dict()["makespan_mean"], s.as_json()["makespan_mean"]
+        (nan, None)
+        """
+        return {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(self).items()
+        }
 
 
 def summarize(

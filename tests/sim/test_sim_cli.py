@@ -93,3 +93,29 @@ def test_the_stf_horizon_replans_and_changes_no_outcome(tmp_path: Path) -> None:
     assert runs["2"]["decisions"] > runs["0"]["decisions"]
     same = ("applied", "dropped_policy", "completion_mean", "delay_mean")
     assert {k: runs["2"][k] for k in same} == {k: runs["0"][k] for k in same}
+
+
+def test_json_is_valid_where_a_value_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 24: asynchronous runs have no makespan (NaN inside); the file must still be JSON."""
+    out = tmp_path / "s.json"
+    argv = ["simulate", "--workers", "4", "--nic-gbps", "1", "--iterations", "1", "--quiet"]
+    argv += ["--json", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the JSON")
+
+    rows = json.loads(out.read_text(), parse_constant=refuse)
+    assert {r["policy"] for r in rows} == {"fair", "stf"}
+    assert all(r["makespan_mean"] is None for r in rows)  # asynchronous: no makespan
+    assert all(isinstance(r["delay_mean"], float) for r in rows)
+
+
+def test_progress_says_events_per_second(capsys: pytest.CaptureFixture[str]) -> None:
+    from mlfabric.scheduler.sim.cli import _Progress
+
+    progress = _Progress("stf", every=0.0)
+    progress(1.5, 300)
+    err = capsys.readouterr().err
+    assert "[stf]" in err and "t=1.500s simulated, 300 events" in err and "events/s)" in err
