@@ -50,11 +50,14 @@ def test_two_levels_beat_one_and_match_the_tree() -> None:
     assert two.status == "OPTIMAL"
     assert any(is_aggregate_id(m) for a in two.schedule.aggregates for m in a.members)
     assert not any(is_aggregate_id(m) for a in one.schedule.aggregates for m in a.members)
-    # one payload reaches the server
-    assert len([t for t in two.schedule.transfers if t.dst == "s0"]) == 1
+    # aggregates carry the updates: fewer payloads reach the server than there are updates
+    # (the optimum is not unique: one payload, or one update direct and the rest summed, both
+    # finish at 0.08 s; the parallel solver may return either)
+    assert len([t for t in two.schedule.transfers if t.dst == "s0"]) < len(updates)
     tree = plan_tree(inst.graph, updates, aggregators=list(inst.aggregators))
     check_schedule(inst.graph, tree, updates=updates)
     assert objective_of(inst, tree) == pytest.approx(0.08)
+    assert len([t for t in tree.transfers if t.dst == "s0"]) == 1  # the tree: one payload
 
 
 def test_levels_is_one_or_two() -> None:
