@@ -38,6 +38,7 @@ from mlfabric.daemon.channels.sockets import (
     parse_address,
     set_io_timeout,
     start_accepting,
+    stop_accepting,
     tune_socket,
 )
 from mlfabric.wire.auth import AuthFailed, DataPlaneAuth
@@ -180,14 +181,8 @@ class DataPlaneListener:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection and join the threads (idempotent)."""
-        self._stopping.set()
         server, self._server = self._server, None
-        if server is not None:
-            with contextlib.suppress(OSError):
-                server.shutdown(socket.SHUT_RDWR)
-            server.close()
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout)
+        stop_accepting(server, self._stopping, self._accept_thread, timeout)
         with self._lock:
             conns = list(self._conns.items())
         for sock, _thread in conns:

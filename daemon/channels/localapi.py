@@ -31,7 +31,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from mlfabric.daemon.channels.sockets import admit, start_accepting
+from mlfabric.daemon.channels.sockets import admit, start_accepting, stop_accepting
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.wire.framing import MAX_LOCAL_MESSAGE, MessageReader, ProtocolError, ReadTimeout, send_message
 from mlfabric.wire.peercred import LocalAccess, peer_credentials
@@ -167,16 +167,11 @@ class LocalApiServer:
 
     def stop_accepting(self, timeout: float = 5.0) -> None:
         """Accept no new process (the socket file goes); the connections stay open."""
-        self._stopping.set()
         server, self._server = self._server, None
+        stop_accepting(server, self._stopping, self._accept_thread, timeout)
         if server is not None:
-            with contextlib.suppress(OSError):
-                server.shutdown(socket.SHUT_RDWR)
-            server.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, remove the socket file."""

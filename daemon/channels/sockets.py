@@ -31,6 +31,7 @@ __all__ = [
     "set_io_timeout",
     "set_receive_timeout",
     "start_accepting",
+    "stop_accepting",
     "tune_socket",
 ]
 
@@ -238,6 +239,20 @@ def start_accepting(
     )
     thread.start()
     return thread
+
+
+def stop_accepting(
+    server: socket.socket | None, stopping: threading.Event, thread: threading.Thread | None, timeout: float
+) -> None:
+    """End what :func:`start_accepting` started: set ``stopping``, shut ``server`` down and close
+    it (a blocked ``accept`` returns), join ``thread`` (``None``: nothing to close or join)."""
+    stopping.set()
+    if server is not None:
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+        server.close()
+    if thread is not None:
+        thread.join(timeout)
 
 
 def admit(conns: MutableMapping[K, V], key: K, value: V, max_connections: int | None) -> bool:

@@ -37,6 +37,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
@@ -96,6 +97,24 @@ class _Kept:
     world_size: int
     plan: AllreducePlan
     epoch: int
+
+
+def _directive(
+    key: OpKey, participant: str, plan: AllreducePlan, world_size: int, describe: str, **extra: Any
+) -> pb.AllreduceDirective:
+    """The ``AllreduceDirective`` of ``participant`` in operation ``key`` (``extra``: the
+    executor's fields: a ring or tree position, or the process group's plan)."""
+    job, name, seq = key
+    return pb.AllreduceDirective(
+        job=job,
+        name=name,
+        seq=seq,
+        participant=participant,
+        chunk_bytes=plan.chunk_bytes,
+        world_size=world_size,
+        plan=describe,
+        **extra,
+    )
 
 
 def _shape(plan: AllreducePlan) -> tuple[object, ...]:
@@ -207,7 +226,6 @@ class AllreduceBook:
             return self.abort(op.key, "allreduce_failed", f"{op.label()}: cannot plan: {exc}")
         op.planned = True
         self.plans["daemons", plan.kind] += 1
-        job, name, seq = op.key
         describe = plan.describe(op.ready)
         log.info("%s: %s", op.label(), describe)
 
@@ -219,15 +237,7 @@ class AllreduceBook:
         out = Effects()
         ring = [peer(p) for p in plan.ring] if plan.kind == "ring" else []
         for p, host in sorted(op.ready.items()):
-            d = pb.AllreduceDirective(
-                job=job,
-                name=name,
-                seq=seq,
-                participant=p,
-                chunk_bytes=plan.chunk_bytes,
-                world_size=op.world_size,
-                plan=describe,
-            )
+            d = _directive(op.key, p, plan, op.world_size, describe)
             if ring:  # every participant gets the whole ring and finds its place in it
                 d.ring.extend(ring)
             else:
@@ -261,7 +271,6 @@ class AllreduceBook:
         return plan_allreduce(self._graph(), [(p, hosts[p]) for p in order], nbytes, executor=PROCESS_GROUP)
 
     def _group_directives(self, key: OpKey, signature: int, kept: _Kept) -> Effects:
-        job, name, seq = key
         plan, ranks = kept.plan, kept.ranks
         parents = [-1] * kept.world_size
         if plan.kind == "tree":
@@ -269,14 +278,12 @@ class AllreduceBook:
                 parents[ranks[p]] = -1 if q is None else ranks[q]
         out = Effects()
         for p, host in sorted(kept.hosts.items()):
-            d = pb.AllreduceDirective(
-                job=job,
-                name=name,
-                seq=seq,
-                participant=p,
-                chunk_bytes=plan.chunk_bytes,
-                world_size=kept.world_size,
-                plan=plan.describe(kept.hosts),
+            d = _directive(
+                key,
+                p,
+                plan,
+                kept.world_size,
+                plan.describe(kept.hosts),
                 executor_kind=plan.kind,
                 epoch=kept.epoch,
                 parent_ranks=parents if plan.kind == "tree" else [],

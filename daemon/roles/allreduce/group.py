@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric.daemon.channels.localapi import LocalConnection
-from mlfabric.daemon.roles.allreduce.op import Key
+from mlfabric.daemon.roles.allreduce.op import Key, ready_message
 from mlfabric.proto.v1 import control_pb2, local_pb2
 
 __all__ = ["GroupPlans"]
@@ -91,17 +91,10 @@ class GroupPlans:
         if taken:
             conn.error(request_id, "bad_request", f"{_label(key)} is already waiting for its plan")
             return
-        ready = control_pb2.AllreduceReady(
-            job=req.job,
-            name=req.name,
-            seq=req.seq,
-            participant=req.participant,
-            world_size=req.world_size,
-            tensors=[
-                control_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in req.tensors
-            ],
-            bytes=req.payload_bytes,
-            timeout_seconds=timeout,
+        ready = ready_message(
+            req,
+            req.payload_bytes,
+            timeout,
             plan_only=True,
             process_rank=req.process_rank,
             signature=req.signature,

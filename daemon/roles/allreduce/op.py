@@ -19,9 +19,10 @@ from mlfabric.aggregators.kernels import Accumulator
 from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.roles.allreduce.chunks import Chunk
 from mlfabric.daemon.roles.allreduce.routes import Route
+from mlfabric.proto.v1 import control_pb2
 from mlfabric.wire.tensors import DTYPES
 
-__all__ = ["SEND_WINDOW", "AllreduceError", "Key", "Op", "Sender", "check_request"]
+__all__ = ["SEND_WINDOW", "AllreduceError", "Key", "Op", "Sender", "check_request", "ready_message"]
 
 #: Chunks in flight (unACKed) per peer of an operation: one sending thread and connection each.
 SEND_WINDOW = 2
@@ -115,6 +116,23 @@ class Sender:
         """End every thread once the chunks queued before are sent (or the operation failed)."""
         for _ in self.threads:
             self.queue.put(None)
+
+
+def ready_message(req: Any, nbytes: int, timeout: float, **extra: Any) -> Any:
+    """The ``AllreduceReady`` announcing the local ``AllreduceRequest`` ``req`` to the scheduler
+    (``extra``: the process-group fields, ``plan_only`` and the like)."""
+    tensors = [control_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in req.tensors]
+    return control_pb2.AllreduceReady(
+        job=req.job,
+        name=req.name,
+        seq=req.seq,
+        participant=req.participant,
+        world_size=req.world_size,
+        tensors=tensors,
+        bytes=nbytes,
+        timeout_seconds=timeout,
+        **extra,
+    )
 
 
 def check_request(req: Any, fd: int | None) -> tuple[str, str] | None:

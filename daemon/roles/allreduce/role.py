@@ -46,7 +46,7 @@ from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.channels.peers import PeerUnavailable
 from mlfabric.daemon.channels.routing import FrameRoute
 from mlfabric.daemon.roles.allreduce.group import GroupPlans
-from mlfabric.daemon.roles.allreduce.op import AllreduceError, Key, Op, Sender, check_request
+from mlfabric.daemon.roles.allreduce.op import AllreduceError, Key, Op, Sender, check_request, ready_message
 from mlfabric.daemon.roles.allreduce.routes import routing
 from mlfabric.daemon.roles.base import Role, RoleContext, Routes
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
@@ -134,18 +134,7 @@ class AllreduceRole(Role):
             self._close(op)
             conn.error(rid, "bad_request", f"{op.name()} is already in progress on host {self.host!r}")
             return None
-        ready = control_pb2.AllreduceReady(
-            job=req.job,
-            name=req.name,
-            seq=req.seq,
-            participant=req.participant,
-            world_size=req.world_size,
-            tensors=[
-                control_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in req.tensors
-            ],
-            bytes=size,
-            timeout_seconds=timeout,
-        )
+        ready = ready_message(req, size, timeout)
         if not self._control(control_pb2.DaemonMessage(allreduce_ready=ready)):
             self.fail(key, "unavailable", f"{op.name()}: the scheduler is not connected", tell=False)
         return None
