@@ -31,6 +31,7 @@ __all__ = [
     "Policy",
     "ReplicaSend",
     "ReplicaView",
+    "RoundSpec",
     "Send",
     "Snapshot",
 ]
@@ -93,6 +94,18 @@ class ReplicaView:
 
 
 @dataclass(frozen=True)
+class RoundSpec:
+    """A synchronous server's rounds as a policy sees them (issue 23, docs/rounds.md).
+
+    Every round of the server (the updates computed from one model version) takes one
+    update from each of ``members`` (worker -> its host), so a policy planning a round's
+    first updates knows who is still to come and where from.
+    """
+
+    members: Mapping[str, str]
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What a policy may look at. Capacities in ``graph`` are the current estimates."""
 
@@ -110,6 +123,8 @@ class Snapshot:
     #: aggregates planned and not yet forwarded, members as they stand (set by the runner);
     #: a policy may list one again with more members (they join it before it leaves)
     gathering: tuple[PlannedAggregate, ...] = ()
+    #: (job, server) -> its round membership, for servers of synchronous jobs
+    rounds: Mapping[ServerKey, RoundSpec] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,7 +153,9 @@ class PlannedAggregate:
 
     The members are sent to ``aggregator`` by the decision's sends (whose ``next_hop``
     is the aggregator); the aggregate leaves once every member is in and every transfer
-    in ``after`` is (nearly) done, along ``path``.
+    in ``after`` is (nearly) done, along ``path`` — and not before ``hold_until``: a
+    synchronous round's aggregate waits that long for members expected later (listed
+    again with them when they come), then leaves with those it has.
     """
 
     aggregate_id: str
@@ -148,6 +165,7 @@ class PlannedAggregate:
     dst: str
     after: tuple[str, ...] = ()
     path: tuple[str, ...] = ()
+    hold_until: float = 0.0
 
 
 @dataclass(frozen=True)

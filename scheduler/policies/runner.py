@@ -15,8 +15,9 @@ daemons; a fluid network and a simulated server). The runner
   released, is replaced; one listed again with more members takes them in, which the
   policy sees in ``Snapshot.gathering``); executing the drops is the caller's;
 * releases, given the clock and the transfers in flight, the sends whose ``after`` are
-  (nearly) done, and the aggregates whose members are all in at their aggregator and
-  whose ``after`` are done. An aggregate being gathered counts as a transfer in flight
+  (nearly) done, and the aggregates whose members are all in at their aggregator, whose
+  ``after`` are done and whose ``hold_until`` (a synchronous round's wait for members
+  expected later) has passed. An aggregate being gathered counts as a transfer in flight
   that will not end soon, so a send planned after it waits for it;
 * says, through its :class:`~mlfabric.scheduler.policies.dispatch.ReplanTrigger`, when to
   decide again without a new ready update (bounded-horizon planning).
@@ -173,6 +174,8 @@ class DecisionRunner:
                 if m not in g.members and m not in self._member_of:
                     g.members.append(m)
                     self._member_of[m] = a.aggregate_id
+            if a.hold_until != g.planned.hold_until:  # the policy's latest word on how long it waits
+                g.planned = replace(g.planned, hold_until=a.hold_until)
         self.dispatcher.adopt(decision)
         self.forget(d.update_id for d in decision.drops)
 
@@ -253,6 +256,8 @@ class DecisionRunner:
         for aid, g in list(self._gathering.items()):
             if len(g.arrived) < len(g.members) or any(a in busy for a in g.planned.after):
                 continue
+            if g.planned.hold_until > now:  # a synchronous round's members still expected
+                continue
             forwarded.append(self._gathering.pop(aid))
             up = self._gathering.get(self._member_of.get(aid, ""))
             if up is not None:  # an aggregate summed into another one: that one has started
@@ -269,8 +274,17 @@ class DecisionRunner:
         return Released(tuple(sends), aggregates)
 
     def next_wakeup(self, in_flight: Mapping[str, InFlight]) -> float | None:
-        """The earliest time a planned send may become releasable by the clock alone (or ``None``)."""
-        wake = self.dispatcher.next_wakeup({**in_flight, **self._placeholders()})
+        """The earliest time a planned send or a held aggregate may go by the clock alone (or ``None``).
+
+        A held aggregate (``PlannedAggregate.hold_until``) counts once all its members are in.
+        """
+        wakes = [self.dispatcher.next_wakeup({**in_flight, **self._placeholders()})]
+        wakes += [
+            g.planned.hold_until
+            for g in self._gathering.values()
+            if g.planned.hold_until > 0 and len(g.arrived) >= len(g.members)
+        ]
+        wake = min((w for w in wakes if w is not None), default=None)
         return None if wake is None or math.isinf(wake) else wake
 
     def _placeholders(self, extra: Iterable[_Gathering] = ()) -> dict[str, InFlight]:

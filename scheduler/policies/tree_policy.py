@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
-from mlfabric.scheduler.core.schedule import Link, Schedule
+from mlfabric.scheduler.core.schedule import Link, Schedule, Update
 from mlfabric.scheduler.policies.aggregation import _stale
+from mlfabric.scheduler.policies.arrivals import ArrivalModel
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.planning import (
@@ -26,6 +27,7 @@ from mlfabric.scheduler.policies.planning import (
     name_aggregates,
     reserve_in_flight,
 )
+from mlfabric.scheduler.policies.round_plans import RoundBook
 from mlfabric.scheduler.policies.tree_cost import collector_paused
 from mlfabric.scheduler.policies.tree_routes import RouteCache
 from mlfabric.scheduler.policies.trees import plan_tree
@@ -50,6 +52,11 @@ class TreePolicy:
     scope : str
         The run the aggregate ids belong to (``agg:<server>.<scope>:<n>``; see
         :class:`~mlfabric.scheduler.policies.aggregation.AggregationPolicy`).
+    arrivals : ArrivalModel, optional
+        When a synchronous round's members are expected (``Snapshot.rounds``): each round
+        is planned once, with the members still to come, and followed as they arrive
+        (:class:`~mlfabric.scheduler.policies.round_plans.RoundBook`); default: learned
+        from the rounds seen (:class:`~mlfabric.scheduler.policies.arrivals.LearnedArrivals`).
 
     Examples
     --------
@@ -65,9 +72,16 @@ class TreePolicy:
 
     name = "stf+tree"
 
-    def __init__(self, *, aggregators: Sequence[str] | None = None, scope: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        aggregators: Sequence[str] | None = None,
+        scope: str = "",
+        arrivals: ArrivalModel | None = None,
+    ) -> None:
         self.aggregators = tuple(aggregators) if aggregators is not None else None
         self.scope = scope
+        self.rounds = RoundBook(arrivals)
         self._committed: dict[str, PlannedAggregate] = {}
         self._count = 0
         self._paths: PathCache | None = None
@@ -101,16 +115,36 @@ class TreePolicy:
         drops = tuple(_stale(snapshot, by_id.values()))
         for d in drops:
             del by_id[d.update_id]
+        rounds: tuple[list[Send], list[PlannedAggregate]] = ([], [])
+        if snapshot.rounds or len(self.rounds):
+            round_sends, round_aggregates, rest = self.rounds.decide(
+                snapshot, list(by_id.values()), pc, lambda snap, updates: self._plan_round(snap, updates, pc)
+            )
+            rounds = (round_sends, round_aggregates)
+            by_id = {p.update_id: p for p in rest}
         sends, kept = self._keep_started(snapshot, by_id, everyone, pc)
+        sends = [*rounds[0], *sends]
+        kept = (*rounds[1], *kept)
         if not by_id:
             return Decision(sends=tuple(sends), drops=drops, aggregates=kept)
-        schedule, busy = self._plan(snapshot, list(by_id.values()), pc)
-        ids = name_aggregates(schedule, self.scope, self._count)
-        self._count += len(schedule.aggregates)
-        planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
+        schedule, busy = self._plan(snapshot, core_updates(by_id.values()), pc)
+        planned = self._named(schedule, busy)
         for a in planned.aggregates:
             self._committed[a.aggregate_id] = a
         return Decision(sends=(*sends, *planned.sends), drops=drops, aggregates=(*kept, *planned.aggregates))
+
+    def _named(self, schedule: Schedule, busy: list[tuple[str, tuple[Link, ...], float]]) -> Decision:
+        ids = name_aggregates(schedule, self.scope, self._count)
+        self._count += len(schedule.aggregates)
+        return schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
+
+    def _plan_round(
+        self, snapshot: Snapshot, updates: Sequence[Update], pc: PathCache
+    ) -> tuple[Schedule, dict[str, str], Decision]:
+        """A synchronous round's plan, its expected members included (the round book's planner)."""
+        schedule, busy = self._plan(snapshot, updates, pc)
+        ids = name_aggregates(schedule, self.scope, self._count)
+        return schedule, ids, self._named(schedule, busy)
 
     def _keep_started(
         self, snapshot: Snapshot, by_id: dict[str, PendingUpdate], everyone: set[str], pc: PathCache
@@ -153,12 +187,11 @@ class TreePolicy:
         return sends, tuple(relist)
 
     def _plan(
-        self, snapshot: Snapshot, pending: Sequence[PendingUpdate], pc: PathCache
+        self, snapshot: Snapshot, updates: Sequence[Update], pc: PathCache
     ) -> tuple[Schedule, list[tuple[str, tuple[Link, ...], float]]]:
         graph = snapshot.graph
         now = snapshot.now
-        updates = core_updates(pending)
-        servers = {p.dst_host for p in pending}
+        servers = {u.dst for u in updates}
         pool = aggregator_pool(graph, self.aggregators, servers, snapshot.aggregators)
         tls, busy, _ = reserve_in_flight(graph, snapshot.in_flight, now)
         idle = None if not busy else tls  # an idle network: plan_tree may also try Fig. 6's groups

@@ -26,7 +26,7 @@ from dataclasses import replace
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import TopologyError, hosts, shortest_path
-from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
+from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, RoundSpec, Snapshot
 from mlfabric.scheduler.service.observe import Recorder
 from mlfabric.scheduler.service.records import (
     Cleanup,
@@ -509,7 +509,23 @@ class SchedulerState:
             in_flight=tuple(self.in_flight.values()),
             server_versions=self.server_versions(),
             tau_max={j.name: j.params.tau_max for j in self.jobs.values()},
+            rounds=self.rounds(),
         )
+
+    def rounds(self) -> dict[tuple[str, str], RoundSpec]:
+        """(job, server) -> its round membership, for synchronous jobs whose workers are all known.
+
+        A job whose ``sync_workers`` differs from the number of its registered workers (some
+        not registered yet, or rounds of a subset) has no membership: its rounds are planned
+        as their updates come.
+        """
+        out = {}
+        for j in self.jobs.values():
+            n = j.params.sync_workers
+            if n > 0 and len(j.workers) == n:
+                spec = RoundSpec(dict(j.workers))
+                out.update({(j.name, s): spec for s in j.servers})
+        return out
 
     def source_host(self, update_id: str) -> str:
         """The host where a pending or in-flight update is (where directives about it go)."""

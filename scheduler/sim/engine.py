@@ -41,7 +41,15 @@ import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
 from mlfabric.scheduler.core.schedule import Aggregate
-from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, PlannedAggregate, Policy, Send, Snapshot
+from mlfabric.scheduler.policies.base import (
+    InFlight,
+    PendingUpdate,
+    PlannedAggregate,
+    Policy,
+    RoundSpec,
+    Send,
+    Snapshot,
+)
 from mlfabric.scheduler.policies.dispatch import BatchWindow, Dispatcher, ReplanTrigger
 from mlfabric.scheduler.policies.runner import DecisionError, DecisionRunner
 from mlfabric.scheduler.sim.fluid import FluidNetwork
@@ -334,6 +342,10 @@ class Simulator:
         self._rec: dict[str, UpdateRecord] = {}
         self._paths = PathCache(self.graph)
         self._decide_scheduled = False
+        self._wake_at: float | None = None  # a release scheduled by the runner's next wake-up
+        # synchronous SGD: every round takes one update of each worker (the service's sync_workers)
+        members = {w: w for w in self.workers}
+        self._rounds = {(self.job, self.server): RoundSpec(members)} if self.iteration.accumulates else {}
         self.version = 0
         self.records = []
         self.flows = []
@@ -366,6 +378,7 @@ class Simulator:
             in_flight=in_flight,
             server_versions={(self.job, self.server): self.version},
             tau_max={self.job: self.tau_max},
+            rounds=self._rounds,
         )
 
     def _ready(self) -> None:
@@ -417,10 +430,10 @@ class Simulator:
             self._forward(agg)
         for r in released.sends:
             self._start_update(r.send)
-        if self.dispatch_margin > 0:
-            wake = self.runner.next_wakeup(moving)
-            if wake is not None and wake > self._now:
-                self._schedule(wake, 1, self._release)
+        wake = self.runner.next_wakeup(moving)  # a send's predecessors nearly done, a hold's end
+        if wake is not None and wake > self._now and wake != self._wake_at:
+            self._wake_at = wake
+            self._schedule(wake, 1, self._release)
         if released:
             self._moved()
 

@@ -107,12 +107,14 @@ def in_flight_decision() -> object:
     return TreePolicy().decide(Snapshot(0.001, g, in_flight=busy), ps)
 
 
+# large_round and in_flight re-recorded when decisions' aggregates gained ``hold_until`` (issue 23):
+# their repr changed, their plans did not (the old digests are those of the reprs without it)
 PINNED = {
     "motivating": (motivating_plan, "98d1c52ae24c440a"),
     "slow_server": (slow_server_plan, "18e0408d68d2177e"),
     "two_servers": (two_servers_plan, "8bc8284f983c5a48"),
-    "large_round": (large_round_decisions, "09e74910fa6ad815"),
-    "in_flight": (in_flight_decision, "c3f879c70e804fb9"),
+    "large_round": (large_round_decisions, "438f554b8d14ca26"),
+    "in_flight": (in_flight_decision, "34141b2d423c8688"),
 }
 
 

@@ -1,0 +1,127 @@
+"""The service and the simulator plan a synchronous round the same way (issue 23, docs/rounds.md).
+
+One decision runner, one policy: the scheduler core (fake daemons, a fake clock) and the
+simulator see the same round — four workers of a synchronous job on two racks, ready at the
+same staggered times — and make the same decisions, expected members and holds included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.core.graph import parse_topology
+from mlfabric.scheduler.policies.base import Decision, RoundSpec
+from mlfabric.scheduler.policies.dispatch import Dispatcher
+from mlfabric.scheduler.policies.registry import make_policy
+from mlfabric.scheduler.policies.tree_policy import TreePolicy
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.core import SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.records import JobParams
+from mlfabric.scheduler.service.state import SchedulerState
+from mlfabric.scheduler.sim.engine import APPLIED, Simulator
+from mlfabric.scheduler.sim.iteration import SyncSGD
+from mlfabric.scheduler.sim.workload import ComputeModel
+from tests.service.test_service_trees import TOPOLOGY, Clock, FakeDaemons
+
+WORKERS = ["a0", "b0", "a1", "b1"]
+READY = {"a0": 0.0, "b0": 0.01, "a1": 0.02, "b1": 0.03}
+POOL = ["a0", "a1", "bx"]
+
+
+def normal(d: Decision, worker_of: dict[str, str]) -> tuple[Any, ...]:
+    """A decision with worker names for update ids (the two name updates differently)."""
+
+    def name(x: str) -> str:
+        return worker_of.get(x, x)
+
+    sends = tuple((name(s.update_id), s.next_hop) for s in d.sends)
+    aggs = tuple(
+        (a.aggregate_id, a.aggregator, tuple(sorted(map(name, a.members))), a.dst, round(a.hold_until, 9))
+        for a in d.aggregates
+    )
+    return sends, aggs
+
+
+def service_decisions() -> list[tuple[Any, ...]]:
+    graph = parse_topology(TOPOLOGY)
+    clock = Clock()
+    setup = make_policy("stf+tree")
+    core = SchedulerCore(
+        SchedulerState(graph),
+        TreePolicy(aggregators=POOL),
+        dispatcher=Dispatcher(margin=0.0),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(graph),
+        replan=setup.trigger,
+        clock=clock,
+    )
+    sessions = {
+        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h in POOL))
+        for i, h in enumerate(TOPOLOGY["hosts"])
+    }
+    fake = FakeDaemons(core, sessions)
+    params = pb.JobParams(tau_max=-1, sync_workers=len(WORKERS))
+    fake.say("ps", register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=params))
+    for w in WORKERS:
+        fake.say(w, register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=w))
+    assert core.state.rounds() == {("j", "s"): RoundSpec({w: w for w in WORKERS})}
+    out = []
+    for w in WORKERS:
+        clock.now = READY[w]
+        ready = pb.UpdateReady(update_id=f"{w}/0", job="j", server="s", worker=w, bytes=80_000)
+        fake.say(w, update_ready=ready)
+        out.append(normal(core.decide(), {f"{x}/0": x for x in WORKERS}))
+        fake.step()
+    return out
+
+
+def simulator_decisions() -> list[tuple[Any, ...]]:
+    graph = parse_topology(TOPOLOGY)
+    policy = TreePolicy(aggregators=POOL)
+    out: list[tuple[Any, ...]] = []
+    decide = policy.decide
+    worker_of: dict[str, str] = {}
+
+    def recorded(snapshot: Any, pending: Any) -> Decision:
+        d = decide(snapshot, pending)
+        worker_of.update({p.update_id: p.worker for p in pending})
+        out.append(normal(d, worker_of))
+        return d
+
+    policy.decide = recorded  # type: ignore[method-assign]
+    sim = Simulator(
+        graph,
+        policy,
+        SyncSGD(ComputeModel(READY), iterations=1),
+        server_host="ps",
+        workers=WORKERS,
+        update_bytes=80_000,
+        job="j",
+        server="s",
+    )
+    assert all(r.outcome == APPLIED for r in sim.run())
+    return out[: len(WORKERS)]
+
+
+def test_the_service_and_the_simulator_make_the_same_round_decisions() -> None:
+    service = service_decisions()
+    assert service == simulator_decisions()
+    # the first decision planned the whole round: a0's rack aggregate held for a1 and for rack B
+    (sends, aggs) = service[0]
+    assert sends == (("a0", "a0"),) or all(hop in POOL for _, hop in sends)
+    assert any(hold > 0 for *_, hold in aggs)
+    # the last one: every member in, nothing held
+    assert all(hold == 0 for *_, hold in service[-1][1])
+
+
+def test_a_job_whose_workers_are_not_all_registered_has_no_round_membership() -> None:
+    state = SchedulerState(parse_topology(TOPOLOGY))
+    for i, h in enumerate(TOPOLOGY["hosts"]):
+        state.connect(h, f"127.0.0.1:{9000 + i}")
+    state.register_server("ps", "j", "s", (), JobParams(tau_max=-1, sync_workers=3), 0)
+    state.register_worker("a0", "j", "a0")
+    state.register_worker("b0", "j", "b0")
+    assert state.rounds() == {}
+    state.register_worker("a1", "j", "a1")
+    assert state.rounds() == {("j", "s"): RoundSpec({"a0": "a0", "b0": "b0", "a1": "a1"})}
