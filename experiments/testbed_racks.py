@@ -40,8 +40,13 @@ The summary gives per system the median over the seeds, the min-max spread, the 
 ``fair`` and ``ddp`` (> 1: faster) and ``ddp / ddp+hook`` per seed.
 
     python experiments/testbed_racks.py --quick                     # target 0.85, seed 0, ~10 min
-    python experiments/testbed_racks.py                             # target 0.95, seeds 0,1,2
+    python experiments/testbed_racks.py                             # target 0.95, seeds 0,1,2, ~1.5-2.5 h
     python experiments/testbed_racks.py --rate-mbps 1000
+
+The full run's length: 15 runs, each up to ``--time-limit`` (600 s) from its first round plus
+start-up (a minute on a loaded machine); in the quick run the parameter-server rounds at
+100 Mbit/s took about 5 s (plus ~30 s stalls in some ``stf+agg``/``stf+tree`` rounds, see
+README.md), DDP's steps 1-1.4 s.
 
 Writes experiments/results/testbed_racks[_quick][_r<rate>].{csv,md} (the rate suffix when it is
 not 100). Needs root, ip, tc, torch.
@@ -127,7 +132,8 @@ def round_split(log: Mapping[str, Any], transfers: Sequence[Mapping[str, Any]]) 
     A round is the time between two consecutive applied versions (``log["start"] + t`` of the
     log's rows); its transfers are the successful reports that end inside it. ``lead``: from
     the previous apply to the first of them starting; ``transfer``: to the last one ending;
-    ``tail``: to the apply. Rounds without a transfer, or skipping a version, are left out.
+    ``tail``: to the apply; ``longest``: the longest round (a stall shows there, not in the
+    medians). Rounds without a transfer, or skipping a version, are left out.
 
     Examples
     --------
@@ -136,7 +142,7 @@ def round_split(log: Mapping[str, Any], transfers: Sequence[Mapping[str, Any]]) 
     >>> tr = [{"ok": True, "start": 101.0, "end": 103.0}, {"ok": True, "start": 101.5, "end": 103.5},
     ...       {"ok": True, "start": 106.0, "end": 108.5}, {"ok": False, "start": 0.0, "end": 0.0}]
     >>> round_split(log, tr)
-    {'rounds': 2, 'round': 4.5, 'lead': 1.5, 'transfer': 2.5, 'tail': 0.5}
+    {'rounds': 2, 'round': 4.5, 'lead': 1.5, 'transfer': 2.5, 'tail': 0.5, 'longest': 5.0}
     >>> round_split({"start": None, "rows": []}, tr)["round"] is None
     True
     """
@@ -157,6 +163,7 @@ def round_split(log: Mapping[str, Any], transfers: Sequence[Mapping[str, Any]]) 
                 parts[part].append(value)
     out: dict[str, float | None] = {"rounds": len(parts["round"])}
     out.update({p: float(statistics.median(xs)) if xs else None for p, xs in parts.items()})
+    out["longest"] = max(parts["round"], default=None)
     return out
 
 
@@ -186,7 +193,10 @@ def system_stats(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             "median": _median(times),
             "min": min(times) if times else None,
             "max": max(times) if times else None,
-            **{k: _median([r.get(k) for r in rs]) for k in ("final_accuracy", "rounds", "round_s")},
+            **{
+                k: _median([r.get(k) for r in rs])
+                for k in ("final_accuracy", "rounds", "round_s", "longest_s")
+            },
             **{f"{p}_s": _median([r.get(f"{p}_s") for r in rs]) for p in PARTS},
         }
     return stats
@@ -235,15 +245,15 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
     ...                        lr=0.05, batch=64, compute=0.02, slowdown=1.0, target=0.85, seeds="0",
     ...                        systems="fair,ddp,ddp+hook", commit="abc")
     >>> rows = [{"seed": 0, "system": "fair", "time_to_target": 60.0, "final_accuracy": 0.86,
-    ...          "rounds": 12, "round_s": 5.0, "lead_s": 1.0, "transfer_s": 3.5, "tail_s": 0.5,
-    ...          "load1": 3.0},
+    ...          "rounds": 12, "round_s": 5.0, "longest_s": 9.0, "lead_s": 1.0, "transfer_s": 3.5,
+    ...          "tail_s": 0.5, "load1": 3.0},
     ...         {"seed": 0, "system": "ddp", "time_to_target": 20.0, "final_accuracy": 0.86,
     ...          "rounds": 15, "round_s": 1.3, "load1": 3.0},
     ...         {"seed": 0, "system": "ddp+hook", "time_to_target": 16.0, "final_accuracy": 0.87,
     ...          "rounds": 15, "round_s": 1.0, "load1": 3.0}]
     >>> text = summary(rows, a, ["link check: ..."])
     >>> print("\\n".join(line for line in text.splitlines() if line.startswith("| fair")))
-    | fair | 1 | 1 | 60.0 | 60.0-60.0 | 1.00x | 0.33x | 0.860 | 12 | 5.00 | 1.00 | 3.50 | 0.50 |
+    | fair | 1 | 1 | 60.0 | 60.0-60.0 | 1.00x | 0.33x | 0.860 | 12 | 5.00 | 9.00 | 1.00 | 3.50 | 0.50 |
     >>> [line for line in text.splitlines() if line.startswith("ddp / ddp+hook")]
     ['ddp / ddp+hook (> 1: the hook faster): median 1.25x; per seed 1.25']
     """
@@ -267,8 +277,8 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
         *(f"- {c}" for c in checks),
         "",
         "| system | runs | reached | median time to target (s) | min-max (s) | vs fair | vs ddp "
-        "| final accuracy | rounds | round (s) | lead (s) | transfer (s) | tail (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| final accuracy | rounds | round (s) | longest round (s) | lead (s) | transfer (s) | tail (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for system, s in stats.items():
         spread = f"{s['min']:.1f}-{s['max']:.1f}" if s["reached"] else "-"
@@ -276,7 +286,7 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
             f"| {system} | {s['runs']} | {s['reached']} | {_fmt(s['median'])} | {spread} | "
             f"{_fmt(ratio(fair, s['median']), '.2f', 'x')} | {_fmt(ratio(ddp, s['median']), '.2f', 'x')} | "
             f"{_fmt(s['final_accuracy'], '.3f')} | {_fmt(s['rounds'], '.0f')} | "
-            + " | ".join(_fmt(s[k], ".2f") for k in ("round_s", *(f"{p}_s" for p in PARTS)))
+            + " | ".join(_fmt(s[k], ".2f") for k in ("round_s", "longest_s", *(f"{p}_s" for p in PARTS)))
             + " |"
         )
     hook = per_seed_ratios(rows, "ddp", "ddp+hook")
@@ -296,7 +306,8 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
         "",
         "Ratios: the baseline's median time over the system's (> 1: faster). Time to target counts",
         "from the first applied round (mlfabric) or rank 0's first step (DDP). Round: median time",
-        "between two applied versions (DDP: a step). The mlfabric round split (medians over rounds,",
+        "between two applied versions (DDP: a step); longest round: per run, then the median over",
+        "the seeds (a stall shows there). The mlfabric round split (medians over rounds,",
         "then over seeds): lead = previous apply to the first push transfer (model pull, compute,",
         "the scheduler's release), transfer = first push transfer to the last payload at the server,",
         "tail = to the apply. The machine is shared, so times are noisy.",
@@ -317,10 +328,13 @@ def link_checks(testbed: Any, graph: Any, workers: list[str], per_rack: int) -> 
         pairs = list(zip(racks[0], racks[1], strict=False))
         check = measure_concurrent(testbed, graph, pairs, seconds=2.0)
         up = graph.edges["tor0", "core"]["capacity"]
-        expected = up / len(pairs) / min(check.expected)
+        # the flows start together; together they move their bytes in the longest one's time
+        ratios = sorted(check.ratios())
+        together = sum(m.bytes for m in check.measurements) / max(m.seconds for m in check.measurements)
         lines.append(
-            f"across the uplink tor0->core: {check.summary().removeprefix('link check: ')} "
-            f"(each of the rack's flows should get {expected:.2f}: the uplink shared)"
+            f"across the uplink tor0->core ({up * 8 / 1e6:g} Mbit/s): {len(pairs)} concurrent flows "
+            f"together {together * 8 / 1e6:.1f} Mbit/s ({together / up:.2f} of the uplink); per flow "
+            f"{statistics.median(ratios):.2f} of its path's rate alone (worst {ratios[0]:.2f})"
         )
     for line in lines:
         print(line, flush=True)
@@ -338,6 +352,7 @@ def run_mlfabric(
         "final_accuracy": res["rows"][-1]["accuracy"] if res.get("rows") else None,
         "rounds": res.get("version"),
         "round_s": split["round"],
+        "longest_s": split["longest"],
         **{f"{p}_s": split[p] for p in PARTS},
     }
 
@@ -365,6 +380,7 @@ def run_ddp(
         "final_accuracy": res["rows"][-1]["accuracy"] if res.get("rows") else None,
         "rounds": res.get("steps"),
         "round_s": res.get("step_seconds"),
+        "longest_s": None,
         **{f"{p}_s": None for p in PARTS},
     }
 
@@ -425,6 +441,7 @@ def driver(args: argparse.Namespace) -> int:
                         "final_accuracy": None,
                         "rounds": None,
                         "round_s": None,
+                        "longest_s": None,
                         **{f"{p}_s": None for p in PARTS},
                         **res,
                         "load1": round(os.getloadavg()[0], 1),
