@@ -238,9 +238,13 @@ def run_one(
     *,
     server_args: Sequence[str] = (),
     before_workers: Callable[[Any, Path], list[Any]] | None = None,
+    changes: list[Any] | None = None,
 ) -> dict[str, Any]:
     """One run; ``server_args`` go to the mlfabric server's command line, ``before_workers(cluster,
-    workdir)`` starts more processes once the server is up (they are terminated with the workers)."""
+    workdir)`` starts more processes once the server is up (they are terminated with the workers).
+
+    ``changes``: the bandwidth schedule (default: :func:`ns_changes`; ``[]``: static rates).
+    An mlfabric run's result has the daemons' transfer reports under ``transfers``."""
     from mlfabric.cluster import ingress_bytes
     from mlfabric.scheduler.core.graph import load_topology
     from mlfabric.testbed.launch import TestbedCluster
@@ -255,7 +259,8 @@ def run_one(
     rng = random.Random(seed)
     delays = compute_delays(workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=rng)
     args.seed = seed
-    changes = ns_changes(load_topology(topo), workers, args)
+    if changes is None:
+        changes = ns_changes(load_topology(topo), workers, args)
     for link in {c.link for c in changes}:
         testbed.set_rate(link, testbed.graph.edges[link]["capacity"], "forward")
     rates = ScheduleRunner(lambda c: testbed.set_rate(c.link, c.rate, c.direction), changes)
@@ -295,9 +300,11 @@ def run_one(
         rates.stop()
         for p in procs:
             p.popen.terminate()
-        into = ingress_bytes(c.transfer_reports(), "ps")
+        reports = c.transfer_reports()
+    into = ingress_bytes(reports, "ps")
     res = dict(json.loads(out.read_text()))
-    return {**res, "ingress_per_update": into / res["updates"] if res["updates"] else None}
+    per_update = into / res["updates"] if res["updates"] else None
+    return {**res, "ingress_per_update": per_update, "transfers": reports}
 
 
 def ns_changes(graph: Any, workers: list[str], args: argparse.Namespace) -> list:

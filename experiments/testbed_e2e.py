@@ -126,7 +126,9 @@ class AccuracyLog:
             self.reached = now - self.start
 
     def save(self, extra: dict[str, Any]) -> None:
-        self.path.write_text(json.dumps({"rows": self.rows, "time_to_target": self.reached, **extra}))
+        """Write the rows, the time to target and ``start`` (Unix seconds of the first row)."""
+        body = {"rows": self.rows, "time_to_target": self.reached, "start": self.start, **extra}
+        self.path.write_text(json.dumps(body))
 
 
 # --------------------------------------------------------------------- mlfabric roles
