@@ -274,17 +274,26 @@ class DecisionRunner:
         return Released(tuple(sends), aggregates)
 
     def next_wakeup(self, in_flight: Mapping[str, InFlight]) -> float | None:
-        """The earliest time a planned send or a held aggregate may go by the clock alone (or ``None``).
+        """The earliest time a planned send or an aggregate may go by the clock alone (or ``None``).
 
-        A held aggregate (``PlannedAggregate.hold_until``) counts once all its members are in.
+        An aggregate counts once all its members are in: it may go at the end of its hold
+        (``PlannedAggregate.hold_until``) and once the transfers of its ``after`` in flight are
+        nearly done.
         """
         wakes = [self.dispatcher.next_wakeup({**in_flight, **self._placeholders()})]
-        wakes += [
-            g.planned.hold_until
-            for g in self._gathering.values()
-            if g.planned.hold_until > 0 and len(g.arrived) >= len(g.members)
-        ]
-        wake = min((w for w in wakes if w is not None), default=None)
+        for g in self._gathering.values():
+            if len(g.arrived) < len(g.members):
+                continue  # its last member's arrival is an event of its own
+            after = g.planned.after
+            if any(a in self._gathering or a in self.dispatcher for a in after):
+                continue  # reconsidered when that one is released
+            # in flight: nearly done at its expected end less the margin, whether or not its report
+            # comes (a synchronous round holds the reports of its direct sends until it is applied,
+            # which may need this very aggregate: without this wake-up nothing would release it
+            # before the transfer counts as stalled)
+            ends = [in_flight[a].expected_end - self.dispatcher.margin for a in after if a in in_flight]
+            wakes.append(max([g.planned.hold_until, *ends]))
+        wake = min((w for w in wakes if w is not None and w > 0), default=None)
         return None if wake is None or math.isinf(wake) else wake
 
     def _placeholders(self, extra: Iterable[_Gathering] = ()) -> dict[str, InFlight]:

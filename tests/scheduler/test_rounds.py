@@ -12,6 +12,7 @@ from mlfabric.scheduler.core.graph import hosts, two_tier
 from mlfabric.scheduler.policies.arrivals import KnownArrivals, LearnedArrivals
 from mlfabric.scheduler.policies.base import (
     Decision,
+    InFlight,
     PendingUpdate,
     PlannedAggregate,
     Send,
@@ -157,3 +158,22 @@ def test_a_straggler_does_not_hold_the_round() -> None:
     # the first round knew nothing of it: the aggregate expecting it left without it
     assert not [a for a in sim.aggregates if first in a.members]
     assert max(makespans) <= 0.5 + 0.16 + 0.02
+
+
+def test_an_aggregate_behind_a_transfer_whose_report_is_held_wakes_the_release_at_its_expected_end() -> None:
+    """A synchronous round holds the reports of its direct sends until it is applied, which may
+    need the aggregate planned after such a send: the runner's wake-up releases it when the
+    send is nearly done by the clock, not when its report comes (or it counts as stalled)."""
+    g = two_tier(1, 3, 8e6)
+    agg = PlannedAggregate("agg:h0:0", "h1", ("u1",), 10, "h0", after=("d",))
+    runner = DecisionRunner(
+        Given(Decision(sends=(Send("u1", "h1", ("h1",)),), aggregates=(agg,))),
+        dispatcher=Dispatcher(margin=0.002),
+    )
+    runner.decide(Snapshot(0.0, g), [pending("u1", "h1")])
+    direct = {"d": InFlight("d", "j", "ps", ("h2", "s0", "h0"), 10, 0.0, 2.0)}
+    runner.release(0.0, direct)
+    runner.arrived("u1")
+    assert not runner.release(1.0, direct)
+    assert runner.next_wakeup(direct) == pytest.approx(1.998)
+    assert [a.aggregate_id for a in runner.release(1.998, direct).aggregates] == ["agg:h0:0"]
