@@ -13,7 +13,9 @@ of DESIGN §4, ``docs/broadcast.md``). :func:`plan_broadcast` chooses instead a 
 * the receivers below no relay point, the *local* ones, get the model from the source in a
   *shape*: a star (one copy each from the source), a chain, a ``d``-ary heap (``d`` = 2, 3,
   4), or one copy to the fastest local host which is the root of a heap or a star of the rest
-  (fast hosts inner, hosts that may not relay at the leaves);
+  (fast hosts inner, hosts that may not relay at the leaves); the relays of one level are fed
+  from the source as a star, a chain or a binary heap (the subtrees with the slowest receivers
+  first);
 * the candidate relay-point sets are: none (a star of the source's direct copies is then one
   of the shapes), the switches at each depth of the tree, and the *bottleneck* switches (the
   link into them slower than the fastest NIC below them: a copy across costs more than a copy
@@ -233,7 +235,8 @@ class _Planner:
         best: tuple[tuple[float, float, int], _Choice] | None = None
         for points in self._candidates(src, trie, members, spare):
             grouped: set[str] = set()
-            relay_edges: list[Edge] = []
+            relays: list[str] = []
+            slowest: dict[str, float] = {}  # relay -> the slowest NIC it serves
             sub_edges: list[Edge] = []
             labels = []
             for x in points:
@@ -243,22 +246,40 @@ class _Planner:
                 grouped.update(trie.below[x])
                 rate = min(feed, self.net.path_rate(src, relay))
                 sub = self.fan(relay, group, extra, rate)
-                relay_edges.append((src, relay))
+                relays.append(relay)
+                slowest[relay] = min(self.net.nic(h) for h in [*group, relay] if h in mset or h == relay)
                 sub_edges.extend(sub.edges)
                 labels.append(f"{x}:{relay}" + (f"[{sub.label}]" if sub.label else ""))
             local = [h for h in members if h not in grouped]
             local.sort(key=lambda h: (not self._may_relay(h, mset), -self.net.nic(h), trie.order[h]))
-            for shape, shape_edges in _shapes(src, local, lambda h: self._may_relay(h, mset)):
+            # the relays themselves: each straight from the source, or a chain or a binary heap of
+            # relays (a relay forwards to the next subtrees' relays besides its own subtree)
+            # subtrees with the slowest receivers (the longest own stream) first, near the source
+            relays.sort(key=lambda h: slowest[h])
+            relay_shapes = [(n, e) for n, e in _shapes(src, relays, _anyone) if n in _RELAY_SHAPES]
+            for (rshape, relay_edges), (shape, shape_edges) in itertools.product(
+                relay_shapes, _shapes(src, local, lambda h: self._may_relay(h, mset))
+            ):
                 edges = (*shape_edges, *relay_edges, *sub_edges)
                 arr = tree_arrivals(self.net, src, edges, self.nbytes, self.chunks, feed)
                 ends = [float(arr[h][-1]) for h in members]
                 score = (max(ends), sum(ends), sum(len(self.net.links(p, c)) for p, c in edges))
                 if best is None or score < best[0]:
                     label = ", ".join(labels)
+                    if len(relays) > 2 and rshape != "star":
+                        label = f"{rshape} of {label}"
                     label = f"{shape}" + (f"; relays {label}" if label else "") if local else label
                     best = (score, _Choice(edges, label))
         assert best is not None
         return best[1]
+
+
+#: how a level's relays are fed (:func:`_shapes` names)
+_RELAY_SHAPES = frozenset({"none", "star", "chain", "heap2"})
+
+
+def _anyone(host: str) -> bool:
+    return True
 
 
 def _shapes(
