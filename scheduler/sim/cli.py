@@ -14,6 +14,8 @@ examples:
       --slow-nics 0.25:4 --straggler 0.1:3 --tau-max 64 --duration 10
   mlfabric simulate --preset star --workers 32 --server-gbps 2.5 --mode sync \\
       --aggregation --iterations 3 --trace sim.json      # open in ui.perfetto.dev
+  mlfabric simulate --preset two-tier --workers 31 --hosts-per-rack 8 --mode sync \\
+      --model-mb 20 --model-broadcast tree --policy stf+tree   # the model down a relay tree
 
 bandwidth schedule file (TOML), for --bandwidth-schedule:
   [[change]]
@@ -97,6 +99,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="model size sent back after each push (default 0: instant)",
+    )
+    w.add_argument(
+        "--model-broadcast",
+        choices=["direct", "tree"],
+        default="direct",
+        help="sync rounds: how the server sends the model (--model-mb) to the workers: direct = one "
+        "copy per worker through the server's link; tree = down a relay tree planned from the graph "
+        "(one copy per rack across an oversubscribed uplink, fanned out inside, pipelined in chunks; "
+        "docs/broadcast.md) (default direct)",
     )
     w.add_argument("--compute-ms", type=float, default=100.0, help="compute time per iteration (default 100)")
     w.add_argument(
@@ -234,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
             iterations=args.iterations,
             duration=args.duration if args.duration is not None else math.inf,
             model_bytes=args.model_mb * 1e6,
+            model_broadcast=args.model_broadcast,
             tau_max=args.tau_max,
             wait=not args.no_wait,
             batch_window=args.batch_window_us / 1e6,

@@ -52,6 +52,7 @@ from mlfabric.scheduler.policies.base import (
 )
 from mlfabric.scheduler.policies.dispatch import BatchWindow, Dispatcher, ReplanTrigger
 from mlfabric.scheduler.policies.runner import DecisionError, DecisionRunner
+from mlfabric.scheduler.sim.broadcast import TreeBroadcast
 from mlfabric.scheduler.sim.fluid import FluidNetwork
 from mlfabric.scheduler.sim.workload import BandwidthChange
 
@@ -134,6 +135,10 @@ class Simulator:
     model_bytes : float
         Size of the model sent back to a worker after each push resolves; 0 means the
         model returns instantly (the model transfer is not simulated).
+    model_broadcast : {"direct", "tree"}
+        How :meth:`broadcast_model` (synchronous rounds) sends the model: ``"direct"``, one copy
+        per worker from the server; ``"tree"``, down a relay tree planned from the graph, in
+        pipelined chunks (:mod:`mlfabric.scheduler.sim.broadcast`).
     tau_max : int
         Delay bound (< 0: unbounded).
     batch_window, batch_max_wait : float
@@ -182,6 +187,7 @@ class Simulator:
         workers: Sequence[str],
         update_bytes: float,
         model_bytes: float = 0.0,
+        model_broadcast: str = "direct",
         tau_max: int = -1,
         batch_window: float = 0.0,
         batch_max_wait: float = 0.0,
@@ -202,6 +208,10 @@ class Simulator:
         self.workers = tuple(workers)
         self.update_bytes = float(update_bytes)
         self.model_bytes = float(model_bytes)
+        if model_broadcast not in ("direct", "tree"):
+            raise ValueError(f"model_broadcast must be 'direct' or 'tree', got {model_broadcast!r}")
+        self.model_broadcast = model_broadcast
+        self._tree_broadcast = TreeBroadcast(server_host, self.model_bytes)
         self.tau_max = tau_max
         self.batch_window = batch_window
         self.batch_max_wait = max(batch_max_wait, batch_window)
@@ -269,6 +279,35 @@ class Simulator:
         fid = f"model:{worker}#{self._model_seq}"
         self._start_flow(fid, "model", self._path(self.server_host, worker), self.model_bytes)
         self._model_cb[fid] = lambda: then(version)
+
+    def broadcast_model(self, workers: Sequence[str], then: Callable[[str, int], None]) -> None:
+        """Send the current model to every one of ``workers``; ``then(worker, version)`` as each has it.
+
+        ``model_broadcast="direct"``: :meth:`send_model` to each. ``"tree"``: down the relay tree
+        :func:`~mlfabric.scheduler.policies.broadcast.plan_broadcast` plans on the current
+        capacities, chunks as flows (:mod:`mlfabric.scheduler.sim.broadcast`). Either way every
+        worker gets the version current at this call, once.
+        """
+        if self.model_broadcast == "direct":
+            for w in workers:
+                self.send_model(w, partial(then, w))
+            return
+        version = self.version
+        far = [w for w in workers if w != self.server_host]
+        for w in workers:
+            if self.model_bytes <= 0 or w == self.server_host:
+                then(w, version)
+        if self.model_bytes <= 0 or not far:
+            return
+
+        def start(name: str, path: tuple[str, ...], nbytes: float, arrived: Callable[[], None]) -> None:
+            self._model_seq += 1
+            fid = f"model:{name}#{self._model_seq}"
+            self._start_flow(fid, "model", path, nbytes)
+            self._model_cb[fid] = arrived
+
+        graph = self._policy_graph
+        self._tree_broadcast.send(graph, far, start, lambda w: then(w, version), paths=self._paths)
 
     def step(self) -> None:
         """Advance the model version by one (synchronous SGD: one step per iteration)."""

@@ -10,7 +10,8 @@ With ``wait=False`` a worker starts its next computation right after pushing, fr
 newest model it has received so far (more updates in flight, larger delays).
 
 **Synchronous SGD** (:class:`SyncSGD`, paper §7 "Synchronous SGD/PS"). Every iteration all
-workers receive the model, compute and push; the server sums the updates (or aggregates)
+workers receive the model (:meth:`~mlfabric.scheduler.sim.engine.Simulator.broadcast_model`:
+one copy each, or down a relay tree), compute and push; the server sums the updates (or aggregates)
 and takes one step when the last one is in. The iteration's *makespan* runs from the
 model leaving the server to the last update arriving.
 """
@@ -136,8 +137,7 @@ class SyncSGD:
             return
         self._began = sim.now
         self._outstanding = len(sim.workers)
-        for w in sim.workers:
-            sim.send_model(w, partial(self._compute, sim, w))
+        sim.broadcast_model(sim.workers, partial(self._compute, sim))
 
     def _compute(self, sim: Simulator, worker: str, base: int) -> None:
         """``worker`` has the model of version ``base``: it computes its update from it."""

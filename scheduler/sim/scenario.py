@@ -167,6 +167,9 @@ class Scenario:
         Simulated seconds to stop at (``inf``: until ``iterations`` are done).
     model_bytes : float
         Size of the model sent back after each push (0: not simulated).
+    model_broadcast : {"direct", "tree"}
+        Synchronous rounds: the model to the workers as one copy each, or down a relay tree
+        (:class:`Simulator`).
     tau_max : int
         Delay bound (< 0: none). Synchronous SGD has no staleness and ignores it.
     wait : bool
@@ -185,6 +188,7 @@ class Scenario:
     iterations: int | None = None
     duration: float = math.inf
     model_bytes: float = 0.0
+    model_broadcast: str = "direct"
     tau_max: int = -1
     wait: bool = True
     batch_window: float = DEFAULT_WINDOW
@@ -195,6 +199,8 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
             raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.model_broadcast not in ("direct", "tree"):
+            raise ValueError(f"model_broadcast must be 'direct' or 'tree', got {self.model_broadcast!r}")
         if self.iterations is None and math.isinf(self.duration):
             raise ValueError("give iterations or a finite duration")
 
@@ -254,6 +260,7 @@ def run_scenario(
         workers=c.workers,
         update_bytes=scenario.update_bytes,
         model_bytes=scenario.model_bytes,
+        model_broadcast=scenario.model_broadcast,
         tau_max=scenario.tau_max if scenario.mode == "async" else -1,
         batch_window=scenario.batch_window,
         batch_max_wait=scenario.batch_max_wait,
