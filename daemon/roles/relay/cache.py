@@ -127,9 +127,16 @@ class ModelCache:
         if self._budget is not None:
             self._budget.release(nbytes)
 
-    def begin(self, key: Key, min_version: int) -> tuple[bool, Flight]:
-        """Join the fetch under way for ``key``, or start one: (whether the caller leads it, the flight)."""
+    def begin(self, key: Key, min_version: int) -> tuple[bool, Flight | None]:
+        """Join the fetch under way for ``key``, or start one: (whether the caller leads it, the flight).
+
+        ``(False, None)`` when a version at or above ``min_version`` is cached by now (checked
+        under the same lock, so a fetch that just ended is never started again).
+        """
         with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.version >= min_version:
+                return False, None
             flight = self._flights.get(key)
             if flight is not None:
                 return False, flight

@@ -252,11 +252,10 @@ class ModelRelays(Role):
             Nothing new enough came by ``deadline``, or the fetch failed.
         """
         while True:
-            have = self.cache.version(key)
-            if have is not None and have >= min_version:
+            leader, flight = self.cache.begin(key, min_version)
+            if flight is None:  # cached by now, at or above the floor
                 self._count(f"{who}_hits")
                 return None
-            leader, flight = self.cache.begin(key, min_version)
             if leader:
                 try:
                     leftover = self._fetch(key, min_version, deadline, asked_by)
