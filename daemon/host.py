@@ -40,6 +40,7 @@ from mlfabric.daemon.roles.allreduce.role import AllreduceRole
 from mlfabric.daemon.roles.base import DirectiveHandler, FrameHandler, RequestHandler, Role, RoleContext
 from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.registrar import Registrar
+from mlfabric.daemon.roles.relay.role import ModelRelays
 from mlfabric.daemon.roles.replica.log import ReplicationLogs
 from mlfabric.daemon.roles.replica.role import ReplicaRole
 from mlfabric.daemon.roles.server.serving import ServerRoles
@@ -132,7 +133,7 @@ class Daemon:
 
     Attributes
     ----------
-    registrar, worker, serving, replica, aggregator, allreduce
+    registrar, worker, serving, replica, models, aggregator, allreduce
         The roles (:mod:`mlfabric.daemon.roles`), in the order they are told of the daemon's life.
 
     Examples
@@ -244,12 +245,21 @@ class Daemon:
         self.replica = ReplicaRole(
             ctx, self.registrar, self.directory, self.serving, replication, self._peers
         )
+        #: gets: the model cache, relays, a version floor (docs/model-relays.md)
+        self.models = ModelRelays(
+            ctx,
+            self.directory,
+            self._peers.request,
+            self.serving,
+            budget=self.receive_budget,
+            max_wait=None if config.io_timeout is None else 0.8 * config.io_timeout,
+        )
         self.worker = WorkerRole(
             ctx,
             self.registrar,
             self.directory,
             self._peers,
-            self.serving,
+            self.models,
             self.push_budget,
             self._send_report,
             limits=limits,
@@ -274,6 +284,7 @@ class Daemon:
             self.allreduce,
             self.serving,
             self.replica,
+            self.models,
             self.worker,
         ]
         self._requests: dict[str, RequestHandler] = {}
@@ -363,6 +374,7 @@ class Daemon:
             unannounced_pushes=self.worker.fallback.unannounced(),
             inflight_bytes={"push": self.push_budget.in_use, "receive": self.receive_budget.in_use},
             pool_idle_bytes=self.receive_buffers.idle_bytes,
+            models=self.models.stats(),
         )
 
     def _send_report(self, report: Any) -> None:

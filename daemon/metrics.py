@@ -27,6 +27,10 @@ host in the ``host`` label so one dashboard query covers the cluster:
 - ``mlfabric_daemon_inflight_bytes{host,budget}``: payload bytes held against the ``push`` and
   ``receive`` budgets (``--max-inflight-bytes``), and ``mlfabric_daemon_pool_idle_bytes{host}``:
   released receive buffers kept for reuse
+- ``mlfabric_daemon_model_gets_total{host,what}``: model gets by how they were answered or
+  fetched (``local_hits``, ``peer_hits``, ``fetches``, ``joined``, ``relay_fallbacks``,
+  ``server_gets``, ``relayed``, ``not_kept``; docs/model-relays.md), and
+  ``mlfabric_daemon_model_cache_bytes{host}``: bytes of the models kept in the cache
 """
 
 from __future__ import annotations
@@ -155,6 +159,20 @@ class DaemonCollector(Collector):
                 s.inflight_bytes,
             ),
             (G, "mlfabric_daemon_pool_idle_bytes", "receive buffers kept for reuse", [], s.pool_idle_bytes),
+            (
+                C,
+                "mlfabric_daemon_model_gets",
+                "model gets by how they were answered or fetched",
+                ["what"],
+                {k: v for k, v in s.models.items() if k not in ("entries", "bytes")},
+            ),
+            (
+                G,
+                "mlfabric_daemon_model_cache_bytes",
+                "models kept in the cache",
+                [],
+                s.models.get("bytes", 0),
+            ),
         ]
         for kind, name, doc, labels, values in rows:
             if samples:

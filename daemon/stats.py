@@ -56,6 +56,9 @@ class DaemonStats:
         ``"push"``/``"receive"`` -> payload bytes held against that budget.
     pool_idle_bytes : int
         Released receive buffers kept for reuse.
+    models : dict
+        The model gets (:meth:`~mlfabric.daemon.roles.relay.role.ModelRelays.stats`): cache
+        hits, fetches sent upstream, relay fallbacks, GETs answered, the cache's size.
     """
 
     host: str
@@ -73,6 +76,7 @@ class DaemonStats:
     unannounced_pushes: int = 0
     inflight_bytes: dict[str, int] = field(default_factory=dict)
     pool_idle_bytes: int = 0
+    models: dict[str, int] = field(default_factory=dict)
 
 
 class Counters:

@@ -242,17 +242,30 @@ class Worker:
         if problem is not None:
             raise MlfabricError(problem, code="bad_tensor")
 
-    def get(self, server: str, *, as_torch: bool = False, timeout: float | None = 60.0) -> tuple[int, dict]:
-        """The server's current model (paper Table 1, ``get``).
+    def get(
+        self,
+        server: str,
+        *,
+        min_version: int | None = None,
+        as_torch: bool = False,
+        timeout: float | None = 60.0,
+    ) -> tuple[int, dict]:
+        """The server's current model (paper Table 1, ``get``), or one at least ``min_version``.
 
         Parameters
         ----------
         server : str
             The server's name.
+        min_version : int, optional
+            A version floor: the model returned is never older. The daemon answers from its
+            model cache when it holds a version at or above it (no transfer), else fetches one
+            from its upstream (the server's daemon or a relay of the rack,
+            docs/model-relays.md), waiting up to ``timeout`` for the server to publish one.
+            Without it: the server's current model.
         as_torch : bool
             Return torch tensors instead of numpy arrays.
         timeout : float, optional
-            Seconds to wait for the model.
+            Seconds to wait for the model (None: the daemon's default wait, 60 s, for a floor).
 
         Returns
         -------
@@ -261,14 +274,25 @@ class Worker:
         model : dict
             name -> tensor.
 
+        Raises
+        ------
+        MlfabricError
+            ``unavailable`` naming both versions when no model at or above ``min_version``
+            came within ``timeout``; ``bad_request`` for a negative ``min_version``.
+
         Examples
         --------
         >>> version, model = worker.get("ps0")   # doctest: +SKIP
         >>> version, model["w"].dtype            # doctest: +SKIP
         (12, dtype('float32'))
+        >>> version, model = worker.get("ps0", min_version=13)   # after a round  # doctest: +SKIP
         """
-        request = local_pb2.LocalRequest(get=local_pb2.GetRequest(server=server))
-        event, fd = self._client.call(request, timeout=timeout)
+        get = local_pb2.GetRequest(server=server, wait_seconds=timeout or 0.0)
+        if min_version is not None:
+            get.min_version, get.has_min_version = int(min_version), True
+        request = local_pb2.LocalRequest(get=get)
+        # the daemon's own answer at the wait's end names the versions: give it time to come
+        event, fd = self._client.call(request, timeout=None if timeout is None else timeout + 5.0)
         model = tensorio.from_fd(event.model.tensors, fd, as_torch=as_torch)
         self._base_versions[server] = int(event.model.version)
         return int(event.model.version), model

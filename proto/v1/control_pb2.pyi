@@ -479,6 +479,22 @@ class PromoteDirective(_message.Message):
     reason: str
     def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ModelRouteDirective(_message.Message):
+    __slots__ = ("job", "server", "upstream_host", "upstream_address", "server_host", "server_address")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_HOST_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_HOST_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    upstream_host: str
+    upstream_address: str
+    server_host: str
+    server_address: str
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., upstream_host: _Optional[str] = ..., upstream_address: _Optional[str] = ..., server_host: _Optional[str] = ..., server_address: _Optional[str] = ...) -> None: ...
+
 class AllreducePeer(_message.Message):
     __slots__ = ("participant", "host", "data_address")
     PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
@@ -538,7 +554,7 @@ class AllreduceAbort(_message.Message):
     def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., reason: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve", "replicate", "promote", "allreduce", "allreduce_abort")
+    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve", "replicate", "promote", "model_route", "allreduce", "allreduce_abort")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ROLE_ACK_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
@@ -548,6 +564,7 @@ class Directive(_message.Message):
     RESOLVE_FIELD_NUMBER: _ClassVar[int]
     REPLICATE_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ROUTE_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_ABORT_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
@@ -559,6 +576,7 @@ class Directive(_message.Message):
     resolve: ResolveDirective
     replicate: ReplicateDirective
     promote: PromoteDirective
+    model_route: ModelRouteDirective
     allreduce: AllreduceDirective
     allreduce_abort: AllreduceAbort
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateDirective, _Mapping]] = ..., promote: _Optional[_Union[PromoteDirective, _Mapping]] = ..., allreduce: _Optional[_Union[AllreduceDirective, _Mapping]] = ..., allreduce_abort: _Optional[_Union[AllreduceAbort, _Mapping]] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateDirective, _Mapping]] = ..., promote: _Optional[_Union[PromoteDirective, _Mapping]] = ..., model_route: _Optional[_Union[ModelRouteDirective, _Mapping]] = ..., allreduce: _Optional[_Union[AllreduceDirective, _Mapping]] = ..., allreduce_abort: _Optional[_Union[AllreduceAbort, _Mapping]] = ...) -> None: ...

@@ -66,10 +66,16 @@ class PushRequest(_message.Message):
     def __init__(self, server: _Optional[str] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_dataplane_pb2.TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., has_payload: _Optional[bool] = ..., payload_crc32: _Optional[int] = ..., has_crc32: _Optional[bool] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("server",)
+    __slots__ = ("server", "min_version", "has_min_version", "wait_seconds")
     SERVER_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     server: str
-    def __init__(self, server: _Optional[str] = ...) -> None: ...
+    min_version: int
+    has_min_version: bool
+    wait_seconds: float
+    def __init__(self, server: _Optional[str] = ..., min_version: _Optional[int] = ..., has_min_version: _Optional[bool] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class UpdateVerdict(_message.Message):
     __slots__ = ("update_id", "outcome", "delay", "version", "reason", "norm", "has_norm")

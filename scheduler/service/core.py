@@ -83,6 +83,7 @@ from mlfabric.scheduler.service.aggregates import DEFAULT_TIMEOUT, AggregateBook
 from mlfabric.scheduler.service.allreduce import AllreduceBook
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.effects import Effects
+from mlfabric.scheduler.service.model_routes import ModelRouteBook
 from mlfabric.scheduler.service.observe import ServiceStats
 from mlfabric.scheduler.service.records import (
     Cleanup,
@@ -242,6 +243,8 @@ class SchedulerCore:
         self.replication = Replication(state, self.runner, replica_grace)
         #: all-reduce operations: readiness, tree plans, aborts (docs/allreduce.md)
         self.allreduce = AllreduceBook(lambda: self.estimator.estimated_graph(), state.address)
+        #: where each worker host fetches each server's model: relays (docs/model-relays.md)
+        self.model_routes = ModelRouteBook(state)
 
     @property
     def policy(self) -> Policy:
@@ -276,6 +279,7 @@ class SchedulerCore:
         self.state.replace_graph(graph)
         self.estimator = make_estimator(graph)
         self._execute(self.allreduce.replan(self.clock(), force=True))
+        self._execute(self.model_routes.refresh())
 
     # -------------------------------------------------------------- sessions
 
@@ -298,6 +302,7 @@ class SchedulerCore:
         self._apply_cleanup(self.state.disconnect(session.host))
         self._execute(self.aggregates.host_lost(session.host, self.clock()))
         self._execute(self.allreduce.host_lost(session.host))
+        self._execute(self.model_routes.refresh())  # a relay may be gone
         log.info("daemon of host %s disconnected", session.host)
 
     def welcome(self) -> pb.Directive:
@@ -368,6 +373,7 @@ class SchedulerCore:
         session.send(pb.Directive(role_ack=ack))
         if m.role == pb.ROLE_SERVER:
             self._execute(self.replication.announce(m.job))  # its workers' daemons
+        self._execute(self.model_routes.refresh())
 
     def _unregister_role(self, host: str, m: pb.UnregisterRole) -> None:
         try:
@@ -384,6 +390,7 @@ class SchedulerCore:
                 self.state.unregister_worker(host, m.job, m.name)
         except SchedulerError as exc:
             log.warning("host %s: cannot unregister: %s", host, exc)
+        self._execute(self.model_routes.refresh())
 
     def _apply_cleanup(self, cleanup: Cleanup) -> None:
         self.runner.forget(u.update_id for u, _ in cleanup.dropped)

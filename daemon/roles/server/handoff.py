@@ -98,6 +98,8 @@ class ServerHandoff:
         #: the server's exactly-once memory (verdicts, deliveries, aggregates' members, claims)
         self.verdicts = VerdictStore(version, max_verdicts)
         self._lock = threading.Lock()
+        #: notified at every publish (a ``get`` with a version floor waits on it)
+        self._published = threading.Condition(self._lock)
         self._snapshot: ModelSnapshot | None = None
         #: a replica's replicated entries and its re-sync take turns under it (replica/log.py)
         self.replicating = threading.Lock()
@@ -162,8 +164,21 @@ class ServerHandoff:
         """Replace the model ``get`` answers from (the old snapshot's fd is closed)."""
         with self._lock:
             old, self._snapshot = self._snapshot, snapshot
+            self._published.notify_all()
         if old is not None:
             old.close()
+
+    def wait_published(self, min_version: int, timeout: float) -> ModelSnapshot | None:
+        """The model last published once its version is ``min_version`` or more (up to ``timeout`` s).
+
+        Returns the snapshot then, or whatever is published at the timeout (None if nothing;
+        the caller compares the version).
+        """
+        with self._lock:
+            self._published.wait_for(
+                lambda: self._snapshot is not None and self._snapshot.version >= min_version, timeout
+            )
+            return self._snapshot
 
     def snapshot(self) -> ModelSnapshot | None:
         """The model last published, or None."""

@@ -113,7 +113,9 @@ class ServerRoles(Role):
     def routes(self) -> Routes:
         return Routes(
             requests={"register_server": self.register, "verdict": self.verdict, "publish": self.publish},
-            frames={FrameRoute.UPDATE: self.on_frame, FrameRoute.GET: self.on_frame},
+            # a GET goes to the model relays (roles/relay), which answer it from here for a
+            # server of this host (answer_get) and from their cache for another
+            frames={FrameRoute.UPDATE: self.on_frame},
         )
 
     @property
@@ -365,7 +367,7 @@ class ServerRoles(Role):
             if h.kind == _UPDATE:
                 return self._on_update(frame)
             if h.kind == _GET:
-                return self._on_get(h)
+                return self.answer_get(h)
             return self._error(f"unexpected frame kind {h.kind}", h.update_id)
         finally:
             frame.release()  # a pooled buffer goes back for the next frame
@@ -458,7 +460,8 @@ class ServerRoles(Role):
         )
         return Response(ack)
 
-    def _on_get(self, h: Any) -> Response:
+    def answer_get(self, h: Any) -> Response:
+        """A GET frame's answer from the model a server (or replica) here published (or ERROR)."""
         with self._lock:
             entry = self._roles.get((h.job, h.server))
         snap = entry[0].snapshot() if entry is not None else None

@@ -28,24 +28,22 @@ from typing import Any
 from mlfabric.daemon.channels.budget import BudgetExceeded, ByteBudget
 from mlfabric.daemon.channels.frames import FrameError, FrameHeader, FrameLimits, check_header
 from mlfabric.daemon.channels.localapi import LocalConnection
-from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
+from mlfabric.daemon.channels.peers import PeerPool
 from mlfabric.daemon.roles.base import (
     Role,
     RoleContext,
     Routes,
     Verdict,
     already_registered,
-    model_reply,
     refused,
 )
 from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.registrar import OnAck, Registrar
-from mlfabric.daemon.roles.server.serving import ServerRoles
+from mlfabric.daemon.roles.relay.role import ModelRelays
 from mlfabric.daemon.roles.worker.fallback import Fallback, update_ready
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, new_incarnation
 from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.wire.memfd import allocate
 from mlfabric.wire.tensors import check_update, layouts_from_pb
 
 __all__ = ["WorkerRole"]
@@ -67,8 +65,8 @@ class WorkerRole(Role):
         Where every job's servers are.
     peers : PeerPool
         The data plane's way out (transfers, model fetches).
-    serving : ServerRoles
-        The servers of this host (a ``get`` for one of them is answered here).
+    models : ModelRelays
+        Answers ``get`` (from a server here, the model cache, a relay or the server's daemon).
     budget : ByteBudget
         The push budget: bytes of pushes held at once.
     report : callable
@@ -94,7 +92,7 @@ class WorkerRole(Role):
         registrar: Registrar,
         directory: Directory,
         peers: PeerPool,
-        serving: ServerRoles,
+        models: ModelRelays,
         budget: ByteBudget,
         report: Callable[[Any], Any],
         *,
@@ -107,7 +105,7 @@ class WorkerRole(Role):
         self._registrar = registrar
         self._directory = directory
         self._peers = peers
-        self._serving = serving
+        self._models = models
         self._budget = budget
         self._limits = limits
         self._push_timeout = push_timeout
@@ -416,37 +414,19 @@ class WorkerRole(Role):
         return None
 
     def get(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
-        """``GetRequest``: the server's model, from here or fetched from the server's daemon."""
-        server, rid = request.get.server, request.request_id
+        """``GetRequest``: the server's model, at or above its ``min_version`` (roles/relay)."""
+        req, rid = request.get, request.request_id
         job = conn.job
-        loc = self._directory.lookup(job, server) if conn.role else None
+        loc = self._directory.lookup(job, req.server) if conn.role else None
         if loc is None:
             known = self._directory.servers(job)
-            conn.error(rid, "unknown_server", f"unknown server {server!r} in job {job!r} (servers: {known})")
+            why = f"unknown server {req.server!r} in job {job!r} (servers: {known})"
+            conn.error(rid, "unknown_server", why)
             return fd
-        if self._serving.hosts(job, server):
-            self._serving.send_model(conn, rid, job, server)
-        else:
-            self._ctx.submit(self._remote_model, conn, rid, job, server, loc.data_address)
+        if req.has_min_version and req.min_version < 0:
+            why = f"min_version {req.min_version} is negative: a model version is 0 or more"
+            conn.error(rid, "bad_request", why)
+            return fd
+        floor = req.min_version if req.has_min_version else None
+        self._models.local_get(conn, rid, job, req.server, floor, req.wait_seconds)
         return fd
-
-    def _remote_model(self, conn: LocalConnection, rid: int, job: str, server: str, address: str) -> None:
-        """Answer a ``get`` for a server on another host: GET frame -> MODEL -> memfd to ``conn``."""
-        header = FrameHeader(
-            kind=dataplane_pb2.FRAME_KIND_GET, job=job, server=server, src_host=self._ctx.host
-        )
-        try:
-            reply = self._peers.request(address, header, alloc=allocate)
-        except PeerUnavailable as exc:
-            conn.error(rid, "unavailable", f"get from server {server!r} of job {job!r}: {exc}")
-            return
-        buffer = reply.memfd()
-        try:
-            if reply.header.kind != dataplane_pb2.FRAME_KIND_MODEL:
-                conn.error(
-                    rid, "unavailable", f"get from server {server!r} of job {job!r}: {reply.header.reason}"
-                )
-                return
-            conn.send(local_pb2.LocalEvent(request_id=rid, model=model_reply(reply.header)), buffer.fd)
-        finally:
-            buffer.release()

@@ -1,0 +1,343 @@
+"""Model relays: ``get`` with a version floor, the model cache, the scheduler's routes (DESIGN §12).
+
+:class:`ModelRelays` answers every ``get`` of this host's workers and every GET frame of a
+peer daemon (docs/model-relays.md):
+
+- for a server of this host: from the model its process published (the server role,
+  :meth:`~mlfabric.daemon.roles.server.serving.ServerRoles.answer_get`), after waiting up to
+  the request's wait for a version at or above its ``min_version``;
+- for a server elsewhere, with a floor (a local ``get(min_version=...)`` or any peer's GET):
+  from the :class:`~mlfabric.daemon.roles.relay.cache.ModelCache` when it holds a version at or
+  above the floor, without touching the network; else one fetch per (job, server) at a time
+  (single-flight: the others wait for it) from this host's *upstream* — the relay host the
+  scheduler named in a ``ModelRouteDirective``, or the server's daemon — and the answer is
+  kept. A relay whose fetch fails (refused, reset, timed out, an ERROR) is passed over for the
+  server's daemon for that fetch;
+- for a server elsewhere without a floor: as before relays, from the server's daemon (its
+  current model), kept in the cache too.
+
+No answer is ever older than its floor, and the cache never goes back to an older version.
+Store-and-forward: a relay answers once it has the whole model.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from mlfabric.daemon.channels.budget import ByteBudget
+from mlfabric.daemon.channels.frames import Frame, FrameError, FrameHeader, error_header
+from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.localapi import LocalConnection
+from mlfabric.daemon.channels.peers import PeerUnavailable
+from mlfabric.daemon.channels.routing import FrameRoute
+from mlfabric.daemon.roles.base import Role, RoleContext, Routes
+from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.relay.cache import Key, ModelCache
+from mlfabric.daemon.roles.server.handoff import ModelSnapshot
+from mlfabric.daemon.roles.server.serving import ServerRoles
+from mlfabric.proto.v1 import dataplane_pb2, local_pb2
+from mlfabric.wire.memfd import allocate
+from mlfabric.wire.tensors import layouts_from_pb, layouts_to_pb
+
+__all__ = ["DEFAULT_WAIT", "ModelRelays", "ModelUnavailable"]
+
+_LOG = logging.getLogger("mlfabric.daemon")
+_GET = dataplane_pb2.FRAME_KIND_GET
+_MODEL = dataplane_pb2.FRAME_KIND_MODEL
+
+#: seconds a ``get`` with a floor waits for a new enough model when it gives no wait of its own
+DEFAULT_WAIT = 60.0
+
+
+class ModelUnavailable(RuntimeError):
+    """No model at or above the floor could be had; the message names the versions or the error."""
+
+
+class ModelRelays(Role):
+    """The model gets of this host: hosted servers, the cache, relays (thread-safe).
+
+    Parameters
+    ----------
+    context : RoleContext
+        Host name, task pool, clock.
+    directory : Directory
+        Where every job's servers are (the server's daemon, when there is no route).
+    request : callable
+        ``request(address, header, alloc=...) -> Reply``: one GET to a peer daemon
+        (:meth:`~mlfabric.daemon.channels.peers.PeerPool.request`).
+    serving : ServerRoles
+        The servers of this host.
+    budget : ByteBudget, optional
+        Cached models are held against it.
+    max_wait : float, optional
+        The longest a GET waits for a new enough model (the peers' I/O timeout must outlast it).
+    """
+
+    def __init__(
+        self,
+        context: RoleContext,
+        directory: Directory,
+        request: Callable[..., Any],
+        serving: ServerRoles,
+        *,
+        budget: ByteBudget | None = None,
+        max_wait: float | None = None,
+    ) -> None:
+        self._ctx = context
+        self._directory = directory
+        self._request = request
+        self._serving = serving
+        self.cache = ModelCache(budget)
+        self._max_wait = max_wait
+        self._lock = threading.Lock()
+        #: (job, server) -> the scheduler's route (ModelRouteDirective)
+        self._routes: dict[Key, Any] = {}
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def routes(self) -> Routes:
+        return Routes(frames={FrameRoute.GET: self.on_get}, directives={"model_route": self.on_route})
+
+    def stop(self) -> None:
+        self.cache.close()
+
+    def stats(self) -> dict[str, int]:
+        """Counts: ``local_hits`` / ``peer_hits`` (answered from the cache), ``fetches`` (GETs
+        sent upstream), ``joined`` (gets that waited for another's fetch), ``relay_fallbacks``,
+        ``server_gets`` (GETs answered for a server here), ``relayed`` (GETs answered for a
+        server elsewhere), ``not_kept``; and the cache's ``entries`` and ``bytes``."""
+        with self._lock:
+            counts = dict(self._counts)
+        return counts | self.cache.stats() | {"not_kept": self.cache.not_kept}
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def on_route(self, route: Any) -> None:
+        """A ``ModelRouteDirective``: fetch the model of (job, server) from its upstream from now on."""
+        copy = type(route)()
+        copy.CopyFrom(route)
+        with self._lock:
+            self._routes[(route.job, route.server)] = copy
+        _LOG.info("model of server %r of job %r: upstream %s", route.server, route.job, route.upstream_host)
+
+    def route(self, job: str, server: str) -> Any:
+        """The route last received for (job, server), or None."""
+        with self._lock:
+            return self._routes.get((job, server))
+
+    def _wait(self, seconds: float) -> float:
+        wait = seconds if seconds > 0 else DEFAULT_WAIT
+        return wait if self._max_wait is None else min(wait, self._max_wait)
+
+    # ------------------------------------------------------------------ a local get
+
+    def local_get(
+        self, conn: LocalConnection, rid: int, job: str, server: str, min_version: int | None, wait: float
+    ) -> None:
+        """Answer a local ``get`` (on the task pool): a ``ModelReply`` + memfd, or ``LocalError``."""
+        if self._serving.hosts(job, server):
+            self._ctx.submit(self._local_hosted, conn, rid, job, server, min_version, self._wait(wait))
+        else:
+            self._ctx.submit(self._local_remote, conn, rid, (job, server), min_version, self._wait(wait))
+
+    def _local_hosted(
+        self, conn: LocalConnection, rid: int, job: str, server: str, min_version: int | None, wait: float
+    ) -> None:
+        if min_version is not None:
+            handoff = self._serving.handoff(job, server)
+            snap = handoff.wait_published(min_version, wait) if handoff is not None else None
+            if snap is None or snap.version < min_version:
+                have = None if snap is None else snap.version
+                conn.error(rid, "unavailable", _too_old(job, server, have, min_version, wait))
+                return
+        self._serving.send_model(conn, rid, job, server)
+
+    def _local_remote(
+        self, conn: LocalConnection, rid: int, key: Key, min_version: int | None, wait: float
+    ) -> None:
+        deadline = self._ctx.clock() + wait
+        try:
+            if min_version is None:  # the server's current model, as without relays (kept too)
+                leftover, floor = self._fetch_from_server(key, 0, deadline), 0
+            else:
+                leftover, floor = self.obtain(key, min_version, deadline, "local"), min_version
+        except ModelUnavailable as exc:
+            conn.error(rid, "unavailable", str(exc))
+            return
+
+        def send(snap: ModelSnapshot) -> None:
+            reply = local_pb2.ModelReply(
+                version=snap.version,
+                tensors=layouts_to_pb(snap.layouts),
+                payload_bytes=snap.payload_bytes,
+                has_payload=True,
+            )
+            conn.send(local_pb2.LocalEvent(request_id=rid, model=reply), snap.fd)
+
+        if leftover is not None:
+            send(leftover)
+            leftover.close()
+        elif self.cache.with_entry(key, floor, send) is None:  # cannot happen: kept ones stay
+            conn.error(rid, "unavailable", f"model of server {key[1]!r} of job {key[0]!r} was not kept")
+
+    # ------------------------------------------------------------------ a peer's GET
+
+    def on_get(self, frame: Frame) -> Response:
+        """A GET frame: for a server here, from its published model; else from the cache or upstream."""
+        h = frame.header
+        frame.release()
+        where = f"server {h.server!r} of job {h.job!r}"
+        if h.min_version < 0:
+            why = f"min_version {h.min_version} is negative (a version is 0 or more)"
+            return self._error(f"GET of {where}: {why}")
+        wait = self._wait(h.wait_seconds)
+        handoff = self._serving.handoff(h.job, h.server)
+        if handoff is not None or h.replica:  # served here (or a replica attaching: its error)
+            if handoff is not None and h.min_version > 0:
+                snap = handoff.wait_published(h.min_version, wait)
+                if snap is None or snap.version < h.min_version:
+                    have = None if snap is None else snap.version
+                    return self._error(_too_old(h.job, h.server, have, h.min_version, wait))
+            self._count("server_gets")
+            return self._serving.answer_get(h)
+        key = (h.job, h.server)
+        if self._server_address(key) is None:
+            known = self._directory.servers(h.job)
+            return self._error(f"unknown {where} on host {self._ctx.host!r} (servers known here: {known})")
+        try:
+            leftover = self.obtain(key, h.min_version, self._ctx.clock() + wait, "peer", asked_by=h.src_host)
+        except ModelUnavailable as exc:
+            return self._error(str(exc))
+        self._count("relayed")
+        if leftover is not None:
+            response = self._response(h, leftover)
+            leftover.close()  # the mapping backs the response
+            return response
+        cached = self.cache.with_entry(key, h.min_version, lambda snap: self._response(h, snap))
+        return cached or self._error(f"model of {where} was not kept on host {self._ctx.host!r}")
+
+    def _response(self, h: Any, snap: ModelSnapshot) -> Response:
+        header = FrameHeader(
+            kind=_MODEL,
+            job=h.job,
+            server=h.server,
+            version=snap.version,
+            tensors=layouts_to_pb(snap.layouts),
+            src_host=self._ctx.host,
+        )
+        return Response(header, snap.mapping, crc32=snap.checksum())
+
+    def _error(self, reason: str) -> Response:
+        return Response(error_header(reason, src_host=self._ctx.host))
+
+    # ------------------------------------------------------------------ the cache and the fetches
+
+    def obtain(
+        self, key: Key, min_version: int, deadline: float, who: str, *, asked_by: str = ""
+    ) -> ModelSnapshot | None:
+        """Make sure a model at or above ``min_version`` is cached, fetching it once if need be.
+
+        Returns None (answer from the cache), or the fetched model when the budget had no room
+        to keep it (the caller answers from it and closes it). ``who``: ``"local"`` or
+        ``"peer"`` (counted); ``asked_by``: the host of the peer asking (never fetched from).
+
+        Raises
+        ------
+        ModelUnavailable
+            Nothing new enough came by ``deadline``, or the fetch failed.
+        """
+        while True:
+            leader, flight = self.cache.begin(key, min_version)
+            if flight is None:  # cached by now, at or above the floor
+                self._count(f"{who}_hits")
+                return None
+            if leader:
+                try:
+                    leftover = self._fetch(key, min_version, deadline, asked_by)
+                except ModelUnavailable as exc:
+                    self.cache.end(key, flight, str(exc))
+                    raise
+                self.cache.end(key, flight)
+                return leftover
+            self._count("joined")
+            if not flight.done.wait(max(0.0, deadline - self._ctx.clock())):
+                have = self.cache.version(key)
+                waited = f"waiting for the fetch under way on host {self._ctx.host!r}"
+                raise ModelUnavailable(_too_old(key[0], key[1], have, min_version, None, waited))
+            if flight.error is not None and flight.min_version <= min_version:
+                raise ModelUnavailable(flight.error)
+            # it ended (ok: the cache may be new enough now; failed for a higher floor): again
+
+    def _server_address(self, key: Key) -> tuple[str, str] | None:
+        """(host, data address) of the server's daemon: the directory's, else the route's."""
+        loc = self._directory.lookup(*key)
+        if loc is not None:
+            return loc.host, loc.data_address
+        route = self.route(*key)
+        if route is not None and route.server_address:
+            return route.server_host, route.server_address
+        return None
+
+    def _fetch(self, key: Key, min_version: int, deadline: float, asked_by: str) -> ModelSnapshot | None:
+        route = self.route(*key)
+        server = self._server_address(key)
+        relay = (
+            route is not None
+            and route.upstream_address
+            and route.upstream_host not in (route.server_host, self._ctx.host, asked_by)
+            and (server is None or route.upstream_address != server[1])
+        )
+        if relay:
+            try:
+                upstream = (route.upstream_host, route.upstream_address)
+                return self._fetch_from(*upstream, key, min_version, deadline)
+            except ModelUnavailable as exc:
+                self._count("relay_fallbacks")
+                _LOG.warning("%s; fetching from the server's daemon instead", exc)
+        return self._fetch_from_server(key, min_version, deadline)
+
+    def _fetch_from_server(self, key: Key, min_version: int, deadline: float) -> ModelSnapshot | None:
+        server = self._server_address(key)
+        if server is None:
+            known = self._directory.servers(key[0])
+            raise ModelUnavailable(f"unknown server {key[1]!r} in job {key[0]!r} (servers: {known})")
+        return self._fetch_from(server[0], server[1], key, min_version, deadline)
+
+    def _fetch_from(
+        self, host: str, address: str, key: Key, min_version: int, deadline: float
+    ) -> ModelSnapshot | None:
+        """One GET to the daemon of ``host``; the model is kept (see :meth:`ModelCache.keep`)."""
+        job, server = key
+        where = f"get of server {server!r} of job {job!r} from host {host!r} ({address})"
+        header = FrameHeader(
+            kind=_GET,
+            job=job,
+            server=server,
+            src_host=self._ctx.host,
+            min_version=min_version,
+            wait_seconds=max(0.0, deadline - self._ctx.clock()),
+        )
+        self._count("fetches")
+        try:
+            reply = self._request(address, header, alloc=allocate)
+        except (PeerUnavailable, FrameError, OSError) as exc:  # refused, reset, timed out, garbled
+            raise ModelUnavailable(f"{where}: {exc}") from None
+        buffer = reply.memfd()
+        h = reply.header
+        if h.kind != _MODEL or h.version < min_version:
+            buffer.release()
+            reason = h.reason if h.kind != _MODEL else f"answered version {h.version}, below {min_version}"
+            raise ModelUnavailable(f"{where}: {reason}")
+        return self.cache.keep(key, h.version, layouts_from_pb(h.tensors), h.payload_bytes, buffer)
+
+
+def _too_old(job: str, server: str, have: int | None, want: int, wait: float | None, how: str = "") -> str:
+    """The error of a ``get`` whose floor was not reached: names both versions."""
+    newest = "no model" if have is None else f"version {have}"
+    within = f" within {wait:g} s" if wait is not None else f" ({how})"
+    return f"server {server!r} of job {job!r}: min_version {want} not reached{within}; newest here: {newest}"

@@ -1,0 +1,178 @@
+"""Model relays: where each worker host's daemon fetches a server's model (docs/model-relays.md).
+
+After a synchronous round every worker ``get``\\ s the new model. Fetched from the server's
+daemon, N copies cross the server's link and every rack's uplink once per worker host behind
+it. Instead the scheduler names, per (job, server), each worker host's *upstream*: the
+server's host, or a *relay*, a worker host of the same rack that fetched the model and keeps
+it in its daemon's cache (DESIGN §12). :func:`model_upstreams` is the choice, a pure
+function of the bandwidth graph; :class:`ModelRouteBook` turns it into
+``ModelRouteDirective``\\ s, sent only when a host's route changes (the service core executes
+its :class:`~mlfabric.scheduler.service.effects.Effects`). The full broadcast planner
+(``scheduler/policies/broadcast.py:plan_broadcast``) can later stand behind the same signature.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.service.effects import Effects
+from mlfabric.scheduler.service.records import SchedulerError
+from mlfabric.scheduler.service.state import SchedulerState
+
+__all__ = ["ModelRouteBook", "model_upstreams"]
+
+log = logging.getLogger(__name__)
+
+
+def model_upstreams(graph: nx.DiGraph, server_host: str, worker_hosts: Iterable[str]) -> dict[str, str]:
+    """Each worker host's upstream for the model of a server on ``server_host``.
+
+    The rule (one level of relays; docs/model-relays.md):
+
+    1. Take the shortest paths from the server's host to every worker host (one BFS tree,
+       so hosts under one switch share their path to it).
+    2. Group the worker hosts by the switch they sit directly under on that path.
+    3. A group of two or more hosts whose switch is reached from the server through a
+       *switch-to-switch* link (a rack's uplink, shared by the group: not only the server's
+       own NIC) gets one relay: the host of the group with the fastest NIC (the capacity of
+       its link from the switch; ties: the first name in string order). The relay's
+       upstream is the server's host; the others' upstream is the relay. One copy of the
+       model then crosses the uplink.
+    4. Every other worker host (alone behind its uplink, under the server's own switch, or
+       with no path in the graph) fetches from the server's host directly.
+
+    The server's own host is left out (its daemon answers from the server it hosts).
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The bandwidth graph (``scheduler/core/graph.py``: node ``kind``, edge ``capacity``).
+    server_host : str
+        The host of the server.
+    worker_hosts : iterable of str
+        Hosts with at least one worker of the server's job.
+
+    Returns
+    -------
+    dict
+        worker host -> upstream host (the server's host, or a relay host of its group).
+
+    Examples
+    --------
+    Two racks of four behind 2:1 oversubscribed uplinks, the server ``h0`` in rack 0: rack 0
+    fetches directly, rack 1 through one relay (``h4``: equal NICs, the first by name).
+
+    >>> from mlfabric.scheduler.core.graph import star, two_tier
+    >>> g = two_tier(2, 4, 1e9, oversubscription=2.0)
+    >>> ups = model_upstreams(g, "h0", ["h1", "h2", "h4", "h5", "h6", "h7"])
+    >>> {h: ups[h] for h in sorted(ups)}
+    {'h1': 'h0', 'h2': 'h0', 'h4': 'h0', 'h5': 'h4', 'h6': 'h4', 'h7': 'h4'}
+
+    A star has no shared link but the server's NIC: every host fetches directly.
+
+    >>> model_upstreams(star(4, 1e9), "h0", ["h1", "h2", "h3"])
+    {'h1': 'h0', 'h2': 'h0', 'h3': 'h0'}
+    """
+    workers = sorted(set(worker_hosts) - {server_host})
+    out = dict.fromkeys(workers, server_host)
+    if server_host not in graph:
+        return out
+    paths = nx.single_source_shortest_path(graph, server_host)
+    groups: dict[str, list[str]] = {}
+    for host in workers:
+        path = paths.get(host)
+        if path is None or len(path) < 4:  # no path, or under the server's own switch
+            continue
+        switch, above = path[-2], path[-3]
+        kinds = graph.nodes[switch].get("kind"), graph.nodes[above].get("kind")
+        if kinds == ("switch", "switch"):
+            groups.setdefault(switch, []).append(host)
+    for switch, members in groups.items():
+        if len(members) < 2:
+            continue
+        relay = min(members, key=lambda h: (-graph.edges[switch, h]["capacity"], h))
+        for host in members:
+            if host != relay:
+                out[host] = relay
+    return out
+
+
+@dataclass
+class ModelRouteBook:
+    """The model routes sent to the daemons, and the ones now due (pure: returns Effects).
+
+    :meth:`refresh` recomputes every job's routes from the connected worker hosts and servers
+    and returns a ``ModelRouteDirective`` for each (host, job, server) whose route changed
+    since it was last sent (a host that fetches directly, and was never told otherwise, gets
+    none: without a route a daemon fetches from the server's daemon). A daemon whose session
+    ended has no workers any more, so its routes are forgotten at the next refresh and a new
+    session gets them again once its workers register; the hosts that fetched through a relay
+    whose daemon went away get new routes at that refresh.
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import two_tier
+    >>> from mlfabric.scheduler.service.records import JobParams
+    >>> state = SchedulerState(two_tier(2, 2, 1e9, oversubscription=2.0))
+    >>> for i in range(4):
+    ...     _ = state.connect(f"h{i}", f"127.0.0.1:{9000 + i}")
+    >>> _ = state.register_server("h0", "j", "ps", (), JobParams(), 0)
+    >>> for h in ("h2", "h3"):
+    ...     _ = state.register_worker(h, "j", f"w{h}")
+    >>> book = ModelRouteBook(state)
+    >>> [(h, d.model_route.upstream_host) for h, d in book.refresh().directives]
+    [('h3', 'h2')]
+    >>> book.refresh().directives  # nothing changed: nothing sent
+    []
+    """
+
+    state: SchedulerState
+    #: (host, job, server) -> the route last sent there
+    sent: dict[tuple[str, str, str], pb.ModelRouteDirective] = field(default_factory=dict)
+
+    def refresh(self) -> Effects:
+        """The directives for every route that changed (new workers, servers, relays gone).
+
+        A daemon without a route fetches from the server's daemon, so a direct route is sent
+        only to a host that was sent another route before (a relay of its had gone).
+        """
+        out = Effects()
+        due: dict[tuple[str, str, str], pb.ModelRouteDirective] = {}
+        for job in sorted(self.state.jobs):
+            hosts = {h for h in self.state.worker_hosts(job) if h in self.state.daemons}
+            for server in self.state.servers(job):
+                due.update(self._routes(job, server.name, server.host, hosts))
+        sent = {}
+        for key, route in sorted(due.items()):
+            before = self.sent.get(key)
+            if before is None and route.upstream_host == route.server_host:
+                continue  # direct, as without a route
+            if before != route:
+                out.send(key[0], pb.Directive(model_route=route))
+            sent[key] = route
+        self.sent = sent
+        return out
+
+    def _routes(
+        self, job: str, server: str, server_host: str, hosts: set[str]
+    ) -> dict[tuple[str, str, str], pb.ModelRouteDirective]:
+        try:
+            server_address = self.state.address(server_host)
+        except SchedulerError:
+            return {}  # the server's daemon is away: its workers learn the new server later
+        routes = {}
+        for host, upstream in model_upstreams(self.state.graph, server_host, hosts).items():
+            routes[(host, job, server)] = pb.ModelRouteDirective(
+                job=job,
+                server=server,
+                upstream_host=upstream,
+                upstream_address=self.state.address(upstream),
+                server_host=server_host,
+                server_address=server_address,
+            )
+        return routes

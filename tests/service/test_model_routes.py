@@ -1,0 +1,111 @@
+"""Model relays chosen by the scheduler: the pure choice and the directives (docs/model-relays.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.core.graph import star, two_tier
+from mlfabric.scheduler.policies.dispatch import Dispatcher
+from mlfabric.scheduler.policies.fair import FairPolicy
+from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
+from mlfabric.scheduler.service.model_routes import model_upstreams
+from mlfabric.scheduler.service.state import SchedulerState
+
+
+def test_two_tier_one_relay_per_remote_rack() -> None:
+    g = two_tier(3, 4, 1e9, oversubscription=4.0)
+    workers = [f"h{i}" for i in range(1, 12)]
+    ups = model_upstreams(g, "h0", workers)
+    assert set(ups) == set(workers)
+    # rack 0 (the server's): direct; racks 1 and 2: one relay each, fetching from the server
+    assert all(ups[h] == "h0" for h in ("h1", "h2", "h3"))
+    assert ups["h4"] == "h0" and all(ups[h] == "h4" for h in ("h5", "h6", "h7"))
+    # equal NICs: the first name in string order
+    assert ups["h10"] == "h0" and all(ups[h] == "h10" for h in ("h8", "h9", "h11"))
+
+
+def test_relay_is_the_fastest_nic_of_its_rack() -> None:
+    nics = {f"h{i}": 1e9 for i in range(8)} | {"h6": 10e9}
+    g = two_tier(2, 4, nics, oversubscription=2.0)
+    ups = model_upstreams(g, "h1", ["h4", "h5", "h6", "h7"])
+    assert ups == {"h6": "h1", "h4": "h6", "h5": "h6", "h7": "h6"}
+
+
+def test_a_lone_host_behind_an_uplink_fetches_directly() -> None:
+    g = two_tier(3, 4, 1e9, oversubscription=2.0)
+    ups = model_upstreams(g, "h0", ["h4", "h8", "h9", "h0"])
+    # h0 is the server's own host (left out); h4 alone in rack 1; rack 2 has two
+    assert ups == {"h4": "h0", "h8": "h0", "h9": "h8"}  # "h8" < "h9"
+
+
+@pytest.mark.parametrize("n", [2, 5, 9])
+def test_star_is_direct(n: int) -> None:
+    g = star(n, 1e9)
+    hosts = [f"h{i}" for i in range(1, n)]
+    assert model_upstreams(g, "h0", hosts) == dict.fromkeys(hosts, "h0")
+
+
+def test_unknown_hosts_fetch_directly() -> None:
+    g = star(3, 1e9)
+    assert model_upstreams(g, "nowhere", ["h1", "h2"]) == {"h1": "nowhere", "h2": "nowhere"}
+    assert model_upstreams(g, "h0", ["ghost"]) == {"ghost": "h0"}
+
+
+def _core() -> SchedulerCore:
+    g = two_tier(2, 3, 1e9, oversubscription=3.0)
+    return SchedulerCore(
+        SchedulerState(g),
+        FairPolicy(),
+        dispatcher=Dispatcher(),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(g),
+    )
+
+
+def _routes(session: DaemonSession) -> list[Any]:
+    out = []
+    while not session.queue.empty():
+        d = session.queue.get_nowait()
+        if d is not None and d.WhichOneof("kind") == "model_route":
+            out.append(d.model_route)
+    return out
+
+
+def test_core_sends_routes_as_workers_register_and_when_a_relay_goes() -> None:
+    core = _core()
+    sessions = {
+        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}"))
+        for i, h in enumerate(["h0", "h1", "h2", "h3", "h4", "h5"])
+    }
+
+    def register(host: str, role: int, name: str) -> None:
+        role_msg = pb.RegisterRole(job="j", role=role, name=name)  # type: ignore[arg-type]
+        core.on_message(sessions[host], pb.DaemonMessage(register_role=role_msg))
+
+    register("h0", pb.ROLE_SERVER, "ps")
+    for h in ("h1", "h3", "h4", "h5"):
+        register(h, pb.ROLE_WORKER, h)
+    got = {h: _routes(s) for h, s in sessions.items()}
+    # h1 (the server's rack) and the relay h3 fetch directly: no route; h4, h5 through h3
+    assert got["h0"] == got["h1"] == got["h3"] == []
+    for h in ("h4", "h5"):
+        (route,) = got[h]
+        assert (route.job, route.server, route.upstream_host) == ("j", "ps", "h3")
+        assert route.upstream_address == "127.0.0.1:9003"
+        assert (route.server_host, route.server_address) == ("h0", "127.0.0.1:9000")
+    # a second worker on a host already routed changes nothing
+    register("h4", pb.ROLE_WORKER, "h4b")
+    assert _routes(sessions["h4"]) == []
+    # the relay's daemon goes away: the rest of its rack gets a new relay (h4), h4 direct
+    core.goodbye(sessions["h3"])
+    (r4,) = _routes(sessions["h4"])
+    (r5,) = _routes(sessions["h5"])
+    assert r4.upstream_host == "h0" and r5.upstream_host == "h4"
+    # h5's worker leaves: h4 is alone, and no route is due for it (it is direct already)
+    gone = pb.UnregisterRole(job="j", role=pb.ROLE_WORKER, name="h5")
+    core.on_message(sessions["h5"], pb.DaemonMessage(unregister_role=gone))
+    assert _routes(sessions["h4"]) == []
