@@ -32,12 +32,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import networkx as nx
 
 from mlfabric.scheduler.core.schedule import Link
 
-__all__ = ["BandwidthEstimator"]
+__all__ = ["BandwidthEstimator", "Estimator", "StaticEstimator"]
 
 
 @dataclass
@@ -193,3 +194,33 @@ class BandwidthEstimator:
             g.edges[link]["capacity"] = self._current(link, self._now)
         self._cached = (key[0], key[1], g)
         return g
+
+
+class Estimator(Protocol):
+    """Bandwidth estimation as the service uses it (``scheduler/core/estimation.py``)."""
+
+    def observe(
+        self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
+    ) -> None:
+        """Account for ``nbytes`` moved along ``path`` in ``duration`` s, ``shared`` at once."""
+        ...
+
+    def estimated_graph(self) -> nx.DiGraph:
+        """The bandwidth graph with the current capacity estimates."""
+        ...
+
+
+class StaticEstimator:
+    """An estimator that trusts the configured capacities (ignores measurements)."""
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        self._graph = graph
+
+    def observe(
+        self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
+    ) -> None:
+        """Ignore the measurement."""
+
+    def estimated_graph(self) -> nx.DiGraph:
+        """The configured graph."""
+        return self._graph

@@ -69,11 +69,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import networkx as nx
 
 from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.core.estimation import Estimator, StaticEstimator
 from mlfabric.scheduler.core.schedule import is_aggregate_id
 from mlfabric.scheduler.policies.base import Decision, Policy
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
@@ -114,36 +114,6 @@ log = logging.getLogger(__name__)
 #: options for a daemon's channel to the scheduler (``grpc.insecure_channel(addr, options=...)``);
 #: the one definition is :data:`mlfabric.wire.keepalive.CHANNEL_OPTIONS`, which daemons import
 CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = CHANNEL_OPTIONS
-
-
-class Estimator(Protocol):
-    """Bandwidth estimation as the service uses it (``scheduler/core/estimation.py``)."""
-
-    def observe(
-        self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
-    ) -> None:
-        """Account for ``nbytes`` moved along ``path`` in ``duration`` s, ``shared`` at once."""
-        ...
-
-    def estimated_graph(self) -> nx.DiGraph:
-        """The bandwidth graph with the current capacity estimates."""
-        ...
-
-
-class StaticEstimator:
-    """An estimator that trusts the configured capacities (ignores measurements)."""
-
-    def __init__(self, graph: nx.DiGraph) -> None:
-        self._graph = graph
-
-    def observe(
-        self, path: Sequence[str], nbytes: int, duration: float, now: float, *, shared: int = 1
-    ) -> None:
-        """Ignore the measurement."""
-
-    def estimated_graph(self) -> nx.DiGraph:
-        """The configured graph."""
-        return self._graph
 
 
 @dataclass(eq=False)
@@ -239,6 +209,7 @@ class SchedulerCore:
         self.clock = clock
         self.sessions: dict[str, DaemonSession] = {}
         self._wake = asyncio.Event()
+        self._timer = math.inf  # when the release loop wakes by itself (its earliest deadline)
         #: replicas: their books, replica sends, promotion (docs/replication.md)
         self.replication = Replication(state, self.runner, replica_grace)
         #: all-reduce operations: readiness, tree plans, aborts (docs/allreduce.md)
@@ -529,8 +500,9 @@ class SchedulerCore:
                 update_id=s.update_id, next_hop_host=s.next_hop, next_hop_address=address, dst_host=dst
             )
             self._send_to(src, pb.Directive(send=directive))
+        if out or (self.runner.next_wakeup(self.state.in_flight) or math.inf) < self._timer:
+            self._wake.set()  # the release loop's timer is set for later than what may go now
         if out:
-            self._wake.set()
             self._moved()
         return released
 
@@ -581,6 +553,7 @@ class SchedulerCore:
                 if w
             ]
             wake = min(wakes, default=None)
+            self._timer = math.inf if wake is None else wake
             timeout = None if wake is None or math.isinf(wake) else max(0.0, wake - self.clock())
             # asyncio.timeout, not wait_for: on 3.11 wait_for with a timeout swallows a cancel
             # that arrives as the event is set, and the loop then never ends

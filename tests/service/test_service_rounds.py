@@ -11,7 +11,7 @@ from typing import Any
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.core.graph import parse_topology
-from mlfabric.scheduler.policies.base import Decision, RoundSpec
+from mlfabric.scheduler.policies.base import Decision, PlannedAggregate, RoundSpec, Send
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.policies.tree_policy import TreePolicy
@@ -125,3 +125,65 @@ def test_a_job_whose_workers_are_not_all_registered_has_no_round_membership() ->
     assert state.rounds() == {}
     state.register_worker("a1", "j", "a1")
     assert state.rounds() == {("j", "s"): RoundSpec({"a0": "a0", "b0": "b0", "a1": "a1"})}
+
+
+class AfterDirect:
+    """``a0``'s update straight to the server; ``b0``'s summed at ``bx``, leaving after it."""
+
+    name = "after-direct"
+
+    def decide(self, snapshot: Any, pending: Any) -> Decision:
+        ids = {p.worker: p.update_id for p in pending}
+        if set(ids) != {"a0", "b0"}:
+            return Decision()
+        agg = PlannedAggregate("agg:ps:0", "bx", (ids["b0"],), 80_000, "ps", after=(ids["a0"],))
+        return Decision(
+            sends=(
+                Send(ids["a0"], "ps", ("a0", "ra", "core", "ps"), (), 0.0, 0.064),
+                Send(ids["b0"], "bx", ("b0", "rb", "bx")),
+            ),
+            aggregates=(agg,),
+        )
+
+
+def test_an_aggregate_ready_behind_a_send_whose_report_is_held_wakes_the_release_loop() -> None:
+    """A synchronous round's server holds the report of ``a0``'s direct send until the round is
+    applied, which needs ``bx``'s aggregate, planned after that send: once the aggregate's
+    member is in, the release loop must be told to wake at the send's expected end (not at
+    the stall deadline, 30 s later: the racks testbed's stalls)."""
+    graph = parse_topology(TOPOLOGY)
+    clock = Clock()
+    core = SchedulerCore(
+        SchedulerState(graph),
+        AfterDirect(),
+        dispatcher=Dispatcher(margin=0.0),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(graph),
+        clock=clock,
+    )
+    sessions = {
+        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h == "bx"))
+        for i, h in enumerate(TOPOLOGY["hosts"])
+    }
+    fake = FakeDaemons(core, sessions)
+    params = pb.JobParams(tau_max=-1, sync_workers=2)
+    fake.say("ps", register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=params))
+    for w in ("a0", "b0"):
+        fake.say(w, register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=w))
+        fake.say(
+            w, update_ready=pb.UpdateReady(update_id=f"{w}/0", job="j", server="s", worker=w, bytes=80_000)
+        )
+    core.decide()
+    direct = core.state.in_flight["a0/0"]  # released; its report is held (never sent here)
+    assert "b0/0" in core.state.in_flight and clock.now < direct.expected_end
+    core._wake.clear()
+    fake.report("b0", "b0/0", "bx")  # the member is in at bx, which announces the aggregate
+    fake.say("bx", update_ready=pb.UpdateReady(update_id="agg:ps:0", job="j", server="s"))
+    assert not fake.forwards and core.runner.next_wakeup(core.state.in_flight) == direct.expected_end
+    assert core._wake.is_set()  # the loop recomputes its timer: it wakes at the send's end
+    clock.now = direct.expected_end
+    core.release()
+    queued = []
+    while sessions["bx"].queue.qsize():
+        queued.append(sessions["bx"].queue.get_nowait())
+    assert [d.send.update_id for d in queued if d is not None and d.HasField("send")] == ["agg:ps:0"]
