@@ -295,6 +295,7 @@ def run_one(
         rates.start()
         for i, w in enumerate(workers):
             argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(100 * seed + i)]
+            argv += ["--sync-workers", str(len(workers) if sync else 0)]
             procs.append(c.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
         c.wait(server, timeout=args.time_limit + STARTUP_ALLOWANCE + 180)
         rates.stop()
@@ -545,10 +546,11 @@ def mlf_worker(args: argparse.Namespace) -> int:
     model = e2e.make_model()
     rng = np.random.default_rng(args.seed)
     worker = mlfabric.register_as_worker("agg", name=args.name, wait=60)
+    floor = None  # synchronous: the version its last update was applied in
     with worker:
         while True:
             try:
-                _, tensors = worker.get("ps")
+                _, tensors = worker.get("ps", min_version=floor)
             except mlfabric.MlfabricError:
                 return 0  # the server is gone: training is over
             e2e.load_numpy(model, tensors)
@@ -557,6 +559,10 @@ def mlf_worker(args: argparse.Namespace) -> int:
             result = worker.push("ps", update).wait(timeout=300)
             if not result.applied and "unregistered" in result.reason:
                 return 0
+            # synchronous: the next model is the round's (version at least the one it was applied
+            # in), which the host's daemon or its rack's relay may serve (docs/model-relays.md);
+            # asynchronous: the server's current model, from the server's daemon, as before
+            floor = result.version if result.applied and args.sync_workers > 0 else None
 
 
 if __name__ == "__main__":
