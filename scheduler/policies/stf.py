@@ -25,7 +25,7 @@ import itertools
 from bisect import bisect_right, insort
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import cast
 
 import networkx as nx
@@ -66,7 +66,7 @@ class _Class:
         """The head member still in this class (``idx``), skipping taken or moved ones."""
         members = self.members
         while self.head < len(members) and (
-            members[self.head][1] in gone or class_of[members[self.head][1]] != idx
+            members[self.head][1] in gone or class_of.get(members[self.head][1], idx) != idx
         ):
             self.head += 1
         return self.members[self.head] if self.head < len(self.members) else None
@@ -132,6 +132,8 @@ class _Planner:
         self.exact: dict[int, tuple[str, int, float, list[tuple[float, float, float]]]] = {}
         self.transfers: list[Transfer] = []
         self.drops: dict[str, str] = {}
+        #: planner id -> the update id its transfer is named by (None: the planner id)
+        self.names: Mapping[str, str] | None = None
 
     # -- classes ---------------------------------------------------------------------
     def add(self, uid: str, exact: bool) -> int:
@@ -158,6 +160,14 @@ class _Planner:
 
     def head(self, idx: int) -> tuple[float, str] | None:
         return self.classes[idx].current(idx, self.gone, self.class_of)
+
+    def class_index(self, uid: str) -> int:
+        """The class ``uid`` is in now."""
+        return self.class_of[uid]
+
+    def first_link_members(self, link: Link) -> Sequence[str]:
+        """The updates classed by their untouched first link ``link``, once (it is touched now)."""
+        return self.on_first_link.pop(link, ())
 
     # -- bounds ----------------------------------------------------------------------
     def free_from(self, link: Link) -> float:
@@ -350,13 +360,14 @@ class _Planner:
             self.free_cache.pop(link, None)
             self.peak_cache.pop(link, None)
         path = (u.src, *(v for _, v in links))
-        self.transfers.append(Transfer(uid, u.src, u.dst, path, start, end, u.bytes, reservations))
+        name = uid if self.names is None else self.names[uid]
+        self.transfers.append(Transfer(name, u.src, u.dst, path, start, end, u.bytes, reservations))
         self.accepted[u.server] += 1
         moved = {idx}
         for link in links:
-            for other in self.on_first_link.pop(link, ()):
+            for other in self.first_link_members(link):
                 if other not in self.gone:
-                    moved.add(self.class_of[other])
+                    moved.add(self.class_index(other))
                     moved.add(self.add(other, exact=True))
         for m in sorted(moved):
             self.place(m)
@@ -427,17 +438,17 @@ def plan_stf(
     ranked = sorted(updates, key=lambda u: (u.ready_at, u.update_id))
     width = len(str(len(ranked)))
     real = {f"{rank:0{width}d}": u.update_id for rank, u in enumerate(ranked)}
+    planner.names = real
     for alias, u in zip(real, ranked, strict=True):
-        u = replace(u, update_id=alias)
-        planner.by_id[u.update_id] = u
+        planner.by_id[alias] = u  # the planner never reads an update's own id
         try:
-            planner.links_of[u.update_id] = pc.links(u.src, u.dst)
+            planner.links_of[alias] = pc.links(u.src, u.dst)
         except TopologyError as exc:
-            planner.drops[u.update_id] = f"no route: {exc}"
+            planner.drops[alias] = f"no route: {exc}"
             continue
-        planner.add(u.update_id, exact=False)
+        planner.add(alias, exact=False)
     planner.run(limit)
-    transfers = tuple(replace(t, payload_id=real[t.payload_id]) for t in planner.transfers)
+    transfers = tuple(planner.transfers)
     drops = {real[uid]: reason for uid, reason in planner.drops.items()}
     return Schedule(transfers=transfers, drops=drops, arrivals=tuple(t.payload_id for t in transfers))
 
