@@ -280,17 +280,17 @@ class STFBook:
             planner.group_idx[gk] = len(planner.classes)
             planner.classes.append(UpdateClass(now, members))
             planner.gate_of.append(None)
-        for link in touched:
-            members = self._on_link.get(link)
-            if members and tls.last_change(link) > -INF:
+        for link in sorted(touched):  # a NIC in use: its updates' ten() is their own
+            on_link = self._on_link.get(link)
+            if on_link and tls.last_change(link) > -INF:
                 planner.popped.add(link)
-                for key in members:
-                    planner.add(key, exact=True)
-        for _, key in self._future:
-            if self._waiting(key) and key not in planner.class_of:
-                planner.add(key, exact=False)
-        for key in self._loose:
-            planner.add(key, exact=False)
+                for uid in on_link:
+                    planner.add(uid, exact=True)
+        for _, uid in self._future:
+            if self._waiting(uid) and uid not in planner.class_of:
+                planner.add(uid, exact=False)
+        for uid in self._loose:
+            planner.add(uid, exact=False)
         planner.drops.update(self._noroute)
         planner.run(limit)
         names = self._names
