@@ -51,6 +51,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from mlfabric.scheduler.core.graph import hosts, two_tier
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
@@ -113,38 +114,135 @@ def measure(name: str, n: int, repeat: int, horizon: int | None = None) -> tuple
     return wall, cpu
 
 
+def sequence(
+    name: str, n: int, seed: int, decisions: int, horizon: int | None, churn: int = 16
+) -> tuple[list[float], list[float], bool]:
+    """CPU seconds per decision of the full re-plan and of the incremental book, alternating.
+
+    A decision sequence at about ``n`` ready: after each decision the first ``churn`` sends
+    leave (in flight until their expected end), ``churn`` updates arrive, and the clock moves
+    on 1 ms. Both policies decide every step (the order alternates between steps); the
+    decisions are compared.
+
+    Returns
+    -------
+    tuple
+        CPU seconds of each full re-plan, of each incremental decision, and whether every
+        decision was the same.
+    """
+    snap, pending = scenario(name, n, seed=seed)
+    rng = random.Random(seed)
+    workers = [h for h in hosts(snap.graph) if h not in SERVERS]
+    full, incremental = STFPolicy(horizon, incremental=False), STFPolicy(horizon)
+    full.decide(snap, pending), incremental.decide(snap, pending)  # warm-up: caches, the book
+    flying = {f.update_id: f for f in snap.in_flight}
+    cpu_full: list[float] = []
+    cpu_incremental: list[float] = []
+    same = True
+    serial = n
+    for step in range(decisions):
+        runs = [(full, cpu_full), (incremental, cpu_incremental)]
+        decided = []
+        for policy, cpu in runs if step % 2 == 0 else runs[::-1]:
+            c0 = time.process_time()
+            decided.append(policy.decide(snap, pending))
+            cpu.append(time.process_time() - c0)
+        same = same and decided[0] == decided[1]
+        now = snap.now + 1e-3
+        left = {s.update_id: s for s in decided[0].sends[:churn]}
+        for p in pending:
+            if p.update_id in left:
+                s = left[p.update_id]
+                flying[p.update_id] = InFlight(
+                    p.update_id, p.job, p.server, s.path, p.bytes, snap.now, s.expected_end
+                )
+        gone = left.keys() | {d.update_id for d in decided[0].drops}
+        pending = [p for p in pending if p.update_id not in gone]
+        for _ in range(churn):
+            k = serial % len(SERVERS)
+            w = rng.choice(workers)
+            size = SHARD_BYTES if name == "homogeneous" else SHARD_BYTES * rng.uniform(0.9, 1.1)
+            pending.append(
+                PendingUpdate(f"u{serial}", "job", f"s{k}", w, w, SERVERS[k], int(size), 1.0, 5, now)
+            )
+            serial += 1
+        flying = {u: f for u, f in flying.items() if f.expected_end > now}
+        snap = replace(snap, now=now, in_flight=tuple(flying.values()))
+    return cpu_full, cpu_incremental, same
+
+
 def p99(xs: Sequence[float]) -> float:
     """Nearest-rank 99th percentile."""
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(0.99 * len(s) + 0.5) - 1))]
 
 
+def compare(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """Print full re-plan vs incremental book, CPU median [spread of the per-seed medians]."""
+    print(
+        "STFPolicy.decide, full re-plan (before issue 24) vs incremental book, on "
+        f"two_tier({RACKS}x{PER_RACK}, "
+        f"oversubscription {OVERSUB:g}), {len(SERVERS)} servers; {args.decisions} decisions per seed, "
+        f"seeds {args.seeds}; CPU ms per decision, median [min-max of the seeds' medians]"
+    )
+    head = f"{'scenario':<14} {'horizon':>7} {'ready':>7} {'full re-plan':>22} {'incremental':>22}"
+    print(f"{head} {'speed-up':>8} same")
+    for name, horizon, n in itertools.product(names, args.horizon, args.sizes):
+        per_seed: list[tuple[float, float]] = []
+        every: list[tuple[list[float], list[float]]] = []
+        same = True
+        for seed in args.seeds:
+            a, b, ok = sequence(name, n, seed, args.decisions, horizon or None)
+            per_seed.append((statistics.median(a), statistics.median(b)))
+            every.append((a, b))
+            same = same and ok
+        med_a = statistics.median(x for a, _ in every for x in a)
+        med_b = statistics.median(x for _, b in every for x in b)
+        lo_a, hi_a = min(a for a, _ in per_seed), max(a for a, _ in per_seed)
+        lo_b, hi_b = min(b for _, b in per_seed), max(b for _, b in per_seed)
+        print(
+            f"{name:<14} {horizon or 'all':>7} {n:>7} "
+            f"{f'{med_a * 1e3:.1f} [{lo_a * 1e3:.1f}-{hi_a * 1e3:.1f}]':>22} "
+            f"{f'{med_b * 1e3:.1f} [{lo_b * 1e3:.1f}-{hi_b * 1e3:.1f}]':>22} "
+            f"{med_a / med_b:>7.1f}x {'yes' if same else 'NO'}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Print the table (or a profile)."""
+    """Print the comparison (default), the one-policy table (``--table``) or a profile."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
-    ap.add_argument("--repeat", type=int, default=0, help="decisions per size (default: 30/20/5)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--decisions", type=int, default=10, help="timed decisions per seed (comparison)")
+    ap.add_argument(
+        "--table", action="store_true", help="the incremental policy alone, the same inputs repeated"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=0, help="decisions per size with --table (default: 30/20/5)"
+    )
     ap.add_argument("--scenario", choices=["homogeneous", "heterogeneous", "both"], default="both")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile one incremental decision")
     ap.add_argument(
         "--horizon",
         type=int,
         nargs="+",
-        default=[0, 256],
-        help="STFPolicy horizons to compare (0: plan everything)",
+        default=[256],
+        help="STFPolicy horizons (0: plan everything); default 256, the service's",
     )
     args = ap.parse_args(argv)
+    names = ["homogeneous", "heterogeneous"] if args.scenario == "both" else [args.scenario]
     if args.profile:
-        snap, pending = scenario(
-            args.scenario if args.scenario != "both" else "heterogeneous", 1000, seed=1000
-        )
-        policy = STFPolicy()
+        n = args.sizes[0]
+        snap, pending = scenario(names[-1], n, seed=n)
+        policy = STFPolicy(horizon=args.horizon[0] or None)
         policy.decide(snap, pending)
         prof = cProfile.Profile()
         prof.runcall(policy.decide, snap, pending)
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         return
-    names = ["homogeneous", "heterogeneous"] if args.scenario == "both" else [args.scenario]
+    if not args.table:
+        compare(args, names)
+        return
     print(
         f"STFPolicy.decide on two_tier({RACKS}x{PER_RACK}, oversubscription {OVERSUB:g}), "
         f"{len(SERVERS)} servers"
