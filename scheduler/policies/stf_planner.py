@@ -47,11 +47,16 @@ class UpdateClass:
     def current(self, idx: int, gone: set[str], class_of: Mapping[str, int]) -> tuple[float, str] | None:
         """The head member still in this class (``idx``), skipping taken or moved ones."""
         members = self.members
-        while self.head < len(members) and (
-            members[self.head][1] in gone or class_of.get(members[self.head][1], idx) != idx
-        ):
-            self.head += 1
-        return self.members[self.head] if self.head < len(self.members) else None
+        head, n = self.head, len(members)
+        while head < n:
+            member = members[head]
+            uid = member[1]
+            if uid not in gone and class_of.get(uid, idx) == idx:
+                self.head = head
+                return member
+            head += 1
+        self.head = head
+        return None
 
 
 def _bound(value: int | Mapping[str, int] | None, server: str, default: int | None) -> int | None:
@@ -178,22 +183,34 @@ class Planner:
     # -- heap ------------------------------------------------------------------------
     def place(self, idx: int) -> None:
         """Queue class ``idx``'s head: in its gate's group, or as an exact entry."""
-        h = self.head(idx)
+        cls = self.classes[idx]
+        h = cls.current(idx, self.gone, self.class_of)
         self.gate_of[idx] = None
         if h is None:
             return
         nbytes, uid = h
         links = self.links_of[uid]
         gate: Link | None = None
-        free = self.classes[idx].start
+        free = cls.start
+        known = self.free_cache
         for link in links:
-            f = self.free_from(link)
+            f = known.get(link)
+            if f is None:
+                f = self.free_from(link)
             if f > free:
                 gate, free = link, f
         if gate is None or free == INF:
             self.push_exact(idx, nbytes, uid)
             return
-        d = nbytes / min(self.peak(link) for link in links)
+        peaks = self.peak_cache
+        low = INF
+        for link in links:
+            p = peaks.get(link)
+            if p is None:
+                p = self.peak(link)
+            if p < low:
+                low = p
+        d = nbytes / low
         self.gate_of[idx] = gate
         heapq.heappush(self.groups[gate], (d, nbytes, uid, idx))
         self.push_group(gate)
@@ -236,11 +253,14 @@ class Planner:
 
     def group_top(self, gate: Link) -> tuple[float, float, str, int] | None:
         grp = self.groups[gate]
+        classes, gone, class_of, gate_of = self.classes, self.gone, self.class_of, self.gate_of
         while grp:
-            _, _, uid, idx = grp[0]
-            h = self.head(idx)
-            if self.gate_of[idx] == gate and h is not None and h[1] == uid:
-                return grp[0]
+            top = grp[0]
+            idx = top[3]
+            if gate_of[idx] == gate:
+                h = classes[idx].current(idx, gone, class_of)
+                if h is not None and h[1] == top[2]:
+                    return top
             heapq.heappop(grp)
         return None
 
