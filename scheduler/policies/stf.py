@@ -134,6 +134,10 @@ class STFPolicy:
         same as in the full order; the rest stay pending, undecided). This bounds the
         decision time on a large backlog, but the caller must then decide again before
         the plan runs out. Default: plan every pending update.
+    incremental : bool
+        Keep the pending updates' paths, ranks and classes between decisions
+        (:class:`~mlfabric.scheduler.policies.stf_book.STFBook`, DESIGN §8) instead of
+        planning from scratch with :func:`plan_stf`; the decisions are the same. Default True.
 
     Examples
     --------
