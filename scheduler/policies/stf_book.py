@@ -1,0 +1,333 @@
+"""Pending updates kept between STF decisions, so a decision pays for what changed (DESIGN §8).
+
+A decision of :class:`~mlfabric.scheduler.policies.stf.STFPolicy` plans the head of the STF
+order (paper §5, Fig. 4a) over *every* pending update. Planning from scratch
+(:func:`~mlfabric.scheduler.policies.stf.plan_stf`) costs O(n) Python per decision before the
+first send is chosen: an :class:`~mlfabric.scheduler.core.schedule.Update` per pending update,
+its path, its rank by (ready time, id), its class. :class:`STFBook` keeps all of that between
+decisions and updates it by arrivals and departures (a pending update is compared by
+identity first, then by value):
+
+* per update: the core update, its path's links (from a
+  :class:`~mlfabric.scheduler.core.graph.PathCache`, rebuilt with the book when the topology
+  changes), and a rank key, a string that sorts as (ready time, update id) — the planner's
+  tie-break, so no per-decision renaming;
+* the *classes* of updates ready by now whose ten() functions provably coincide while their
+  first link (a NIC) is untouched: same first-link capacity, same links after it; members
+  kept sorted by (bytes, rank). A capacity change of a first link moves its updates; an
+  update ready later than ``now`` waits in a heap and joins its class once ``now`` passes
+  its ready time.
+
+Each decision then builds a :class:`~mlfabric.scheduler.policies.stf_planner.Planner` over
+these classes (sharing their member lists, read-only) and runs the same lazy-heap STF loop
+as :func:`plan_stf`, so it plans the same order, times and drops (``tests/scheduler/
+test_stf_incremental.py`` replays decision sequences through both).
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+from bisect import bisect_left, insort
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+
+import networkx as nx
+
+from mlfabric.scheduler.core.graph import PathCache, TopologyError
+from mlfabric.scheduler.core.schedule import Link, Schedule, Update
+from mlfabric.scheduler.core.timeline import INF, Timelines
+from mlfabric.scheduler.policies.base import PendingUpdate
+from mlfabric.scheduler.policies.planning import server_key
+from mlfabric.scheduler.policies.stf_planner import Planner, UpdateClass
+
+__all__ = ["STFBook", "rank_key"]
+
+#: a class of updates ready by now: (capacity of the first link, links after it)
+GroupKey = tuple[float, tuple[Link, ...]]
+
+_PACK = struct.Struct(">d")
+_UNPACK = struct.Struct(">Q")
+
+
+def rank_key(ready_at: float, update_id: str) -> str:
+    """A string that sorts as ``(ready_at, update_id)``: the STF tie-break, first come first served.
+
+    The float's IEEE-754 bits, flipped so that they order as the numbers do, in 16 hex
+    digits, then a NUL, then the id.
+
+    Examples
+    --------
+    >>> keys = [rank_key(t, u) for t, u in [(1.5, "a"), (-2.0, "z"), (1.5, "", ), (0.0, "b"), (-0.0, "a")]]
+    >>> [k.split("\\x00")[1] for k in sorted(keys)]
+    ['z', 'a', 'b', '', 'a']
+    """
+    (bits,) = _UNPACK.unpack(_PACK.pack(ready_at + 0.0))  # + 0.0: -0.0 ranks as 0.0
+    bits = bits ^ 0xFFFFFFFFFFFFFFFF if bits >> 63 else bits | 0x8000000000000000
+    return f"{bits:016x}\x00{update_id}"
+
+
+class _Rec:
+    """What the book keeps of one pending update."""
+
+    __slots__ = ("gen", "key", "pending", "server")
+
+    def __init__(self, pending: PendingUpdate, key: str, server: tuple[str, str, str]) -> None:
+        self.pending = pending
+        self.key = key
+        self.server = server
+        self.gen = 0
+
+
+class STFBook:
+    """The pending updates of an STF policy between its decisions (see the module docstring).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> g = star(["ps", "a", "b"], 8e6)
+    >>> mk = lambda uid, host, size: PendingUpdate(uid, "j", "s", host, host, "ps", size, 1.0, 0, 0.0)
+    >>> book = STFBook()
+    >>> book.sync(g, 0.0, [mk("big", "a", 3e6), mk("small", "b", 1e6)])
+    >>> plan = book.plan(Timelines(g), 0.0, {}, {})
+    >>> plan.arrivals, plan.completion_times()
+    (('small', 'big'), {'small': 1.0, 'big': 4.0})
+    >>> book.sync(g, 0.5, [mk("big", "a", 3e6)])           # small left, time moved on
+    >>> book.plan(Timelines(g, start=0.5), 0.5, {}, {}).completion_times()
+    {'big': 3.5}
+    """
+
+    def __init__(self) -> None:
+        self._clear(None)
+
+    def _clear(self, paths: PathCache | None) -> None:
+        self._paths = paths
+        self._graph: nx.DiGraph | None = None
+        self._now = -INF
+        self._gen = 0
+        self._recs: dict[str, _Rec] = {}
+        #: rank key -> core update (its ``update_id`` is the rank key), links, real id
+        self._by_key: dict[str, Update] = {}
+        self._links_of: dict[str, tuple[Link, ...]] = {}
+        self._names: dict[str, str] = {}
+        self._noroute: dict[str, str] = {}
+        self._loose: dict[str, None] = {}  # no links: classed per decision
+        self._future: list[tuple[float, str]] = []  # (ready_at, key), lazily deleted
+        self._groups: dict[GroupKey, list[tuple[float, str]]] = {}
+        self._group_of: dict[str, GroupKey] = {}
+        self._on_link: dict[Link, dict[str, None]] = {}  # first link -> grouped keys
+        self._caps: dict[Link, float] = {}  # first link -> capacity its updates are grouped by
+        self._servers: Counter[tuple[str, str, str]] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._recs)
+
+    # -- keeping up with the inputs ----------------------------------------------------
+    def sync(self, graph: nx.DiGraph, now: float, pending: Sequence[PendingUpdate]) -> None:
+        """Make the book hold exactly ``pending`` on ``graph`` at ``now``.
+
+        Raises
+        ------
+        ValueError
+            If an update id is listed twice.
+        """
+        if self._paths is None or not self._paths.same_topology(graph):
+            self._clear(PathCache(graph))
+        elif now < self._now:  # time went back: updates ready by then may not be now
+            self._clear(self._paths)
+        self._graph = graph
+        self._now = now
+        self._recapacity(graph)
+        self._gen += 1
+        gen = self._gen
+        recs = self._recs
+        for p in pending:
+            rec = recs.get(p.update_id)
+            if rec is not None:
+                if rec.gen == gen:
+                    ids = [q.update_id for q in pending]
+                    dup = next(i for i in ids if ids.count(i) > 1)
+                    raise ValueError(f"update '{dup}' is listed twice")
+                if rec.pending is p or rec.pending == p:
+                    rec.gen = gen
+                    continue
+                self._remove(rec)
+            self._insert(p).gen = gen
+        if len(recs) != len(pending):
+            for rec in [r for r in recs.values() if r.gen != gen]:
+                self._remove(rec)
+        future = self._future
+        while future and future[0][0] <= now:
+            _, key = heapq.heappop(future)
+            if self._waiting(key):
+                self._group(key)
+
+    def _recapacity(self, graph: nx.DiGraph) -> None:
+        """Move the updates whose first link's capacity changed to their new class."""
+        succ = graph._succ
+        changed = [(u, v) for (u, v), cap in self._caps.items() if succ[u][v]["capacity"] != cap]
+        for link in changed:
+            del self._caps[link]
+            for key in list(self._on_link.pop(link, {})):
+                self._ungroup(key, link)
+                self._group(key)
+
+    def _insert(self, p: PendingUpdate) -> _Rec:
+        key = rank_key(p.ready_at, p.update_id)
+        server = (p.job, p.server, server_key(p.job, p.server))
+        rec = _Rec(p, key, server)
+        self._recs[p.update_id] = rec
+        self._servers[server] += 1
+        self._names[key] = p.update_id
+        self._by_key[key] = Update(
+            key, p.src_host, p.dst_host, p.bytes, p.ready_at, p.norm, p.base_version, server[2]
+        )
+        assert self._paths is not None
+        try:
+            links = self._paths.links(p.src_host, p.dst_host)
+        except TopologyError as exc:
+            self._noroute[key] = f"no route: {exc}"
+            return rec
+        self._links_of[key] = links
+        if not links:
+            self._loose[key] = None
+        elif p.ready_at <= self._now:
+            self._group(key)
+        else:
+            heapq.heappush(self._future, (p.ready_at, key))
+        return rec
+
+    def _remove(self, rec: _Rec) -> None:
+        key = rec.key
+        if key in self._group_of:
+            self._ungroup(key, self._links_of[key][0])
+        self._loose.pop(key, None)
+        self._noroute.pop(key, None)
+        self._links_of.pop(key, None)
+        del self._by_key[key], self._names[key], self._recs[rec.pending.update_id]
+        self._servers[rec.server] -= 1
+        if not self._servers[rec.server]:
+            del self._servers[rec.server]
+
+    def _waiting(self, key: str) -> bool:
+        """Whether ``key`` (popped from the future heap) is pending and not classed yet."""
+        return key in self._links_of and key not in self._group_of and key not in self._loose
+
+    def _group(self, key: str) -> None:
+        links = self._links_of[key]
+        first = links[0]
+        cap = self._caps.get(first)
+        if cap is None:
+            assert self._graph is not None
+            cap = self._caps[first] = self._graph._succ[first[0]][first[1]]["capacity"]
+        gk = (cap, links[1:])
+        insort(self._groups.setdefault(gk, []), (float(self._by_key[key].bytes), key))
+        self._group_of[key] = gk
+        self._on_link.setdefault(first, {})[key] = None
+
+    def _ungroup(self, key: str, first: Link) -> None:
+        gk = self._group_of.pop(key)
+        members = self._groups[gk]
+        del members[bisect_left(members, (float(self._by_key[key].bytes), key))]
+        if not members:
+            del self._groups[gk]
+        on = self._on_link.get(first)
+        if on is not None:
+            on.pop(key, None)
+            if not on:
+                del self._on_link[first]
+
+    # -- planning ------------------------------------------------------------------------
+    def servers(self) -> list[tuple[str, str, str]]:
+        """The (job, server, server key) of the pending updates."""
+        return list(self._servers)
+
+    def plan(
+        self,
+        tls: Timelines,
+        now: float,
+        tau_max: Mapping[str, int],
+        server_version: Mapping[str, int],
+        ahead: Mapping[str, int] | None = None,
+        *,
+        touched: Collection[Link] = (),
+        limit: int | None = None,
+    ) -> Schedule:
+        """The STF plan of the book's updates on ``tls`` (as :func:`plan_stf` would plan them).
+
+        Parameters
+        ----------
+        tls : Timelines
+            Residual bandwidth from ``now`` (transfers in flight reserved); reserved further.
+        now : float
+            The time of the last :meth:`sync`.
+        tau_max, server_version : mapping
+            Per server key, as :func:`plan_stf` takes them.
+        ahead : mapping, optional
+            Server key -> payloads in flight to it.
+        touched : collection of Link
+            Every link ``tls`` has reserved something on (the links of the transfers in flight).
+        limit : int, optional
+            Plan only the first ``limit`` transfers of the order.
+
+        Returns
+        -------
+        Schedule
+            As :func:`plan_stf` returns it.
+        """
+        planner = _BookPlanner(self, tls, now, tau_max, server_version, ahead)
+        for gk, members in self._groups.items():
+            planner.group_idx[gk] = len(planner.classes)
+            planner.classes.append(UpdateClass(now, members))
+            planner.gate_of.append(None)
+        for link in sorted(touched):  # a NIC in use: its updates' ten() is their own
+            on_link = self._on_link.get(link)
+            if on_link and tls.last_change(link) > -INF:
+                planner.popped.add(link)
+                for uid in on_link:
+                    planner.add(uid, exact=True)
+        for _, uid in self._future:
+            if self._waiting(uid) and uid not in planner.class_of:
+                planner.add(uid, exact=False)
+        for uid in self._loose:
+            planner.add(uid, exact=False)
+        planner.drops.update(self._noroute)
+        planner.run(limit)
+        names = self._names
+        return Schedule(
+            transfers=tuple(planner.transfers),
+            drops={names[k]: reason for k, reason in planner.drops.items()},
+            arrivals=tuple(t.payload_id for t in planner.transfers),
+        )
+
+
+class _BookPlanner(Planner):
+    """A :class:`Planner` over an :class:`STFBook`'s classes (shared, never modified)."""
+
+    def __init__(
+        self,
+        book: STFBook,
+        tls: Timelines,
+        now: float,
+        tau_max: Mapping[str, int],
+        server_version: Mapping[str, int],
+        ahead: Mapping[str, int] | None,
+    ) -> None:
+        super().__init__(tls, now, tau_max, server_version, ahead)
+        self.book = book
+        self.by_id = book._by_key
+        self.links_of = book._links_of
+        self.names = book._names
+        self.group_idx: dict[GroupKey, int] = {}
+        self.popped: set[Link] = set()
+
+    def class_index(self, uid: str) -> int:
+        idx = self.class_of.get(uid)
+        return self.group_idx[self.book._group_of[uid]] if idx is None else idx
+
+    def first_link_members(self, link: Link) -> Sequence[str]:
+        out = list(self.on_first_link.pop(link, ()))
+        if link not in self.popped:
+            self.popped.add(link)
+            out.extend(self.book._on_link.get(link, ()))
+        return out

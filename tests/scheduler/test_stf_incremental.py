@@ -1,0 +1,152 @@
+"""The incremental STF decision (``STFBook``) decides exactly as the full re-plan (issue 24).
+
+Seeded decision sequences — arrivals over time (some ready later than the decision), the
+head of each decision released into flight, transfers ending, pending updates leaving or
+changing, NIC capacities changing, the topology changing, time going back — are replayed
+through ``STFPolicy(incremental=False)`` (a fresh plan from scratch each time, as before
+issue 24) and one ``STFPolicy()`` kept across the sequence; every decision must be equal:
+the same sends in the same order with the same ``after`` and the same expected times (bit
+for bit), the same drops with the same reasons.
+"""
+
+from __future__ import annotations
+
+import random
+
+import networkx as nx
+import pytest
+
+from mlfabric.scheduler.core.graph import PathCache, hosts, two_tier
+from mlfabric.scheduler.policies.base import Decision, InFlight, PendingUpdate, Snapshot
+from mlfabric.scheduler.policies.stf import STFPolicy
+from mlfabric.scheduler.policies.stf_book import rank_key
+
+MB = 1_000_000
+SERVERS = ("h0", "h5", "h10")
+
+
+def graph(seed: int, racks: int = 4, per_rack: int = 8) -> nx.DiGraph:
+    rng = random.Random(seed)
+    names = [f"h{i}" for i in range(racks * per_rack)]
+    nic = {h: rng.choice((1e9, 10e9, 10e9, 25e9)) for h in names}
+    return two_tier(racks, per_rack, nic, oversubscription=4.0)
+
+
+def replay(seed: int, steps: int, horizon: int | None, per_rack: int = 8) -> list[tuple[Decision, Decision]]:
+    """Both policies' decisions along one seeded sequence (``per_rack`` 4: many updates per NIC)."""
+    rng = random.Random(seed)
+    g = graph(seed, per_rack=per_rack)
+    full, incremental = STFPolicy(horizon, incremental=False), STFPolicy(horizon)
+    workers = [h for h in hosts(g) if h not in SERVERS]
+    pending: dict[str, PendingUpdate] = {}
+    flying: dict[str, InFlight] = {}
+    versions = {("j", f"s{k}"): 0 for k in range(len(SERVERS))}
+    now, serial, out = 0.0, 0, []
+    for step in range(steps):
+        now += rng.choice((0.0, 0.0005, 0.002, 0.01))
+        if step % 17 == 16:
+            now -= 0.004  # a clock that went back (the book starts over)
+        for _ in range(rng.choice((0, 1, 5, 20))):
+            k = rng.randrange(len(SERVERS))
+            w = "nowhere" if rng.random() < 0.02 else rng.choice(workers)
+            size = rng.choice((1, 5, 5, 20)) * MB * rng.choice((1.0, 1.0, 1.1))
+            ready = now + rng.choice((0.0, 0.0, -0.001, 0.003))
+            uid = f"u{serial}"
+            serial += 1
+            pending[uid] = PendingUpdate(
+                uid,
+                "j",
+                f"s{k}",
+                w,
+                w,
+                SERVERS[k],
+                int(size),
+                1.0,
+                versions["j", f"s{k}"] - rng.randint(0, 3),
+                ready,
+            )
+        for uid in rng.sample(sorted(pending), min(len(pending), rng.choice((0, 0, 1, 3)))):
+            if rng.random() < 0.5:
+                del pending[uid]  # left without a send (resent, dropped by the caller)
+            else:  # changed under the same id
+                p = pending[uid]
+                pending[uid] = PendingUpdate(
+                    uid,
+                    p.job,
+                    p.server,
+                    p.worker,
+                    p.src_host,
+                    p.dst_host,
+                    p.bytes * 2,
+                    1.0,
+                    p.base_version,
+                    p.ready_at,
+                )
+        if step % 7 == 6:  # new capacity estimates on some NICs (same topology)
+            g = g.copy()
+            for h in rng.sample(workers, len(workers) // 2):
+                for link in ((h, next(iter(g.successors(h)))), (next(iter(g.predecessors(h))), h)):
+                    g.edges[link]["capacity"] = rng.choice((1e9, 5e9, 10e9))
+        if step == steps // 2:  # another topology: the paths are rebuilt
+            g = graph(seed, racks=5, per_rack=per_rack)
+            workers = [h for h in hosts(g) if h not in SERVERS]
+            pending = {u: p for u, p in pending.items() if p.src_host in g}
+        flying = {u: f for u, f in flying.items() if f.expected_end > now}
+        for key in versions:
+            versions[key] += rng.choice((0, 0, 1))
+        snap = Snapshot(now, g, tuple(flying.values()), dict(versions), {"j": rng.choice((-1, 4, 8))})
+        ps = list(pending.values())
+        rng.shuffle(ps)
+        a = full.decide(snap, ps)
+        b = incremental.decide(snap, ps)
+        out.append((a, b))
+        for s in a.sends[: rng.choice((0, 1, 4))]:  # the head leaves: in flight until its end
+            p = pending.pop(s.update_id)
+            flying[s.update_id] = InFlight(s.update_id, p.job, p.server, s.path, p.bytes, now, s.expected_end)
+        for d in a.drops:
+            pending.pop(d.update_id, None)
+    return out
+
+
+@pytest.mark.parametrize("horizon", [None, 8, 64])
+@pytest.mark.parametrize(("seed", "per_rack"), [(1, 8), (2, 8), (3, 4), (4, 4)])
+def test_incremental_decisions_equal_the_full_re_plan(seed: int, per_rack: int, horizon: int | None) -> None:
+    pairs = replay(seed, steps=40, horizon=horizon, per_rack=per_rack)
+    for step, (full, incremental) in enumerate(pairs):
+        assert incremental == full, f"decision {step} differs"
+    assert sum(len(a.sends) for a, _ in pairs) > 100
+    assert any(a.drops for a, _ in pairs), "tau_max never dropped: the sequence tests too little"
+
+
+def test_a_policy_decides_the_same_inputs_alike_twice_and_after_others() -> None:
+    g = graph(5)
+    pc = PathCache(g)
+    ps = [
+        PendingUpdate(f"u{i}", "j", "s", f"h{i}", f"h{i}", "h0", (1 + i % 3) * MB, 1.0, 0, 0.0)
+        for i in range(1, 30)
+    ]
+    busy = (InFlight("f", "j", "s", pc.path("h3", "h0"), MB, 0.0, 0.002),)
+    snap = Snapshot(0.001, g, busy)
+    policy, want = STFPolicy(horizon=10), STFPolicy(horizon=10, incremental=False).decide(snap, ps)
+    assert policy.decide(snap, ps) == want
+    policy.decide(Snapshot(0.002, g), ps[:5])
+    assert policy.decide(snap, ps) == want
+
+
+def test_a_duplicate_id_is_refused_as_before() -> None:
+    g = graph(6)
+    p = PendingUpdate("u", "j", "s", "h1", "h1", "h0", MB, 1.0, 0, 0.0)
+    q = PendingUpdate("v", "j", "s", "h2", "h2", "h0", MB, 1.0, 0, 0.0)
+    for policy in (STFPolicy(), STFPolicy(incremental=False)):
+        with pytest.raises(ValueError, match="update 'v' is listed twice"):
+            policy.decide(Snapshot(0.0, g), [q, p, p, q])
+
+
+def test_rank_keys_sort_as_ready_time_then_id() -> None:
+    rng = random.Random(0)
+    pairs = [
+        (rng.choice((-1.5, -0.0, 0.0, 1e-9, 2.5, 1e300)), rng.choice(("a", "ab", "b", "", "a\x01")))
+        for _ in range(200)
+    ]
+    by_key = sorted(pairs, key=lambda p: rank_key(*p))
+    assert [(t + 0.0, u) for t, u in by_key] == sorted((t + 0.0, u) for t, u in pairs)
