@@ -6,8 +6,9 @@ float32 tensor's bytes.
 
 - **top-k** keeps the ``k = ceil(ratio * n)`` values of largest magnitude (exactly: a sampled
   threshold narrows the candidates, ``argpartition`` picks among them; ties at the k-th
-  magnitude are broken arbitrarily). Error: ``||x' - x||**2 <= (1 - k/n) ||x||**2`` (what
-  is dropped is the smallest part), kept values exact. Biased: use it under
+  magnitude are broken arbitrarily; a NaN cannot be ranked: :class:`CodecError`). Error:
+  ``||x' - x||**2 <= (1 - k/n) ||x||**2`` (what is dropped is the smallest part), kept values
+  exact. Biased: use it under
   :class:`~mlfabric.aggregators.codecs.feedback.ErrorFeedback`.
 - **random-k** keeps ``k`` positions drawn uniformly without replacement; with ``rescale``
   (default) the values are multiplied by ``n/k`` so ``E[x'] = x`` (variance
@@ -71,8 +72,12 @@ def top_k_indices(values: np.ndarray, k: int) -> np.ndarray:
         m = sample.size
         top = min(m, math.ceil(1.5 * k * m / n) + 16)
         threshold = np.partition(sample, m - top)[m - top]
-        candidates = np.flatnonzero(mags >= threshold)
-        if candidates.size >= k:
+        # mostly zeros (a sum of sparse members, a sparse gradient): the nonzeros, padded with zeros
+        candidates = np.flatnonzero(mags > 0 if threshold == 0 else mags >= threshold)
+        if threshold == 0 and candidates.size < k:
+            zeros = np.flatnonzero(mags == 0)[: k - candidates.size]
+            picked = np.concatenate([candidates, zeros])
+        elif candidates.size >= k:
             part = np.argpartition(mags[candidates], candidates.size - k)[candidates.size - k :]
             picked = candidates[part]
     if picked is None:
@@ -148,7 +153,7 @@ class _SparseCodec:
         Raises
         ------
         CodecError
-            Not a floating numpy array, or more than 2**32 - 1 elements.
+            Not a floating numpy array, more than 2**32 - 1 elements, or (top-k) a NaN.
         """
         flat = as_float_array(array)
         return self._encode_flat(flat, array.dtype.name, tuple(array.shape), 1, rng)
@@ -226,6 +231,9 @@ class TopKCodec(_SparseCodec):
         self._check_ratio()
 
     def _select(self, flat: np.ndarray, k: int, rng: np.random.Generator | None) -> tuple[np.ndarray, float]:
+        if flat.size and np.isnan(flat.max()):
+            i = int(np.flatnonzero(np.isnan(flat))[0])
+            raise CodecError("array", f"element {i} is nan: top-k cannot rank it")
         return top_k_indices(flat, k), 1.0
 
 

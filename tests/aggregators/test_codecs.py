@@ -272,6 +272,18 @@ def test_topk_keeps_the_k_largest_magnitudes(n: int, ratio: float) -> None:
     assert np.all(np.diff(enc.indices.astype(np.int64)) > 0)
 
 
+@pytest.mark.parametrize("nonzero", [0, 10, 999, 1000, 1001, 5000])
+def test_topk_of_a_mostly_zero_tensor(nonzero: int) -> None:
+    """A sum of sparse members: the sampled threshold is 0, the nonzeros come first."""
+    n, k = 400_000, 1000
+    x = np.zeros(n, np.float32)
+    where = _rng(1).choice(n, nonzero, replace=False)
+    x[where] = _x(nonzero) + 0.1 * np.sign(_x(nonzero, seed=2))
+    idx = top_k_indices(x, k)
+    assert idx.size == k and np.unique(idx).size == k
+    assert np.array_equal(np.sort(np.abs(x[idx])), np.sort(np.abs(x))[n - k :])
+
+
 def test_topk_when_the_sample_misleads() -> None:
     """A strided sample that sees only zeros, and ties: the exact path still picks k."""
     n = 600_000
@@ -496,6 +508,7 @@ def test_a_shared_scale_sum_refuses_another_scale() -> None:
         (Int8Codec(block=0), np.array([1.0, 2.0, -np.inf]), "element 2 is -inf"),
         (Int8Codec(bound=1.0), np.array([np.inf, 0.0], np.float32), "element 0 is inf"),
         (TopKCodec(), np.arange(4), "expected dtype float16, float32 or float64, got int64"),
+        (TopKCodec(), np.array([1.0, np.inf, np.nan]), "element 2 is nan: top-k cannot rank it"),
         (Bf16Codec(), [1.0, 2.0], "expected a numpy array, got list"),
     ],
 )
