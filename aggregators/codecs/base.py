@@ -13,6 +13,7 @@ a corrupt or inconsistent payload is never decoded or summed into a wrong result
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +42,9 @@ FLOAT_DTYPES: dict[str, np.dtype[Any]] = {
     "float64": np.dtype("float64"),
     "float16": np.dtype("float16"),
 }
+
+#: a bound on a tensor's elements (a shape beyond it is corrupt, not a tensor)
+MAX_ELEMENTS = 1 << 48
 
 #: Elements per chunk of a vectorised pass (a chunk and its temporaries fit a core's L2).
 CHUNK = 1 << 16
@@ -117,7 +121,7 @@ class Encoded:
     @property
     def size(self) -> int:
         """Elements of the original tensor."""
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(int(d) for d in self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -256,7 +260,10 @@ def chunks(n: int, align: int = 1) -> Iterator[tuple[int, int]]:
 def _shape_size(shape: object) -> int:
     if not isinstance(shape, tuple) or not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
         raise CodecError("shape", f"expected a tuple of non-negative ints, got {shape!r}")
-    return int(np.prod(shape, dtype=np.int64))
+    size = math.prod(int(d) for d in shape)  # Python ints: no silent int64 wrap-around
+    if size >= MAX_ELEMENTS:
+        raise CodecError("shape", f"expected fewer than 2**48 elements, got {shape} ({size})")
+    return size
 
 
 def check_encoded(
