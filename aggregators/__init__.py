@@ -5,4 +5,8 @@ and bfloat16 accumulated in float32). The daemons run them: an aggregator hop's 
 (:mod:`mlfabric.daemon.roles.aggregator.role`) and, for synchronous rounds, the server's daemon
 (:mod:`mlfabric.daemon.roles.server.rounds`). The plans are made by
 :mod:`mlfabric.scheduler.policies.aggregation`.
+
+:mod:`mlfabric.aggregators.codecs` holds the codecs whose payloads an aggregator can still sum
+(fp16, bf16, int8, top-k, random-k, error feedback; ``docs/compression.md``); the daemons do not
+use them yet.
 """

@@ -238,3 +238,24 @@ def test_a_wrong_daemon_arrow_is_reported(where: str, source: str, expected: str
     (tmp_path / where / "bad.py").write_text(source)
     bad = daemon_violations(tmp_path)
     assert len(bad) == 1 and expected in bad[0] and bad[0].startswith(f"daemon/{where}/bad.py:"), bad
+
+
+# ---------------------------------------------------------------------------- the aggregators
+
+AGGREGATORS_ROOT = ROOT.parent / "aggregators"
+AGGREGATORS = "mlfabric.aggregators"
+#: what ``aggregators/`` (kernels, codecs) may import of mlfabric: the daemon imports it, so
+#: nothing of the client API and nothing of the daemon
+AGGREGATORS_MAY_IMPORT = ("mlfabric.aggregators", "mlfabric.wire")
+
+
+def test_the_aggregators_import_only_neutral_modules() -> None:
+    bad = [
+        f"aggregators/{path.relative_to(AGGREGATORS_ROOT).as_posix()}:{line}: imports {imported}"
+        for path in sorted(AGGREGATORS_ROOT.rglob("*.py"))
+        for line, imported in _imports(path, AGGREGATORS_ROOT, AGGREGATORS)
+        if imported.split(".")[0] == "mlfabric"
+        and not any(imported == m or imported.startswith(m + ".") for m in AGGREGATORS_MAY_IMPORT)
+    ]
+    assert any(AGGREGATORS_ROOT.rglob("codecs/*.py"))
+    assert not bad, "aggregators/ imports beyond " + str(AGGREGATORS_MAY_IMPORT) + ":\n" + "\n".join(bad)

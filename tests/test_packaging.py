@@ -33,6 +33,7 @@ def test_wheel_holds_exactly_the_mlfabric_tree(tmp_path: Path) -> None:
         "mlfabric/scheduler/service/aggregates/book.py",
         "mlfabric/daemon/__init__.py",
         "mlfabric/aggregators/__init__.py",
+        "mlfabric/aggregators/codecs/int8.py",
         "mlfabric/proto/v1/control_pb2.py",
         "mlfabric/proto/mlfabric/v1/control.proto",
     ):
