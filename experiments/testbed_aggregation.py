@@ -397,13 +397,8 @@ def driver(args: argparse.Namespace) -> int:
                         }
                         rows.append(row)
                         print(json.dumps({**row, "wall": round(time.monotonic() - started, 1)}), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     text = summary(rows, args)
-    (args.out / f"{name}.md").write_text(text)
+    save(args.out, name, rows, text)
     print(text)
     return 0
 
@@ -536,6 +531,16 @@ def main() -> int:
     if args.role == "ddp":
         return ddp(args)
     return driver(args)
+
+
+def save(out: Path, name: str, rows: list[dict[str, Any]], text: str) -> None:
+    """Write ``rows`` to ``out/<name>.csv`` and the summary ``text`` to ``out/<name>.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / f"{name}.md").write_text(text)
 
 
 def mlf_worker(args: argparse.Namespace) -> int:

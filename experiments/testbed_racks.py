@@ -55,7 +55,6 @@ not 100). Needs root, ip, tc, torch.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import os
@@ -448,13 +447,8 @@ def driver(args: argparse.Namespace) -> int:
                     }
                     rows.append(row)
                     print(json.dumps({**row, "wall": round(time.monotonic() - started, 1)}), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     text = summary(rows, args, checks)
-    (args.out / f"{name}.md").write_text(text)
+    agg.save(args.out, name, rows, text)
     print(text)
     return 0
 

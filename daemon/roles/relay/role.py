@@ -39,7 +39,7 @@ from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.relay.cache import Key, ModelCache
 from mlfabric.daemon.roles.server.handoff import ModelSnapshot
 from mlfabric.daemon.roles.server.serving import ServerRoles
-from mlfabric.proto.v1 import dataplane_pb2, local_pb2
+from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.wire.memfd import allocate
 from mlfabric.wire.tensors import layouts_from_pb, layouts_to_pb
 
@@ -171,13 +171,7 @@ class ModelRelays(Role):
             return
 
         def send(snap: ModelSnapshot) -> None:
-            reply = local_pb2.ModelReply(
-                version=snap.version,
-                tensors=layouts_to_pb(snap.layouts),
-                payload_bytes=snap.payload_bytes,
-                has_payload=True,
-            )
-            conn.send(local_pb2.LocalEvent(request_id=rid, model=reply), snap.fd)
+            conn.send(snap.local_event(rid), snap.fd)
 
         if leftover is not None:
             send(leftover)

@@ -20,8 +20,8 @@ from typing import Any
 from mlfabric.daemon.channels import payloadio
 from mlfabric.daemon.roles.base import Verdict
 from mlfabric.daemon.roles.server.verdicts import VerdictStore
-from mlfabric.proto.v1 import control_pb2
-from mlfabric.wire.tensors import Layout, Spec
+from mlfabric.proto.v1 import control_pb2, local_pb2
+from mlfabric.wire.tensors import Layout, Spec, layouts_to_pb
 
 __all__ = ["ModelSnapshot", "ServerHandoff"]
 
@@ -42,6 +42,16 @@ class ModelSnapshot:
         if self.crc32 is None:
             self.crc32 = payloadio.payload_crc32(self.mapping)
         return self.crc32
+
+    def local_event(self, request_id: int) -> local_pb2.LocalEvent:
+        """The answer to a local ``get`` with this model (sent with :attr:`fd`)."""
+        reply = local_pb2.ModelReply(
+            version=self.version,
+            tensors=layouts_to_pb(self.layouts),
+            payload_bytes=self.payload_bytes,
+            has_payload=True,
+        )
+        return local_pb2.LocalEvent(request_id=request_id, model=reply)
 
     def close(self) -> None:
         """Close the fd; the mapping lives on while a reply still sends from it."""

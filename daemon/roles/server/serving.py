@@ -348,13 +348,7 @@ class ServerRoles(Role):
             if snap is None:
                 conn.error(rid, "unavailable", f"server {server!r} of job {job!r} has not published a model")
                 return
-            reply = local_pb2.ModelReply(
-                version=snap.version,
-                tensors=layouts_to_pb(snap.layouts),
-                payload_bytes=snap.payload_bytes,
-                has_payload=True,
-            )
-            conn.send(local_pb2.LocalEvent(request_id=rid, model=reply), snap.fd)
+            conn.send(snap.local_event(rid), snap.fd)
 
         entry[0].with_snapshot(send)
 
