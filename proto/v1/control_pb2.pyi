@@ -34,6 +34,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_DUPLICATE_REPLICA: _ClassVar[ErrorCode]
     ERROR_CODE_MODEL_MISMATCH: _ClassVar[ErrorCode]
     ERROR_CODE_FAILED_OVER: _ClassVar[ErrorCode]
+    ERROR_CODE_DUPLICATE_WORKER: _ClassVar[ErrorCode]
 
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +63,7 @@ ERROR_CODE_NO_PATH: ErrorCode
 ERROR_CODE_DUPLICATE_REPLICA: ErrorCode
 ERROR_CODE_MODEL_MISMATCH: ErrorCode
 ERROR_CODE_FAILED_OVER: ErrorCode
+ERROR_CODE_DUPLICATE_WORKER: ErrorCode
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_APPLIED: Outcome
 OUTCOME_DROPPED: Outcome

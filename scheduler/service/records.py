@@ -22,6 +22,7 @@ __all__ = [
     "DaemonInfo",
     "DuplicateServer",
     "DuplicateUpdate",
+    "DuplicateWorker",
     "HostAlreadyConnected",
     "Job",
     "JobParams",
@@ -132,6 +133,12 @@ class UnknownWorker(SchedulerError):
     """An update comes from a worker that did not register on that host."""
 
     code = "UNKNOWN_WORKER"
+
+
+class DuplicateWorker(SchedulerError):
+    """A worker registers with the name of a live worker of its job on another host."""
+
+    code = "DUPLICATE_WORKER"
 
 
 class DuplicateServer(SchedulerError):

@@ -33,6 +33,7 @@ from mlfabric.scheduler.service.records import (
     DaemonInfo,
     DuplicateServer,
     DuplicateUpdate,
+    DuplicateWorker,
     HostAlreadyConnected,
     Job,
     JobParams,
@@ -256,9 +257,18 @@ class SchedulerState:
         ------
         UnknownJob
             No server of ``job`` has registered.
+        DuplicateWorker
+            ``job`` has a worker ``name`` on another host whose daemon is connected (on the same
+            host the daemon tells its processes apart; a host whose daemon left has no workers).
         """
         self._require_daemon(host)
         record = self._job(job)
+        other = record.workers.get(name)
+        if other is not None and other != host and other in self.daemons:
+            raise DuplicateWorker(
+                f"job '{job}' already has a worker '{name}' on host '{other}'; "
+                "worker names are unique within a job"
+            )
         record.workers[name] = host
         return record
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -82,4 +83,28 @@ def test_torch_tensors_end_to_end(make_daemon: Any, dtype: str) -> None:
     _, raw = worker.get("ps0")
     assert raw["w"].dtype == (np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
     worker.close()
+    server.close()
+
+
+def test_a_second_process_registering_a_live_workers_name_is_refused(make_daemon: Any) -> None:
+    """Its leaving would otherwise unregister the name the first process still pushes under."""
+    sock = make_daemon("h").config.socket_path
+    server = mlfabric.register_as_server("job", "ps0", {"w": np.zeros(3)}, daemon=sock)
+    first = mlfabric.register_as_worker("job", name="wk", daemon=sock, wait=5)
+    with pytest.raises(mlfabric.MlfabricError) as info:
+        mlfabric.register_as_worker("job", name="wk", daemon=sock, wait=5)
+    assert info.value.code == "duplicate_worker" and "'wk'" in str(info.value)
+    handle = first.push("ps0", {"w": np.ones(3)})
+    assert server.serve(max_updates=1, timeout=10) == 1
+    assert handle.wait(10).applied
+    first.close()
+    deadline = time.monotonic() + 10
+    while True:  # once the daemon has seen the first process's connection close, the name is free
+        try:
+            again = mlfabric.register_as_worker("job", name="wk", daemon=sock, wait=5)
+            break
+        except mlfabric.MlfabricError as exc:
+            assert exc.code == "duplicate_worker" and time.monotonic() < deadline, exc
+            time.sleep(0.05)
+    again.close()
     server.close()

@@ -8,6 +8,7 @@ from mlfabric.scheduler.core.graph import parse_topology, star
 from mlfabric.scheduler.service.records import (
     DuplicateServer,
     DuplicateUpdate,
+    DuplicateWorker,
     HostAlreadyConnected,
     JobParams,
     NoPath,
@@ -61,6 +62,17 @@ def test_worker_of_unknown_job_is_refused_naming_the_job() -> None:
     s = _state()
     with pytest.raises(UnknownJob, match="'other'"):
         s.register_worker("h1", "other", "w9")
+
+
+def test_a_live_workers_name_from_another_host_is_refused_naming_its_host() -> None:
+    s = _state()
+    with pytest.raises(DuplicateWorker, match=r"'w1' on host 'h1'"):
+        s.register_worker("h2", "j", "w1")
+    assert s.jobs["j"].workers["w1"] == "h1"  # the live one keeps its name
+    s.register_worker("h1", "j", "w1")  # its own daemon again (after a reconnect): accepted
+    s.disconnect("h1")  # its daemon left, and its workers with it: the name is free
+    s.register_worker("h2", "j", "w1")
+    assert s.jobs["j"].workers["w1"] == "h2"
 
 
 def test_duplicate_server_and_params_mismatch() -> None:

@@ -288,6 +288,18 @@ class WorkerRole(Role):
         req, rid = request.register_worker, request.request_id
         if already_registered(conn, rid):
             return fd
+        with self._lock:
+            taken = any(
+                c is not conn and not c.closed and (c.job, c.name) == (req.job, req.name)
+                for c in self._workers.values()
+            )
+        if taken:  # its leaving would unregister the name the other process still uses
+            why = (
+                f"worker {req.name!r} of job {req.job!r} is already registered on this host by "
+                "another process; worker names are unique within a job"
+            )
+            conn.error(rid, "duplicate_worker", why)
+            return fd
         deadline = self._ctx.clock() + max(0.0, req.wait_seconds)
         message = control_pb2.RegisterRole(job=req.job, name=req.name, role=control_pb2.ROLE_WORKER)
 
