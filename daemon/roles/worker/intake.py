@@ -46,10 +46,17 @@ from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.wire.tensors import check_update, layouts_from_pb
 
+#: seconds a registration waits for the name's holder to go: another process of this host (a
+#: process restarted at once may register before the daemon saw the old one's socket close), or
+#: a worker on another host (the scheduler refuses with DUPLICATE_WORKER until that host's
+#: daemon's unregistration arrives)
+DUPLICATE_GRACE = 2.0
+
 __all__ = ["WorkerRole"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
 _UNKNOWN_JOB = control_pb2.ERROR_CODE_UNKNOWN_JOB
+_DUPLICATE = control_pb2.ERROR_CODE_DUPLICATE_WORKER
 
 
 class WorkerRole(Role):
@@ -288,20 +295,53 @@ class WorkerRole(Role):
         req, rid = request.register_worker, request.request_id
         if already_registered(conn, rid):
             return fd
-        with self._lock:
-            taken = any(
-                c is not conn and not c.closed and (c.job, c.name) == (req.job, req.name)
-                for c in self._workers.values()
-            )
-        if taken:  # its leaving would unregister the name the other process still uses
-            why = (
-                f"worker {req.name!r} of job {req.job!r} is already registered on this host by "
-                "another process; worker names are unique within a job"
-            )
-            conn.error(rid, "duplicate_worker", why)
+        if self._holder(conn, req.job, req.name) is not None:
+            # another process of this host holds the name (its leaving would unregister it): a
+            # process restarted at once may come before the daemon saw the old one's socket close
+            self._ctx.submit(self._register_when_free, conn, request)
             return fd
+        self._register(conn, request)
+        return fd
+
+    def _holder(self, conn: LocalConnection, job: str, name: str) -> LocalConnection | None:
+        """Another live connection registered as worker ``name`` of ``job`` here, if any."""
+        with self._lock:
+            return next(
+                (
+                    c
+                    for c in self._workers.values()
+                    if c is not conn and not c.closed and (c.job, c.name) == (job, name)
+                ),
+                None,
+            )
+
+    def _register_when_free(self, conn: LocalConnection, request: Any) -> None:
+        req = request.register_worker
+        until = self._ctx.clock() + DUPLICATE_GRACE
+        while self._holder(conn, req.job, req.name) is not None:
+            if self._ctx.clock() >= until or self._ctx.stopping.is_set() or conn.closed:
+                why = (
+                    f"worker {req.name!r} of job {req.job!r} is already registered on this host by "
+                    "another process; worker names are unique within a job"
+                )
+                conn.error(request.request_id, "duplicate_worker", why)
+                return
+            self._ctx.stopping.wait(0.02)
+        self._register(conn, request)
+
+    def _register(self, conn: LocalConnection, request: Any) -> None:
+        req, rid = request.register_worker, request.request_id
         deadline = self._ctx.clock() + max(0.0, req.wait_seconds)
+        moving = self._ctx.clock() + DUPLICATE_GRACE
         message = control_pb2.RegisterRole(job=req.job, name=req.name, role=control_pb2.ROLE_WORKER)
+
+        def waits(ack: Any) -> bool:
+            """A refusal that may lift: no server yet, or the name's last holder on another
+            host gone a moment ago (its daemon's unregistration still on its way)."""
+            if ack is None or self._ctx.stopping.is_set() or conn.closed:  # its process went away
+                return False
+            now = self._ctx.clock()
+            return (ack.code == _UNKNOWN_JOB and now < deadline) or (ack.code == _DUPLICATE and now < moving)
 
         def on_ack(ack: Any) -> None:
             if ack is not None and ack.ok:
@@ -310,13 +350,7 @@ class WorkerRole(Role):
                     self._workers[conn.conn_id] = conn
                 self._directory.update(req.job, ack.servers)
                 self._ctx.submit(reply_when_servers, ack.params)
-            elif (
-                ack is not None
-                and ack.code == _UNKNOWN_JOB
-                and self._ctx.clock() < deadline
-                and not self._ctx.stopping.is_set()
-                and not conn.closed  # its process went away: stop asking for it
-            ):  # the job has no server yet: wait for one
+            elif waits(ack):
                 self._ctx.submit(retry)
             else:
                 refused(conn, rid, ack, self._ctx)
@@ -340,7 +374,6 @@ class WorkerRole(Role):
             conn.send(local_pb2.LocalEvent(request_id=rid, registered=reply))
 
         self._registrar.register(message, on_ack)
-        return fd
 
     def push(self, conn: LocalConnection, request: Any, fd: int | None) -> int | None:
         """``PushRequest``: check the update, keep its memfd, announce it. Returns an fd to close."""
