@@ -48,9 +48,13 @@ class Cluster:
         }
 
     def publish(self, version: int) -> None:
+        """Publish ``version`` and wait until the server's daemon has it (publishing is one way)."""
         self.server.model = _model(version)
         self.server.version = version
         self.server.publish()
+        handoff = self.daemons["ps"].serving.handoff("job", "ps0")
+        snap = handoff.wait_published(version, 10) if handoff is not None else None
+        assert snap is not None and snap.version >= version
 
     def route(self, scheduler: FakeScheduler, host: str, upstream: str) -> None:
         up, ps = self.daemons[upstream], self.daemons["ps"]
