@@ -345,6 +345,12 @@ def dense_result(acc: CodecSum) -> np.ndarray:
     return acc.values.reshape(acc.first.shape)
 
 
+def decoded(flat: np.ndarray, enc: Encoded) -> np.ndarray:
+    """A decode's float32 values in the encoded tensor's shape and original dtype."""
+    result = flat.reshape(enc.shape)
+    return result if enc.dtype == "float32" else result.astype(enc.dtype)
+
+
 def frozen(array: np.ndarray) -> np.ndarray:
     """``array`` made read-only (an :class:`Encoded` is plain frozen data)."""
     array.flags.writeable = False

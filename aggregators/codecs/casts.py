@@ -28,6 +28,7 @@ from mlfabric.aggregators.codecs.base import (
     check_encoded,
     check_member,
     chunks,
+    decoded,
     dense_result,
     frozen,
 )
@@ -88,8 +89,7 @@ class _CastCodec:
         scratch = np.empty(min(enc.size, 1 << 16), np.uint32)
         for start, stop in chunks(enc.size):
             self._widen(enc.payload[start:stop], out[start:stop], scratch[: stop - start])
-        result = out.reshape(enc.shape)
-        return result if enc.dtype == "float32" else result.astype(enc.dtype)
+        return decoded(out, enc)
 
     def sum_into(self, acc: CodecSum, encoded: Encoded) -> None:
         """Widen one member chunk by chunk and add it into the float32 accumulator.

@@ -44,6 +44,7 @@ from mlfabric.aggregators.codecs.base import (
     check_encoded,
     check_member,
     chunks,
+    decoded,
     dense_result,
     frozen,
 )
@@ -303,8 +304,7 @@ class Int8Codec:
         enc = self._check(encoded)
         out = np.empty(enc.size, np.float32)
         _dequantise(enc, out, add=False)
-        result = out.reshape(enc.shape)
-        return result if enc.dtype == "float32" else result.astype(enc.dtype)
+        return decoded(out, enc)
 
     def sum_into(self, acc: CodecSum, encoded: Encoded) -> None:
         """Add a member: its int8 words into an int32 sum (shared scale), else its decode in float32.

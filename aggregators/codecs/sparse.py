@@ -38,6 +38,7 @@ from mlfabric.aggregators.codecs.base import (
     as_float_array,
     check_encoded,
     check_member,
+    decoded,
     dense_result,
     frozen,
 )
@@ -171,8 +172,7 @@ class _SparseCodec:
         assert enc.indices is not None
         out = np.zeros(enc.size, np.float32)
         out[enc.indices] = enc.payload
-        result = out.reshape(enc.shape)
-        return result if enc.dtype == "float32" else result.astype(enc.dtype)
+        return decoded(out, enc)
 
     def sum_into(self, acc: CodecSum, encoded: Encoded) -> None:
         """Scatter-add one member into the dense float32 sum (its positions are unique).
