@@ -186,7 +186,7 @@ class RoundBook:
             if rk not in self._rounds:
                 self._start(rk, ps, snapshot, paths, plan)
             rest += self._follow(self._rounds[rk], ps, paths, sends)
-        aggregates = [a for r in self._rounds.values() for a in self._listing(r, snapshot.now)]
+        aggregates = [a for r in self._rounds.values() for a in self._listing(r)]
         for rk in [k for k, r in self._rounds.items() if r.finished() and k not in by_round]:
             del self._rounds[rk]
         return sends, aggregates, rest
@@ -260,7 +260,7 @@ class RoundBook:
             sends.append(Send(p.update_id, aggregator, paths.path(p.src_host, aggregator)))
         return rest
 
-    def _listing(self, r: _Round, now: float) -> list[PlannedAggregate]:
+    def _listing(self, r: _Round) -> list[PlannedAggregate]:
         """The round's aggregates with a member really there, children first, holds set."""
         out: list[PlannedAggregate] = []
         listed: set[str] = set()
