@@ -382,6 +382,13 @@ class SchedulerCore:
             self.release()
             return
         self.recorder.updates_ready += 1
+        log.debug(
+            "host %s: update %s of worker %r ready (base version %d)",
+            session.host,
+            m.update_id,
+            m.worker,
+            m.base_version,
+        )
         try:
             self.state.add_update(
                 session.host,

@@ -187,3 +187,72 @@ def test_an_aggregate_ready_behind_a_send_whose_report_is_held_wakes_the_release
     while sessions["bx"].queue.qsize():
         queued.append(sessions["bx"].queue.get_nowait())
     assert [d.send.update_id for d in queued if d is not None and d.HasField("send")] == ["agg:ps:0"]
+
+
+RACKS: dict[str, Any] = {
+    "hosts": ["ps", *(f"w{i}" for i in range(8))],
+    "switches": ["core", "tor0", "tor1"],
+    "links": [
+        {"a": "ps", "b": "core", "mbps": 1000},
+        {"a": "tor0", "b": "core", "mbps": 1000},
+        {"a": "tor1", "b": "core", "mbps": 1000},
+        *({"a": f"w{i}", "b": f"tor{i // 4}", "mbps": 1000} for i in range(8)),
+    ],
+}
+
+
+def test_an_aggregate_that_joins_its_parent_after_the_parent_started_is_summed_into_it() -> None:
+    """The racks testbed's rounds (two racks of four, 4:1 uplinks, 4.5 MB updates): in a
+    round's second decision rack B's tree is one parent at ``w4`` with ``w4+w5``'s aggregate;
+    ``w6+w7``'s aggregate joins that parent once ``w6`` is there, after the parent's first
+    member was sent. When ``w6+w7``'s aggregate leaves for the parent it must be summed into
+    it (the parent's directive re-issued with it), not failed as "its parent is gone" (which
+    planned ``w6`` and ``w7`` afresh, after the round: the testbed's 60 s rounds)."""
+    graph = parse_topology(RACKS)
+    clock = Clock()
+    setup = make_policy("stf+tree", sync=True)
+    core = SchedulerCore(
+        SchedulerState(graph),
+        setup.policy,
+        dispatcher=Dispatcher(margin=0.002),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(graph),
+        replan=setup.trigger,
+        clock=clock,
+    )
+    sessions = {
+        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=True))
+        for i, h in enumerate(RACKS["hosts"])
+    }
+    fake = FakeDaemons(core, sessions)
+    workers = [f"w{i}" for i in range(8)]
+    params = pb.JobParams(tau_max=-1, sync_workers=len(workers))
+    fake.say("ps", register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=params))
+    for w in workers:
+        fake.say(w, register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=w))
+    for version, start in ((0, 0.0), (1, 10.0)):
+        ids = [f"{w}/{version}" for w in workers]
+        for k, w in enumerate(workers):  # 2 ms apart, in rack order
+            clock.now = start + 0.002 * k
+            ready = pb.UpdateReady(
+                update_id=f"{w}/{version}",
+                job="j",
+                server="s",
+                worker=w,
+                bytes=4_505_640,
+                base_version=version,
+            )
+            fake.say(w, update_ready=ready)
+            core.decide()
+            while fake.step():
+                pass
+        while clock.now < start + 2.0:  # the release loop; no decision: nothing is planned afresh
+            clock.now += 0.005
+            core.expire_stalled()
+            core.release()
+            while fake.step():
+                pass
+        assert not core.state.pending, f"round {version}: planned afresh after the round"
+        assert {u: fake.resolved.get(u) for u in ids} == {u: [pb.OUTCOME_APPLIED] for u in ids}
+    nested = [(a, into) for a, _, into in fake.forwards if into]
+    assert len(nested) >= 2 and len({into for _, into in nested}) < len(nested)  # two into one parent

@@ -171,6 +171,13 @@ class ModelRelays(Role):
             return
 
         def send(snap: ModelSnapshot) -> None:
+            _LOG.debug(
+                "get of %s at or above %s: version %d in %.3f s",
+                key,
+                min_version,
+                snap.version,
+                self._ctx.clock() - deadline + wait,
+            )
             conn.send(snap.local_event(rid), snap.fd)
 
         if leftover is not None:
@@ -185,6 +192,7 @@ class ModelRelays(Role):
         """A GET frame: for a server here, from its published model; else from the cache or upstream."""
         h = frame.header
         frame.release()
+        _LOG.debug("GET from %s of %s/%s at or above %d", h.src_host, h.job, h.server, h.min_version)
         where = f"server {h.server!r} of job {h.job!r}"
         if h.min_version < 0:
             why = f"min_version {h.min_version} is negative (a version is 0 or more)"
@@ -216,6 +224,7 @@ class ModelRelays(Role):
         return cached or self._error(f"model of {where} was not kept on host {self._ctx.host!r}")
 
     def _response(self, h: Any, snap: ModelSnapshot) -> Response:
+        _LOG.debug("GET from %s at or above %d: version %d", h.src_host, h.min_version, snap.version)
         header = FrameHeader(
             kind=_MODEL,
             job=h.job,
@@ -259,6 +268,13 @@ class ModelRelays(Role):
                 self.cache.end(key, flight)
                 return leftover
             self._count("joined")
+            _LOG.debug(
+                "get of %s at or above %d (%s) joins the fetch at or above %d",
+                key,
+                min_version,
+                who,
+                flight.min_version,
+            )
             if not flight.done.wait(max(0.0, deadline - self._ctx.clock())):
                 have = self.cache.version(key)
                 waited = f"waiting for the fetch under way on host {self._ctx.host!r}"

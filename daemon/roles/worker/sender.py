@@ -99,6 +99,7 @@ class PushSender:
             version=verdict.version,
             reason=verdict.reason,
         )
+        _LOG.debug("push %s resolved %s (version %d)", push.update_id, verdict.outcome, verdict.version)
         push.owner.send(local_pb2.LocalEvent(request_id=push.request_id, push_result=result))
         if self._on_finish is not None:
             self._on_finish(push)

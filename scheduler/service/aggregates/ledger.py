@@ -161,6 +161,14 @@ class Ledger:
             if up is None or up.aggregate_id != e.parent:
                 return None
             pe = self.start(up, e.job, e.server)
+        elif e.aggregate_id not in pe.nested and not pe.forwarded:
+            up = self.runner.aggregate_of(e.aggregate_id)
+            if up is not None and up.aggregate_id == pe.aggregate_id:
+                # it joined the parent after the parent's first member was sent (a round's
+                # aggregate listed again with it): the parent's directive is re-issued with it,
+                # and the parent waits for it (announced again once it is in)
+                pe.nested[e.aggregate_id] = Stage.PLANNED
+                pe.ready = False
         return pe if e.aggregate_id in pe.nested else None
 
     def server_host(self, e: Execution) -> str:
