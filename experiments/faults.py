@@ -93,6 +93,8 @@ LOOPBACK_KINDS = (
 #: Faults only the namespace testbed can inject (``--testbed``, root): a host's link down
 #: (its switch port, so the host keeps its addresses and routes) and its rate cut 1000-fold.
 TESTBED_KINDS = ("link-down", "rate-collapse")
+#: seconds the workers have, together, to stop once told (a push resolves within about 60 s)
+STOP_WAIT = 100.0
 HOST_LINKS = (("a", "sw"), ("b", "sw"), ("ps", "sw"), ("x", "sw"))
 
 
@@ -258,11 +260,14 @@ def _run(cfg: Config, cluster: Any, kinds: list[str], rng: random.Random, out: P
             except subprocess.TimeoutExpired:  # time to stop them
                 break
         (out / "stop").touch()
+        stop_by = time.monotonic() + STOP_WAIT  # all of them together: the test's own timeout
         for w in workers:
             try:
-                w.popen.wait(timeout=90)
-            except subprocess.TimeoutExpired:  # stop() kills it
-                print(f"{w.name} did not stop:\n{w.log_tail()}", flush=True)
+                w.popen.wait(timeout=max(0.1, stop_by - time.monotonic()))
+            except subprocess.TimeoutExpired:  # where it hangs (faulthandler), then stop() kills it
+                w.popen.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
+                print(f"{w.name} did not stop in {STOP_WAIT:g} s:\n{w.log_tail(120)}", flush=True)
         final = _fetch_model(cluster)
         final["survivors"] = cluster.dead()
     finally:

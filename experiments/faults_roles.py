@@ -26,6 +26,7 @@ stops after its last push resolved, or when ``OUT/stop`` exists.
 from __future__ import annotations
 
 import collections
+import faulthandler
 import json
 import os
 import signal
@@ -198,6 +199,7 @@ if __name__ == "__main__":
     role, out_dir = sys.argv[1], Path(sys.argv[2])
     args = [int(a) for a in sys.argv[3:]]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks where a stuck one is
     if role == "server":
         server(out_dir, *args)
     else:
