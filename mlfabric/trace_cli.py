@@ -221,6 +221,7 @@ def build_trace(
     >>> meta["planned"], meta["measured"], meta["verdicts"]
     (1, 1, {'applied': 1})
     """
+    from mlfabric.scheduler.core.round_trace import round_phases, round_slices, round_summary
     from mlfabric.scheduler.core.trace import compare_events
 
     origin = min((e.start for e in events if e.start > 0), default=0.0)
@@ -229,6 +230,9 @@ def build_trace(
     out = compare_events({"planned": planned, "measured": measured}, capacities=capacities, origin=origin)
     links = {r.link for s in (planned, measured) for t in s.transfers for r in t.reservations}
     out += _update_events(events, len(links) + 1, origin)
+    rounds = round_phases(events)
+    pids = [e["pid"] for e in out if "pid" in e]
+    out += round_slices(rounds, max(pids, default=0) + 1, origin)
     verdicts: dict[str, int] = {}
     for e in events:
         if e.kind == _VERDICT:
@@ -239,6 +243,7 @@ def build_trace(
         "measured": sum(1 for e in events if e.kind == _MEASURED),
         "verdicts": verdicts,
         "links": len(links),
+        "rounds": round_summary(rounds),
     }
     return out, meta
 
@@ -311,4 +316,15 @@ def run(args: argparse.Namespace) -> int:
             + "; open it in ui.perfetto.dev",
             file=sys.stderr,
         )
+        for name, r in meta["rounds"].items():
+
+            def ms(key: str, r: dict[str, Any] = r) -> str:
+                return "-" if r[key] is None else f"{r[key]:g} ms"
+
+            print(
+                f"mlfabric trace: rounds of {name}: {r['rounds']}, medians: verdicts {ms('verdicts_ms')}, "
+                f"model + compute {ms('model_compute_ms')} (per member {ms('member_model_compute_ms')}), "
+                f"transfers + apply {ms('transfers_apply_ms')}",
+                file=sys.stderr,
+            )
     return 0

@@ -327,7 +327,8 @@ class Recorder:
         """``u`` was announced (at ``u.ready_at``)."""
         self.activity.push(u.job, u.worker, u.ready_at)
         if self.trace is not None:
-            self.trace.ready(u.update_id, u.job, u.server, u.worker, (u.src_host, u.dst_host), u.bytes)
+            ends = (u.src_host, u.dst_host)
+            self.trace.ready(u.update_id, u.job, u.server, u.worker, ends, u.bytes, u.base_version)
 
     def released(self, f: InFlight) -> None:
         """Transfer ``f`` was released: its bytes are scheduled on each link of its path."""
@@ -362,7 +363,7 @@ class Recorder:
     def resolved(self, outcome: UpdateOutcome) -> None:
         """The state recorded ``outcome``: trace the verdict, count it by kind, reason and delay."""
         if self.trace is not None:
-            self.trace.verdict(outcome.update_id, outcome.kind.value, outcome.reason)
+            self.trace.verdict(outcome.update_id, outcome.kind.value, outcome.reason, outcome.version or 0)
         kind = outcome.kind.name.lower()
         self.updates_resolved[kind] = self.updates_resolved.get(kind, 0) + 1
         if kind == "dropped":

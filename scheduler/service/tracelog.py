@@ -73,6 +73,7 @@ class TraceRecord(NamedTuple):
     reason: str = ""
     ok: bool = False
     clock_from_receipt: bool = False
+    version: int = 0
 
     def to_pb(self) -> apb.TraceEvent:
         """As the wire message (only the fields set: half the cost of setting every one)."""
@@ -83,7 +84,18 @@ class TraceRecord(NamedTuple):
             "start": self.start,
             "end": self.end,
         }
-        for name in ("job", "server", "worker", "path", "bytes", "aggregate", "outcome", "reason", "ok"):
+        for name in (
+            "job",
+            "server",
+            "worker",
+            "path",
+            "bytes",
+            "aggregate",
+            "outcome",
+            "reason",
+            "ok",
+            "version",
+        ):
             value = getattr(self, name)
             if value:
                 kw[name] = value
@@ -155,11 +167,33 @@ class TraceLog:
         self._next += 1
 
     def ready(
-        self, update_id: str, job: str, server: str, worker: str, ends: tuple[str, str], nbytes: int
+        self,
+        update_id: str,
+        job: str,
+        server: str,
+        worker: str,
+        ends: tuple[str, str],
+        nbytes: int,
+        base_version: int = 0,
     ) -> None:
-        """``update_id`` was announced ready now, to go from ``ends[0]`` to ``ends[1]``."""
+        """``update_id`` (computed from model ``base_version``) was announced ready now, to go
+        from ``ends[0]`` to ``ends[1]``."""
         now = self._wall()
-        self._add(TraceRecord(self._next, Kind.READY, update_id, job, server, worker, ends, nbytes, now, now))
+        self._add(
+            TraceRecord(
+                self._next,
+                Kind.READY,
+                update_id,
+                job,
+                server,
+                worker,
+                ends,
+                nbytes,
+                now,
+                now,
+                version=base_version,
+            )
+        )
 
     def planned(
         self,
@@ -225,12 +259,25 @@ class TraceLog:
         """A PLANNED or MEASURED record: ``fields`` are those of :class:`TraceRecord` from ``bytes`` on."""
         self._add(TraceRecord(self._next, kind, update_id, job, server, "", tuple(path), *fields))
 
-    def verdict(self, update_id: str, outcome: str, reason: str = "") -> None:
-        """The push of ``update_id`` resolved now with ``outcome``."""
+    def verdict(self, update_id: str, outcome: str, reason: str = "", version: int = 0) -> None:
+        """The push of ``update_id`` resolved now with ``outcome`` (applied in ``version``)."""
         now = self._wall()
         self._add(
             TraceRecord(
-                self._next, Kind.VERDICT, update_id, "", "", "", (), 0, now, now, False, outcome, reason
+                self._next,
+                Kind.VERDICT,
+                update_id,
+                "",
+                "",
+                "",
+                (),
+                0,
+                now,
+                now,
+                False,
+                outcome,
+                reason,
+                version=version,
             )
         )
 

@@ -142,3 +142,32 @@ def test_trace_of_no_scheduler_fails_naming_it(tmp_path: Path) -> None:
     assert tracer.returncode == 1
     assert "mlfabric trace: error: scheduler 127.0.0.1:1: UNAVAILABLE" in err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_trace_splits_the_time_between_synchronous_rounds(ops_cluster: Any, tmp_path: Path) -> None:
+    """Issue 23: a synchronous server's rounds, each split into verdicts, model + compute and
+    transfers + apply, on a track of their own and summarised in the file and on stderr."""
+    c = ops_cluster
+    out = tmp_path / "rounds.trace.json"
+    run = subprocess.run(
+        [sys.executable, str(HERE / "rounds.py"), c.daemons["h0"]["socket"], c.daemons["h1"]["socket"], "4"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {"applied": 8, "version": 4}
+    tracer = _trace(c.scheduler["address"], out, "--seconds", "0")  # the ring holds the run
+    _, err = tracer.communicate(timeout=60)
+    assert tracer.returncode == 0, err
+    trace = json.loads(out.read_text())
+    summary = trace["otherData"]["rounds"]["rounds/ps0"]
+    assert summary["rounds"] == 4  # versions 1-4, two members each
+    assert all(summary[k] is not None and summary[k] >= 0 for k in ("verdicts_ms", "model_compute_ms"))
+    assert summary["transfers_apply_ms"] is not None  # rounds 1-3 have a next apply
+    assert "mlfabric trace: rounds of rounds/ps0: 4, medians: verdicts" in err
+    slices = _slices(trace)[("rounds of rounds/ps0", "between applies")]
+    names = [e["name"] for e in slices]
+    assert names[:3] == ["verdicts (v1)", "model + compute (v1)", "transfers + apply (v1)"]
+    assert "verdicts (v4)" in names and all(e["args"]["members"] == 2 for e in slices)
+    assert _overlapping(trace) == []
