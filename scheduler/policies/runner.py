@@ -114,6 +114,7 @@ class DecisionRunner:
         self.decisions = 0
         self._gathering: dict[str, _Gathering] = {}
         self._member_of: dict[str, str] = {}
+        self._replanned = False  # the plan or an aggregate's members changed since wakeup_changed()
 
     # ------------------------------------------------------------------ deciding
 
@@ -160,6 +161,7 @@ class DecisionRunner:
 
     def adopt(self, decision: Decision) -> None:
         """Make ``decision`` the plan of every update not yet released."""
+        self._replanned = True
         listed = {a.aggregate_id for a in decision.aggregates}
         for aid in [a for a, g in self._gathering.items() if a not in listed and not self._started(g)]:
             self._drop_aggregate(aid)
@@ -186,6 +188,7 @@ class DecisionRunner:
         is forgotten, and leaves the aggregate it was to be summed into (a deeper tree).
         """
         ids = list(update_ids)
+        self._replanned = True
         self.dispatcher.forget(ids)
         while ids:
             uid = ids.pop(0)
@@ -217,6 +220,7 @@ class DecisionRunner:
         aid = self._member_of.get(member_id)
         if aid is not None and aid in self._gathering:
             self._gathering[aid].arrived.add(member_id)
+            self._replanned = True
 
     def aggregate_of(self, update_id: str) -> PlannedAggregate | None:
         """The aggregate being gathered that ``update_id`` is a member of, if any."""
@@ -272,6 +276,16 @@ class DecisionRunner:
                 self._gathering[of].started = True
         aggregates = tuple(replace(g.planned, members=tuple(g.members)) for g in forwarded)
         return Released(tuple(sends), aggregates)
+
+    def wakeup_changed(self) -> bool:
+        """Whether :meth:`next_wakeup` may have become earlier since this was last asked.
+
+        Only a new plan, a forgotten update or a member's arrival can bring it forward (a
+        transfer's report only takes a reason to wait away, which :meth:`release` acts on).
+        Callers that keep a timer ask this before recomputing :meth:`next_wakeup`.
+        """
+        changed, self._replanned = self._replanned, False
+        return changed
 
     def next_wakeup(self, in_flight: Mapping[str, InFlight]) -> float | None:
         """The earliest time a planned send or an aggregate may go by the clock alone (or ``None``).

@@ -507,7 +507,10 @@ class SchedulerCore:
                 update_id=s.update_id, next_hop_host=s.next_hop, next_hop_address=address, dst_host=dst
             )
             self._send_to(src, pb.Directive(send=directive))
-        if out or (self.runner.next_wakeup(self.state.in_flight) or math.inf) < self._timer:
+        if out or (
+            self.runner.wakeup_changed()
+            and (self.runner.next_wakeup(self.state.in_flight) or math.inf) < self._timer
+        ):
             self._wake.set()  # the release loop's timer is set for later than what may go now
         if out:
             self._moved()

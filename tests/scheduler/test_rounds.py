@@ -57,6 +57,22 @@ def test_a_held_aggregate_leaves_at_its_hold_with_the_members_it_has() -> None:
     assert [a.aggregate_id for a in runner.release(1.0, {}).aggregates] == ["agg:h0:0"]
 
 
+def test_the_runner_says_when_its_next_wakeup_may_have_come_forward() -> None:
+    """The service recomputes the wake-up only after a new plan, a forgotten update or an
+    arrival (``wakeup_changed``), not on every transfer report."""
+    g = two_tier(1, 3, 8e6)
+    agg = PlannedAggregate("agg:h0:0", "h1", ("u1",), 10, "h0", hold_until=1.0)
+    runner = DecisionRunner(Given(Decision(sends=(Send("u1", "h1", ("h1",)),), aggregates=(agg,))))
+    runner.decide(Snapshot(0.0, g), [pending("u1", "h1")])
+    assert runner.wakeup_changed() and not runner.wakeup_changed()
+    runner.release(0.0, {})
+    assert not runner.wakeup_changed()  # what a release takes out it acts on itself
+    runner.arrived("u1")
+    assert runner.wakeup_changed() and runner.next_wakeup({}) == 1.0
+    runner.forget(["u9"])
+    assert runner.wakeup_changed()
+
+
 def test_listed_again_with_its_last_member_and_no_hold_it_leaves_when_that_one_is_in() -> None:
     g = two_tier(1, 3, 8e6)
     held = PlannedAggregate("agg:h0:0", "h1", ("u1",), 10, "h0", hold_until=5.0)
