@@ -162,7 +162,19 @@ class AggregateBook:
             e.members[uid] = self.state.pending[uid]
             e.stage[uid] = Stage.PLANNED
             e.ready = False
-        if uid not in e.members:  # not pending when the aggregate started: leave it to a re-plan
+        if uid not in e.members:
+            # it cannot join (the aggregate left, or it was not pending when the aggregate
+            # started): the runner has let it go, so only a decision plans it again — ask for
+            # one now (waiting for the next arrival could wait for a round that needs it)
+            log.info(
+                "%s cannot join aggregate %s at %s (%s): planned afresh",
+                uid,
+                planned.aggregate_id,
+                planned.aggregator,
+                "it left" if e.forwarded else "not one of its members",
+            )
+            self.runner.forget([uid])
+            out.requeued += 1
             return out
         try:
             address = self.state.address(planned.aggregator)
