@@ -67,21 +67,11 @@ class AsTheyCome:
         return self.policy.decide(replace(snapshot, rounds={}), pending)
 
 
-def compute_table(model: ComputeModel, workers: Sequence[str], rounds: int) -> list[dict[str, float]]:
-    """Round -> worker -> compute time, as SyncSGD draws them (one per worker per round)."""
-    s = model.sampler()
-    table: list[dict[str, float]] = [{} for _ in range(rounds)]
-    for w in workers:
-        for k in range(rounds):
-            table[k][w] = s.next(w)
-    return table
-
-
 def run_instance(spec: Mapping[str, Any], jitter: float, seed: int) -> dict[str, Any]:
     g = two_tier(spec["racks"], spec["per_rack"], spec["nics"], oversubscription=spec["over"])
     workers = [h for h in hosts(g) if h != "h0"]
     model = ComputeModel(dict.fromkeys(workers, COMPUTE), jitter=jitter, seed=seed)
-    table = compute_table(model, workers, ITERATIONS)
+    table = model.table(ITERATIONS, workers)
     out: dict[str, Any] = {k: spec[k] for k in ("racks", "per_rack", "over")}
     for name in SYSTEMS:
         setup = make_policy("fair" if name == "fair" else "stf+tree", sync=True)

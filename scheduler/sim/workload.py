@@ -16,7 +16,7 @@ paper §7 settings NS1-NS3); it and the schedule file's parser,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,6 +72,35 @@ class ComputeModel:
         ComputeSampler
         """
         return ComputeSampler(self)
+
+    def table(self, rounds: int, workers: Iterable[str] | None = None) -> list[dict[str, float]]:
+        """Round -> worker -> compute time, as synchronous SGD draws them (one per worker a round).
+
+        What a yardstick told the true arrivals needs (``KnownArrivals``): the same draws a
+        fresh :meth:`sampler` gives, worker by worker.
+
+        Parameters
+        ----------
+        rounds : int
+            Rounds to draw.
+        workers : iterable of str, optional
+            The workers (default: those of ``mean``).
+
+        Returns
+        -------
+        list of dict
+
+        Examples
+        --------
+        >>> ComputeModel({"w0": 0.1, "w1": 0.4}).table(2)
+        [{'w0': 0.1, 'w1': 0.4}, {'w0': 0.1, 'w1': 0.4}]
+        """
+        s = self.sampler()
+        table: list[dict[str, float]] = [{} for _ in range(rounds)]
+        for w in self.mean if workers is None else workers:
+            for k in range(rounds):
+                table[k][w] = s.next(w)
+        return table
 
 
 @dataclass

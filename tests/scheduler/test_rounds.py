@@ -137,11 +137,7 @@ def sync_run(policy: object, model: ComputeModel, rounds: int = 3) -> tuple[list
 def test_rounds_under_jitter_come_within_15_percent_of_the_plan_knowing_the_arrivals(jitter: float) -> None:
     _, workers = two_racks()
     model = ComputeModel(dict.fromkeys(workers, 0.05), jitter=jitter, seed=0)
-    sampler = model.sampler()
-    table: list[dict[str, float]] = [{} for _ in range(3)]
-    for w in workers:
-        for k in range(3):
-            table[k][w] = sampler.next(w)
+    table = model.table(3, workers)
     online, _ = sync_run(make_policy("stf+tree", sync=True).policy, model)
     known, _ = sync_run(TreePolicy(arrivals=KnownArrivals(lambda v: table[v])), model)
     fair, _ = sync_run(make_policy("fair", sync=True).policy, model)
