@@ -65,6 +65,7 @@ def train_rank(
     bucket_cap_mb: float = 0.004,
     job: str = "ddp-digits",
     daemon: str | None = None,
+    local_sgd: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Train one rank for ``steps`` SGD steps; return its final parameters, accuracy and time.
 
@@ -74,6 +75,10 @@ def train_rank(
         Who all-reduces the gradient buckets.
     bucket_cap_mb : float
         DDP's bucket size (small by default, so the tiny model still has several buckets).
+    local_sgd : (int, int), optional
+        Post-local SGD ``(K, H)``: gradients all-reduced for the first ``K`` steps, then local
+        steps with the parameters averaged every ``H`` steps — torch's hook and averager over
+        gloo (``gloo``), or the same schedule over mlfabric (:mod:`mlfabric.torch.localsgd`).
     """
     import torch
     import torch.distributed as dist
@@ -83,8 +88,14 @@ def train_rank(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     group = None
+    averager: Any = None
     try:
         model = torch.nn.parallel.DistributedDataParallel(build_model(seed), bucket_cap_mb=bucket_cap_mb)
+        if local_sgd is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+            warmup, period = local_sgd
+            post_local = PostLocalSGDState(None, None, warmup, post_local_gradient_allreduce=False)
         if comm.startswith("mlfabric"):
             import mlfabric
             import mlfabric.torch
@@ -96,9 +107,19 @@ def train_rank(
                 daemon=daemon,
                 process_group=dist.group.WORLD if comm == "mlfabric" else None,
             )
-            model.register_comm_hook(
-                mlfabric.torch.HookState(group, timeout=60.0), mlfabric.torch.allreduce_hook
-            )
+            hook_state = mlfabric.torch.HookState(group, timeout=60.0)
+            if local_sgd is None:
+                model.register_comm_hook(hook_state, mlfabric.torch.allreduce_hook)
+            else:
+                state = mlfabric.torch.LocalSGDState(post_local, hook_state)
+                model.register_comm_hook(state, mlfabric.torch.post_local_sgd_hook)
+                averager = mlfabric.torch.PeriodicModelAverager(group, period, warmup, timeout=60.0)
+        elif local_sgd is not None:  # torch's own, over gloo
+            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import post_localSGD_hook
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+            model.register_comm_hook(post_local, post_localSGD_hook)
+            averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
         x_train, y_train, x_test, y_test = load_data(seed)
         shard = np.arange(rank, len(x_train), world_size)
         rng = np.random.default_rng(seed * 1000 + rank)
@@ -112,6 +133,8 @@ def train_rank(
             )
             loss.backward()
             optimizer.step()
+            if averager is not None:
+                averager.average_parameters(model.parameters())
         seconds = time.perf_counter() - start
         with torch.no_grad():
             predicted = model.module(torch.from_numpy(x_test)).argmax(dim=1).numpy()
@@ -123,7 +146,9 @@ def train_rank(
         dist.destroy_process_group()
 
 
-def launch(world_size: int, comm: str, steps: int, seed: int = 0) -> list[dict[str, Any]]:
+def launch(
+    world_size: int, comm: str, steps: int, seed: int = 0, local_sgd: tuple[int, int] | None = None
+) -> list[dict[str, Any]]:
     """Run every rank on this machine: a scheduler and one daemon per rank on loopback (mlfabric).
 
     Returns
@@ -150,6 +175,8 @@ def launch(world_size: int, comm: str, steps: int, seed: int = 0) -> list[dict[s
                     "--init-method", f"file://{work / 'store'}", "--comm", comm,
                     "--steps", str(steps), "--seed", str(seed), "--out", str(work / f"rank{rank}.npz"),
                 ]  # fmt: skip
+                if local_sgd is not None:
+                    argv += ["--local-sgd", f"{local_sgd[0]}:{local_sgd[1]}"]
                 procs.append(cluster.spawn(hosts[rank], argv, name=f"rank{rank}"))
             for p in procs:
                 cluster.wait(p, timeout=600)
@@ -173,6 +200,17 @@ def read_result(path: Path) -> dict[str, Any]:
         return {"params": params, "accuracy": float(data["accuracy"]), "seconds": float(data["seconds"])}
 
 
+def _local_sgd(text: str) -> tuple[int, int]:
+    """``K:H`` -> (K, H), K >= 0 and H >= 1."""
+    try:
+        k, h = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K:H (two integers), got {text!r}") from None
+    if k < 0 or h < 1:
+        raise argparse.ArgumentTypeError(f"K must be >= 0 and H >= 1, got {text!r}")
+    return k, h
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``rank`` (one rank) or ``launch`` (all ranks on loopback)."""
     parser = argparse.ArgumentParser(
@@ -192,9 +230,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--comm", choices=COMMS, default="mlfabric")
         p.add_argument("--steps", type=int, default=200)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument(
+            "--local-sgd",
+            metavar="K:H",
+            type=_local_sgd,
+            default=None,
+            help="post-local SGD: all-reduce every step for K steps, then average the model every H",
+        )
     args = parser.parse_args(argv)
     if args.command == "launch":
-        results = launch(args.world_size, args.comm, args.steps, args.seed)
+        results = launch(args.world_size, args.comm, args.steps, args.seed, args.local_sgd)
         print(
             f"{args.comm}: {args.world_size} ranks, {args.steps} steps, test accuracy "
             f"{results[0]['accuracy']:.3f}, {results[0]['seconds']:.2f} s"
@@ -209,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         job=args.job,
         daemon=args.daemon,
+        local_sgd=args.local_sgd,
     )
     write_result(args.out, result)
     print(f"rank {args.rank}: accuracy {result['accuracy']:.3f} in {result['seconds']:.2f} s", flush=True)

@@ -37,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from mlfabric.allreduce import DEFAULT_TIMEOUT, AllreduceGroup
 from mlfabric.localclient import MlfabricError
 
-__all__ = ["HookState", "allreduce_hook"]
+__all__ = ["HookState", "LocalSGDState", "PeriodicModelAverager", "allreduce_hook", "post_local_sgd_hook"]
 
 
 @dataclass
@@ -98,3 +98,6 @@ def allreduce_hook(
 
     handle.add_done_callback(done)
     return future
+
+
+from mlfabric.torch.localsgd import LocalSGDState, PeriodicModelAverager, post_local_sgd_hook  # noqa: E402
