@@ -247,7 +247,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=None, help="default 4 (quick: 2)")
     parser.add_argument("--pushes", type=int, default=None, help="pushes per worker (default 150; quick: 40)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=0.3)
     parser.add_argument("--tau-max", type=int, default=16)
     parser.add_argument("--budget", type=int, default=charlm.BUDGET, help="corpus bytes")
     parser.add_argument("--layers", type=int, default=charlm.Config.layers)

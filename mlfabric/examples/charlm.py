@@ -51,7 +51,14 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.examples.digits import _say, _stop_on_signals, _write_json
+from mlfabric.examples.digits import (
+    _say,
+    _stop_on_signals,
+    _write_json,
+    add_launch_options,
+    push_record,
+    run_role,
+)
 
 __all__ = [
     "Config",
@@ -362,7 +369,7 @@ def train_local(
     *,
     per_step: int = 1,
     batch: int = 16,
-    lr: float = 1.0,
+    lr: float = 0.3,
     clip: float = 1.0,
     seed: int = 0,
     budget: int = BUDGET,
@@ -484,16 +491,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 model, config, *batches(mine, config.context, args.batch, rng), args.lr
             )
             result = worker.push(args.server, update).wait(timeout=args.push_timeout)
-            results.append(
-                {
-                    "status": result.status,
-                    "delay": result.delay,
-                    "version": result.version,
-                    "reason": result.reason,
-                    "base_version": version,
-                    "loss": loss,
-                }
-            )
+            results.append({**push_record(result, version), "loss": loss})
             if args.sync and result.applied:
                 floor = result.version
             if args.progress > 0 and len(results) % 50 == 0:
@@ -533,28 +531,18 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rank", type=int, required=True)
     worker.add_argument("--world", type=int, required=True, help="number of workers (for sharding)")
     worker.add_argument("--budget", type=int, default=BUDGET, help="corpus bytes")
-    worker.add_argument("--lr", type=float, default=1.0)
+    worker.add_argument("--lr", type=float, default=0.3)
     worker.add_argument("--batch", type=int, default=16, help="sequences per update")
     worker.add_argument("--max-pushes", type=int, required=True)
     worker.add_argument("--sync", action="store_true", help="get the model of the round just applied")
-    worker.add_argument("--push-timeout", type=float, default=120.0)
-    worker.add_argument("--ready-file", help="create this file once registered and warmed up")
-    worker.add_argument("--go-file", help="start pushing only once this file exists")
-    worker.add_argument("--stats-file", help="write the push results here as JSON")
+    add_launch_options(worker)
     worker.set_defaults(run=run_worker)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: ``python -m mlfabric.examples.charlm server|worker ...``."""
-    from mlfabric.localclient import MlfabricError
-
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.run(args))
-    except MlfabricError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run_role(build_parser(), argv)
 
 
 if __name__ == "__main__":
