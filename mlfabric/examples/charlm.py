@@ -143,7 +143,7 @@ def corpus_digest(text: bytes) -> str:
     Examples
     --------
     >>> corpus_digest(b"import this\\n")
-    'f7a9b5d8c6bc'
+    '56fbe8052c13'
     """
     return hashlib.sha256(text).hexdigest()[:12]
 
