@@ -46,6 +46,9 @@ from mlfabric.examples import charlm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fair", "stf+agg")
+#: the single-process baseline with every update N - 1 steps stale (asynchronous SGD's delay
+#: when N workers take turns), run with ``--systems delayed`` (or added to the list)
+DELAYED = "delayed"
 
 
 def topology(workers: int, server_mbps: float) -> str:
@@ -149,12 +152,21 @@ def load_val(args: argparse.Namespace) -> np.ndarray:
     return charlm.load_data(args.budget)[1]
 
 
-def run_baseline(sync: bool, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The same samples and update rule in this process (async: one update a step; sync: N summed)."""
+def run_baseline(sync: bool, seed: int, args: argparse.Namespace, delay: int = 0) -> dict[str, Any]:
+    """The same samples and update rule in this process (async: one update a step; sync: N summed).
+
+    ``delay``: every update computed from the model ``delay`` steps old (asynchronous only)."""
     started = time.monotonic()
     steps, per_step = (args.pushes, args.workers) if sync else (args.pushes * args.workers, 1)
     out = charlm.train_local(
-        config(args), steps, per_step=per_step, batch=args.batch, lr=args.lr, seed=seed, budget=args.budget
+        config(args),
+        steps,
+        per_step=per_step,
+        batch=args.batch,
+        lr=args.lr,
+        seed=seed,
+        budget=args.budget,
+        delay=delay,
     )
     samples = steps * per_step
     return {
@@ -168,7 +180,7 @@ def run_baseline(sync: bool, seed: int, args: argparse.Namespace) -> dict[str, A
         "payloads": steps,
         "aggregated": samples if per_step > 1 else 0,
         "partial_rounds": 0,
-        "mean_delay": 0.0,
+        "mean_delay": float(delay),
         "seconds": time.monotonic() - started,
         "wall": time.monotonic() - started,
     }
@@ -190,7 +202,9 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace, digest: str) -
         f"({samples * args.context / 1e6:.2f} M predicted bytes) per run; lr {args.lr}, clip 1.0; "
         f"tau_max {args.tau_max}; server ingress {args.server_mbps:g} Mbit/s (the daemons enforce it). "
         f"Seeds {args.seeds}. Command: `python experiments/train_charlm.py"
-        f"{' --quick' if args.quick else ''} --seeds {args.seeds}`.",
+        f"{' --quick' if args.quick else ''} --seeds {args.seeds} --modes {args.modes} "
+        f"--systems {args.systems}"
+        f"{f' --tag {args.tag}' if args.tag else ''}`.",
         "",
         "| mode | system | runs | val loss (nats/byte), median | min-max | perplexity, median "
         "| min-max | loss - baseline | worker updates applied (payloads) | dropped / unresolved "
@@ -230,7 +244,9 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace, digest: str) -
         f"Load average (1 min) at the end of each run: {min(loads):g} to {max(loads):g} (2 cores, shared).",
         "",
         "The baseline trains the same update rule in one process for the same samples from the same",
-        "initial model (async: one update a step; sync: the sum of N updates a step). Untrained, the",
+        "initial model (async: one update a step; sync: the sum of N updates a step); `delayed` is",
+        "the async baseline with every update computed from the model N - 1 steps old (the delay of",
+        "N workers taking turns). Untrained, the",
         f"loss is ln 256 = {np.log(256):.3f}. wall s: from the cluster's start to the server's stop.",
     ]
     return "\n".join(lines) + "\n"
@@ -256,6 +272,7 @@ def main() -> int:
     parser.add_argument("--server-mbps", type=float, default=100.0, help="the server's ingress, Mbit/s")
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds a worker may take")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--tag", default="", help="results file name suffix (train_charlm[_quick][_TAG])")
     parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temporary directory)")
     args = parser.parse_args()
     args.seeds = args.seeds or ("0" if args.quick else "0,1,2")
@@ -271,9 +288,12 @@ def main() -> int:
         for seed in [int(s) for s in args.seeds.split(",")]:
             for mode in args.modes.split(","):
                 for system in ["baseline", *args.systems.split(",")]:
+                    if system == DELAYED and mode == "sync":
+                        continue  # a synchronous round has no delays
                     try:
-                        if system == "baseline":
-                            res: dict[str, Any] = run_baseline(mode == "sync", seed, args)
+                        if system in ("baseline", DELAYED):
+                            delay = args.workers - 1 if system == DELAYED else 0
+                            res: dict[str, Any] = run_baseline(mode == "sync", seed, args, delay)
                         else:
                             res = run_one(
                                 system, mode == "sync", seed, args, root / f"{mode}-{system}-{seed}"
@@ -286,7 +306,7 @@ def main() -> int:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     text = summary(rows, args, digest)
-    name = "train_charlm" + ("_quick" if args.quick else "")
+    name = "train_charlm" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(args.out / f"{name}.csv", "w", newline="") as f:

@@ -373,13 +373,17 @@ def train_local(
     clip: float = 1.0,
     seed: int = 0,
     budget: int = BUDGET,
+    delay: int = 0,
 ) -> dict[str, Any]:
     """The single-process baseline: ``steps`` steps, each the sum of ``per_step`` updates.
 
     ``per_step=1`` is asynchronous SGD without delays; ``per_step=N`` is a synchronous round
-    of N workers (N clipped updates of ``batch`` sequences from one model, summed). The
-    model starts from ``init_model(config, seed)``; batches are drawn from the whole
-    training text. Returns the model (numpy) and its validation loss and perplexity.
+    of N workers (N clipped updates of ``batch`` sequences from one model, summed). With
+    ``delay=d`` every update is computed from the model as it was ``d`` steps before (the
+    steady state of asynchronous SGD with ``d + 1`` workers taking turns: each update's
+    delay is ``d``). The model starts from ``init_model(config, seed)``; batches are drawn
+    from the whole training text. Returns the model (numpy) and its validation loss and
+    perplexity.
 
     Examples
     --------
@@ -391,13 +395,16 @@ def train_local(
     train, val = load_data(budget)
     model = {k: v.numpy() for k, v in init_model(config, seed).items()}
     rng = np.random.default_rng(seed)
+    past = [{k: v.copy() for k, v in model.items()}]  # the models of the last ``delay`` steps and now
     for _ in range(steps):
         total: dict[str, Any] = {}
+        base = past[0]
         for _ in range(per_step):
-            update, _ = gradient_step(model, config, *batches(train, config.context, batch, rng), lr, clip)
+            update, _ = gradient_step(base, config, *batches(train, config.context, batch, rng), lr, clip)
             total = {k: total.get(k, 0) + v.numpy() for k, v in update.items()}
         for k, v in total.items():
             model[k] -= v
+        past = [*past, {k: v.copy() for k, v in model.items()}][-(delay + 1) :]
     loss, ppl = evaluate(model, config, val)
     return {"model": model, "loss": loss, "perplexity": ppl, "samples": steps * per_step * batch}
 

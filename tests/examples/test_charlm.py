@@ -146,3 +146,12 @@ def test_help_runs_without_a_daemon() -> None:
         [*python_module("mlfabric.examples.charlm"), "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and "experiments/train_charlm.py" in out.stdout, out.stderr
+
+
+def test_a_delayed_baseline_computes_every_update_from_an_old_model() -> None:
+    # delay >= steps: every update comes from the initial model, as one step summing them all
+    delayed = charlm.train_local(TINY, 3, batch=4, seed=4, budget=100_000, delay=3)
+    summed = charlm.train_local(TINY, 1, per_step=3, batch=4, seed=4, budget=100_000)
+    fresh = charlm.train_local(TINY, 3, batch=4, seed=4, budget=100_000)
+    assert all(np.allclose(delayed["model"][k], summed["model"][k], atol=1e-6) for k in summed["model"])
+    assert not all(np.allclose(fresh["model"][k], summed["model"][k], atol=1e-6) for k in summed["model"])
