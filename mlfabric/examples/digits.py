@@ -42,7 +42,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["accuracy", "init_model", "load_data", "main", "run_server", "run_worker"]
+__all__ = [
+    "accuracy",
+    "add_launch_options",
+    "init_model",
+    "load_data",
+    "main",
+    "push_record",
+    "run_role",
+    "run_server",
+    "run_worker",
+]
 
 #: Tensor names of the MLP, in order: 64 -> hidden -> 10.
 NAMES = ("w1", "b1", "w2", "b2")
@@ -260,16 +270,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 time.sleep(args.compute_delay)
             pushed = time.monotonic()
             result = worker.push(args.server, update).wait(timeout=args.push_timeout)
-            results.append(
-                {
-                    "status": result.status,
-                    "delay": result.delay,
-                    "version": result.version,
-                    "reason": result.reason,
-                    "base_version": version,
-                    "seconds": time.monotonic() - pushed,
-                }
-            )
+            results.append({**push_record(result, version), "seconds": time.monotonic() - pushed})
             if args.progress > 0 and time.monotonic() - said >= args.progress:
                 _say(progress())
                 said = time.monotonic()
@@ -278,6 +279,25 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.stats_file:
         _write_json(Path(args.stats_file), {"rank": args.rank, "pushes": results})
     return 0
+
+
+def push_record(result: Any, base_version: int) -> dict[str, Any]:
+    """What a worker's ``--stats-file`` keeps of one push: its verdict and the version it came from."""
+    return {
+        "status": result.status,
+        "delay": result.delay,
+        "version": result.version,
+        "reason": result.reason,
+        "base_version": base_version,
+    }
+
+
+def add_launch_options(worker: argparse.ArgumentParser) -> None:
+    """A worker's options for the launcher: start together, bound the wait, report the pushes."""
+    worker.add_argument("--push-timeout", type=float, default=120.0)
+    worker.add_argument("--ready-file", help="create this file once registered and warmed up")
+    worker.add_argument("--go-file", help="start pushing only once this file exists")
+    worker.add_argument("--stats-file", help="write the push results here as JSON")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,20 +340,22 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--batch-size", type=int, default=32)
     worker.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds per step (straggler)")
     worker.add_argument("--max-pushes", type=int, default=None)
-    worker.add_argument("--push-timeout", type=float, default=120.0)
     worker.add_argument("--stop-file", help="stop once this file exists")
-    worker.add_argument("--ready-file", help="create this file once registered and warmed up")
-    worker.add_argument("--go-file", help="start pushing only once this file exists")
-    worker.add_argument("--stats-file", help="write the push results here as JSON")
+    add_launch_options(worker)
     worker.set_defaults(run=run_worker)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: ``python -m mlfabric.examples.digits server|worker ...``."""
+    return run_role(build_parser(), argv)
+
+
+def run_role(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run the role it names (``args.run``); an mlfabric error: say it, exit 1."""
     from mlfabric.localclient import MlfabricError
 
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         return int(args.run(args))
     except MlfabricError as exc:  # e.g. no daemon at the socket, or the daemon went away
