@@ -9,9 +9,9 @@ It was generated from main's code at commit 84953f9, before the speed-up, with::
     cd /tmp/tree-ref && PYTHONPATH=/tmp/tree-ref python \\
         $WT/tests/scheduler/test_trees_recorded.py --write $WT/tests/scheduler/tree_plans.json
 
-(``PYTHONPATH`` makes the script import the reference checkout's ``mlfabric``, not the
-installed one; ``$WT``: this worktree; the script prints the planner module it used). The instances: the decision
-time benchmark's 1,024-worker round (``experiments/bench_trees.py``, seeds 0-2, a cold
+(``$WT``: this worktree; ``PYTHONPATH`` makes the script import the reference checkout's
+``mlfabric``, not the installed one; it prints the planner module it used). The instances: the
+decision time benchmark's 1,024-worker round (``experiments/bench_trees.py``, seeds 0-2, a cold
 decision then a warm one on the same policy), a synchronous round's first decision at 1,024
 hosts (``experiments/bench_rounds.py``), and ``plan_tree`` on seeded two-tier graphs of 8 to
 320 hosts (oversubscription 1-8, mixed NICs and sizes, ready times spread or not, restricted
