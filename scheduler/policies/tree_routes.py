@@ -394,6 +394,11 @@ class Routes:
             out = (src,) if src == dst else self._tree.pair_path(src, dst)
         return out
 
+    def sync(self) -> None:
+        """Per-byte and free times of the links given ids since (routes made outside these methods)."""
+        if len(self.per) < len(self.cache.links):
+            self._grow()
+
     def _grow(self) -> None:
         """Per-byte times and free times of the links given ids since the last call."""
         adj, tls, per, free = self._adj, self.tls, self.per, self.free
