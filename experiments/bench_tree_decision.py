@@ -1,4 +1,4 @@
-"""The tree planner's decision at 1,024 workers: this code against a reference commit's, side by side (issue 24).
+"""The tree planner's decision at 1,024 workers, this code and a reference commit's side by side (issue 24).
 
 The reference planner is the scheduler package (``scheduler/core``, ``policies``, ``plan``)
 of ``--ref`` (default ``main``) read with ``git archive`` into a temporary directory as the
@@ -59,11 +59,15 @@ def load_reference(ref: str, into: Path) -> str:
         ["git", "-C", str(ROOT), "rev-parse", "--short", ref], check=True, capture_output=True, text=True
     ).stdout.strip()
     blob = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, *REF_PATHS], check=True, capture_output=True
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, *REF_PATHS],
+        check=True,
+        capture_output=True,
     ).stdout
     pkg = into / "mlfabric_ref"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text('"""A reference copy of mlfabric.scheduler (bench_tree_decision.py)."""\n')
+    (pkg / "__init__.py").write_text(
+        '"""A reference copy of mlfabric.scheduler (bench_tree_decision.py)."""\n'
+    )
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(pkg, filter="data")
     for py in pkg.rglob("*.py"):
@@ -186,7 +190,9 @@ def report(doc: dict[str, Any], seeds: list[int], repeat: int, ref: str, took: f
             overall[k]["old"] += old
             overall[k]["new"] += new
             overall[k]["ratio"] += ratios
-            lines.append(f"| {seed} | {k} | {spread(old)} | {spread(new)} | {statistics.median(ratios):.2f}x |")
+            lines.append(
+                f"| {seed} | {k} | {spread(old)} | {spread(new)} | {statistics.median(ratios):.2f}x |"
+            )
     lines += ["", "All seeds:", "", "| decision | old (ms) | new (ms) | old / new |", "|---|---|---|---|"]
     for k in KINDS:
         o = overall[k]

@@ -18,8 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.schedule import Link, Transfer, Update
-from mlfabric.scheduler.core.timeline import _plan_native
-from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.tree_moves import Node
 from mlfabric.scheduler.policies.tree_routes import Routes
 
@@ -172,7 +171,7 @@ def _estimate_native(
     now: float,
 ) -> float:
     """:func:`estimate` in C (``_plan_native.estimate``, the same loop)."""
-    shared = routes._shared  # noqa: SLF001 - the in-tree routes' link ids, read in C
+    shared = routes._shared
     return _plan_native.estimate(  # type: ignore[no-any-return]
         updates if isinstance(updates, list) else list(updates),
         nodes if type(nodes) is dict else dict(nodes),
