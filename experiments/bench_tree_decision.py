@@ -145,14 +145,9 @@ def run(seeds: list[int], repeat: int, ref: str) -> dict[str, Any]:
                     times[who][k].append(cpu[k])
             same = same and digests["old"] == digests["new"]
         rows[seed] = times
-        print(
-            f"seed {seed}: "
-            + ", ".join(
-                f"{k} old {spread([x * 1e3 for x in times['old'][k]])} / new {spread([x * 1e3 for x in times['new'][k]])} ms"
-                for k in KINDS
-            ),
-            file=sys.stderr,
-        )
+        ms = {who: {k: [x * 1e3 for x in times[who][k]] for k in KINDS} for who in times}
+        cells = [f"{k} old {spread(ms['old'][k])} / new {spread(ms['new'][k])} ms" for k in KINDS]
+        print(f"seed {seed}: " + ", ".join(cells), file=sys.stderr)
     tmp.cleanup()
     return {"rows": rows, "same": same, "commit": commit, "native": _plan_native is not None}
 
