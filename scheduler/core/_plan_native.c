@@ -362,14 +362,12 @@ static int walk(Lane *lanes, Py_ssize_t nl, double nbytes, PyObject *ready, Piec
     }
 }
 
-static PyObject *py_transfer(PyObject *self, PyObject *args) {
-    PyObject *tls, *links, *ready, *who, *cls;
-    double nbytes;
-    if (!PyArg_ParseTuple(args, "O!O!dO!OO", &PyDict_Type, &tls, &PyTuple_Type, &links, &nbytes, &PyFloat_Type,
-                          &ready, &who, &cls))
-        return NULL;
+/* The walk and reservation of one transfer over `links` (a tuple of links): (start, end,
+   reservations), None where the Python loops are to run (nothing changed then), NULL on error. */
+static PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who,
+                               PyObject *cls) {
     Py_ssize_t nl = PyTuple_GET_SIZE(links);
-    if (nl > MAX_LINKS) Py_RETURN_NONE;
+    if (nl > MAX_LINKS || !PyFloat_CheckExact(ready)) Py_RETURN_NONE;
     Lane lanes[MAX_LINKS];
     for (Py_ssize_t k = 0; k < nl; k++) {
         PyObject *tl = PyDict_GetItemWithError(tls, PyTuple_GET_ITEM(links, k));
@@ -427,6 +425,14 @@ fail:
     Py_XDECREF(end);
     Py_XDECREF(res);
     return NULL;
+}
+
+static PyObject *py_transfer(PyObject *self, PyObject *args) {
+    PyObject *tls, *links, *ready, *who, *cls;
+    double nbytes;
+    if (!PyArg_ParseTuple(args, "O!O!dOOO", &PyDict_Type, &tls, &PyTuple_Type, &links, &nbytes, &ready, &who, &cls))
+        return NULL;
+    return fast_transfer(tls, links, nbytes, ready, who, cls);
 }
 
 /* ------------------------------------------------------------------ tree_cost.estimate */
@@ -819,9 +825,588 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------------------ tree_cost.reserve */
+
+static PyObject *str_walks, *str_back, *str_pair_path, *str_links, *str_link, *str_transfer, *str_end, *str_update_id,
+    *str_src, *a_transfer;
+
+/* routes.tree_path(src, dst) (new reference): _ServerRoutes.walks, else pair_path's route */
+static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObject *dst) {
+    PyObject *key = PyTuple_Pack(2, src, dst);
+    if (key == NULL) return NULL;
+    PyObject *out = PyDict_GetItemWithError(walks, key);
+    if (out != NULL || PyErr_Occurred()) {
+        Py_DECREF(key);
+        Py_XINCREF(out);
+        return out;
+    }
+    PyObject *hosts = NULL, *up = NULL, *up_path = NULL, *server = NULL, *dsts = NULL, *down = NULL, *pos = NULL,
+             *back = NULL;
+    int same = PyUnicode_Compare(src, dst) == 0;
+    if (PyErr_Occurred()) goto done;
+    if (same) {
+        out = PyTuple_Pack(1, src);
+        goto done;
+    }
+    if ((hosts = PyObject_GetAttr(tree, str_hosts)) == NULL) goto done;
+    up = PyDict_GetItemWithError(hosts, src);
+    if (up != NULL) {
+        Py_INCREF(up);
+    } else {
+        if (PyErr_Occurred()) goto done;
+        if ((up = PyObject_CallMethodOneArg(tree, str_host, src)) == NULL) goto done;
+    }
+    if ((up_path = PyObject_GetAttr(up, str_path)) == NULL) goto done;
+    if ((server = PyObject_GetAttr(tree, str_server)) == NULL) goto done;
+    int is_server = PyUnicode_Compare(dst, server) == 0;
+    if (PyErr_Occurred()) goto done;
+    if (is_server) {
+        out = up_path;
+        Py_INCREF(out);
+    } else {
+        if ((dsts = PyObject_GetAttr(tree, str_dsts)) == NULL) goto done;
+        down = PyDict_GetItemWithError(dsts, dst);
+        if (down != NULL) {
+            Py_INCREF(down);
+        } else {
+            if (PyErr_Occurred()) goto done;
+            if ((down = PyObject_CallMethodOneArg(tree, str_dst_m, dst)) == NULL) goto done;
+        }
+        if ((pos = PyObject_GetAttr(down, str_pos)) == NULL) goto done;
+        if ((back = PyObject_GetAttr(down, str_back)) == NULL) goto done;
+        PyObject *down_ids = PyObject_GetAttr(down, str_down);
+        if (down_ids == NULL) goto done;
+        Py_ssize_t nd = PyObject_Length(down_ids);
+        Py_DECREF(down_ids);
+        if (nd < 0) goto done;
+        if (!PyTuple_CheckExact(up_path) || !PyTuple_CheckExact(back) || !PyDict_CheckExact(pos)) {
+            PyErr_SetString(PyExc_TypeError, "tree_path: unexpected route types");
+            goto done;
+        }
+        Py_ssize_t i = -1, j = -1, len = PyTuple_GET_SIZE(up_path), nb = PyTuple_GET_SIZE(back);
+        for (Py_ssize_t k = 0; k < len; k++) {
+            PyObject *jo = PyDict_GetItemWithError(pos, PyTuple_GET_ITEM(up_path, k));
+            if (jo != NULL) {
+                i = k;
+                j = PyLong_AsSsize_t(jo);
+                break;
+            }
+            if (PyErr_Occurred()) goto done;
+        }
+        if (i < 0 || j > nd) { /* no meeting point in the tree: the method goes round */
+            out = PyObject_CallMethodObjArgs(tree, str_pair_path, src, dst, NULL);
+            goto done;
+        }
+        /* up.path[:i] + down.back[len(down.back) - 1 - j :] */
+        Py_ssize_t from = nb - 1 - j;
+        if ((out = PyTuple_New(i + (nb - from))) == NULL) goto done;
+        for (Py_ssize_t k = 0; k < i; k++) {
+            PyObject *x = PyTuple_GET_ITEM(up_path, k);
+            Py_INCREF(x);
+            PyTuple_SET_ITEM(out, k, x);
+        }
+        for (Py_ssize_t k = from; k < nb; k++) {
+            PyObject *x = PyTuple_GET_ITEM(back, k);
+            Py_INCREF(x);
+            PyTuple_SET_ITEM(out, i + k - from, x);
+        }
+    }
+    if (PyDict_SetItem(walks, key, out) < 0) Py_CLEAR(out);
+done:
+    Py_DECREF(key);
+    Py_XDECREF(hosts);
+    Py_XDECREF(up);
+    Py_XDECREF(up_path);
+    Py_XDECREF(server);
+    Py_XDECREF(dsts);
+    Py_XDECREF(down);
+    Py_XDECREF(pos);
+    Py_XDECREF(back);
+    return out;
+}
+
+/* Timelines.transfer(pid, hops, nbytes, ready) (new reference): C where it can, the method else */
+static PyObject *one_transfer(PyObject *tls_obj, PyObject *tls, PyObject *hops, PyObject *pid, PyObject *nbytes_o,
+                              PyObject *ready, PyObject *transfer_cls, PyObject *reservation_cls) {
+    Py_ssize_t nh = PyTuple_GET_SIZE(hops);
+    PyObject *links = PyTuple_New(nh > 1 ? nh - 1 : 0);
+    if (links == NULL) return NULL;
+    for (Py_ssize_t k = 0; k + 1 < nh; k++) {
+        PyObject *link = PyTuple_Pack(2, PyTuple_GET_ITEM(hops, k), PyTuple_GET_ITEM(hops, k + 1));
+        if (link == NULL) {
+            Py_DECREF(links);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(links, k, link);
+    }
+    double nbytes = PyFloat_AsDouble(nbytes_o);
+    int truthy = PyObject_IsTrue(pid);
+    if ((nbytes == -1.0 || truthy < 0) && PyErr_Occurred()) {
+        Py_DECREF(links);
+        return NULL;
+    }
+    PyObject *who = truthy ? pid : a_transfer;
+    PyObject *got = NULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        got = fast_transfer(tls, links, nbytes, ready, who, reservation_cls);
+        if (got != Py_None) break;
+        Py_DECREF(got);
+        got = NULL;
+        if (attempt == 1) break;
+        int made = 0; /* make the missing timelines, in path order (as the walk would) */
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(links); k++) {
+            PyObject *link = PyTuple_GET_ITEM(links, k);
+            int has = PyDict_Contains(tls, link);
+            if (has < 0) {
+                Py_DECREF(links);
+                return NULL;
+            }
+            if (!has) {
+                PyObject *tl = PyObject_CallMethodOneArg(tls_obj, str_link, link);
+                if (tl == NULL) {
+                    Py_DECREF(links);
+                    return NULL;
+                }
+                Py_DECREF(tl);
+                made = 1;
+            }
+        }
+        if (!made) break;
+    }
+    if (got == NULL && PyErr_Occurred()) {
+        Py_DECREF(links);
+        return NULL;
+    }
+    PyObject *out;
+    if (got == NULL) { /* the Python loops (they raise where the path never has residual bandwidth) */
+        out = PyObject_CallMethodObjArgs(tls_obj, str_transfer, pid, hops, nbytes_o, ready, NULL);
+    } else {
+        PyObject *argv[8] = {pid,
+                             PyTuple_GET_ITEM(hops, 0),
+                             PyTuple_GET_ITEM(hops, nh - 1),
+                             hops,
+                             PyTuple_GET_ITEM(got, 0),
+                             PyTuple_GET_ITEM(got, 1),
+                             nbytes_o,
+                             PyTuple_GET_ITEM(got, 2)};
+        out = PyObject_Vectorcall(transfer_cls, argv, 8, NULL);
+        Py_DECREF(got);
+    }
+    Py_DECREF(links);
+    return out;
+}
+
+typedef struct {
+    double ready;
+    long made;
+    PyObject *ready_o, *pid, *src; /* borrowed: kept alive by the arrays below */
+} REntry;
+
+static int rentry_less(const REntry *a, const REntry *b) {
+    if (a->ready != b->ready) return a->ready < b->ready;
+    return a->made < b->made;
+}
+
+static void rheap_push(REntry *h, Py_ssize_t *n, REntry e) {
+    Py_ssize_t i = (*n)++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!rentry_less(&e, &h[up])) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = e;
+}
+
+static REntry rheap_pop(REntry *h, Py_ssize_t *n) {
+    REntry top = h[0], e = h[--(*n)];
+    Py_ssize_t i = 0, size = *n;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= size) break;
+        if (c + 1 < size && rentry_less(&h[c + 1], &h[c])) c++;
+        if (!rentry_less(&h[c], &e)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (size > 0) h[i] = e;
+    return top;
+}
+
+static PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
+    PyObject *tls_obj, *routes, *order, *nodes, *parent, *server, *size, *readies, *now, *transfer_cls, *res_cls;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OO!O!OOO", &tls_obj, &routes, &PyList_Type, &order, &PyDict_Type, &nodes,
+                          &PyDict_Type, &parent, &server, &PyDict_Type, &size, &PyList_Type, &readies, &now,
+                          &transfer_cls, &res_cls))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(order), na = PyDict_GET_SIZE(nodes);
+    if (PyList_GET_SIZE(readies) != n) {
+        PyErr_SetString(PyExc_ValueError, "reserve_tree: one ready time per update");
+        return NULL;
+    }
+    PyObject *tls = NULL, *tree = NULL, *walks = NULL, *pos = NULL, *transfers = NULL, *out = NULL;
+    PyObject *makespan = now;
+    Py_INCREF(makespan);
+    PyObject **agg_host = PyMem_Calloc(na ? na : 1, sizeof(PyObject *));
+    PyObject **agg_ready_o = PyMem_Calloc(na ? na : 1, sizeof(PyObject *));
+    PyObject **agg_id = PyMem_Calloc(na ? na : 1, sizeof(PyObject *)); /* borrowed from nodes */
+    double *agg_ready = PyMem_Malloc((na ? na : 1) * sizeof(double));
+    double *ready_d = PyMem_Malloc((n ? n : 1) * sizeof(double));
+    Py_ssize_t *waiting = PyMem_Malloc((na ? na : 1) * sizeof(Py_ssize_t));
+    REntry *heap = PyMem_Malloc((na ? na : 1) * sizeof(REntry));
+    if (!agg_host || !agg_ready_o || !agg_id || !agg_ready || !ready_d || !waiting || !heap) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if ((tls = PyObject_GetAttr(tls_obj, str_links)) == NULL) goto done;
+    if (!PyDict_CheckExact(tls)) {
+        PyErr_SetString(PyExc_TypeError, "reserve_tree: the timelines' links must be a dict");
+        goto done;
+    }
+    if ((tree = PyObject_GetAttr(routes, str_tree)) == NULL) goto done;
+    if ((walks = PyObject_GetAttr(tree, str_walks)) == NULL) goto done;
+    if (!PyDict_CheckExact(walks)) {
+        PyErr_SetString(PyExc_TypeError, "reserve_tree: the routes' walks must be a dict");
+        goto done;
+    }
+    if ((pos = PyDict_New()) == NULL) goto done;
+    if ((transfers = PyList_New(0)) == NULL) goto done;
+    {
+        Py_ssize_t it = 0, k = 0;
+        PyObject *aid, *node;
+        while (PyDict_Next(nodes, &it, &aid, &node)) {
+            PyObject *idx = PyLong_FromSsize_t(k);
+            if (idx == NULL || PyDict_SetItem(pos, aid, idx) < 0) {
+                Py_XDECREF(idx);
+                goto done;
+            }
+            Py_DECREF(idx);
+            agg_id[k] = aid;
+            if ((agg_host[k] = PyObject_GetAttr(node, str_aggregator)) == NULL) goto done;
+            PyObject *members = PyObject_GetAttr(node, str_members);
+            if (members == NULL) goto done;
+            waiting[k] = PyObject_Length(members);
+            Py_DECREF(members);
+            if (waiting[k] < 0) goto done;
+            agg_ready[k] = -INFINITY;
+            k++;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ready_d[i] = PyFloat_AsDouble(PyList_GET_ITEM(readies, i));
+        if (ready_d[i] == -1.0 && PyErr_Occurred()) goto done;
+    }
+    double makespan_d = PyFloat_AsDouble(now);
+    if (makespan_d == -1.0 && PyErr_Occurred()) goto done;
+    Py_ssize_t hn = 0, i = 0;
+    long made = 0;
+    while (i < n || hn) {
+        PyObject *ready_o, *pid, *src;
+        if (hn && (i >= n || heap[0].ready < ready_d[i])) {
+            REntry e = rheap_pop(heap, &hn);
+            ready_o = e.ready_o;
+            Py_INCREF(ready_o);
+            pid = e.pid;
+            Py_INCREF(pid);
+            src = e.src;
+            Py_INCREF(src);
+        } else {
+            PyObject *u = PyList_GET_ITEM(order, i);
+            ready_o = PyList_GET_ITEM(readies, i);
+            Py_INCREF(ready_o);
+            i++;
+            pid = PyObject_GetAttr(u, str_update_id);
+            src = pid == NULL ? NULL : PyObject_GetAttr(u, str_src);
+            if (src == NULL) {
+                Py_XDECREF(pid);
+                Py_DECREF(ready_o);
+                goto done;
+            }
+        }
+        PyObject *to = PyDict_GetItemWithError(parent, pid);
+        Py_ssize_t k = -1;
+        PyObject *hop = server;
+        if (to != NULL) {
+            PyObject *idx = PyDict_GetItemWithError(pos, to);
+            if (idx == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, to);
+            } else {
+                k = PyLong_AsSsize_t(idx);
+                hop = agg_host[k];
+            }
+        }
+        PyObject *t = NULL, *nbytes_o = NULL, *hops = NULL;
+        if (!PyErr_Occurred()) {
+            nbytes_o = PyDict_GetItemWithError(size, pid);
+            if (nbytes_o == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pid);
+        }
+        if (nbytes_o != NULL) hops = tree_path(tree, walks, src, hop);
+        if (hops != NULL && !PyTuple_CheckExact(hops)) {
+            PyErr_SetString(PyExc_TypeError, "reserve_tree: a path must be a tuple");
+            Py_CLEAR(hops);
+        }
+        if (hops != NULL) t = one_transfer(tls_obj, tls, hops, pid, nbytes_o, ready_o, transfer_cls, res_cls);
+        Py_XDECREF(hops);
+        Py_DECREF(ready_o);
+        Py_DECREF(pid);
+        Py_DECREF(src);
+        if (t == NULL) goto done;
+        int rc = PyList_Append(transfers, t);
+        PyObject *end_o = PyObject_GetAttr(t, str_end);
+        Py_DECREF(t);
+        if (rc < 0 || end_o == NULL) {
+            Py_XDECREF(end_o);
+            goto done;
+        }
+        double end = PyFloat_AsDouble(end_o);
+        if (end == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(end_o);
+            goto done;
+        }
+        if (k < 0) {
+            if (end > makespan_d) {
+                makespan_d = end;
+                Py_SETREF(makespan, end_o);
+            } else {
+                Py_DECREF(end_o);
+            }
+            continue;
+        }
+        waiting[k] -= 1;
+        if (end > agg_ready[k]) {
+            agg_ready[k] = end;
+            Py_XSETREF(agg_ready_o[k], end_o);
+        } else {
+            Py_DECREF(end_o);
+        }
+        if (waiting[k] == 0) {
+            made += 1;
+            REntry e = {agg_ready[k], made, agg_ready_o[k], agg_id[k], agg_host[k]};
+            rheap_push(heap, &hn, e);
+        }
+    }
+    out = PyTuple_Pack(2, transfers, makespan);
+done:
+    if (agg_host != NULL)
+        for (Py_ssize_t k = 0; k < na; k++) Py_XDECREF(agg_host[k]);
+    if (agg_ready_o != NULL)
+        for (Py_ssize_t k = 0; k < na; k++) Py_XDECREF(agg_ready_o[k]);
+    PyMem_Free(agg_host);
+    PyMem_Free(agg_ready_o);
+    PyMem_Free(agg_id);
+    PyMem_Free(agg_ready);
+    PyMem_Free(ready_d);
+    PyMem_Free(waiting);
+    PyMem_Free(heap);
+    Py_XDECREF(tls);
+    Py_XDECREF(tree);
+    Py_XDECREF(walks);
+    Py_XDECREF(pos);
+    Py_XDECREF(transfers);
+    Py_XDECREF(makespan);
+    return out;
+}
+
+/* ------------------------------------------------------------------ convert.schedule_to_decision */
+
+static PyObject *str_start, *str_payload_id;
+
+typedef struct {
+    double start;
+    Py_ssize_t i;
+} Start;
+
+static int start_cmp(const void *a, const void *b) {
+    const Start *x = a, *y = b;
+    if (x->start < y->start) return -1;
+    if (x->start > y->start) return 1;
+    return x->i < y->i ? -1 : x->i > y->i; /* stable: the schedule's order among equal starts */
+}
+
+/* ends[link][at].append(pid), ends and ends[link] made where missing; borrowed ends[link] in *at_link */
+static int add_end(PyObject *ends, PyObject *link, PyObject *at, PyObject *pid, PyObject **at_link) {
+    PyObject *by = *at_link;
+    if (by == NULL) {
+        by = PyDict_GetItemWithError(ends, link);
+        if (by == NULL) {
+            if (PyErr_Occurred()) return -1;
+            if ((by = PyDict_New()) == NULL) return -1;
+            int rc = PyDict_SetItem(ends, link, by);
+            Py_DECREF(by);
+            if (rc < 0) return -1;
+        }
+        *at_link = by;
+    }
+    PyObject *got = PyDict_GetItemWithError(by, at);
+    if (got == NULL) {
+        if (PyErr_Occurred()) return -1;
+        PyObject *list = PyList_New(1);
+        if (list == NULL) return -1;
+        Py_INCREF(pid);
+        PyList_SET_ITEM(list, 0, pid);
+        int rc = PyDict_SetItem(by, at, list);
+        Py_DECREF(list);
+        return rc;
+    }
+    return PyList_Append(got, pid);
+}
+
+static PyObject *py_follows(PyObject *self, PyObject *args) {
+    PyObject *transfers, *busy, *ids;
+    if (!PyArg_ParseTuple(args, "O!OO!", &PyTuple_Type, &transfers, &busy, &PyDict_Type, &ids)) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(transfers);
+    PyObject *ends = NULL, *after = NULL, *busy_fast = NULL, *out = NULL;
+    Start *order = PyMem_Malloc((n ? n : 1) * sizeof(Start));
+    PyObject **at_link = NULL;
+    if (order == NULL) return PyErr_NoMemory();
+    if ((ends = PyDict_New()) == NULL) goto done;
+    if ((busy_fast = PySequence_Fast(busy, "busy must be a sequence")) == NULL) goto done;
+    for (Py_ssize_t b = 0; b < PySequence_Fast_GET_SIZE(busy_fast); b++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(busy_fast, b);
+        PyObject *fid, *links, *end;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_SetString(PyExc_TypeError, "busy: (id, links, end) each");
+            goto done;
+        }
+        fid = PyTuple_GET_ITEM(item, 0);
+        links = PyTuple_GET_ITEM(item, 1);
+        end = PyTuple_GET_ITEM(item, 2);
+        PyObject *lf = PySequence_Fast(links, "busy: links must be a sequence");
+        if (lf == NULL) goto done;
+        for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(lf); k++) {
+            PyObject *by = NULL;
+            if (add_end(ends, PySequence_Fast_GET_ITEM(lf, k), end, fid, &by) < 0) {
+                Py_DECREF(lf);
+                goto done;
+            }
+        }
+        Py_DECREF(lf);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *st = PyObject_GetAttr(PyTuple_GET_ITEM(transfers, i), str_start);
+        if (st == NULL) goto done;
+        order[i].start = PyFloat_AsDouble(st);
+        Py_DECREF(st);
+        if (order[i].start == -1.0 && PyErr_Occurred()) goto done;
+        order[i].i = i;
+    }
+    qsort(order, n, sizeof(Start), start_cmp);
+    if ((after = PyList_New(n)) == NULL) goto done;
+    at_link = PyMem_Malloc(MAX_LINKS * sizeof(PyObject *));
+    if (at_link == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t q = 0; q < n; q++) {
+        Py_ssize_t i = order[q].i;
+        PyObject *t = PyTuple_GET_ITEM(transfers, i);
+        PyObject *path = PyObject_GetAttr(t, str_path);
+        if (path == NULL) goto done;
+        if (!PyTuple_CheckExact(path)) {
+            Py_DECREF(path);
+            PyErr_SetString(PyExc_TypeError, "follows: a path must be a tuple");
+            goto done;
+        }
+        Py_ssize_t nh = PyTuple_GET_SIZE(path);
+        if (nh < 2) {
+            Py_DECREF(path);
+            Py_INCREF(empty_tuple);
+            PyList_SET_ITEM(after, i, empty_tuple);
+            continue;
+        }
+        if (nh - 1 > MAX_LINKS) {
+            Py_DECREF(path);
+            PyErr_SetString(PyExc_ValueError, "follows: path too long");
+            goto done;
+        }
+        PyObject *start = PyObject_GetAttr(t, str_start);
+        PyObject *pid = start == NULL ? NULL : PyObject_GetAttr(t, str_payload_id);
+        PyObject *end = pid == NULL ? NULL : PyObject_GetAttr(t, str_end);
+        PyObject *found = end == NULL ? NULL : PySet_New(NULL);
+        int ok = found != NULL;
+        for (Py_ssize_t k = 0; ok && k + 1 < nh; k++) { /* at_link = [ends[link] for link in t.links] */
+            PyObject *link = PyTuple_Pack(2, PyTuple_GET_ITEM(path, k), PyTuple_GET_ITEM(path, k + 1));
+            PyObject *by = NULL;
+            if (link == NULL) {
+                ok = 0;
+                break;
+            }
+            by = PyDict_GetItemWithError(ends, link);
+            if (by == NULL) {
+                if (PyErr_Occurred() || (by = PyDict_New()) == NULL) {
+                    ok = 0;
+                } else {
+                    ok = PyDict_SetItem(ends, link, by) == 0;
+                    Py_DECREF(by);
+                }
+            }
+            Py_DECREF(link);
+            at_link[k] = by;
+            if (!ok) break;
+            PyObject *got = PyDict_GetItemWithError(by, start);
+            if (got != NULL) {
+                if (!PyList_CheckExact(got)) {
+                    PyErr_SetString(PyExc_TypeError, "follows: ends must be lists");
+                    ok = 0;
+                }
+                for (Py_ssize_t g = 0; ok && g < PyList_GET_SIZE(got); g++)
+                    if (PySet_Add(found, PyList_GET_ITEM(got, g)) < 0) ok = 0;
+            } else if (PyErr_Occurred()) {
+                ok = 0;
+            }
+        }
+        PyObject *deps = NULL;
+        if (ok && PySet_Discard(found, pid) < 0) ok = 0;
+        if (ok) {
+            Py_ssize_t nf = PySet_GET_SIZE(found);
+            PyObject *list = nf ? PySequence_List(found) : NULL;
+            if (nf && list == NULL) ok = 0;
+            for (Py_ssize_t k = 0; ok && k < nf; k++) { /* ids.get(p, p) */
+                PyObject *p = PyList_GET_ITEM(list, k);
+                PyObject *named = PyDict_GetItemWithError(ids, p);
+                if (named == NULL && PyErr_Occurred()) {
+                    ok = 0;
+                } else if (named != NULL) {
+                    Py_INCREF(named);
+                    PyList_SetItem(list, k, named);
+                }
+            }
+            if (ok && nf > 1 && PyList_Sort(list) < 0) ok = 0;
+            if (ok) deps = nf ? PyList_AsTuple(list) : (Py_INCREF(empty_tuple), empty_tuple);
+            Py_XDECREF(list);
+            if (deps == NULL) ok = 0;
+        }
+        for (Py_ssize_t k = 0; ok && k + 1 < nh; k++) {
+            PyObject *by = at_link[k];
+            if (add_end(ends, NULL, end, pid, &by) < 0) ok = 0;
+        }
+        Py_XDECREF(path);
+        Py_XDECREF(start);
+        Py_XDECREF(pid);
+        Py_XDECREF(end);
+        Py_XDECREF(found);
+        if (!ok) {
+            Py_XDECREF(deps);
+            goto done;
+        }
+        PyList_SET_ITEM(after, i, deps);
+    }
+    out = after;
+    after = NULL;
+done:
+    PyMem_Free(order);
+    PyMem_Free(at_link);
+    Py_XDECREF(ends);
+    Py_XDECREF(busy_fast);
+    Py_XDECREF(after);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"transfer", py_transfer, METH_VARARGS, "Timelines.transfer's walk and reservation (see the module doc)."},
     {"reserve", py_reserve, METH_VARARGS, "LinkTimeline.reserve (see the module doc)."},
+    {"reserve_tree", py_reserve_tree, METH_VARARGS, "tree_cost.reserve's loop (see the module doc)."},
+    {"follows", py_follows, METH_VARARGS, "schedule_to_decision's `after` of each transfer (see the module doc)."},
     {"estimate", py_estimate, METH_VARARGS, "tree_cost.estimate's loop (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };
@@ -850,6 +1435,22 @@ PyMODINIT_FUNC PyInit__plan_native(void) {
     str_server = PyUnicode_InternFromString("server");
     str_tree = PyUnicode_InternFromString("_tree");
     empty_tuple = PyTuple_New(0);
+    str_walks = PyUnicode_InternFromString("walks");
+    str_back = PyUnicode_InternFromString("back");
+    str_pair_path = PyUnicode_InternFromString("pair_path");
+    str_links = PyUnicode_InternFromString("_links");
+    str_link = PyUnicode_InternFromString("link");
+    str_transfer = PyUnicode_InternFromString("transfer");
+    str_end = PyUnicode_InternFromString("end");
+    str_update_id = PyUnicode_InternFromString("update_id");
+    str_src = PyUnicode_InternFromString("src");
+    a_transfer = PyUnicode_InternFromString("a transfer");
+    str_start = PyUnicode_InternFromString("start");
+    str_payload_id = PyUnicode_InternFromString("payload_id");
+    if (!str_start || !str_payload_id) return NULL;
+    if (!str_walks || !str_back || !str_pair_path || !str_links || !str_link || !str_transfer || !str_end ||
+        !str_update_id || !str_src || !a_transfer)
+        return NULL;
     if (!str_aggregator || !str_parent || !str_members || !str_free || !str_per || !str_grow || !str_hosts ||
         !str_dsts || !str_host || !str_dst_m || !str_pair_ids || !str_path || !str_up || !str_pos || !str_down ||
         !str_server || !str_tree || !empty_tuple)

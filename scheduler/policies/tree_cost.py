@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.core.schedule import Link, Transfer, Update
+from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
 from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.tree_moves import Node
 from mlfabric.scheduler.policies.tree_routes import Routes
@@ -53,11 +53,25 @@ def reserve(
     # an aggregate's size: its largest member (aggregates are made bottom-up, in id order)
     for aid in sorted(nodes, key=lambda a: int(a.rsplit(":", 1)[1])):
         size[aid] = max(size[m] for m in nodes[aid].members)
+    readies = [max(u.ready_at, now) for u in order]
+    if _plan_native is not None:  # the loop below in C, the same transfers
+        return _plan_native.reserve_tree(  # type: ignore[no-any-return]
+            tls,
+            routes,
+            order if isinstance(order, list) else list(order),
+            nodes if type(nodes) is dict else dict(nodes),
+            parent if type(parent) is dict else dict(parent),
+            server_host,
+            size,
+            readies,
+            now,
+            Transfer,
+            Reservation,
+        )
     heap: list[tuple[float, int, str, str]] = []
     waiting = {aid: len(n.members) for aid, n in nodes.items()}
     ready_at = dict.fromkeys(nodes, -math.inf)
     transfers: list[Transfer] = []
-    readies = [max(u.ready_at, now) for u in order]
     path, transfer, pop, push = routes.tree_path, tls.transfer, heapq.heappop, heapq.heappush
     makespan = now
     i, n, made = 0, len(order), 0
