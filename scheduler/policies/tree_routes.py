@@ -83,14 +83,26 @@ class _ServerRoutes:
         got = self.hosts.get(h)
         if got is None:
             if h == self.server:
-                got = _Host((h,), ())
-            else:  # the next hop's path (cached), h in front
-                nxt = self.pc.next_hop(h, self.server)
-                first = self.link_id((h, nxt))  # before the next hop's: link ids in path order
-                on = self.host(nxt)
-                got = _Host((h, *on.path), (first, *on.up))
-            self.hosts[h] = got
+                got = self.hosts[h] = _Host((h,), ())
+                return got
+            self._every()
+            got = self.hosts.get(h)
+            if got is None:
+                self.pc.next_hop(h, self.server)  # raises: no path
+                raise AssertionError(f"{h} has a next hop towards {self.server} but no path")
         return got
+
+    def _every(self) -> None:
+        """The path of every node with one to the server, each from its next hop's (listed first)."""
+        hosts, lid = self.hosts, self.link_id
+        for v, nxt in self.pc.next_hops(self.server).items():
+            if v in hosts:
+                continue
+            if v == nxt:  # the server
+                hosts[v] = _Host((v,), ())
+                continue
+            on = hosts[nxt]
+            hosts[v] = _Host((v, *on.path), (lid((v, nxt)), *on.up))
 
     def _dst(self, h: str) -> _Dst:
         got = self.dsts.get(h)
@@ -248,14 +260,18 @@ class RouteCache:
         paths = {s: tree.host(s).path for s in sources}
         crossed = {x for p in paths.values() for x in p[1:-1]}
         below: dict[str, list[str]] = {}
+        known = tree.hosts
         for h in every:
             if h not in eligible or h == server_host:
                 continue
             if h not in paths:
-                try:
-                    path = tree.host(h).path
-                except ValueError:
-                    continue
+                on = known.get(h)
+                if on is None:
+                    try:
+                        on = tree.host(h)
+                    except ValueError:
+                        continue
+                path = on.path
                 if not crossed.intersection(path):
                     continue
                 paths[h] = path
@@ -280,25 +296,23 @@ class RouteCache:
         """Each source -> the lowest capacity on ``graph`` of its path to ``server_host`` (inf: none).
 
         Each node's bottleneck is its first link's capacity or its next hop's bottleneck,
-        whichever is lower: one capacity read per node rather than per link of every path.
+        whichever is lower: one capacity read per node (every node with a path, next hops
+        first) rather than per link of every path.
         """
         adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
         tree = self.server(server_host)
         known = {server_host: math.inf}
+        for v, nxt in self.pc.next_hops(server_host).items():  # every node after its next hop
+            if v != nxt:
+                cap = float(adj[v][nxt]["capacity"])
+                rate = known[nxt]
+                known[v] = cap if cap < rate else rate
         out = {}
         for src in sources:
             rate = known.get(src)
             if rate is None:
-                path = tree.host(src).path
-                k = 1
-                while path[k] not in known:
-                    k += 1
-                rate = known[path[k]]
-                for i in range(k - 1, -1, -1):
-                    cap = float(adj[path[i]][path[i + 1]]["capacity"])
-                    if cap < rate:
-                        rate = cap
-                    known[path[i]] = rate
+                tree.host(src)  # raises: no path
+                raise AssertionError(f"{src} has a path to {server_host} but no bottleneck")
             out[src] = rate
         return out
 
