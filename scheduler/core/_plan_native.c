@@ -925,9 +925,36 @@ done:
     return out;
 }
 
+/* cls(*values) for a dataclass whose __init__ only sets `fields` (no __post_init__): the instance's
+   dict filled in field order, as __init__ fills it (new reference); cls(*values) where `fields`
+   is None */
+static PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values, Py_ssize_t n) {
+    if (fields == Py_None || !PyType_Check(cls)) return PyObject_Vectorcall(cls, values, n, NULL);
+    if (!PyTuple_CheckExact(fields) || PyTuple_GET_SIZE(fields) < n) {
+        PyErr_SetString(PyExc_TypeError, "make_instance: fields must name every value");
+        return NULL;
+    }
+    PyObject *obj = PyBaseObject_Type.tp_new((PyTypeObject *)cls, empty_tuple, NULL);
+    if (obj == NULL) return NULL;
+    PyObject *dict = PyObject_GenericGetDict(obj, NULL);
+    if (dict == NULL) {
+        Py_DECREF(obj);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (PyDict_SetItem(dict, PyTuple_GET_ITEM(fields, k), values[k]) < 0) {
+            Py_DECREF(dict);
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    Py_DECREF(dict);
+    return obj;
+}
+
 /* Timelines.transfer(pid, hops, nbytes, ready) (new reference): C where it can, the method else */
 static PyObject *one_transfer(PyObject *tls_obj, PyObject *tls, PyObject *hops, PyObject *pid, PyObject *nbytes_o,
-                              PyObject *ready, PyObject *transfer_cls, PyObject *reservation_cls) {
+                              PyObject *ready, PyObject *transfer_cls, PyObject *reservation_cls, PyObject *fields) {
     Py_ssize_t nh = PyTuple_GET_SIZE(hops);
     PyObject *links = PyTuple_New(nh > 1 ? nh - 1 : 0);
     if (links == NULL) return NULL;
@@ -981,15 +1008,16 @@ static PyObject *one_transfer(PyObject *tls_obj, PyObject *tls, PyObject *hops, 
     if (got == NULL) { /* the Python loops (they raise where the path never has residual bandwidth) */
         out = PyObject_CallMethodObjArgs(tls_obj, str_transfer, pid, hops, nbytes_o, ready, NULL);
     } else {
-        PyObject *argv[8] = {pid,
+        PyObject *argv[9] = {pid,
                              PyTuple_GET_ITEM(hops, 0),
                              PyTuple_GET_ITEM(hops, nh - 1),
                              hops,
                              PyTuple_GET_ITEM(got, 0),
                              PyTuple_GET_ITEM(got, 1),
                              nbytes_o,
-                             PyTuple_GET_ITEM(got, 2)};
-        out = PyObject_Vectorcall(transfer_cls, argv, 8, NULL);
+                             PyTuple_GET_ITEM(got, 2),
+                             Py_False};
+        out = make_instance(transfer_cls, fields, argv, fields == Py_None ? 8 : 9);
         Py_DECREF(got);
     }
     Py_DECREF(links);
@@ -1035,9 +1063,10 @@ static REntry rheap_pop(REntry *h, Py_ssize_t *n) {
 
 static PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
     PyObject *tls_obj, *routes, *order, *nodes, *parent, *server, *size, *readies, *now, *transfer_cls, *res_cls;
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OO!O!OOO", &tls_obj, &routes, &PyList_Type, &order, &PyDict_Type, &nodes,
+    PyObject *fields;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OO!O!OOOO", &tls_obj, &routes, &PyList_Type, &order, &PyDict_Type, &nodes,
                           &PyDict_Type, &parent, &server, &PyDict_Type, &size, &PyList_Type, &readies, &now,
-                          &transfer_cls, &res_cls))
+                          &transfer_cls, &res_cls, &fields))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(order), na = PyDict_GET_SIZE(nodes);
     if (PyList_GET_SIZE(readies) != n) {
@@ -1145,7 +1174,7 @@ static PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "reserve_tree: a path must be a tuple");
             Py_CLEAR(hops);
         }
-        if (hops != NULL) t = one_transfer(tls_obj, tls, hops, pid, nbytes_o, ready_o, transfer_cls, res_cls);
+        if (hops != NULL) t = one_transfer(tls_obj, tls, hops, pid, nbytes_o, ready_o, transfer_cls, res_cls, fields);
         Py_XDECREF(hops);
         Py_DECREF(ready_o);
         Py_DECREF(pid);

@@ -10,6 +10,7 @@ Internal to the tree planner.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import heapq
 import math
@@ -33,6 +34,13 @@ def rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:
 
 def ingress(graph: nx.DiGraph, host: str) -> float:
     return max((float(d["capacity"]) for d in graph.pred[host].values()), default=0.0)
+
+
+#: Transfer's fields where its __init__ only sets them (the C loop then fills an instance's
+#: dict in this order itself); None: the C loop calls the class
+_TRANSFER_FIELDS: tuple[str, ...] | None = tuple(f.name for f in dataclasses.fields(Transfer))
+if _TRANSFER_FIELDS[-2:] != ("reservations", "replica") or hasattr(Transfer, "__post_init__"):
+    _TRANSFER_FIELDS = None  # pragma: no cover - not this Transfer
 
 
 def reserve(
@@ -67,6 +75,7 @@ def reserve(
             now,
             Transfer,
             Reservation,
+            _TRANSFER_FIELDS,
         )
     heap: list[tuple[float, int, str, str]] = []
     waiting = {aid: len(n.members) for aid, n in nodes.items()}
