@@ -43,6 +43,7 @@ simulator executes it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
-from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
 from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
@@ -74,6 +75,12 @@ FINALISTS = 4
 #: rounds of at most this many updates also move single updates between aggregates, each
 #: move scored by reserving the tree on a copy of the timelines (the fast estimate misleads it)
 MOVES_UP_TO = 16
+
+
+#: the fields of a tree node, which its __init__ only sets (the C build fills them itself)
+_NODE_FIELDS: tuple[str, ...] | None = tuple(f.name for f in dataclasses.fields(_Node))
+if _NODE_FIELDS != ("point", "aggregator", "members", "parent") or hasattr(_Node, "__post_init__"):
+    _NODE_FIELDS = None  # pragma: no cover - not this Node
 
 
 @dataclass
@@ -162,6 +169,22 @@ def _build(
     ``fan_in`` first (each at its own host when the groups hold payloads of different hosts),
     and so on up: no aggregator's NIC takes more than ``fan_in`` payloads per aggregate.
     """
+    if _plan_native is not None and _NODE_FIELDS is not None and all(k >= 0 for k in bypass.values()):
+        return _plan_native.build(  # type: ignore[no-any-return]  # the loops below in C
+            tree.groups,
+            tree.depth,
+            tree.index,
+            tree.below,
+            tree.top,
+            tree.rank,
+            tree.host_of,
+            points if type(points) is frozenset else frozenset(points),
+            tree.prefix,
+            bypass if type(bypass) is dict else dict(bypass),
+            fan_in,
+            _Node,
+            _NODE_FIELDS,
+        )
     carried: dict[str, list[str]] = {}  # payloads reaching each point
     up: dict[str, str | None] = {}
     depth: dict[str, int] = {}
