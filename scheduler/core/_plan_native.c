@@ -1,20 +1,27 @@
 /*
- * mlfabric.scheduler.core._plan_native: the planners' per-link loops in C (issue 24).
+ * mlfabric.scheduler.core._plan_native: the tree planner's per-update loops in C (issue 24).
  *
- * The same arithmetic, in the same order, as the Python it stands in for, so a plan is the
- * same to the last bit (built with -ffp-contract=off: no fused multiply-add):
+ * Each function runs the same arithmetic, in the same order, on the same Python objects as
+ * the Python it stands in for (which stays, and runs where this module is not built), so a
+ * plan is the same to the last bit: built with -ffp-contract=off (no fused multiply-add),
+ * heaps ordered by the same keys and ties, dicts filled in the same order.
  *
  *   transfer(timelines, links, nbytes, ready, who, Reservation) -> (start, end, reservations) | None
  *       Timelines.transfer's walk and reservation: integrate the path residual of `links`
  *       from `ready` until `nbytes` are through (Timelines._walk, record=True), then
  *       subtract each piece's rate on every link (LinkTimeline.reserve, link by link) and
  *       return the Reservation tuples. `timelines` is Timelines._links (link ->
- *       LinkTimeline). None, with nothing changed, where a link has no timeline yet or the
- *       path never has residual bandwidth: the caller makes the timelines, or raises.
- *       A reservation beyond the residual raises ValueError as LinkTimeline.reserve does.
+ *       LinkTimeline). None, with nothing changed, where a link has no timeline yet, a time
+ *       is not a float, or the path never has residual bandwidth: the caller makes the
+ *       timelines, or runs the Python loops (which raise). A reservation beyond the residual
+ *       raises ValueError as LinkTimeline.reserve does.
  *
- *   reserve(timeline, start, end, rate, who) -> None
- *       LinkTimeline.reserve.
+ *   reserve_tree(timelines, routes, order, nodes, parent, server, size, readies, now,
+ *                Transfer, Reservation, fields) -> (transfers, makespan)
+ *       tree_cost.reserve's loop: every payload of a tree reserved on the Timelines (the
+ *       updates in `order`, each aggregate once its members are reserved), along
+ *       routes.tree_path; each Transfer made with its `fields` filled in order (or by calling
+ *       the class where `fields` is None).
  *
  *   estimate(updates, nodes, parent, server, order, routes, shared, now) -> float
  *       tree_cost.estimate (each link a first-come queue at its capacity), its whole loop:
@@ -22,8 +29,17 @@
  *       aggregates (aggregator, parent, members), `parent` payload id -> aggregate id,
  *       `order` the aggregate ids sorted (the Python heap's tie-break), `routes` a
  *       tree_routes.Routes and `shared` its in-tree routes' link ids by (source,
- *       destination) (routes.tree_ids where a pair is not there yet); then routes.free
- *       (copied) when each link is free and routes.per its seconds per byte.
+ *       destination) (made here as _ServerRoutes.pair_ids makes them where a pair is not
+ *       there yet); then routes.sync() and routes.free (copied), routes.per.
+ *
+ *   build(groups, depth, index, below, top, rank, host_of, points, prefix, bypass, fan_in,
+ *         Node, fields) -> (nodes, parent)
+ *       trees._build (with trees._sum): the aggregates of the candidate tree summing at
+ *       `points` (the _Tree's fields passed one by one).
+ *
+ *   follows(transfers, busy, ids) -> list of tuples
+ *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
+ *       of its links exactly when it starts.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,14 +50,6 @@
 static PyObject *str_times, *str_residual, *str_eps, *fmt_over;
 
 /* ------------------------------------------------------------------ LinkTimeline.reserve */
-
-static int list_insert_float(PyObject *list, Py_ssize_t i, double v) {
-    PyObject *o = PyFloat_FromDouble(v);
-    if (o == NULL) return -1;
-    int rc = PyList_Insert(list, i, o);
-    Py_DECREF(o);
-    return rc;
-}
 
 static int list_set_float(PyObject *list, Py_ssize_t i, double v) {
     PyObject *o = PyFloat_FromDouble(v);
@@ -189,21 +197,6 @@ static int lane_of(PyObject *tl, Lane *out) {
     out->residual = residual;
     out->tl = tl;
     return 0;
-}
-
-static PyObject *py_reserve(PyObject *self, PyObject *args) {
-    PyObject *tl, *start_o, *end_o, *who;
-    double rate;
-    if (!PyArg_ParseTuple(args, "OO!O!dO", &tl, &PyFloat_Type, &start_o, &PyFloat_Type, &end_o, &rate, &who))
-        return NULL;
-    Lane lane;
-    if (lane_of(tl, &lane) < 0) return NULL;
-    if (!all_floats(lane.times) || !all_floats(lane.residual)) {
-        PyErr_SetString(PyExc_TypeError, "a timeline's times and residual must be floats");
-        return NULL;
-    }
-    if (reserve_lists(lane.times, lane.residual, lane.eps, start_o, end_o, rate, who) < 0) return NULL;
-    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ Timelines.transfer */
@@ -1794,7 +1787,6 @@ done:
 
 static PyMethodDef methods[] = {
     {"transfer", py_transfer, METH_VARARGS, "Timelines.transfer's walk and reservation (see the module doc)."},
-    {"reserve", py_reserve, METH_VARARGS, "LinkTimeline.reserve (see the module doc)."},
     {"reserve_tree", py_reserve_tree, METH_VARARGS, "tree_cost.reserve's loop (see the module doc)."},
     {"follows", py_follows, METH_VARARGS, "schedule_to_decision's `after` of each transfer (see the module doc)."},
     {"build", py_build, METH_VARARGS, "trees._build (see the module doc)."},
