@@ -7,6 +7,7 @@ what comes out (every float to the last bit) and the timelines left behind.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,7 +76,7 @@ def random_reservations(seed: int) -> object:
         if rng.random() < 0.5:
             out.append(tls.transfer(f"p{k}", path, nbytes, ready))
         else:
-            out.append(tls.reserve(list(zip(path, path[1:], strict=False)), nbytes, ready, who=f"p{k}"))
+            out.append(tls.reserve(list(itertools.pairwise(path)), nbytes, ready, who=f"p{k}"))
     return out, state(tls)
 
 
