@@ -358,7 +358,7 @@ class Timelines:
         for link in links:
             if link not in tls:
                 self.link(link)  # as the walk makes them, in path order
-        return _plan_native.transfer(tls, links, nbytes, ready, who or "a transfer", Reservation)  # type: ignore[no-any-return]
+        return _plan_native.transfer(tls, links, nbytes, ready, who or "a transfer", Reservation)
 
     def transfer(self, payload_id: str, path: Sequence[str], nbytes: float, ready: float) -> Transfer:
         """Reserve ``nbytes`` along the node ``path`` from ``ready`` on (:meth:`reserve`) as a Transfer.

@@ -36,10 +36,11 @@ def ingress(graph: nx.DiGraph, host: str) -> float:
     return max((float(d["capacity"]) for d in graph.pred[host].values()), default=0.0)
 
 
+_TRANSFER_INIT = ("payload_id", "src", "dst", "path", "start", "end", "bytes", "reservations", "replica")
 #: Transfer's fields where its __init__ only sets them (the C loop then fills an instance's
 #: dict in this order itself); None: the C loop calls the class
 _TRANSFER_FIELDS: tuple[str, ...] | None = tuple(f.name for f in dataclasses.fields(Transfer))
-if _TRANSFER_FIELDS[-2:] != ("reservations", "replica") or hasattr(Transfer, "__post_init__"):
+if _TRANSFER_FIELDS != _TRANSFER_INIT or hasattr(Transfer, "__post_init__"):
     _TRANSFER_FIELDS = None  # pragma: no cover - not this Transfer
 
 
@@ -63,7 +64,7 @@ def reserve(
         size[aid] = max(size[m] for m in nodes[aid].members)
     readies = [max(u.ready_at, now) for u in order]
     if _plan_native is not None:  # the loop below in C, the same transfers
-        return _plan_native.reserve_tree(  # type: ignore[no-any-return]
+        return _plan_native.reserve_tree(
             tls,
             routes,
             order if isinstance(order, list) else list(order),
@@ -195,7 +196,7 @@ def _estimate_native(
 ) -> float:
     """:func:`estimate` in C (``_plan_native.estimate``, the same loop)."""
     shared = routes._shared
-    return _plan_native.estimate(  # type: ignore[no-any-return]
+    return _plan_native.estimate(
         updates if isinstance(updates, list) else list(updates),
         nodes if type(nodes) is dict else dict(nodes),
         parent if type(parent) is dict else dict(parent),

@@ -309,11 +309,11 @@ class RouteCache:
                 known[v] = cap if cap < rate else rate
         out = {}
         for src in sources:
-            rate = known.get(src)
-            if rate is None:
+            got = known.get(src)
+            if got is None:
                 tree.host(src)  # raises: no path
                 raise AssertionError(f"{src} has a path to {server_host} but no bottleneck")
-            out[src] = rate
+            out[src] = got
         return out
 
     def routes(

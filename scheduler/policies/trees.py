@@ -170,7 +170,7 @@ def _build(
     and so on up: no aggregator's NIC takes more than ``fan_in`` payloads per aggregate.
     """
     if _plan_native is not None and _NODE_FIELDS is not None and all(k >= 0 for k in bypass.values()):
-        return _plan_native.build(  # type: ignore[no-any-return]  # the loops below in C
+        return _plan_native.build(  # the loops below in C
             tree.groups,
             tree.depth,
             tree.index,
