@@ -1,0 +1,411 @@
+/* mlfabric.scheduler.core._plan_native: tree_cost.reserve (see _plan_native.c). */
+#include "_plan_native.h"
+
+/* ------------------------------------------------------------------ tree_cost.reserve */
+
+
+/* routes.tree_path(src, dst) (new reference): _ServerRoutes.walks, else pair_path's route */
+static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObject *dst) {
+    PyObject *key = PyTuple_Pack(2, src, dst);
+    if (key == NULL) return NULL;
+    PyObject *out = PyDict_GetItemWithError(walks, key);
+    if (out != NULL || PyErr_Occurred()) {
+        Py_DECREF(key);
+        Py_XINCREF(out);
+        return out;
+    }
+    PyObject *hosts = NULL, *up = NULL, *up_path = NULL, *server = NULL, *dsts = NULL, *down = NULL, *pos = NULL,
+             *back = NULL;
+    int same = PyUnicode_Compare(src, dst) == 0;
+    if (PyErr_Occurred()) goto done;
+    if (same) {
+        out = PyTuple_Pack(1, src);
+        goto done;
+    }
+    if ((hosts = PyObject_GetAttr(tree, str_hosts)) == NULL) goto done;
+    up = PyDict_GetItemWithError(hosts, src);
+    if (up != NULL) {
+        Py_INCREF(up);
+    } else {
+        if (PyErr_Occurred()) goto done;
+        if ((up = PyObject_CallMethodOneArg(tree, str_host, src)) == NULL) goto done;
+    }
+    if ((up_path = PyObject_GetAttr(up, str_path)) == NULL) goto done;
+    if ((server = PyObject_GetAttr(tree, str_server)) == NULL) goto done;
+    int is_server = PyUnicode_Compare(dst, server) == 0;
+    if (PyErr_Occurred()) goto done;
+    if (is_server) {
+        out = up_path;
+        Py_INCREF(out);
+    } else {
+        if ((dsts = PyObject_GetAttr(tree, str_dsts)) == NULL) goto done;
+        down = PyDict_GetItemWithError(dsts, dst);
+        if (down != NULL) {
+            Py_INCREF(down);
+        } else {
+            if (PyErr_Occurred()) goto done;
+            if ((down = PyObject_CallMethodOneArg(tree, str_dst_m, dst)) == NULL) goto done;
+        }
+        if ((pos = PyObject_GetAttr(down, str_pos)) == NULL) goto done;
+        if ((back = PyObject_GetAttr(down, str_back)) == NULL) goto done;
+        PyObject *down_ids = PyObject_GetAttr(down, str_down);
+        if (down_ids == NULL) goto done;
+        Py_ssize_t nd = PyObject_Length(down_ids);
+        Py_DECREF(down_ids);
+        if (nd < 0) goto done;
+        if (!PyTuple_CheckExact(up_path) || !PyTuple_CheckExact(back) || !PyDict_CheckExact(pos)) {
+            PyErr_SetString(PyExc_TypeError, "tree_path: unexpected route types");
+            goto done;
+        }
+        Py_ssize_t i = -1, j = -1, len = PyTuple_GET_SIZE(up_path), nb = PyTuple_GET_SIZE(back);
+        for (Py_ssize_t k = 0; k < len; k++) {
+            PyObject *jo = PyDict_GetItemWithError(pos, PyTuple_GET_ITEM(up_path, k));
+            if (jo != NULL) {
+                i = k;
+                j = PyLong_AsSsize_t(jo);
+                break;
+            }
+            if (PyErr_Occurred()) goto done;
+        }
+        if (i < 0 || j > nd) { /* no meeting point in the tree: the method goes round */
+            out = PyObject_CallMethodObjArgs(tree, str_pair_path, src, dst, NULL);
+            goto done;
+        }
+        /* up.path[:i] + down.back[len(down.back) - 1 - j :] */
+        Py_ssize_t from = nb - 1 - j;
+        if ((out = PyTuple_New(i + (nb - from))) == NULL) goto done;
+        for (Py_ssize_t k = 0; k < i; k++) {
+            PyObject *x = PyTuple_GET_ITEM(up_path, k);
+            Py_INCREF(x);
+            PyTuple_SET_ITEM(out, k, x);
+        }
+        for (Py_ssize_t k = from; k < nb; k++) {
+            PyObject *x = PyTuple_GET_ITEM(back, k);
+            Py_INCREF(x);
+            PyTuple_SET_ITEM(out, i + k - from, x);
+        }
+    }
+    if (PyDict_SetItem(walks, key, out) < 0) Py_CLEAR(out);
+done:
+    Py_DECREF(key);
+    Py_XDECREF(hosts);
+    Py_XDECREF(up);
+    Py_XDECREF(up_path);
+    Py_XDECREF(server);
+    Py_XDECREF(dsts);
+    Py_XDECREF(down);
+    Py_XDECREF(pos);
+    Py_XDECREF(back);
+    return out;
+}
+
+/* cls(*values) for a dataclass whose __init__ only sets `fields` (no __post_init__): the instance's
+   dict filled in field order, as __init__ fills it (new reference); cls(*values) where `fields`
+   is None */
+PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values, Py_ssize_t n) {
+    if (fields == Py_None || !PyType_Check(cls)) return PyObject_Vectorcall(cls, values, n, NULL);
+    if (!PyTuple_CheckExact(fields) || PyTuple_GET_SIZE(fields) < n) {
+        PyErr_SetString(PyExc_TypeError, "make_instance: fields must name every value");
+        return NULL;
+    }
+    PyObject *obj = PyBaseObject_Type.tp_new((PyTypeObject *)cls, empty_tuple, NULL);
+    if (obj == NULL) return NULL;
+    PyObject *dict = PyObject_GenericGetDict(obj, NULL);
+    if (dict == NULL) {
+        Py_DECREF(obj);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (PyDict_SetItem(dict, PyTuple_GET_ITEM(fields, k), values[k]) < 0) {
+            Py_DECREF(dict);
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    Py_DECREF(dict);
+    return obj;
+}
+
+/* Timelines.transfer(pid, hops, nbytes, ready) (new reference): C where it can, the method else */
+static PyObject *one_transfer(PyObject *tls_obj, PyObject *tls, PyObject *hops, PyObject *pid, PyObject *nbytes_o,
+                              PyObject *ready, PyObject *transfer_cls, PyObject *reservation_cls, PyObject *fields) {
+    Py_ssize_t nh = PyTuple_GET_SIZE(hops);
+    PyObject *links = PyTuple_New(nh > 1 ? nh - 1 : 0);
+    if (links == NULL) return NULL;
+    for (Py_ssize_t k = 0; k + 1 < nh; k++) {
+        PyObject *link = PyTuple_Pack(2, PyTuple_GET_ITEM(hops, k), PyTuple_GET_ITEM(hops, k + 1));
+        if (link == NULL) {
+            Py_DECREF(links);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(links, k, link);
+    }
+    double nbytes = PyFloat_AsDouble(nbytes_o);
+    int truthy = PyObject_IsTrue(pid);
+    if ((nbytes == -1.0 || truthy < 0) && PyErr_Occurred()) {
+        Py_DECREF(links);
+        return NULL;
+    }
+    PyObject *who = truthy ? pid : a_transfer;
+    PyObject *got = NULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        got = fast_transfer(tls, links, nbytes, ready, who, reservation_cls);
+        if (got != Py_None) break;
+        Py_DECREF(got);
+        got = NULL;
+        if (attempt == 1) break;
+        int made = 0; /* make the missing timelines, in path order (as the walk would) */
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(links); k++) {
+            PyObject *link = PyTuple_GET_ITEM(links, k);
+            int has = PyDict_Contains(tls, link);
+            if (has < 0) {
+                Py_DECREF(links);
+                return NULL;
+            }
+            if (!has) {
+                PyObject *tl = PyObject_CallMethodOneArg(tls_obj, str_link, link);
+                if (tl == NULL) {
+                    Py_DECREF(links);
+                    return NULL;
+                }
+                Py_DECREF(tl);
+                made = 1;
+            }
+        }
+        if (!made) break;
+    }
+    if (got == NULL && PyErr_Occurred()) {
+        Py_DECREF(links);
+        return NULL;
+    }
+    PyObject *out;
+    if (got == NULL) { /* the Python loops (they raise where the path never has residual bandwidth) */
+        out = PyObject_CallMethodObjArgs(tls_obj, str_transfer, pid, hops, nbytes_o, ready, NULL);
+    } else {
+        PyObject *argv[9] = {pid,
+                             PyTuple_GET_ITEM(hops, 0),
+                             PyTuple_GET_ITEM(hops, nh - 1),
+                             hops,
+                             PyTuple_GET_ITEM(got, 0),
+                             PyTuple_GET_ITEM(got, 1),
+                             nbytes_o,
+                             PyTuple_GET_ITEM(got, 2),
+                             Py_False};
+        out = make_instance(transfer_cls, fields, argv, fields == Py_None ? 8 : 9);
+        Py_DECREF(got);
+    }
+    Py_DECREF(links);
+    return out;
+}
+
+typedef struct {
+    double ready;
+    long made;
+    PyObject *ready_o, *pid, *src; /* borrowed: kept alive by the arrays below */
+} REntry;
+
+static int rentry_less(const REntry *a, const REntry *b) {
+    if (a->ready != b->ready) return a->ready < b->ready;
+    return a->made < b->made;
+}
+
+static void rheap_push(REntry *h, Py_ssize_t *n, REntry e) {
+    Py_ssize_t i = (*n)++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!rentry_less(&e, &h[up])) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = e;
+}
+
+static REntry rheap_pop(REntry *h, Py_ssize_t *n) {
+    REntry top = h[0], e = h[--(*n)];
+    Py_ssize_t i = 0, size = *n;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= size) break;
+        if (c + 1 < size && rentry_less(&h[c + 1], &h[c])) c++;
+        if (!rentry_less(&h[c], &e)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (size > 0) h[i] = e;
+    return top;
+}
+
+PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
+    PyObject *tls_obj, *routes, *order, *nodes, *parent, *server, *size, *readies, *now, *transfer_cls, *res_cls;
+    PyObject *fields;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OO!O!OOOO", &tls_obj, &routes, &PyList_Type, &order, &PyDict_Type, &nodes,
+                          &PyDict_Type, &parent, &server, &PyDict_Type, &size, &PyList_Type, &readies, &now,
+                          &transfer_cls, &res_cls, &fields))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(order), na = PyDict_GET_SIZE(nodes);
+    if (PyList_GET_SIZE(readies) != n) {
+        PyErr_SetString(PyExc_ValueError, "reserve_tree: one ready time per update");
+        return NULL;
+    }
+    PyObject *tls = NULL, *tree = NULL, *walks = NULL, *pos = NULL, *transfers = NULL, *out = NULL;
+    PyObject *makespan = now;
+    Py_INCREF(makespan);
+    PyObject **agg_host = PyMem_Calloc(na ? na : 1, sizeof(PyObject *));
+    PyObject **agg_ready_o = PyMem_Calloc(na ? na : 1, sizeof(PyObject *));
+    PyObject **agg_id = PyMem_Calloc(na ? na : 1, sizeof(PyObject *)); /* borrowed from nodes */
+    double *agg_ready = PyMem_Malloc((na ? na : 1) * sizeof(double));
+    double *ready_d = PyMem_Malloc((n ? n : 1) * sizeof(double));
+    Py_ssize_t *waiting = PyMem_Malloc((na ? na : 1) * sizeof(Py_ssize_t));
+    REntry *heap = PyMem_Malloc((na ? na : 1) * sizeof(REntry));
+    if (!agg_host || !agg_ready_o || !agg_id || !agg_ready || !ready_d || !waiting || !heap) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if ((tls = PyObject_GetAttr(tls_obj, str_links)) == NULL) goto done;
+    if (!PyDict_CheckExact(tls)) {
+        PyErr_SetString(PyExc_TypeError, "reserve_tree: the timelines' links must be a dict");
+        goto done;
+    }
+    if ((tree = PyObject_GetAttr(routes, str_tree)) == NULL) goto done;
+    if ((walks = PyObject_GetAttr(tree, str_walks)) == NULL) goto done;
+    if (!PyDict_CheckExact(walks)) {
+        PyErr_SetString(PyExc_TypeError, "reserve_tree: the routes' walks must be a dict");
+        goto done;
+    }
+    if ((pos = PyDict_New()) == NULL) goto done;
+    if ((transfers = PyList_New(0)) == NULL) goto done;
+    {
+        Py_ssize_t it = 0, k = 0;
+        PyObject *aid, *node;
+        while (PyDict_Next(nodes, &it, &aid, &node)) {
+            PyObject *idx = PyLong_FromSsize_t(k);
+            if (idx == NULL || PyDict_SetItem(pos, aid, idx) < 0) {
+                Py_XDECREF(idx);
+                goto done;
+            }
+            Py_DECREF(idx);
+            agg_id[k] = aid;
+            if ((agg_host[k] = PyObject_GetAttr(node, str_aggregator)) == NULL) goto done;
+            PyObject *members = PyObject_GetAttr(node, str_members);
+            if (members == NULL) goto done;
+            waiting[k] = PyObject_Length(members);
+            Py_DECREF(members);
+            if (waiting[k] < 0) goto done;
+            agg_ready[k] = -INFINITY;
+            k++;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ready_d[i] = PyFloat_AsDouble(PyList_GET_ITEM(readies, i));
+        if (ready_d[i] == -1.0 && PyErr_Occurred()) goto done;
+    }
+    double makespan_d = PyFloat_AsDouble(now);
+    if (makespan_d == -1.0 && PyErr_Occurred()) goto done;
+    Py_ssize_t hn = 0, i = 0;
+    long made = 0;
+    while (i < n || hn) {
+        PyObject *ready_o, *pid, *src;
+        if (hn && (i >= n || heap[0].ready < ready_d[i])) {
+            REntry e = rheap_pop(heap, &hn);
+            ready_o = e.ready_o;
+            Py_INCREF(ready_o);
+            pid = e.pid;
+            Py_INCREF(pid);
+            src = e.src;
+            Py_INCREF(src);
+        } else {
+            PyObject *u = PyList_GET_ITEM(order, i);
+            ready_o = PyList_GET_ITEM(readies, i);
+            Py_INCREF(ready_o);
+            i++;
+            pid = PyObject_GetAttr(u, str_update_id);
+            src = pid == NULL ? NULL : PyObject_GetAttr(u, str_src);
+            if (src == NULL) {
+                Py_XDECREF(pid);
+                Py_DECREF(ready_o);
+                goto done;
+            }
+        }
+        PyObject *to = PyDict_GetItemWithError(parent, pid);
+        Py_ssize_t k = -1;
+        PyObject *hop = server;
+        if (to != NULL) {
+            PyObject *idx = PyDict_GetItemWithError(pos, to);
+            if (idx == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, to);
+            } else {
+                k = PyLong_AsSsize_t(idx);
+                hop = agg_host[k];
+            }
+        }
+        PyObject *t = NULL, *nbytes_o = NULL, *hops = NULL;
+        if (!PyErr_Occurred()) {
+            nbytes_o = PyDict_GetItemWithError(size, pid);
+            if (nbytes_o == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pid);
+        }
+        if (nbytes_o != NULL) hops = tree_path(tree, walks, src, hop);
+        if (hops != NULL && !PyTuple_CheckExact(hops)) {
+            PyErr_SetString(PyExc_TypeError, "reserve_tree: a path must be a tuple");
+            Py_CLEAR(hops);
+        }
+        if (hops != NULL) t = one_transfer(tls_obj, tls, hops, pid, nbytes_o, ready_o, transfer_cls, res_cls, fields);
+        Py_XDECREF(hops);
+        Py_DECREF(ready_o);
+        Py_DECREF(pid);
+        Py_DECREF(src);
+        if (t == NULL) goto done;
+        int rc = PyList_Append(transfers, t);
+        PyObject *end_o = PyObject_GetAttr(t, str_end);
+        Py_DECREF(t);
+        if (rc < 0 || end_o == NULL) {
+            Py_XDECREF(end_o);
+            goto done;
+        }
+        double end = PyFloat_AsDouble(end_o);
+        if (end == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(end_o);
+            goto done;
+        }
+        if (k < 0) {
+            if (end > makespan_d) {
+                makespan_d = end;
+                Py_SETREF(makespan, end_o);
+            } else {
+                Py_DECREF(end_o);
+            }
+            continue;
+        }
+        waiting[k] -= 1;
+        if (end > agg_ready[k]) {
+            agg_ready[k] = end;
+            Py_XSETREF(agg_ready_o[k], end_o);
+        } else {
+            Py_DECREF(end_o);
+        }
+        if (waiting[k] == 0) {
+            made += 1;
+            REntry e = {agg_ready[k], made, agg_ready_o[k], agg_id[k], agg_host[k]};
+            rheap_push(heap, &hn, e);
+        }
+    }
+    out = PyTuple_Pack(2, transfers, makespan);
+done:
+    if (agg_host != NULL)
+        for (Py_ssize_t k = 0; k < na; k++) Py_XDECREF(agg_host[k]);
+    if (agg_ready_o != NULL)
+        for (Py_ssize_t k = 0; k < na; k++) Py_XDECREF(agg_ready_o[k]);
+    PyMem_Free(agg_host);
+    PyMem_Free(agg_ready_o);
+    PyMem_Free(agg_id);
+    PyMem_Free(agg_ready);
+    PyMem_Free(ready_d);
+    PyMem_Free(waiting);
+    PyMem_Free(heap);
+    Py_XDECREF(tls);
+    Py_XDECREF(tree);
+    Py_XDECREF(walks);
+    Py_XDECREF(pos);
+    Py_XDECREF(transfers);
+    Py_XDECREF(makespan);
+    return out;
+}
