@@ -25,6 +25,8 @@ def reserve_tree(
     transfer: type,
     reservation: type,
     fields: tuple[str, ...] | None,
+    timeline: type | None,
+    eps: float,
     /,
 ) -> tuple[list[Any], float]: ...
 def estimate(

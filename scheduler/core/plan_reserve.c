@@ -126,9 +126,92 @@ PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values
     return obj;
 }
 
+static PyObject *str_profiles, *str_graph, *str_adj, *str_capacity, *str_start_, *str_times_, *str_residual_,
+    *str_eps_;
+
+/* Timelines.link(link) where the link has no timeline yet: LinkTimeline(capacity, start) made
+   here where the timelines have no capacity profiles (its slots set as its __init__ sets them,
+   eps = `eps` * capacity), else by the method (which raises for a link not in the graph). 0 or -1. */
+static int make_timeline(PyObject *tls_obj, PyObject *tls, PyObject *link, PyObject *cls, double eps) {
+    if (str_profiles == NULL) {
+        str_profiles = PyUnicode_InternFromString("_profiles");
+        str_graph = PyUnicode_InternFromString("_graph");
+        str_adj = PyUnicode_InternFromString("_adj");
+        str_capacity = PyUnicode_InternFromString("capacity");
+        str_start_ = PyUnicode_InternFromString("_start");
+        str_times_ = PyUnicode_InternFromString("times");
+        str_residual_ = PyUnicode_InternFromString("residual");
+        str_eps_ = PyUnicode_InternFromString("eps");
+        if (!str_profiles || !str_graph || !str_adj || !str_capacity || !str_start_ || !str_times_ ||
+            !str_residual_ || !str_eps_)
+            return -1;
+    }
+    PyObject *profiles = NULL, *graph = NULL, *adj = NULL, *start = NULL, *obj = NULL, *l = NULL;
+    int rc = -1, fast = 0;
+    double cap = 0.0;
+    if (cls == Py_None || !PyType_Check(cls)) goto slow;
+    if ((profiles = PyObject_GetAttr(tls_obj, str_profiles)) == NULL) goto done;
+    int busy = PyObject_IsTrue(profiles);
+    if (busy < 0) goto done;
+    if (busy) goto slow;
+    if ((graph = PyObject_GetAttr(tls_obj, str_graph)) == NULL) goto done;
+    adj = PyObject_GetAttr(graph, str_adj);
+    if (adj == NULL) {
+        PyErr_Clear();
+        goto slow;
+    }
+    if (!PyDict_Check(adj)) goto slow;
+    PyObject *nbrs = PyDict_GetItemWithError(adj, PyTuple_GET_ITEM(link, 0));
+    if (nbrs == NULL || !PyDict_Check(nbrs)) goto slow_clear;
+    PyObject *data = PyDict_GetItemWithError(nbrs, PyTuple_GET_ITEM(link, 1));
+    if (data == NULL || !PyDict_Check(data)) goto slow_clear;
+    PyObject *cap_o = PyDict_GetItemWithError(data, str_capacity);
+    if (cap_o == NULL || !(PyFloat_CheckExact(cap_o) || PyLong_CheckExact(cap_o))) goto slow_clear;
+    cap = PyFloat_AsDouble(cap_o);
+    if (cap == -1.0 && PyErr_Occurred()) goto slow_clear;
+    fast = 1;
+slow_clear:
+    if (PyErr_Occurred()) goto done;
+slow:
+    if (!fast) {
+        PyObject *tl = PyObject_CallMethodOneArg(tls_obj, str_link, link);
+        if (tl == NULL) goto done;
+        Py_DECREF(tl);
+        rc = 0;
+        goto done;
+    }
+    if ((start = PyObject_GetAttr(tls_obj, str_start_)) == NULL) goto done;
+    if ((obj = PyBaseObject_Type.tp_new((PyTypeObject *)cls, empty_tuple, NULL)) == NULL) goto done;
+    if ((l = PyList_New(1)) == NULL) goto done;
+    Py_INCREF(start);
+    PyList_SET_ITEM(l, 0, start);
+    if (PyObject_SetAttr(obj, str_times_, l) < 0) goto done;
+    Py_SETREF(l, PyList_New(1));
+    if (l == NULL) goto done;
+    PyObject *c = PyFloat_FromDouble(cap);
+    if (c == NULL) goto done;
+    PyList_SET_ITEM(l, 0, c);
+    if (PyObject_SetAttr(obj, str_residual_, l) < 0) goto done;
+    PyObject *e = PyFloat_FromDouble(eps * cap);
+    if (e == NULL) goto done;
+    int set = PyObject_SetAttr(obj, str_eps_, e);
+    Py_DECREF(e);
+    if (set < 0 || PyDict_SetItem(tls, link, obj) < 0) goto done;
+    rc = 0;
+done:
+    Py_XDECREF(profiles);
+    Py_XDECREF(graph);
+    Py_XDECREF(adj);
+    Py_XDECREF(start);
+    Py_XDECREF(obj);
+    Py_XDECREF(l);
+    return rc;
+}
+
 /* Timelines.transfer(pid, hops, nbytes, ready) (new reference): C where it can, the method else */
 static PyObject *one_transfer(PyObject *tls_obj, PyObject *tls, PyObject *hops, PyObject *pid, PyObject *nbytes_o,
-                              PyObject *ready, PyObject *transfer_cls, PyObject *reservation_cls, PyObject *fields) {
+                              PyObject *ready, PyObject *transfer_cls, PyObject *reservation_cls, PyObject *fields,
+                              PyObject *timeline_cls, double eps) {
     Py_ssize_t nh = PyTuple_GET_SIZE(hops);
     PyObject *links = PyTuple_New(nh > 1 ? nh - 1 : 0);
     if (links == NULL) return NULL;
@@ -163,12 +246,10 @@ static PyObject *one_transfer(PyObject *tls_obj, PyObject *tls, PyObject *hops, 
                 return NULL;
             }
             if (!has) {
-                PyObject *tl = PyObject_CallMethodOneArg(tls_obj, str_link, link);
-                if (tl == NULL) {
+                if (make_timeline(tls_obj, tls, link, timeline_cls, eps) < 0) {
                     Py_DECREF(links);
                     return NULL;
                 }
-                Py_DECREF(tl);
                 made = 1;
             }
         }
@@ -237,10 +318,11 @@ static REntry rheap_pop(REntry *h, Py_ssize_t *n) {
 
 PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
     PyObject *tls_obj, *routes, *order, *nodes, *parent, *server, *size, *readies, *now, *transfer_cls, *res_cls;
-    PyObject *fields;
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OO!O!OOOO", &tls_obj, &routes, &PyList_Type, &order, &PyDict_Type, &nodes,
+    PyObject *fields, *timeline_cls;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OO!O!OOOOOd", &tls_obj, &routes, &PyList_Type, &order, &PyDict_Type, &nodes,
                           &PyDict_Type, &parent, &server, &PyDict_Type, &size, &PyList_Type, &readies, &now,
-                          &transfer_cls, &res_cls, &fields))
+                          &transfer_cls, &res_cls, &fields, &timeline_cls, &eps))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(order), na = PyDict_GET_SIZE(nodes);
     if (PyList_GET_SIZE(readies) != n) {
@@ -348,7 +430,8 @@ PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "reserve_tree: a path must be a tuple");
             Py_CLEAR(hops);
         }
-        if (hops != NULL) t = one_transfer(tls_obj, tls, hops, pid, nbytes_o, ready_o, transfer_cls, res_cls, fields);
+        if (hops != NULL) t = one_transfer(tls_obj, tls, hops, pid, nbytes_o, ready_o, transfer_cls, res_cls, fields, timeline_cls,
+                                          eps);
         Py_XDECREF(hops);
         Py_DECREF(ready_o);
         Py_DECREF(pid);

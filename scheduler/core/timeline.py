@@ -31,6 +31,8 @@ except ImportError:  # pragma: no cover - not built: the Python loops below
 __all__ = ["LinkTimeline", "Timelines"]
 
 INF = math.inf
+#: residual at or below this share of a link's capacity counts as zero (rounding of reservations)
+EPS = 1e-9
 
 
 class LinkTimeline:
@@ -64,7 +66,7 @@ class LinkTimeline:
         capacity: float,
         start: float = 0.0,
         profile: Sequence[tuple[float, float]] = (),
-        eps: float = 1e-9,
+        eps: float = EPS,
     ) -> None:
         self.times: list[float] = [start]
         self.residual: list[float] = [float(capacity)]

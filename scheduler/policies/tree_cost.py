@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
-from mlfabric.scheduler.core.timeline import Timelines, _plan_native
+from mlfabric.scheduler.core.timeline import EPS, LinkTimeline, Timelines, _plan_native
 from mlfabric.scheduler.policies.tree_moves import Node
 from mlfabric.scheduler.policies.tree_routes import Routes
 
@@ -77,6 +77,8 @@ def reserve(
             Transfer,
             Reservation,
             _TRANSFER_FIELDS,
+            LinkTimeline,
+            EPS,
         )
     heap: list[tuple[float, int, str, str]] = []
     waiting = {aid: len(n.members) for aid, n in nodes.items()}

@@ -53,8 +53,8 @@ def test_the_extension_is_built() -> None:
     assert timeline._plan_native is not None
 
 
-def state(tls: Timelines) -> list[tuple[Any, list[float], list[float]]]:
-    return [(link, tl.times, tl.residual) for link, tl in sorted(tls._links.items())]
+def state(tls: Timelines) -> list[tuple[Any, list[float], list[float], float]]:
+    return [(link, tl.times, tl.residual, tl.eps) for link, tl in sorted(tls._links.items())]
 
 
 def random_reservations(seed: int) -> object:
@@ -126,7 +126,7 @@ def seeded_round(seed: int) -> object:
         for k in rng.sample(range(1, n), max(1, n // 6)):
             tls.reserve_until(pc.links(f"h{k}", "h0"), 0.0, rng.random() * 0.01)
     s = plan_tree(g, us, timelines=tls, local_search=rng.random() < 0.5)
-    return s.transfers, s.aggregates
+    return s.transfers, s.aggregates, None if tls is None else state(tls)  # the timelines left behind
 
 
 @pytest.mark.parametrize("seed", range(12))
