@@ -37,6 +37,12 @@
  *       trees._build (with trees._sum): the aggregates of the candidate tree summing at
  *       `points` (the _Tree's fields passed one by one).
  *
+ *   instances(cls, fields, rows) -> list
+ *       cls(*row) for each row, for a dataclass whose __init__ only sets its `fields` (no
+ *       __post_init__; the caller checks): each instance's dict filled in field order, as
+ *       __init__ fills it, without running __init__ (a frozen dataclass's costs a call of
+ *       object.__setattr__ per field).
+ *
  *   follows(transfers, busy, ids) -> list of tuples
  *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
  *       of its links exactly when it starts.
@@ -54,6 +60,7 @@ static PyMethodDef methods[] = {
     {"reserve_tree", py_reserve_tree, METH_VARARGS, "tree_cost.reserve's loop (see the module doc)."},
     {"follows", py_follows, METH_VARARGS, "schedule_to_decision's `after` of each transfer (see the module doc)."},
     {"build", py_build, METH_VARARGS, "trees._build (see the module doc)."},
+    {"instances", py_instances, METH_VARARGS, "Dataclass instances, their fields filled (see the module doc)."},
     {"estimate", py_estimate, METH_VARARGS, "tree_cost.estimate's loop (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };

@@ -28,5 +28,6 @@ PyObject *py_estimate(PyObject *self, PyObject *args);
 PyObject *py_reserve_tree(PyObject *self, PyObject *args);
 PyObject *py_follows(PyObject *self, PyObject *args);
 PyObject *py_build(PyObject *self, PyObject *args);
+PyObject *py_instances(PyObject *self, PyObject *args);
 
 #endif

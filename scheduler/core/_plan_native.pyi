@@ -1,7 +1,9 @@
 """Types of the C extension scheduler/core/_plan_native.c (the tree planner's per-update loops)."""
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 def transfer(
     timelines: dict[Any, Any],
@@ -59,3 +61,4 @@ def build(
 def follows(
     transfers: tuple[Any, ...], busy: Sequence[tuple[str, Sequence[Hashable], float]], ids: dict[str, str], /
 ) -> list[tuple[str, ...]]: ...
+def instances(cls: type[T], fields: tuple[str, ...], rows: list[tuple[Any, ...]], /) -> list[T]: ...

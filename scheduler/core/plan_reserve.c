@@ -492,3 +492,28 @@ done:
     Py_XDECREF(makespan);
     return out;
 }
+
+/* instances(cls, fields, rows) -> list: make_instance(cls, fields, row) for each row (a tuple
+   naming every field, in order) */
+PyObject *py_instances(PyObject *self, PyObject *args) {
+    PyObject *cls, *fields, *rows;
+    if (!PyArg_ParseTuple(args, "OO!O!", &cls, &PyTuple_Type, &fields, &PyList_Type, &rows)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(rows), nf = PyTuple_GET_SIZE(fields);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != nf) {
+            PyErr_SetString(PyExc_TypeError, "instances: each row must be a tuple of every field");
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *obj = make_instance(cls, fields, &PyTuple_GET_ITEM(row, 0), nf);
+        if (obj == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, obj);
+    }
+    return out;
+}

@@ -23,6 +23,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from mlfabric.scheduler.core.records import instances
 from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer
 from mlfabric.scheduler.core.timeline import _plan_native
 from mlfabric.scheduler.policies.base import Decision, Drop, PlannedAggregate, ReplicaSend, Send
@@ -75,9 +76,9 @@ def schedule_to_decision(
     transfers = schedule.transfers
     after = _follows(transfers, busy, ids)
     planned = {a.aggregate_id for a in schedule.aggregates}
-    sends: list[Send] = []
     replicas: list[ReplicaSend] = []
     carried: dict[str, tuple[Transfer, tuple[str, ...]]] = {}
+    rows: list[tuple[str, str, tuple[str, ...], tuple[str, ...], float, float]] = []
     for i, t in enumerate(transfers):
         pid = ids.get(t.payload_id, t.payload_id)
         if t.replica:
@@ -85,7 +86,8 @@ def schedule_to_decision(
         elif t.payload_id in planned:
             carried[t.payload_id] = (t, after[i])
         else:
-            sends.append(Send(pid, t.dst, t.path, after[i], t.start, t.end))
+            rows.append((pid, t.dst, t.path, after[i], t.start, t.end))
+    sends = instances(Send, rows)
     aggregates = []
     for a in schedule.aggregates:
         out, deps = carried.get(a.aggregate_id, (None, ()))

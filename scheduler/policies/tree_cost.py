@@ -10,7 +10,6 @@ Internal to the tree planner.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import heapq
 import math
@@ -18,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import networkx as nx
 
+from mlfabric.scheduler.core.records import init_fields
 from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
 from mlfabric.scheduler.core.timeline import EPS, LinkTimeline, Timelines, _plan_native
 from mlfabric.scheduler.policies.tree_moves import Node
@@ -36,11 +36,10 @@ def ingress(graph: nx.DiGraph, host: str) -> float:
     return max((float(d["capacity"]) for d in graph.pred[host].values()), default=0.0)
 
 
-_TRANSFER_INIT = ("payload_id", "src", "dst", "path", "start", "end", "bytes", "reservations", "replica")
-#: Transfer's fields where its __init__ only sets them (the C loop then fills an instance's
-#: dict in this order itself); None: the C loop calls the class
-_TRANSFER_FIELDS: tuple[str, ...] | None = tuple(f.name for f in dataclasses.fields(Transfer))
-if _TRANSFER_FIELDS != _TRANSFER_INIT or hasattr(Transfer, "__post_init__"):
+#: Transfer's fields, which its __init__ only sets (the C loop then fills each instance's
+#: dict in this order itself, replica False); None: the C loop calls the class
+_TRANSFER_FIELDS = init_fields(Transfer)
+if _TRANSFER_FIELDS is None or _TRANSFER_FIELDS[-1] != "replica":
     _TRANSFER_FIELDS = None  # pragma: no cover - not this Transfer
 
 

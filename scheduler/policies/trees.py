@@ -43,7 +43,6 @@ simulator executes it.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.records import init_fields
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
@@ -78,8 +78,8 @@ MOVES_UP_TO = 16
 
 
 #: the fields of a tree node, which its __init__ only sets (the C build fills them itself)
-_NODE_FIELDS: tuple[str, ...] | None = tuple(f.name for f in dataclasses.fields(_Node))
-if _NODE_FIELDS != ("point", "aggregator", "members", "parent") or hasattr(_Node, "__post_init__"):
+_NODE_FIELDS = init_fields(_Node)
+if _NODE_FIELDS != ("point", "aggregator", "members", "parent"):
     _NODE_FIELDS = None  # pragma: no cover - not this Node
 
 

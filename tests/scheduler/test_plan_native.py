@@ -7,6 +7,7 @@ what comes out (every float to the last bit) and the timelines left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from typing import Any
 import networkx as nx
 import pytest
 
-from mlfabric.scheduler.core import timeline
+from mlfabric.scheduler.core import records, timeline
 from mlfabric.scheduler.core.graph import PathCache, two_tier
 from mlfabric.scheduler.core.schedule import Update
 from mlfabric.scheduler.core.timeline import Timelines
@@ -26,7 +27,7 @@ from mlfabric.scheduler.policies.tree_policy import TreePolicy
 from mlfabric.scheduler.policies.trees import plan_tree
 
 MB = 1_000_000
-MODULES = (timeline, tree_cost, trees, convert)
+MODULES = (timeline, records, tree_cost, trees, convert)
 
 
 @contextmanager
@@ -154,3 +155,35 @@ def test_tree_decisions_are_the_python_ones() -> None:
 
     native, python = both(decide)
     assert native == python
+
+
+def test_instances_only_where_init_only_sets_the_fields() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Plain:
+        a: int
+        b: str = "x"
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        a: int
+
+        def __post_init__(self) -> None:
+            if self.a < 0:
+                raise ValueError("negative")
+
+    @dataclasses.dataclass
+    class Own:
+        a: int
+
+        def __init__(self, a: int) -> None:
+            self.a = a * 2
+
+    assert records.init_fields(Plain) == ("a", "b")
+    assert records.init_fields(Checked) is None and records.init_fields(Own) is None
+    made = records.instances(Plain, [(1, "y"), (2, "z")])
+    assert made == [Plain(1, "y"), Plain(2, "z")] and hash(made[0]) == hash(Plain(1, "y"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made[0].a = 3  # type: ignore[misc]
+    with pytest.raises(ValueError, match="negative"):
+        records.instances(Checked, [(-1,)])  # its __init__ runs
+    assert records.instances(Own, [(2,)])[0].a == 4
