@@ -68,7 +68,7 @@ def random_reservations(seed: int) -> object:
     for _ in range(rng.randrange(0, 4)):  # in flight: whole residuals taken for a while
         a, b = rng.sample(hosts, 2)
         tls.reserve_until(pc.links(a, b), rng.random() * 0.01, 0.01 + rng.random() * 0.02)
-    out = []
+    out: list[object] = []
     for k in range(40):
         a, b = rng.sample(hosts, 2)
         path = pc.path(a, b) if rng.random() < 0.9 else (a,)

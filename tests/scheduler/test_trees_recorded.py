@@ -21,6 +21,7 @@ A change of a digest is a change of plan: if intended, say so in the commit and 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -123,9 +124,9 @@ def seeded_plan(seed: int) -> dict[str, Any]:
 
 
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
-    **{f"bench_decision_1024_seed{s}": (lambda s=s: bench_decisions(s)) for s in range(3)},
-    "round_first_decision_1024_seed0": lambda: round_first_decision(0),
-    **{f"plan_seed{s}": (lambda s=s: seeded_plan(s)) for s in range(24)},
+    **{f"bench_decision_1024_seed{s}": functools.partial(bench_decisions, s) for s in range(3)},
+    "round_first_decision_1024_seed0": functools.partial(round_first_decision, 0),
+    **{f"plan_seed{s}": functools.partial(seeded_plan, s) for s in range(24)},
 }
 
 
