@@ -94,7 +94,8 @@ class _ServerRoutes:
 
     def _every(self) -> None:
         """The path of every node with one to the server, each from its next hop's (listed first)."""
-        hosts, lid = self.hosts, self.link_id
+        hosts = self.hosts
+        ids, links = self.link_id.lid, self.link_id.links  # self.link_id(link), inline
         for v, nxt in self.pc.next_hops(self.server).items():
             if v in hosts:
                 continue
@@ -102,7 +103,12 @@ class _ServerRoutes:
                 hosts[v] = _Host((v,), ())
                 continue
             on = hosts[nxt]
-            hosts[v] = _Host((v, *on.path), (lid((v, nxt)), *on.up))
+            link = (v, nxt)
+            i = ids.get(link)
+            if i is None:
+                i = ids[link] = len(links)
+                links.append(link)
+            hosts[v] = _Host((v, *on.path), (i, *on.up))
 
     def _dst(self, h: str) -> _Dst:
         got = self.dsts.get(h)
@@ -277,8 +283,8 @@ class RouteCache:
                 paths[h] = path
             for x in paths[h][1:-1]:
                 below.setdefault(x, []).append(h)
-        pred = self.pc.graph.predecessors
-        into = {h: list(pred(h)) for h in paths if h in eligible}
+        pred = self.pc.graph.pred  # node -> the nodes with a link into it
+        into = {h: list(pred[h]) for h in paths if h in eligible}
         return TreeShape(paths, below, {h: i for i, h in enumerate(every)}, into)
 
     def server(self, server_host: str) -> _ServerRoutes:
