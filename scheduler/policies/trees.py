@@ -102,10 +102,15 @@ class _Tree:
 
 
 def _tree(
-    graph: nx.DiGraph, rc: RouteCache, order: Sequence[Update], eligible: frozenset[str], prefix: str
+    graph: nx.DiGraph,
+    rc: RouteCache,
+    order: Sequence[Update],
+    eligible: frozenset[str],
+    prefix: str,
+    every: Sequence[str],
 ) -> _Tree:
     server_host = order[0].dst
-    shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), hosts(graph))
+    shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), every)
     paths, below, rank = shape.paths, shape.below, shape.rank
     adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
     ingress = {  # tree_cost.ingress
@@ -268,8 +273,9 @@ def _plan_server(
     now: float,
     prefix: str,
     local_search: bool,
+    every: Sequence[str],
 ) -> tuple[Timelines, list[Transfer], list[Aggregate]]:
-    tree = _tree(graph, rc, order, eligible, prefix)
+    tree = _tree(graph, rc, order, eligible, prefix, every)
     server_host = tree.server_host
     candidates, switches = _points_of(tree.groups, graph)
     routes = rc.routes(graph, server_host, tree.paths, tls)
@@ -449,7 +455,8 @@ def _plan_tree(
     rc = routes if routes is not None else RouteCache(pc)
     tls = timelines if timelines is not None else Timelines(graph, start=now)
     servers = {u.dst for u in updates}
-    pool = aggregators if aggregators is not None else [h for h in hosts(graph) if h not in servers]
+    every = hosts(graph)  # in graph order
+    pool = aggregators if aggregators is not None else [h for h in every if h not in servers]
     eligible = frozenset(h for h in pool if h not in servers)
     by_server: dict[str, list[Update]] = {}
     for u in updates:
@@ -467,7 +474,7 @@ def _plan_tree(
         own = {u.update_id: u.bytes / rates[u.dst][u.src] for u in by_server[server]}
         order = sorted(by_server[server], key=lambda u: (u.ready_at, -own[u.update_id], u.update_id))
         prefix = order[0].dst if len(by_server) == 1 else f"{order[0].dst}.{i}"
-        tls, ts, aggs = _plan_server(graph, order, tls, rc, eligible, now, prefix, search)
+        tls, ts, aggs = _plan_server(graph, order, tls, rc, eligible, now, prefix, search, every)
         transfers.extend(ts)
         aggregates.extend(aggs)
     tree = Schedule.aggregated(transfers, aggregates)
