@@ -48,6 +48,9 @@ from typing import Any
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+from bench_trees import mixed_nics  # noqa: E402 - beside this script
+
 MB = 1_000_000
 KINDS = ("cold", "warm", "round first")
 REF_PATHS = ("scheduler/__init__.py", "scheduler/core", "scheduler/policies", "scheduler/plan")
@@ -109,15 +112,6 @@ class Planner:
         t4 = time.process_time()
         digest = hashlib.sha256(repr((cold, warm, first)).encode()).hexdigest()[:16]
         return {"cold": t1 - t0, "warm": t2 - t1, "round first": t4 - t3}, digest
-
-
-def mixed_nics(names: list[str], rng: random.Random) -> dict[str, float]:
-    """``bench_trees.mixed_nics``: 70 % 10 Gbit/s, 20 % 25 Gbit/s, 10 % 2.5 Gbit/s; the server never slow."""
-    out = {}
-    for i, h in enumerate(names):
-        x = rng.random()
-        out[h] = 25e9 if x < 0.2 else (2.5e9 if x > 0.9 and i > 0 else 10e9)
-    return out
 
 
 def spread(xs: list[float]) -> str:

@@ -3,43 +3,6 @@
 
 /* ------------------------------------------------------------------ tree_cost.estimate */
 
-typedef struct {
-    double ready, nbytes;
-    Py_ssize_t rank, pid;
-} Entry;
-
-static int entry_less(const Entry *a, const Entry *b) {
-    if (a->ready != b->ready) return a->ready < b->ready;
-    if (a->nbytes != b->nbytes) return a->nbytes < b->nbytes;
-    return a->rank < b->rank;
-}
-
-static void heap_push(Entry *h, Py_ssize_t *n, Entry e) {
-    Py_ssize_t i = (*n)++;
-    while (i > 0) {
-        Py_ssize_t up = (i - 1) / 2;
-        if (!entry_less(&e, &h[up])) break;
-        h[i] = h[up];
-        i = up;
-    }
-    h[i] = e;
-}
-
-static Entry heap_pop(Entry *h, Py_ssize_t *n) {
-    Entry top = h[0], e = h[--(*n)];
-    Py_ssize_t i = 0, size = *n;
-    for (;;) {
-        Py_ssize_t c = 2 * i + 1;
-        if (c >= size) break;
-        if (c + 1 < size && entry_less(&h[c + 1], &h[c])) c++;
-        if (!entry_less(&h[c], &e)) break;
-        h[i] = h[c];
-        i = c;
-    }
-    if (size > 0) h[i] = e;
-    return top;
-}
-
 double *floats_of(PyObject *seq, Py_ssize_t *n) {
     PyObject *fast = PySequence_Fast(seq, "expected a sequence of floats");
     if (fast == NULL) return NULL;
@@ -66,57 +29,86 @@ double *floats_of(PyObject *seq, Py_ssize_t *n) {
 
 
 
-/* _ServerRoutes.pair_ids(src, dst) where the route meets in the tree (new reference); the
-   Python method otherwise. Stores the route in the shared dict as the method does. */
-static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *key, PyObject *src, PyObject *dst) {
-    PyObject *out = NULL, *hosts = NULL, *up = NULL, *up_path = NULL, *up_ids = NULL, *server = NULL;
-    PyObject *dsts = NULL, *down = NULL, *pos = NULL, *down_ids = NULL;
+/* Where the paths of `src` and `dst` to the tree's server meet (_ServerRoutes._meet), their
+   _Host / _Dst made by the tree's methods where missing: 1 with *up (new reference) where dst
+   is the server; 2 with *up, *down (new references), *i (on src's path) and *j (on dst's) where
+   they meet within the links down to dst; 0 where they do not (the route goes round); -1 on
+   error. */
+int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObject **down, Py_ssize_t *i,
+              Py_ssize_t *j) {
+    PyObject *hosts = NULL, *server = NULL, *dsts = NULL, *up_path = NULL, *pos = NULL, *down_ids = NULL;
+    int rc = -1;
+    *up = *down = NULL;
     if ((hosts = PyObject_GetAttr(tree, str_hosts)) == NULL) goto done;
-    up = PyDict_GetItemWithError(hosts, src);
-    if (up != NULL) {
-        Py_INCREF(up);
+    *up = PyDict_GetItemWithError(hosts, src);
+    if (*up != NULL) {
+        Py_INCREF(*up);
     } else {
         if (PyErr_Occurred()) goto done;
-        if ((up = PyObject_CallMethodOneArg(tree, str_host, src)) == NULL) goto done;
+        if ((*up = PyObject_CallMethodOneArg(tree, str_host, src)) == NULL) goto done;
     }
     if ((server = PyObject_GetAttr(tree, str_server)) == NULL) goto done;
-    if ((up_ids = PyObject_GetAttr(up, str_up)) == NULL) goto done;
     int is_server = PyUnicode_Compare(dst, server) == 0;
-    if (is_server && PyErr_Occurred()) goto done;
+    if (PyErr_Occurred()) goto done;
     if (is_server) {
+        rc = 1;
+        goto done;
+    }
+    if ((dsts = PyObject_GetAttr(tree, str_dsts)) == NULL) goto done;
+    *down = PyDict_GetItemWithError(dsts, dst);
+    if (*down != NULL) {
+        Py_INCREF(*down);
+    } else {
+        if (PyErr_Occurred()) goto done;
+        if ((*down = PyObject_CallMethodOneArg(tree, str_dst_m, dst)) == NULL) goto done;
+    }
+    if ((up_path = PyObject_GetAttr(*up, str_path)) == NULL) goto done;
+    if ((pos = PyObject_GetAttr(*down, str_pos)) == NULL) goto done;
+    if ((down_ids = PyObject_GetAttr(*down, str_down)) == NULL) goto done;
+    if (!PyTuple_CheckExact(up_path) || !PyTuple_CheckExact(down_ids) || !PyDict_CheckExact(pos)) {
+        PyErr_SetString(PyExc_TypeError, "tree_meet: unexpected route types");
+        goto done;
+    }
+    *i = *j = -1;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(up_path); k++) {
+        PyObject *jo = PyDict_GetItemWithError(pos, PyTuple_GET_ITEM(up_path, k));
+        if (jo != NULL) {
+            *i = k;
+            *j = PyLong_AsSsize_t(jo);
+            break;
+        }
+        if (PyErr_Occurred()) goto done;
+    }
+    rc = *i < 0 || *j > PyTuple_GET_SIZE(down_ids) ? 0 : 2;
+done:
+    if (rc < 0 || rc == 0) {
+        Py_CLEAR(*up);
+        Py_CLEAR(*down);
+    }
+    Py_XDECREF(hosts);
+    Py_XDECREF(server);
+    Py_XDECREF(dsts);
+    Py_XDECREF(up_path);
+    Py_XDECREF(pos);
+    Py_XDECREF(down_ids);
+    return rc;
+}
+
+/* _ServerRoutes.pair_ids(src, dst) (new reference), stored in the shared dict as the method
+   stores it: C where the paths meet in the tree, the method where the route goes round */
+static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *key, PyObject *src, PyObject *dst) {
+    PyObject *up, *down, *up_ids = NULL, *down_ids = NULL, *out = NULL;
+    Py_ssize_t i, j;
+    int meet = tree_meet(tree, src, dst, &up, &down, &i, &j);
+    if (meet < 0) return NULL;
+    if (meet == 0) return PyObject_CallMethodObjArgs(tree, str_pair_ids, src, dst, NULL);
+    if ((up_ids = PyObject_GetAttr(up, str_up)) == NULL || !PyTuple_CheckExact(up_ids)) goto done;
+    if (meet == 1) {
         out = up_ids;
         Py_INCREF(out);
     } else {
-        if ((dsts = PyObject_GetAttr(tree, str_dsts)) == NULL) goto done;
-        down = PyDict_GetItemWithError(dsts, dst);
-        if (down != NULL) {
-            Py_INCREF(down);
-        } else {
-            if (PyErr_Occurred()) goto done;
-            if ((down = PyObject_CallMethodOneArg(tree, str_dst_m, dst)) == NULL) goto done;
-        }
-        if ((up_path = PyObject_GetAttr(up, str_path)) == NULL) goto done;
-        if ((pos = PyObject_GetAttr(down, str_pos)) == NULL) goto done;
         if ((down_ids = PyObject_GetAttr(down, str_down)) == NULL) goto done;
-        if (!PyTuple_CheckExact(up_path) || !PyTuple_CheckExact(up_ids) || !PyTuple_CheckExact(down_ids) ||
-            !PyDict_CheckExact(pos)) {
-            PyErr_SetString(PyExc_TypeError, "pair_ids: unexpected route types");
-            goto done;
-        }
-        Py_ssize_t i = -1, j = -1, len = PyTuple_GET_SIZE(up_path), nd = PyTuple_GET_SIZE(down_ids);
-        for (Py_ssize_t k = 0; k < len; k++) {
-            PyObject *jo = PyDict_GetItemWithError(pos, PyTuple_GET_ITEM(up_path, k));
-            if (jo != NULL) {
-                i = k;
-                j = PyLong_AsSsize_t(jo);
-                break;
-            }
-            if (PyErr_Occurred()) goto done;
-        }
-        if (i < 0 || j > nd) { /* no meeting point in the tree: the method goes round */
-            out = PyObject_CallMethodObjArgs(tree, str_pair_ids, src, dst, NULL);
-            goto done;
-        }
+        /* up.up[:i] + down.down[j - 1 :: -1] */
         Py_ssize_t nu = i < PyTuple_GET_SIZE(up_ids) ? i : PyTuple_GET_SIZE(up_ids);
         if ((out = PyTuple_New(nu + j)) == NULL) goto done;
         for (Py_ssize_t k = 0; k < nu; k++) {
@@ -124,7 +116,7 @@ static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *key, PyObj
             Py_INCREF(x);
             PyTuple_SET_ITEM(out, k, x);
         }
-        for (Py_ssize_t k = 0; k < j; k++) { /* down.down[j - 1 :: -1] */
+        for (Py_ssize_t k = 0; k < j; k++) {
             PyObject *x = PyTuple_GET_ITEM(down_ids, j - 1 - k);
             Py_INCREF(x);
             PyTuple_SET_ITEM(out, nu + k, x);
@@ -132,14 +124,10 @@ static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *key, PyObj
     }
     if (PyDict_SetItem(shared, key, out) < 0) Py_CLEAR(out);
 done:
-    Py_XDECREF(hosts);
+    if (out == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pair_ids: unexpected route types");
     Py_XDECREF(up);
-    Py_XDECREF(up_path);
-    Py_XDECREF(up_ids);
-    Py_XDECREF(server);
-    Py_XDECREF(dsts);
     Py_XDECREF(down);
-    Py_XDECREF(pos);
+    Py_XDECREF(up_ids);
     Py_XDECREF(down_ids);
     return out;
 }
@@ -195,7 +183,7 @@ PyObject *py_estimate(PyObject *self, PyObject *args) {
     Py_ssize_t *waiting = PyMem_Malloc((na ? na : 1) * sizeof(Py_ssize_t));
     Py_ssize_t *rank = PyMem_Malloc((na ? na : 1) * sizeof(Py_ssize_t));
     double *agg_ready = PyMem_Malloc((na ? na : 1) * sizeof(double));
-    Entry *heap = PyMem_Malloc((na ? na : 1) * sizeof(Entry));
+    HeapEntry *heap = PyMem_Malloc((na ? na : 1) * sizeof(HeapEntry));
     double *busy = NULL, *per = NULL;
     if (!paths || !nodeobjs || !ready || !bytes || !to || !waiting || !rank || !agg_ready || !heap) {
         PyErr_NoMemory();
@@ -329,17 +317,17 @@ PyObject *py_estimate(PyObject *self, PyObject *args) {
     Py_ssize_t hn = 0, i = 0;
     double makespan = now;
     while (i < n || hn) {
-        Entry e;
-        if (hn && (i >= n || heap[0].ready < ready[i])) {
+        HeapEntry e = {0};
+        if (hn && (i >= n || heap[0].key < ready[i])) {
             e = heap_pop(heap, &hn);
         } else {
-            e.ready = ready[i];
-            e.nbytes = bytes[i];
+            e.key = ready[i];
+            e.tie = bytes[i];
             e.pid = i;
             e.rank = 0;
             i++;
         }
-        double end = e.ready;
+        double end = e.key;
         PyObject *path = paths[e.pid];
         Py_ssize_t len = PyTuple_GET_SIZE(path);
         for (Py_ssize_t k = 0; k < len; k++) {
@@ -349,7 +337,7 @@ PyObject *py_estimate(PyObject *self, PyObject *args) {
                 goto done;
             }
             double at = busy[link];
-            double done_at = (e.ready > at ? e.ready : at) + e.nbytes * per[link];
+            double done_at = (e.key > at ? e.key : at) + e.tie * per[link];
             busy[link] = done_at;
             if (done_at > end) end = done_at;
         }
@@ -362,7 +350,7 @@ PyObject *py_estimate(PyObject *self, PyObject *args) {
         waiting[a] -= 1;
         if (end > agg_ready[a]) agg_ready[a] = end;
         if (waiting[a] == 0) {
-            Entry g = {agg_ready[a], e.nbytes, rank[a], dst};
+            HeapEntry g = {agg_ready[a], e.tie, rank[a], dst, NULL, NULL, NULL}; /* (ready, bytes, id) */
             heap_push(heap, &hn, g);
         }
     }

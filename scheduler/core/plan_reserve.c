@@ -4,7 +4,8 @@
 /* ------------------------------------------------------------------ tree_cost.reserve */
 
 
-/* routes.tree_path(src, dst) (new reference): _ServerRoutes.walks, else pair_path's route */
+/* routes.tree_path(src, dst) (new reference): _ServerRoutes.walks, else pair_path's route (C
+   where the paths meet in the tree, the method where it goes round), stored as pair_path does */
 static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObject *dst) {
     PyObject *key = PyTuple_Pack(2, src, dst);
     if (key == NULL) return NULL;
@@ -14,65 +15,32 @@ static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObj
         Py_XINCREF(out);
         return out;
     }
-    PyObject *hosts = NULL, *up = NULL, *up_path = NULL, *server = NULL, *dsts = NULL, *down = NULL, *pos = NULL,
-             *back = NULL;
+    PyObject *up = NULL, *down = NULL, *up_path = NULL, *back = NULL;
     int same = PyUnicode_Compare(src, dst) == 0;
     if (PyErr_Occurred()) goto done;
     if (same) {
         out = PyTuple_Pack(1, src);
         goto done;
     }
-    if ((hosts = PyObject_GetAttr(tree, str_hosts)) == NULL) goto done;
-    up = PyDict_GetItemWithError(hosts, src);
-    if (up != NULL) {
-        Py_INCREF(up);
-    } else {
-        if (PyErr_Occurred()) goto done;
-        if ((up = PyObject_CallMethodOneArg(tree, str_host, src)) == NULL) goto done;
+    Py_ssize_t i, j;
+    int meet = tree_meet(tree, src, dst, &up, &down, &i, &j);
+    if (meet < 0) goto done;
+    if (meet == 0) {
+        out = PyObject_CallMethodObjArgs(tree, str_pair_path, src, dst, NULL);
+        goto done;
     }
     if ((up_path = PyObject_GetAttr(up, str_path)) == NULL) goto done;
-    if ((server = PyObject_GetAttr(tree, str_server)) == NULL) goto done;
-    int is_server = PyUnicode_Compare(dst, server) == 0;
-    if (PyErr_Occurred()) goto done;
-    if (is_server) {
+    if (meet == 1) {
         out = up_path;
         Py_INCREF(out);
     } else {
-        if ((dsts = PyObject_GetAttr(tree, str_dsts)) == NULL) goto done;
-        down = PyDict_GetItemWithError(dsts, dst);
-        if (down != NULL) {
-            Py_INCREF(down);
-        } else {
-            if (PyErr_Occurred()) goto done;
-            if ((down = PyObject_CallMethodOneArg(tree, str_dst_m, dst)) == NULL) goto done;
-        }
-        if ((pos = PyObject_GetAttr(down, str_pos)) == NULL) goto done;
         if ((back = PyObject_GetAttr(down, str_back)) == NULL) goto done;
-        PyObject *down_ids = PyObject_GetAttr(down, str_down);
-        if (down_ids == NULL) goto done;
-        Py_ssize_t nd = PyObject_Length(down_ids);
-        Py_DECREF(down_ids);
-        if (nd < 0) goto done;
-        if (!PyTuple_CheckExact(up_path) || !PyTuple_CheckExact(back) || !PyDict_CheckExact(pos)) {
+        if (!PyTuple_CheckExact(back)) {
             PyErr_SetString(PyExc_TypeError, "tree_path: unexpected route types");
             goto done;
         }
-        Py_ssize_t i = -1, j = -1, len = PyTuple_GET_SIZE(up_path), nb = PyTuple_GET_SIZE(back);
-        for (Py_ssize_t k = 0; k < len; k++) {
-            PyObject *jo = PyDict_GetItemWithError(pos, PyTuple_GET_ITEM(up_path, k));
-            if (jo != NULL) {
-                i = k;
-                j = PyLong_AsSsize_t(jo);
-                break;
-            }
-            if (PyErr_Occurred()) goto done;
-        }
-        if (i < 0 || j > nd) { /* no meeting point in the tree: the method goes round */
-            out = PyObject_CallMethodObjArgs(tree, str_pair_path, src, dst, NULL);
-            goto done;
-        }
         /* up.path[:i] + down.back[len(down.back) - 1 - j :] */
-        Py_ssize_t from = nb - 1 - j;
+        Py_ssize_t nb = PyTuple_GET_SIZE(back), from = nb - 1 - j;
         if ((out = PyTuple_New(i + (nb - from))) == NULL) goto done;
         for (Py_ssize_t k = 0; k < i; k++) {
             PyObject *x = PyTuple_GET_ITEM(up_path, k);
@@ -88,13 +56,9 @@ static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObj
     if (PyDict_SetItem(walks, key, out) < 0) Py_CLEAR(out);
 done:
     Py_DECREF(key);
-    Py_XDECREF(hosts);
     Py_XDECREF(up);
-    Py_XDECREF(up_path);
-    Py_XDECREF(server);
-    Py_XDECREF(dsts);
     Py_XDECREF(down);
-    Py_XDECREF(pos);
+    Py_XDECREF(up_path);
     Py_XDECREF(back);
     return out;
 }
@@ -279,43 +243,6 @@ static PyObject *one_transfer(PyObject *tls_obj, PyObject *tls, PyObject *hops, 
     return out;
 }
 
-typedef struct {
-    double ready;
-    long made;
-    PyObject *ready_o, *pid, *src; /* borrowed: kept alive by the arrays below */
-} REntry;
-
-static int rentry_less(const REntry *a, const REntry *b) {
-    if (a->ready != b->ready) return a->ready < b->ready;
-    return a->made < b->made;
-}
-
-static void rheap_push(REntry *h, Py_ssize_t *n, REntry e) {
-    Py_ssize_t i = (*n)++;
-    while (i > 0) {
-        Py_ssize_t up = (i - 1) / 2;
-        if (!rentry_less(&e, &h[up])) break;
-        h[i] = h[up];
-        i = up;
-    }
-    h[i] = e;
-}
-
-static REntry rheap_pop(REntry *h, Py_ssize_t *n) {
-    REntry top = h[0], e = h[--(*n)];
-    Py_ssize_t i = 0, size = *n;
-    for (;;) {
-        Py_ssize_t c = 2 * i + 1;
-        if (c >= size) break;
-        if (c + 1 < size && rentry_less(&h[c + 1], &h[c])) c++;
-        if (!rentry_less(&h[c], &e)) break;
-        h[i] = h[c];
-        i = c;
-    }
-    if (size > 0) h[i] = e;
-    return top;
-}
-
 PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
     PyObject *tls_obj, *routes, *order, *nodes, *parent, *server, *size, *readies, *now, *transfer_cls, *res_cls;
     PyObject *fields, *timeline_cls;
@@ -338,7 +265,7 @@ PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
     double *agg_ready = PyMem_Malloc((na ? na : 1) * sizeof(double));
     double *ready_d = PyMem_Malloc((n ? n : 1) * sizeof(double));
     Py_ssize_t *waiting = PyMem_Malloc((na ? na : 1) * sizeof(Py_ssize_t));
-    REntry *heap = PyMem_Malloc((na ? na : 1) * sizeof(REntry));
+    HeapEntry *heap = PyMem_Malloc((na ? na : 1) * sizeof(HeapEntry));
     if (!agg_host || !agg_ready_o || !agg_id || !agg_ready || !ready_d || !waiting || !heap) {
         PyErr_NoMemory();
         goto done;
@@ -384,14 +311,14 @@ PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
     double makespan_d = PyFloat_AsDouble(now);
     if (makespan_d == -1.0 && PyErr_Occurred()) goto done;
     Py_ssize_t hn = 0, i = 0;
-    long made = 0;
+    Py_ssize_t made = 0;
     while (i < n || hn) {
         PyObject *ready_o, *pid, *src;
-        if (hn && (i >= n || heap[0].ready < ready_d[i])) {
-            REntry e = rheap_pop(heap, &hn);
+        if (hn && (i >= n || heap[0].key < ready_d[i])) {
+            HeapEntry e = heap_pop(heap, &hn);
             ready_o = e.ready_o;
             Py_INCREF(ready_o);
-            pid = e.pid;
+            pid = e.id;
             Py_INCREF(pid);
             src = e.src;
             Py_INCREF(src);
@@ -467,8 +394,9 @@ PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
         }
         if (waiting[k] == 0) {
             made += 1;
-            REntry e = {agg_ready[k], made, agg_ready_o[k], agg_id[k], agg_host[k]};
-            rheap_push(heap, &hn, e);
+            /* (ready, made, id, aggregator): the made count breaks ties */
+            HeapEntry e = {agg_ready[k], 0.0, made, k, agg_ready_o[k], agg_id[k], agg_host[k]};
+            heap_push(heap, &hn, e);
         }
     }
     out = PyTuple_Pack(2, transfers, makespan);

@@ -127,8 +127,17 @@ def estimate(
     payload holds every link of its path at once (from when all are free, at the path's
     bottleneck rate) instead of each link on its own (optimistic where links are shared).
     """
-    if _plan_native is not None and not whole:
-        return _estimate_native(routes, updates, nodes, parent, server_host, now)
+    if _plan_native is not None and not whole:  # the loop below in C, the same makespan
+        return _plan_native.estimate(
+            updates if isinstance(updates, list) else list(updates),
+            nodes if type(nodes) is dict else dict(nodes),
+            parent if type(parent) is dict else dict(parent),
+            server_host,
+            sorted(nodes),  # the heap's tie-break: aggregate ids in order
+            routes,
+            routes._shared,  # the in-tree routes' link ids, made there as pair_ids makes them
+            now,
+        )
     # each payload's links (resolved first: link ids are made on first use) and aggregate
     plan: dict[str, tuple[tuple[int, ...], str | None]] = {}
     ids = routes.tree_ids  # every payload moves between hosts of the tree
@@ -185,28 +194,6 @@ def estimate(
         if waiting[to] == 0:
             push(heap, (ready_at[to], nbytes, to, ""))
     return makespan
-
-
-def _estimate_native(
-    routes: Routes,
-    updates: Sequence[tuple[float, float, str, str]],
-    nodes: Mapping[str, Node],
-    parent: Mapping[str, str],
-    server_host: str,
-    now: float,
-) -> float:
-    """:func:`estimate` in C (``_plan_native.estimate``, the same loop)."""
-    shared = routes._shared
-    return _plan_native.estimate(
-        updates if isinstance(updates, list) else list(updates),
-        nodes if type(nodes) is dict else dict(nodes),
-        parent if type(parent) is dict else dict(parent),
-        server_host,
-        sorted(nodes),
-        routes,
-        shared,
-        now,
-    )
 
 
 @contextlib.contextmanager
