@@ -23,6 +23,8 @@ PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values
 /* plan_estimate.c: where two hosts' paths to the tree's server meet (see there) */
 int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObject **down, Py_ssize_t *i,
               Py_ssize_t *j);
+/* plan_estimate.c: key -> its place in a dict's order */
+PyObject *places(PyObject *d);
 /* plan_estimate.c: a sequence of floats as a PyMem array */
 double *floats_of(PyObject *seq, Py_ssize_t *n);
 

@@ -29,6 +29,19 @@ double *floats_of(PyObject *seq, Py_ssize_t *n) {
 
 
 
+/* key -> its place (0, 1, ...) in the dict `d`'s order (a new dict) */
+PyObject *places(PyObject *d) {
+    PyObject *out = PyDict_New();
+    Py_ssize_t it = 0, k = 0;
+    PyObject *key, *value;
+    while (out != NULL && PyDict_Next(d, &it, &key, &value)) {
+        PyObject *idx = PyLong_FromSsize_t(k++);
+        if (idx == NULL || PyDict_SetItem(out, key, idx) < 0) Py_CLEAR(out);
+        Py_XDECREF(idx);
+    }
+    return out;
+}
+
 /* Where the paths of `src` and `dst` to the tree's server meet (_ServerRoutes._meet), their
    _Host / _Dst made by the tree's methods where missing: 1 with *up (new reference) where dst
    is the server; 2 with *up, *down (new references), *i (on src's path) and *j (on dst's) where
@@ -189,20 +202,12 @@ PyObject *py_estimate(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if ((pos = PyDict_New()) == NULL) goto done;
+    if ((pos = places(nodes)) == NULL) goto done;
     if ((tree = PyObject_GetAttr(routes, str_tree)) == NULL) goto done;
     {
         Py_ssize_t it = 0, k = 0;
         PyObject *aid, *node;
-        while (PyDict_Next(nodes, &it, &aid, &node)) {
-            PyObject *idx = PyLong_FromSsize_t(k);
-            if (idx == NULL || PyDict_SetItem(pos, aid, idx) < 0) {
-                Py_XDECREF(idx);
-                goto done;
-            }
-            Py_DECREF(idx);
-            nodeobjs[k++] = node;
-        }
+        while (PyDict_Next(nodes, &it, &aid, &node)) nodeobjs[k++] = node;
     }
     if (PyList_GET_SIZE(order) != na) {
         PyErr_SetString(PyExc_ValueError, "estimate: order must list every aggregate");

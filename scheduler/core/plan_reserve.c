@@ -281,18 +281,12 @@ PyObject *py_reserve_tree(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "reserve_tree: the routes' walks must be a dict");
         goto done;
     }
-    if ((pos = PyDict_New()) == NULL) goto done;
+    if ((pos = places(nodes)) == NULL) goto done;
     if ((transfers = PyList_New(0)) == NULL) goto done;
     {
         Py_ssize_t it = 0, k = 0;
         PyObject *aid, *node;
         while (PyDict_Next(nodes, &it, &aid, &node)) {
-            PyObject *idx = PyLong_FromSsize_t(k);
-            if (idx == NULL || PyDict_SetItem(pos, aid, idx) < 0) {
-                Py_XDECREF(idx);
-                goto done;
-            }
-            Py_DECREF(idx);
             agg_id[k] = aid;
             if ((agg_host[k] = PyObject_GetAttr(node, str_aggregator)) == NULL) goto done;
             PyObject *members = PyObject_GetAttr(node, str_members);
