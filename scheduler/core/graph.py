@@ -471,6 +471,23 @@ class PathCache:
             raise self._no_path(src, dst)
         return hop
 
+    def next_hops(self, dst: str) -> Mapping[str, str]:
+        """Every node with a path to ``dst`` -> its next hop (``dst`` -> itself), nearest first.
+
+        Read only (the cache's own tree). A node's next hop is listed before it.
+
+        Raises
+        ------
+        TopologyError
+            If ``dst`` is not in the graph.
+
+        Examples
+        --------
+        >>> list(PathCache(star(2, 8e9)).next_hops("h0").items())
+        [('h0', 'h0'), ('sw', 'h0'), ('h1', 'sw')]
+        """
+        return self._tree(dst)
+
     def _no_path(self, src: str, dst: str) -> TopologyError:
         if src not in self._graph:
             return TopologyError(f"'{src}' is not a host of the bandwidth graph")

@@ -23,9 +23,16 @@ import networkx as nx
 
 from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer
 
+try:  # the walk and reservation of a transfer in C (same arithmetic), built by ``pip install``
+    from mlfabric.scheduler.core import _plan_native
+except ImportError:  # pragma: no cover - not built: the Python loops below
+    _plan_native = None  # type: ignore[assignment]
+
 __all__ = ["LinkTimeline", "Timelines"]
 
 INF = math.inf
+#: residual at or below this share of a link's capacity counts as zero (rounding of reservations)
+EPS = 1e-9
 
 
 class LinkTimeline:
@@ -59,7 +66,7 @@ class LinkTimeline:
         capacity: float,
         start: float = 0.0,
         profile: Sequence[tuple[float, float]] = (),
-        eps: float = 1e-9,
+        eps: float = EPS,
     ) -> None:
         self.times: list[float] = [start]
         self.residual: list[float] = [float(capacity)]
@@ -332,8 +339,28 @@ class Timelines:
         (float, float, tuple of Reservation)
             Start, end and the rate reserved on each link over each piece.
         """
+        if _plan_native is not None:
+            got = self._native(tuple(links), nbytes, ready, who)
+            if got is not None:
+                return got
         start, end, pieces = self._walk(links, nbytes, ready, record=True)
         return start, end, self._reserve_pieces(links, pieces, who)
+
+    def _native(
+        self, links: tuple[Link, ...], nbytes: float, ready: float, who: str
+    ) -> tuple[float, float, tuple[Reservation, ...]] | None:
+        """:meth:`reserve` in C (``_plan_native.transfer``); None: the Python loops are to run.
+
+        They run where a time is not a float, or the path never has residual bandwidth
+        (they raise); the C code changed nothing then.
+        """
+        if type(ready) is not float:
+            return None
+        tls = self._links
+        for link in links:
+            if link not in tls:
+                self.link(link)  # as the walk makes them, in path order
+        return _plan_native.transfer(tls, links, nbytes, ready, who or "a transfer", Reservation)
 
     def transfer(self, payload_id: str, path: Sequence[str], nbytes: float, ready: float) -> Transfer:
         """Reserve ``nbytes`` along the node ``path`` from ``ready`` on (:meth:`reserve`) as a Transfer.
@@ -347,6 +374,10 @@ class Timelines:
         ('a', 'b', 1.0, 3.0)
         """
         hops = tuple(path)
+        if _plan_native is not None:
+            got = self._native(tuple(itertools.pairwise(hops)), nbytes, ready, payload_id)
+            if got is not None:
+                return Transfer(payload_id, hops[0], hops[-1], hops, got[0], got[1], nbytes, got[2])
         links = list(itertools.pairwise(hops))
         start, end, pieces = self._walk(links, nbytes, ready, record=True)  # self.reserve(...), inline
         res = self._reserve_pieces(links, pieces, payload_id)

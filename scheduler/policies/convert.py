@@ -23,7 +23,9 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from mlfabric.scheduler.core.records import instances
 from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer
+from mlfabric.scheduler.core.timeline import _plan_native
 from mlfabric.scheduler.policies.base import Decision, Drop, PlannedAggregate, ReplicaSend, Send
 
 __all__ = ["schedule_to_decision"]
@@ -72,6 +74,49 @@ def schedule_to_decision(
     """
     ids = dict(aggregate_ids or {})
     transfers = schedule.transfers
+    after = _follows(transfers, busy, ids)
+    planned = {a.aggregate_id for a in schedule.aggregates}
+    replicas: list[ReplicaSend] = []
+    carried: dict[str, tuple[Transfer, tuple[str, ...]]] = {}
+    rows: list[tuple[str, str, tuple[str, ...], tuple[str, ...], float, float]] = []
+    for i, t in enumerate(transfers):
+        pid = ids.get(t.payload_id, t.payload_id)
+        if t.replica:
+            replicas.append(ReplicaSend(pid, t.src, t.dst, t.path, after[i], t.start, t.end))
+        elif t.payload_id in planned:
+            carried[t.payload_id] = (t, after[i])
+        else:
+            rows.append((pid, t.dst, t.path, after[i], t.start, t.end))
+    sends = instances(Send, rows)
+    aggregates = []
+    for a in schedule.aggregates:
+        out, deps = carried.get(a.aggregate_id, (None, ()))
+        members = tuple(ids.get(m, m) for m in a.members)
+        aggregates.append(
+            PlannedAggregate(
+                aggregate_id=ids.get(a.aggregate_id, a.aggregate_id),
+                aggregator=a.aggregator,
+                members=members,
+                bytes=a.bytes,
+                dst=out.dst if out is not None else a.dst,
+                after=tuple(p for p in deps if p not in members),
+                path=out.path if out is not None else (),
+            )
+        )
+    drops = tuple(Drop(uid, reason) for uid, reason in sorted(schedule.drops.items()))
+    return Decision(sends=tuple(sends), drops=drops, aggregates=tuple(aggregates), replicas=tuple(replicas))
+
+
+def _follows(
+    transfers: Sequence[Transfer], busy: Iterable[tuple[str, Sequence[Link], float]], ids: Mapping[str, str]
+) -> Sequence[tuple[str, ...]]:
+    """Each transfer's ``after``: what ends on one of its links exactly when it starts (by index).
+
+    In C where built (``_plan_native.follows``, the same loop), else the loop below.
+    """
+    busy = busy if isinstance(busy, list | tuple) else list(busy)
+    if _plan_native is not None and type(transfers) is tuple and type(ids) is dict:
+        return _plan_native.follows(transfers, busy, ids)
     ends: dict[Link, dict[float, list[str]]] = defaultdict(dict)  # link -> end -> payloads ending then
     for fid, links, end in busy:
         for link in links:
@@ -107,32 +152,4 @@ def schedule_to_decision(
                 at[end] = [pid]
             else:
                 got.append(pid)
-    planned = {a.aggregate_id for a in schedule.aggregates}
-    sends: list[Send] = []
-    replicas: list[ReplicaSend] = []
-    carried: dict[str, tuple[Transfer, tuple[str, ...]]] = {}
-    for i, t in enumerate(transfers):
-        pid = ids.get(t.payload_id, t.payload_id)
-        if t.replica:
-            replicas.append(ReplicaSend(pid, t.src, t.dst, t.path, after[i], t.start, t.end))
-        elif t.payload_id in planned:
-            carried[t.payload_id] = (t, after[i])
-        else:
-            sends.append(Send(pid, t.dst, t.path, after[i], t.start, t.end))
-    aggregates = []
-    for a in schedule.aggregates:
-        out, deps = carried.get(a.aggregate_id, (None, ()))
-        members = tuple(ids.get(m, m) for m in a.members)
-        aggregates.append(
-            PlannedAggregate(
-                aggregate_id=ids.get(a.aggregate_id, a.aggregate_id),
-                aggregator=a.aggregator,
-                members=members,
-                bytes=a.bytes,
-                dst=out.dst if out is not None else a.dst,
-                after=tuple(p for p in deps if p not in members),
-                path=out.path if out is not None else (),
-            )
-        )
-    drops = tuple(Drop(uid, reason) for uid, reason in sorted(schedule.drops.items()))
-    return Decision(sends=tuple(sends), drops=drops, aggregates=tuple(aggregates), replicas=tuple(replicas))
+    return [after[i] for i in range(len(transfers))]

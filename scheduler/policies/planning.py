@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterable, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import hosts
+from mlfabric.scheduler.core.records import instances
 from mlfabric.scheduler.core.schedule import Link, Schedule, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate
@@ -58,8 +59,8 @@ def core_updates(pending: Iterable[PendingUpdate]) -> list[Update]:
     >>> u.update_id, u.src, u.dst, u.server, u.base_version
     ('u1', 'h1', 'h0', 'j/ps0', 3)
     """
-    return [
-        Update(
+    rows = [
+        (
             p.update_id,
             p.src_host,
             p.dst_host,
@@ -71,6 +72,7 @@ def core_updates(pending: Iterable[PendingUpdate]) -> list[Update]:
         )
         for p in pending
     ]
+    return instances(Update, rows)
 
 
 def aggregator_pool(

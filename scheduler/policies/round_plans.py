@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.records import instances
 from mlfabric.scheduler.core.schedule import Schedule, Update
 from mlfabric.scheduler.policies.arrivals import ArrivalModel, LearnedArrivals
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
@@ -205,13 +206,15 @@ class RoundBook:
         dst = ps[0].dst_host
         expected: dict[str, tuple[str, float | None]] = {}
         updates = core_updates(ps)
+        rows = []
         for w, host in members.items():
             if w in here:
                 continue
             e = self.arrivals.expect(key, version, w, snapshot.now)
             xid = expected_id(job, server, version, w)
             expected[xid] = (w, e.spread)
-            updates.append(Update(xid, host, dst, size, e.at, 0.0, version, server_key(job, server)))
+            rows.append((xid, host, dst, size, e.at, 0.0, version, server_key(job, server)))
+        updates += instances(Update, rows)
         schedule, ids, decision = plan(snapshot, updates)
         starts = {ids.get(t.payload_id, t.payload_id): t.start for t in schedule.transfers}
         r = _Round(aggregates={a.aggregate_id: a for a in decision.aggregates}, expected={}, deadline={})
@@ -221,8 +224,9 @@ class RoundBook:
                 if m in expected:
                     r.expected[expected[m][0]] = m
                     r.worker_of[m] = expected[m][0]
+        leaves: dict[str, list[str]] = {}  # aggregate -> its leaves (each aggregate's listed once)
         for aid, a in r.aggregates.items():
-            spreads = [expected[m][1] for m in self._leaves(r, aid) if m in expected]
+            spreads = [expected[m][1] for m in self._leaves(r, aid, leaves) if m in expected]
             if not spreads:
                 continue
             cost = a.bytes / _bottleneck(graph, paths.path(a.aggregator, dst))  # the late one's way
@@ -289,11 +293,14 @@ class RoundBook:
         return out
 
     @staticmethod
-    def _leaves(r: _Round, aid: str) -> list[str]:
-        a = r.aggregates.get(aid)
-        if a is None:
-            return [aid]
-        return [x for m in a.members for x in RoundBook._leaves(r, m)]
+    def _leaves(r: _Round, aid: str, known: dict[str, list[str]]) -> list[str]:
+        """The updates summed into ``aid`` (itself for an update), depth first; ``known``: those listed."""
+        got = known.get(aid)
+        if got is None:
+            a = r.aggregates.get(aid)
+            got = [aid] if a is None else [x for m in a.members for x in RoundBook._leaves(r, m, known)]
+            known[aid] = got
+        return got
 
 
 def _bottleneck(graph: nx.DiGraph, path: Sequence[str]) -> float:

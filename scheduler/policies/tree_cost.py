@@ -17,8 +17,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import networkx as nx
 
-from mlfabric.scheduler.core.schedule import Link, Transfer, Update
-from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.core.records import init_fields
+from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
+from mlfabric.scheduler.core.timeline import EPS, LinkTimeline, Timelines, _plan_native
 from mlfabric.scheduler.policies.tree_moves import Node
 from mlfabric.scheduler.policies.tree_routes import Routes
 
@@ -33,6 +34,13 @@ def rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:
 
 def ingress(graph: nx.DiGraph, host: str) -> float:
     return max((float(d["capacity"]) for d in graph.pred[host].values()), default=0.0)
+
+
+#: Transfer's fields, which its __init__ only sets (the C loop then fills each instance's
+#: dict in this order itself, replica False); None: the C loop calls the class
+_TRANSFER_FIELDS = init_fields(Transfer)
+if _TRANSFER_FIELDS is None or _TRANSFER_FIELDS[-1] != "replica":
+    _TRANSFER_FIELDS = None  # pragma: no cover - not this Transfer
 
 
 def reserve(
@@ -53,11 +61,28 @@ def reserve(
     # an aggregate's size: its largest member (aggregates are made bottom-up, in id order)
     for aid in sorted(nodes, key=lambda a: int(a.rsplit(":", 1)[1])):
         size[aid] = max(size[m] for m in nodes[aid].members)
+    readies = [max(u.ready_at, now) for u in order]
+    if _plan_native is not None:  # the loop below in C, the same transfers
+        return _plan_native.reserve_tree(
+            tls,
+            routes,
+            order if isinstance(order, list) else list(order),
+            nodes if type(nodes) is dict else dict(nodes),
+            parent if type(parent) is dict else dict(parent),
+            server_host,
+            size,
+            readies,
+            now,
+            Transfer,
+            Reservation,
+            _TRANSFER_FIELDS,
+            LinkTimeline,
+            EPS,
+        )
     heap: list[tuple[float, int, str, str]] = []
     waiting = {aid: len(n.members) for aid, n in nodes.items()}
     ready_at = dict.fromkeys(nodes, -math.inf)
     transfers: list[Transfer] = []
-    readies = [max(u.ready_at, now) for u in order]
     path, transfer, pop, push = routes.tree_path, tls.transfer, heapq.heappop, heapq.heappush
     makespan = now
     i, n, made = 0, len(order), 0
@@ -102,6 +127,17 @@ def estimate(
     payload holds every link of its path at once (from when all are free, at the path's
     bottleneck rate) instead of each link on its own (optimistic where links are shared).
     """
+    if _plan_native is not None and not whole:  # the loop below in C, the same makespan
+        return _plan_native.estimate(
+            updates if isinstance(updates, list) else list(updates),
+            nodes if type(nodes) is dict else dict(nodes),
+            parent if type(parent) is dict else dict(parent),
+            server_host,
+            sorted(nodes),  # the heap's tie-break: aggregate ids in order
+            routes,
+            routes._shared,  # the in-tree routes' link ids, made there as pair_ids makes them
+            now,
+        )
     # each payload's links (resolved first: link ids are made on first use) and aggregate
     plan: dict[str, tuple[tuple[int, ...], str | None]] = {}
     ids = routes.tree_ids  # every payload moves between hosts of the tree

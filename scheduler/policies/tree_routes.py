@@ -83,14 +83,32 @@ class _ServerRoutes:
         got = self.hosts.get(h)
         if got is None:
             if h == self.server:
-                got = _Host((h,), ())
-            else:  # the next hop's path (cached), h in front
-                nxt = self.pc.next_hop(h, self.server)
-                first = self.link_id((h, nxt))  # before the next hop's: link ids in path order
-                on = self.host(nxt)
-                got = _Host((h, *on.path), (first, *on.up))
-            self.hosts[h] = got
+                got = self.hosts[h] = _Host((h,), ())
+                return got
+            self._every()
+            got = self.hosts.get(h)
+            if got is None:
+                self.pc.next_hop(h, self.server)  # raises: no path
+                raise AssertionError(f"{h} has a next hop towards {self.server} but no path")
         return got
+
+    def _every(self) -> None:
+        """The path of every node with one to the server, each from its next hop's (listed first)."""
+        hosts = self.hosts
+        ids, links = self.link_id.lid, self.link_id.links  # self.link_id(link), inline
+        for v, nxt in self.pc.next_hops(self.server).items():
+            if v in hosts:
+                continue
+            if v == nxt:  # the server
+                hosts[v] = _Host((v,), ())
+                continue
+            on = hosts[nxt]
+            link = (v, nxt)
+            i = ids.get(link)
+            if i is None:
+                i = ids[link] = len(links)
+                links.append(link)
+            hosts[v] = _Host((v, *on.path), (i, *on.up))
 
     def _dst(self, h: str) -> _Dst:
         got = self.dsts.get(h)
@@ -248,21 +266,25 @@ class RouteCache:
         paths = {s: tree.host(s).path for s in sources}
         crossed = {x for p in paths.values() for x in p[1:-1]}
         below: dict[str, list[str]] = {}
+        known = tree.hosts
         for h in every:
             if h not in eligible or h == server_host:
                 continue
             if h not in paths:
-                try:
-                    path = tree.host(h).path
-                except ValueError:
-                    continue
+                on = known.get(h)
+                if on is None:
+                    try:
+                        on = tree.host(h)
+                    except ValueError:
+                        continue
+                path = on.path
                 if not crossed.intersection(path):
                     continue
                 paths[h] = path
             for x in paths[h][1:-1]:
                 below.setdefault(x, []).append(h)
-        pred = self.pc.graph.predecessors
-        into = {h: list(pred(h)) for h in paths if h in eligible}
+        pred = self.pc.graph.pred  # node -> the nodes with a link into it
+        into = {h: list(pred[h]) for h in paths if h in eligible}
         return TreeShape(paths, below, {h: i for i, h in enumerate(every)}, into)
 
     def server(self, server_host: str) -> _ServerRoutes:
@@ -280,26 +302,24 @@ class RouteCache:
         """Each source -> the lowest capacity on ``graph`` of its path to ``server_host`` (inf: none).
 
         Each node's bottleneck is its first link's capacity or its next hop's bottleneck,
-        whichever is lower: one capacity read per node rather than per link of every path.
+        whichever is lower: one capacity read per node (every node with a path, next hops
+        first) rather than per link of every path.
         """
         adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
         tree = self.server(server_host)
         known = {server_host: math.inf}
+        for v, nxt in self.pc.next_hops(server_host).items():  # every node after its next hop
+            if v != nxt:
+                cap = float(adj[v][nxt]["capacity"])
+                rate = known[nxt]
+                known[v] = cap if cap < rate else rate
         out = {}
         for src in sources:
-            rate = known.get(src)
-            if rate is None:
-                path = tree.host(src).path
-                k = 1
-                while path[k] not in known:
-                    k += 1
-                rate = known[path[k]]
-                for i in range(k - 1, -1, -1):
-                    cap = float(adj[path[i]][path[i + 1]]["capacity"])
-                    if cap < rate:
-                        rate = cap
-                    known[path[i]] = rate
-            out[src] = rate
+            got = known.get(src)
+            if got is None:
+                tree.host(src)  # raises: no path
+                raise AssertionError(f"{src} has a path to {server_host} but no bottleneck")
+            out[src] = got
         return out
 
     def routes(
@@ -393,6 +413,11 @@ class Routes:
         if out is None:
             out = (src,) if src == dst else self._tree.pair_path(src, dst)
         return out
+
+    def sync(self) -> None:
+        """Per-byte and free times of the links given ids since (routes made outside these methods)."""
+        if len(self.per) < len(self.cache.links):
+            self._grow()
 
     def _grow(self) -> None:
         """Per-byte times and free times of the links given ids since the last call."""

@@ -50,8 +50,9 @@ from dataclasses import dataclass
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.records import init_fields
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
-from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
 from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
@@ -76,6 +77,12 @@ FINALISTS = 4
 MOVES_UP_TO = 16
 
 
+#: the fields of a tree node, which its __init__ only sets (the C build fills them itself)
+_NODE_FIELDS = init_fields(_Node)
+if _NODE_FIELDS != ("point", "aggregator", "members", "parent"):
+    _NODE_FIELDS = None  # pragma: no cover - not this Node
+
+
 @dataclass
 class _Tree:
     """What every candidate tree of one server shares: paths, hosts below each node, NICs."""
@@ -95,10 +102,15 @@ class _Tree:
 
 
 def _tree(
-    graph: nx.DiGraph, rc: RouteCache, order: Sequence[Update], eligible: frozenset[str], prefix: str
+    graph: nx.DiGraph,
+    rc: RouteCache,
+    order: Sequence[Update],
+    eligible: frozenset[str],
+    prefix: str,
+    every: Sequence[str],
 ) -> _Tree:
     server_host = order[0].dst
-    shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), hosts(graph))
+    shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), every)
     paths, below, rank = shape.paths, shape.below, shape.rank
     adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
     ingress = {  # tree_cost.ingress
@@ -162,6 +174,22 @@ def _build(
     ``fan_in`` first (each at its own host when the groups hold payloads of different hosts),
     and so on up: no aggregator's NIC takes more than ``fan_in`` payloads per aggregate.
     """
+    if _plan_native is not None and _NODE_FIELDS is not None and all(k >= 0 for k in bypass.values()):
+        return _plan_native.build(  # the loops below in C
+            tree.groups,
+            tree.depth,
+            tree.index,
+            tree.below,
+            tree.top,
+            tree.rank,
+            tree.host_of,
+            points if type(points) is frozenset else frozenset(points),
+            tree.prefix,
+            bypass if type(bypass) is dict else dict(bypass),
+            fan_in,
+            _Node,
+            _NODE_FIELDS,
+        )
     carried: dict[str, list[str]] = {}  # payloads reaching each point
     up: dict[str, str | None] = {}
     depth: dict[str, int] = {}
@@ -245,8 +273,9 @@ def _plan_server(
     now: float,
     prefix: str,
     local_search: bool,
+    every: Sequence[str],
 ) -> tuple[Timelines, list[Transfer], list[Aggregate]]:
-    tree = _tree(graph, rc, order, eligible, prefix)
+    tree = _tree(graph, rc, order, eligible, prefix, every)
     server_host = tree.server_host
     candidates, switches = _points_of(tree.groups, graph)
     routes = rc.routes(graph, server_host, tree.paths, tls)
@@ -426,7 +455,8 @@ def _plan_tree(
     rc = routes if routes is not None else RouteCache(pc)
     tls = timelines if timelines is not None else Timelines(graph, start=now)
     servers = {u.dst for u in updates}
-    pool = aggregators if aggregators is not None else [h for h in hosts(graph) if h not in servers]
+    every = hosts(graph)  # in graph order
+    pool = aggregators if aggregators is not None else [h for h in every if h not in servers]
     eligible = frozenset(h for h in pool if h not in servers)
     by_server: dict[str, list[Update]] = {}
     for u in updates:
@@ -444,7 +474,7 @@ def _plan_tree(
         own = {u.update_id: u.bytes / rates[u.dst][u.src] for u in by_server[server]}
         order = sorted(by_server[server], key=lambda u: (u.ready_at, -own[u.update_id], u.update_id))
         prefix = order[0].dst if len(by_server) == 1 else f"{order[0].dst}.{i}"
-        tls, ts, aggs = _plan_server(graph, order, tls, rc, eligible, now, prefix, search)
+        tls, ts, aggs = _plan_server(graph, order, tls, rc, eligible, now, prefix, search, every)
         transfers.extend(ts)
         aggregates.extend(aggs)
     tree = Schedule.aggregated(transfers, aggregates)

@@ -1,0 +1,115 @@
+/*
+ * mlfabric.scheduler.core._plan_native: the tree planner's per-update loops in C (issue 24).
+ *
+ * Each function runs the same arithmetic, in the same order, on the same Python objects as
+ * the Python it stands in for (which stays, and runs where this module is not built), so a
+ * plan is the same to the last bit: built with -ffp-contract=off (no fused multiply-add),
+ * heaps ordered by the same keys and ties, dicts filled in the same order.
+ *
+ *   transfer(timelines, links, nbytes, ready, who, Reservation) -> (start, end, reservations) | None
+ *       Timelines.transfer's walk and reservation: integrate the path residual of `links`
+ *       from `ready` until `nbytes` are through (Timelines._walk, record=True), then
+ *       subtract each piece's rate on every link (LinkTimeline.reserve, link by link) and
+ *       return the Reservation tuples. `timelines` is Timelines._links (link ->
+ *       LinkTimeline). None, with nothing changed, where a link has no timeline yet, a time
+ *       is not a float, or the path never has residual bandwidth: the caller makes the
+ *       timelines, or runs the Python loops (which raise). A reservation beyond the residual
+ *       raises ValueError as LinkTimeline.reserve does.
+ *
+ *   reserve_tree(timelines, routes, order, nodes, parent, server, size, readies, now,
+ *                Transfer, Reservation, fields) -> (transfers, makespan)
+ *       tree_cost.reserve's loop: every payload of a tree reserved on the Timelines (the
+ *       updates in `order`, each aggregate once its members are reserved), along
+ *       routes.tree_path; each Transfer made with its `fields` filled in order (or by calling
+ *       the class where `fields` is None).
+ *
+ *   estimate(updates, nodes, parent, server, order, routes, shared, now) -> float
+ *       tree_cost.estimate (each link a first-come queue at its capacity), its whole loop:
+ *       `updates` the (ready, bytes, id, source) tuples in the round's order, `nodes` the
+ *       aggregates (aggregator, parent, members), `parent` payload id -> aggregate id,
+ *       `order` the aggregate ids sorted (the Python heap's tie-break), `routes` a
+ *       tree_routes.Routes and `shared` its in-tree routes' link ids by (source,
+ *       destination) (made here as _ServerRoutes.pair_ids makes them where a pair is not
+ *       there yet); then routes.sync() and routes.free (copied), routes.per.
+ *
+ *   build(groups, depth, index, below, top, rank, host_of, points, prefix, bypass, fan_in,
+ *         Node, fields) -> (nodes, parent)
+ *       trees._build (with trees._sum): the aggregates of the candidate tree summing at
+ *       `points` (the _Tree's fields passed one by one).
+ *
+ *   instances(cls, fields, rows) -> list
+ *       cls(*row) for each row, for a dataclass whose __init__ only sets its `fields` (no
+ *       __post_init__; the caller checks): each instance's dict filled in field order, as
+ *       __init__ fills it, without running __init__ (a frozen dataclass's costs a call of
+ *       object.__setattr__ per field).
+ *
+ *   follows(transfers, busy, ids) -> list of tuples
+ *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
+ *       of its links exactly when it starts.
+ */
+#include "_plan_native.h"
+
+PyObject *str_aggregator, *str_parent, *str_members, *str_free, *str_per, *str_grow, *str_hosts, *str_dsts,
+    *str_host, *str_dst_m, *str_pair_ids, *str_path, *str_up, *str_pos, *str_down, *str_server, *str_tree,
+    *empty_tuple, *str_walks, *str_back, *str_pair_path, *str_links, *str_link, *str_transfer, *str_end,
+    *str_update_id, *str_src, *a_transfer, *str_start, *str_payload_id, *str_times, *str_residual, *str_eps,
+    *fmt_over;
+
+static PyMethodDef methods[] = {
+    {"transfer", py_transfer, METH_VARARGS, "Timelines.transfer's walk and reservation (see the module doc)."},
+    {"reserve_tree", py_reserve_tree, METH_VARARGS, "tree_cost.reserve's loop (see the module doc)."},
+    {"follows", py_follows, METH_VARARGS, "schedule_to_decision's `after` of each transfer (see the module doc)."},
+    {"build", py_build, METH_VARARGS, "trees._build (see the module doc)."},
+    {"instances", py_instances, METH_VARARGS, "Dataclass instances, their fields filled (see the module doc)."},
+    {"estimate", py_estimate, METH_VARARGS, "tree_cost.estimate's loop (see the module doc)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_plan_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__plan_native(void) {
+    str_times = PyUnicode_InternFromString("times");
+    str_residual = PyUnicode_InternFromString("residual");
+    str_eps = PyUnicode_InternFromString("eps");
+    str_aggregator = PyUnicode_InternFromString("aggregator");
+    str_parent = PyUnicode_InternFromString("parent");
+    str_members = PyUnicode_InternFromString("members");
+    str_free = PyUnicode_InternFromString("free");
+    str_per = PyUnicode_InternFromString("per");
+    str_grow = PyUnicode_InternFromString("sync");
+    str_hosts = PyUnicode_InternFromString("hosts");
+    str_dsts = PyUnicode_InternFromString("dsts");
+    str_host = PyUnicode_InternFromString("host");
+    str_dst_m = PyUnicode_InternFromString("_dst");
+    str_pair_ids = PyUnicode_InternFromString("pair_ids");
+    str_path = PyUnicode_InternFromString("path");
+    str_up = PyUnicode_InternFromString("up");
+    str_pos = PyUnicode_InternFromString("pos");
+    str_down = PyUnicode_InternFromString("down");
+    str_server = PyUnicode_InternFromString("server");
+    str_tree = PyUnicode_InternFromString("_tree");
+    empty_tuple = PyTuple_New(0);
+    str_walks = PyUnicode_InternFromString("walks");
+    str_back = PyUnicode_InternFromString("back");
+    str_pair_path = PyUnicode_InternFromString("pair_path");
+    str_links = PyUnicode_InternFromString("_links");
+    str_link = PyUnicode_InternFromString("link");
+    str_transfer = PyUnicode_InternFromString("transfer");
+    str_end = PyUnicode_InternFromString("end");
+    str_update_id = PyUnicode_InternFromString("update_id");
+    str_src = PyUnicode_InternFromString("src");
+    a_transfer = PyUnicode_InternFromString("a transfer");
+    str_start = PyUnicode_InternFromString("start");
+    str_payload_id = PyUnicode_InternFromString("payload_id");
+    if (!str_start || !str_payload_id) return NULL;
+    if (!str_walks || !str_back || !str_pair_path || !str_links || !str_link || !str_transfer || !str_end ||
+        !str_update_id || !str_src || !a_transfer)
+        return NULL;
+    if (!str_aggregator || !str_parent || !str_members || !str_free || !str_per || !str_grow || !str_hosts ||
+        !str_dsts || !str_host || !str_dst_m || !str_pair_ids || !str_path || !str_up || !str_pos || !str_down ||
+        !str_server || !str_tree || !empty_tuple)
+        return NULL;
+    fmt_over = PyUnicode_FromString("reserving {:g} B/s for {} at t={:g} exceeds the residual {:g} B/s");
+    if (!str_times || !str_residual || !str_eps || !fmt_over) return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,78 @@
+/* Shared by the files of mlfabric.scheduler.core._plan_native (see _plan_native.c). */
+#ifndef MLF_PLAN_NATIVE_H
+#define MLF_PLAN_NATIVE_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_LINKS 64 /* links of one path */
+
+/* interned attribute names and constants (made by the module's init) */
+extern PyObject *str_aggregator, *str_parent, *str_members, *str_free, *str_per, *str_grow, *str_hosts,
+    *str_dsts, *str_host, *str_dst_m, *str_pair_ids, *str_path, *str_up, *str_pos, *str_down, *str_server,
+    *str_tree, *empty_tuple, *str_walks, *str_back, *str_pair_path, *str_links, *str_link, *str_transfer,
+    *str_end, *str_update_id, *str_src, *a_transfer, *str_start, *str_payload_id, *str_times, *str_residual,
+    *str_eps, *fmt_over;
+
+/* plan_timeline.c: a transfer's walk and reservation; None where the Python loops are to run */
+PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls);
+/* plan_reserve.c: cls(*values) for a dataclass whose __init__ only sets `fields` */
+PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values, Py_ssize_t n);
+/* plan_estimate.c: where two hosts' paths to the tree's server meet (see there) */
+int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObject **down, Py_ssize_t *i,
+              Py_ssize_t *j);
+/* plan_estimate.c: key -> its place in a dict's order */
+PyObject *places(PyObject *d);
+/* plan_estimate.c: a sequence of floats as a PyMem array */
+double *floats_of(PyObject *seq, Py_ssize_t *n);
+
+/* A heap entry of the estimate's and the reservation's loops, ordered by (key, tie, rank) as the
+   Python heaps' tuples are (ties are never equal: the rank is unique). */
+typedef struct {
+    double key, tie;
+    Py_ssize_t rank, pid;
+    PyObject *ready_o, *id, *src; /* borrowed: kept alive by the caller */
+} HeapEntry;
+
+static inline int heap_less(const HeapEntry *a, const HeapEntry *b) {
+    if (a->key != b->key) return a->key < b->key;
+    if (a->tie != b->tie) return a->tie < b->tie;
+    return a->rank < b->rank;
+}
+
+static inline void heap_push(HeapEntry *h, Py_ssize_t *n, HeapEntry e) {
+    Py_ssize_t i = (*n)++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!heap_less(&e, &h[up])) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = e;
+}
+
+static inline HeapEntry heap_pop(HeapEntry *h, Py_ssize_t *n) {
+    HeapEntry top = h[0], e = h[--(*n)];
+    Py_ssize_t i = 0, size = *n;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= size) break;
+        if (c + 1 < size && heap_less(&h[c + 1], &h[c])) c++;
+        if (!heap_less(&h[c], &e)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (size > 0) h[i] = e;
+    return top;
+}
+
+PyObject *py_transfer(PyObject *self, PyObject *args);
+PyObject *py_estimate(PyObject *self, PyObject *args);
+PyObject *py_reserve_tree(PyObject *self, PyObject *args);
+PyObject *py_follows(PyObject *self, PyObject *args);
+PyObject *py_build(PyObject *self, PyObject *args);
+PyObject *py_instances(PyObject *self, PyObject *args);
+
+#endif

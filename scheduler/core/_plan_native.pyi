@@ -1,0 +1,64 @@
+"""Types of the C extension scheduler/core/_plan_native.c (the tree planner's per-update loops)."""
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+def transfer(
+    timelines: dict[Any, Any],
+    links: tuple[tuple[str, str], ...],
+    nbytes: float,
+    ready: float,
+    who: str,
+    reservation: type,
+    /,
+) -> tuple[float, float, tuple[Any, ...]] | None: ...
+def reserve_tree(
+    timelines: Any,
+    routes: Any,
+    order: list[Any],
+    nodes: dict[str, Any],
+    parent: dict[str, str],
+    server: str,
+    size: dict[str, float],
+    readies: list[float],
+    now: float,
+    transfer: type,
+    reservation: type,
+    fields: tuple[str, ...] | None,
+    timeline: type | None,
+    eps: float,
+    /,
+) -> tuple[list[Any], float]: ...
+def estimate(
+    updates: list[tuple[float, float, str, str]],
+    nodes: dict[str, Any],
+    parent: dict[str, str],
+    server: str,
+    order: list[str],
+    routes: Any,
+    shared: dict[tuple[str, str], tuple[int, ...]],
+    now: float,
+    /,
+) -> float: ...
+def build(
+    groups: Mapping[tuple[str, ...], list[str]],
+    depth: Mapping[str, int],
+    index: Mapping[str, int],
+    below: Mapping[str, list[str]],
+    top: Mapping[str, tuple[list[str], set[str]]],
+    rank: Mapping[str, int],
+    host_of: Mapping[str, str],
+    points: frozenset[str],
+    prefix: str,
+    bypass: dict[str, int],
+    fan_in: int,
+    node: type,
+    fields: tuple[str, ...] | None,
+    /,
+) -> tuple[dict[str, Any], dict[str, str]]: ...
+def follows(
+    transfers: tuple[Any, ...], busy: Sequence[tuple[str, Sequence[Hashable], float]], ids: dict[str, str], /
+) -> list[tuple[str, ...]]: ...
+def instances(cls: type[T], fields: tuple[str, ...], rows: list[tuple[Any, ...]], /) -> list[T]: ...

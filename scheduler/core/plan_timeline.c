@@ -1,0 +1,380 @@
+/* mlfabric.scheduler.core._plan_native: Timelines.transfer and LinkTimeline.reserve (see _plan_native.c). */
+#include "_plan_native.h"
+
+/* ------------------------------------------------------------------ LinkTimeline.reserve */
+
+static int list_set_float(PyObject *list, Py_ssize_t i, double v) {
+    PyObject *o = PyFloat_FromDouble(v);
+    if (o == NULL) return -1;
+    return PyList_SetItem(list, i, o); /* steals o */
+}
+
+static int list_append_obj(PyObject *list, PyObject *o) { return PyList_Append(list, o); }
+
+static int list_del(PyObject *list, Py_ssize_t i) { return PyList_SetSlice(list, i, i + 1, NULL); }
+
+#define F(list, i) PyFloat_AS_DOUBLE(PyList_GET_ITEM((list), (i)))
+
+static int all_floats(PyObject *list) {
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyFloat_CheckExact(PyList_GET_ITEM(list, i))) return 0;
+    return 1;
+}
+
+/* bisect_right(times, x, lo) */
+static Py_ssize_t bisect_right(PyObject *times, double x, Py_ssize_t lo) {
+    Py_ssize_t hi = PyList_GET_SIZE(times);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (x < F(times, mid))
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+static int over_error(PyObject *who, double rate, double t, double r) {
+    PyObject *msg = PyObject_CallMethod(fmt_over, "format", "dOdd", rate, who, t, r);
+    if (msg != NULL) {
+        PyErr_SetObject(PyExc_ValueError, msg);
+        Py_DECREF(msg);
+    }
+    return -1;
+}
+
+/* LinkTimeline.reserve on its lists; start/end as objects (stored as given). 0 or -1. */
+static int reserve_lists(PyObject *times, PyObject *residual, double eps, PyObject *start_o, PyObject *end_o,
+                         double rate, PyObject *who) {
+    double start = PyFloat_AS_DOUBLE(start_o), end = PyFloat_AS_DOUBLE(end_o);
+    if (end <= start || rate <= 0) return 0;
+    Py_ssize_t last = PyList_GET_SIZE(times) - 1;
+    double c = F(residual, last);
+    double left = c - rate;
+    double tl = F(times, last);
+    if (start >= tl && left >= -eps) {
+        left = left < 0.0 ? 0.0 : left;
+        if (start != tl) {
+            if (fabs(c - left) > eps) {
+                PyObject *c_o = PyList_GET_ITEM(residual, last);
+                if (list_append_obj(times, start_o) < 0 || list_append_obj(times, end_o) < 0) return -1;
+                PyObject *l_o = PyFloat_FromDouble(left);
+                if (l_o == NULL) return -1;
+                int rc = PyList_Append(residual, l_o);
+                Py_DECREF(l_o);
+                if (rc < 0 || PyList_Append(residual, c_o) < 0) return -1;
+            }
+            return 0;
+        }
+        PyObject *c_o = PyList_GET_ITEM(residual, last);
+        Py_INCREF(c_o);
+        if (list_set_float(residual, last, left) < 0) {
+            Py_DECREF(c_o);
+            return -1;
+        }
+        if (fabs(c - left) > eps) {
+            if (list_append_obj(times, end_o) < 0 || list_append_obj(residual, c_o) < 0) {
+                Py_DECREF(c_o);
+                return -1;
+            }
+        }
+        Py_DECREF(c_o);
+        if (last > 0 && fabs(left - F(residual, last - 1)) <= eps) {
+            if (list_del(times, last) < 0 || list_del(residual, last) < 0) return -1;
+        }
+        return 0;
+    }
+    Py_ssize_t i = bisect_right(times, start, 0) - 1;
+    if (i < 0) {
+        PyObject *r0 = PyList_GET_ITEM(residual, 0);
+        if (PyList_Insert(times, 0, start_o) < 0 || PyList_Insert(residual, 0, r0) < 0) return -1;
+        i = 0;
+    } else if (F(times, i) != start) {
+        i += 1;
+        PyObject *prev = PyList_GET_ITEM(residual, i - 1);
+        if (PyList_Insert(times, i, start_o) < 0 || PyList_Insert(residual, i, prev) < 0) return -1;
+    }
+    Py_ssize_t j = bisect_right(times, end, i) - 1;
+    if (F(times, j) != end) {
+        j += 1;
+        PyObject *prev = PyList_GET_ITEM(residual, j - 1);
+        if (PyList_Insert(times, j, end_o) < 0 || PyList_Insert(residual, j, prev) < 0) return -1;
+    }
+    for (Py_ssize_t k = i; k < j; k++) {
+        double r = F(residual, k);
+        double lft = r - rate;
+        if (lft < -eps) return over_error(who, rate, F(times, k), r);
+        if (list_set_float(residual, k, lft < 0.0 ? 0.0 : lft) < 0) return -1;
+    }
+    Py_ssize_t lo = i > 0 ? i - 1 : 0;
+    Py_ssize_t n = PyList_GET_SIZE(times) - 1;
+    Py_ssize_t k = j + 1 < n ? j + 1 : n;
+    while (k > lo) {
+        if (fabs(F(residual, k) - F(residual, k - 1)) <= eps) {
+            if (list_del(times, k) < 0 || list_del(residual, k) < 0) return -1;
+        }
+        k -= 1;
+    }
+    return 0;
+}
+
+typedef struct {
+    PyObject *times, *residual; /* borrowed from the timeline (kept alive by it) */
+    double eps;
+    PyObject *tl;
+} Lane;
+
+static int lane_of(PyObject *tl, Lane *out) {
+    PyObject *times = PyObject_GetAttr(tl, str_times);
+    if (times == NULL) return -1;
+    PyObject *residual = PyObject_GetAttr(tl, str_residual);
+    if (residual == NULL) {
+        Py_DECREF(times);
+        return -1;
+    }
+    PyObject *eps = PyObject_GetAttr(tl, str_eps);
+    /* the timeline keeps its lists alive for as long as we use them */
+    Py_DECREF(times);
+    Py_DECREF(residual);
+    if (eps == NULL) return -1;
+    out->eps = PyFloat_AsDouble(eps);
+    Py_DECREF(eps);
+    if (out->eps == -1.0 && PyErr_Occurred()) return -1;
+    if (!PyList_CheckExact(times) || !PyList_CheckExact(residual)) {
+        PyErr_SetString(PyExc_TypeError, "a timeline's times and residual must be lists");
+        return -1;
+    }
+    out->times = times;
+    out->residual = residual;
+    out->tl = tl;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Timelines.transfer */
+
+typedef struct {
+    PyObject *lo, *hi; /* new references */
+    double rate;
+} Piece;
+
+typedef struct {
+    Piece *p;
+    Py_ssize_t n, cap;
+} Pieces;
+
+static void pieces_free(Pieces *ps) {
+    for (Py_ssize_t k = 0; k < ps->n; k++) {
+        Py_XDECREF(ps->p[k].lo);
+        Py_XDECREF(ps->p[k].hi);
+    }
+    PyMem_Free(ps->p);
+    ps->p = NULL;
+    ps->n = ps->cap = 0;
+}
+
+/* append (t, hi, rate), merging with the last piece as _walk does; steals nothing */
+static int pieces_add(Pieces *ps, PyObject *t, PyObject *hi, double rate) {
+    if (ps->n > 0) {
+        Piece *last = &ps->p[ps->n - 1];
+        if (last->rate == rate && PyFloat_AS_DOUBLE(last->hi) == PyFloat_AS_DOUBLE(t)) {
+            Py_INCREF(hi);
+            Py_SETREF(last->hi, hi);
+            return 0;
+        }
+    }
+    if (ps->n == ps->cap) {
+        Py_ssize_t cap = ps->cap ? 2 * ps->cap : 8;
+        Piece *np = PyMem_Realloc(ps->p, cap * sizeof(Piece));
+        if (np == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        ps->p = np;
+        ps->cap = cap;
+    }
+    Py_INCREF(t);
+    Py_INCREF(hi);
+    ps->p[ps->n].lo = t;
+    ps->p[ps->n].hi = hi;
+    ps->p[ps->n].rate = rate;
+    ps->n++;
+    return 0;
+}
+
+
+/* Timelines._walk with record=True over the lanes. 1: done (start in *start_o, new ref);
+   0: never has residual bandwidth; -1: error. */
+static int walk(Lane *lanes, Py_ssize_t nl, double nbytes, PyObject *ready, Pieces *ps, PyObject **start_o,
+                PyObject **end_o) {
+    double cap = INFINITY;
+    Lane *var[MAX_LINKS];
+    Py_ssize_t n = 0;
+    *start_o = *end_o = NULL;
+    if (nl == 0 || nbytes <= 0) {
+        Py_INCREF(ready);
+        Py_INCREF(ready);
+        *start_o = ready;
+        *end_o = ready;
+        return 1;
+    }
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        Lane *l = &lanes[k];
+        if (PyList_GET_SIZE(l->times) == 1) {
+            double r = F(l->residual, 0);
+            if (r <= l->eps) return 0;
+            cap = cap < r ? cap : r; /* min(cap, r) */
+        } else {
+            var[n++] = l;
+        }
+    }
+    PyObject *t_o = ready;
+    double t = PyFloat_AS_DOUBLE(ready);
+    double remaining = nbytes;
+    if (n == 0) {
+        PyObject *fin = PyFloat_FromDouble(t + remaining / cap);
+        if (fin == NULL) return -1;
+        if (pieces_add(ps, t_o, fin, cap) < 0) {
+            Py_DECREF(fin);
+            return -1;
+        }
+        Py_INCREF(t_o);
+        *start_o = t_o;
+        *end_o = fin;
+        return 1;
+    }
+    Py_ssize_t index[MAX_LINKS];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = bisect_right(var[k]->times, t, 0) - 1;
+        index[k] = i < 0 ? 0 : i;
+    }
+    PyObject *start = NULL; /* borrowed until returned */
+    for (;;) {
+        double rate = cap, nxt = INFINITY, blocked = -INFINITY;
+        PyObject *nxt_o = NULL, *blocked_o = NULL;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *times = var[k]->times;
+            Py_ssize_t i = index[k], last = PyList_GET_SIZE(times) - 1;
+            while (i < last && F(times, i + 1) <= t) i++;
+            index[k] = i;
+            double r = F(var[k]->residual, i);
+            double following = i < last ? F(times, i + 1) : INFINITY;
+            PyObject *following_o = i < last ? PyList_GET_ITEM(times, i + 1) : NULL;
+            if (r <= var[k]->eps) {
+                r = 0.0;
+                if (following > blocked) {
+                    blocked = following;
+                    blocked_o = following_o;
+                }
+            }
+            if (r < rate) rate = r;
+            if (following < nxt) {
+                nxt = following;
+                nxt_o = following_o;
+            }
+        }
+        if (rate <= 0.0) {
+            if (blocked == INFINITY) return 0;
+            t = blocked;
+            t_o = blocked_o;
+            continue;
+        }
+        if (start == NULL) start = t_o;
+        double finish = t + remaining / rate;
+        int done = finish <= nxt;
+        PyObject *fin = NULL, *hi;
+        if (done) {
+            fin = PyFloat_FromDouble(finish);
+            if (fin == NULL) return -1;
+            hi = fin;
+        } else {
+            hi = nxt_o;
+        }
+        if (pieces_add(ps, t_o, hi, rate) < 0) {
+            Py_XDECREF(fin);
+            return -1;
+        }
+        if (done) {
+            Py_INCREF(start);
+            *start_o = start;
+            *end_o = fin;
+            return 1;
+        }
+        remaining -= rate * (nxt - t);
+        t = nxt;
+        t_o = nxt_o;
+    }
+}
+
+/* The walk and reservation of one transfer over `links` (a tuple of links): (start, end,
+   reservations), None where the Python loops are to run (nothing changed then), NULL on error. */
+PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who,
+                               PyObject *cls) {
+    Py_ssize_t nl = PyTuple_GET_SIZE(links);
+    if (nl > MAX_LINKS || !PyFloat_CheckExact(ready)) Py_RETURN_NONE;
+    Lane lanes[MAX_LINKS];
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        PyObject *tl = PyDict_GetItemWithError(tls, PyTuple_GET_ITEM(links, k));
+        if (tl == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            Py_RETURN_NONE;
+        }
+        if (lane_of(tl, &lanes[k]) < 0) return NULL;
+        if (!all_floats(lanes[k].times) || !all_floats(lanes[k].residual)) Py_RETURN_NONE;
+    }
+    Pieces ps = {NULL, 0, 0};
+    PyObject *start = NULL, *end = NULL, *res = NULL;
+    int got = walk(lanes, nl, nbytes, ready, &ps, &start, &end);
+    if (got <= 0) {
+        pieces_free(&ps);
+        if (got < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    res = PyTuple_New(nl * ps.n);
+    if (res == NULL) goto fail;
+    Py_ssize_t m = 0;
+    PyTypeObject *type = (PyTypeObject *)cls;
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        PyObject *link = PyTuple_GET_ITEM(links, k);
+        for (Py_ssize_t q = 0; q < ps.n; q++) {
+            Piece *p = &ps.p[q];
+            if (reserve_lists(lanes[k].times, lanes[k].residual, lanes[k].eps, p->lo, p->hi, p->rate, who) < 0)
+                goto fail;
+            PyObject *r = type->tp_alloc(type, 4);
+            if (r == NULL) goto fail;
+            PyObject *rate = PyFloat_FromDouble(p->rate);
+            if (rate == NULL) {
+                Py_DECREF(r);
+                goto fail;
+            }
+            Py_INCREF(link);
+            Py_INCREF(p->lo);
+            Py_INCREF(p->hi);
+            PyTuple_SET_ITEM(r, 0, link);
+            PyTuple_SET_ITEM(r, 1, p->lo);
+            PyTuple_SET_ITEM(r, 2, p->hi);
+            PyTuple_SET_ITEM(r, 3, rate);
+            PyTuple_SET_ITEM(res, m++, r);
+        }
+    }
+    pieces_free(&ps);
+    PyObject *out = PyTuple_Pack(3, start, end, res);
+    Py_DECREF(start);
+    Py_DECREF(end);
+    Py_DECREF(res);
+    return out;
+fail:
+    pieces_free(&ps);
+    Py_XDECREF(start);
+    Py_XDECREF(end);
+    Py_XDECREF(res);
+    return NULL;
+}
+
+PyObject *py_transfer(PyObject *self, PyObject *args) {
+    PyObject *tls, *links, *ready, *who, *cls;
+    double nbytes;
+    if (!PyArg_ParseTuple(args, "O!O!dOOO", &PyDict_Type, &tls, &PyTuple_Type, &links, &nbytes, &ready, &who, &cls))
+        return NULL;
+    return fast_transfer(tls, links, nbytes, ready, who, cls);
+}
