@@ -18,16 +18,18 @@ from mlfabric.examples.ddp_digits import build_model, read_result
 STEPS = 12
 
 
-def train(cluster: LocalCluster, comm: str, world: int, work: Path) -> list[dict]:
-    """Run ``world`` ranks of the example with ``comm``; their results."""
+def train(
+    cluster: LocalCluster, comm: str, world: int, work: Path, steps: int = STEPS, *extra: str
+) -> list[dict]:
+    """Run ``world`` ranks of the example with ``comm`` (and ``extra`` options); their results."""
     store = work / f"store-{comm}"
     procs = []
     for rank in range(world):
         argv = [
             sys.executable, "-m", "mlfabric.examples.ddp_digits", "rank",
             "--rank", str(rank), "--world-size", str(world), "--init-method", f"file://{store}",
-            "--comm", comm, "--steps", str(STEPS), "--job", f"ddp-{comm}",
-            "--out", str(work / f"{comm}-{rank}.npz"),
+            "--comm", comm, "--steps", str(steps), "--job", f"ddp-{comm}",
+            "--out", str(work / f"{comm}-{rank}.npz"), *extra,
         ]  # fmt: skip
         procs.append(cluster.spawn(f"h{rank}", argv, name=f"{comm}-rank{rank}"))
     for p in procs:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,25 +12,10 @@ from mlfabric.cluster import LocalCluster
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from mlfabric.examples.ddp_digits import build_model, read_result
+from mlfabric.examples.ddp_digits import build_model
+from tests.allreduce.test_ddp_hook import train
 
 STEPS, START, PERIOD = 14, 4, 3  # all-reduce steps 0-3, average after steps 4, 7, 10, 13
-
-
-def train(cluster: LocalCluster, comm: str, world: int, work: Path) -> list[dict]:
-    store = work / f"store-{comm}"
-    procs = []
-    for rank in range(world):
-        argv = [
-            sys.executable, "-m", "mlfabric.examples.ddp_digits", "rank",
-            "--rank", str(rank), "--world-size", str(world), "--init-method", f"file://{store}",
-            "--comm", comm, "--steps", str(STEPS), "--job", f"lsgd-{comm}",
-            "--local-sgd", f"{START}:{PERIOD}", "--out", str(work / f"{comm}-{rank}.npz"),
-        ]  # fmt: skip
-        procs.append(cluster.spawn(f"h{rank}", argv, name=f"lsgd-{comm}-rank{rank}"))
-    for p in procs:
-        cluster.wait(p, timeout=600)
-    return [read_result(work / f"{comm}-{rank}.npz") for rank in range(world)]
 
 
 @pytest.mark.slow
@@ -39,8 +23,9 @@ def test_post_local_sgd_over_mlfabric_trains_like_torchs_over_gloo(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     world = 2
-    ours = train(cluster, "mlfabric-daemons", world, tmp_path)
-    gloo = train(cluster, "gloo", world, tmp_path)
+    local_sgd = ("--local-sgd", f"{START}:{PERIOD}")
+    ours = train(cluster, "mlfabric-daemons", world, tmp_path, STEPS, *local_sgd)
+    gloo = train(cluster, "gloo", world, tmp_path, STEPS, *local_sgd)
     names = sorted(gloo[0]["params"])
     for rank in range(world):
         for name in names:

@@ -29,6 +29,40 @@ READY = {"a0": 0.0, "b0": 0.01, "a1": 0.02, "b1": 0.03}
 POOL = ["a0", "a1", "bx"]
 
 
+def fake_cluster(
+    topology: dict[str, Any],
+    policy: Any,
+    *,
+    margin: float = 0.0,
+    trigger: Any = None,
+    aggregators: Any = None,
+) -> tuple[SchedulerCore, FakeDaemons, Clock]:
+    """A scheduler core on ``topology`` with ``policy``, fake daemons of every host and a fake
+    clock (``aggregators``: the hosts that may aggregate; default all)."""
+    graph = parse_topology(topology)
+    clock = Clock()
+    core = SchedulerCore(
+        SchedulerState(graph),
+        policy,
+        dispatcher=Dispatcher(margin=margin),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(graph),
+        replan=trigger,
+        clock=clock,
+    )
+    sessions = {
+        h: core.hello(
+            pb.Hello(
+                host=h,
+                data_address=f"127.0.0.1:{9000 + i}",
+                can_aggregate=aggregators is None or h in aggregators,
+            )
+        )
+        for i, h in enumerate(topology["hosts"])
+    }
+    return core, FakeDaemons(core, sessions), clock
+
+
 def normal(d: Decision, worker_of: dict[str, str]) -> tuple[Any, ...]:
     """A decision with worker names for update ids (the two name updates differently)."""
 
@@ -44,23 +78,10 @@ def normal(d: Decision, worker_of: dict[str, str]) -> tuple[Any, ...]:
 
 
 def service_decisions() -> list[tuple[Any, ...]]:
-    graph = parse_topology(TOPOLOGY)
-    clock = Clock()
-    setup = make_policy("stf+tree")
-    core = SchedulerCore(
-        SchedulerState(graph),
-        TreePolicy(aggregators=POOL),
-        dispatcher=Dispatcher(margin=0.0),
-        batcher=AdaptiveBatcher(),
-        estimator=StaticEstimator(graph),
-        replan=setup.trigger,
-        clock=clock,
+    trigger = make_policy("stf+tree").trigger
+    core, fake, clock = fake_cluster(
+        TOPOLOGY, TreePolicy(aggregators=POOL), trigger=trigger, aggregators=POOL
     )
-    sessions = {
-        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h in POOL))
-        for i, h in enumerate(TOPOLOGY["hosts"])
-    }
-    fake = FakeDaemons(core, sessions)
     params = pb.JobParams(tau_max=-1, sync_workers=len(WORKERS))
     fake.say("ps", register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=params))
     for w in WORKERS:
@@ -151,21 +172,8 @@ def test_an_aggregate_ready_behind_a_send_whose_report_is_held_wakes_the_release
     applied, which needs ``bx``'s aggregate, planned after that send: once the aggregate's
     member is in, the release loop must be told to wake at the send's expected end (not at
     the stall deadline, 30 s later: the racks testbed's stalls)."""
-    graph = parse_topology(TOPOLOGY)
-    clock = Clock()
-    core = SchedulerCore(
-        SchedulerState(graph),
-        AfterDirect(),
-        dispatcher=Dispatcher(margin=0.0),
-        batcher=AdaptiveBatcher(),
-        estimator=StaticEstimator(graph),
-        clock=clock,
-    )
-    sessions = {
-        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h == "bx"))
-        for i, h in enumerate(TOPOLOGY["hosts"])
-    }
-    fake = FakeDaemons(core, sessions)
+    core, fake, clock = fake_cluster(TOPOLOGY, AfterDirect(), aggregators={"bx"})
+    sessions = fake.sessions
     params = pb.JobParams(tau_max=-1, sync_workers=2)
     fake.say("ps", register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=params))
     for w in ("a0", "b0"):
@@ -208,23 +216,8 @@ def test_an_aggregate_that_joins_its_parent_after_the_parent_started_is_summed_i
     member was sent. When ``w6+w7``'s aggregate leaves for the parent it must be summed into
     it (the parent's directive re-issued with it), not failed as "its parent is gone" (which
     planned ``w6`` and ``w7`` afresh, after the round: the testbed's 60 s rounds)."""
-    graph = parse_topology(RACKS)
-    clock = Clock()
     setup = make_policy("stf+tree", sync=True)
-    core = SchedulerCore(
-        SchedulerState(graph),
-        setup.policy,
-        dispatcher=Dispatcher(margin=0.002),
-        batcher=AdaptiveBatcher(),
-        estimator=StaticEstimator(graph),
-        replan=setup.trigger,
-        clock=clock,
-    )
-    sessions = {
-        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=True))
-        for i, h in enumerate(RACKS["hosts"])
-    }
-    fake = FakeDaemons(core, sessions)
+    core, fake, clock = fake_cluster(RACKS, setup.policy, margin=0.002, trigger=setup.trigger)
     workers = [f"w{i}" for i in range(8)]
     params = pb.JobParams(tau_max=-1, sync_workers=len(workers))
     fake.say("ps", register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s", params=params))
@@ -278,21 +271,7 @@ def test_an_update_that_cannot_join_its_aggregate_is_planned_afresh_at_once() ->
     sent; the runner has let it go, so only a decision plans it again: the service asks for
     one at once — in a synchronous round no other arrival would come to trigger it (the
     racks testbed's 60 s rounds, the server's round timeout)."""
-    graph = parse_topology(TOPOLOGY)
-    clock = Clock()
-    core = SchedulerCore(
-        SchedulerState(graph),
-        Relisted(),
-        dispatcher=Dispatcher(margin=0.0),
-        batcher=AdaptiveBatcher(),
-        estimator=StaticEstimator(graph),
-        clock=clock,
-    )
-    sessions = {
-        h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}", can_aggregate=h == "bx"))
-        for i, h in enumerate(TOPOLOGY["hosts"])
-    }
-    fake = FakeDaemons(core, sessions)
+    core, fake, _ = fake_cluster(TOPOLOGY, Relisted(), aggregators={"bx"})
     fake.say("ps", register_role=pb.RegisterRole(job="j", role=pb.ROLE_SERVER, name="s"))
     for w in ("b0", "b1"):
         fake.say(w, register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name=w))
