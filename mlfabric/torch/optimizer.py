@@ -327,6 +327,7 @@ class DistributedOptimizer:
         self._params = dict(named)
         self.groups = _groups_of(named, group_bytes)
         self._group_of = {n: i for i, g in enumerate(self.groups) for n in g}
+        self._check_servers(getattr(worker, "servers", {}))
         self._stager = stager
         self.steps = 0
         self.pushed = self.applied = self.dropped = 0
@@ -341,6 +342,16 @@ class DistributedOptimizer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in named if p.requires_grad
         ]
+
+    def _check_servers(self, servers: Mapping[str, Any]) -> None:
+        """Refuse groups unlike the servers' models (a different ``group_bytes`` or model), naming them."""
+        for g, names in enumerate(self.groups):
+            known = servers.get(server_name(self.prefix, g))
+            if known is not None and sorted(known["model"]) != sorted(names):
+                raise ValueError(
+                    f"group {g} holds {names} but server {server_name(self.prefix, g)!r} serves "
+                    f"{sorted(known['model'])}: give the optimizer the servers' prefix and group_bytes"
+                )
 
     # -- the wrapped optimizer's face -----------------------------------------------------------
 
