@@ -184,8 +184,11 @@ class GroupServers:
         self.update_ids: list[str] = []
 
     def start(self) -> GroupServers:
-        """Register the servers and serve each on a thread of its own."""
+        """Register the servers and serve each on a thread of its own (once: again, nothing)."""
         import mlfabric
+
+        if self.servers:
+            return self
 
         for i in self.indices:
             server = mlfabric.register_as_server(
