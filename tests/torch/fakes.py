@@ -52,7 +52,9 @@ class FakeOps:
         self.log.append(("wait_stream", waiter.name, other.name))
 
     def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
+        # the host runs "current stream" work at once: whatever it issues next comes after the event
         self.log.append(("wait_event", stream.name, event.stream.name))
+        event.stream.run_until(event.mark)
 
     def pinned(self, numel: int, dtype: Any) -> torch.Tensor:
         self.pinned_allocations += 1
