@@ -222,9 +222,9 @@ def main() -> int:
             got = {s: run_system(cluster, s, seed, args, work_dir) for s in order}
             for s in order:
                 per_seed[s].append(statistics.median(got[s]["epochs"]))
-            h, o = per_seed["hand"][-1], per_seed["optimizer"][-1]
+            t_hand, t_opt = per_seed["hand"][-1], per_seed["optimizer"][-1]
             rows.append(
-                f"| {seed} | {h:.3f} | {o:.3f} | {h / o:.2f} | "
+                f"| {seed} | {t_hand:.3f} | {t_opt:.3f} | {t_hand / t_opt:.2f} | "
                 f"{got['hand']['pushes']} | {got['optimizer']['pushes']} |"
             )
             print(rows[-1], flush=True)

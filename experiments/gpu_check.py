@@ -160,10 +160,11 @@ def main() -> int:
         for _ in range(args.rounds + 1):
             rows.append((timed(compute), timed(copy_only), timed(both_independent)))
         rows = rows[1:]
-        c, k, b = (statistics.median(r[i] for r in rows) for i in range(3))
+        t_compute, t_copy, t_both = (statistics.median(r[i] for r in rows) for i in range(3))
         print(
-            f"copy/compute: compute {c * 1e3:.1f} ms, copy of {args.mib} MiB {k * 1e3:.1f} ms "
-            f"({args.mib / 1024 / k:.2f} GiB/s), both {b * 1e3:.1f} ms, overlap {(c + k - b) / min(c, k):.2f}"
+            f"copy/compute: compute {t_compute * 1e3:.1f} ms, copy of {args.mib} MiB {t_copy * 1e3:.1f} ms "
+            f"({args.mib / 1024 / t_copy:.2f} GiB/s), both {t_both * 1e3:.1f} ms, "
+            f"overlap {(t_compute + t_copy - t_both) / min(t_compute, t_copy):.2f}"
         )
         # copy/transfer: blocking .cpu() + push per group vs staged pipeline
         names = [f"ps{i}" for i in range(args.groups)]

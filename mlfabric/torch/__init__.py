@@ -37,8 +37,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from mlfabric.allreduce import DEFAULT_TIMEOUT, AllreduceGroup
 from mlfabric.localclient import MlfabricError
+from mlfabric.torch.groups import GroupServers, plan_groups
 from mlfabric.torch.launch import Context, init
-from mlfabric.torch.optimizer import DistributedOptimizer, GroupServers, plan_groups
+from mlfabric.torch.optimizer import DistributedOptimizer
 from mlfabric.torch.staging import Stager, default_stager
 
 __all__ = [

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mlfabric.torch.optimizer import GROUP_BYTES, GroupServers
+from mlfabric.torch.groups import GROUP_BYTES, GroupServers
 
 __all__ = ["Context", "init", "read_env"]
 

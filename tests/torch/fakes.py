@@ -16,7 +16,7 @@ import torch
 class FakeStream:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.work: list[Callable[[], None]] = []
+        self.work: list[Callable[[], object]] = []
         self.ran = 0
 
     def run_until(self, n: int) -> None:

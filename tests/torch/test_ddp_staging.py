@@ -38,7 +38,8 @@ def test_a_device_bucket_is_staged_summed_and_brought_back(cluster: LocalCluster
             "ddp", world_size=2, participant=f"r{r}", daemon=cluster.socket(f"h{r}")
         ) as group:
             state = HookState(group, timeout=60, stager=Stager(fakes[r]))
-            return [allreduce_hook(state, Bucket(buffers[r].clone(), i)).wait() for i in range(2)]
+            buckets: list[Any] = [Bucket(buffers[r].clone(), i) for i in range(2)]
+            return [allreduce_hook(state, b).wait() for b in buckets]
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(rank, range(2)))

@@ -198,7 +198,8 @@ def test_a_dropped_push_raises_unless_counted(cluster: LocalCluster) -> None:
         opt_b = DistributedOptimizer(
             torch.optim.SGD(b.parameters(), lr=0.1), b.named_parameters(), wb, on_drop="count"
         )
-        opt_a.pull(), opt_b.pull()
+        opt_a.pull()
+        opt_b.pull()
         for opt, m in ((opt_a, a), (opt_b, b)):  # b's base is a version behind: delay 1 > tau_max
             opt.zero_grad()
             loss_of(m, 0).backward()
@@ -214,7 +215,8 @@ def test_a_dropped_push_raises_unless_counted(cluster: LocalCluster) -> None:
         with pytest.raises(mlfabric.MlfabricError, match="dropped") as info:
             opt_a.step()
         assert info.value.code == "dropped"
-        opt_a.close(), opt_b.close()
+        opt_a.close()
+        opt_b.close()
 
 
 def test_a_parameter_shaped_unlike_the_servers_model_is_refused_naming_it(cluster: LocalCluster) -> None:

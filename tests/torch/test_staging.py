@@ -35,8 +35,10 @@ def test_pinned_buffers_are_reused_after_release_and_not_before() -> None:
     first = stager.to_host({"w": torch.ones(4)})
     second = stager.to_host({"w": torch.ones(4)})  # the first still holds its buffer
     assert ops.pinned_allocations == 2
-    first.wait(), second.wait()
-    first.release(), second.release()
+    first.wait()
+    second.wait()
+    first.release()
+    second.release()
     third = stager.to_host({"w": torch.full((4,), 7.0)})
     assert ops.pinned_allocations == 2  # reused
     assert third.wait()["w"].tolist() == [7.0] * 4
@@ -72,6 +74,6 @@ def test_to_device_keeps_a_buffer_whose_copy_is_pending() -> None:
 
 def test_host_tensors_pass_through_untouched() -> None:
     ops = FakeOps()
-    ops.is_device = lambda t: False  # type: ignore[method-assign]
+    ops.is_device = lambda tensor: False  # type: ignore[method-assign]
     staged = Stager(ops).to_host({"w": torch.ones(2)})
     assert staged.event is None and ops.log == [] and staged.wait()["w"].tolist() == [1.0, 1.0]
