@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -97,6 +98,11 @@ class DistributedOptimizer:
         Pushes made, and how they resolved.
     last_results : list of PushResult
         The verdicts of the last step, by group.
+    last_overlap : float
+        The fraction of the last step's communication hidden behind backward: from its first
+        push to the last verdict, the part before ``step()`` was called (0 without wait-free).
+    hidden_seconds, comm_seconds : float
+        Those two spans summed over the steps (their ratio: the overall fraction hidden).
     """
 
     def __init__(
@@ -138,6 +144,9 @@ class DistributedOptimizer:
         self.steps = 0
         self.pushed = self.applied = self.dropped = 0
         self.last_results: list[PushResult] = []
+        self._first_push: float | None = None  # when this step's first group was queued
+        self.last_overlap = 0.0
+        self.hidden_seconds = self.comm_seconds = 0.0
         self._counts: dict[str, int] = {}
         self._ready: dict[int, int] = {}  # group -> parameters accumulated this step
         self._sent: dict[int, dict[str, tuple[int, int]]] = {}  # group -> its gradients at push time
@@ -240,6 +249,8 @@ class DistributedOptimizer:
     def _push_groups(self, groups: Sequence[int]) -> None:
         """Run the wrapped optimizer over ``groups`` and queue their deltas (before - after)."""
         names = [n for g in groups for n in self.groups[g]]
+        if self._first_push is None:
+            self._first_push = time.monotonic()
         with torch.no_grad():
             before = {n: self._params[n].detach().clone() for n in names}
             if len(groups) == len(self.groups):
@@ -318,11 +329,17 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        called = time.monotonic()
         changed = [g for g, grads in self._sent.items() if self._params_grads(self.groups[g]) != grads]
         remaining = [g for g in range(len(self.groups)) if g not in self._sent]
         if remaining:
             self._push_groups(remaining)
+        first = self._first_push if self._first_push is not None else called
         results = self._collect()
+        span = time.monotonic() - first
+        self.last_overlap = max(0.0, called - first) / span if span > 0 else 0.0
+        self.hidden_seconds += max(0.0, called - first)
+        self.comm_seconds += span
         if changed:
             self._pull(results)
             raise RuntimeError(
@@ -354,6 +371,7 @@ class DistributedOptimizer:
             raise MlfabricError(f"pushes of groups {wanted} not handed to the daemon in {self.timeout} s")
         outcomes = {g: self._handles.pop(g) for g in wanted}
         self._sent.clear()
+        self._first_push = None
         self._reset_backward()
         self.pushed += sum(not isinstance(o, BaseException) for o in outcomes.values())
         errors = [o for o in outcomes.values() if isinstance(o, BaseException)]

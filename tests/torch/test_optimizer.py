@@ -74,6 +74,9 @@ def test_one_worker_trains_as_the_wrapped_optimizer_alone(
                 loss_of(alone, step).backward()
                 alone_opt.step()
             assert all(r.status == mlfabric.APPLIED for r in opt.last_results)
+            # wait-free: pushes began before step() was called; in step: none did
+            assert (opt.hidden_seconds > 0) == wait_free and opt.comm_seconds > 0
+            assert 0 <= opt.last_overlap < 1
             opt.close()
         assert_same(model, alone)
         assert_same(model, alone)
