@@ -145,6 +145,19 @@ class Worker:
         self._buffers = MemfdPool(PUSH_POOL_BYTES, name="mlfabric-update")
         self._allreduce_seqs: dict[str, int] = {}
         self._allreduce_lock = threading.Lock()
+        #: Device staging (:class:`mlfabric.torch.staging.Stager`) for CUDA tensors; None: the
+        #: process's default, created when a CUDA tensor first comes (tests inject a fake here).
+        self.stager: Any = None
+
+    def _staging(self, tensors: Tensors) -> Any:
+        """The stager for ``tensors`` when any is on a device (CUDA), else None (host tensors)."""
+        if self.stager is not None:
+            return self.stager if any(self.stager.ops.is_device(v) for v in tensors.values()) else None
+        if not any(getattr(v, "is_cuda", False) is True for v in tensors.values()):
+            return None
+        from mlfabric.torch.staging import default_stager
+
+        return default_stager()
 
     def push(
         self, server: str, update: Tensors, norm: float | None = None, *, base_version: int | None = None
@@ -157,7 +170,9 @@ class Worker:
             The server's name.
         update : dict
             name -> numpy array or torch tensor; names, shapes and dtypes must match the
-            server's model (the daemon refuses the push otherwise, naming the tensor).
+            server's model (the daemon refuses the push otherwise, naming the tensor). CUDA
+            tensors are copied to pinned host buffers on a side stream (the caller waits for
+            that copy's event, not for its own stream; :mod:`mlfabric.torch.staging`).
         norm : float, optional
             The update's norm (for divergence bounds); default its L2 norm.
         base_version : int, optional
@@ -193,6 +208,17 @@ class Worker:
         base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
         _check_base_version(base)
         self._check_update(server, update)
+        stager = self._staging(update)
+        if stager is None:
+            return self._push(server, update, norm, base)
+        # CUDA tensors: copied on a side stream into pinned buffers; only their event is waited for
+        staged = stager.to_host(update)
+        try:
+            return self._push(server, staged.wait(), norm, base)
+        finally:
+            staged.release()  # the bytes are in the update's memfd now
+
+    def _push(self, server: str, update: Tensors, norm: float | None, base: int) -> PushHandle:
         if norm is None:
             norm = tcodec.l2_norm(update)
         buf, layouts, total, crc = tensorio.encode_pooled(self._buffers, update, crc=True)
@@ -249,6 +275,7 @@ class Worker:
         min_version: int | None = None,
         as_torch: bool = False,
         timeout: float | None = 60.0,
+        device: Any = None,
     ) -> tuple[int, dict]:
         """The server's current model (paper Table 1, ``get``), or one at least ``min_version``.
 
@@ -266,6 +293,10 @@ class Worker:
             Return torch tensors instead of numpy arrays.
         timeout : float, optional
             Seconds to wait for the model (None: the daemon's default wait, 60 s, for a floor).
+        device : str or torch.device, optional
+            Return torch tensors on this device. A CUDA device: copied from pinned host
+            buffers on a side stream; the caller's current stream waits for them (the host
+            does not; :mod:`mlfabric.torch.staging`).
 
         Returns
         -------
@@ -293,9 +324,23 @@ class Worker:
         request = local_pb2.LocalRequest(get=get)
         # the daemon's own answer at the wait's end names the versions: give it time to come
         event, fd = self._client.call(request, timeout=None if timeout is None else timeout + 5.0)
-        model = tensorio.from_fd(event.model.tensors, fd, as_torch=as_torch)
+        model = tensorio.from_fd(event.model.tensors, fd, as_torch=as_torch or device is not None)
         self._base_versions[server] = int(event.model.version)
+        if device is not None:
+            model = self._to_device(model, device)
         return int(event.model.version), model
+
+    def _to_device(self, model: dict, device: Any) -> dict:
+        import torch
+
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            return model
+        if dev.type == "cuda":
+            from mlfabric.torch.staging import default_stager
+
+            return (self.stager or default_stager()).to_device(model, dev)
+        return {k: v.to(dev) for k, v in model.items()}
 
     def allreduce_async(
         self,

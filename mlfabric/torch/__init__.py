@@ -23,6 +23,7 @@ number per call), so every rank must build the same buckets — as DDP does for 
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects
 # (``bucket: dist.GradBucket``, returning ``torch.futures.Future[torch.Tensor]``).
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,24 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from mlfabric.allreduce import DEFAULT_TIMEOUT, AllreduceGroup
 from mlfabric.localclient import MlfabricError
+from mlfabric.torch.groups import GroupServers, plan_groups
+from mlfabric.torch.launch import Context, init
+from mlfabric.torch.optimizer import DistributedOptimizer
+from mlfabric.torch.staging import Stager, default_stager
 
-__all__ = ["HookState", "LocalSGDState", "PeriodicModelAverager", "allreduce_hook", "post_local_sgd_hook"]
+__all__ = [
+    "Context",
+    "DistributedOptimizer",
+    "GroupServers",
+    "HookState",
+    "LocalSGDState",
+    "PeriodicModelAverager",
+    "Stager",
+    "allreduce_hook",
+    "init",
+    "plan_groups",
+    "post_local_sgd_hook",
+]
 
 
 @dataclass
@@ -55,6 +72,8 @@ class HookState:
 
     group: AllreduceGroup
     timeout: float = DEFAULT_TIMEOUT
+    #: CUDA buckets over the daemons: their staging (default :func:`default_stager`; tests inject a fake)
+    stager: Stager | None = None
 
 
 def allreduce_hook(
@@ -79,6 +98,9 @@ def allreduce_hook(
         state = HookState(state)
     buffer = bucket.buffer()
     world = state.group.world_size
+    stager = state.stager or (default_stager() if buffer.is_cuda else None)
+    if state.group.executor is None and stager is not None and stager.ops.is_device(buffer):
+        return _staged_hook(state, stager, buffer, bucket.index())
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     handle = state.group.allreduce_async(
         {"bucket": buffer.detach()},
@@ -97,6 +119,49 @@ def allreduce_hook(
         future.set_result(total.view_as(buffer).div_(world))
 
     handle.add_done_callback(done)
+    return future
+
+
+_STAGING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlfabric-ddp-staging")
+
+
+def _staged_hook(
+    state: HookState, stager: Stager, buffer: torch.Tensor, index: int
+) -> torch.futures.Future[torch.Tensor]:
+    """A device bucket over the daemons: to pinned host memory on a side stream, summed, and back.
+
+    The hook returns at once; a helper thread waits for the copy's event (not the training
+    stream), starts the all-reduce, and the sum goes back to the device on the side stream. The
+    future is a CUDA-aware one (``devices=``): DDP's use of the result waits for it on the device.
+    """
+    world = state.group.world_size
+    devices: list[int | str | torch.device] | None = [buffer.device] if buffer.is_cuda else None
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
+    staged = stager.to_host({"bucket": buffer.detach()})
+
+    def done(h: Any) -> None:
+        try:
+            total = h.wait(0)["bucket"]
+        except (MlfabricError, TimeoutError) as exc:
+            future.set_exception(exc)  # type: ignore[arg-type]  # torch stubs type it as the value
+            return
+        finally:
+            staged.release()
+        back = stager.to_device({"bucket": torch.as_tensor(total)}, buffer.device)["bucket"]
+        future.set_result(back.view_as(buffer).div_(world))
+
+    def start() -> None:
+        try:
+            handle = state.group.allreduce_async(
+                staged.wait(), name=f"ddp-bucket-{index}", timeout=state.timeout, trusted=True
+            )
+        except MlfabricError as exc:
+            staged.release()
+            future.set_exception(exc)  # type: ignore[arg-type]
+            return
+        handle.add_done_callback(done)
+
+    _STAGING_THREAD.submit(start)
     return future
 
 
