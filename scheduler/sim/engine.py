@@ -197,7 +197,7 @@ class Simulator:
         until: float = math.inf,
         record_flows: bool = False,
         progress: Callable[[float, int], None] | None = None,
-        progress_every: int = 2000,
+        progress_every: int = 64,
         job: str = "job",
         server: str = "ps",
     ) -> None:

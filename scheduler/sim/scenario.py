@@ -227,7 +227,7 @@ def run_scenario(
     clock : callable, optional
         Wall clock (e.g. ``time.perf_counter``) to time the run; none: ``wall_s`` is NaN.
     progress : callable, optional
-        ``progress(sim_time, events)``, called every few thousand events.
+        ``progress(sim_time, events)``, called every few dozen events.
     record_flows : bool
         Keep every transfer's rate history (for ``--trace`` and schedule checks).
 
