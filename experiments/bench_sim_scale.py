@@ -107,6 +107,7 @@ def run_one(src: Path, workers: int, policy: str, seed: int, timeout: float) -> 
                 pushed=stats["pushed"],
                 events=stats["events"],
                 decisions=stats["decisions"],
+                decide_share=_ratio(stats.get("decide_s"), stats.get("wall_s")),
             )
         return row
 

@@ -33,8 +33,8 @@ import math
 import sys
 import time
 import tomllib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON
@@ -321,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if not args.quiet:
             print(
-                f"  [{name}] done: {s.events} events, {s.decisions} decisions, {s.wall_s:.1f} s",
+                f"  [{name}] done: {s.events} events, {s.decisions} decisions, {s.wall_s:.1f} s "
+                f"({s.decide_s:.1f} s deciding)",
                 file=sys.stderr,
             )
         stats.append(s)
