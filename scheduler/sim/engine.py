@@ -454,9 +454,10 @@ class Simulator:
             return
         self._requested = False
         self._batch.close()
+        snapshot = self._snapshot()
         t0 = self.clock() if self.clock is not None else 0.0
         try:
-            decision = self.runner.decide(self._snapshot(), list(self._pending.values()))
+            decision = self.runner.decide(snapshot, list(self._pending.values()))
         except DecisionError as exc:
             raise SimulationError(str(exc)) from exc
         if self.clock is not None:

@@ -96,7 +96,7 @@ def water_fill(capacity: np.ndarray, flow_of: np.ndarray, link_of: np.ndarray, n
         np.divide(remaining, count, out=share, where=used)
         level = float(share.min())
         full = share <= level * (1.0 + 1e-12)
-        newly = np.unique(f[full[lk]])
+        newly = f[full[lk]]  # repeated where a flow has several full links: same value, no sort
         rates[newly] = level
         frozen[newly] = True
         gone = frozen[f]
@@ -400,8 +400,11 @@ class FluidNetwork(Generic[Link, FlowId]):
         self.refilled_flows += len(slots)
         hops = self._hops[slots]
         flow_of, col = np.nonzero(hops >= 0)
-        used, link_of = np.unique(hops[flow_of, col], return_inverse=True)
-        new = water_fill(self._capacity[used], flow_of, link_of.reshape(-1), len(slots))
+        links = hops[flow_of, col]
+        in_use = np.zeros(len(self._capacity), dtype=bool)
+        in_use[links] = True
+        number = np.cumsum(in_use) - 1  # the links in use, renumbered 0.. (no sort)
+        new = water_fill(self._capacity[in_use], flow_of, number[links], len(slots))
         idx = slots
         old = self._rate[idx]
         changed = new != old
