@@ -68,7 +68,7 @@ def child(argv: list[str], out: Path) -> int:
     return rc
 
 
-def run_one(src: Path, workers: int, policy: str, seed: int, timeout: float) -> dict[str, Any]:
+def run_one(src: Path, workers: int, policy: str, seed: int, timeout: float, label: str) -> dict[str, Any]:
     """One simulation in a child process; its stats plus cpu, wall and peak RSS."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "stats.json"
@@ -90,7 +90,7 @@ def run_one(src: Path, workers: int, policy: str, seed: int, timeout: float) -> 
             time.sleep(0.05)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - t0
-        row: dict[str, Any] = {"workers": workers, "policy": policy, "seed": seed}
+        row: dict[str, Any] = {"code": label, "workers": workers, "policy": policy, "seed": seed}
         row.update(
             cpu_s=usage.ru_utime + usage.ru_stime,
             wall_s=wall,
@@ -120,9 +120,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Each row's CPU, completion and makespan over fair's at the same size and seed."""
-    fair = {(r["workers"], r["seed"]): r for r in rows if r["policy"] == "fair" and r["finished"]}
+    fair = {(r["code"], r["workers"], r["seed"]): r for r in rows if r["policy"] == "fair" and r["finished"]}
     for r in rows:
-        base = fair.get((r["workers"], r["seed"]))
+        base = fair.get((r["code"], r["workers"], r["seed"]))
         for key in ("sim_cpu_s", "completion_mean", "makespan"):
             r[f"{key}_x_fair"] = _ratio(r.get(key), base.get(key) if base else None)
 
@@ -132,11 +132,15 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (size, policy): medians over the seeds, and the min-max of the CPU ratio."""
+    """Per (code, size, policy): medians over the seeds, and the min-max of the CPU ratio."""
     out = []
-    keys = sorted({(r["workers"], r["policy"]) for r in rows}, key=lambda k: (k[0], POLICIES.index(k[1])))
-    for workers, policy in keys:
-        runs = [r for r in rows if r["workers"] == workers and r["policy"] == policy]
+    codes = list(dict.fromkeys(r["code"] for r in rows))
+    keys = sorted(
+        {(r["code"], r["workers"], r["policy"]) for r in rows},
+        key=lambda k: (k[1], codes.index(k[0]), POLICIES.index(k[2])),
+    )
+    for code, workers, policy in keys:
+        runs = [r for r in rows if (r["code"], r["workers"], r["policy"]) == (code, workers, policy)]
         done = [r for r in runs if r["finished"]]
 
         def med(key: str, done: list[dict[str, Any]] = done) -> float | None:
@@ -146,6 +150,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ratios = [r["sim_cpu_s_x_fair"] for r in done if r.get("sim_cpu_s_x_fair") is not None]
         out.append(
             {
+                "code": code,
                 "workers": workers,
                 "policy": policy,
                 "seeds": len(runs),
@@ -161,6 +166,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "makespan_x_fair": med("makespan_x_fair"),
                 "completion_mean": med("completion_mean"),
                 "makespan": med("makespan"),
+                "decide_share": med("decide_share"),
                 "target": TARGET[policy],
             }
         )
@@ -170,9 +176,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(summ: list[dict[str, Any]]) -> str:
     """The summary as a markdown table."""
     lines = [
-        "| workers | policy | seeds done | cpu (s) | sim cpu (s) | x fair [min-max] | target | wall (s) "
-        "| rss (MB) | completion mean (s) | x fair | makespan (s) | x fair |",
-        "|" + " --- |" * 13,
+        "| workers | code | policy | seeds done | cpu (s) | sim cpu (s) | x fair [min-max] | target "
+        "| deciding | wall (s) | rss (MB) | completion mean (s) | x fair | makespan (s) | x fair |",
+        "|" + " --- |" * 15,
     ]
     for s in summ:
         span = (
@@ -182,9 +188,11 @@ def table(summ: list[dict[str, Any]]) -> str:
         )
         met = "" if s["cpu_x_fair"] is None else (" met" if s["cpu_x_fair"] <= s["target"] else " missed")
         lines.append(
-            f"| {s['workers']:,} | {s['policy']} | {s['finished']}/{s['seeds']} | {_fmt(s['cpu_s'], '.1f')} "
-            f"| {_fmt(s['sim_cpu_s'], '.1f')} | {_fmt(s['cpu_x_fair'], '.2f')}{span} "
-            f"| <= {s['target']:g}x{met} | {_fmt(s['wall_s'], '.1f')} | {_fmt(s['rss_mb'], '.0f')} "
+            f"| {s['workers']:,} | {s['code']} | {s['policy']} | {s['finished']}/{s['seeds']} "
+            f"| {_fmt(s['cpu_s'], '.1f')} | {_fmt(s['sim_cpu_s'], '.1f')} "
+            f"| {_fmt(s['cpu_x_fair'], '.2f')}{span} "
+            f"| <= {s['target']:g}x{met} | {_fmt(s['decide_share'], '.0%')} | {_fmt(s['wall_s'], '.1f')} "
+            f"| {_fmt(s['rss_mb'], '.0f')} "
             f"| {_fmt(s['completion_mean'], '.3f')} | {_fmt(s['completion_x_fair'], '.2f')} "
             f"| {_fmt(s['makespan'], '.2f')} | {_fmt(s['makespan_x_fair'], '.2f')} |"
         )
@@ -198,6 +206,8 @@ def plot(summ: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    code = summ[0]["code"] if summ else ""
+    summ = [s for s in summ if s["code"] == code]
     sizes = sorted({s["workers"] for s in summ})
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
     width = 0.8 / len(POLICIES)
@@ -230,13 +240,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds of wall per run (default 600)")
     ap.add_argument("--src", type=Path, default=ROOT, help="checkout whose mlfabric runs (default: this one)")
+    ap.add_argument("--label", default="new", help="the code's name in the table (default: new)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_sim_scale")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="LABEL=FILE",
+        help="run nothing: tabulate the runs of earlier result files (.json) together, each under "
+        "LABEL (the plot shows the first label)",
+    )
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
-    for n in args.sizes:
+    for item in args.merge or ():
+        label, _, path = item.partition("=")
+        rows += [{**r, "code": label} for r in json.loads(Path(path).read_text())["runs"]]
+    for n in args.sizes if not args.merge else ():
         for seed in args.seeds:
             for policy in args.policies:
-                row = run_one(args.src.resolve(), n, policy, seed, args.timeout)
+                row = run_one(args.src.resolve(), n, policy, seed, args.timeout, args.label)
                 rows.append(row)
                 print(
                     f"# {n} workers, {policy}, seed {seed}: cpu {row['cpu_s']:.1f} s "
