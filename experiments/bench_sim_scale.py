@@ -8,13 +8,14 @@ seed), each run in its own child process so that its CPU time and peak RSS are i
 ``experiments/results/bench_sim_scale.md`` (+ ``.json``) and a plot of mean completion time
 and makespan relative to ``fair`` at each size (``.png``).
 
-Columns: ``cpu`` is the child's user + system CPU seconds (interpreter start and imports
-included, ~1 s); ``sim cpu`` the CPU seconds of the simulation alone (``time.process_time``
-around it in the child); ``x fair`` is ``sim cpu`` over fair's at the same size and seed;
-``wall`` the child's wall seconds; ``rss`` its peak resident set. ``makespan`` is the
-simulated time at which the last update was applied (asynchronous SGD has no iterations).
-The figures are deterministic given the seed (the simulation has no other randomness);
-the machine is shared, so wall times are noisy and CPU time is the measure.
+Columns: ``cpu`` is the child's user + system CPU seconds, interpreter start and imports
+included (~1 s; ``> x``: the run was stopped unfinished after ``x``); ``sim cpu`` the CPU
+seconds of the simulation alone (``time.process_time`` around it in the child); ``x fair``
+is ``sim cpu`` over fair's at the same size and seed; ``wall`` the child's wall seconds;
+``rss`` its peak resident set. ``makespan`` is the simulated time at which the last update
+was applied (asynchronous SGD has no iterations). The figures are deterministic given the
+seed (the simulation has no other randomness); the machine is shared, so wall times are
+noisy and CPU time is the measure.
 
 Targets (issue 24): ``stf`` at <= 3x fair's CPU at both sizes, ``stf+agg`` and ``stf+tree``
 at <= 5x; each 10,240-worker run finishes in <= 10 minutes on 2 cores.
@@ -155,7 +156,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "policy": policy,
                 "seeds": len(runs),
                 "finished": len(done),
-                "cpu_s": med("cpu_s"),
+                "cpu_s": med("cpu_s") if done else max((r.get("cpu_s") or 0.0 for r in runs), default=None),
                 "sim_cpu_s": med("sim_cpu_s"),
                 "cpu_x_fair": med("sim_cpu_s_x_fair"),
                 "cpu_x_fair_min": min(ratios, default=None),
@@ -189,7 +190,7 @@ def table(summ: list[dict[str, Any]]) -> str:
         met = "" if s["cpu_x_fair"] is None else (" met" if s["cpu_x_fair"] <= s["target"] else " missed")
         lines.append(
             f"| {s['workers']:,} | {s['code']} | {s['policy']} | {s['finished']}/{s['seeds']} "
-            f"| {_fmt(s['cpu_s'], '.1f')} | {_fmt(s['sim_cpu_s'], '.1f')} "
+            f"| {'' if s['finished'] else '> '}{_fmt(s['cpu_s'], '.1f')} | {_fmt(s['sim_cpu_s'], '.1f')} "
             f"| {_fmt(s['cpu_x_fair'], '.2f')}{span} "
             f"| <= {s['target']:g}x{met} | {_fmt(s['decide_share'], '.0%')} | {_fmt(s['wall_s'], '.1f')} "
             f"| {_fmt(s['rss_mb'], '.0f')} "
