@@ -143,7 +143,9 @@ class Dispatcher:
             The sends to execute now, in the plan's order.
         """
         released: list[Release] = []
-        ends = {uid: f.expected_end for uid, f in in_flight.items()}
+        # the ends of the transfers in flight, and of the sends released by this call (looked up
+        # per predecessor: no copy of everything in flight per call)
+        ends = _Ends(in_flight)
         progress = True
         while progress and self._planned:
             progress = False
@@ -151,7 +153,7 @@ class Dispatcher:
                 if self._blocked(send, now, ends):
                     continue
                 duration = max(0.0, send.expected_end - send.expected_start)
-                start = max([now, *(ends[a] for a in send.after if a in ends)])
+                start = max([now, *(e for e in map(ends.get, send.after) if e is not None)])
                 r = Release(send, now, start + duration)
                 released.append(r)
                 ends[uid] = r.expected_end
@@ -174,7 +176,7 @@ class Dispatcher:
             best = at if best is None else min(best, at)
         return best
 
-    def _blocked(self, send: Send, now: float, ends: Mapping[str, float]) -> bool:
+    def _blocked(self, send: Send, now: float, ends: _Ends) -> bool:
         for a in send.after:
             if a in self._planned:
                 return True
@@ -182,6 +184,27 @@ class Dispatcher:
             if end is not None and now < end - self.margin:
                 return True
         return False
+
+
+class _Ends:
+    """Expected ends by id: those set here, else those of the transfers in flight."""
+
+    __slots__ = ("in_flight", "own")
+
+    def __init__(self, in_flight: Mapping[str, InFlight]) -> None:
+        self.in_flight = in_flight
+        self.own: dict[str, float] = {}
+
+    def get(self, uid: str) -> float | None:
+        end = self.own.get(uid)
+        if end is None:
+            f = self.in_flight.get(uid)
+            if f is not None:
+                return f.expected_end
+        return end
+
+    def __setitem__(self, uid: str, end: float) -> None:
+        self.own[uid] = end
 
 
 def low_water_mark(horizon: int | None) -> int:

@@ -28,7 +28,7 @@ Pure: no I/O; the clock and the in-flight transfers are arguments.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from mlfabric.scheduler.core.graph import shortest_path
@@ -254,11 +254,17 @@ class DecisionRunner:
         # a transfer in flight past its expected end (less the margin) is nearly done: its report
         # may be held (a synchronous round ACKs once applied, which may need this aggregate)
         near = now + self.dispatcher.margin
-        busy = {u for u, f in in_flight.items() if f.expected_end > near} | set(self._gathering)
-        busy.update(s.update_id for s in self.dispatcher.planned)
+        gathering = set(self._gathering)  # as they stand before any is forwarded
+
+        def busy(uid: str) -> bool:
+            f = in_flight.get(uid)
+            if f is not None and f.expected_end > near:
+                return True
+            return uid in gathering or uid in self.dispatcher
+
         forwarded: list[_Gathering] = []
         for aid, g in list(self._gathering.items()):
-            if len(g.arrived) < len(g.members) or any(a in busy for a in g.planned.after):
+            if len(g.arrived) < len(g.members) or any(busy(a) for a in g.planned.after):
                 continue
             if g.planned.hold_until > now:  # a synchronous round's members still expected
                 continue
@@ -268,7 +274,7 @@ class DecisionRunner:
                 up.started = True
             for m in g.members:
                 self._member_of.pop(m, None)
-        flying = {**in_flight, **self._placeholders(forwarded)}
+        flying = _Over(self._placeholders(forwarded), in_flight)
         sends = self.dispatcher.release(now, flying)
         for r in sends:
             of = self._member_of.get(r.send.update_id)
@@ -294,7 +300,7 @@ class DecisionRunner:
         (``PlannedAggregate.hold_until``) and once the transfers of its ``after`` in flight are
         nearly done.
         """
-        wakes = [self.dispatcher.next_wakeup({**in_flight, **self._placeholders()})]
+        wakes = [self.dispatcher.next_wakeup(_Over(self._placeholders(), in_flight))]
         for g in self._gathering.values():
             if len(g.arrived) < len(g.members):
                 continue  # its last member's arrival is an event of its own
@@ -332,3 +338,26 @@ class DecisionRunner:
         self.trigger.moved()
         planned = len(self.dispatcher)
         return self.trigger.due(planned, pending - planned)
+
+
+class _Over(Mapping[str, InFlight]):
+    """``{**base, **top}`` without the copy: ``top``'s entries, then ``base``'s."""
+
+    __slots__ = ("base", "top")
+
+    def __init__(self, top: Mapping[str, InFlight], base: Mapping[str, InFlight]) -> None:
+        self.top, self.base = top, base
+
+    def __getitem__(self, key: str) -> InFlight:
+        f = self.top.get(key)
+        return self.base[key] if f is None else f
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.top or key in self.base
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.top
+        yield from (k for k in self.base if k not in self.top)
+
+    def __len__(self) -> int:
+        return len(self.top) + sum(1 for k in self.base if k not in self.top)

@@ -33,12 +33,13 @@ import math
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from mlfabric.scheduler.policies.registry import DEFAULT_STF_HORIZON
 
-__all__ = ["configure", "run"]
+__all__ = ["Progress", "configure", "run"]
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -142,29 +143,73 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     o = parser.add_argument_group("output")
     o.add_argument("--trace", type=Path, help="write a Chrome trace (one track per link; Perfetto)")
-    o.add_argument("--json", type=Path, help="write the results as JSON")
-    o.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    o.add_argument(
+        "--json",
+        type=Path,
+        help="write the results as JSON (a list, one object per policy; a missing value, e.g. no "
+        "makespan in asynchronous runs, is null)",
+    )
+    o.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (default: a line with simulated time and events/s every 5 s of "
+        "wall time on long runs, and one per policy when it is done)",
+    )
 
 
-class _Progress:
-    """Prints simulated time, events and events per wall second to stderr, at most every
-    ``every`` wall seconds."""
+class Progress:
+    """Prints simulated time, events and events per wall second, at most every ``every`` wall seconds.
 
-    def __init__(self, label: str, every: float = 3.0) -> None:
+    The simulator calls it every few dozen events (``progress(sim_time, events)``); a line
+    goes out once ``every`` seconds of ``clock`` passed since the last one, so short runs print
+    nothing and long runs show that they advance.
+
+    Parameters
+    ----------
+    label : str
+        Printed first (the policy).
+    every : float
+        Wall seconds between lines (default 5).
+    clock : callable
+        Wall clock (default :func:`time.monotonic`).
+    stream : file, optional
+        Where the lines go (default ``sys.stderr``).
+
+    Examples
+    --------
+    >>> import io
+    >>> t = [0.0]
+    >>> out = io.StringIO()
+    >>> p = Progress("stf", every=5.0, clock=lambda: t[0], stream=out)
+    >>> p(0.5, 100); out.getvalue()
+    ''
+    >>> t[0] = 6.0; p(1.25, 3000); print(out.getvalue().strip())
+    [stf] 6 s wall: t=1.250 s simulated, 3000 events (500 events/s)
+    """
+
+    def __init__(
+        self,
+        label: str,
+        every: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        stream: TextIO | None = None,
+    ) -> None:
         self.label = label
         self.every = every
-        self.started = self.last = time.monotonic()
+        self.clock = clock
+        self.stream = stream
+        self.started = self.last = clock()
         self.events = 0
 
     def __call__(self, sim_time: float, events: int) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self.last >= self.every:
             rate = (events - self.events) / (now - self.last)
             self.last, self.events = now, events
             print(
-                f"  [{self.label}] {now - self.started:.0f} s: t={sim_time:.3f}s simulated, {events} events "
-                f"({rate:.0f} events/s)",
-                file=sys.stderr,
+                f"[{self.label}] {now - self.started:.0f} s wall: t={sim_time:.3f} s simulated, "
+                f"{events} events ({rate:.0f} events/s)",
+                file=self.stream if self.stream is not None else sys.stderr,
                 flush=True,
             )
 
@@ -264,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     )
     stats, events = [], []
     for i, name in enumerate(names):
-        progress = None if args.quiet else _Progress(name)
+        progress = None if args.quiet else Progress(name)
         setup = _make_policy(name, args)
         s, sim = run_scenario(
             scenario,
@@ -276,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if not args.quiet:
             print(
-                f"  [{name}] done: {s.events} events, {s.decisions} decisions, {s.wall_s:.1f} s",
+                f"  [{name}] done: {s.events} events, {s.decisions} decisions, {s.wall_s:.1f} s "
+                f"({s.decide_s:.1f} s deciding)",
                 file=sys.stderr,
             )
         stats.append(s)

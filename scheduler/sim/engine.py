@@ -161,6 +161,9 @@ class Simulator:
         Keep a :class:`FlowRecord` of every transfer (traces, schedule checks).
     progress : callable, optional
         Called as ``progress(sim_time, events)`` every ``progress_every`` events.
+    clock : callable, optional
+        A clock (e.g. ``time.perf_counter``) to time the policy's decisions with
+        (:attr:`decide_s`, how much of a run the policy takes).
     job, server : str
         Names of the job and of the server.
 
@@ -197,7 +200,8 @@ class Simulator:
         until: float = math.inf,
         record_flows: bool = False,
         progress: Callable[[float, int], None] | None = None,
-        progress_every: int = 2000,
+        progress_every: int = 64,
+        clock: Callable[[], float] | None = None,
         job: str = "job",
         server: str = "ps",
     ) -> None:
@@ -221,6 +225,9 @@ class Simulator:
         self.until = until
         self.record_flows = record_flows
         self.progress = progress
+        self.clock = clock
+        #: seconds of ``clock`` spent in the policy's decisions (NaN without a clock)
+        self.decide_s = 0.0 if clock is not None else math.nan
         self.progress_every = progress_every
         self.job = job
         self.server = server
@@ -390,6 +397,7 @@ class Simulator:
         self.flows = []
         self.aggregates = []
         self.events = 0
+        self.decide_s = 0.0 if self.clock is not None else math.nan
 
     def _schedule(self, t: float, prio: int, action: Callable[[], object]) -> None:
         self._seq += 1
@@ -446,10 +454,14 @@ class Simulator:
             return
         self._requested = False
         self._batch.close()
+        snapshot = self._snapshot()
+        t0 = self.clock() if self.clock is not None else 0.0
         try:
-            decision = self.runner.decide(self._snapshot(), list(self._pending.values()))
+            decision = self.runner.decide(snapshot, list(self._pending.values()))
         except DecisionError as exc:
             raise SimulationError(str(exc)) from exc
+        if self.clock is not None:
+            self.decide_s += self.clock() - t0
         for drop in decision.drops:
             if self._pending.pop(drop.update_id, None) is not None:
                 self._resolve(drop.update_id, DROPPED, f"policy: {drop.reason}")

@@ -14,12 +14,23 @@ then gets the whole link.
 
 :class:`FluidNetwork` keeps the active flows, their remaining bytes and rates, and
 recomputes max-min rates only when something changed (a flow started or ended, a
-capacity changed), once per instant however many changes it saw. The max-min allocation
-decomposes over connected components of flows and links, but with one parameter server
-every update crosses its ingress, so the active flows are one component: instead of
-restricting the refill to a component, each round of the filling is vectorized (numpy
-over flow-link incidences), and only the entries not yet frozen stay in later rounds, so
-a refill costs ``O(F·P)`` array work plus ``O(L)`` per distinct fair-share level.
+capacity changed), once per instant however many changes it saw, and only for the flows
+that can be affected. The max-min allocation decomposes over the connected components of
+the flow-link graph (flows sharing a link, transitively): a change on some links changes
+only the rates in their components. Links are kept in a union-find that merges the links of
+every flow started; a flow's end does not split its component at once (a component too big
+is only more work, never a wrong rate: the filling of two components together gives each
+its own rates), so the union-find is rebuilt from the active flows once as many flows have
+ended as were active at the last rebuild (amortized O(links per flow) per flow). A refill
+then runs the filling over the flows of the components the changed links are in, each round
+vectorized (numpy over flow-link incidences, links renumbered to those in use), so a
+refill costs ``O(F·P)`` array work over those flows plus ``O(L)`` per distinct fair-share
+level. With one parameter server every update crosses its ingress and the updates are one
+component; model transfers from the server (its egress) are another.
+
+Each flow's expected end (at its current rate) is kept per flow and updated when its rate
+changes, and the earliest of them is cached until a flow starts, ends or changes rate, so
+an event that touches no transfer costs no work over the flows.
 """
 
 from __future__ import annotations
@@ -85,7 +96,7 @@ def water_fill(capacity: np.ndarray, flow_of: np.ndarray, link_of: np.ndarray, n
         np.divide(remaining, count, out=share, where=used)
         level = float(share.min())
         full = share <= level * (1.0 + 1e-12)
-        newly = np.unique(f[full[lk]])
+        newly = f[full[lk]]  # repeated where a flow has several full links: same value, no sort
         rates[newly] = level
         frozen[newly] = True
         gone = frozen[f]
@@ -144,9 +155,15 @@ class FluidNetwork(Generic[Link, FlowId]):
         self._flow_at: list[FlowId | None] = [None] * size
         self._links_at: list[tuple[int, ...]] = [()] * size
         self._hops = np.full((size, 4), -1, dtype=np.int64)  # link numbers per slot, -1 padded
+        self._end = np.full(size, math.inf)  # expected end at the current rate
         self._free: list[int] = list(range(size - 1, -1, -1))
         self._started = 0
-        self._dirty = False
+        self._dirty: set[int] = set()  # links whose flows or capacity changed since the last refill
+        self._next: float | None = None  # earliest expected end (None: to recompute)
+        # union-find over links: links of one component share a root (may over-merge, see above)
+        self._parent = np.arange(len(self._capacity), dtype=np.int64)
+        self._ended_since_rebuild = 0
+        self._active_at_rebuild = 0
         #: number of max-min recomputations and of flows they covered (profiling counters)
         self.refills = 0
         self.refilled_flows = 0
@@ -178,12 +195,13 @@ class FluidNetwork(Generic[Link, FlowId]):
     def expected_end(self, flow: FlowId) -> float:
         """When ``flow`` ends if rates stay as they are now."""
         self._refill()
-        return float(self._finish(np.array([self._slot_of[flow]]))[0])
+        return float(self._end[self._slot_of[flow]])
 
     def expected_ends(self, flows: Sequence[FlowId]) -> np.ndarray:
         """:meth:`expected_end` of several flows at once."""
         self._refill()
-        return self._finish(np.array([self._slot_of[f] for f in flows], dtype=np.int64))
+        slot_of = self._slot_of
+        return self._end[np.array([slot_of[f] for f in flows], dtype=np.int64)]
 
     def link_load(self, link: Link) -> float:
         """Sum of the rates of the flows on ``link`` (bytes/s)."""
@@ -221,10 +239,14 @@ class FluidNetwork(Generic[Link, FlowId]):
         self._remaining[i] = float(nbytes)
         self._rate[i] = 0.0 if path else math.inf
         self._since[i] = self.now
+        self._end[i] = self.now if nbytes <= 0 or not path else math.inf
         self._order[i] = self._started
         self._active[i] = True
         self._started += 1
-        self._dirty = self._dirty or bool(path)
+        self._next = None
+        if path:
+            self._dirty.update(path)
+            self._union(path)
 
     def remove(self, flow: FlowId) -> float:
         """Stop ``flow`` now; returns the bytes it had left."""
@@ -236,8 +258,9 @@ class FluidNetwork(Generic[Link, FlowId]):
         """Change ``link``'s capacity from :attr:`now` on (a dynamic cluster)."""
         if capacity < 0:
             raise ValueError(f"link {link!r}: capacity must be >= 0, got {capacity}")
-        self._capacity[self._link_index[link]] = float(capacity)
-        self._dirty = True
+        i = self._link_index[link]
+        self._capacity[i] = float(capacity)
+        self._dirty.add(i)
 
     # -- time --------------------------------------------------------------------------
     def next_completion(self) -> float:
@@ -245,8 +268,9 @@ class FluidNetwork(Generic[Link, FlowId]):
         self._refill()
         if not self._slot_of:
             return math.inf
-        slots = np.flatnonzero(self._active)
-        return float(self._finish(slots).min())
+        if self._next is None:
+            self._next = float(self._end[self._active].min())
+        return self._next
 
     def advance_to(self, t: float) -> list[FlowId]:
         """Move time to ``t`` and end the flows whose last byte is through by then.
@@ -266,9 +290,11 @@ class FluidNetwork(Generic[Link, FlowId]):
         self.now = t
         if not self._slot_of:
             return []
-        slots = np.flatnonzero(self._active)
-        finish = self._finish(slots)
         horizon = t + TIME_RTOL * max(1.0, abs(t))
+        if self.next_completion() > horizon:
+            return []
+        slots = np.flatnonzero(self._active)
+        finish = self._end[slots]
         ending = finish <= horizon
         if not ending.any():
             return []
@@ -298,16 +324,20 @@ class FluidNetwork(Generic[Link, FlowId]):
         del self._slot_of[self._occupant(i)]
         self._flow_at[i] = None
         self._active[i] = False
-        self._dirty = self._dirty or bool(self._links_at[i])
+        self._end[i] = math.inf
+        self._next = None
+        if self._links_at[i]:
+            self._dirty.update(self._links_at[i])
+            self._ended_since_rebuild += 1
         self._links_at[i] = ()
         self._free.append(i)
 
     def _grow(self) -> None:
         old = len(self._active)
         new = 2 * old
-        for name in ("_remaining", "_rate", "_since", "_order", "_active"):
+        for name in ("_remaining", "_rate", "_since", "_order", "_active", "_end"):
             arr = getattr(self, name)
-            grown = np.zeros(new, dtype=arr.dtype)
+            grown = np.full(new, math.inf) if name == "_end" else np.zeros(new, dtype=arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
         hops = np.full((new, self._hops.shape[1]), -1, dtype=np.int64)
@@ -317,20 +347,64 @@ class FluidNetwork(Generic[Link, FlowId]):
         self._links_at.extend([()] * old)
         self._free.extend(range(new - 1, old - 1, -1))
 
+    def _find(self, link: int) -> int:
+        parent = self._parent
+        while parent[link] != link:
+            parent[link] = parent[parent[link]]
+            link = int(parent[link])
+        return link
+
+    def _union(self, path: Sequence[int]) -> None:
+        root = self._find(path[0])
+        for link in path[1:]:
+            other = self._find(link)
+            if other != root:
+                self._parent[other] = root
+
+    def _rebuild_components(self) -> None:
+        """Components from the active flows alone (those of ended flows split off)."""
+        self._parent = np.arange(len(self._capacity), dtype=np.int64)
+        for path in self._links_at:
+            if path:
+                self._union(path)
+        self._ended_since_rebuild = 0
+        self._active_at_rebuild = len(self._slot_of)
+
+    def _affected(self) -> np.ndarray:
+        """Active slots with links in the components of the changed links (dirty set cleared)."""
+        if self._ended_since_rebuild > max(64, self._active_at_rebuild):
+            self._rebuild_components()
+        parent = self._parent
+        while True:  # pointer jumping: every link points at its root
+            up = parent[parent]
+            if np.array_equal(up, parent):
+                break
+            parent = up
+        self._parent = parent
+        roots = np.unique(parent[np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))])
+        self._dirty = set()
+        slots = np.flatnonzero(self._active)
+        first = self._hops[slots, 0]
+        slots, first = slots[first >= 0], first[first >= 0]
+        if len(roots) == 1:
+            return slots[parent[first] == roots[0]]
+        return slots[np.isin(parent[first], roots)]
+
     def _refill(self) -> None:
         if not self._dirty:
             return
-        self._dirty = False
-        slots = np.flatnonzero(self._active)
-        hops = self._hops[slots]
-        slots, hops = slots[hops[:, 0] >= 0], hops[hops[:, 0] >= 0]
+        slots = self._affected()
         if not len(slots):
             return
         self.refills += 1
         self.refilled_flows += len(slots)
+        hops = self._hops[slots]
         flow_of, col = np.nonzero(hops >= 0)
-        link_of = hops[flow_of, col]
-        new = water_fill(self._capacity, flow_of, link_of, len(slots))
+        links = hops[flow_of, col]
+        in_use = np.zeros(len(self._capacity), dtype=bool)
+        in_use[links] = True
+        number = np.cumsum(in_use) - 1  # the links in use, renumbered 0.. (no sort)
+        new = water_fill(self._capacity[in_use], flow_of, number[links], len(slots))
         idx = slots
         old = self._rate[idx]
         changed = new != old
@@ -342,6 +416,8 @@ class FluidNetwork(Generic[Link, FlowId]):
         self._remaining[idx] = np.maximum(0.0, self._remaining[idx] - moved)
         self._since[idx] = now
         self._rate[idx] = new
+        self._end[idx] = self._finish(idx)
+        self._next = None
         if self._on_rate is not None:
             for i, r in zip(idx.tolist(), new.tolist(), strict=True):
                 self._on_rate(self._occupant(i), now, r)

@@ -52,6 +52,7 @@ class PolicyStats:
     decisions: int = 0
     events: int = 0
     wall_s: float = math.nan
+    decide_s: float = math.nan  # of wall_s, in the policy's decisions
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (NaN stays NaN: "no value", e.g. no makespan without iterations)."""
@@ -80,6 +81,7 @@ def summarize(
     decisions: int = 0,
     events: int = 0,
     wall_s: float = math.nan,
+    decide_s: float = math.nan,
 ) -> PolicyStats:
     """Statistics of one run.
 
@@ -97,6 +99,8 @@ def summarize(
         Policy calls and simulator events (for the record).
     wall_s : float
         Wall-clock seconds the run took (measured by the caller).
+    decide_s : float
+        Of those, the seconds spent in the policy's decisions.
 
     Returns
     -------
@@ -133,6 +137,7 @@ def summarize(
         decisions=decisions,
         events=events,
         wall_s=wall_s,
+        decide_s=decide_s,
     )
 
 

@@ -225,9 +225,10 @@ def run_scenario(
     replan : ReplanTrigger, optional
         Its re-plan trigger (``make_policy(name)`` gives both; default: low-water 0).
     clock : callable, optional
-        Wall clock (e.g. ``time.perf_counter``) to time the run; none: ``wall_s`` is NaN.
+        Clock (e.g. ``time.perf_counter``) to time the run and its decisions; none: ``wall_s``
+        and ``decide_s`` are NaN.
     progress : callable, optional
-        ``progress(sim_time, events)``, called every few thousand events.
+        ``progress(sim_time, events)``, called every few dozen events.
     record_flows : bool
         Keep every transfer's rate history (for ``--trace`` and schedule checks).
 
@@ -270,6 +271,7 @@ def run_scenario(
         until=scenario.duration,
         record_flows=record_flows,
         progress=progress,
+        clock=clock,
     )
     t0 = clock() if clock is not None else math.nan
     records = sim.run()
@@ -282,5 +284,6 @@ def run_scenario(
         decisions=sim.decisions,
         events=sim.events,
         wall_s=wall,
+        decide_s=sim.decide_s,
     )
     return stats, sim

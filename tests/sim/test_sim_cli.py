@@ -113,9 +113,38 @@ def test_json_is_valid_where_a_value_is_missing(tmp_path: Path, capsys: pytest.C
 
 
 def test_progress_says_events_per_second(capsys: pytest.CaptureFixture[str]) -> None:
-    from mlfabric.scheduler.sim.cli import _Progress
+    from mlfabric.scheduler.sim.cli import Progress
 
-    progress = _Progress("stf", every=0.0)
+    progress = Progress("stf", every=0.0)
     progress(1.5, 300)
     err = capsys.readouterr().err
-    assert "[stf]" in err and "t=1.500s simulated, 300 events" in err and "events/s)" in err
+    assert "[stf]" in err and "t=1.500 s simulated, 300 events" in err and "events/s)" in err
+
+
+def test_progress_lines_come_every_few_seconds_of_a_run_and_never_with_quiet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import io
+
+    from mlfabric.scheduler.policies.fair import FairPolicy
+    from mlfabric.scheduler.sim.cli import Progress
+    from mlfabric.scheduler.sim.scenario import Scenario, cluster, run_scenario
+    from mlfabric.scheduler.sim.workload import ComputeModel
+
+    c = cluster("star", 64, nic_bps=1e9)
+    sc = Scenario(c, ComputeModel(dict.fromkeys(c.workers, 0.01)), update_bytes=1e6, iterations=3)
+    ticks = iter(range(10**9))  # a clock that moves 1 s per reading: one line per progress call
+    out = io.StringIO()
+    stats, _ = run_scenario(sc, FairPolicy(), progress=Progress("fair", 5.0, lambda: float(next(ticks)), out))
+    lines = out.getvalue().splitlines()
+    assert lines, "a long run prints progress"
+    times = [float(line.split("t=")[1].split(" s simulated")[0]) for line in lines]
+    assert times == sorted(times) and times[-1] <= stats.sim_time
+    assert all(line.startswith("[fair] ") and "events/s)" in line for line in lines)
+    # the CLI with --quiet writes nothing on stderr; without it, one line per policy at the end
+    argv = ["simulate", "--workers", "4", "--nic-gbps", "1", "--iterations", "1"]
+    assert main([*argv, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split("]")[0] for line in err if "done:" in line] == ["  [fair", "  [stf"]
