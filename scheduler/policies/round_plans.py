@@ -22,7 +22,10 @@ follows that plan as the real updates arrive:
   aggregate leaves with what it has, and the late update is planned afresh, on its own
   (``rest``), when it comes;
 * an update the plan sent straight to the server, or whose aggregate already left, is
-  planned afresh with the other pending updates.
+  planned afresh with the other pending updates;
+* an update already in an aggregate being gathered that no round put there (a worker's
+  second update computed from the same version, planned with the asynchronous ones) is
+  never claimed by a round: one update, one aggregate.
 
 The book is the state of one policy object; the planner is passed in (the tree policy's
 :func:`~mlfabric.scheduler.policies.trees.plan_tree`), so the service and the simulator
@@ -173,10 +176,15 @@ class RoundBook:
         for r in self._rounds.values():
             for aid in [a for a in r.listed if a not in gathering]:
                 r.forget(aid)  # it left (forwarded, held past its deadline) or failed
+        # an update already in an aggregate at the runner that no round put there (a worker's
+        # second update of a round, planned with the others) stays where it is: a round
+        # started or followed now must not claim it too (its aggregate would wait for it in vain)
+        ours = {u for r in self._rounds.values() for u in r.assigned}
+        elsewhere = {m for a in snapshot.gathering for m in a.members} - ours
         rest: list[PendingUpdate] = []
         by_round: dict[RoundKey, list[PendingUpdate]] = {}
         for p in pending:
-            if (p.job, p.server) in snapshot.rounds:
+            if (p.job, p.server) in snapshot.rounds and p.update_id not in elsewhere:
                 by_round.setdefault((p.job, p.server, p.base_version), []).append(p)
             else:
                 rest.append(p)

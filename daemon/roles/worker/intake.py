@@ -131,6 +131,7 @@ class WorkerRole(Role):
             directory,
             reannounce=lambda push, reason: self.fallback.announce_or_keep(push, reason),
             on_finish=lambda push: budget.release(push.payload_bytes),
+            on_stale_hold=self._stale_hold,
         )
         self.fallback = Fallback(
             fallback_after,
@@ -203,6 +204,7 @@ class WorkerRole(Role):
 
     def scheduler_connected(self) -> None:
         """Back to scheduled sends; every worker is unregistered until it registered again."""
+        self.sender.new_session()
         self.fallback.connected()
         with self._lock:
             for conn_id in self._workers:
@@ -253,6 +255,25 @@ class WorkerRole(Role):
 
         return on_ack
 
+    def _stale_hold(self, push: PendingPush) -> None:
+        """A push held under a session that ended: announced anew if its worker registered again.
+
+        Its transfer to an aggregator ended after its worker's registration with the new
+        session made the held pushes ready (``unhold``): no session would ever resolve it.
+        While the worker is still re-registering it stays held; that registration lets it go.
+        """
+        with self._lock:
+            registered = any(
+                (c.job, c.name) == (push.job, push.worker) and c.conn_id not in self._unregistered
+                for c in self._workers.values()
+            )
+        if not registered:
+            return
+        ready = self.sender.unhold_one(push.update_id)
+        if ready is not None:
+            _LOG.info("%s: held under an ended scheduler session; announced again", push.update_id)
+            self._ctx.send(control_pb2.DaemonMessage(update_ready=ready))
+
     def scheduler_lost(self, reason: str) -> None:
         """Waiting pushes keep their place (sent directly if it stays away), or resolve DROPPED."""
         if self.fallback.enabled:
@@ -276,7 +297,7 @@ class WorkerRole(Role):
 
     def on_send(self, send: Any) -> None:
         """A ``SendDirective`` for a push held here: send it (on the task pool)."""
-        push = self.outgoing.start_sending(send.update_id)
+        push = self.outgoing.start_sending(send.update_id, session=self.sender.session)
         if push is None:
             _LOG.warning("send directive for unknown or busy update %r", send.update_id)
         else:

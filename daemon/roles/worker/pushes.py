@@ -100,6 +100,8 @@ class PendingPush:
     #: announced again after its server failed over: it may be applied there already, so it
     #: must reach the server whole (``UpdateReady.resent``; docs/replication.md)
     resent: bool = False
+    #: the scheduler session whose directive sent it last (a held push waits for that session)
+    session: int = 0
 
 
 def new_incarnation() -> str:
@@ -161,11 +163,18 @@ class OutgoingPushes:
         push.state = to
         return True
 
-    def start_sending(self, update_id: str) -> PendingPush | None:
-        """READY or HELD -> SENDING (a send directive, or a direct send); None if unknown or sending."""
+    def start_sending(self, update_id: str, session: int | None = None) -> PendingPush | None:
+        """READY or HELD -> SENDING (a send directive, or a direct send); None if unknown or sending.
+
+        ``session``: the scheduler session whose directive sends it (None: unchanged).
+        """
         with self._lock:
             push = self._pushes.get(update_id)
-            return push if self._move(push, PushState.SENDING) else None
+            if push is None or not self._move(push, PushState.SENDING):
+                return None
+            if session is not None:
+                push.session = session
+            return push
 
     def hold(self, update_id: str) -> bool:
         """SENDING -> HELD: sent to an aggregator, kept until a resolve or a new send."""
@@ -183,6 +192,15 @@ class OutgoingPushes:
             for p in held:
                 self._move(p, PushState.READY)
             return held
+
+    def unhold_one(self, update_id: str) -> PendingPush | None:
+        """HELD -> READY for one push (its session ended); None if it is not held (any more)."""
+        with self._lock:
+            push = self._pushes.get(update_id)
+            if push is None or push.state is not PushState.HELD:
+                return None
+            self._move(push, PushState.READY)
+            return push
 
     def requeue(self, update_id: str) -> PendingPush | None:
         """SENDING -> READY (to announce it anew, ``resent``: its server failed over); None if unknown."""

@@ -62,6 +62,11 @@ class PushSender:
         None: a push is never re-routed.
     on_finish : callable, optional
         ``on_finish(push)`` after a push resolved (the worker role gives back its push budget).
+    on_stale_hold : callable, optional
+        ``on_stale_hold(push)`` when a push is held after a send to an aggregator directed by
+        a scheduler session that has ended meanwhile (:attr:`session` moved on): the session
+        that would resolve it is gone, so the worker role hands it to :meth:`unhold_one` once
+        its worker is registered with the new one (or leaves it to :meth:`unhold` until then).
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class PushSender:
         *,
         reannounce: Callable[[PendingPush, str], None] | None = None,
         on_finish: Callable[[PendingPush], None] | None = None,
+        on_stale_hold: Callable[[PendingPush], None] | None = None,
     ) -> None:
         self._ctx = context
         self.host = context.host
@@ -83,6 +89,9 @@ class PushSender:
         self._directory = directory
         self._reannounce = reannounce
         self._on_finish = on_finish
+        self._on_stale_hold = on_stale_hold
+        #: the current scheduler session (:meth:`new_session`); a push records the one that sent it
+        self.session = 0
         self._lock = threading.Lock()
         #: held pushes an aggregator summed (ACKed): update id -> (aggregate id, aggregator host)
         self._summed: dict[str, tuple[str, str]] = {}
@@ -229,6 +238,8 @@ class PushSender:
             report.ok, report.error = False, verdict.reason
         self.outgoing.hold(push.update_id)
         self._report(report)
+        if push.session != self.session and self._on_stale_hold is not None:
+            self._on_stale_hold(push)  # held past the re-registration that would have let it go
 
     def unhold(self, job: str, worker: str) -> list[Any]:
         """Make the held pushes of a worker ready again; their ``UpdateReady`` messages (a new session).
@@ -240,18 +251,28 @@ class PushSender:
         again (the server's daemon remembers members' verdicts only while it and its server
         process run).
         """
-        messages = []
-        for push in self.outgoing.unhold(job, worker):
-            with self._lock:
-                summed = self._summed.pop(push.update_id, None)
-            if summed is not None:
-                taken = self.outgoing.take(push.update_id)
-                if taken is not None:
-                    why = "the scheduler session that planned it ended before its verdict"
-                    self.finish(taken, self._summed_verdict(push.update_id, summed, why))
-                continue
-            messages.append(update_ready(push))
-        return messages
+        return [m for m in map(self._unheld, self.outgoing.unhold(job, worker)) if m is not None]
+
+    def new_session(self) -> None:
+        """A scheduler session was welcomed: pushes sent under the last one belong to no session."""
+        self.session += 1
+
+    def unhold_one(self, update_id: str) -> Any:
+        """:meth:`unhold` for one push, if it is still held; its ``UpdateReady``, or None."""
+        push = self.outgoing.unhold_one(update_id)
+        return None if push is None else self._unheld(push)
+
+    def _unheld(self, push: PendingPush) -> Any:
+        """A push made ready again: UNKNOWN if its aggregator summed it, else its ``UpdateReady``."""
+        with self._lock:
+            summed = self._summed.pop(push.update_id, None)
+        if summed is None:
+            return update_ready(push)
+        taken = self.outgoing.take(push.update_id)
+        if taken is not None:
+            why = "the scheduler session that planned it ended before its verdict"
+            self.finish(taken, self._summed_verdict(push.update_id, summed, why))
+        return None
 
     @staticmethod
     def _summed_verdict(update_id: str, summed: tuple[str, str], why: str) -> Verdict:

@@ -1,0 +1,155 @@
+"""A push held after its scheduler session ended is let go, never kept waiting for that session.
+
+A push sent to an aggregator stays HELD until the scheduler that planned the aggregate
+resolves it. When the scheduler restarts, each worker registers again and its held pushes
+are made ready (UNKNOWN if the aggregator summed them, else announced anew; ``unhold``). A
+transfer to an aggregator still under way at that moment ends *after* it: the push was held
+for a session that no longer exists and nobody would ever resolve it (the fault-injection
+test's ``kill-scheduler`` runs once left one push unresolved). The sender notices (the push
+records the session that sent it) and hands it on; it goes exactly once, whichever of the
+re-registration and the late hold comes first.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, cast
+
+import pytest
+
+from mlfabric.daemon.channels.frames import FrameHeader
+from mlfabric.daemon.channels.peers import Delivery, PeerPool
+from mlfabric.daemon.roles.base import RoleContext
+from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, PushState
+from mlfabric.daemon.roles.worker.sender import PushSender
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2
+
+ADDRESS = "127.0.0.1:1"
+
+
+class Reply:
+    def __init__(self, kind: Any, outcome: Any = 0) -> None:
+        self.header = FrameHeader(
+            kind=kind, outcome=outcome, reason="no such aggregate" if not outcome else ""
+        )
+
+    def timing(self) -> tuple[float, float, float]:
+        return 0.0, 0.0, 0.0
+
+
+class SlowAggregator:
+    """``deliver`` waits until ``go`` is set, then answers ``reply`` (a transfer under way)."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def deliver(self, address: str, header: Any, span: Any, **kw: Any) -> Delivery:
+        self.entered.set()
+        assert self.go.wait(5)
+        return Delivery(address, 3, cast(Any, self.reply))
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def send(self, event: Any) -> None:
+        self.events.append(event)
+
+
+def held_across_a_restart(reply: Reply, registered_first: bool) -> tuple[PushSender, Owner, list[Any]]:
+    """Send a push to an aggregator under session 1; the scheduler restarts while it is on its way.
+
+    ``registered_first``: the worker's registration with session 2 (its ``unhold``) comes
+    before the transfer ends (else after). Returns the sender, the pushing process and the
+    ``UpdateReady`` messages announced.
+    """
+    pool = SlowAggregator(reply)
+    announced: list[Any] = []
+    registered = threading.Event()
+    sender: PushSender
+
+    def stale(push: PendingPush) -> None:  # the worker role's rule: only once registered again
+        if registered.is_set():
+            ready = sender.unhold_one(push.update_id)
+            if ready is not None:
+                announced.append(ready)
+
+    sender = PushSender(
+        RoleContext("w"),
+        cast(PeerPool, pool),
+        OutgoingPushes("w"),
+        lambda r: None,
+        Directory(),
+        on_stale_hold=stale,
+    )
+    sender.new_session()
+    fd = os.memfd_create("payload")
+    os.write(fd, b"\0" * 8)
+    owner = Owner()
+    push = PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, owner)
+    sender.outgoing.add(push)
+    assert sender.outgoing.start_sending(push.update_id, session=sender.session) is push
+    send = control_pb2.SendDirective(
+        update_id=push.update_id, next_hop_host="x", next_hop_address=ADDRESS, aggregate_id="agg:ps:0"
+    )
+    t = threading.Thread(target=sender.transfer, args=(push, send))
+    t.start()
+    assert pool.entered.wait(5)
+    sender.new_session()  # the scheduler restarted; the worker re-registers with the new one
+    if registered_first:
+        registered.set()
+        announced += sender.unhold("j", "w0")  # nothing held yet: the transfer is under way
+        pool.go.set()
+        t.join(5)
+    else:
+        pool.go.set()
+        t.join(5)
+        assert push.state is PushState.HELD  # held until the re-registration lets it go
+        registered.set()
+        announced += sender.unhold("j", "w0")
+    return sender, owner, announced
+
+
+@pytest.mark.parametrize("registered_first", [True, False], ids=["registered-first", "held-first"])
+def test_a_push_its_aggregator_summed_resolves_unknown_once(registered_first: bool) -> None:
+    sender, owner, announced = held_across_a_restart(Reply(dataplane_pb2.FRAME_KIND_ACK), registered_first)
+    assert announced == [] and len(sender.outgoing) == 0
+    [event] = owner.events
+    assert event.push_result.outcome == control_pb2.OUTCOME_UNKNOWN
+    assert "summed into aggregate agg:ps:0" in event.push_result.reason
+
+
+@pytest.mark.parametrize("registered_first", [True, False], ids=["registered-first", "held-first"])
+def test_a_push_its_aggregator_never_summed_is_announced_again_once(registered_first: bool) -> None:
+    sender, owner, announced = held_across_a_restart(Reply(dataplane_pb2.FRAME_KIND_ERROR), registered_first)
+    assert [m.update_id for m in announced] == ["w/x/1"] and owner.events == []
+    assert sender.outgoing.waiting("w/x/1") is not None  # ready for the new session's directive
+
+
+def test_a_push_held_under_the_current_session_waits_for_it() -> None:
+    calls: list[str] = []
+    pool = SlowAggregator(Reply(dataplane_pb2.FRAME_KIND_ACK))
+    pool.go.set()
+    sender = PushSender(
+        RoleContext("w"),
+        cast(PeerPool, pool),
+        OutgoingPushes("w"),
+        lambda r: None,
+        Directory(),
+        on_stale_hold=lambda p: calls.append(p.update_id),
+    )
+    sender.new_session()
+    fd = os.memfd_create("payload")
+    os.write(fd, b"\0" * 8)
+    push = PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, Owner())
+    sender.outgoing.add(push)
+    sender.outgoing.start_sending(push.update_id, session=sender.session)
+    sender.transfer(
+        push, control_pb2.SendDirective(update_id="w/x/1", next_hop_address=ADDRESS, aggregate_id="a")
+    )
+    assert push.state is PushState.HELD and calls == []
