@@ -61,6 +61,26 @@ class Owner:
         self.events.append(event)
 
 
+def sending(pool: SlowAggregator, on_stale_hold: Any) -> tuple[PushSender, PendingPush, Owner]:
+    """A sender in its first session, and a push it is sending (its directive's session recorded)."""
+    sender = PushSender(
+        RoleContext("w"),
+        cast(PeerPool, pool),
+        OutgoingPushes("w"),
+        lambda r: None,
+        Directory(),
+        on_stale_hold=on_stale_hold,
+    )
+    sender.new_session()
+    fd = os.memfd_create("payload")
+    os.write(fd, b"\0" * 8)
+    owner = Owner()
+    push = PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, owner)
+    sender.outgoing.add(push)
+    assert sender.outgoing.start_sending(push.update_id, session=sender.session) is push
+    return sender, push, owner
+
+
 def held_across_a_restart(reply: Reply, registered_first: bool) -> tuple[PushSender, Owner, list[Any]]:
     """Send a push to an aggregator under session 1; the scheduler restarts while it is on its way.
 
@@ -79,21 +99,7 @@ def held_across_a_restart(reply: Reply, registered_first: bool) -> tuple[PushSen
             if ready is not None:
                 announced.append(ready)
 
-    sender = PushSender(
-        RoleContext("w"),
-        cast(PeerPool, pool),
-        OutgoingPushes("w"),
-        lambda r: None,
-        Directory(),
-        on_stale_hold=stale,
-    )
-    sender.new_session()
-    fd = os.memfd_create("payload")
-    os.write(fd, b"\0" * 8)
-    owner = Owner()
-    push = PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, owner)
-    sender.outgoing.add(push)
-    assert sender.outgoing.start_sending(push.update_id, session=sender.session) is push
+    sender, push, owner = sending(pool, stale)
     send = control_pb2.SendDirective(
         update_id=push.update_id, next_hop_host="x", next_hop_address=ADDRESS, aggregate_id="agg:ps:0"
     )
@@ -135,20 +141,7 @@ def test_a_push_held_under_the_current_session_waits_for_it() -> None:
     calls: list[str] = []
     pool = SlowAggregator(Reply(dataplane_pb2.FRAME_KIND_ACK))
     pool.go.set()
-    sender = PushSender(
-        RoleContext("w"),
-        cast(PeerPool, pool),
-        OutgoingPushes("w"),
-        lambda r: None,
-        Directory(),
-        on_stale_hold=lambda p: calls.append(p.update_id),
-    )
-    sender.new_session()
-    fd = os.memfd_create("payload")
-    os.write(fd, b"\0" * 8)
-    push = PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, Owner())
-    sender.outgoing.add(push)
-    sender.outgoing.start_sending(push.update_id, session=sender.session)
+    sender, push, _ = sending(pool, lambda p: calls.append(p.update_id))
     sender.transfer(
         push, control_pb2.SendDirective(update_id="w/x/1", next_hop_address=ADDRESS, aggregate_id="a")
     )
