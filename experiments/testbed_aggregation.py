@@ -285,6 +285,7 @@ def run_one(
         workdir=workdir / "run",
         extra_scheduler_args=extra,
         ready_timeout=STARTUP_ALLOWANCE,
+        log_level=getattr(args, "log_level", "INFO"),
     ) as c:
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
         sargv += ["--tau-max", str(args.tau_max), "--sync-workers", str(len(workers) if sync else 0)]
@@ -503,6 +504,11 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="keep logs and per-run files here (default: a temp dir)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="of the scheduler and the daemons (DEBUG: each update's readiness, get and verdict)",
+    )
     # the roles this script runs as inside the namespaces
     roles = ["mlf-server", "mlf-worker", "gloo", "gloo-sync", "ddp"]
     parser.add_argument("--role", choices=roles, help=argparse.SUPPRESS)

@@ -371,7 +371,13 @@ def run_ddp(
     ddp_args = argparse.Namespace(**{**vars(args), "tmp": args.tmp / f"{system}-{seed}-try{attempt}"})
     ddp_args.tmp.mkdir(parents=True)
     with TestbedCluster(
-        testbed, topo, policy="fair", workdir=ddp_args.tmp / "run", hosts=workers, ready_timeout=180
+        testbed,
+        topo,
+        policy="fair",
+        workdir=ddp_args.tmp / "run",
+        hosts=workers,
+        ready_timeout=180,
+        log_level=args.log_level,
     ) as cluster:
         res = tddp.run_one(DDP_COMM[system], cluster, testbed, workers, ddp_args, seed)
     return {
@@ -485,6 +491,11 @@ def main() -> int:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="keep logs and per-run files here (default: a temp dir)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="of the scheduler and the daemons (DEBUG: each update's readiness, get and verdict)",
+    )
     args = parser.parse_args()
     args.seeds = args.seeds or ("0" if args.quick else "0,1,2")
     args.target = args.target or (0.85 if args.quick else 0.95)
