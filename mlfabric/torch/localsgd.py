@@ -42,6 +42,7 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from torch.distributed.algorithms.model_averaging.utils import get_params_to_average
 
 from mlfabric.allreduce import DEFAULT_TIMEOUT, AllreduceGroup
+from mlfabric.torch.hook import HookState, allreduce_hook
 
 __all__ = ["LocalSGDState", "PeriodicModelAverager", "post_local_sgd_hook"]
 
@@ -62,7 +63,7 @@ class LocalSGDState:
     """
 
     torch_state: PostLocalSGDState
-    hook: Any  # mlfabric.torch.HookState (imported lazily: that module imports this one)
+    hook: HookState
 
     def __post_init__(self) -> None:
         if self.torch_state.post_local_gradient_allreduce:
@@ -93,8 +94,6 @@ def post_local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.
     torch.futures.Future
         The averaged bucket (first steps) or the bucket itself.
     """
-    from mlfabric.torch import allreduce_hook
-
     ts = state.torch_state
     if ts.iter < ts.start_localSGD_iter:
         ts.maybe_increase_iter(bucket)
