@@ -50,6 +50,9 @@ def test_local_sgd_rejects_an_intra_node_gradient_all_reduce() -> None:
     import mlfabric.torch as mt
 
     with pytest.raises(ValueError, match="post_local_gradient_allreduce"):
-        mt.LocalSGDState(PostLocalSGDState(None, None, 2, post_local_gradient_allreduce=True), None)
+        mt.LocalSGDState(
+            PostLocalSGDState(None, None, 2, post_local_gradient_allreduce=True),
+            None,  # type: ignore[arg-type]  # refused before the hook state is looked at
+        )
     with pytest.raises(ValueError, match="period"):
         mt.PeriodicModelAverager(None, period=0)  # type: ignore[arg-type]
