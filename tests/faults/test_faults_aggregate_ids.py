@@ -46,3 +46,4 @@ def test_scheduler_restarts_under_stf_agg_lose_nothing(tmp_path: Path) -> None:
     assert total["applied"] > 0, detail
     assert result["model_matches_journal"], detail
     assert (total["lost"], total["twice"], total["false"], total["unres"]) == (0, 0, 0, 0), detail
+    assert result["deadline_drops"] == 0, f"{detail}\nreasons: {result['reasons']}"  # none left unplanned

@@ -45,4 +45,5 @@ def test_two_faults_of_each_kind_lose_nothing(tmp_path: Path) -> None:
     assert result["model_matches_journal"], detail
     assert not result["dead_processes"], detail
     assert (total["lost"], total["twice"], total["false"], total["unres"]) == (0, 0, 0, 0), detail
+    assert result["deadline_drops"] == 0, f"{detail}\nreasons: {result['reasons']}"  # none left unplanned
     assert not [f for f in result["faults"] if f["note"]], detail  # e.g. a SIGTERM that did not stop it
