@@ -18,10 +18,14 @@ from typing import Any, cast
 
 import pytest
 
-from mlfabric.daemon.channels.frames import FrameHeader
+from mlfabric.daemon.channels.budget import ByteBudget
+from mlfabric.daemon.channels.frames import FrameHeader, FrameLimits
 from mlfabric.daemon.channels.peers import Delivery, PeerPool
 from mlfabric.daemon.roles.base import RoleContext
-from mlfabric.daemon.roles.directory import Directory
+from mlfabric.daemon.roles.directory import Directory, ServerLocation
+from mlfabric.daemon.roles.registrar import Registrar
+from mlfabric.daemon.roles.relay.role import ModelRelays
+from mlfabric.daemon.roles.worker.intake import WorkerRole
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, PushState
 from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
@@ -30,6 +34,8 @@ ADDRESS = "127.0.0.1:1"
 
 
 class Reply:
+    """A peer's answer: an ACK (with ``outcome``), or an ERROR."""
+
     def __init__(self, kind: Any, outcome: Any = 0) -> None:
         self.header = FrameHeader(
             kind=kind, outcome=outcome, reason="no such aggregate" if not outcome else ""
@@ -146,3 +152,67 @@ def test_a_push_held_under_the_current_session_waits_for_it() -> None:
         push, control_pb2.SendDirective(update_id="w/x/1", next_hop_address=ADDRESS, aggregate_id="a")
     )
     assert push.state is PushState.HELD and calls == []
+
+
+class Peers:
+    """The aggregator at ``AGGREGATOR`` answers ``at_aggregator``; the server's daemon applies."""
+
+    def __init__(self, at_aggregator: Reply) -> None:
+        self.at_aggregator = at_aggregator
+        self.sent: list[str] = []
+
+    def deliver(self, address: str, header: Any, span: Any, **kw: Any) -> Delivery:
+        self.sent.append(address)
+        if address == AGGREGATOR:
+            return Delivery(address, 3, cast(Any, self.at_aggregator))
+        applied = Reply(dataplane_pb2.FRAME_KIND_ACK, control_pb2.OUTCOME_APPLIED)
+        return Delivery(address, 3, cast(Any, applied))
+
+
+AGGREGATOR = "127.0.0.1:3"
+
+
+@pytest.mark.parametrize("summed", [True, False], ids=["summed", "refused"])
+def test_falling_back_a_held_push_is_let_go(summed: bool) -> None:
+    """The scheduler went away for good while a push waited for its aggregate's verdict: once
+    the daemon falls back (``fallback_after``), no session will resolve it, so it goes as a new
+    session's ``unhold`` would send it — UNKNOWN if summed, else straight to its server."""
+    now = [0.0]
+    ctx = RoleContext("w", "127.0.0.1:7077", clock=lambda: now[0])
+    directory = Directory()
+    directory.add("j", ServerLocation("ps0", "ps", ADDRESS, {}, 0))
+    peers = Peers(Reply(dataplane_pb2.FRAME_KIND_ACK) if summed else Reply(dataplane_pb2.FRAME_KIND_ERROR))
+    role = WorkerRole(
+        ctx,
+        Registrar(ctx, directory),
+        directory,
+        cast(PeerPool, peers),
+        cast(ModelRelays, None),  # no get here
+        ByteBudget(1 << 20),
+        lambda r: None,
+        limits=FrameLimits(),
+        fallback_after=2.0,
+        push_timeout=60.0,
+        budget_timeout=None,
+    )
+    role.scheduler_connected()
+    fd = os.memfd_create("payload")
+    os.write(fd, b"\0" * 8)
+    owner = Owner()
+    role.outgoing.add(PendingPush("w/x/1", "j", "ps0", "w0", fd, [], 8, 1.0, 0, 0.0, 7, owner))
+    role.on_send(
+        control_pb2.SendDirective(
+            update_id="w/x/1", next_hop_host="x", next_hop_address=AGGREGATOR, aggregate_id="agg:ps:0"
+        )
+    )
+    assert role.outgoing.get("w/x/1") is not None and owner.events == []  # held for the verdict
+    role.scheduler_lost("the stream ended")
+    now[0] = 1.0
+    role.tick()
+    assert owner.events == []  # not yet falling back: the scheduler may come back
+    now[0] = 2.5
+    role.tick()
+    [event] = owner.events
+    expected = control_pb2.OUTCOME_UNKNOWN if summed else control_pb2.OUTCOME_APPLIED
+    assert event.push_result.outcome == expected and len(role.outgoing) == 0
+    assert peers.sent == [AGGREGATOR] if summed else peers.sent == [AGGREGATOR, ADDRESS]

@@ -184,6 +184,22 @@ class WorkerRole(Role):
 
     def tick(self) -> None:
         self.fallback.tick()
+        if self.fallback.active:
+            self._let_go_held()
+
+    def _let_go_held(self) -> None:
+        """Falling back, no scheduler session will resolve a held push: let each go now.
+
+        As a new session would (``unhold``): UNKNOWN if its aggregator summed it (the
+        aggregate may have left before the scheduler went away), else sent directly to its
+        server like the other pushes while the scheduler is away.
+        """
+        for update_id in self.outgoing.held_ids():
+            if self.sender.unhold_one(update_id) is None:
+                continue  # summed (resolved UNKNOWN), or no longer held
+            push = self.outgoing.waiting(update_id)
+            if push is not None:
+                self.fallback.keep(push)  # falling back: sent directly at once
 
     def _push_deadlines(self) -> None:
         """Resolve DROPPED every push still waiting for a directive past ``push_timeout``."""

@@ -227,6 +227,11 @@ class OutgoingPushes:
         with self._lock:
             return self._pushes.get(update_id)
 
+    def held_ids(self) -> list[str]:
+        """The ids of the pushes held for an aggregate's verdict (HELD)."""
+        with self._lock:
+            return [u for u, p in self._pushes.items() if p.state is PushState.HELD]
+
     def waiting_ids(self) -> list[str]:
         """The ids of the pushes waiting for a directive (READY)."""
         with self._lock:
