@@ -143,20 +143,20 @@ class Meter:
 class SimDaemon:
     """One simulated daemon: its stream, a writer draining its queue, a reader serving directives."""
 
-    def __init__(self, host: str, call: Any, meter: Meter, gbps: float) -> None:
-        self.host, self.call, self.meter, self.gbps = host, call, meter, gbps
+    def __init__(self, host: str, name: str, call: Any, meter: Meter, gbps: float) -> None:
+        self.host, self.name, self.call, self.meter, self.gbps = host, name, call, meter, gbps
         self.queue: asyncio.Queue[pb.DaemonMessage] = asyncio.Queue()
         self.sizes: dict[str, int] = {}
         self.k = 0
 
-    def announce(self, worker: str, server: str, nbytes: int) -> None:
-        """Queue an UpdateReady for ``server``; its lag runs from now."""
+    def announce(self, server: str, nbytes: int) -> None:
+        """Queue an UpdateReady of its worker for ``server``; its lag runs from now."""
         uid = f"{self.host}/{self.k}"
         self.k += 1
         self.sizes[uid] = nbytes
         self.meter.sent[uid] = time.perf_counter()
         self.meter.counts["announced"] += 1
-        msg = pb.UpdateReady(update_id=uid, job="j", server=server, worker=worker, bytes=nbytes, norm=1.0)
+        msg = pb.UpdateReady(update_id=uid, job="j", server=server, worker=self.name, bytes=nbytes, norm=1.0)
         self.queue.put_nowait(pb.DaemonMessage(update_ready=msg))
 
     async def write(self) -> None:
@@ -214,11 +214,22 @@ async def _connect(address: str, servers: list[str], workers: list[str], meter: 
         channel = grpc.aio.insecure_channel(address, options=DAEMON_CHANNEL_OPTIONS)
         channels.append(channel)
         async with gate:
-            return SimDaemon(host, await register_daemon(channel, host, role, name), meter, gbps)
+            return SimDaemon(host, name, await register_daemon(channel, host, role, name), meter, gbps)
 
+    wrk: list[SimDaemon] = []
+
+    async def progress(t0: float, every: float = 10.0) -> None:
+        while True:
+            await asyncio.sleep(every)
+            _emit({"kind": "connecting", "registered": len(wrk), "seconds": time.perf_counter() - t0})
+
+    ticker = asyncio.create_task(progress(time.perf_counter()))
     srv = [await one(h, pb.ROLE_SERVER, h) for h in servers]  # before the workers: their acks name them
-    wrk = await asyncio.gather(*(one(h, pb.ROLE_WORKER, f"w{i}") for i, h in enumerate(workers)))
-    return srv, list(wrk), channels
+    for done in asyncio.as_completed([one(h, pb.ROLE_WORKER, f"w{i}") for i, h in enumerate(workers)]):
+        wrk.append(await done)
+    ticker.cancel()
+    wrk.sort(key=lambda d: int(d.host[1:]))  # the announcing order follows --seed, not who was first
+    return srv, wrk, channels
 
 
 async def _drive(
@@ -228,7 +239,7 @@ async def _drive(
     rng = random.Random(args.seed)
     loop = asyncio.get_running_loop()
     interval = len(workers) / args.rate
-    order = sorted(((rng.uniform(0, interval), i, w) for i, w in enumerate(workers)), key=lambda x: x[0])
+    order = sorted(((rng.uniform(0, interval), w) for w in workers), key=lambda x: x[0])
     lo, hi = (int(m * (1 << 20)) for m in args.mib)
     t0 = loop.time()
     end = t0 + args.duration
@@ -236,13 +247,13 @@ async def _drive(
     async def announcer() -> None:
         k = 0
         while True:
-            for phase, i, w in order:
+            for phase, w in order:
                 due = t0 + phase + k * interval
                 if due >= end:
                     return
                 if due > loop.time():
                     await asyncio.sleep(due - loop.time())
-                w.announce(f"w{i}", rng.choice(servers), rng.randint(lo, hi))
+                w.announce(rng.choice(servers), rng.randint(lo, hi))
             k += 1
 
     async def periods(which: str, every: float) -> None:
@@ -418,7 +429,9 @@ def _follow(n: int, lines: IO[str], pid: int, port: int, sampler: Sampler, out: 
     for line in lines:
         rec = json.loads(line)
         kind = rec.pop("kind")
-        if kind == "connected":
+        if kind == "connecting":  # registration takes a while with thousands of daemons
+            print(f"[N={n}] {rec['registered']} workers registered in {rec['seconds']:.0f} s", flush=True)
+        elif kind == "connected":
             out["connect_s"] = rec["seconds"]
             first = prev = decision_buckets(port)
             cpu0 = cpu_prev = cpu_seconds(pid)
