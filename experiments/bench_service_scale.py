@@ -77,7 +77,9 @@ OVERSUB = 4.0
 #: each simulated daemon has its own connection (grpc would otherwise share one among channels)
 DAEMON_CHANNEL_OPTIONS = [*CLIENT_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 #: simulated daemons saying hello and registering at once
-CONNECTING = 64
+CONNECTING = 16
+#: attempts at Hello and RegisterRole per simulated daemon (each failure is counted and printed)
+ATTEMPTS = 3
 
 
 def topology(racks: int, per_rack: int) -> dict[str, Any]:
@@ -125,7 +127,11 @@ class Meter:
 
     sent: dict[str, float] = field(default_factory=dict)  # update id -> when announced
     lags: dict[str, list[float]] = field(default_factory=lambda: {"tick": [], "window": []})
-    counts: dict[str, int] = field(default_factory=lambda: {"announced": 0, "sends": 0, "drops": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("announced", "sends", "drops", "register_retries", "streams_lost"), 0
+        )
+    )
     versions: dict[str, int] = field(default_factory=dict)  # server host -> its model version
     loop_lag: dict[str, float] = field(default_factory=lambda: {"tick": 0.0, "window": 0.0})
 
@@ -161,10 +167,21 @@ class SimDaemon:
 
     async def write(self) -> None:
         """Write what is queued, in order (one writer per stream)."""
-        while True:
-            await self.call.write(await self.queue.get())
+        try:
+            while True:
+                await self.call.write(await self.queue.get())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:  # the reader counts the loss
+            print(f"{self.host}: write failed: {exc}", file=sys.stderr)
 
     async def read(self) -> None:
+        """Serve directives until the stream ends (counted as a lost stream: it should not)."""
+        try:
+            await self._serve()
+        except grpc.aio.AioRpcError as exc:
+            print(f"{self.host}: stream failed: {exc.code().name} {exc.details()}", file=sys.stderr)
+        self.meter.counts["streams_lost"] += 1
+
+    async def _serve(self) -> None:
         """Serve directives until the stream ends: report each send after its transfer time."""
         loop = asyncio.get_running_loop()
         meter = self.meter
@@ -211,10 +228,25 @@ async def _connect(address: str, servers: list[str], workers: list[str], meter: 
     channels = []
 
     async def one(host: str, role: pb.Role, name: str) -> SimDaemon:
-        channel = grpc.aio.insecure_channel(address, options=DAEMON_CHANNEL_OPTIONS)
-        channels.append(channel)
-        async with gate:
-            return SimDaemon(host, name, await register_daemon(channel, host, role, name), meter, gbps)
+        for attempt in range(1, ATTEMPTS + 1):
+            channel = grpc.aio.insecure_channel(address, options=DAEMON_CHANNEL_OPTIONS)
+            async with gate:
+                try:
+                    call = await register_daemon(channel, host, role, name)
+                except grpc.aio.AioRpcError as exc:
+                    print(
+                        f"{host}: registration {attempt} failed: {exc.code().name} {exc.details()}",
+                        file=sys.stderr,
+                    )
+                    await channel.close()
+                    if attempt == ATTEMPTS:
+                        raise
+                    meter.counts["register_retries"] += 1
+                    await asyncio.sleep(1.0)
+                    continue
+            channels.append(channel)
+            return SimDaemon(host, name, call, meter, gbps)
+        raise AssertionError("unreachable")
 
     wrk: list[SimDaemon] = []
 
@@ -289,14 +321,12 @@ async def _client(args: argparse.Namespace) -> None:
     _emit({"kind": "connected", "daemons": len(srv) + len(wrk), "seconds": time.perf_counter() - t})
     tasks = [asyncio.create_task(c) for d in (*srv, *wrk) for c in (d.read(), d.write())]
     drive = asyncio.create_task(_drive(args, servers, wrk, meter))
-    done, _ = await asyncio.wait({drive, *tasks}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (drive, *tasks):
-        task.cancel()
-    await asyncio.gather(*(ch.close() for ch in channels))
-    if drive not in done:
-        ended = next(iter(done))
-        raise RuntimeError(f"a daemon's stream ended during the run: {ended.exception() or 'EOF'}")
-    drive.result()
+    try:
+        await drive  # a lost stream is counted (its updates go missing), the run goes on
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*(ch.close() for ch in channels))
 
 
 # -------------------------------------------------------------- the orchestrator
@@ -528,7 +558,8 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
         lines.append(
             f"N={r['daemons']}: connected in {r['connect_s']:.1f} s; {d['announced']} announced, "
             f"{d['sends']} sends, {d['drops']} drops, {d['missing']} without a directive after "
-            f"{d['drain_s']:.1f} s of drain; client loop lag max "
+            f"{d['drain_s']:.1f} s of drain; {d['streams_lost']} streams lost, "
+            f"{d['register_retries']} registrations retried; client loop lag max "
             f"{max((w['loop_lag'] for w in ws), default=math.nan) * 1e3:.1f} ms"
         )
     return "\n".join(lines)
@@ -579,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(runs, args))
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
-    ok = all(r["done"]["drops"] == 0 and r["done"]["missing"] == 0 for r in runs)
+    ok = all(r["done"][k] == 0 for r in runs for k in ("drops", "missing", "streams_lost"))
     return 0 if ok else 1
 
 

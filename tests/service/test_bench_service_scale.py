@@ -29,7 +29,7 @@ def test_tiny_run_measures_decisions_lag_and_rss(tmp_path: Path) -> None:
     (run,) = json.loads(out.read_text())
     d = run["done"]
     assert d["announced"] > 100 and d["sends"] == d["announced"]
-    assert d["drops"] == 0 and d["missing"] == 0
+    assert d["drops"] == 0 and d["missing"] == 0 and d["streams_lost"] == 0
     assert run["decisions"] > 0 and math.isfinite(run["decision_p99"][1])
     assert 10 * 2**20 < run["rss_max"] < 2**32 and run["cpu"] > 0
     windows = run["windows"]
