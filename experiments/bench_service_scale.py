@@ -3,10 +3,10 @@
 The scheduler is the real one, a separate process (``python -m mlfabric scheduler --topology
 F --policy stf --metrics-port 0``), on a two-tier graph of ``--racks`` x ``--per-rack`` hosts
 (default 128 x 32 = 4,096, NICs 10 Gbit/s, rack uplinks 4:1 oversubscribed). ``--daemons N``
-simulated daemons run in one other process (asyncio + grpc.aio), each with its own channel
-(its own TCP connection, as separate daemons have) and one ``Session`` stream: Hello and
-RegisterRole (``register_daemon`` of ``bench_service_decision.py``), then they serve
-directives. ``--servers`` of them are servers of the one job (spread over the racks), the
+simulated daemons run in one other process (``sim_daemons.py``: asyncio + grpc.aio), each
+with its own channel (its own TCP connection, as separate daemons have) and one ``Session``
+stream: Hello and RegisterRole (``register_daemon`` of ``bench_service_decision.py``), then
+they serve directives. ``--servers`` of them are servers of the one job (spread over the racks), the
 rest workers. Each worker announces an update every ``workers / --rate`` seconds (random
 phase; sizes uniform in ``--mib``), so the scheduler sees ``--rate`` updates a second in
 all; each SendDirective is reported done (``TransferReport``, ok, APPLIED) after the
@@ -28,17 +28,62 @@ After ``--duration`` the daemons stop announcing and wait up to ``--drain`` s fo
 directives still due; every announced update must get its directive (a drop or a missing
 one is reported and makes the run exit 1).
 
-Run (the target: 4,000 daemons, 10 minutes; one run at a time on a shared machine)::
+Run (the target: 4,000 daemons for 10 minutes; one run at a time on a shared machine;
+4,000 daemons take ~20 minutes to register before the 10 start, see below)::
 
     nice -n 19 python experiments/bench_service_scale.py --daemons 1000 4000 --duration 600
 
-A short run::
+Short runs; 300 updates/s, where the service falls behind; the scheduler under cProfile::
 
-    nice -n 19 python experiments/bench_service_scale.py --daemons 1000 4000 --duration 120 --window 30
+    nice -n 19 python experiments/bench_service_scale.py --daemons 1000 --duration 60 --window 20
+    nice -n 19 python experiments/bench_service_scale.py --daemons 1000 --duration 60 --window 20 --rate 300
+    nice -n 19 python experiments/bench_service_scale.py --daemons 1000 --duration 40 --window 20 \
+        --rate 300 --profile /tmp/prof
 
-Measured (2 shared cores, other work running; load average given):
+Measured 2026-11-27, 2 shared cores with other sessions' work running, all at nice 19; one
+run per row (seed 1, no spread); 100 updates/s unless said; decision quantiles are the
+histogram's buckets (the policy's time per decision); lag over the run's windows:
 
-    (see the report of the run this docstring is updated with)
+    daemons  s    decisions  decision p50/p99 ms  RSS max  sched CPU  lag p50/p99 ms   awaiting  load avg
+    4000     600  4908       (10,20] / (50,100]   457 MiB  88%        300 / 4079       13        10.8 -> 3.7
+    1000     600  7576       (5,10]  / (20,50]    230 MiB  100%       169 / 950        11        1.6 -> 1.7
+    1000     60   872        (5,10]  / (20,50]    181 MiB  93%        150 / 522        13        7.6 -> 4.7
+    1000     60   378        (10,20] / (200,500]  183 MiB  83%        2712 / 15260     4319      7.4 -> 5.6
+             (the last row at 300 updates/s: the backlog grows, 405 updates still without a
+             directive 30 s after the announcing stopped)
+
+Lag p50/p99 per 60 s window, ms; the updates awaiting a directive at each window's end:
+
+    4000: 247/1155 303/1129 297/1420 342/1237 249/1094 375/1738 1113/4079 429/2027 271/1788
+          229/963; awaiting 24 26 39 66 55 95 12 28 5 13; last/first p99 0.83
+    1000: 134/394 222/950 173/562 184/526 173/529 154/459 168/548 142/473 170/565 147/456;
+          awaiting 30 9 6 7 14 6 10 23 6 11; last/first p99 1.16
+
+(4,000, window 7: the daemons' own event loop lagged 878 ms and the scheduler got 60 % of a
+core: the machine, not a backlog.) Every update got its directive in both 10-minute runs
+(60,019 and 59,970; 0 drops, 0 streams lost). RSS rose 383 -> 457 MiB (4,000) and 176 -> 230
+MiB (1,000) over the ten windows, ~7 and ~5 MiB a minute: the bounded caches (100,000
+outcomes) filling at 100 updates/s, not seen to level off within 10 minutes.
+
+Issue 24's targets at 4,000 daemons: RSS <= 1 GB met (457 MiB); no control-stream backlog
+growth over 10 minutes met at 100 updates/s (not at 300: that already fails at 1,000);
+decision p99 <= 20 ms missed (the p99 is in (50, 100] ms, the p50 in (10, 20] ms, on the
+4,096-host graph); the lag itself is 150-300 ms at the median with the scheduler at 90-100 %
+of a core.
+
+Where the scheduler's time goes (``--profile``, 1,000 daemons, 300 updates/s, 40 s):
+
+- registering is quadratic: each RegisterRole recomputes every model route
+  (``ModelRouteBook.refresh``: a BFS of the whole graph per server and a route per
+  registered worker host), 65 % of that profile; 1,000 daemons register in 69-89 s, 4,000
+  in 1,157 s (a scheduler restart with 4,000 daemons reconnecting would take as long);
+- a decision copies the bandwidth graph: ``BandwidthEstimator.estimated_graph`` is cached
+  only until the next measurement, and each TransferReport is one, so nearly every decision
+  copies the 4,096-host graph (~0.1 s per copy under the profiler; the whole
+  ``SchedulerCore.decide`` took 204 ms per call there, the policy 113 ms of it);
+- ``SchedulerState.sharing`` scans every transfer in flight on each TransferReport (5.5 ms
+  per report once a backlog had built up), and the release loop's ``stall_deadline`` scans
+  them on each wake.
 """
 
 from __future__ import annotations
@@ -50,7 +95,6 @@ import json
 import math
 import os
 import pstats
-import random
 import resource
 import subprocess
 import sys
@@ -61,25 +105,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import grpc
 import numpy as np
 
-from mlfabric.proto.v1 import control_pb2 as pb
-from mlfabric.scheduler.service.core import CLIENT_CHANNEL_OPTIONS
 from mlfabric.testbed.topologies import to_toml, two_tier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service_decision import register_daemon
 from harness import cpu_seconds, decision_buckets, proc_stats, quantile_bound, start, stop_all
+from sim_daemons import run_daemons
 
 NIC_MBPS = 10_000.0
 OVERSUB = 4.0
-#: each simulated daemon has its own connection (grpc would otherwise share one among channels)
-DAEMON_CHANNEL_OPTIONS = [*CLIENT_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-#: simulated daemons saying hello and registering at once
-CONNECTING = 16
-#: attempts at Hello and RegisterRole per simulated daemon (each failure is counted and printed)
-ATTEMPTS = 3
 
 
 def topology(racks: int, per_rack: int) -> dict[str, Any]:
@@ -93,243 +128,6 @@ def topology(racks: int, per_rack: int) -> dict[str, Any]:
     """
     nics = [{f"h{r * per_rack + j}": NIC_MBPS for j in range(per_rack)} for r in range(racks)]
     return two_tier(nics, [per_rack * NIC_MBPS / OVERSUB] * racks)
-
-
-def roles(daemons: int, servers: int, racks: int, per_rack: int) -> tuple[list[str], list[str]]:
-    """(server hosts, worker hosts): servers spread over the racks, workers the first other hosts.
-
-    Examples
-    --------
-    >>> roles(6, 2, 2, 4)
-    (['h0', 'h4'], ['h1', 'h2', 'h3', 'h5'])
-    """
-    if not 0 < servers < daemons <= racks * per_rack:
-        raise ValueError(f"need 0 < servers ({servers}) < daemons ({daemons}) <= hosts ({racks * per_rack})")
-    srv = [f"h{k * racks * per_rack // servers}" for k in range(servers)]  # evenly spaced
-    taken = set(srv)
-    workers = [h for i in range(racks * per_rack) if (h := f"h{i}") not in taken][: daemons - servers]
-    return srv, workers
-
-
-def percentiles(values: list[float], qs: tuple[float, ...] = (50, 99, 100)) -> list[float]:
-    """The ``qs`` percentiles of ``values`` (NaN for none)."""
-    if not values:
-        return [math.nan] * len(qs)
-    return [float(v) for v in np.percentile(values, qs)]
-
-
-# ---------------------------------------------------------------- the daemons' process
-
-
-@dataclass
-class Meter:
-    """What the simulated daemons see: updates awaiting a directive, lags, counts (one loop)."""
-
-    sent: dict[str, float] = field(default_factory=dict)  # update id -> when announced
-    lags: dict[str, list[float]] = field(default_factory=lambda: {"tick": [], "window": []})
-    counts: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(
-            ("announced", "sends", "drops", "register_retries", "streams_lost"), 0
-        )
-    )
-    versions: dict[str, int] = field(default_factory=dict)  # server host -> its model version
-    loop_lag: dict[str, float] = field(default_factory=lambda: {"tick": 0.0, "window": 0.0})
-
-    def take(self, which: str, last: dict[str, int]) -> dict[str, Any]:
-        """The record of the ``which`` period since ``last`` (its counts, updated in place)."""
-        lags, self.lags[which] = self.lags[which], []
-        loop_lag, self.loop_lag[which] = self.loop_lag[which], 0.0
-        p50, p99, top = percentiles(lags)
-        out: dict[str, Any] = {k: v - last.get(k, 0) for k, v in self.counts.items()}
-        last.update(self.counts)
-        out.update(lag_p50=p50, lag_p99=p99, lag_max=top, outstanding=len(self.sent), loop_lag=loop_lag)
-        return out
-
-
-class SimDaemon:
-    """One simulated daemon: its stream, a writer draining its queue, a reader serving directives."""
-
-    def __init__(self, host: str, name: str, call: Any, meter: Meter, gbps: float) -> None:
-        self.host, self.name, self.call, self.meter, self.gbps = host, name, call, meter, gbps
-        self.queue: asyncio.Queue[pb.DaemonMessage] = asyncio.Queue()
-        self.sizes: dict[str, int] = {}
-        self.k = 0
-
-    def announce(self, server: str, nbytes: int) -> None:
-        """Queue an UpdateReady of its worker for ``server``; its lag runs from now."""
-        uid = f"{self.host}/{self.k}"
-        self.k += 1
-        self.sizes[uid] = nbytes
-        self.meter.sent[uid] = time.perf_counter()
-        self.meter.counts["announced"] += 1
-        msg = pb.UpdateReady(update_id=uid, job="j", server=server, worker=self.name, bytes=nbytes, norm=1.0)
-        self.queue.put_nowait(pb.DaemonMessage(update_ready=msg))
-
-    async def write(self) -> None:
-        """Write what is queued, in order (one writer per stream)."""
-        try:
-            while True:
-                await self.call.write(await self.queue.get())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:  # the reader counts the loss
-            print(f"{self.host}: write failed: {exc}", file=sys.stderr)
-
-    async def read(self) -> None:
-        """Serve directives until the stream ends (counted as a lost stream: it should not)."""
-        try:
-            await self._serve()
-        except grpc.aio.AioRpcError as exc:
-            print(f"{self.host}: stream failed: {exc.code().name} {exc.details()}", file=sys.stderr)
-        self.meter.counts["streams_lost"] += 1
-
-    async def _serve(self) -> None:
-        """Serve directives until the stream ends: report each send after its transfer time."""
-        loop = asyncio.get_running_loop()
-        meter = self.meter
-        while (d := await self.call.read()) is not grpc.aio.EOF:
-            kind = d.WhichOneof("kind")
-            if kind == "send":
-                s = d.send
-                t0 = meter.sent.pop(s.update_id, None)
-                if t0 is None:
-                    raise RuntimeError(f"{self.host}: a SendDirective for {s.update_id}, not awaited")
-                lag = time.perf_counter() - t0
-                meter.lags["tick"].append(lag)
-                meter.lags["window"].append(lag)
-                meter.counts["sends"] += 1
-                nbytes = self.sizes.pop(s.update_id)
-                seconds = nbytes * 8 / (self.gbps * 1e9)
-                start_ = time.time()
-                version = meter.versions[s.dst_host] = meter.versions.get(s.dst_host, 0) + 1
-                report = pb.TransferReport(
-                    update_id=s.update_id,
-                    src_host=self.host,
-                    dst_host=s.next_hop_host,
-                    bytes=nbytes,
-                    start=start_,
-                    end=start_ + seconds,
-                    throughput=nbytes / seconds,
-                    ok=True,
-                    outcome=pb.OUTCOME_APPLIED,
-                    server_version=version,
-                )
-                loop.call_later(seconds, self.queue.put_nowait, pb.DaemonMessage(transfer_report=report))
-            elif kind == "drop":
-                meter.sent.pop(d.drop.update_id, None)
-                meter.counts["drops"] += 1
-                print(f"{self.host}: {d.drop.update_id} dropped: {d.drop.reason}", file=sys.stderr)
-
-
-def _emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
-
-
-async def _connect(address: str, servers: list[str], workers: list[str], meter: Meter, gbps: float) -> Any:
-    gate = asyncio.Semaphore(CONNECTING)
-    channels = []
-
-    async def one(host: str, role: pb.Role, name: str) -> SimDaemon:
-        for attempt in range(1, ATTEMPTS + 1):
-            channel = grpc.aio.insecure_channel(address, options=DAEMON_CHANNEL_OPTIONS)
-            async with gate:
-                try:
-                    call = await register_daemon(channel, host, role, name)
-                except grpc.aio.AioRpcError as exc:
-                    print(
-                        f"{host}: registration {attempt} failed: {exc.code().name} {exc.details()}",
-                        file=sys.stderr,
-                    )
-                    await channel.close()
-                    if attempt == ATTEMPTS:
-                        raise
-                    meter.counts["register_retries"] += 1
-                    await asyncio.sleep(1.0)
-                    continue
-            channels.append(channel)
-            return SimDaemon(host, name, call, meter, gbps)
-        raise AssertionError("unreachable")
-
-    wrk: list[SimDaemon] = []
-
-    async def progress(t0: float, every: float = 10.0) -> None:
-        while True:
-            await asyncio.sleep(every)
-            _emit({"kind": "connecting", "registered": len(wrk), "seconds": time.perf_counter() - t0})
-
-    ticker = asyncio.create_task(progress(time.perf_counter()))
-    srv = [await one(h, pb.ROLE_SERVER, h) for h in servers]  # before the workers: their acks name them
-    for done in asyncio.as_completed([one(h, pb.ROLE_WORKER, f"w{i}") for i, h in enumerate(workers)]):
-        wrk.append(await done)
-    ticker.cancel()
-    wrk.sort(key=lambda d: int(d.host[1:]))  # the announcing order follows --seed, not who was first
-    return srv, wrk, channels
-
-
-async def _drive(
-    args: argparse.Namespace, servers: list[str], workers: list[SimDaemon], meter: Meter
-) -> None:
-    """Announce at ``--rate`` for ``--duration`` s, emitting tick and window records; then drain."""
-    rng = random.Random(args.seed)
-    loop = asyncio.get_running_loop()
-    interval = len(workers) / args.rate
-    order = sorted(((rng.uniform(0, interval), w) for w in workers), key=lambda x: x[0])
-    lo, hi = (int(m * (1 << 20)) for m in args.mib)
-    t0 = loop.time()
-    end = t0 + args.duration
-
-    async def announcer() -> None:
-        k = 0
-        while True:
-            for phase, w in order:
-                due = t0 + phase + k * interval
-                if due >= end:
-                    return
-                if due > loop.time():
-                    await asyncio.sleep(due - loop.time())
-                w.announce(rng.choice(servers), rng.randint(lo, hi))
-            k += 1
-
-    async def periods(which: str, every: float) -> None:
-        last: dict[str, int] = {}
-        n = 0
-        while n * every < args.duration - 1e-9:  # the last period may be shorter
-            await asyncio.sleep(max(0.0, min(t0 + (n + 1) * every, end) - loop.time()))
-            n += 1
-            _emit({"kind": which, "index": n, "elapsed": loop.time() - t0, **meter.take(which, last)})
-
-    async def watch_loop() -> None:
-        while True:
-            t = loop.time()
-            await asyncio.sleep(0.05)
-            late = loop.time() - t - 0.05
-            for k in meter.loop_lag:
-                meter.loop_lag[k] = max(meter.loop_lag[k], late)
-
-    watcher = asyncio.create_task(watch_loop())
-    await asyncio.gather(announcer(), periods("tick", args.progress), periods("window", args.window))
-    drain_start = loop.time()
-    while meter.sent and loop.time() - drain_start < args.drain:
-        await asyncio.sleep(0.05)
-    watcher.cancel()
-    _emit({"kind": "done", **meter.counts, "missing": len(meter.sent), "drain_s": loop.time() - drain_start})
-
-
-async def _client(args: argparse.Namespace) -> None:
-    servers, workers = roles(args.daemons[0], args.servers, args.racks, args.per_rack)
-    meter = Meter()
-    t = time.perf_counter()
-    srv, wrk, channels = await _connect(args.client, servers, workers, meter, args.transfer_gbps)
-    _emit({"kind": "connected", "daemons": len(srv) + len(wrk), "seconds": time.perf_counter() - t})
-    tasks = [asyncio.create_task(c) for d in (*srv, *wrk) for c in (d.read(), d.write())]
-    drive = asyncio.create_task(_drive(args, servers, wrk, meter))
-    try:
-        await drive  # a lost stream is counted (its updates go missing), the run goes on
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*(ch.close() for ch in channels))
-
-
-# -------------------------------------------------------------- the orchestrator
 
 
 @dataclass
@@ -574,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--servers", type=int, default=8, help="server daemons of the job (default 8)")
     parser.add_argument(
-        "--rate", type=float, default=300.0, help="updates a second, all workers (default 300)"
+        "--rate", type=float, default=100.0, help="updates a second, all workers (default 100)"
     )
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of announcing (default 600)")
     parser.add_argument("--window", type=float, default=60.0, help="measurement window, s (default 60)")
@@ -596,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # the daemons' process
     args = parser.parse_args(argv)
     if args.client:
-        asyncio.run(_client(args))
+        asyncio.run(run_daemons(args))
         return 0
     runs = []
     for n in args.daemons:
