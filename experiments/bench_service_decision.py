@@ -46,16 +46,27 @@ SERVERS = ("h0", "h33", "h66", "h99")
 WORKERS, PER_WORKER = 250, 4
 
 
-async def _daemon(
-    channel: grpc.aio.Channel, host: str, role: pb.Role, name: str, updates: list[tuple[str, str, int]]
-) -> tuple[Any, asyncio.Task[int]]:
+async def register_daemon(channel: grpc.aio.Channel, host: str, role: pb.Role, name: str) -> Any:
+    """A simulated daemon of ``host``: its ``Session`` stream, after Hello and RegisterRole (job ``j``).
+
+    Raises ``RuntimeError`` naming the problem if the scheduler refuses the role.
+    (``bench_service_scale.py`` connects its daemons this way too.)
+    """
     call = pb_grpc.SchedulerStub(channel).Session()
     await call.write(pb.DaemonMessage(hello=pb.Hello(host=host, data_address="127.0.0.1:1")))
     await call.read()
     reg = pb.RegisterRole(request_id=1, job="j", role=role, name=name, params=pb.JobParams(tau_max=-1))
     await call.write(pb.DaemonMessage(register_role=reg))
     ack = (await call.read()).role_ack
-    assert ack.ok, ack.error
+    if not ack.ok:
+        raise RuntimeError(f"{host}: role {name} refused: {ack.error}")
+    return call
+
+
+async def _daemon(
+    channel: grpc.aio.Channel, host: str, role: pb.Role, name: str, updates: list[tuple[str, str, int]]
+) -> tuple[Any, asyncio.Task[int]]:
+    call = await register_daemon(channel, host, role, name)
 
     async def serve() -> int:
         """Report every send at once; returns how many sends and drops it got."""

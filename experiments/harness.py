@@ -5,36 +5,53 @@
 - :func:`stop_all`: SIGTERM the processes still running, wait, kill those that do not stop
   (``testbed_e2e.py``, ``testbed_aggregation.py``: ranks stuck in gloo);
 - :func:`init_gloo`: a gloo process group whose rank 0 serves the store on a free port and
-  says which in its ready file (written atomically: a reader never sees it half written).
+  says which in its ready file (written atomically: a reader never sees it half written);
+- :func:`proc_stats`, :func:`cpu_seconds`: a process's RSS and open fds, its CPU time;
+- :func:`decision_buckets`, :func:`quantile_bound`: the scheduler's decision-time histogram
+  from its ``/metrics``, and the bucket a quantile falls in between two scrapes
+  (``soak.py``, ``bench_service_scale.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from mlfabric.cluster import python_module
 
-__all__ = ["init_gloo", "start", "stop_all"]
+__all__ = [
+    "cpu_seconds",
+    "decision_buckets",
+    "init_gloo",
+    "proc_stats",
+    "quantile_bound",
+    "start",
+    "stop_all",
+]
 
 
 def start(
-    cmd: list[str], ready: Path, log: Path, timeout: float = 60.0
+    cmd: list[str], ready: Path, log: Path, timeout: float = 60.0, profile: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], Any]:
     """Start ``mlfabric`` ``cmd`` with ``--ready-file ready``; the process and its ready JSON.
 
     Its stdout and stderr go to ``log``. Raises ``RuntimeError`` with the log's tail when it
-    exits or writes no ready file within ``timeout`` seconds (it is killed).
+    exits or writes no ready file within ``timeout`` seconds (it is killed). With ``profile``
+    it runs under ``cProfile``, which writes its statistics there when the process exits.
     """
+    launcher = python_module("mlfabric")
+    if profile is not None:
+        launcher = [*python_module("cProfile"), "-o", str(profile), "-m", "mlfabric"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*python_module("mlfabric"), *cmd, "--ready-file", str(ready)], stdout=out, stderr=out
-        )
+        proc = subprocess.Popen([*launcher, *cmd, "--ready-file", str(ready)], stdout=out, stderr=out)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -80,3 +97,51 @@ def init_gloo(store: str, rank: int, world: int, ready_file: str) -> Any:
         tcp = dist.TCPStore(host, int(port), world, is_master=False)
     dist.init_process_group("gloo", store=tcp, rank=rank, world_size=world)
     return dist
+
+
+def proc_stats(pid: int) -> tuple[int, int]:
+    """(VmRSS bytes, open fds) of ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+    return (int(found.group(1)) * 1024 if found else 0), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def decision_buckets(metrics_port: int) -> dict[float, float]:
+    """Cumulative ``mlfabric_decision_seconds`` bucket counts by upper bound."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out = {}
+    for le, count in re.findall(r'^mlfabric_decision_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M):
+        out[float(le)] = float(count)
+    return out
+
+
+def quantile_bound(
+    before: dict[float, float], after: dict[float, float], q: float = 0.99
+) -> tuple[float, int]:
+    """Upper bound of the bucket holding the ``q`` quantile of the decisions between two scrapes.
+
+    Examples
+    --------
+    >>> quantile_bound({0.001: 0, 0.01: 0, float("inf"): 0}, {0.001: 990, 0.01: 1000, float("inf"): 1000})
+    (0.001, 1000)
+    >>> quantile_bound({}, {0.001: 500, 0.01: 1000, float("inf"): 1000}, q=0.5)
+    (0.001, 1000)
+    >>> quantile_bound({}, {0.001: 0, float("inf"): 0})
+    (0.0, 0)
+    """
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = int(counts[-1]) if counts else 0
+    if total == 0:
+        return 0.0, 0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= q * total:
+            return bound, total
+    return bounds[-1], total
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds ``pid`` has used (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

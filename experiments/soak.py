@@ -36,15 +36,12 @@ A short run::
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,45 +51,7 @@ import numpy as np
 import mlfabric
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import start
-
-
-def proc_stats(pid: int) -> tuple[int, int]:
-    """(VmRSS bytes, open fds) of ``pid``."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
-    return (int(found.group(1)) * 1024 if found else 0), len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def decision_buckets(metrics_port: int) -> dict[float, float]:
-    """Cumulative ``mlfabric_decision_seconds`` bucket counts by upper bound."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    out = {}
-    for le, count in re.findall(r'^mlfabric_decision_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M):
-        out[float(le)] = float(count)
-    return out
-
-
-def p99_bound(before: dict[float, float], after: dict[float, float]) -> tuple[float, int]:
-    """Upper bound of the bucket holding the 99th percentile of the decisions between two scrapes.
-
-    Examples
-    --------
-    >>> p99_bound({0.001: 0, 0.01: 0, float("inf"): 0}, {0.001: 990, 0.01: 1000, float("inf"): 1000})
-    (0.001, 1000)
-    >>> p99_bound({}, {0.001: 0, float("inf"): 0})
-    (0.0, 0)
-    """
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
-    total = int(counts[-1]) if counts else 0
-    if total == 0:
-        return 0.0, 0
-    for bound, count in zip(bounds, counts, strict=True):
-        if count >= 0.99 * total:
-            return bound, total
-    return bounds[-1], total
+from harness import decision_buckets, proc_stats, quantile_bound, start
 
 
 @dataclass
@@ -180,7 +139,7 @@ def run(args: argparse.Namespace) -> tuple[str, bool]:
         while (elapsed := time.monotonic() - started) < seconds:
             time.sleep(min(args.interval, max(0.0, seconds - elapsed)))
             now = decision_buckets(sched["metrics_port"])
-            p99, decisions = p99_bound(buckets, now)
+            p99, decisions = quantile_bound(buckets, now)
             buckets = now
             last = {name: proc_stats(p.pid) for name, p in procs.items()}
             window = pushes.take()
