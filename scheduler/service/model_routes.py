@@ -14,7 +14,7 @@ its :class:`~mlfabric.scheduler.service.effects.Effects`). The full broadcast pl
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -29,7 +29,12 @@ __all__ = ["ModelRouteBook", "model_upstreams"]
 log = logging.getLogger(__name__)
 
 
-def model_upstreams(graph: nx.DiGraph, server_host: str, worker_hosts: Iterable[str]) -> dict[str, str]:
+def model_upstreams(
+    graph: nx.DiGraph,
+    server_host: str,
+    worker_hosts: Iterable[str],
+    paths: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, str]:
     """Each worker host's upstream for the model of a server on ``server_host``.
 
     The rule (one level of relays; docs/model-relays.md):
@@ -56,6 +61,9 @@ def model_upstreams(graph: nx.DiGraph, server_host: str, worker_hosts: Iterable[
         The host of the server.
     worker_hosts : iterable of str
         Hosts with at least one worker of the server's job.
+    paths : mapping, optional
+        ``nx.single_source_shortest_path(graph, server_host)`` if the caller keeps it (it
+        depends on the graph only); computed here if not given.
 
     Returns
     -------
@@ -82,7 +90,8 @@ def model_upstreams(graph: nx.DiGraph, server_host: str, worker_hosts: Iterable[
     out = dict.fromkeys(workers, server_host)
     if server_host not in graph:
         return out
-    paths = nx.single_source_shortest_path(graph, server_host)
+    if paths is None:
+        paths = nx.single_source_shortest_path(graph, server_host)
     groups: dict[str, list[str]] = {}
     for host in workers:
         path = paths.get(host)
@@ -134,6 +143,9 @@ class ModelRouteBook:
     state: SchedulerState
     #: (host, job, server) -> the route last sent there
     sent: dict[tuple[str, str, str], pb.ModelRouteDirective] = field(default_factory=dict)
+    #: the graph the cached paths were computed on, and server host -> its BFS paths
+    _graph: nx.DiGraph | None = field(default=None, repr=False)
+    _paths: dict[str, dict[str, list[str]]] = field(default_factory=dict, repr=False)
 
     def refresh(self) -> Effects:
         """The directives for every route that changed (new workers, servers, relays gone).
@@ -142,7 +154,7 @@ class ModelRouteBook:
         only to a host that was sent another route before (a relay of its had gone).
         """
         out = Effects()
-        due: dict[tuple[str, str, str], pb.ModelRouteDirective] = {}
+        due: dict[_Key, _Route] = {}
         for job in sorted(self.state.jobs):
             hosts = {h for h in self.state.worker_hosts(job) if h in self.state.daemons}
             for server in self.state.servers(job):
@@ -150,29 +162,46 @@ class ModelRouteBook:
         sent = {}
         for key, route in sorted(due.items()):
             before = self.sent.get(key)
-            if before is None and route.upstream_host == route.server_host:
+            if before is None and route[0] == route[2]:
                 continue  # direct, as without a route
-            if before != route:
-                out.send(key[0], pb.Directive(model_route=route))
-            sent[key] = route
+            if before is None or _route(before) != route:
+                before = pb.ModelRouteDirective(
+                    job=key[1],
+                    server=key[2],
+                    upstream_host=route[0],
+                    upstream_address=route[1],
+                    server_host=route[2],
+                    server_address=route[3],
+                )
+                out.send(key[0], pb.Directive(model_route=before))
+            sent[key] = before
         self.sent = sent
         return out
 
-    def _routes(
-        self, job: str, server: str, server_host: str, hosts: set[str]
-    ) -> dict[tuple[str, str, str], pb.ModelRouteDirective]:
+    def _paths_from(self, server_host: str) -> dict[str, list[str]]:
+        """The BFS paths from ``server_host`` on the state's graph (kept until the graph is swapped)."""
+        if self._graph is not self.state.graph:
+            self._graph, self._paths = self.state.graph, {}
+        paths = self._paths.get(server_host)
+        if paths is None:
+            paths = nx.single_source_shortest_path(self.state.graph, server_host)
+            self._paths[server_host] = paths
+        return paths
+
+    def _routes(self, job: str, server: str, server_host: str, hosts: set[str]) -> dict[_Key, _Route]:
         try:
             server_address = self.state.address(server_host)
         except SchedulerError:
             return {}  # the server's daemon is away: its workers learn the new server later
-        routes = {}
-        for host, upstream in model_upstreams(self.state.graph, server_host, hosts).items():
-            routes[(host, job, server)] = pb.ModelRouteDirective(
-                job=job,
-                server=server,
-                upstream_host=upstream,
-                upstream_address=self.state.address(upstream),
-                server_host=server_host,
-                server_address=server_address,
-            )
-        return routes
+        graph, address = self.state.graph, self.state.address
+        paths = self._paths_from(server_host) if server_host in graph else None
+        ups = model_upstreams(graph, server_host, hosts, paths)
+        return {(h, job, server): (u, address(u), server_host, server_address) for h, u in ups.items()}
+
+
+_Key = tuple[str, str, str]  # host, job, server
+_Route = tuple[str, str, str, str]  # upstream host and address, server host and address
+
+
+def _route(d: pb.ModelRouteDirective) -> _Route:
+    return d.upstream_host, d.upstream_address, d.server_host, d.server_address

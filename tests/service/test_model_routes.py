@@ -12,7 +12,8 @@ from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.fair import FairPolicy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
-from mlfabric.scheduler.service.model_routes import model_upstreams
+from mlfabric.scheduler.service.model_routes import ModelRouteBook, model_upstreams
+from mlfabric.scheduler.service.records import JobParams
 from mlfabric.scheduler.service.state import SchedulerState
 
 
@@ -33,6 +34,24 @@ def test_relay_is_the_fastest_nic_of_its_rack() -> None:
     g = two_tier(2, 4, nics, oversubscription=2.0)
     ups = model_upstreams(g, "h1", ["h4", "h5", "h6", "h7"])
     assert ups == {"h6": "h1", "h4": "h6", "h5": "h6", "h7": "h6"}
+
+
+def test_the_book_follows_a_new_topology() -> None:
+    """The book keeps each server's shortest paths between refreshes (one BFS per server, not
+    per registration); a reloaded topology is planned on afresh: four racks of two instead of
+    two of four, so h6 leaves h4's rack and h7 fetches through h6."""
+    state = SchedulerState(two_tier(2, 4, 1e9, oversubscription=2.0))
+    for i in range(8):
+        state.connect(f"h{i}", f"127.0.0.1:{9000 + i}")
+    state.register_server("h1", "j", "ps", (), JobParams(), 0)
+    for h in ("h4", "h5", "h6", "h7"):
+        state.register_worker(h, "j", f"w{h}")
+    book = ModelRouteBook(state)
+    routes = {h: d.model_route.upstream_host for h, d in book.refresh().directives}
+    assert routes == {"h5": "h4", "h6": "h4", "h7": "h4"}
+    state.replace_graph(two_tier(4, 2, 1e9, oversubscription=2.0))
+    routes = {h: d.model_route.upstream_host for h, d in book.refresh().directives}
+    assert routes == {"h6": "h1", "h7": "h6"}  # h5 keeps h4: not sent again
 
 
 def test_a_lone_host_behind_an_uplink_fetches_directly() -> None:
