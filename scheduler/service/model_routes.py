@@ -141,8 +141,9 @@ class ModelRouteBook:
     """
 
     state: SchedulerState
-    #: (host, job, server) -> the route last sent there
-    sent: dict[tuple[str, str, str], pb.ModelRouteDirective] = field(default_factory=dict)
+    #: (host, job, server) -> the route last sent there: upstream host and address, server host
+    #: and address (a directive is built only when it changes)
+    sent: dict[tuple[str, str, str], tuple[str, str, str, str]] = field(default_factory=dict)
     #: the graph the cached paths were computed on, and server host -> its BFS paths
     _graph: nx.DiGraph | None = field(default=None, repr=False)
     _paths: dict[str, dict[str, list[str]]] = field(default_factory=dict, repr=False)
@@ -164,8 +165,8 @@ class ModelRouteBook:
             before = self.sent.get(key)
             if before is None and route[0] == route[2]:
                 continue  # direct, as without a route
-            if before is None or _route(before) != route:
-                before = pb.ModelRouteDirective(
+            if before != route:
+                directive = pb.ModelRouteDirective(
                     job=key[1],
                     server=key[2],
                     upstream_host=route[0],
@@ -173,8 +174,8 @@ class ModelRouteBook:
                     server_host=route[2],
                     server_address=route[3],
                 )
-                out.send(key[0], pb.Directive(model_route=before))
-            sent[key] = before
+                out.send(key[0], pb.Directive(model_route=directive))
+            sent[key] = route
         self.sent = sent
         return out
 
@@ -201,7 +202,3 @@ class ModelRouteBook:
 
 _Key = tuple[str, str, str]  # host, job, server
 _Route = tuple[str, str, str, str]  # upstream host and address, server host and address
-
-
-def _route(d: pb.ModelRouteDirective) -> _Route:
-    return d.upstream_host, d.upstream_address, d.server_host, d.server_address
