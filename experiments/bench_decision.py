@@ -71,10 +71,12 @@ import pstats
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 from mlfabric.scheduler.core.graph import hosts, two_tier
+from mlfabric.scheduler.policies import stf_planner
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.stf import STFPolicy
 
@@ -135,40 +137,63 @@ def measure(name: str, n: int, repeat: int, horizon: int | None = None) -> tuple
     return wall, cpu
 
 
+#: the contestants of the comparison: (label, incremental book, the STF loop in C)
+CONTESTANTS = (
+    ("full re-plan, Python", False, False),
+    ("book, Python loop", True, False),
+    ("book, C loop", True, True),
+)
+
+
+@contextmanager
+def stf_loop(native: bool) -> Iterator[None]:
+    """Run the STF planner's loop in C (``native``) or in Python (as before the C loop)."""
+    saved = stf_planner._plan_native
+    if not native:
+        stf_planner._plan_native = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        stf_planner._plan_native = saved
+
+
 def sequence(
     name: str, n: int, seed: int, decisions: int, horizon: int | None, churn: int = 16
-) -> tuple[list[float], list[float], bool]:
-    """CPU seconds per decision of the full re-plan and of the incremental book, alternating.
+) -> tuple[list[list[float]], bool]:
+    """CPU seconds per decision of each of :data:`CONTESTANTS`, taking turns.
 
     A decision sequence at about ``n`` ready: after each decision the first ``churn`` sends
     leave (in flight until their expected end), ``churn`` updates arrive, and the clock moves
-    on 1 ms. Both policies decide every step (the order alternates between steps); the
-    decisions are compared.
+    on 1 ms. Every contestant decides every step (which goes first rotates between steps);
+    the decisions are compared.
 
     Returns
     -------
     tuple
-        CPU seconds of each full re-plan, of each incremental decision, and whether every
-        decision was the same.
+        CPU seconds of each contestant's decisions, and whether every decision was the same.
     """
     snap, pending = scenario(name, n, seed=seed)
     rng = random.Random(seed)
     workers = [h for h in hosts(snap.graph) if h not in SERVERS]
-    full, incremental = STFPolicy(horizon, incremental=False), STFPolicy(horizon)
-    full.decide(snap, pending), incremental.decide(snap, pending)  # warm-up: caches, the book
+    runs: list[tuple[STFPolicy, bool, list[float]]] = [
+        (STFPolicy(horizon, incremental=book), native, []) for _, book, native in CONTESTANTS
+    ]
+    for policy, native, _ in runs:  # warm-up: caches, the book
+        with stf_loop(native):
+            policy.decide(snap, pending)
     flying = {f.update_id: f for f in snap.in_flight}
-    cpu_full: list[float] = []
-    cpu_incremental: list[float] = []
+    cpu: list[list[float]] = [times for _, _, times in runs]
     same = True
     serial = n
     for step in range(decisions):
-        runs = [(full, cpu_full), (incremental, cpu_incremental)]
         decided = []
-        for policy, cpu in runs if step % 2 == 0 else runs[::-1]:
-            c0 = time.process_time()
-            decided.append(policy.decide(snap, pending))
-            cpu.append(time.process_time() - c0)
-        same = same and decided[0] == decided[1]
+        k = step % len(runs)
+        for policy, native, times in runs[k:] + runs[:k]:
+            with stf_loop(native):
+                c0 = time.process_time()
+                decided.append(policy.decide(snap, pending))
+                times.append(time.process_time() - c0)
+        same = same and all(d == decided[0] for d in decided)
         now = snap.now + 1e-3
         left = {s.update_id: s for s in decided[0].sends[:churn]}
         for p in pending:
@@ -189,7 +214,7 @@ def sequence(
             serial += 1
         flying = {u: f for u, f in flying.items() if f.expected_end > now}
         snap = replace(snap, now=now, in_flight=tuple(flying.values()))
-    return cpu_full, cpu_incremental, same
+    return cpu, same
 
 
 def p99(xs: Sequence[float]) -> float:
@@ -199,34 +224,31 @@ def p99(xs: Sequence[float]) -> float:
 
 
 def compare(args: argparse.Namespace, names: Sequence[str]) -> None:
-    """Print full re-plan vs incremental book, CPU median [spread of the per-seed medians]."""
+    """Print each contestant's CPU median [spread of the per-seed medians] and the C loop's speed-up."""
     print(
-        "STFPolicy.decide, full re-plan (before issue 24) vs incremental book, on "
-        f"two_tier({RACKS}x{PER_RACK}, "
-        f"oversubscription {OVERSUB:g}), {len(SERVERS)} servers; {args.decisions} decisions per seed, "
-        f"seeds {args.seeds}; CPU ms per decision, median [min-max of the seeds' medians]"
+        f"STFPolicy.decide on two_tier({RACKS}x{PER_RACK}, oversubscription {OVERSUB:g}), "
+        f"{len(SERVERS)} servers; {args.decisions} decisions per seed, seeds {args.seeds}; "
+        "CPU ms per decision, median [min-max of the seeds' medians]"
     )
-    head = f"{'scenario':<14} {'horizon':>7} {'ready':>7} {'full re-plan':>22} {'incremental':>22}"
-    print(f"{head} {'speed-up':>8} same")
+    head = f"{'scenario':<14} {'horizon':>7} {'ready':>7} " + " ".join(f"{c[0]:>24}" for c in CONTESTANTS)
+    print(f"{head} {'C vs Python loop':>16} same")
     for name, horizon, n in itertools.product(names, args.horizon, args.sizes):
-        per_seed: list[tuple[float, float]] = []
-        every: list[tuple[list[float], list[float]]] = []
+        every: list[list[float]] = [[] for _ in CONTESTANTS]
+        per_seed: list[list[float]] = [[] for _ in CONTESTANTS]
         same = True
         for seed in args.seeds:
-            a, b, ok = sequence(name, n, seed, args.decisions, horizon or None)
-            per_seed.append((statistics.median(a), statistics.median(b)))
-            every.append((a, b))
+            cpu, ok = sequence(name, n, seed, args.decisions, horizon or None)
+            for k, times in enumerate(cpu):
+                every[k].extend(times)
+                per_seed[k].append(statistics.median(times))
             same = same and ok
-        med_a = statistics.median(x for a, _ in every for x in a)
-        med_b = statistics.median(x for _, b in every for x in b)
-        lo_a, hi_a = min(a for a, _ in per_seed), max(a for a, _ in per_seed)
-        lo_b, hi_b = min(b for _, b in per_seed), max(b for _, b in per_seed)
-        print(
-            f"{name:<14} {horizon or 'all':>7} {n:>7} "
-            f"{f'{med_a * 1e3:.1f} [{lo_a * 1e3:.1f}-{hi_a * 1e3:.1f}]':>22} "
-            f"{f'{med_b * 1e3:.1f} [{lo_b * 1e3:.1f}-{hi_b * 1e3:.1f}]':>22} "
-            f"{med_a / med_b:>7.1f}x {'yes' if same else 'NO'}"
+        meds = [statistics.median(times) for times in every]
+        cells = " ".join(
+            f"{f'{m * 1e3:.2f} [{min(ps) * 1e3:.2f}-{max(ps) * 1e3:.2f}]':>24}"
+            for m, ps in zip(meds, per_seed, strict=True)
         )
+        ratio = meds[1] / meds[2]
+        print(f"{name:<14} {horizon or 'all':>7} {n:>7} {cells} {ratio:>15.1f}x {'yes' if same else 'NO'}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

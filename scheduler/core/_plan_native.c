@@ -16,6 +16,12 @@
  *       timelines, or runs the Python loops (which raise). A reservation beyond the residual
  *       raises ValueError as LinkTimeline.reserve does.
  *
+ *   reserve_until(tls, timelines, links, start, end, who, Reservation, LinkTimeline, EPS)
+ *       -> reservations | None
+ *       Timelines.reserve_until: the whole path residual of `links` over [start, end), piece
+ *       by piece, reserved link by link (the missing timelines made first). None, with
+ *       nothing changed, where a time is not a float: the Python loop runs.
+ *
  *   reserve_tree(timelines, routes, order, nodes, parent, server, size, readies, now,
  *                Transfer, Reservation, fields) -> (transfers, makespan)
  *       tree_cost.reserve's loop: every payload of a tree reserved on the Timelines (the
@@ -43,6 +49,12 @@
  *       __init__ fills it, without running __init__ (a frozen dataclass's costs a call of
  *       object.__setattr__ per field).
  *
+ *   stf_run(classes, class_of, class_of_key, on_first_link, book_on_link, popped, by_id, links_of,
+ *           names, now, tau_max, server_version, ahead, limit, tls, tls._links, succ, start,
+ *           profiles, Transfer, fields, Reservation, LinkTimeline, EPS, drop_reason, drops)
+ *           -> list of Transfer | None
+ *       stf_planner.Planner.run, the STF loop (plan_stf.c, plan_stf_run.c, plan_stf_links.c).
+ *
  *   follows(transfers, busy, ids) -> list of tuples
  *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
  *       of its links exactly when it starts.
@@ -61,6 +73,8 @@ static PyMethodDef methods[] = {
     {"follows", py_follows, METH_VARARGS, "schedule_to_decision's `after` of each transfer (see the module doc)."},
     {"build", py_build, METH_VARARGS, "trees._build (see the module doc)."},
     {"instances", py_instances, METH_VARARGS, "Dataclass instances, their fields filled (see the module doc)."},
+    {"reserve_until", py_reserve_until, METH_VARARGS, "Timelines.reserve_until (see the module doc)."},
+    {"stf_run", py_stf_run, METH_VARARGS, "stf_planner.Planner.run (see plan_stf.c)."},
     {"estimate", py_estimate, METH_VARARGS, "tree_cost.estimate's loop (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };

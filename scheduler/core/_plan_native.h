@@ -20,6 +20,8 @@ extern PyObject *str_aggregator, *str_parent, *str_members, *str_free, *str_per,
 PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls);
 /* plan_reserve.c: cls(*values) for a dataclass whose __init__ only sets `fields` */
 PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values, Py_ssize_t n);
+/* plan_reserve.c: Timelines.link(link) for a link with no timeline yet (LinkTimeline made in C where it can) */
+int make_timeline(PyObject *tls_obj, PyObject *tls, PyObject *link, PyObject *cls, double eps);
 /* plan_estimate.c: where two hosts' paths to the tree's server meet (see there) */
 int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObject **down, Py_ssize_t *i,
               Py_ssize_t *j);
@@ -74,5 +76,7 @@ PyObject *py_reserve_tree(PyObject *self, PyObject *args);
 PyObject *py_follows(PyObject *self, PyObject *args);
 PyObject *py_build(PyObject *self, PyObject *args);
 PyObject *py_instances(PyObject *self, PyObject *args);
+PyObject *py_stf_run(PyObject *self, PyObject *args);
+PyObject *py_reserve_until(PyObject *self, PyObject *args);
 
 #endif

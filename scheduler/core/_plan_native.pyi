@@ -14,6 +14,18 @@ def transfer(
     reservation: type,
     /,
 ) -> tuple[float, float, tuple[Any, ...]] | None: ...
+def reserve_until(
+    tls: Any,
+    timelines: dict[Any, Any],
+    links: tuple[tuple[str, str], ...],
+    start: float,
+    end: float,
+    who: str,
+    reservation: type,
+    timeline: type,
+    eps: float,
+    /,
+) -> tuple[Any, ...] | None: ...
 def reserve_tree(
     timelines: Any,
     routes: Any,
@@ -61,4 +73,33 @@ def build(
 def follows(
     transfers: tuple[Any, ...], busy: Sequence[tuple[str, Sequence[Hashable], float]], ids: dict[str, str], /
 ) -> list[tuple[str, ...]]: ...
+def stf_run(
+    classes: list[tuple[float, list[tuple[float, str]], int]],
+    class_of: dict[str, int],
+    class_of_key: dict[tuple[object, ...], int],
+    on_first_link: dict[Any, list[str]],
+    book_on_link: Mapping[Any, Mapping[str, None]] | None,
+    popped: set[Any] | None,
+    by_id: dict[str, Any],
+    links_of: dict[str, tuple[tuple[str, str], ...]],
+    names: Mapping[str, str] | None,
+    now: float,
+    tau_max: int | Mapping[str, int] | None,
+    server_version: int | Mapping[str, int],
+    ahead: dict[str, int],
+    limit: int,
+    tls: Any,
+    tls_links: dict[Any, Any],
+    succ: dict[str, dict[str, dict[str, Any]]],
+    start: float,
+    profiles: Any,
+    transfer: type,
+    fields: tuple[str, ...] | None,
+    reservation: type,
+    timeline: type,
+    eps: float,
+    drop_reason: Any,
+    drops: dict[str, str],
+    /,
+) -> list[Any] | None: ...
 def instances(cls: type[T], fields: tuple[str, ...], rows: list[tuple[Any, ...]], /) -> list[T]: ...

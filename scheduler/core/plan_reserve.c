@@ -96,7 +96,7 @@ static PyObject *str_profiles, *str_graph, *str_adj, *str_capacity, *str_start_,
 /* Timelines.link(link) where the link has no timeline yet: LinkTimeline(capacity, start) made
    here where the timelines have no capacity profiles (its slots set as its __init__ sets them,
    eps = `eps` * capacity), else by the method (which raises for a link not in the graph). 0 or -1. */
-static int make_timeline(PyObject *tls_obj, PyObject *tls, PyObject *link, PyObject *cls, double eps) {
+int make_timeline(PyObject *tls_obj, PyObject *tls, PyObject *link, PyObject *cls, double eps) {
     if (str_profiles == NULL) {
         str_profiles = PyUnicode_InternFromString("_profiles");
         str_graph = PyUnicode_InternFromString("_graph");

@@ -378,3 +378,111 @@ PyObject *py_transfer(PyObject *self, PyObject *args) {
         return NULL;
     return fast_transfer(tls, links, nbytes, ready, who, cls);
 }
+
+/* ------------------------------------------------------------------ Timelines.reserve_until */
+
+/* Timelines.reserve_until(links, start, end, who): the whole path residual over [start, end),
+   piece by piece (Timelines._rate_at), reserved link by link; the Reservation tuples. The
+   missing timelines made first, in path order (as _rate_at makes them). None, with nothing
+   changed, where a time is not a float: the caller runs the Python loop. */
+PyObject *py_reserve_until(PyObject *self, PyObject *args) {
+    PyObject *tls_obj, *tls, *links, *start_o, *end_o, *who, *cls, *timeline_cls;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OO!O!OOOOOd", &tls_obj, &PyDict_Type, &tls, &PyTuple_Type, &links, &start_o, &end_o,
+                          &who, &cls, &timeline_cls, &eps))
+        return NULL;
+    Py_ssize_t nl = PyTuple_GET_SIZE(links);
+    if (!PyFloat_CheckExact(start_o) || !PyFloat_CheckExact(end_o) || nl > MAX_LINKS) Py_RETURN_NONE;
+    double start = PyFloat_AS_DOUBLE(start_o), end = PyFloat_AS_DOUBLE(end_o);
+    if (!isfinite(end)) Py_RETURN_NONE; /* until forever: the Python loop */
+    if (nl == 0 || end <= start) return PyTuple_New(0);
+    Lane lanes[MAX_LINKS];
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        PyObject *link = PyTuple_GET_ITEM(links, k);
+        PyObject *tl = PyDict_GetItemWithError(tls, link);
+        if (tl == NULL) {
+            if (PyErr_Occurred() || make_timeline(tls_obj, tls, link, timeline_cls, eps) < 0) return NULL;
+            if ((tl = PyDict_GetItemWithError(tls, link)) == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "reserve_until: no timeline made");
+                return NULL;
+            }
+        }
+        if (lane_of(tl, &lanes[k]) < 0) return NULL;
+        if (!all_floats(lanes[k].times) || !all_floats(lanes[k].residual)) Py_RETURN_NONE;
+    }
+    Pieces ps = {NULL, 0, 0};
+    PyObject *t_o = Py_NewRef(start_o), *res = NULL;
+    double t = start;
+    while (t < end) { /* _rate_at(links, t), then the piece up to min(nxt, end) */
+        double rate = INFINITY, nxt = INFINITY;
+        PyObject *nxt_o = NULL;
+        for (Py_ssize_t k = 0; k < nl; k++) {
+            PyObject *times = lanes[k].times;
+            Py_ssize_t i = bisect_right(times, t, 0) - 1;
+            if (i < 0) i = 0;
+            double r = F(lanes[k].residual, i);
+            if (r <= lanes[k].eps) r = 0.0;
+            if (r < rate) rate = r;
+            if (i + 1 < PyList_GET_SIZE(times) && F(times, i + 1) < nxt) {
+                nxt = F(times, i + 1);
+                nxt_o = PyList_GET_ITEM(times, i + 1);
+            }
+        }
+        PyObject *hi_o = end < nxt ? end_o : nxt_o; /* min(nxt, end) */
+        Py_INCREF(hi_o);
+        int rc = 0;
+        if (rate > 0) { /* not merged with the last piece: the Python keeps every piece */
+            if (ps.n == ps.cap) {
+                Py_ssize_t cap = ps.cap ? 2 * ps.cap : 8;
+                Piece *np = PyMem_Realloc(ps.p, cap * sizeof(Piece));
+                if (np == NULL) {
+                    PyErr_NoMemory();
+                    rc = -1;
+                } else {
+                    ps.p = np;
+                    ps.cap = cap;
+                }
+            }
+            if (rc == 0) {
+                ps.p[ps.n].lo = Py_NewRef(t_o);
+                ps.p[ps.n].hi = Py_NewRef(hi_o);
+                ps.p[ps.n].rate = rate;
+                ps.n++;
+            }
+        }
+        Py_SETREF(t_o, hi_o);
+        if (rc < 0) goto fail;
+        t = PyFloat_AS_DOUBLE(t_o);
+    }
+    res = PyTuple_New(nl * ps.n);
+    if (res == NULL) goto fail;
+    Py_ssize_t m = 0;
+    PyTypeObject *type = (PyTypeObject *)cls;
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        PyObject *link = PyTuple_GET_ITEM(links, k);
+        for (Py_ssize_t q = 0; q < ps.n; q++) {
+            Piece *p = &ps.p[q];
+            if (reserve_lists(lanes[k].times, lanes[k].residual, lanes[k].eps, p->lo, p->hi, p->rate, who) < 0)
+                goto fail;
+            PyObject *r = type->tp_alloc(type, 4);
+            PyObject *rate = r ? PyFloat_FromDouble(p->rate) : NULL;
+            if (rate == NULL) {
+                Py_XDECREF(r);
+                goto fail;
+            }
+            PyTuple_SET_ITEM(r, 0, Py_NewRef(link));
+            PyTuple_SET_ITEM(r, 1, Py_NewRef(p->lo));
+            PyTuple_SET_ITEM(r, 2, Py_NewRef(p->hi));
+            PyTuple_SET_ITEM(r, 3, rate);
+            PyTuple_SET_ITEM(res, m++, r);
+        }
+    }
+    pieces_free(&ps);
+    Py_DECREF(t_o);
+    return res;
+fail:
+    pieces_free(&ps);
+    Py_XDECREF(t_o);
+    Py_XDECREF(res);
+    return NULL;
+}

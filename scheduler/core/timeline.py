@@ -398,6 +398,13 @@ class Timelines:
         >>> tls.link(("a", "b")).at(0.5)
         0.0
         """
+        if _plan_native is not None:
+            name = who or "a transfer"
+            got = _plan_native.reserve_until(
+                self, self._links, tuple(links), start, end, name, Reservation, LinkTimeline, EPS
+            )
+            if got is not None:
+                return got
         if not links or end <= start:
             return ()
         pieces = []

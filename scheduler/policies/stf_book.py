@@ -325,6 +325,9 @@ class _BookPlanner(Planner):
         idx = self.class_of.get(uid)
         return self.group_idx[self.book._group_of[uid]] if idx is None else idx
 
+    def book_links(self) -> tuple[Mapping[Link, Mapping[str, None]] | None, set[Link] | None]:
+        return self.book._on_link, self.popped
+
     def first_link_members(self, link: Link) -> Sequence[str]:
         out = list(self.on_first_link.pop(link, ()))
         if link not in self.popped:

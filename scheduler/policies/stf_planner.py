@@ -16,8 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from mlfabric.scheduler.core.schedule import Link, Transfer, Update
-from mlfabric.scheduler.core.timeline import INF, Timelines
+from mlfabric.scheduler.core.records import init_fields
+from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
+from mlfabric.scheduler.core.timeline import EPS, INF, LinkTimeline, Timelines
+
+try:  # the STF loop in C (plan_stf.c, the same plans), built by ``pip install``
+    from mlfabric.scheduler.core import _plan_native
+except ImportError:  # pragma: no cover - not built: the Python loop below
+    _plan_native = None  # type: ignore[assignment]
 
 __all__ = ["Planner", "UpdateClass", "drop_reason"]
 
@@ -284,8 +290,12 @@ class Planner:
         """Pop, verify and accept until every update is planned or dropped (Fig. 4a).
 
         With ``limit``, stop once that many transfers are planned: they are exactly the
-        first ``limit`` of the full STF order (the greedy never revisits a choice).
+        first ``limit`` of the full STF order (the greedy never revisits a choice). Where
+        the C extension is built the loop runs there (same plan, to the last bit); the
+        planner is then spent — run it once.
         """
+        if _plan_native is not None and (limit is None or limit >= 0) and self._run_native(limit):
+            return
         for idx in range(len(self.classes)):
             self.place(idx)
         heap = self.heap
@@ -341,6 +351,47 @@ class Planner:
             else:
                 self.gate_of[idx] = None
                 heapq.heappush(heap, (end, nbytes, uid, next(self.seq), _EXACT, idx))
+
+    def book_links(self) -> tuple[Mapping[Link, Mapping[str, None]] | None, set[Link] | None]:
+        """Untouched first links' updates kept outside the planner, and those links taken (none here)."""
+        return None, None
+
+    def _run_native(self, limit: int | None) -> bool:
+        """:meth:`run` in C (``_plan_native.stf_run``); False: the inputs need the Python loop."""
+        tls = self.tls
+        on_link, popped = self.book_links()
+        got = _plan_native.stf_run(
+            [(c.start, c.members, c.head) for c in self.classes],
+            self.class_of,
+            self.class_of_key,
+            self.on_first_link,
+            on_link,
+            popped,
+            self.by_id,
+            self.links_of,
+            self.names,
+            self.now,
+            self.tau_max,
+            self.server_version,
+            self.ahead,
+            -1 if limit is None else limit,
+            tls,
+            tls._links,
+            tls._graph._succ,
+            tls._start,
+            tls._profiles,
+            Transfer,
+            init_fields(Transfer),
+            Reservation,
+            LinkTimeline,
+            EPS,
+            drop_reason,
+            self.drops,
+        )
+        if got is None:
+            return False
+        self.transfers.extend(got)
+        return True
 
     def accept(self, idx: int, uid: str, nbytes: float) -> None:
         """Drop ``uid`` if its expected delay exceeds tau_max (Fig. 5), else reserve its path."""

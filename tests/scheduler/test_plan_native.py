@@ -21,13 +21,13 @@ from mlfabric.scheduler.core import records, timeline
 from mlfabric.scheduler.core.graph import PathCache, two_tier
 from mlfabric.scheduler.core.schedule import Update
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.policies import convert, tree_cost, trees
+from mlfabric.scheduler.policies import convert, stf_planner, tree_cost, trees
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.tree_policy import TreePolicy
 from mlfabric.scheduler.policies.trees import plan_tree
 
 MB = 1_000_000
-MODULES = (timeline, records, tree_cost, trees, convert)
+MODULES = (timeline, records, tree_cost, trees, convert, stf_planner)
 
 
 @contextmanager
@@ -187,3 +187,41 @@ def test_instances_only_where_init_only_sets_the_fields() -> None:
     with pytest.raises(ValueError, match="negative"):
         records.instances(Checked, [(-1,)])  # its __init__ runs
     assert records.instances(Own, [(2,)])[0].a == 4
+
+
+def in_flight_reservations(seed: int) -> object:
+    """reserve_until of many overlapping transfers in flight, between walks: what each reserved."""
+    rng = random.Random(seed)
+    g = two_tier(3, 4, {f"h{i}": rng.choice([1e9, 2.5e9, 10e9]) for i in range(12)}, oversubscription=4)
+    pc = PathCache(g)
+    tls = Timelines(g, start=0.0)
+    hosts = [f"h{i}" for i in range(12)]
+    out: list[object] = []
+    for k in range(60):
+        a, b = rng.sample(hosts, 2)
+        links = pc.links(a, b) if rng.random() < 0.95 else ()
+        start = rng.choice([0.0, rng.random() * 0.01])
+        end = rng.choice([start, start + rng.random() * 0.02, rng.random() * 0.01])
+        out.append(tls.reserve_until(links, start, end, who=rng.choice(["", f"f{k}"])))
+        if rng.random() < 0.3:
+            out.append(tls.transfer(f"p{k}", pc.path(b, a), rng.choice([1, 5]) * MB, rng.random() * 0.01))
+    return out, state(tls)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reservations_in_flight_are_the_python_ones(seed: int) -> None:
+    native, python = both(lambda: in_flight_reservations(seed))
+    assert native == python
+    assert "Reservation(" in native
+
+
+def test_reservations_in_flight_with_int_times_run_the_python_loop() -> None:
+    g = nx.DiGraph()
+    g.add_edge("a", "b", capacity=4.0)
+
+    def run() -> object:
+        tls = Timelines(g, start=0)
+        return tls.reserve_until([("a", "b")], 0, 2), state(tls)
+
+    native, python = both(run)
+    assert native == python

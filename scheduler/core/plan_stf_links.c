@@ -1,0 +1,315 @@
+/* The STF planner's links in C (see plan_stf.c): timelines read in place, walks, bounds. */
+#include "plan_stf.h"
+
+#define FL(list, i) PyFloat_AS_DOUBLE(PyList_GET_ITEM((list), (i)))
+
+int stf_grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
+    if (need <= *cap) return 0;
+    Py_ssize_t n = *cap ? *cap : 16;
+    while (n < need) n *= 2;
+    void *q = PyMem_Realloc(*p, (size_t)n * size);
+    if (q == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+static int all_floats(PyObject *list) {
+    if (!PyList_CheckExact(list)) return 0;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyFloat_CheckExact(PyList_GET_ITEM(list, i))) return 0;
+    return 1;
+}
+
+/* read a LinkTimeline's lists into `l`: 1, 0 (not float lists: the caller falls back), -1 */
+static int read_timeline(Lnk *l, PyObject *tl) {
+    PyObject *times = PyObject_GetAttr(tl, str_times);
+    PyObject *residual = times ? PyObject_GetAttr(tl, str_residual) : NULL;
+    PyObject *eps = residual ? PyObject_GetAttr(tl, str_eps) : NULL;
+    /* the timeline keeps its lists alive for the whole run (never replaced, only changed) */
+    Py_XDECREF(times);
+    Py_XDECREF(residual);
+    if (eps == NULL) return -1;
+    l->eps = PyFloat_AsDouble(eps);
+    Py_DECREF(eps);
+    if (l->eps == -1.0 && PyErr_Occurred()) return -1;
+    if (!all_floats(times) || !all_floats(residual) || PyList_GET_SIZE(times) == 0) return 0;
+    l->times = times;
+    l->residual = residual;
+    return 1;
+}
+
+/* a link seen for the first time: its timeline if the Timelines has one (or a capacity
+   profile, then made now), else its graph capacity */
+static int init_link(STF *st, Lnk *l, PyObject *link) {
+    memset(l, 0, sizeof(*l));
+    l->modified = -1;
+    l->live = -1;
+    Py_INCREF(link);
+    l->key = link;
+    PyObject *tl = PyDict_GetItemWithError(st->tls_links, link);
+    if (tl == NULL && PyErr_Occurred()) return -1;
+    if (tl == NULL) {
+        int prof = PySequence_Contains(st->profiles, link);
+        if (prof < 0) return -1;
+        PyObject *data = NULL;
+        if (!prof && PyTuple_CheckExact(link) && PyTuple_GET_SIZE(link) == 2) {
+            PyObject *nbrs = PyDict_GetItemWithError(st->succ, PyTuple_GET_ITEM(link, 0));
+            if (nbrs == NULL && PyErr_Occurred()) return -1;
+            data = nbrs ? PyDict_GetItemWithError(nbrs, PyTuple_GET_ITEM(link, 1)) : NULL;
+            if (data == NULL && PyErr_Occurred()) return -1;
+        }
+        if (data == NULL) return stf_realize(st, l - st->l); /* tls.link makes it (or raises) */
+        PyObject *cap = PyDict_GetItemWithError(data, s_capacity);
+        if (cap == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "capacity");
+            return -1;
+        }
+        l->cap = PyFloat_AsDouble(cap);
+        if (l->cap == -1.0 && PyErr_Occurred()) return -1;
+        l->eps = st->eps * l->cap; /* LinkTimeline: EPS * float(capacity) */
+        return 0;
+    }
+    int ok = read_timeline(l, tl);
+    if (ok < 0) return -1;
+    if (ok == 0) {
+        PyErr_SetString(PyExc_TypeError, "a link timeline's times and residual must be lists of floats");
+        return -1;
+    }
+    return 0;
+}
+
+Py_ssize_t stf_link(STF *st, PyObject *link) {
+    PyObject *ix = PyDict_GetItemWithError(st->link_ix, link);
+    if (ix != NULL) return PyLong_AsSsize_t(ix);
+    if (PyErr_Occurred()) return -1;
+    if (stf_grow((void **)&st->l, &st->lcap, st->nl + 1, sizeof(Lnk)) < 0) return -1;
+    Py_ssize_t li = st->nl++;
+    if (init_link(st, &st->l[li], link) < 0) {
+        st->nl--;
+        Py_XDECREF(st->l[li].key);
+        return -1;
+    }
+    PyObject *v = PyLong_FromSsize_t(li);
+    if (v == NULL) return -1;
+    int rc = PyDict_SetItem(st->link_ix, link, v);
+    Py_DECREF(v);
+    return rc < 0 ? -1 : li;
+}
+
+int stf_realize(STF *st, Py_ssize_t li) {
+    Lnk *l = &st->l[li];
+    if (l->times != NULL) return 0;
+    if (make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
+    PyObject *tl = PyDict_GetItemWithError(st->tls_links, l->key); /* the Timelines holds it */
+    if (tl == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "stf_run: Timelines.link made no timeline");
+        return -1;
+    }
+    int ok = read_timeline(l, tl);
+    if (ok == 0) PyErr_SetString(PyExc_TypeError, "a link timeline's times and residual must be lists of floats");
+    return ok == 1 ? 0 : -1;
+}
+
+Py_ssize_t *stf_links_of(STF *st, Py_ssize_t ui, Py_ssize_t *n) {
+    Upd *u = &st->u[ui];
+    if (u->nl < 0) {
+        PyObject *links = PyDict_GetItemWithError(st->links_of, u->uid);
+        if (links == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, u->uid);
+            return NULL;
+        }
+        links = PySequence_Tuple(links);
+        if (links == NULL) return NULL;
+        Py_ssize_t k = PyTuple_GET_SIZE(links);
+        if (k > MAX_LINKS) {
+            Py_DECREF(links);
+            PyErr_SetString(PyExc_ValueError, "a path of more than 64 links");
+            return NULL;
+        }
+        if (stf_grow((void **)&st->pool, &st->poolcap, st->npool + k, sizeof(Py_ssize_t)) < 0) {
+            Py_DECREF(links);
+            return NULL;
+        }
+        Py_ssize_t l0 = st->npool;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            Py_ssize_t li = stf_link(st, PyTuple_GET_ITEM(links, i));
+            if (li < 0) {
+                Py_DECREF(links);
+                return NULL;
+            }
+            st->pool[l0 + i] = li;
+        }
+        st->npool += k;
+        u = &st->u[ui];
+        u->links = links;
+        u->l0 = l0;
+        u->nl = k;
+    }
+    *n = u->nl;
+    static Py_ssize_t none[1]; /* no links (and maybe no pool yet): not NULL, which is an error */
+    return u->nl ? st->pool + u->l0 : none;
+}
+
+static inline Py_ssize_t ln_len(const Lnk *l) { return l->times ? PyList_GET_SIZE(l->times) : 1; }
+static inline double ln_t(const STF *st, const Lnk *l, Py_ssize_t i) { return l->times ? FL(l->times, i) : st->t0; }
+static inline double ln_r(const Lnk *l, Py_ssize_t i) { return l->times ? FL(l->residual, i) : l->cap; }
+
+/* bisect.bisect_right(times, x, lo) */
+static Py_ssize_t ln_bisect_right(const STF *st, const Lnk *l, double x, Py_ssize_t lo) {
+    Py_ssize_t hi = ln_len(l);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (x < ln_t(st, l, mid))
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+/* bisect.bisect_left(times, x, lo) */
+static Py_ssize_t ln_bisect_left(const STF *st, const Lnk *l, double x, Py_ssize_t lo) {
+    Py_ssize_t hi = ln_len(l);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (ln_t(st, l, mid) < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+double stf_free_from(STF *st, Py_ssize_t li) {
+    Lnk *l = &st->l[li];
+    if (l->free_ok) return l->free;
+    Py_ssize_t n = ln_len(l), i = ln_bisect_right(st, l, st->now, 0) - 1;
+    if (i < 0) i = 0;
+    while (i < n && ln_r(l, i) <= l->eps) i++;
+    double t = INFINITY;
+    if (i < n) {
+        t = ln_t(st, l, i);
+        if (st->now > t) t = st->now; /* max(times[i], now) */
+    }
+    l->free = t;
+    l->free_ok = 1;
+    return t;
+}
+
+double stf_peak(STF *st, Py_ssize_t li) {
+    Lnk *l = &st->l[li];
+    if (l->peak_ok) return l->peak;
+    Py_ssize_t n = ln_len(l), i = ln_bisect_right(st, l, st->now, 0) - 1;
+    if (i < 0) i = 0;
+    double p = ln_r(l, i);
+    for (Py_ssize_t k = i + 1; k < n; k++) {
+        double r = ln_r(l, k);
+        if (r > p) p = r;
+    }
+    l->peak = p;
+    l->peak_ok = 1;
+    return p;
+}
+
+double stf_min_over(STF *st, Py_ssize_t li, double lo, double hi) {
+    Lnk *l = &st->l[li];
+    Py_ssize_t i = ln_bisect_right(st, l, lo, 0) - 1;
+    if (i < 0) i = 0;
+    Py_ssize_t j = ln_bisect_left(st, l, hi, i + 1);
+    double m = ln_r(l, i);
+    for (Py_ssize_t k = i + 1; k < j; k++) {
+        double r = ln_r(l, k);
+        if (r < m) m = r;
+    }
+    return m;
+}
+
+/* append the piece (t, hi, rate) to st->scratch, merged with the last one as _walk merges */
+static int piece(STF *st, double t, double hi, double rate) {
+    Py_ssize_t n = st->nscratch;
+    if (n > 0 && st->scratch[3 * n - 1] == rate && st->scratch[3 * n - 2] == t) {
+        st->scratch[3 * n - 2] = hi;
+        return 0;
+    }
+    Py_ssize_t cap3 = st->scratchcap;
+    if (stf_grow((void **)&st->scratch, &cap3, 3 * (n + 1), sizeof(double)) < 0) return -1;
+    st->scratchcap = cap3;
+    st->scratch[3 * n] = t;
+    st->scratch[3 * n + 1] = hi;
+    st->scratch[3 * n + 2] = rate;
+    st->nscratch = n + 1;
+    return 0;
+}
+
+int stf_walk(STF *st, Py_ssize_t ui, double nbytes, double ready, double *end) {
+    Py_ssize_t nl;
+    Py_ssize_t *lk = stf_links_of(st, ui, &nl);
+    if (lk == NULL) return -1;
+    st->nscratch = 0;
+    if (nl == 0 || nbytes <= 0) {
+        *end = ready;
+        return 1;
+    }
+    double cap = INFINITY;
+    Lnk *var[MAX_LINKS];
+    Py_ssize_t n = 0;
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        Lnk *l = &st->l[lk[k]];
+        if (ln_len(l) == 1) {
+            double r = ln_r(l, 0);
+            if (r <= l->eps) return 0;
+            cap = cap < r ? cap : r;
+        } else {
+            var[n++] = l;
+        }
+    }
+    double t = ready, remaining = nbytes;
+    if (n == 0) {
+        double fin = t + remaining / cap;
+        if (piece(st, t, fin, cap) < 0) return -1;
+        *end = fin;
+        return 1;
+    }
+    Py_ssize_t index[MAX_LINKS];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = ln_bisect_right(st, var[k], t, 0) - 1;
+        index[k] = i < 0 ? 0 : i;
+    }
+    for (;;) {
+        double rate = cap, nxt = INFINITY, blocked = -INFINITY;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *times = var[k]->times;
+            Py_ssize_t i = index[k], last = PyList_GET_SIZE(times) - 1;
+            while (i < last && FL(times, i + 1) <= t) i++;
+            index[k] = i;
+            double r = FL(var[k]->residual, i);
+            double following = i < last ? FL(times, i + 1) : INFINITY;
+            if (r <= var[k]->eps) {
+                r = 0.0;
+                if (following > blocked) blocked = following;
+            }
+            if (r < rate) rate = r;
+            if (following < nxt) nxt = following;
+        }
+        if (rate <= 0.0) {
+            if (blocked == INFINITY) return 0;
+            t = blocked;
+            continue;
+        }
+        double finish = t + remaining / rate;
+        int done = finish <= nxt;
+        double hi = done ? finish : nxt;
+        if (piece(st, t, hi, rate) < 0) return -1;
+        if (done) {
+            *end = finish;
+            return 1;
+        }
+        remaining -= rate * (nxt - t);
+        t = nxt;
+    }
+}

@@ -1,0 +1,387 @@
+/* The STF planner in C (see plan_stf.c): Planner.accept, the set-up from the planner's state, the entry. */
+#include "plan_stf.h"
+
+/* ------------------------------------------------------------------ servers */
+
+/* stf_planner._bound: default for None, the int itself, else value.get(server, default) */
+static PyObject *bound_of(PyObject *value, PyObject *server, PyObject *dflt) {
+    if (value == Py_None || PyLong_Check(value)) {
+        PyObject *out = value == Py_None ? dflt : value;
+        Py_INCREF(out);
+        return out;
+    }
+    return PyObject_CallMethodObjArgs(value, s_get, server, dflt, NULL);
+}
+
+/* the index of `server`'s record, -1 on error */
+static Py_ssize_t server_index(STF *st, PyObject *server) {
+    PyObject *ix = PyDict_GetItemWithError(st->srv_ix, server);
+    if (ix != NULL) return PyLong_AsSsize_t(ix);
+    if (PyErr_Occurred()) return -1;
+    if (stf_grow((void **)&st->s, &st->scap, st->ns + 1, sizeof(Srv)) < 0) return -1;
+    Srv *s = &st->s[st->ns];
+    memset(s, 0, sizeof(*s));
+    PyObject *zero = PyLong_FromLong(0);
+    if (zero == NULL) return -1;
+    PyObject *version = bound_of(st->server_version, server, zero); /* ... or 0 */
+    int truth = version ? PyObject_IsTrue(version) : -1;
+    if (truth == 0) Py_SETREF(version, Py_NewRef(zero));
+    PyObject *bound = truth >= 0 ? bound_of(st->tau_max, server, Py_None) : NULL;
+    PyObject *ahead = bound ? PyDict_GetItemWithError(st->ahead, server) : NULL; /* Counter: 0 if missing */
+    if (bound == NULL || (ahead == NULL && PyErr_Occurred())) {
+        Py_DECREF(zero);
+        Py_XDECREF(version);
+        Py_XDECREF(bound);
+        return -1;
+    }
+    s->version = version;
+    s->ahead = Py_NewRef(ahead ? ahead : zero);
+    Py_DECREF(zero);
+    if (bound == Py_None)
+        Py_DECREF(bound);
+    else
+        s->bound = bound;
+    PyObject *v = PyLong_FromSsize_t(st->ns);
+    if (v == NULL || PyDict_SetItem(st->srv_ix, server, v) < 0) {
+        Py_XDECREF(v);
+        Py_CLEAR(s->version);
+        Py_CLEAR(s->ahead);
+        Py_CLEAR(s->bound);
+        return -1;
+    }
+    Py_DECREF(v);
+    return st->ns++;
+}
+
+/* ------------------------------------------------------------------ Planner.accept */
+
+/* 1: uid's expected delay exceeds tau_max (dropped, reason recorded), 0: not, -1: error */
+static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
+    PyObject *server = PyObject_GetAttr(uo, str_server);
+    if (server == NULL) return -1;
+    Py_ssize_t si = server_index(st, server);
+    Py_DECREF(server);
+    if (si < 0) return -1;
+    Srv *s = &st->s[si];
+    PyObject *base = PyObject_GetAttr(uo, s_base_version);
+    PyObject *done = base ? PyLong_FromLong(s->accepted) : NULL;
+    PyObject *n_ahead = done ? PyNumber_Add(s->ahead, done) : NULL;
+    PyObject *behind = n_ahead ? PyNumber_Subtract(s->version, base) : NULL;
+    PyObject *delay = behind ? PyNumber_Add(behind, n_ahead) : NULL;
+    int over = delay ? 0 : -1;
+    if (delay != NULL && s->bound != NULL) {
+        PyObject *zero = PyLong_FromLong(0);
+        int nonneg = zero ? PyObject_RichCompareBool(s->bound, zero, Py_GE) : -1;
+        Py_XDECREF(zero);
+        over = nonneg > 0 ? PyObject_RichCompareBool(delay, s->bound, Py_GT) : nonneg;
+    }
+    if (over > 0) {
+        PyObject *reason = PyObject_CallFunctionObjArgs(st->drop_reason, delay, s->bound, s->version, base, n_ahead, NULL);
+        over = reason == NULL || PyDict_SetItem(st->drops, uid, reason) < 0 ? -1 : 1;
+        Py_XDECREF(reason);
+    } else if (over == 0) {
+        s->accepted++;
+    }
+    Py_XDECREF(base);
+    Py_XDECREF(done);
+    Py_XDECREF(n_ahead);
+    Py_XDECREF(behind);
+    Py_XDECREF(delay);
+    return over;
+}
+
+/* Planner.first_link_members (and _BookPlanner's): a new list */
+static PyObject *first_link_members(STF *st, PyObject *link) {
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    PyObject *own = PyDict_GetItemWithError(st->on_first_link, link);
+    if (own != NULL) {
+        Py_INCREF(own);
+        int rc = PyDict_DelItem(st->on_first_link, link);
+        if (rc == 0) rc = PyList_SetSlice(out, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, own); /* out.extend(own) */
+        Py_DECREF(own);
+        if (rc < 0) goto fail;
+    } else if (PyErr_Occurred()) {
+        goto fail;
+    }
+    if (st->book_on_link != Py_None) {
+        int seen = PySet_Contains(st->popped, link);
+        if (seen < 0) goto fail;
+        if (!seen) {
+            if (PySet_Add(st->popped, link) < 0) goto fail;
+            PyObject *keys = PyDict_GetItemWithError(st->book_on_link, link);
+            if (keys != NULL) {
+                if (PyList_SetSlice(out, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, keys) < 0) goto fail;
+            } else if (PyErr_Occurred()) {
+                goto fail;
+            }
+        }
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static int cmp_index(const void *a, const void *b) {
+    Py_ssize_t x = *(const Py_ssize_t *)a, y = *(const Py_ssize_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* the transfer of ui: Timelines.reserve on its path, as a Transfer appended to st->transfers */
+static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObject *uo) {
+    Py_ssize_t nl;
+    Py_ssize_t *lk = stf_links_of(st, ui, &nl);
+    if (lk == NULL) return -1;
+    for (Py_ssize_t k = 0; k < nl; k++) /* the timelines made in path order, as Timelines._native does */
+        if (stf_realize(st, lk[k]) < 0) return -1;
+    PyObject *uid = st->u[ui].uid, *links = st->u[ui].links, *start_o = st->c[ci].start_o;
+    PyObject *got = Py_None;
+    Py_INCREF(got);
+    if (PyFloat_CheckExact(start_o)) {
+        Py_DECREF(got);
+        got = fast_transfer(st->tls_links, links, nbytes, start_o, PyUnicode_GET_LENGTH(uid) ? uid : a_transfer,
+                            st->reservation_cls);
+        if (got == NULL) return -1;
+    }
+    if (got == Py_None) { /* the Python method: it raises where the C declined */
+        Py_DECREF(got);
+        PyObject *nb = PyFloat_FromDouble(nbytes);
+        PyObject *args = nb ? PyTuple_Pack(3, links, nb, start_o) : NULL;
+        PyObject *kw = args ? Py_BuildValue("{OO}", s_who, uid) : NULL;
+        PyObject *meth = kw ? PyObject_GetAttr(st->tls, s_reserve) : NULL;
+        got = meth ? PyObject_Call(meth, args, kw) : NULL;
+        Py_XDECREF(nb);
+        Py_XDECREF(args);
+        Py_XDECREF(kw);
+        Py_XDECREF(meth);
+        if (got == NULL) return -1;
+    }
+    st->stamp++;
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        Lnk *l = &st->l[lk[k]];
+        l->modified = st->stamp;
+        l->free_ok = l->peak_ok = 0;
+    }
+    PyObject *src = PyObject_GetAttr(uo, str_src);
+    PyObject *dst = src ? PyObject_GetAttr(uo, s_dst) : NULL;
+    PyObject *size = dst ? PyObject_GetAttr(uo, s_bytes) : NULL;
+    PyObject *path = size ? PyTuple_New(nl + 1) : NULL;
+    PyObject *name = uid, *t = NULL;
+    if (path != NULL) {
+        PyTuple_SET_ITEM(path, 0, Py_NewRef(src));
+        for (Py_ssize_t k = 0; k < nl; k++)
+            PyTuple_SET_ITEM(path, k + 1, Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(links, k), 1)));
+        if (st->names != Py_None) {
+            name = PyObject_GetItem(st->names, uid);
+            if (name != NULL) Py_DECREF(name); /* the names mapping holds it */
+        }
+        if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3) {
+            PyObject *argv[9] = {name, src, dst, path, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), size,
+                                 PyTuple_GET_ITEM(got, 2), Py_False};
+            t = make_instance(st->transfer_cls, st->fields, argv, st->fields == Py_None ? 8 : 9);
+        } else if (name != NULL)
+            PyErr_SetString(PyExc_TypeError, "Timelines.reserve must return (start, end, reservations)");
+    }
+    int rc = t == NULL ? -1 : PyList_Append(st->transfers, t);
+    Py_XDECREF(t);
+    Py_XDECREF(path);
+    Py_XDECREF(size);
+    Py_XDECREF(dst);
+    Py_XDECREF(src);
+    Py_DECREF(got);
+    return rc;
+}
+
+int stf_accept(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
+    PyObject *uid = st->u[ui].uid;
+    PyObject *uo = PyDict_GetItemWithError(st->by_id, uid);
+    if (uo == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, uid);
+        return -1;
+    }
+    st->u[ui].gone = 1;
+    int over = delay_drop(st, uo, uid);
+    if (over != 0) return over < 0 ? -1 : stf_place(st, ci);
+    if (reserve(st, ci, ui, nbytes, uo) < 0) return -1;
+    /* the updates whose class was their untouched first link move to their path's class */
+    Py_ssize_t *moved = NULL, nm = 0, cap = 0;
+    if (stf_grow((void **)&moved, &cap, 1, sizeof(Py_ssize_t)) < 0) return -1;
+    moved[nm++] = ci;
+    PyObject *links = st->u[ui].links;
+    int rc = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(links) && rc == 0; k++) {
+        PyObject *others = first_link_members(st, PyTuple_GET_ITEM(links, k));
+        if (others == NULL) {
+            rc = -1;
+            break;
+        }
+        for (Py_ssize_t q = 0; q < PyList_GET_SIZE(others) && rc == 0; q++) {
+            PyObject *other = PyList_GET_ITEM(others, q);
+            PyObject *ix = PyDict_GetItemWithError(st->uid_ix, other);
+            if (ix == NULL) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", other);
+                rc = -1;
+                break;
+            }
+            Py_ssize_t oi = PyLong_AsSsize_t(ix);
+            if (st->u[oi].gone) continue;
+            if (stf_grow((void **)&moved, &cap, nm + 2, sizeof(Py_ssize_t)) < 0) {
+                rc = -1;
+                break;
+            }
+            moved[nm++] = st->u[oi].cls;
+            Py_ssize_t ni = stf_add_exact(st, oi);
+            if (ni < 0) rc = -1;
+            moved[nm++] = ni;
+        }
+        Py_DECREF(others);
+    }
+    if (rc == 0) {
+        qsort(moved, (size_t)nm, sizeof(Py_ssize_t), cmp_index);
+        for (Py_ssize_t q = 0; q < nm && rc == 0; q++)
+            if (q == 0 || moved[q] != moved[q - 1]) rc = stf_place(st, moved[q]);
+    }
+    PyMem_Free(moved);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ set-up and the entry */
+
+static void release(STF *st) {
+    for (Py_ssize_t i = 0; i < st->nu; i++) {
+        Py_DECREF(st->u[i].uid);
+        Py_XDECREF(st->u[i].links);
+    }
+    for (Py_ssize_t i = 0; i < st->nl; i++) {
+        Py_DECREF(st->l[i].key);
+        PyMem_Free(st->l[i].g);
+    }
+    for (Py_ssize_t i = 0; i < st->nc; i++) {
+        Py_DECREF(st->c[i].start_o);
+        PyMem_Free(st->c[i].m);
+        PyMem_Free(st->c[i].ex_p);
+    }
+    for (Py_ssize_t i = 0; i < st->ns; i++) {
+        Py_XDECREF(st->s[i].version);
+        Py_XDECREF(st->s[i].bound);
+        Py_XDECREF(st->s[i].ahead);
+    }
+    PyMem_Free(st->u);
+    PyMem_Free(st->l);
+    PyMem_Free(st->c);
+    PyMem_Free(st->s);
+    PyMem_Free(st->pool);
+    PyMem_Free(st->heap);
+    PyMem_Free(st->scratch);
+    Py_XDECREF(st->uid_ix);
+    Py_XDECREF(st->link_ix);
+    Py_XDECREF(st->srv_ix);
+    Py_XDECREF(st->transfers);
+}
+
+/* whether every timeline the Timelines has holds float lists (else: the Python loop) */
+static int float_timelines(PyObject *tls_links) {
+    PyObject *key, *tl;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(tls_links, &pos, &key, &tl)) {
+        for (int k = 0; k < 2; k++) {
+            PyObject *list = PyObject_GetAttr(tl, k ? str_residual : str_times);
+            if (list == NULL) return -1;
+            int ok = PyList_CheckExact(list) && PyList_GET_SIZE(list) > 0;
+            for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(list); i++) ok = PyFloat_CheckExact(PyList_GET_ITEM(list, i));
+            Py_DECREF(list);
+            if (!ok) return 0;
+        }
+    }
+    return 1;
+}
+
+/* the classes as the planner holds them: 1, 0 (not as the C expects: the Python loop), -1 */
+static int set_up(STF *st, PyObject *classes) {
+    for (Py_ssize_t ci = 0; ci < PyList_GET_SIZE(classes); ci++) {
+        PyObject *cls = PyList_GET_ITEM(classes, ci); /* (start, members, head) */
+        if (!PyTuple_CheckExact(cls) || PyTuple_GET_SIZE(cls) != 3) return 0;
+        PyObject *start = PyTuple_GET_ITEM(cls, 0), *members = PyTuple_GET_ITEM(cls, 1);
+        if (!PyFloat_CheckExact(start) || !PyList_CheckExact(members)) return 0;
+        if (stf_new_class(st, start) != ci) return -1;
+        Py_ssize_t head = PyLong_AsSsize_t(PyTuple_GET_ITEM(cls, 2));
+        if (head == -1 && PyErr_Occurred()) return -1;
+        st->c[ci].head = head;
+        for (Py_ssize_t q = 0; q < PyList_GET_SIZE(members); q++) {
+            PyObject *m = PyList_GET_ITEM(members, q);
+            if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2) return 0;
+            PyObject *nb = PyTuple_GET_ITEM(m, 0), *uid = PyTuple_GET_ITEM(m, 1);
+            if (!PyFloat_CheckExact(nb) || !PyUnicode_CheckExact(uid)) return 0;
+            int fresh;
+            Py_ssize_t ui = stf_uid_index(st, uid, PyFloat_AS_DOUBLE(nb), &fresh);
+            if (ui < 0 || stf_class_append(&st->c[ci], ui) < 0) return -1;
+            if (!fresh) continue;
+            PyObject *own = PyDict_GetItemWithError(st->class_of, uid); /* else: the class listing it */
+            if (own == NULL && PyErr_Occurred()) return -1;
+            st->u[ui].cls = own ? PyLong_AsSsize_t(own) : ci;
+            if (st->u[ui].cls == -1 && PyErr_Occurred()) return -1;
+        }
+    }
+    return 1;
+}
+
+PyObject *py_stf_run(PyObject *self, PyObject *args) {
+    STF st;
+    memset(&st, 0, sizeof(st));
+    PyObject *classes;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!", &PyList_Type, &classes, &PyDict_Type,
+                          &st.class_of, &PyDict_Type, &st.class_of_key, &PyDict_Type, &st.on_first_link,
+                          &st.book_on_link, &st.popped, &PyDict_Type, &st.by_id, &PyDict_Type, &st.links_of,
+                          &st.names, &st.now_o, &st.tau_max, &st.server_version, &PyDict_Type, &st.ahead, &limit,
+                          &st.tls, &PyDict_Type, &st.tls_links, &PyDict_Type, &st.succ, &st.t0, &st.profiles,
+                          &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
+                          &st.drop_reason, &PyDict_Type, &st.drops))
+        return NULL;
+    if (st.book_on_link != Py_None && (!PyDict_Check(st.book_on_link) || !PyAnySet_Check(st.popped))) {
+        PyErr_SetString(PyExc_TypeError, "stf_run: book links must be a dict and popped a set");
+        return NULL;
+    }
+    if (s_capacity == NULL) {
+        s_capacity = PyUnicode_InternFromString("capacity");
+        s_ready_at = PyUnicode_InternFromString("ready_at");
+        s_base_version = PyUnicode_InternFromString("base_version");
+        s_dst = PyUnicode_InternFromString("dst");
+        s_bytes = PyUnicode_InternFromString("bytes");
+        s_path_tag = PyUnicode_InternFromString("path");
+        s_get = PyUnicode_InternFromString("get");
+        s_rates = PyUnicode_InternFromString("rates");
+        s_reserve = PyUnicode_InternFromString("reserve");
+        s_who = PyUnicode_InternFromString("who");
+        if (!s_capacity || !s_ready_at || !s_base_version || !s_dst || !s_bytes || !s_path_tag || !s_get ||
+            !s_rates || !s_reserve || !s_who) {
+            Py_CLEAR(s_capacity);
+            return NULL;
+        }
+    }
+    if (!PyFloat_CheckExact(st.now_o)) Py_RETURN_NONE;
+    st.now = PyFloat_AS_DOUBLE(st.now_o);
+    int ok = float_timelines(st.tls_links);
+    if (ok <= 0) return ok < 0 ? NULL : Py_NewRef(Py_None);
+    st.transfers = PyList_New(0);
+    st.uid_ix = PyDict_New();
+    st.link_ix = PyDict_New();
+    st.srv_ix = PyDict_New();
+    if (!st.transfers || !st.uid_ix || !st.link_ix || !st.srv_ix) {
+        release(&st);
+        return NULL;
+    }
+    ok = set_up(&st, classes);
+    if (ok <= 0) {
+        release(&st);
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    if (stf_loop(&st, limit) < 0) {
+        release(&st);
+        return NULL;
+    }
+    PyObject *out = Py_NewRef(st.transfers);
+    release(&st);
+    return out;
+}

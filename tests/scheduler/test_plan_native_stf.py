@@ -1,0 +1,132 @@
+"""The STF loop in C (``_plan_native.stf_run``) against the Python loop it stands in for (issue 24).
+
+Every case runs with the C module and again with it switched off everywhere (the Python
+loops, as where the extension is not built) and compares the ``repr`` of what comes out —
+sends, times to the last bit, ``after`` lists, drops and their reasons — and the timelines
+left behind: seeded decision sequences through both the incremental book and the plan
+from scratch (arrivals, departures, NIC changes, a new topology, the clock going back,
+tau_max drops, horizons), and the corners: a path with no residual bandwidth, capacity
+profiles, updates on their server's host, ``limit``, times that are not floats.
+"""
+
+from __future__ import annotations
+
+import random
+
+import networkx as nx
+import pytest
+
+from mlfabric.scheduler.core.graph import PathCache, star, two_tier
+from mlfabric.scheduler.core.schedule import Update
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies import stf_planner
+from mlfabric.scheduler.policies.stf import plan_stf
+from tests.scheduler.test_plan_native import MODULES, both, state
+from tests.scheduler.test_stf_incremental import replay
+
+MB = 1_000_000
+
+
+def test_the_stf_loop_is_switched_off_with_the_others() -> None:
+    assert stf_planner in MODULES  # both() runs the Python loop of the STF planner too
+    assert stf_planner._plan_native is not None
+
+
+@pytest.mark.parametrize("horizon", [None, 8, 256])
+@pytest.mark.parametrize(("seed", "per_rack"), [(1, 8), (3, 4), (7, 4)])
+def test_decision_sequences_are_the_python_ones(seed: int, per_rack: int, horizon: int | None) -> None:
+    native, python = both(lambda: replay(seed, steps=30, horizon=horizon, per_rack=per_rack))
+    assert native == python
+    assert "drops=()" in native and "reason=" in native  # tau_max dropped some, not all
+
+
+def seeded_plan(seed: int) -> object:
+    """plan_stf on a seeded two-tier graph: transfers in flight, profiles, zero links, tau_max."""
+    rng = random.Random(seed)
+    racks, per = rng.choice([(2, 3), (3, 4), (4, 8)])
+    n = racks * per
+    g = two_tier(racks, per, {f"h{i}": rng.choice([1e9, 10e9, 25e9]) for i in range(n)}, oversubscription=4)
+    servers = ["h0", f"h{n - 1}"]
+    profiles = {}
+    if rng.random() < 0.5:  # a NIC whose capacity varies over time
+        h = f"h{rng.randrange(1, n - 1)}"
+        link = (h, next(iter(g.successors(h))))
+        profiles[link] = [(0.001, 1e8), (0.004, 2e9)]
+    tls = Timelines(g, start=0.0, profiles=profiles)
+    pc = PathCache(g)
+    for k in rng.sample(range(1, n - 1), max(1, n // 5)):
+        tls.reserve_until(pc.links(f"h{k}", servers[k % 2]), 0.0, rng.random() * 0.01)
+    if rng.random() < 0.3:  # a worker whose NIC is never free again: its updates are dropped
+        h = f"h{rng.randrange(1, n - 1)}"
+        tl = tls.link((h, next(iter(g.successors(h)))))
+        tl.residual[-1] = 0.0
+    us = [
+        Update(
+            f"u{i}",
+            servers[i % 2]
+            if rng.random() < 0.05
+            else f"h{rng.randrange(n)}",  # on its server's host: no links
+            servers[i % 2],
+            rng.choice([1, 5, 20]) * MB * rng.choice([1.0, 1.1]),
+            ready_at=rng.choice([0.0, 0.0, rng.random() * 0.005]),
+            base_version=rng.randrange(4),
+            server=servers[i % 2],
+        )
+        for i in range(rng.randrange(1, 4 * n))
+    ]
+    tau: int | dict[str, int] | None = rng.choice([None, 2, {servers[0]: 1, servers[1]: 6}])
+    versions: list[int | dict[str, int]] = [0, 3, {servers[0]: 2}]
+    version = rng.choice(versions)
+    limit = rng.choice([None, None, 1, 7])
+    s = plan_stf(g, us, now=0.0, timelines=tls, paths=pc, tau_max=tau, server_version=version, limit=limit)
+    # the Python walk makes a timeline for every link it reads, the C only for those it
+    # reserves: one made and never reserved reads as the graph's capacity, as an absent one
+    untouched = {link for link, tl in tls._links.items() if tl.residual == [g.edges[link]["capacity"]]}
+    return s, [row for row in state(tls) if row[0] not in untouched]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plans_are_the_python_ones(seed: int) -> None:
+    native, python = both(lambda: seeded_plan(seed))
+    assert native == python
+
+
+def test_the_corners_are_covered() -> None:
+    plans = [repr(seeded_plan(seed)) for seed in range(40)]
+    assert any("no residual bandwidth" in p for p in plans)
+    assert any("expected delay" in p for p in plans)
+
+
+def test_a_path_with_no_residual_is_dropped_with_the_python_reason() -> None:
+    g = star(["ps", "a", "b"], 8e6)
+    g.edges["b", "sw"]["capacity"] = 0.0
+    us = [Update("x", "a", "ps", 1e6), Update("y", "b", "ps", 1e6), Update("z", "ps", "ps", 1e6)]
+    native, python = both(lambda: plan_stf(g, us))
+    assert native == python
+    assert "no residual bandwidth: path" in native
+
+
+def test_int_times_run_the_python_loop() -> None:
+    g = star(["ps", "a", "b"], 8e6)
+    us = [Update("x", "a", "ps", 1e6), Update("y", "b", "ps", 2e6, ready_at=1)]
+    native, python = both(lambda: plan_stf(g, us, now=0))
+    assert native == python
+    got = plan_stf(g, us, now=0)
+    assert [t.payload_id for t in got.transfers] == ["x", "y"]
+
+
+def test_a_missing_link_raises_as_in_python() -> None:
+    g = nx.DiGraph()
+    g.add_edge("a", "b", capacity=1.0)
+    pc = PathCache(g)
+    g2 = nx.DiGraph()
+    g2.add_edge("a", "c", capacity=1.0)
+    for switched_off in (False, True):
+        saved = stf_planner._plan_native
+        try:
+            if switched_off:
+                stf_planner._plan_native = None  # type: ignore[assignment]
+            with pytest.raises(KeyError, match="no link"):
+                plan_stf(g2, [Update("x", "a", "b", 1.0)], paths=pc)
+        finally:
+            stf_planner._plan_native = saved
