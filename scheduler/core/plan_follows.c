@@ -48,12 +48,30 @@ PyObject *py_follows(PyObject *self, PyObject *args) {
     PyObject *transfers, *busy, *ids;
     if (!PyArg_ParseTuple(args, "O!OO!", &PyTuple_Type, &transfers, &busy, &PyDict_Type, &ids)) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(transfers);
-    PyObject *ends = NULL, *after = NULL, *busy_fast = NULL, *out = NULL;
+    PyObject *ends = NULL, *after = NULL, *busy_fast = NULL, *out = NULL, *used = NULL;
     Start *order = PyMem_Malloc((n ? n : 1) * sizeof(Start));
     PyObject **at_link = NULL;
     if (order == NULL) return PyErr_NoMemory();
     if ((ends = PyDict_New()) == NULL) goto done;
     if ((busy_fast = PySequence_Fast(busy, "busy must be a sequence")) == NULL) goto done;
+    /* only the links a planned transfer takes are ever looked up: the busy ends elsewhere are
+       left out (many transfers in flight, few planned) */
+    if ((used = PySet_New(NULL)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n && used != NULL; i++) {
+        PyObject *path = PyObject_GetAttr(PyTuple_GET_ITEM(transfers, i), str_path);
+        if (path == NULL) goto done;
+        if (!PyTuple_CheckExact(path)) Py_CLEAR(used); /* the loop below refuses it */
+        for (Py_ssize_t k = 0; used != NULL && k + 1 < PyTuple_GET_SIZE(path); k++) {
+            PyObject *link = PyTuple_Pack(2, PyTuple_GET_ITEM(path, k), PyTuple_GET_ITEM(path, k + 1));
+            int rc = link == NULL ? -1 : PySet_Add(used, link);
+            Py_XDECREF(link);
+            if (rc < 0) {
+                Py_DECREF(path);
+                goto done;
+            }
+        }
+        Py_DECREF(path);
+    }
     for (Py_ssize_t b = 0; b < PySequence_Fast_GET_SIZE(busy_fast); b++) {
         PyObject *item = PySequence_Fast_GET_ITEM(busy_fast, b);
         PyObject *fid, *links, *end;
@@ -67,8 +85,10 @@ PyObject *py_follows(PyObject *self, PyObject *args) {
         PyObject *lf = PySequence_Fast(links, "busy: links must be a sequence");
         if (lf == NULL) goto done;
         for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(lf); k++) {
-            PyObject *by = NULL;
-            if (add_end(ends, PySequence_Fast_GET_ITEM(lf, k), end, fid, &by) < 0) {
+            PyObject *by = NULL, *link = PySequence_Fast_GET_ITEM(lf, k);
+            int wanted = used == NULL ? 1 : PySet_Contains(used, link);
+            if (wanted == 0) continue;
+            if (wanted < 0 || add_end(ends, link, end, fid, &by) < 0) {
                 Py_DECREF(lf);
                 goto done;
             }
@@ -190,6 +210,7 @@ done:
     PyMem_Free(order);
     PyMem_Free(at_link);
     Py_XDECREF(ends);
+    Py_XDECREF(used);
     Py_XDECREF(busy_fast);
     Py_XDECREF(after);
     return out;
