@@ -90,36 +90,41 @@ static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
     return over;
 }
 
-/* Planner.first_link_members (and _BookPlanner's): a new list */
-static PyObject *first_link_members(STF *st, PyObject *link) {
-    PyObject *out = PyList_New(0);
-    if (out == NULL) return NULL;
-    PyObject *own = PyDict_GetItemWithError(st->on_first_link, link);
-    if (own != NULL) {
-        Py_INCREF(own);
-        int rc = PyDict_DelItem(st->on_first_link, link);
-        if (rc == 0) rc = PyList_SetSlice(out, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, own); /* out.extend(own) */
-        Py_DECREF(own);
-        if (rc < 0) goto fail;
-    } else if (PyErr_Occurred()) {
-        goto fail;
+/* Planner.first_link_members (and _BookPlanner's) of link li: a new list, or None where there
+   are none (most links: the common case makes no list) */
+static PyObject *first_link_members(STF *st, Py_ssize_t li) {
+    PyObject *link = st->l[li].key, *out = NULL;
+    if (PyDict_GET_SIZE(st->on_first_link)) {
+        PyObject *own = PyDict_GetItemWithError(st->on_first_link, link);
+        if (own != NULL) {
+            out = PySequence_List(own);
+            if (out == NULL || PyDict_DelItem(st->on_first_link, link) < 0) goto fail;
+        } else if (PyErr_Occurred()) {
+            return NULL;
+        }
     }
-    if (st->book_on_link != Py_None) {
-        int seen = PySet_Contains(st->popped, link);
-        if (seen < 0) goto fail;
-        if (!seen) {
-            if (PySet_Add(st->popped, link) < 0) goto fail;
+    Lnk *l = &st->l[li];
+    if (st->book_on_link != Py_None && !l->popped) {
+        if (!l->popped_known) { /* popped before run() (a NIC in use) */
+            int seen = PySet_Contains(st->popped, link);
+            if (seen < 0) goto fail;
+            l->popped_known = 1;
+            l->popped = (char)seen;
+        }
+        if (!l->popped) {
+            l->popped = 1;
             PyObject *keys = PyDict_GetItemWithError(st->book_on_link, link);
-            if (keys != NULL) {
+            if (keys != NULL && PyObject_Length(keys) > 0) {
+                if (out == NULL && (out = PyList_New(0)) == NULL) goto fail;
                 if (PyList_SetSlice(out, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, keys) < 0) goto fail;
             } else if (PyErr_Occurred()) {
                 goto fail;
             }
         }
     }
-    return out;
+    return out != NULL ? out : Py_NewRef(Py_None);
 fail:
-    Py_DECREF(out);
+    Py_XDECREF(out);
     return NULL;
 }
 
@@ -211,12 +216,14 @@ int stf_accept(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
     PyObject *links = st->u[ui].links;
     int rc = 0;
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(links) && rc == 0; k++) {
-        PyObject *others = first_link_members(st, PyTuple_GET_ITEM(links, k));
+        Py_ssize_t nl;
+        Py_ssize_t *lk = stf_links_of(st, ui, &nl);
+        PyObject *others = lk == NULL ? NULL : first_link_members(st, lk[k]);
         if (others == NULL) {
             rc = -1;
             break;
         }
-        for (Py_ssize_t q = 0; q < PyList_GET_SIZE(others) && rc == 0; q++) {
+        for (Py_ssize_t q = 0; others != Py_None && q < PyList_GET_SIZE(others) && rc == 0; q++) {
             PyObject *other = PyList_GET_ITEM(others, q);
             PyObject *ix = PyDict_GetItemWithError(st->uid_ix, other);
             if (ix == NULL) {
