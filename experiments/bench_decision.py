@@ -24,39 +24,34 @@ homogeneous     256      4.5 ms     16 ms       63 ms
 heterogeneous   256      5.8 ms     26 ms       69 ms
 ==============  =======  =========  ==========  ===========
 
-Issue 24: the full re-plan vs the incremental book (the default)
-------------------------------------------------------------------
+Issue 24: the plan from scratch, the incremental book, and the book with the STF loop in C
+---------------------------------------------------------------------------------------------
 The default run replays decision sequences (after each decision its first 16 sends leave
-into flight, 16 updates arrive, the clock moves 1 ms) through ``STFPolicy(incremental=False)``
-(a plan from scratch per decision, as before) and one ``STFPolicy()`` kept across the
-sequence, alternating which decides first, and checks that every decision is the same.
-CPU ms per decision, horizon 256, 10 decisions x seeds 1, 2, 3, median [min-max of the
-seeds' medians]; the "before" column ran the code of commit 295999e in the same process:
+into flight, 16 updates arrive, the clock moves 1 ms) through three contestants taking turns
+(which goes first rotates): ``STFPolicy(incremental=False)`` with the Python loop (a plan
+from scratch per decision, as before issue 24), ``STFPolicy()`` with the Python loop (the
+book, DESIGN §8) and ``STFPolicy()`` with the loop in C (``_plan_native.stf_run``, the
+default where built), and checks that every decision is the same. CPU ms per decision,
+horizon 256, 10 decisions x seeds 1, 2, 3, median [min-max of the seeds' medians], load 3-4:
 
-==============  =====  ====================  ====================  ====================
-NICs            ready  before (295999e)      incremental           speed-up
-==============  =====  ====================  ====================  ====================
-10 Gb/s         1,000  49.3 [39.7-70.3]      37.6 [29.1-43.4]      1.3x
-10 Gb/s         10,000 233.5 [198.9-252.0]   61.0 [46.1-75.3]      3.8x
-1/10/25 Gb/s    1,000  109.4 [41.1-192.2]    87.1 [28.9-166.3]     1.3x
-1/10/25 Gb/s    10,000 212.0 [195.8-295.3]   53.0 [48.2-69.0]      4.0x
-==============  =====  ====================  ====================  ====================
+==============  ======  ====================  ====================  ==================  =====
+NICs            ready   plan from scratch     book, Python loop     book, C loop        C/Py
+==============  ======  ====================  ====================  ==================  =====
+10 Gb/s         1,000   29.6 [24.1-37.8]      26.0 [22.8-30.2]      7.4 [6.3-8.6]       3.5x
+10 Gb/s         10,000  146.9 [142.5-150.6]   43.5 [41.9-45.0]      20.1 [18.9-20.7]    2.2x
+1/10/25 Gb/s    1,000   76.5 [44.4-101.8]     61.6 [37.2-124.7]     10.1 [8.4-13.1]     6.1x
+1/10/25 Gb/s    10,000  175.6 [172.6-178.7]   57.6 [46.1-66.2]      27.2 [21.0-30.8]    2.1x
+==============  ======  ====================  ====================  ==================  =====
 
-At 10,000 ready the O(n) set-up of a plan from scratch (an ``Update`` per pending update, a
-renamed copy of each for the tie-break, its path, its class; 70-80 % of the decision) is
-gone: the book keeps it and a decision diffs the pending list by identity. What remains is
-the greedy itself over the head of the order (the 256 sends): ~2-4 ``ten`` integrations per
-send, the reservation on four links, and moving the other updates of each chosen NIC out of
-their class (the NIC is no longer idle, so their ten() is their own) — ~40 % of the run at
-10,000 ready, ~10 updates per NIC. At 1,000 ready that greedy is nearly all of the decision
-(25-150 ms, the most with mixed NICs, whose near-ties at a server make every acceptance
-change the ten of the updates queued there): the issue's 5 ms would need a decision that
-does not re-run the 256 steps, which a decision equal to the full re-plan cannot do once the
-clock or the transfers in flight moved (every start is ``max(ready, now)``).
+The book removed the O(n) set-up of a plan from scratch (an ``Update`` per pending update,
+its path, rank and class); the C loop removes the Python of the greedy over the 256 planned
+sends. What is left at 1,000 ready is Python around the loop (the book's sync, the adapter to
+a ``Decision``, the garbage collector) and work that grows with the transfers in flight (the
+sequences reach ~150 of them).
 
 Run::
 
-    python experiments/bench_decision.py            # full re-plan vs incremental, 1,000 and 10,000
+    python experiments/bench_decision.py            # the three, 1,000 and 10,000 ready
     python experiments/bench_decision.py --sizes 1000 --seeds 1 2 3 4 5 --decisions 20
     python experiments/bench_decision.py --table --sizes 100 1000 10000 --horizon 0 256
     python experiments/bench_decision.py --profile --sizes 10000   # cProfile of one decision
