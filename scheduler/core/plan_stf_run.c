@@ -90,42 +90,64 @@ static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
     return over;
 }
 
-/* Planner.first_link_members (and _BookPlanner's) of link li: a new list, or None where there
-   are none (most links: the common case makes no list) */
-static PyObject *first_link_members(STF *st, Py_ssize_t li) {
-    PyObject *link = st->l[li].key, *out = NULL;
+/* the updates of first_link_members that are not gone, each moved to its path's class; the
+   classes they leave and join appended to *moved. 0 or -1. */
+static int move_one(STF *st, PyObject *other, Py_ssize_t **moved, Py_ssize_t *nm, Py_ssize_t *cap) {
+    PyObject *ix = PyDict_GetItemWithError(st->uid_ix, other);
+    if (ix == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", other);
+        return -1;
+    }
+    Py_ssize_t oi = PyLong_AsSsize_t(ix);
+    if (st->u[oi].gone) return 0;
+    if (stf_grow((void **)moved, cap, *nm + 2, sizeof(Py_ssize_t)) < 0) return -1;
+    (*moved)[(*nm)++] = st->u[oi].cls;
+    Py_ssize_t ni = stf_add_exact(st, oi);
+    if (ni < 0) return -1;
+    (*moved)[(*nm)++] = ni;
+    return 0;
+}
+
+/* Planner.first_link_members (and _BookPlanner's) of link li, each moved (move_one): the
+   planner's own list popped, then the book's updates on the link unless taken before */
+static int move_first_link_members(STF *st, Py_ssize_t li, Py_ssize_t **moved, Py_ssize_t *nm, Py_ssize_t *cap) {
+    PyObject *link = st->l[li].key;
     if (PyDict_GET_SIZE(st->on_first_link)) {
         PyObject *own = PyDict_GetItemWithError(st->on_first_link, link);
         if (own != NULL) {
-            out = PySequence_List(own);
-            if (out == NULL || PyDict_DelItem(st->on_first_link, link) < 0) goto fail;
+            PyObject *fast = PySequence_Fast(own, "on_first_link: a sequence of ids");
+            int rc = fast == NULL ? -1 : PyDict_DelItem(st->on_first_link, link);
+            for (Py_ssize_t q = 0; rc == 0 && q < PySequence_Fast_GET_SIZE(fast); q++)
+                rc = move_one(st, PySequence_Fast_GET_ITEM(fast, q), moved, nm, cap);
+            Py_XDECREF(fast);
+            if (rc < 0) return -1;
         } else if (PyErr_Occurred()) {
-            return NULL;
+            return -1;
         }
     }
     Lnk *l = &st->l[li];
-    if (st->book_on_link != Py_None && !l->popped) {
-        if (!l->popped_known) { /* popped before run() (a NIC in use) */
-            int seen = PySet_Contains(st->popped, link);
-            if (seen < 0) goto fail;
-            l->popped_known = 1;
-            l->popped = (char)seen;
-        }
-        if (!l->popped) {
-            l->popped = 1;
-            PyObject *keys = PyDict_GetItemWithError(st->book_on_link, link);
-            if (keys != NULL && PyObject_Length(keys) > 0) {
-                if (out == NULL && (out = PyList_New(0)) == NULL) goto fail;
-                if (PyList_SetSlice(out, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, keys) < 0) goto fail;
-            } else if (PyErr_Occurred()) {
-                goto fail;
-            }
-        }
+    if (st->book_on_link == Py_None || l->popped) return 0;
+    if (!l->popped_known) { /* popped before run() (a NIC in use) */
+        int seen = PySet_Contains(st->popped, link);
+        if (seen < 0) return -1;
+        l->popped_known = 1;
+        l->popped = (char)seen;
+        if (seen) return 0;
     }
-    return out != NULL ? out : Py_NewRef(Py_None);
-fail:
-    Py_XDECREF(out);
-    return NULL;
+    l->popped = 1;
+    PyObject *keys = PyDict_GetItemWithError(st->book_on_link, link);
+    if (keys == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyDict_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "stf_run: the book's updates on a link must be a dict");
+        return -1;
+    }
+    Py_INCREF(keys); /* the book does not change it while we walk it */
+    PyObject *other, *value;
+    Py_ssize_t pos = 0;
+    int rc = 0;
+    while (rc == 0 && PyDict_Next(keys, &pos, &other, &value)) rc = move_one(st, other, moved, nm, cap);
+    Py_DECREF(keys);
+    return rc;
 }
 
 static int cmp_index(const void *a, const void *b) {
@@ -213,37 +235,10 @@ int stf_accept(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
     Py_ssize_t *moved = NULL, nm = 0, cap = 0;
     if (stf_grow((void **)&moved, &cap, 1, sizeof(Py_ssize_t)) < 0) return -1;
     moved[nm++] = ci;
-    PyObject *links = st->u[ui].links;
-    int rc = 0;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(links) && rc == 0; k++) {
-        Py_ssize_t nl;
-        Py_ssize_t *lk = stf_links_of(st, ui, &nl);
-        PyObject *others = lk == NULL ? NULL : first_link_members(st, lk[k]);
-        if (others == NULL) {
-            rc = -1;
-            break;
-        }
-        for (Py_ssize_t q = 0; others != Py_None && q < PyList_GET_SIZE(others) && rc == 0; q++) {
-            PyObject *other = PyList_GET_ITEM(others, q);
-            PyObject *ix = PyDict_GetItemWithError(st->uid_ix, other);
-            if (ix == NULL) {
-                if (!PyErr_Occurred()) PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", other);
-                rc = -1;
-                break;
-            }
-            Py_ssize_t oi = PyLong_AsSsize_t(ix);
-            if (st->u[oi].gone) continue;
-            if (stf_grow((void **)&moved, &cap, nm + 2, sizeof(Py_ssize_t)) < 0) {
-                rc = -1;
-                break;
-            }
-            moved[nm++] = st->u[oi].cls;
-            Py_ssize_t ni = stf_add_exact(st, oi);
-            if (ni < 0) rc = -1;
-            moved[nm++] = ni;
-        }
-        Py_DECREF(others);
-    }
+    Py_ssize_t nl = 0;
+    Py_ssize_t *lk = stf_links_of(st, ui, &nl); /* moving members resolves no links: lk stays put */
+    int rc = lk == NULL ? -1 : 0;
+    for (Py_ssize_t k = 0; k < nl && rc == 0; k++) rc = move_first_link_members(st, lk[k], &moved, &nm, &cap);
     if (rc == 0) {
         qsort(moved, (size_t)nm, sizeof(Py_ssize_t), cmp_index);
         for (Py_ssize_t q = 0; q < nm && rc == 0; q++)
