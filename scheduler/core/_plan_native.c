@@ -55,9 +55,10 @@
  *           -> list of Transfer | None
  *       stf_planner.Planner.run, the STF loop (plan_stf.c, plan_stf_run.c, plan_stf_links.c).
  *
- *   follows(transfers, busy, ids) -> list of tuples
+ *   follows(transfers, busy, ids) -> list of tuples | None
  *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
- *       of its links exactly when it starts.
+ *       of its links exactly when it starts (None where a link in flight is not a pair of
+ *       nodes: the Python loop runs).
  */
 #include "_plan_native.h"
 

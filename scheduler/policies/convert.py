@@ -116,7 +116,9 @@ def _follows(
     """
     busy = busy if isinstance(busy, list | tuple) else list(busy)
     if _plan_native is not None and type(transfers) is tuple and type(ids) is dict:
-        return _plan_native.follows(transfers, busy, ids)
+        native = _plan_native.follows(transfers, busy, ids)
+        if native is not None:  # None: a link that is not a pair of nodes
+            return native
     ends: dict[Link, dict[float, list[str]]] = defaultdict(dict)  # link -> end -> payloads ending then
     for fid, links, end in busy:
         for link in links:

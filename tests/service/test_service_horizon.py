@@ -177,7 +177,7 @@ async def service(horizon: int) -> AsyncIterator[tuple[SchedulerCore, grpc.aio.C
         SchedulerState(graph),
         policy,
         dispatcher=Dispatcher(margin=0.001),
-        batcher=AdaptiveBatcher(window=0.2, max_wait=2.0),  # one batch for all 20,
+        batcher=AdaptiveBatcher(window=1.0, max_wait=5.0),  # one batch for all 20, on a loaded machine too
         estimator=StaticEstimator(graph),
         replan=replan,
     )
