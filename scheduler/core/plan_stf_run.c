@@ -194,15 +194,12 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
     PyObject *dst = src ? PyObject_GetAttr(uo, s_dst) : NULL;
     PyObject *size = dst ? PyObject_GetAttr(uo, s_bytes) : NULL;
     PyObject *path = size ? PyTuple_New(nl + 1) : NULL;
-    PyObject *name = uid, *t = NULL;
+    PyObject *name = Py_NewRef(uid), *t = NULL;
     if (path != NULL) {
         PyTuple_SET_ITEM(path, 0, Py_NewRef(src));
         for (Py_ssize_t k = 0; k < nl; k++)
             PyTuple_SET_ITEM(path, k + 1, Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(links, k), 1)));
-        if (st->names != Py_None) {
-            name = PyObject_GetItem(st->names, uid);
-            if (name != NULL) Py_DECREF(name); /* the names mapping holds it */
-        }
+        if (st->names != Py_None) Py_SETREF(name, PyObject_GetItem(st->names, uid));
         if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3) {
             PyObject *argv[9] = {name, src, dst, path, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), size,
                                  PyTuple_GET_ITEM(got, 2), Py_False};
@@ -212,6 +209,7 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
     }
     int rc = t == NULL ? -1 : PyList_Append(st->transfers, t);
     Py_XDECREF(t);
+    Py_XDECREF(name);
     Py_XDECREF(path);
     Py_XDECREF(size);
     Py_XDECREF(dst);
