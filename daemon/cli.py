@@ -97,7 +97,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         metavar="SECONDS",
         help="the push deadline: a push that got no directive from the scheduler this long after it "
-        "was accepted resolves DROPPED naming the deadline (default 60)",
+        "was accepted resolves DROPPED naming the deadline; one held for an aggregate's verdict this "
+        "long after it was held resolves UNKNOWN (DROPPED if it never reached the aggregator) (default 60)",
     )
     parser.add_argument(
         "--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on port P (0: any free port)"

@@ -56,7 +56,9 @@ class DaemonConfig:
     push_timeout : float
         The push deadline: seconds a push may wait for the scheduler's directive; then it
         resolves DROPPED naming the deadline (and the scheduler is told, ``UpdateResolved``).
-        A transfer once started is bounded by ``send_attempts`` x ``io_timeout``.
+        A push held for an aggregate's verdict waits as long after it was held; then it
+        resolves UNKNOWN if the aggregator summed it (or may have), else DROPPED. A transfer
+        once started is bounded by ``send_attempts`` x ``io_timeout``.
     fallback_after : float or None
         Seconds without the scheduler before pushes are sent directly to their servers
         (:mod:`mlfabric.daemon.roles.worker.fallback`); None: pushes waiting for it resolve DROPPED.

@@ -141,7 +141,8 @@ def analyse(
         "elapsed_s": round((max((r["t1"] for r in records.values()), default=started) - started), 1),
         "faults": [f.__dict__ for f in ordered],
         "reasons": reasons.most_common(10),
-        # pushes no scheduler planned within the daemon's push deadline (a session lost them)
+        # pushes resolved by the daemon's push deadline: never planned, or held for an aggregate's
+        # verdict that never came (a directive was lost)
         "deadline_drops": sum("push deadline" in r.get("reason", "") for r in records.values()),
         "ok": ok,
     }

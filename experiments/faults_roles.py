@@ -43,8 +43,9 @@ from mlfabric import MlfabricError
 
 JOB, SERVER = "faults", "ps0"
 #: seconds a push may take to resolve before it counts as UNRESOLVED: beyond the daemons' push
-#: deadline (60 s, ``--push-timeout``), after which a push never planned resolves DROPPED naming
-#: it (counted apart, ``deadline_drops``), so the two are never confused
+#: deadline (60 s, ``--push-timeout``), after which a push never planned resolves DROPPED, and one
+#: held for a lost aggregate verdict UNKNOWN, naming it (counted apart, ``deadline_drops``), so
+#: the two are never confused
 RESOLVE_TIMEOUT = 90.0
 
 

@@ -137,9 +137,17 @@ class PushHandle:
         return self._result
 
     def _on_event(self, event: Any, fd: int | None) -> bool:
-        """Handle an event for this push; True when it is final."""
+        """Handle an event for this push; True when it is final.
+
+        Only the first final event counts: a connection that breaks just after the verdict
+        came (before the handler was forgotten) must not turn it into an error, nor call
+        ``on_final`` a second time (it would free the update's memfd after it went back to
+        the pool, and a later push would get a closed descriptor).
+        """
         if fd is not None:
             os.close(fd)
+        if self._done.is_set():
+            return True
         kind = event.WhichOneof("kind")
         if kind == "push_accepted":
             self.update_id = event.push_accepted.update_id

@@ -289,6 +289,10 @@ class Delivery:
     maybe_sent : bool
         The last attempt may have reached the peer whole before it went away: it may have been
         applied there, so it was not sent again and its outcome is UNKNOWN (DESIGN §10).
+    maybe_arrived : bool
+        Some attempt may have reached the peer whole and got no answer: :attr:`maybe_sent`,
+        or an attempt sent again because the peer de-duplicates it (``may_resend``, an
+        aggregator's member: it may be summed there even if a later attempt got an ERROR).
 
     Examples
     --------
@@ -304,6 +308,7 @@ class Delivery:
     reply: Reply | None = None
     errors: list[str] = field(default_factory=list)
     maybe_sent: bool = False
+    maybe_arrived: bool = False
 
     @property
     def last_error(self) -> str:
@@ -538,6 +543,7 @@ class PeerPool:
                     exc,
                 )
                 delivery.errors.append(str(exc))
+                delivery.maybe_arrived = delivery.maybe_arrived or exc.sent
                 if exc.sent and not may_resend:
                     delivery.maybe_sent = True
                     break

@@ -66,8 +66,8 @@ def test_outgoing_book_states() -> None:
         book.add(push)
     assert book.start_sending("h/1") is pushes[0]
     assert book.start_sending("h/1") is None  # a duplicate directive does not send twice
-    assert book.hold("h/1") and pushes[0].state is PushState.HELD  # sent to an aggregator
-    assert not book.hold("h/2")  # only a push being sent is held
+    assert book.hold("h/1", 0.0) and pushes[0].state is PushState.HELD  # sent to an aggregator
+    assert not book.hold("h/2", 0.0)  # only a push being sent is held
     assert book.unhold("j", "w0") == [pushes[0]] and pushes[0].state is PushState.READY
     assert book.waiting("h/1") is pushes[0] and book.start_sending("h/1") is pushes[0]
     assert [p.update_id for p in book.take_waiting()] == ["h/2", "h/3"]

@@ -88,6 +88,26 @@ def test_dropped_push_recycles_but_a_lost_connection_discards() -> None:
         worker.close()
 
 
+def test_connection_lost_after_the_verdict_keeps_the_verdict_and_the_pooled_memfd() -> None:
+    # a daemon shutting down answers a push DROPPED and closes the connection at once: the
+    # reader thread may fail every handler before the push's handler was forgotten, so the
+    # handle hears a final event twice (seen in tests/faults: a later push got EBADF)
+    client = RecordingClient()
+    worker = Worker(client, "job", "w0", local_pb2.RegisterReply())  # type: ignore[arg-type]
+    try:
+        first = worker.push("ps0", {"w": np.ones(10)}, norm=1.0)
+        _resolve(client.pushes[0][1], control_pb2.OUTCOME_DROPPED)
+        lost = local_pb2.LocalEvent(error=local_pb2.LocalError(code="disconnected", message="gone"))
+        client.pushes[0][1](lost, None)
+        assert first.wait(0).status == mlfabric.DROPPED  # the verdict, not the late error
+        worker.push("ps0", {"w": np.full(10, 2.0)}, norm=1.0)  # the recycled memfd is still open
+        req2, _, fd2 = client.pushes[1]
+        assert _inode(fd2) == _inode(client.pushes[0][2])
+        np.testing.assert_array_equal(_content(req2, fd2), 2.0)
+    finally:
+        worker.close()
+
+
 def test_map_memfd_views_the_payload_without_a_copy() -> None:
     pool = MemfdPool(max_idle_bytes=1 << 20)
     update = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2)}

@@ -158,6 +158,27 @@ def test_a_member_whose_source_leaves_is_removed_from_the_directive(env: dict[st
     assert drain(s)["x"][0][1].update_id == "agg:ps:0"
 
 
+def test_a_complete_aggregate_whose_member_source_leaves_unreported_is_planned_afresh(
+    env: dict[str, Any],
+) -> None:
+    # tests/faults: a worker's daemon killed after the aggregator summed its member, before its
+    # report came; the aggregate was complete (no deadline), its release waited for that report
+    # for ever, and the pushes summed with it (and all planned after it) never resolved
+    core, s = env["core"], env["s"]
+    drain(s)
+    for i in (1, 2):
+        report(core, s[f"w{i}"], f"u{i}", "x")
+        drain(s)  # u3's send directive is out after u2's report
+    core.on_message(s["x"], msg(update_ready=pb.UpdateReady(update_id="agg:ps:0", job="j", server="s")))
+    core.goodbye(s["w3"])
+    assert [(k, d.update_id) for k, d in drain(s)["x"]] == [("drop", "agg:ps:0")]
+    assert not core.aggregates.executions and set(core.state.pending) == {"u1", "u2"}
+    report(core, s["w0"], "u0", "ps", outcome=pb.OUTCOME_APPLIED, server_version=1)
+    core.decide()
+    sent = {h: [(k, d.update_id) for k, d in ds] for h, ds in drain(s).items() if h in ("w1", "w2")}
+    assert sent == {"w1": [("send", "u1")], "w2": [("send", "u2")]}  # from their sources, once more
+
+
 def test_an_aggregate_whose_members_all_leave_is_cancelled(env: dict[str, Any]) -> None:
     core, s = env["core"], env["s"]
     drain(s)

@@ -202,19 +202,28 @@ class WorkerRole(Role):
                 self.fallback.keep(push)  # falling back: sent directly at once
 
     def _push_deadlines(self) -> None:
-        """Resolve DROPPED every push still waiting for a directive past ``push_timeout``."""
+        """Apply the push deadline (:meth:`expire_pushes`) every ``push_timeout / 4`` s (1 s at most)."""
+        while not self._ctx.stopping.wait(min(1.0, self._push_timeout / 4)):
+            self.expire_pushes()
+
+    def expire_pushes(self) -> int:
+        """Resolve every push waiting for a directive ``push_timeout`` s or more; how many.
+
+        READY (no send directive came): DROPPED. HELD (its aggregate's verdict, or a new send
+        directive, never came): UNKNOWN if it may have been summed, else DROPPED
+        (:meth:`PushSender.expired`). The scheduler is told either way (``UpdateResolved``).
+        """
         timeout = self._push_timeout
-        while not self._ctx.stopping.wait(min(1.0, timeout / 4)):
-            for push in self.outgoing.take_expired(self._ctx.clock(), timeout):
-                reason = (
-                    f"push deadline: {push.update_id} got no directive from the scheduler at "
-                    f"{self._ctx.scheduler} within {timeout:g} s"
-                )
-                self.sender.finish(push, Verdict.dropped(reason))
-                resolved = control_pb2.UpdateResolved(
-                    update_id=push.update_id, outcome=control_pb2.OUTCOME_DROPPED, reason=reason
-                )
-                self._ctx.send(control_pb2.DaemonMessage(update_resolved=resolved))
+        expired = self.outgoing.take_expired(self._ctx.clock(), timeout)
+        for push in expired:
+            verdict = self.sender.expired(push, timeout, self._ctx.scheduler)
+            _LOG.warning("%s", verdict.reason)
+            self.sender.finish(push, verdict)
+            resolved = control_pb2.UpdateResolved(
+                update_id=push.update_id, outcome=verdict.outcome, reason=verdict.reason
+            )
+            self._ctx.send(control_pb2.DaemonMessage(update_resolved=resolved))
+        return len(expired)
 
     # ------------------------------------------------------------------ the scheduler session
 

@@ -10,6 +10,11 @@ silently lost), in one :class:`PushState` at a time::
                └──────────────── HELD  (summed or refused by an aggregator: waits for the
                                        aggregate's verdict, a ResolveDirective, or a new send)
 
+The push deadline bounds both waits for the scheduler: a push READY ``push_timeout`` s after
+it was pushed, or HELD that long after it was held, is taken out (:meth:`OutgoingPushes.take_expired`)
+and resolved — DROPPED, or UNKNOWN if an aggregator may have summed it. A SENDING push is
+bounded by its transfer (``send_attempts`` x ``io_timeout``).
+
 :class:`OutgoingPushes` is the only place a push changes state (:data:`TRANSITIONS` lists the
 moves it makes); everyone else asks it to. It also gives each push its id
 ``"<host>/<incarnation>/<seq>"``. Nothing here does I/O.
@@ -102,6 +107,10 @@ class PendingPush:
     resent: bool = False
     #: the scheduler session whose directive sent it last (a held push waits for that session)
     session: int = 0
+    #: when it was last held (``clock()``): the push deadline of a HELD push counts from here
+    held_at: float = 0.0
+    #: an aggregator summed it, or may have (a frame that got no answer): never DROPPED once held
+    maybe_summed: bool = False
 
 
 def new_incarnation() -> str:
@@ -176,10 +185,20 @@ class OutgoingPushes:
                 push.session = session
             return push
 
-    def hold(self, update_id: str) -> bool:
-        """SENDING -> HELD: sent to an aggregator, kept until a resolve or a new send."""
+    def hold(self, update_id: str, now: float, maybe_summed: bool = False) -> bool:
+        """SENDING -> HELD at ``now``: sent to an aggregator, kept until a resolve or a new send.
+
+        ``maybe_summed``: the aggregator summed it, or may have (it stays so for the push's
+        life: a push that may be in an aggregate is never resolved DROPPED by the deadline).
+        """
         with self._lock:
-            return self._move(self._pushes.get(update_id), PushState.HELD)
+            push = self._pushes.get(update_id)
+            if not self._move(push, PushState.HELD):
+                return False
+            assert push is not None
+            push.held_at = now
+            push.maybe_summed = push.maybe_summed or maybe_summed
+            return True
 
     def unhold(self, job: str, worker: str) -> list[PendingPush]:
         """HELD -> READY for every push of ``worker`` of ``job`` (a new session never planned them)."""
@@ -246,14 +265,36 @@ class OutgoingPushes:
             return waiting
 
     def take_expired(self, now: float, timeout: float) -> list[PendingPush]:
-        """Remove and return the pushes still waiting for a directive ``timeout`` s after ``ready_at``."""
+        """Remove and return the pushes past the push deadline (their state tells which wait ran out).
+
+        A READY push waited ``timeout`` s since ``ready_at`` for a send directive; a HELD one
+        ``timeout`` s since ``held_at`` for its aggregate's verdict (a ``ResolveDirective``) or
+        a new send directive. A SENDING push is not taken: its transfer ends by itself
+        (``send_attempts`` x ``io_timeout`` at most) and resolves or holds it.
+
+        Examples
+        --------
+        >>> book = OutgoingPushes("h1")
+        >>> for i, t in enumerate((0.0, 30.0)):
+        ...     book.add(PendingPush(f"h1/{i}", "j", "ps0", "w0", -1, [], 0, 0.0, 0, t, i, None))
+        >>> _ = book.start_sending("h1/0"); book.hold("h1/0", now=50.0)
+        True
+        >>> [p.update_id for p in book.take_expired(now=90.0, timeout=60.0)]   # READY since 30
+        ['h1/1']
+        >>> [(p.update_id, p.state.name) for p in book.take_expired(now=110.0, timeout=60.0)]
+        [('h1/0', 'HELD')]
+        """
+
+        def expired(p: PendingPush) -> bool:
+            if p.state is PushState.READY:
+                return now - p.ready_at >= timeout
+            return p.state is PushState.HELD and now - p.held_at >= timeout
+
         with self._lock:
-            expired = [
-                p for p in self._pushes.values() if p.state is PushState.READY and now - p.ready_at >= timeout
-            ]
-            for p in expired:
+            out = [p for p in self._pushes.values() if expired(p)]
+            for p in out:
                 del self._pushes[p.update_id]
-            return expired
+            return out
 
     def sending(self) -> int:
         """How many pushes are being sent (SENDING: their transfers under way)."""

@@ -25,7 +25,7 @@ from mlfabric.daemon.channels.peers import PeerPool
 from mlfabric.daemon.roles.base import RoleContext, Verdict
 from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.worker.fallback import update_ready
-from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
+from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, PushState
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
 from mlfabric.wire.tensors import layouts_to_pb
 
@@ -214,7 +214,7 @@ class PushSender:
                     self._summed[push.update_id] = (send.aggregate_id, send.next_hop_host)
                 else:
                     self._summed.pop(push.update_id, None)
-            self._hold_for_aggregate(push, report, verdict, received)
+            self._hold_for_aggregate(push, report, verdict, received, received or delivery.maybe_arrived)
             return
         unanswered = maybe_sent or not received or verdict.outcome == control_pb2.OUTCOME_UNKNOWN
         if unanswered and self._failed_over(push, send.next_hop_host, report, verdict):
@@ -226,17 +226,20 @@ class PushSender:
             self.finish(taken, verdict)
         self._report(report)
 
-    def _hold_for_aggregate(self, push: PendingPush, report: Any, verdict: Verdict, received: bool) -> None:
+    def _hold_for_aggregate(
+        self, push: PendingPush, report: Any, verdict: Verdict, received: bool, maybe_summed: bool
+    ) -> None:
         """After a send to an aggregator: keep the payload, report the transfer without an outcome.
 
         An ACK (``received``) means the aggregator summed the update: ``ok`` and no outcome. An
         ERROR (unknown or abandoned aggregate, not a member) or an unreachable aggregator reports
         ``ok=False`` naming the problem. Either way the push waits, its payload kept, for a
-        ``ResolveDirective`` (the aggregate's verdict) or a new ``SendDirective``.
+        ``ResolveDirective`` (the aggregate's verdict) or a new ``SendDirective`` — or the push
+        deadline (:meth:`expired`; ``maybe_summed``: an attempt may have been summed unanswered).
         """
         if not received:
             report.ok, report.error = False, verdict.reason
-        self.outgoing.hold(push.update_id)
+        self.outgoing.hold(push.update_id, self._ctx.clock(), maybe_summed)
         self._report(report)
         if push.session != self.session and self._on_stale_hold is not None:
             self._on_stale_hold(push)  # held past the re-registration that would have let it go
@@ -280,6 +283,46 @@ class PushSender:
         return Verdict.unknown(
             f"{update_id} was summed into aggregate {summed[0]} at host {summed[1]!r}; {why}, "
             "so whether it reached the server cannot be known"
+        )
+
+    def expired(self, push: PendingPush, timeout: float, scheduler: str) -> Verdict:
+        """The verdict on a push taken past the push deadline (:meth:`OutgoingPushes.take_expired`).
+
+        READY: DROPPED, no directive came. HELD: its verdict was lost on its way (the
+        aggregator, the scheduler and their messages), so UNKNOWN if its aggregator summed it
+        or may have (the aggregate may still reach the server), DROPPED only if it certainly
+        never reached one. The reason names the deadline either way.
+
+        Examples
+        --------
+        >>> sender = PushSender(RoleContext("h1"), None, OutgoingPushes("h1"), print, None)
+        >>> push = PendingPush("h1/1", "j", "ps0", "w0", -1, [], 0, 0.0, 0, 0.0, 1, None)
+        >>> sender.expired(push, 60, "s:7077").reason
+        'push deadline: h1/1 got no directive from the scheduler at s:7077 within 60 s'
+        >>> push.state, push.maybe_summed = PushState.HELD, True
+        >>> v = sender.expired(push, 60, "s:7077"); v.outcome == control_pb2.OUTCOME_UNKNOWN
+        True
+        """
+        if push.state is not PushState.HELD:
+            return Verdict.dropped(
+                f"push deadline: {push.update_id} got no directive from the scheduler at {scheduler} "
+                f"within {timeout:g} s"
+            )
+        why = (
+            f"push deadline: no verdict and no new send directive from the scheduler at {scheduler} "
+            f"within {timeout:g} s of it being held"
+        )
+        with self._lock:
+            summed = self._summed.get(push.update_id)
+        if summed is not None:
+            return self._summed_verdict(push.update_id, summed, why)
+        if push.maybe_summed:
+            return Verdict.unknown(
+                f"{push.update_id} may have been summed by an aggregator (a frame got no answer); "
+                f"{why}, so whether it reached the server cannot be known"
+            )
+        return Verdict.dropped(
+            f"{push.update_id} never reached an aggregator (refused or unreachable); {why}"
         )
 
     def shut_down(self, pushes: list[PendingPush], reason: str) -> None:

@@ -123,7 +123,11 @@ class AggregateBook:
         """The daemon of ``host`` disconnected (after ``state.disconnect``).
 
         Aggregates gathered on it fail (their members are planned afresh); its members not yet
-        at their aggregator leave their aggregates, which are re-issued with fewer members.
+        at their aggregator leave their aggregates, which are re-issued with fewer members. An
+        aggregate its aggregator announced complete (``ready``: no deadline any more) that
+        still waits for the report of such a member fails too, its aggregator told to drop it:
+        that report will never come, and the runner would hold the aggregate, and every
+        update planned after it, for ever.
         """
         self._can_aggregate.pop(host, None)
         out = Effects()
@@ -136,11 +140,19 @@ class AggregateBook:
             elif e.planned.dst == host and not e.forwarded:
                 why = f"the server's daemon (host '{host}') disconnected"
                 out += self.ledger.fail(e, why, now, discard=True)
+            elif e.ready and not e.forwarded and self._unreported_from(e, host):
+                why = f"the daemon of host '{host}' disconnected before reporting the send of its member(s)"
+                out += self.ledger.fail(e, why, now, discard=True)
             # forwarded to a server whose daemon went away: the aggregator's report says whether
             # the frame may have reached it (UNKNOWN) or certainly did not (planned afresh)
         self.runner.forget(self.ledger.leave_host(host))
         out += self.reconcile(now)
         return out
+
+    @staticmethod
+    def _unreported_from(e: Execution, host: str) -> list[str]:
+        """The members of ``e`` sent from ``host`` whose source has not reported them."""
+        return [m for m, stage in e.stage.items() if stage is Stage.SENT and e.members[m].src_host == host]
 
     # -------------------------------------------------------------- releasing
 
