@@ -32,16 +32,17 @@ into flight, 16 updates arrive, the clock moves 1 ms) through three contestants 
 from scratch per decision, as before issue 24), ``STFPolicy()`` with the Python loop (the
 book, DESIGN §8) and ``STFPolicy()`` with the loop in C (``_plan_native.stf_run``, the
 default where built), and checks that every decision is the same. CPU ms per decision,
-horizon 256, 10 decisions x seeds 1, 2, 3, median [min-max of the seeds' medians], load 3-4:
+horizon 256, 10 decisions x seeds 1, 2, 3, median [min-max of the seeds' medians], load
+1.6-2; "alone" is ``--alone``, the C loop on the same sequences without the others:
 
-==============  ======  ====================  ====================  ==================  =====
-NICs            ready   plan from scratch     book, Python loop     book, C loop        C/Py
-==============  ======  ====================  ====================  ==================  =====
-10 Gb/s         1,000   29.6 [24.1-37.8]      26.0 [22.8-30.2]      7.4 [6.3-8.6]       3.5x
-10 Gb/s         10,000  146.9 [142.5-150.6]   43.5 [41.9-45.0]      20.1 [18.9-20.7]    2.2x
-1/10/25 Gb/s    1,000   76.5 [44.4-101.8]     61.6 [37.2-124.7]     10.1 [8.4-13.1]     6.1x
-1/10/25 Gb/s    10,000  175.6 [172.6-178.7]   57.6 [46.1-66.2]      27.2 [21.0-30.8]    2.1x
-==============  ======  ====================  ====================  ==================  =====
+==============  ======  ====================  ====================  ================  =====  ================
+NICs            ready   plan from scratch     book, Python loop     book, C loop      C/Py   C loop alone
+==============  ======  ====================  ====================  ================  =====  ================
+10 Gb/s         1,000   27.9 [27.2-29.5]      22.7 [21.0-23.1]      7.2 [6.6-7.7]     3.1x   4.6 [4.0-5.0]
+10 Gb/s         10,000  167.7 [146.4-179.2]   50.5 [47.0-58.8]      23.7 [23.1-24.8]  2.1x   17.8 [17.2-19.4]
+1/10/25 Gb/s    1,000   91.6 [28.0-133.5]     81.4 [24.0-119.1]     9.5 [7.3-11.1]    8.6x   5.0 [4.4-5.7]
+1/10/25 Gb/s    10,000  178.3 [152.6-183.3]   47.1 [46.2-49.4]      25.5 [22.0-31.9]  1.8x   20.3 [18.6-22.3]
+==============  ======  ====================  ====================  ================  =====  ================
 
 The book removed the O(n) set-up of a plan from scratch (an ``Update`` per pending update,
 its path, rank and class); the C loop removes the Python of the greedy over the 256 planned
@@ -52,6 +53,7 @@ sequences reach ~150 of them).
 Run::
 
     python experiments/bench_decision.py            # the three, 1,000 and 10,000 ready
+    python experiments/bench_decision.py --alone    # the C loop alone, the same sequences
     python experiments/bench_decision.py --sizes 1000 --seeds 1 2 3 4 5 --decisions 20
     python experiments/bench_decision.py --table --sizes 100 1000 10000 --horizon 0 256
     python experiments/bench_decision.py --profile --sizes 10000   # cProfile of one decision
@@ -153,9 +155,15 @@ def stf_loop(native: bool) -> Iterator[None]:
 
 
 def sequence(
-    name: str, n: int, seed: int, decisions: int, horizon: int | None, churn: int = 16
+    name: str,
+    n: int,
+    seed: int,
+    decisions: int,
+    horizon: int | None,
+    churn: int = 16,
+    contestants: Sequence[tuple[str, bool, bool]] = CONTESTANTS,
 ) -> tuple[list[list[float]], bool]:
-    """CPU seconds per decision of each of :data:`CONTESTANTS`, taking turns.
+    """CPU seconds per decision of each of ``contestants`` (:data:`CONTESTANTS`), taking turns.
 
     A decision sequence at about ``n`` ready: after each decision the first ``churn`` sends
     leave (in flight until their expected end), ``churn`` updates arrive, and the clock moves
@@ -171,7 +179,7 @@ def sequence(
     rng = random.Random(seed)
     workers = [h for h in hosts(snap.graph) if h not in SERVERS]
     runs: list[tuple[STFPolicy, bool, list[float]]] = [
-        (STFPolicy(horizon, incremental=book), native, []) for _, book, native in CONTESTANTS
+        (STFPolicy(horizon, incremental=book), native, []) for _, book, native in contestants
     ]
     for policy, native, _ in runs:  # warm-up: caches, the book
         with stf_loop(native):
@@ -218,21 +226,23 @@ def p99(xs: Sequence[float]) -> float:
     return s[min(len(s) - 1, max(0, round(0.99 * len(s) + 0.5) - 1))]
 
 
-def compare(args: argparse.Namespace, names: Sequence[str]) -> None:
+def compare(
+    args: argparse.Namespace, names: Sequence[str], contestants: Sequence[tuple[str, bool, bool]]
+) -> None:
     """Print each contestant's CPU median [spread of the per-seed medians] and the C loop's speed-up."""
     print(
         f"STFPolicy.decide on two_tier({RACKS}x{PER_RACK}, oversubscription {OVERSUB:g}), "
         f"{len(SERVERS)} servers; {args.decisions} decisions per seed, seeds {args.seeds}; "
         "CPU ms per decision, median [min-max of the seeds' medians]"
     )
-    head = f"{'scenario':<14} {'horizon':>7} {'ready':>7} " + " ".join(f"{c[0]:>24}" for c in CONTESTANTS)
-    print(f"{head} {'C vs Python loop':>16} same")
+    head = f"{'scenario':<14} {'horizon':>7} {'ready':>7} " + " ".join(f"{c[0]:>24}" for c in contestants)
+    print(f"{head} {'C vs Python loop' if len(contestants) > 1 else '':>16} same")
     for name, horizon, n in itertools.product(names, args.horizon, args.sizes):
-        every: list[list[float]] = [[] for _ in CONTESTANTS]
-        per_seed: list[list[float]] = [[] for _ in CONTESTANTS]
+        every: list[list[float]] = [[] for _ in contestants]
+        per_seed: list[list[float]] = [[] for _ in contestants]
         same = True
         for seed in args.seeds:
-            cpu, ok = sequence(name, n, seed, args.decisions, horizon or None)
+            cpu, ok = sequence(name, n, seed, args.decisions, horizon or None, contestants=contestants)
             for k, times in enumerate(cpu):
                 every[k].extend(times)
                 per_seed[k].append(statistics.median(times))
@@ -242,8 +252,8 @@ def compare(args: argparse.Namespace, names: Sequence[str]) -> None:
             f"{f'{m * 1e3:.2f} [{min(ps) * 1e3:.2f}-{max(ps) * 1e3:.2f}]':>24}"
             for m, ps in zip(meds, per_seed, strict=True)
         )
-        ratio = meds[1] / meds[2]
-        print(f"{name:<14} {horizon or 'all':>7} {n:>7} {cells} {ratio:>15.1f}x {'yes' if same else 'NO'}")
+        ratio = f"{meds[-2] / meds[-1]:>15.1f}x" if len(meds) > 1 else " " * 16
+        print(f"{name:<14} {horizon or 'all':>7} {n:>7} {cells} {ratio} {'yes' if same else 'NO'}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -260,6 +270,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--scenario", choices=["homogeneous", "heterogeneous", "both"], default="both")
     ap.add_argument("--profile", action="store_true", help="cProfile one incremental decision")
+    ap.add_argument(
+        "--alone",
+        action="store_true",
+        help="only the book with the C loop (the others' work, in turns, heats the collector and caches)",
+    )
     ap.add_argument(
         "--horizon",
         type=int,
@@ -279,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         return
     if not args.table:
-        compare(args, names)
+        compare(args, names, CONTESTANTS[-1:] if args.alone else CONTESTANTS)
         return
     print(
         f"STFPolicy.decide on two_tier({RACKS}x{PER_RACK}, oversubscription {OVERSUB:g}), "
