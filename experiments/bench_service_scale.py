@@ -113,6 +113,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import cpu_seconds, decision_buckets, proc_stats, quantile_bound, start, stop_all
 from sim_daemons import run_daemons
 
+#: seconds a scrape of the scheduler's /metrics may take: at the end of a run with thousands of
+#: daemons the scheduler can be busy for more than the default 10 s (a 4,000-daemon run's last
+#: window timed out)
+SCRAPE_TIMEOUT = 120.0
 NIC_MBPS = 10_000.0
 OVERSUB = 4.0
 
@@ -278,7 +282,7 @@ def _follow(n: int, lines: IO[str], pid: int, port: int, sampler: Sampler, out: 
                 flush=True,
             )
         elif kind == "window":
-            now, cpu = decision_buckets(port), cpu_seconds(pid)
+            now, cpu = decision_buckets(port, SCRAPE_TIMEOUT), cpu_seconds(pid)
             t = time.monotonic()
             rec.update(
                 decisions=int(now[math.inf] - prev[math.inf]),
@@ -291,7 +295,7 @@ def _follow(n: int, lines: IO[str], pid: int, port: int, sampler: Sampler, out: 
             out["windows"].append(rec)
             print(f"[N={n}] window {rec['index']}: {_window_line(rec)}", flush=True)
         elif kind == "done":
-            now = decision_buckets(port)
+            now = decision_buckets(port, SCRAPE_TIMEOUT)
             out["done"] = rec
             out["decisions"] = int(now[math.inf] - first[math.inf])
             out["decision_p50"] = _bucket(first, now, 0.5)

@@ -106,9 +106,9 @@ def proc_stats(pid: int) -> tuple[int, int]:
     return (int(found.group(1)) * 1024 if found else 0), len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def decision_buckets(metrics_port: int) -> dict[float, float]:
+def decision_buckets(metrics_port: int, timeout: float = 10.0) -> dict[float, float]:
     """Cumulative ``mlfabric_decision_seconds`` bucket counts by upper bound."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout) as reply:
         text = reply.read().decode()
     out = {}
     for le, count in re.findall(r'^mlfabric_decision_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M):
