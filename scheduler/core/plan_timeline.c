@@ -306,6 +306,36 @@ static int walk(Lane *lanes, Py_ssize_t nl, double nbytes, PyObject *ready, Piec
     }
 }
 
+/* Timelines._reserve_pieces: every piece reserved on every link of `links` (their lanes), link
+   by link; the Reservation tuples (`cls`), NULL on error */
+static PyObject *reserve_pieces(Lane *lanes, PyObject *links, Pieces *ps, PyObject *who, PyObject *cls) {
+    Py_ssize_t nl = PyTuple_GET_SIZE(links), m = 0;
+    PyObject *res = PyTuple_New(nl * ps->n);
+    if (res == NULL) return NULL;
+    PyTypeObject *type = (PyTypeObject *)cls;
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        PyObject *link = PyTuple_GET_ITEM(links, k);
+        for (Py_ssize_t q = 0; q < ps->n; q++) {
+            Piece *p = &ps->p[q];
+            PyObject *r = NULL, *rate = NULL;
+            if (reserve_lists(lanes[k].times, lanes[k].residual, lanes[k].eps, p->lo, p->hi, p->rate, who) == 0 &&
+                (r = type->tp_alloc(type, 4)) != NULL)
+                rate = PyFloat_FromDouble(p->rate);
+            if (rate == NULL) {
+                Py_XDECREF(r);
+                Py_DECREF(res);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(r, 0, Py_NewRef(link));
+            PyTuple_SET_ITEM(r, 1, Py_NewRef(p->lo));
+            PyTuple_SET_ITEM(r, 2, Py_NewRef(p->hi));
+            PyTuple_SET_ITEM(r, 3, rate);
+            PyTuple_SET_ITEM(res, m++, r);
+        }
+    }
+    return res;
+}
+
 /* The walk and reservation of one transfer over `links` (a tuple of links): (start, end,
    reservations), None where the Python loops are to run (nothing changed then), NULL on error. */
 PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who,
@@ -330,33 +360,8 @@ PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject 
         if (got < 0) return NULL;
         Py_RETURN_NONE;
     }
-    res = PyTuple_New(nl * ps.n);
+    res = reserve_pieces(lanes, links, &ps, who, cls);
     if (res == NULL) goto fail;
-    Py_ssize_t m = 0;
-    PyTypeObject *type = (PyTypeObject *)cls;
-    for (Py_ssize_t k = 0; k < nl; k++) {
-        PyObject *link = PyTuple_GET_ITEM(links, k);
-        for (Py_ssize_t q = 0; q < ps.n; q++) {
-            Piece *p = &ps.p[q];
-            if (reserve_lists(lanes[k].times, lanes[k].residual, lanes[k].eps, p->lo, p->hi, p->rate, who) < 0)
-                goto fail;
-            PyObject *r = type->tp_alloc(type, 4);
-            if (r == NULL) goto fail;
-            PyObject *rate = PyFloat_FromDouble(p->rate);
-            if (rate == NULL) {
-                Py_DECREF(r);
-                goto fail;
-            }
-            Py_INCREF(link);
-            Py_INCREF(p->lo);
-            Py_INCREF(p->hi);
-            PyTuple_SET_ITEM(r, 0, link);
-            PyTuple_SET_ITEM(r, 1, p->lo);
-            PyTuple_SET_ITEM(r, 2, p->hi);
-            PyTuple_SET_ITEM(r, 3, rate);
-            PyTuple_SET_ITEM(res, m++, r);
-        }
-    }
     pieces_free(&ps);
     PyObject *out = PyTuple_Pack(3, start, end, res);
     Py_DECREF(start);
@@ -454,29 +459,8 @@ PyObject *py_reserve_until(PyObject *self, PyObject *args) {
         if (rc < 0) goto fail;
         t = PyFloat_AS_DOUBLE(t_o);
     }
-    res = PyTuple_New(nl * ps.n);
+    res = reserve_pieces(lanes, links, &ps, who, cls);
     if (res == NULL) goto fail;
-    Py_ssize_t m = 0;
-    PyTypeObject *type = (PyTypeObject *)cls;
-    for (Py_ssize_t k = 0; k < nl; k++) {
-        PyObject *link = PyTuple_GET_ITEM(links, k);
-        for (Py_ssize_t q = 0; q < ps.n; q++) {
-            Piece *p = &ps.p[q];
-            if (reserve_lists(lanes[k].times, lanes[k].residual, lanes[k].eps, p->lo, p->hi, p->rate, who) < 0)
-                goto fail;
-            PyObject *r = type->tp_alloc(type, 4);
-            PyObject *rate = r ? PyFloat_FromDouble(p->rate) : NULL;
-            if (rate == NULL) {
-                Py_XDECREF(r);
-                goto fail;
-            }
-            PyTuple_SET_ITEM(r, 0, Py_NewRef(link));
-            PyTuple_SET_ITEM(r, 1, Py_NewRef(p->lo));
-            PyTuple_SET_ITEM(r, 2, Py_NewRef(p->hi));
-            PyTuple_SET_ITEM(r, 3, rate);
-            PyTuple_SET_ITEM(res, m++, r);
-        }
-    }
     pieces_free(&ps);
     Py_DECREF(t_o);
     return res;
