@@ -210,6 +210,7 @@ class SchedulerCore:
         self.sessions: dict[str, DaemonSession] = {}
         self._wake = asyncio.Event()
         self._timer = math.inf  # when the release loop wakes by itself (its earliest deadline)
+        self._looping = False  # run() is running (model routes refreshed by its release loop)
         #: replicas: their books, replica sends, promotion (docs/replication.md)
         self.replication = Replication(state, self.runner, replica_grace)
         #: all-reduce operations: readiness, tree plans, aborts (docs/allreduce.md)
@@ -273,7 +274,7 @@ class SchedulerCore:
         self._apply_cleanup(self.state.disconnect(session.host))
         self._execute(self.aggregates.host_lost(session.host, self.clock()))
         self._execute(self.allreduce.host_lost(session.host))
-        self._execute(self.model_routes.refresh())  # a relay may be gone
+        self._routes_changed()  # a relay may be gone
         log.info("daemon of host %s disconnected", session.host)
 
     def welcome(self) -> pb.Directive:
@@ -344,7 +345,7 @@ class SchedulerCore:
         session.send(pb.Directive(role_ack=ack))
         if m.role == pb.ROLE_SERVER:
             self._execute(self.replication.announce(m.job))  # its workers' daemons
-        self._execute(self.model_routes.refresh())
+        self._routes_changed()
 
     def _unregister_role(self, host: str, m: pb.UnregisterRole) -> None:
         try:
@@ -361,7 +362,14 @@ class SchedulerCore:
                 self.state.unregister_worker(host, m.job, m.name)
         except SchedulerError as exc:
             log.warning("host %s: cannot unregister: %s", host, exc)
-        self._execute(self.model_routes.refresh())
+        self._routes_changed()
+
+    def _routes_changed(self) -> None:
+        """Roles or daemons changed: the model routes follow, coalesced while the loop runs."""
+        if not self._looping:  # driven by hand (no release loop): at once
+            self._execute(self.model_routes.refresh())
+        elif self.model_routes.changed(self.clock()) < self._timer:
+            self._wake.set()
 
     def _apply_cleanup(self, cleanup: Cleanup) -> None:
         self.runner.forget(u.update_id for u, _ in cleanup.dropped)
@@ -541,9 +549,13 @@ class SchedulerCore:
 
     async def run(self) -> None:
         """Run the decision loop (per batch) and the release timer until cancelled."""
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._decide_loop())
-            tg.create_task(self._release_loop())
+        self._looping = True
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._decide_loop())
+                tg.create_task(self._release_loop())
+        finally:
+            self._looping = False
 
     async def _decide_loop(self) -> None:
         while True:
@@ -559,6 +571,7 @@ class SchedulerCore:
                     self.aggregates.next_deadline(),
                     self.state.stall_deadline(),
                     self.replication.next_deadline(),
+                    self.model_routes.due_at(),
                 )
                 if w
             ]
@@ -573,6 +586,7 @@ class SchedulerCore:
             self._wake.clear()
             self._execute(self.aggregates.expire(self.clock()))
             self._execute(self.replication.expire(self.clock()))
+            self._execute(self.model_routes.refresh_due(self.clock()))
             self.expire_stalled()
             self.release()
 

@@ -14,6 +14,7 @@ its :class:`~mlfabric.scheduler.service.effects.Effects`). The full broadcast pl
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,9 @@ from mlfabric.scheduler.service.state import SchedulerState
 __all__ = ["ModelRouteBook", "model_upstreams"]
 
 log = logging.getLogger(__name__)
+
+#: the least time between two refreshes of the model routes as roles come and go, s
+ROUTE_REFRESH_INTERVAL = 0.1
 
 
 def model_upstreams(
@@ -147,6 +151,44 @@ class ModelRouteBook:
     #: the graph the cached paths were computed on, and server host -> its BFS paths
     _graph: nx.DiGraph | None = field(default=None, repr=False)
     _paths: dict[str, dict[str, list[str]]] = field(default_factory=dict, repr=False)
+    #: the least time between two coalesced refreshes (:meth:`changed`), s
+    interval: float = ROUTE_REFRESH_INTERVAL
+    #: when the coalesced refresh is due (None: nothing changed since the last), and the last one
+    _due: float | None = field(default=None, repr=False)
+    _last: float = field(default=-math.inf, repr=False)
+
+    def changed(self, now: float) -> float:
+        """Roles or daemons changed at ``now``: one refresh is due, at most every :attr:`interval`.
+
+        A refresh recomputes every job's routes (O(hosts)); refreshing once per registration
+        makes a storm of N (every daemon reconnecting to a restarted scheduler) cost O(N^2).
+        Returns when the refresh is due (:meth:`refresh_due` does it then).
+
+        Examples
+        --------
+        >>> from mlfabric.scheduler.core.graph import star
+        >>> book = ModelRouteBook(SchedulerState(star(["ps", "a"], 1e9)), interval=0.1)
+        >>> book.changed(5.0), book.changed(5.01), book.refresh_due(5.0).directives, book.due_at()
+        (5.0, 5.0, [], None)
+        >>> book.changed(5.02), book.refresh_due(5.05).directives, book.due_at()
+        (5.1, [], 5.1)
+        >>> book.refresh_due(5.1).directives, book.due_at()
+        ([], None)
+        """
+        if self._due is None:
+            self._due = max(now, self._last + self.interval)
+        return self._due
+
+    def due_at(self) -> float | None:
+        """When the coalesced refresh is due; None if none is."""
+        return self._due
+
+    def refresh_due(self, now: float) -> Effects:
+        """:meth:`refresh` if one is due by ``now`` (else nothing to do)."""
+        if self._due is None or now < self._due:
+            return Effects()
+        self._due, self._last = None, now
+        return self.refresh()
 
     def refresh(self) -> Effects:
         """The directives for every route that changed (new workers, servers, relays gone).

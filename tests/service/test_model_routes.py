@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -128,3 +130,42 @@ def test_core_sends_routes_as_workers_register_and_when_a_relay_goes() -> None:
     gone = pb.UnregisterRole(job="j", role=pb.ROLE_WORKER, name="h5")
     core.on_message(sessions["h5"], pb.DaemonMessage(unregister_role=gone))
     assert _routes(sessions["h4"]) == []
+
+
+def test_a_burst_of_registrations_refreshes_the_routes_once_while_the_loop_runs() -> None:
+    # every daemon reconnecting at once (a restarted scheduler) must not cost one full refresh
+    # each: with the core's loop running, the refreshes are coalesced (at most one per interval)
+    core = _core()
+    calls = []
+    refresh = core.model_routes.refresh
+
+    def counted() -> Any:
+        calls.append(core.clock())
+        return refresh()
+
+    core.model_routes.refresh = counted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        task = asyncio.create_task(core.run())
+        await asyncio.sleep(0)  # the loop is running
+        sessions = {
+            h: core.hello(pb.Hello(host=h, data_address=f"127.0.0.1:{9000 + i}"))
+            for i, h in enumerate(["h0", "h1", "h2", "h3", "h4", "h5"])
+        }
+        for host, role in [("h0", pb.ROLE_SERVER), *((h, pb.ROLE_WORKER) for h in ("h1", "h3", "h4", "h5"))]:
+            msg = pb.RegisterRole(job="j", role=role, name="ps" if role == pb.ROLE_SERVER else host)
+            core.on_message(sessions[host], pb.DaemonMessage(register_role=msg))
+        assert calls == []  # nothing refreshed inside the handlers
+        await asyncio.sleep(0.05)
+        assert len(calls) == 1
+        assert [r.upstream_host for r in _routes(sessions["h4"])] == ["h3"]
+        assert [r.upstream_host for r in _routes(sessions["h5"])] == ["h3"]
+        core.goodbye(sessions["h3"])  # a relay leaves: refreshed once more, no sooner than the interval
+        await asyncio.sleep(0.3)
+        assert len(calls) == 2 and calls[1] - calls[0] >= core.model_routes.interval
+        assert [r.upstream_host for r in _routes(sessions["h5"])] == ["h4"]
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(main(), 10))
