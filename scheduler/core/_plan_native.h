@@ -16,6 +16,14 @@ extern PyObject *str_aggregator, *str_parent, *str_members, *str_free, *str_per,
     *str_end, *str_update_id, *str_src, *a_transfer, *str_start, *str_payload_id, *str_times, *str_residual,
     *str_eps, *fmt_over;
 
+/* plan_timeline.c: a LinkTimeline's lists and eps (borrowed: kept alive by the timeline) */
+typedef struct {
+    PyObject *times, *residual;
+    double eps;
+    PyObject *tl;
+} Lane;
+int lane_of(PyObject *tl, Lane *out);       /* 0, or -1 (TypeError where they are not lists) */
+int all_floats(PyObject *list);             /* every item an exact float */
 /* plan_timeline.c: a transfer's walk and reservation; None where the Python loops are to run */
 PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls);
 /* plan_reserve.c: cls(*values) for a dataclass whose __init__ only sets `fields` */

@@ -17,29 +17,14 @@ int stf_grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
     return 0;
 }
 
-static int all_floats(PyObject *list) {
-    if (!PyList_CheckExact(list)) return 0;
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!PyFloat_CheckExact(PyList_GET_ITEM(list, i))) return 0;
-    return 1;
-}
-
-/* read a LinkTimeline's lists into `l`: 1, 0 (not float lists: the caller falls back), -1 */
+/* read a LinkTimeline's lists into `l` (lane_of): 1, 0 (not float lists), -1 */
 static int read_timeline(Lnk *l, PyObject *tl) {
-    PyObject *times = PyObject_GetAttr(tl, str_times);
-    PyObject *residual = times ? PyObject_GetAttr(tl, str_residual) : NULL;
-    PyObject *eps = residual ? PyObject_GetAttr(tl, str_eps) : NULL;
-    /* the timeline keeps its lists alive for the whole run (never replaced, only changed) */
-    Py_XDECREF(times);
-    Py_XDECREF(residual);
-    if (eps == NULL) return -1;
-    l->eps = PyFloat_AsDouble(eps);
-    Py_DECREF(eps);
-    if (l->eps == -1.0 && PyErr_Occurred()) return -1;
-    if (!all_floats(times) || !all_floats(residual) || PyList_GET_SIZE(times) == 0) return 0;
-    l->times = times;
-    l->residual = residual;
+    Lane lane;
+    if (lane_of(tl, &lane) < 0) return -1;
+    l->eps = lane.eps;
+    if (!all_floats(lane.times) || !all_floats(lane.residual) || PyList_GET_SIZE(lane.times) == 0) return 0;
+    l->times = lane.times; /* the timeline keeps its lists for the whole run (changed, never replaced) */
+    l->residual = lane.residual;
     return 1;
 }
 

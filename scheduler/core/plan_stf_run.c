@@ -288,8 +288,7 @@ static int float_timelines(PyObject *tls_links) {
         for (int k = 0; k < 2; k++) {
             PyObject *list = PyObject_GetAttr(tl, k ? str_residual : str_times);
             if (list == NULL) return -1;
-            int ok = PyList_CheckExact(list) && PyList_GET_SIZE(list) > 0;
-            for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(list); i++) ok = PyFloat_CheckExact(PyList_GET_ITEM(list, i));
+            int ok = PyList_CheckExact(list) && PyList_GET_SIZE(list) > 0 && all_floats(list);
             Py_DECREF(list);
             if (!ok) return 0;
         }

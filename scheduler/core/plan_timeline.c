@@ -15,7 +15,7 @@ static int list_del(PyObject *list, Py_ssize_t i) { return PyList_SetSlice(list,
 
 #define F(list, i) PyFloat_AS_DOUBLE(PyList_GET_ITEM((list), (i)))
 
-static int all_floats(PyObject *list) {
+int all_floats(PyObject *list) {
     Py_ssize_t n = PyList_GET_SIZE(list);
     for (Py_ssize_t i = 0; i < n; i++)
         if (!PyFloat_CheckExact(PyList_GET_ITEM(list, i))) return 0;
@@ -119,13 +119,7 @@ static int reserve_lists(PyObject *times, PyObject *residual, double eps, PyObje
     return 0;
 }
 
-typedef struct {
-    PyObject *times, *residual; /* borrowed from the timeline (kept alive by it) */
-    double eps;
-    PyObject *tl;
-} Lane;
-
-static int lane_of(PyObject *tl, Lane *out) {
+int lane_of(PyObject *tl, Lane *out) {
     PyObject *times = PyObject_GetAttr(tl, str_times);
     if (times == NULL) return -1;
     PyObject *residual = PyObject_GetAttr(tl, str_residual);
