@@ -100,6 +100,7 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 #: Payloads up to this size (from a buffer) go out in one ``sendall`` with their header.
 _SMALL_BYTES = 64 * 1024
 _KINDS = frozenset(k for k in dataplane_pb2.FrameKind.values() if k)
+_MODEL_KIND = dataplane_pb2.FRAME_KIND_MODEL
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,17 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
     size = header.payload_bytes if payload_bytes is None else payload_bytes
     if size > limits.max_payload_bytes:
         raise FrameError(f"payload of {size} bytes exceeds the limit of {limits.max_payload_bytes}")
+    if header.kind == _MODEL_KIND and header.model_bytes:
+        # a piece of a model (docs/model-relays.md): the layout, on the first piece only,
+        # describes the whole model; the piece lies inside it
+        if header.range_offset + size > header.model_bytes:
+            raise FrameError(
+                f"piece [{header.range_offset}, {header.range_offset + size}) out of range of a "
+                f"{header.model_bytes}-byte model"
+            )
+        if not header.tensors:
+            return
+        size = header.model_bytes
     spans: list[tuple[int, int, str]] = []
     for t in header.tensors:
         itemsize = DTYPE_ITEMSIZE.get(t.dtype)

@@ -482,20 +482,22 @@ class PromoteDirective(_message.Message):
     def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ModelRouteDirective(_message.Message):
-    __slots__ = ("job", "server", "upstream_host", "upstream_address", "server_host", "server_address")
+    __slots__ = ("job", "server", "upstream_host", "upstream_address", "server_host", "server_address", "chunk_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_HOST_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVER_HOST_FIELD_NUMBER: _ClassVar[int]
     SERVER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     server: str
     upstream_host: str
     upstream_address: str
     server_host: str
     server_address: str
-    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., upstream_host: _Optional[str] = ..., upstream_address: _Optional[str] = ..., server_host: _Optional[str] = ..., server_address: _Optional[str] = ...) -> None: ...
+    chunk_bytes: int
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., upstream_host: _Optional[str] = ..., upstream_address: _Optional[str] = ..., server_host: _Optional[str] = ..., server_address: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class AllreducePeer(_message.Message):
     __slots__ = ("participant", "host", "data_address")

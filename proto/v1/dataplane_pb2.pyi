@@ -39,7 +39,7 @@ class TensorLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("kind", "update_id", "job", "server", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "payload_crc32", "outcome", "delay", "version", "reason", "src_host", "crc_trailer", "receive_seconds", "aggregate_id", "members", "member_verdicts", "replica", "replica_version", "applied_ids", "min_version", "wait_seconds", "allreduce")
+    __slots__ = ("kind", "update_id", "job", "server", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "payload_crc32", "outcome", "delay", "version", "reason", "src_host", "crc_trailer", "receive_seconds", "aggregate_id", "members", "member_verdicts", "replica", "replica_version", "applied_ids", "min_version", "wait_seconds", "range_offset", "range_bytes", "exact_version", "model_bytes", "allreduce")
     KIND_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,10 @@ class FrameHeader(_message.Message):
     APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
     kind: FrameKind
     update_id: str
@@ -93,8 +97,12 @@ class FrameHeader(_message.Message):
     applied_ids: _containers.RepeatedScalarFieldContainer[str]
     min_version: int
     wait_seconds: float
+    range_offset: int
+    range_bytes: int
+    exact_version: bool
+    model_bytes: int
     allreduce: AllreduceChunk
-    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., src_host: _Optional[str] = ..., crc_trailer: _Optional[bool] = ..., receive_seconds: _Optional[float] = ..., aggregate_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[_control_pb2.AggregateMember, _Mapping]]] = ..., member_verdicts: _Optional[_Iterable[_Union[_control_pb2.MemberVerdict, _Mapping]]] = ..., replica: _Optional[str] = ..., replica_version: _Optional[int] = ..., applied_ids: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., allreduce: _Optional[_Union[AllreduceChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., base_version: _Optional[int] = ..., norm: _Optional[float] = ..., num_updates: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., outcome: _Optional[_Union[_control_pb2.Outcome, str]] = ..., delay: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., src_host: _Optional[str] = ..., crc_trailer: _Optional[bool] = ..., receive_seconds: _Optional[float] = ..., aggregate_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[_control_pb2.AggregateMember, _Mapping]]] = ..., member_verdicts: _Optional[_Iterable[_Union[_control_pb2.MemberVerdict, _Mapping]]] = ..., replica: _Optional[str] = ..., replica_version: _Optional[int] = ..., applied_ids: _Optional[_Iterable[str]] = ..., min_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., range_offset: _Optional[int] = ..., range_bytes: _Optional[int] = ..., exact_version: _Optional[bool] = ..., model_bytes: _Optional[int] = ..., allreduce: _Optional[_Union[AllreduceChunk, _Mapping]] = ...) -> None: ...
 
 class AllreduceChunk(_message.Message):
     __slots__ = ("job", "name", "seq", "to_participant", "from_participant", "phase", "index", "count", "offset", "summed")

@@ -7,8 +7,11 @@ server's host, or a *relay*, a worker host of the same rack that fetched the mod
 it in its daemon's cache (DESIGN §12). :func:`model_upstreams` is the choice, a pure
 function of the bandwidth graph; :class:`ModelRouteBook` turns it into
 ``ModelRouteDirective``\\ s, sent only when a host's route changes (the service core executes
-its :class:`~mlfabric.scheduler.service.effects.Effects`). The full broadcast planner
-(``scheduler/policies/broadcast.py:plan_broadcast``) can later stand behind the same signature.
+its :class:`~mlfabric.scheduler.service.effects.Effects`). Where that rule puts relays (a
+shared uplink) and the model's size is known, :func:`model_routes` plans the whole relay tree
+instead (:func:`~mlfabric.scheduler.policies.broadcast.plan_broadcast`: relays of relays) and
+the daemons move the model down it in pieces (``chunk_bytes``), each relay forwarding a piece
+while the next arrives.
 """
 
 from __future__ import annotations
@@ -17,20 +20,30 @@ import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
+import numpy as np
 
 from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.policies.broadcast import plan_broadcast
 from mlfabric.scheduler.service.effects import Effects
-from mlfabric.scheduler.service.records import SchedulerError
+from mlfabric.scheduler.service.records import SchedulerError, ServerRole
 from mlfabric.scheduler.service.state import SchedulerState
 
-__all__ = ["ModelRouteBook", "model_upstreams"]
+__all__ = ["ModelRouteBook", "ModelRoutes", "model_routes", "model_upstreams"]
 
 log = logging.getLogger(__name__)
 
 #: the least time between two refreshes of the model routes as roles come and go, s
 ROUTE_REFRESH_INTERVAL = 0.1
+#: the least bytes of a piece: a daemon asks for pieces one GET at a time, each a round trip
+#: not overlapped with the next (~1-2 ms of daemon time on both ends), so pieces are kept
+#: larger than the broadcast planner's chunk rule (which assumes frames streamed back to back)
+MIN_PIECE_BYTES = 256 << 10
+#: the most worker hosts of one server whose relay tree is planned whole (plan_broadcast);
+#: beyond, the one-level rule of :func:`model_upstreams` (its cost is O(hosts) per refresh)
+MAX_PLANNED_HOSTS = 256
 
 
 def model_upstreams(
@@ -115,6 +128,89 @@ def model_upstreams(
     return out
 
 
+@dataclass(frozen=True)
+class ModelRoutes:
+    """Where each worker host fetches a server's model, and in what pieces.
+
+    Attributes
+    ----------
+    upstreams : dict
+        Worker host -> the host it fetches from (the server's host or a relay).
+    chunk_bytes : int
+        Bytes per piece (0: whole, store-and-forward).
+    """
+
+    upstreams: dict[str, str]
+    chunk_bytes: int = 0
+
+
+def model_bytes(specs: Iterable[Any]) -> int:
+    """The size of a model from its tensor specs (``name``, ``dtype``, ``shape``).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.service.records import TensorSpec
+    >>> model_bytes([TensorSpec("w", "float32", (4, 4)), TensorSpec("b", "float64", (3,))])
+    88
+    """
+    return sum(int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize for t in specs)
+
+
+def model_routes(
+    graph: nx.DiGraph,
+    server_host: str,
+    worker_hosts: Iterable[str],
+    nbytes: int,
+    paths: Mapping[str, Sequence[str]] | None = None,
+) -> ModelRoutes:
+    """Each worker host's upstream for a server's model of ``nbytes``, relays of relays where they pay.
+
+    Where :func:`model_upstreams` (one level) finds no relay — a star, hosts alone behind
+    their uplinks — that is the answer, whole. Where it puts relays (a shared uplink) and
+    the model's size is known, the relay tree of
+    :func:`~mlfabric.scheduler.policies.broadcast.plan_broadcast` over the hosts in the graph
+    (up to :data:`MAX_PLANNED_HOSTS`) replaces it: one copy per subtree behind a bottleneck,
+    fanned out inside it down a chain or a heap, moved in the plan's pieces (``chunk_bytes``
+    = the model over its chunk count) so that a relay forwards a piece while the next one
+    arrives. Hosts outside the graph fetch from the server's host.
+
+    Parameters
+    ----------
+    graph, server_host, worker_hosts, paths
+        As for :func:`model_upstreams`.
+    nbytes : int
+        The model's size (0: unknown, the one-level rule).
+
+    Returns
+    -------
+    ModelRoutes
+
+    Examples
+    --------
+    Two racks of four under 4:1 uplinks, the server outside them: one copy per rack leaves
+    the server, and the other hosts of a rack fetch from one another (a chain), in pieces.
+
+    >>> from mlfabric.scheduler.core.graph import two_tier
+    >>> g = two_tier(2, 4, 12.5e6, oversubscription=4.0)
+    >>> g.add_edge("ps", "core", capacity=12.5e6); g.add_edge("core", "ps", capacity=12.5e6)
+    >>> g.nodes["ps"]["kind"] = "host"
+    >>> hosts = [f"h{i}" for i in range(8)]
+    >>> r = model_routes(g, "ps", hosts, 4_500_000)
+    >>> sum(up == "ps" for up in r.upstreams.values()), r.upstreams["h2"], r.chunk_bytes
+    (2, 'h1', 262144)
+    >>> model_routes(g, "ps", hosts, 0).chunk_bytes   # size unknown: one level, whole
+    0
+    """
+    ups = model_upstreams(graph, server_host, worker_hosts, paths)
+    if nbytes <= 0 or all(u == server_host for u in ups.values()):
+        return ModelRoutes(ups)
+    receivers = [h for h in ups if h in graph and graph.nodes[h].get("kind") == "host"]
+    if len(receivers) < 2 or len(receivers) > MAX_PLANNED_HOSTS:
+        return ModelRoutes(ups)
+    plan = plan_broadcast(graph, server_host, receivers, float(nbytes))
+    return ModelRoutes(ups | plan.parents(), max(-(-nbytes // plan.chunks), min(nbytes, MIN_PIECE_BYTES)))
+
+
 @dataclass
 class ModelRouteBook:
     """The model routes sent to the daemons, and the ones now due (pure: returns Effects).
@@ -146,8 +242,8 @@ class ModelRouteBook:
 
     state: SchedulerState
     #: (host, job, server) -> the route last sent there: upstream host and address, server host
-    #: and address (a directive is built only when it changes)
-    sent: dict[tuple[str, str, str], tuple[str, str, str, str]] = field(default_factory=dict)
+    #: and address, chunk bytes (a directive is built only when it changes)
+    sent: dict[tuple[str, str, str], tuple[str, str, str, str, int]] = field(default_factory=dict)
     #: the graph the cached paths were computed on, and server host -> its BFS paths
     _graph: nx.DiGraph | None = field(default=None, repr=False)
     _paths: dict[str, dict[str, list[str]]] = field(default_factory=dict, repr=False)
@@ -201,12 +297,12 @@ class ModelRouteBook:
         for job in sorted(self.state.jobs):
             hosts = {h for h in self.state.worker_hosts(job) if h in self.state.daemons}
             for server in self.state.servers(job):
-                due.update(self._routes(job, server.name, server.host, hosts))
+                due.update(self._routes(job, server, hosts))
         sent = {}
         for key, route in sorted(due.items()):
             before = self.sent.get(key)
-            if before is None and route[0] == route[2]:
-                continue  # direct, as without a route
+            if before is None and route[0] == route[2] and not route[4]:
+                continue  # direct and whole, as without a route
             if before != route:
                 directive = pb.ModelRouteDirective(
                     job=key[1],
@@ -215,6 +311,7 @@ class ModelRouteBook:
                     upstream_address=route[1],
                     server_host=route[2],
                     server_address=route[3],
+                    chunk_bytes=route[4],
                 )
                 out.send(key[0], pb.Directive(model_route=directive))
             sent[key] = route
@@ -231,16 +328,21 @@ class ModelRouteBook:
             self._paths[server_host] = paths
         return paths
 
-    def _routes(self, job: str, server: str, server_host: str, hosts: set[str]) -> dict[_Key, _Route]:
+    def _routes(self, job: str, role: ServerRole, hosts: set[str]) -> dict[_Key, _Route]:
+        server, server_host = role.name, role.host
         try:
             server_address = self.state.address(server_host)
         except SchedulerError:
             return {}  # the server's daemon is away: its workers learn the new server later
         graph, address = self.state.graph, self.state.address
         paths = self._paths_from(server_host) if server_host in graph else None
-        ups = model_upstreams(graph, server_host, hosts, paths)
-        return {(h, job, server): (u, address(u), server_host, server_address) for h, u in ups.items()}
+        routes = model_routes(graph, server_host, hosts, model_bytes(role.model), paths)
+        chunk = routes.chunk_bytes
+        return {
+            (h, job, server): (u, address(u), server_host, server_address, chunk)
+            for h, u in routes.upstreams.items()
+        }
 
 
 _Key = tuple[str, str, str]  # host, job, server
-_Route = tuple[str, str, str, str]  # upstream host and address, server host and address
+_Route = tuple[str, str, str, str, int]  # upstream host and address, server host and address, chunk bytes

@@ -35,10 +35,11 @@ def _model(version: int) -> dict[str, np.ndarray]:
 class Cluster:
     """A server on ``ps`` and one worker per other daemon given."""
 
-    def __init__(self, make_daemon: Any, hosts: tuple[str, ...]) -> None:
-        self.daemons: dict[str, Daemon] = {h: make_daemon(h) for h in ("ps", *hosts)}
+    def __init__(self, make_daemon: Any, hosts: tuple[str, ...], model: Any = None, **config: Any) -> None:
+        self.model = model or _model
+        self.daemons: dict[str, Daemon] = {h: make_daemon(h, **config.get(h, {})) for h in ("ps", *hosts)}
         self.server = mlfabric.register_as_server(
-            "job", "ps0", _model(0), mlfabric.Params(), daemon=self.daemons["ps"].config.socket_path
+            "job", "ps0", self.model(0), mlfabric.Params(), daemon=self.daemons["ps"].config.socket_path
         )
         self.workers = {
             h: mlfabric.register_as_worker(
@@ -49,14 +50,14 @@ class Cluster:
 
     def publish(self, version: int) -> None:
         """Publish ``version`` and wait until the server's daemon has it (publishing is one way)."""
-        self.server.model = _model(version)
+        self.server.model = self.model(version)
         self.server.version = version
         self.server.publish()
         handoff = self.daemons["ps"].serving.handoff("job", "ps0")
         snap = handoff.wait_published(version, 10) if handoff is not None else None
         assert snap is not None and snap.version >= version
 
-    def route(self, scheduler: FakeScheduler, host: str, upstream: str) -> None:
+    def route(self, scheduler: FakeScheduler, host: str, upstream: str, chunk_bytes: int = 0) -> None:
         up, ps = self.daemons[upstream], self.daemons["ps"]
         route = control_pb2.ModelRouteDirective(
             job="job",
@@ -65,6 +66,7 @@ class Cluster:
             upstream_address=up.data_address if isinstance(up, Daemon) else up,
             server_host="ps",
             server_address=ps.data_address,
+            chunk_bytes=chunk_bytes,
         )
         scheduler.send(host, control_pb2.Directive(model_route=route))
         wait_until(lambda: self.daemons[host].models.route("job", "ps0") is not None)

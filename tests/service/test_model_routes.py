@@ -10,12 +10,19 @@ import pytest
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.core.graph import star, two_tier
+from mlfabric.scheduler.policies.broadcast import check_broadcast, plan_broadcast
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.fair import FairPolicy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
-from mlfabric.scheduler.service.model_routes import ModelRouteBook, model_upstreams
-from mlfabric.scheduler.service.records import JobParams
+from mlfabric.scheduler.service.model_routes import (
+    MIN_PIECE_BYTES,
+    ModelRouteBook,
+    model_bytes,
+    model_routes,
+    model_upstreams,
+)
+from mlfabric.scheduler.service.records import JobParams, TensorSpec
 from mlfabric.scheduler.service.state import SchedulerState
 
 
@@ -54,6 +61,50 @@ def test_the_book_follows_a_new_topology() -> None:
     state.replace_graph(two_tier(4, 2, 1e9, oversubscription=2.0))
     routes = {h: d.model_route.upstream_host for h, d in book.refresh().directives}
     assert routes == {"h6": "h1", "h7": "h6"}  # h5 keeps h4: not sent again
+
+
+def _racks_with_outside_server(racks: int, per_rack: int, nic: float, over: float) -> Any:
+    g = two_tier(racks, per_rack, nic, oversubscription=over)
+    g.add_node("ps", kind="host")
+    g.add_edge("ps", "core", capacity=nic)
+    g.add_edge("core", "ps", capacity=nic)
+    return g
+
+
+@pytest.mark.parametrize(("racks", "per_rack", "over"), [(2, 4, 4.0), (3, 6, 2.0), (4, 3, 8.0)])
+def test_with_the_model_size_known_the_routes_are_the_broadcast_tree_in_pieces(
+    racks: int, per_rack: int, over: float
+) -> None:
+    g = _racks_with_outside_server(racks, per_rack, 12.5e6, over)
+    hosts = [f"h{i}" for i in range(racks * per_rack)]
+    nbytes = 4_500_000
+    routes = model_routes(g, "ps", hosts, nbytes)
+    assert set(routes.upstreams) == set(hosts)
+    assert MIN_PIECE_BYTES <= routes.chunk_bytes <= nbytes
+    # a tree (every host reached from the server, no cycle) that the broadcast checker accepts
+    plan = plan_broadcast(g, "ps", sorted(hosts), float(nbytes))  # the rule's order: by name
+    assert routes.upstreams == plan.parents()
+    check_broadcast(g, plan, "ps", hosts)
+    # fewer copies leave the server than the one-level rule's (one per rack at most)
+    assert sum(u == "ps" for u in routes.upstreams.values()) <= racks
+    # the size unknown: the one-level rule, whole
+    assert model_routes(g, "ps", hosts, 0) == type(routes)(model_upstreams(g, "ps", hosts))
+
+
+def test_the_book_sends_pieces_to_every_host_once_the_model_size_is_known() -> None:
+    state = SchedulerState(_racks_with_outside_server(2, 4, 12.5e6, 4.0))
+    for i, h in enumerate(["ps", *[f"h{i}" for i in range(8)]]):
+        state.connect(h, f"127.0.0.1:{9000 + i}")
+    spec = (TensorSpec("w", "float32", (1024, 1024)),)
+    assert model_bytes(spec) == 4 << 20
+    state.register_server("ps", "j", "ps0", spec, JobParams(), 0)
+    for i in range(8):
+        state.register_worker(f"h{i}", "j", f"w{i}")
+    got = {h: d.model_route for h, d in ModelRouteBook(state).refresh().directives}
+    # the first host of each chain fetches from the server, in pieces too (its children pipeline)
+    assert set(got) == {f"h{i}" for i in range(8)}
+    assert {r.chunk_bytes for r in got.values()} == {MIN_PIECE_BYTES}
+    assert sum(r.upstream_host == "ps" for r in got.values()) == 2
 
 
 def test_a_lone_host_behind_an_uplink_fetches_directly() -> None:

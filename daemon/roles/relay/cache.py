@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlfabric.daemon.channels.budget import ByteBudget
+from mlfabric.daemon.roles.relay.pieces import Growing
 from mlfabric.daemon.roles.server.handoff import ModelSnapshot
 from mlfabric.wire.memfd import PooledBuffer
 from mlfabric.wire.tensors import Layout
@@ -33,12 +34,34 @@ _T = TypeVar("_T")
 
 @dataclass
 class Flight:
-    """One fetch under way for a key: its leader's floor, and how it ended."""
+    """One fetch under way for a key: its leader's floor, the model arriving, and how it ended."""
 
     min_version: int
     done: threading.Event = field(default_factory=threading.Event)
     #: why it failed (None: it succeeded, or has not ended)
     error: str | None = None
+    #: notified when a piece arrives and when the fetch ends
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    #: the model while it arrives in pieces (a fetch in pieces, once its first piece is in)
+    growing: Growing | None = None
+
+    def wait_piece(self, floor: int, end: int, timeout: float) -> Growing | None:
+        """Wait until the model arriving holds ``[0, end)`` (cut at its size) or the fetch ends.
+
+        Returns the growing model if it holds that much and is at or above ``floor``; None
+        when the fetch ended first, or the time ran out.
+        """
+
+        def ready() -> bool:
+            g = self.growing
+            return self.done.is_set() or (g is not None and g.have >= min(end, g.model_bytes))
+
+        with self.cond:
+            self.cond.wait_for(ready, timeout=max(0.0, timeout))
+            g = self.growing
+        if g is not None and g.version >= floor and g.have >= min(end, g.model_bytes):
+            return g
+        return None
 
 
 class ModelCache:
@@ -148,8 +171,10 @@ class ModelCache:
         with self._lock:
             if self._flights.get(key) is flight:
                 del self._flights[key]
-        flight.error = error
-        flight.done.set()
+        with flight.cond:
+            flight.error = error
+            flight.done.set()
+            flight.cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
         """Entries and cached bytes now."""

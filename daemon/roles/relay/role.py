@@ -17,7 +17,10 @@ peer daemon (docs/model-relays.md):
   current model), kept in the cache too.
 
 No answer is ever older than its floor, and the cache never goes back to an older version.
-Store-and-forward: a relay answers once it has the whole model.
+A route with ``chunk_bytes`` makes this host fetch the model in pieces
+(:mod:`~mlfabric.daemon.roles.relay.pieces`), and a peer's piece GET is answered as soon as
+the piece is here, while the rest arrives (chunk pipelining down a relay tree); without one,
+store-and-forward: a relay answers once it has the whole model.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from mlfabric.daemon.channels.peers import PeerUnavailable
 from mlfabric.daemon.channels.routing import FrameRoute
 from mlfabric.daemon.roles.base import Role, RoleContext, Routes
 from mlfabric.daemon.roles.directory import Directory
-from mlfabric.daemon.roles.relay.cache import Key, ModelCache
+from mlfabric.daemon.roles.relay.cache import Flight, Key, ModelCache
+from mlfabric.daemon.roles.relay.pieces import Growing, PieceError, fetch_pieces, piece_response
 from mlfabric.daemon.roles.server.handoff import ModelSnapshot
 from mlfabric.daemon.roles.server.serving import ServerRoles
 from mlfabric.proto.v1 import dataplane_pb2
@@ -106,9 +110,12 @@ class ModelRelays(Role):
 
     def stats(self) -> dict[str, int]:
         """Counts: ``local_hits`` / ``peer_hits`` (answered from the cache), ``fetches`` (GETs
-        sent upstream), ``joined`` (gets that waited for another's fetch), ``relay_fallbacks``,
-        ``server_gets`` (GETs answered for a server here), ``relayed`` (GETs answered for a
-        server elsewhere), ``not_kept``; and the cache's ``entries`` and ``bytes``."""
+        sent upstream; in pieces: fetches), ``joined`` (gets that waited for another's fetch),
+        ``relay_fallbacks``, ``server_gets`` (GETs answered for a server here), ``relayed``
+        (GETs answered for a server elsewhere), ``server_pieces`` / ``peer_pieces`` (piece
+        GETs answered for a server here / elsewhere), ``pieces_ahead`` (pieces answered while
+        the rest of the model was still arriving), ``not_kept``; and the cache's ``entries``
+        and ``bytes``."""
         with self._lock:
             counts = dict(self._counts)
         return counts | self.cache.stats() | {"not_kept": self.cache.not_kept}
@@ -197,8 +204,19 @@ class ModelRelays(Role):
         if h.min_version < 0:
             why = f"min_version {h.min_version} is negative (a version is 0 or more)"
             return self._error(f"GET of {where}: {why}")
+        if h.range_bytes > 0 and h.replica:
+            return self._error(f"GET of {where}: a replica attaches with a whole GET, not a piece")
         wait = self._wait(h.wait_seconds)
         handoff = self._serving.handoff(h.job, h.server)
+        if handoff is not None and h.range_bytes > 0:  # a piece of a model published here
+            snap = handoff.wait_published(h.min_version, wait)
+            if snap is None or snap.version < h.min_version:
+                have = None if snap is None else snap.version
+                return self._error(_too_old(h.job, h.server, have, h.min_version, wait))
+            self._count("server_pieces")
+            return piece_response(
+                h, snap.version, snap.layouts, snap.payload_bytes, snap.mapping, self._ctx.host
+            )
         if handoff is not None or h.replica:  # served here (or a replica attaching: its error)
             if handoff is not None and h.min_version > 0:
                 snap = handoff.wait_published(h.min_version, wait)
@@ -211,6 +229,8 @@ class ModelRelays(Role):
         if self._server_address(key) is None:
             known = self._directory.servers(h.job)
             return self._error(f"unknown {where} on host {self._ctx.host!r} (servers known here: {known})")
+        if h.range_bytes > 0:
+            return self._answer_piece(h, key, self._ctx.clock() + wait)
         try:
             leftover = self.obtain(key, h.min_version, self._ctx.clock() + wait, "peer", asked_by=h.src_host)
         except ModelUnavailable as exc:
@@ -222,6 +242,48 @@ class ModelRelays(Role):
             return response
         cached = self.cache.with_entry(key, h.min_version, lambda snap: self._response(h, snap))
         return cached or self._error(f"model of {where} was not kept on host {self._ctx.host!r}")
+
+    def _answer_piece(self, h: Any, key: Key, deadline: float) -> Response:
+        """A peer's piece GET: from the cache, or from the model arriving here once it holds the piece."""
+        floor, end = h.min_version, h.range_offset + h.range_bytes
+        while True:
+            cached = self.cache.with_entry(
+                key,
+                floor,
+                lambda s: piece_response(h, s.version, s.layouts, s.payload_bytes, s.mapping, self._ctx.host),
+            )
+            if cached is not None:
+                self._count("peer_pieces")
+                return cached
+            leader, flight = self.cache.begin(key, floor)
+            if flight is None:
+                continue  # cached by now
+            if leader:  # the fetch runs on the pool; this GET waits for its piece
+                self._ctx.submit(self._lead, key, floor, deadline, h.src_host, flight)
+            g = flight.wait_piece(floor, end, deadline - self._ctx.clock())
+            if g is not None:
+                self._count("peer_pieces")
+                if not g.complete:
+                    self._count("pieces_ahead")  # forwarded while the rest still arrives
+                return piece_response(h, g.version, g.layouts, g.model_bytes, g.mapping, self._ctx.host)
+            if not flight.done.is_set():
+                have = self.cache.version(key)
+                waited = f"waiting for the piece at {h.range_offset} on host {self._ctx.host!r}"
+                return self._error(_too_old(key[0], key[1], have, floor, None, waited))
+            if flight.error is not None and flight.min_version <= floor:
+                return self._error(flight.error)
+            # it ended (ok: the cache may be new enough now; failed for a lower floor): again
+
+    def _lead(self, key: Key, floor: int, deadline: float, asked_by: str, flight: Flight) -> None:
+        """Lead a fetch a peer's piece GET started (on the task pool)."""
+        try:
+            leftover = self._fetch(key, floor, deadline, asked_by, flight)
+        except ModelUnavailable as exc:
+            self.cache.end(key, flight, str(exc))
+            return
+        self.cache.end(key, flight)
+        if leftover is not None:  # not kept (the budget): its pieces were answered from the flight
+            leftover.close()
 
     def _response(self, h: Any, snap: ModelSnapshot) -> Response:
         _LOG.debug("GET from %s at or above %d: version %d", h.src_host, h.min_version, snap.version)
@@ -261,7 +323,7 @@ class ModelRelays(Role):
                 return None
             if leader:
                 try:
-                    leftover = self._fetch(key, min_version, deadline, asked_by)
+                    leftover = self._fetch(key, min_version, deadline, asked_by, flight)
                 except ModelUnavailable as exc:
                     self.cache.end(key, flight, str(exc))
                     raise
@@ -293,7 +355,9 @@ class ModelRelays(Role):
             return route.server_host, route.server_address
         return None
 
-    def _fetch(self, key: Key, min_version: int, deadline: float, asked_by: str) -> ModelSnapshot | None:
+    def _fetch(
+        self, key: Key, min_version: int, deadline: float, asked_by: str, flight: Flight
+    ) -> ModelSnapshot | None:
         route = self.route(*key)
         server = self._server_address(key)
         relay = (
@@ -302,6 +366,9 @@ class ModelRelays(Role):
             and route.upstream_host not in (route.server_host, self._ctx.host, asked_by)
             and (server is None or route.upstream_address != server[1])
         )
+        if route is not None and route.chunk_bytes > 0:
+            upstream = (route.upstream_host, route.upstream_address) if relay else None
+            return self._fetch_in_pieces(key, min_version, deadline, flight, route.chunk_bytes, upstream)
         if relay:
             try:
                 upstream = (route.upstream_host, route.upstream_address)
@@ -310,6 +377,75 @@ class ModelRelays(Role):
                 self._count("relay_fallbacks")
                 _LOG.warning("%s; fetching from the server's daemon instead", exc)
         return self._fetch_from_server(key, min_version, deadline)
+
+    def _fetch_in_pieces(
+        self,
+        key: Key,
+        floor: int,
+        deadline: float,
+        flight: Flight,
+        chunk_bytes: int,
+        upstream: tuple[str, str] | None,
+    ) -> ModelSnapshot | None:
+        """Fetch in pieces from ``upstream`` (a relay), else or then from the server's daemon; keep it.
+
+        A relay that fails midway is passed over for the server's daemon, which continues the
+        same version from the byte reached; if the server has moved on from that version, a
+        fresh fetch of its newest (never older than ``floor``) replaces it, and the peers waiting
+        for pieces of the old one are answered ERROR (they fall back to the server).
+        """
+
+        def left() -> float:
+            return deadline - self._ctx.clock()
+
+        def start(version: int, layouts: Any, model_bytes: int) -> Growing:
+            g = Growing(version, layouts, model_bytes, flight.cond)
+            with flight.cond:
+                old, flight.growing = flight.growing, g
+                flight.cond.notify_all()
+            if old is not None:
+                old.release()
+            return g
+
+        def fetch(host: str, address: str, resume: Growing | None) -> Growing:
+            self._count("fetches")
+            return fetch_pieces(
+                self._request, host, address, key, floor, chunk_bytes, left, self._ctx.host, start, resume
+            )
+
+        growing: Growing | None = None
+        if upstream is not None:
+            try:
+                growing = fetch(*upstream, None)
+            except PieceError as exc:
+                self._count("relay_fallbacks")
+                _LOG.warning("%s; fetching the rest from the server's daemon instead", exc)
+                growing = flight.growing
+        if growing is None or not growing.complete:
+            server = self._server_address(key)
+            if server is None:
+                known = self._directory.servers(key[0])
+                raise ModelUnavailable(f"unknown server {key[1]!r} in job {key[0]!r} (servers: {known})")
+            try:
+                growing = fetch(*server, growing)
+            except PieceError as exc:
+                if growing is None or flight.growing is not growing:
+                    self._release(flight)
+                    raise ModelUnavailable(str(exc)) from None
+                _LOG.info("%s; fetching the newest model afresh", exc)
+                try:
+                    growing = fetch(*server, None)
+                except PieceError as again:
+                    self._release(flight)
+                    raise ModelUnavailable(str(again)) from None
+        return self.cache.keep(
+            key, growing.version, growing.layouts, growing.model_bytes, growing.take_buffer()
+        )
+
+    @staticmethod
+    def _release(flight: Flight) -> None:
+        if flight.growing is not None:
+            flight.growing.release()
 
     def _fetch_from_server(self, key: Key, min_version: int, deadline: float) -> ModelSnapshot | None:
         server = self._server_address(key)
