@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,9 @@ import networkx as nx
 import numpy as np
 
 from mlfabric.proto.v1 import control_pb2 as pb
+from mlfabric.scheduler.policies.allreduce_model import nic_rate
 from mlfabric.scheduler.policies.broadcast import plan_broadcast
+from mlfabric.scheduler.policies.broadcast_model import pipeline_chunks
 from mlfabric.scheduler.service.effects import Effects
 from mlfabric.scheduler.service.records import SchedulerError, ServerRole
 from mlfabric.scheduler.service.state import SchedulerState
@@ -37,10 +40,10 @@ log = logging.getLogger(__name__)
 
 #: the least time between two refreshes of the model routes as roles come and go, s
 ROUTE_REFRESH_INTERVAL = 0.1
-#: the least bytes of a piece: a daemon asks for pieces one GET at a time, each a round trip
-#: not overlapped with the next (~1-2 ms of daemon time on both ends), so pieces are kept
-#: larger than the broadcast planner's chunk rule (which assumes frames streamed back to back)
-MIN_PIECE_BYTES = 256 << 10
+#: what one more piece costs a daemon: it asks for pieces one GET at a time, each a round trip
+#: not overlapped with the next (0.4-0.5 ms measured on loopback under load, with the daemons'
+#: Python on both ends), so the chunk rule uses this instead of the planner's per-frame cost
+PIECE_OVERHEAD_SECONDS = 1e-3
 #: the most worker hosts of one server whose relay tree is planned whole (plan_broadcast);
 #: beyond, the one-level rule of :func:`model_upstreams` (its cost is O(hosts) per refresh)
 MAX_PLANNED_HOSTS = 256
@@ -170,9 +173,12 @@ def model_routes(
     the model's size is known, the relay tree of
     :func:`~mlfabric.scheduler.policies.broadcast.plan_broadcast` over the hosts in the graph
     (up to :data:`MAX_PLANNED_HOSTS`) replaces it: one copy per subtree behind a bottleneck,
-    fanned out inside it down a chain or a heap, moved in the plan's pieces (``chunk_bytes``
-    = the model over its chunk count) so that a relay forwards a piece while the next one
-    arrives. Hosts outside the graph fetch from the server's host.
+    fanned out inside it down a chain or a heap, moved in pieces (``chunk_bytes``) so that a
+    relay forwards a piece while the next one arrives. The piece count is the planner's chunk
+    rule (:func:`~mlfabric.scheduler.policies.broadcast_model.pipeline_chunks`: two hops at
+    the hosts' median NIC rate to fill, :data:`PIECE_OVERHEAD_SECONDS` per piece): many
+    pieces on slow links, few large ones on fast links (one: whole, ``chunk_bytes`` 0). Hosts
+    outside the graph fetch from the server's host.
 
     Parameters
     ----------
@@ -187,17 +193,17 @@ def model_routes(
 
     Examples
     --------
-    Two racks of four under 4:1 uplinks, the server outside them: one copy per rack leaves
-    the server, and the other hosts of a rack fetch from one another (a chain), in pieces.
+    Two racks of four under 4:1 uplinks, the server outside them (its link as fast as an
+    uplink): one copy leaves the server and runs down a chain through both racks, in pieces.
 
     >>> from mlfabric.scheduler.core.graph import two_tier
-    >>> g = two_tier(2, 4, 12.5e6, oversubscription=4.0)
+    >>> g = two_tier(2, 4, 100e6, oversubscription=4.0)   # 100 Mbit/s NICs (bytes/s in the graph)
     >>> g.add_edge("ps", "core", capacity=12.5e6); g.add_edge("core", "ps", capacity=12.5e6)
     >>> g.nodes["ps"]["kind"] = "host"
     >>> hosts = [f"h{i}" for i in range(8)]
     >>> r = model_routes(g, "ps", hosts, 4_500_000)
-    >>> sum(up == "ps" for up in r.upstreams.values()), r.upstreams["h2"], r.chunk_bytes
-    (2, 'h1', 262144)
+    >>> sum(up == "ps" for up in r.upstreams.values()), r.upstreams["h4"], r.chunk_bytes
+    (1, 'h3', 166667)
     >>> model_routes(g, "ps", hosts, 0).chunk_bytes   # size unknown: one level, whole
     0
     """
@@ -207,8 +213,10 @@ def model_routes(
     receivers = [h for h in ups if h in graph and graph.nodes[h].get("kind") == "host"]
     if len(receivers) < 2 or len(receivers) > MAX_PLANNED_HOSTS:
         return ModelRoutes(ups)
-    plan = plan_broadcast(graph, server_host, receivers, float(nbytes))
-    return ModelRoutes(ups | plan.parents(), max(-(-nbytes // plan.chunks), min(nbytes, MIN_PIECE_BYTES)))
+    median = statistics.median(nic_rate(graph, h) for h in receivers)
+    chunks = pipeline_chunks(nbytes, 2.0 / median, PIECE_OVERHEAD_SECONDS)
+    plan = plan_broadcast(graph, server_host, receivers, float(nbytes), chunks=chunks)
+    return ModelRoutes(ups | plan.parents(), -(-nbytes // chunks) if chunks > 1 else 0)
 
 
 @dataclass

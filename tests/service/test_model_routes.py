@@ -11,12 +11,12 @@ import pytest
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.core.graph import star, two_tier
 from mlfabric.scheduler.policies.broadcast import check_broadcast, plan_broadcast
+from mlfabric.scheduler.policies.broadcast_model import MIN_CHUNK_BYTES
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.fair import FairPolicy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.model_routes import (
-    MIN_PIECE_BYTES,
     ModelRouteBook,
     model_bytes,
     model_routes,
@@ -63,11 +63,11 @@ def test_the_book_follows_a_new_topology() -> None:
     assert routes == {"h6": "h1", "h7": "h6"}  # h5 keeps h4: not sent again
 
 
-def _racks_with_outside_server(racks: int, per_rack: int, nic: float, over: float) -> Any:
-    g = two_tier(racks, per_rack, nic, oversubscription=over)
+def _racks_with_outside_server(racks: int, per_rack: int, nic_bps: float, over: float) -> Any:
+    g = two_tier(racks, per_rack, nic_bps, oversubscription=over)
     g.add_node("ps", kind="host")
-    g.add_edge("ps", "core", capacity=nic)
-    g.add_edge("core", "ps", capacity=nic)
+    g.add_edge("ps", "core", capacity=nic_bps / 8)  # the graph's capacities are bytes/s
+    g.add_edge("core", "ps", capacity=nic_bps / 8)
     return g
 
 
@@ -75,14 +75,15 @@ def _racks_with_outside_server(racks: int, per_rack: int, nic: float, over: floa
 def test_with_the_model_size_known_the_routes_are_the_broadcast_tree_in_pieces(
     racks: int, per_rack: int, over: float
 ) -> None:
-    g = _racks_with_outside_server(racks, per_rack, 12.5e6, over)
+    g = _racks_with_outside_server(racks, per_rack, 100e6, over)
     hosts = [f"h{i}" for i in range(racks * per_rack)]
     nbytes = 4_500_000
     routes = model_routes(g, "ps", hosts, nbytes)
     assert set(routes.upstreams) == set(hosts)
-    assert MIN_PIECE_BYTES <= routes.chunk_bytes <= nbytes
+    assert MIN_CHUNK_BYTES <= routes.chunk_bytes < nbytes
+    chunks = -(-nbytes // routes.chunk_bytes)
     # a tree (every host reached from the server, no cycle) that the broadcast checker accepts
-    plan = plan_broadcast(g, "ps", sorted(hosts), float(nbytes))  # the rule's order: by name
+    plan = plan_broadcast(g, "ps", sorted(hosts), float(nbytes), chunks=chunks)  # the rule's order: by name
     assert routes.upstreams == plan.parents()
     check_broadcast(g, plan, "ps", hosts)
     # fewer copies leave the server than the one-level rule's (one per rack at most)
@@ -92,7 +93,7 @@ def test_with_the_model_size_known_the_routes_are_the_broadcast_tree_in_pieces(
 
 
 def test_the_book_sends_pieces_to_every_host_once_the_model_size_is_known() -> None:
-    state = SchedulerState(_racks_with_outside_server(2, 4, 12.5e6, 4.0))
+    state = SchedulerState(_racks_with_outside_server(2, 4, 100e6, 4.0))
     for i, h in enumerate(["ps", *[f"h{i}" for i in range(8)]]):
         state.connect(h, f"127.0.0.1:{9000 + i}")
     spec = (TensorSpec("w", "float32", (1024, 1024)),)
@@ -103,8 +104,20 @@ def test_the_book_sends_pieces_to_every_host_once_the_model_size_is_known() -> N
     got = {h: d.model_route for h, d in ModelRouteBook(state).refresh().directives}
     # the first host of each chain fetches from the server, in pieces too (its children pipeline)
     assert set(got) == {f"h{i}" for i in range(8)}
-    assert {r.chunk_bytes for r in got.values()} == {MIN_PIECE_BYTES}
-    assert sum(r.upstream_host == "ps" for r in got.values()) == 2
+    (chunk,) = {r.chunk_bytes for r in got.values()}
+    assert MIN_CHUNK_BYTES <= chunk < 4 << 20
+    assert sum(r.upstream_host == "ps" for r in got.values()) <= 2  # at most one copy per rack
+
+
+def test_pieces_follow_the_link_rate_and_fast_links_move_the_model_whole() -> None:
+    hosts = [f"h{i}" for i in range(8)]
+
+    def chunk(rate: float, nbytes: int = 4_500_000) -> int:
+        return model_routes(_racks_with_outside_server(2, 4, rate, 4.0), "ps", hosts, nbytes).chunk_bytes
+
+    assert 0 < chunk(100e6) < chunk(1e9) < chunk(10e9) < 4_500_000  # slower links: more pieces
+    assert chunk(100e9) in (0, *range(4_500_000 // 2, 4_500_000))  # fast links: whole, or two pieces
+    assert chunk(100e9, 100_000) == 0  # one piece would be the whole model: store-and-forward
 
 
 def test_a_lone_host_behind_an_uplink_fetches_directly() -> None:
