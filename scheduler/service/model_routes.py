@@ -148,15 +148,26 @@ class ModelRoutes:
 
 
 def model_bytes(specs: Iterable[Any]) -> int:
-    """The size of a model from its tensor specs (``name``, ``dtype``, ``shape``).
+    """The size of a model from its tensor specs (``name``, ``dtype``, ``shape``); 0 if unknown.
 
     Examples
     --------
     >>> from mlfabric.scheduler.service.records import TensorSpec
     >>> model_bytes([TensorSpec("w", "float32", (4, 4)), TensorSpec("b", "float64", (3,))])
     88
+    >>> model_bytes([TensorSpec("w", "", (4,))])   # unknown: 0 (the routes' one-level rule)
+    0
     """
-    return sum(int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize for t in specs)
+    total = 0
+    for t in specs:
+        try:
+            itemsize = np.dtype(t.dtype).itemsize
+        except TypeError:  # a dtype numpy does not know (a forged registration): size unknown
+            return 0
+        if any(d < 0 for d in t.shape):
+            return 0
+        total += math.prod(t.shape) * itemsize
+    return total
 
 
 def model_routes(

@@ -109,6 +109,20 @@ def test_the_book_sends_pieces_to_every_host_once_the_model_size_is_known() -> N
     assert sum(r.upstream_host == "ps" for r in got.values()) <= 2  # at most one copy per rack
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [("w", "", (2,)), ("w", "not-a-dtype", (2,)), ("w", "float32", (-1, 4)), ("w", "float32", ())],
+)
+def test_a_model_of_unknown_size_is_routed_by_the_one_level_rule(spec: tuple[Any, ...]) -> None:
+    # a forged or odd registration must not break the routes (the fuzz test registers such)
+    specs = (TensorSpec(*spec),)
+    assert model_bytes(specs) == (4 if spec[2] == () else 0)
+    g = _racks_with_outside_server(2, 4, 100e6, 4.0)
+    hosts = [f"h{i}" for i in range(8)]
+    if model_bytes(specs) == 0:
+        assert model_routes(g, "ps", hosts, model_bytes(specs)).chunk_bytes == 0
+
+
 def test_pieces_follow_the_link_rate_and_fast_links_move_the_model_whole() -> None:
     hosts = [f"h{i}" for i in range(8)]
 
