@@ -185,20 +185,14 @@ class TreeShape:
         in graph order.
     rank : dict
         Host -> its place in graph order.
-    into : dict
-        Eligible host of ``paths`` -> the nodes with a link into it (its ingress NICs).
     """
 
-    __slots__ = ("below", "into", "paths", "rank")
+    __slots__ = ("below", "paths", "rank")
 
     def __init__(
-        self,
-        paths: dict[str, tuple[str, ...]],
-        below: dict[str, list[str]],
-        rank: dict[str, int],
-        into: dict[str, list[str]],
+        self, paths: dict[str, tuple[str, ...]], below: dict[str, list[str]], rank: dict[str, int]
     ) -> None:
-        self.paths, self.below, self.rank, self.into = paths, below, rank, into
+        self.paths, self.below, self.rank = paths, below, rank
 
 
 #: tree shapes a :class:`RouteCache` keeps (the most recently used)
@@ -283,9 +277,7 @@ class RouteCache:
                 paths[h] = path
             for x in paths[h][1:-1]:
                 below.setdefault(x, []).append(h)
-        pred = self.pc.graph.pred  # node -> the nodes with a link into it
-        into = {h: list(pred[h]) for h in paths if h in eligible}
-        return TreeShape(paths, below, {h: i for i, h in enumerate(every)}, into)
+        return TreeShape(paths, below, {h: i for i, h in enumerate(every)})
 
     def server(self, server_host: str) -> _ServerRoutes:
         """The routes within the tree of ``server_host``."""

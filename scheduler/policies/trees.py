@@ -112,14 +112,20 @@ def _tree(
     server_host = order[0].dst
     shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), every)
     paths, below, rank = shape.paths, shape.below, shape.rank
-    adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
-    ingress = {  # tree_cost.ingress
-        h: max([float(adj[v][h]["capacity"]) for v in vs], default=0.0) for h, vs in shape.into.items()
-    }
+    ingress: dict[str, float] = {}  # tree_cost.ingress of the hosts below a node: one pass over the links
+    for nbrs in dict(graph.adjacency()).values():  # node -> its links out (attributes), read directly
+        for h, d in nbrs.items():
+            if h in paths and h in eligible:
+                c = float(d["capacity"])
+                got = ingress.get(h)
+                if got is None or c > got:  # max()
+                    ingress[h] = c
     top: dict[str, tuple[list[str], set[str]]] = {}
+    get = ingress.get
     for x, hs in below.items():
-        fastest = max(map(ingress.__getitem__, hs))
-        tier = [h for h in hs if ingress[h] == fastest]
+        caps = [get(h, 0.0) for h in hs]  # 0: no link in
+        fastest = max(caps)
+        tier = [h for h, c in zip(hs, caps, strict=True) if c == fastest]
         top[x] = (tier, set(tier))
     groups: dict[tuple[str, ...], list[str]] = {}
     for u in order:
