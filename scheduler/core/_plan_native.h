@@ -38,6 +38,33 @@ PyObject *places(PyObject *d);
 /* plan_estimate.c: a sequence of floats as a PyMem array */
 double *floats_of(PyObject *seq, Py_ssize_t *n);
 
+/* d[outer][inner] of a dict of dicts (the routes' caches: destination -> source -> route), borrowed;
+   NULL where missing (an error set where one occurred) */
+static inline PyObject *nested_get(PyObject *d, PyObject *outer, PyObject *inner) {
+    PyObject *to = PyDict_GetItemWithError(d, outer);
+    if (to == NULL) return NULL;
+    if (!PyDict_CheckExact(to)) {
+        PyErr_SetString(PyExc_TypeError, "a route cache must be a dict of dicts");
+        return NULL;
+    }
+    return PyDict_GetItemWithError(to, inner);
+}
+
+/* d.setdefault(outer, {})[inner] = value: 0, or -1 */
+static inline int nested_set(PyObject *d, PyObject *outer, PyObject *inner, PyObject *value) {
+    PyObject *to = PyDict_GetItemWithError(d, outer);
+    if (to == NULL) {
+        if (PyErr_Occurred() || (to = PyDict_New()) == NULL) return -1;
+        int rc = PyDict_SetItem(d, outer, to);
+        Py_DECREF(to);
+        if (rc < 0) return -1;
+    } else if (!PyDict_CheckExact(to)) {
+        PyErr_SetString(PyExc_TypeError, "a route cache must be a dict of dicts");
+        return -1;
+    }
+    return PyDict_SetItem(to, inner, value);
+}
+
 /* A heap entry of the estimate's and the reservation's loops, ordered by (key, tie, rank) as the
    Python heaps' tuples are (ties are never equal: the rank is unique). */
 typedef struct {
@@ -86,5 +113,9 @@ PyObject *py_build(PyObject *self, PyObject *args);
 PyObject *py_instances(PyObject *self, PyObject *args);
 PyObject *py_stf_run(PyObject *self, PyObject *args);
 PyObject *py_reserve_until(PyObject *self, PyObject *args);
+PyObject *py_tree_hosts(PyObject *self, PyObject *args);
+PyObject *py_tree_shape(PyObject *self, PyObject *args);
+PyObject *py_tree_bottlenecks(PyObject *self, PyObject *args);
+PyObject *py_tree_dst(PyObject *self, PyObject *args);
 
 #endif

@@ -103,3 +103,21 @@ def stf_run(
     /,
 ) -> list[Any] | None: ...
 def instances(cls: type[T], fields: tuple[str, ...], rows: list[tuple[Any, ...]], /) -> list[T]: ...
+def tree_hosts(
+    next_hops: dict[str, str], hosts: dict[str, Any], lid: dict[Any, int], links: list[Any], host: type, /
+) -> None: ...
+def tree_shape(
+    tree: Any,
+    hosts: dict[str, Any],
+    server: str,
+    eligible: frozenset[str],
+    sources: frozenset[str],
+    every: list[str],
+    /,
+) -> tuple[dict[str, tuple[str, ...]], dict[str, list[str]]]: ...
+def tree_bottlenecks(
+    adj: dict[str, dict[str, dict[str, Any]]], next_hops: dict[str, str], server: str, /
+) -> dict[str, float]: ...
+def tree_dst(
+    path: tuple[str, ...], adj: dict[str, dict[str, Any]], lid: dict[Any, int], links: list[Any], dst: type, /
+) -> Any: ...
