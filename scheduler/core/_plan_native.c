@@ -72,6 +72,16 @@
  *       tree_routes._ServerRoutes._dst: what a route down to a host needs of its path
  *       (positions, the ids of the links back down while the graph has them, reversed).
  *
+ *   tree_tables(order, paths, adj, eligible, below) -> (top, groups, depth, index, host_of)
+ *       trees._tree's loops: the hosts with the fastest ingress below each node, the updates
+ *       by the nodes between their source and the server, those nodes' depth, and each
+ *       update's place and source.
+ *
+ *   decision_sends(transfers, after, ids, planned, Send, fields) -> (sends, carried) | None
+ *       convert.schedule_to_decision's loop over the transfers: the Sends of the payloads
+ *       that are not the plan's aggregates, and payload id -> (transfer, after) of those
+ *       that are (None where a transfer is a replica's: the Python loop runs).
+ *
  *   follows(transfers, busy, ids) -> list of tuples | None
  *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
  *       of its links exactly when it starts (None where a link in flight is not a pair of
@@ -98,6 +108,8 @@ static PyMethodDef methods[] = {
     {"tree_shape", py_tree_shape, METH_VARARGS, "tree_routes.RouteCache._shape's loops (see the module doc)."},
     {"tree_bottlenecks", py_tree_bottlenecks, METH_VARARGS, "RouteCache.bottlenecks' loop (see the module doc)."},
     {"tree_dst", py_tree_dst, METH_VARARGS, "tree_routes._ServerRoutes._dst (see the module doc)."},
+    {"tree_tables", py_tree_tables, METH_VARARGS, "trees._tree's loops (see the module doc)."},
+    {"decision_sends", py_decision_sends, METH_VARARGS, "schedule_to_decision's sends (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -38,6 +38,20 @@ PyObject *places(PyObject *d);
 /* plan_estimate.c: a sequence of floats as a PyMem array */
 double *floats_of(PyObject *seq, Py_ssize_t *n);
 
+/* `t` (a new tuple, or NULL), no longer tracked by the cyclic collector where it holds only
+   strings and ints: such a tuple is never part of a cycle, and the collector's first pass over
+   it would untrack it (_PyTuple_MaybeUntrack); the routes keep thousands of them, which that
+   pass, after each cold decision, would walk first. */
+static inline PyObject *untrack_atoms(PyObject *t) {
+    if (t == NULL || !PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t)) return t;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++) {
+        PyObject *x = PyTuple_GET_ITEM(t, k);
+        if (!PyUnicode_CheckExact(x) && !PyLong_CheckExact(x)) return t;
+    }
+    PyObject_GC_UnTrack(t);
+    return t;
+}
+
 /* d[outer][inner] of a dict of dicts (the routes' caches: destination -> source -> route), borrowed;
    NULL where missing (an error set where one occurred) */
 static inline PyObject *nested_get(PyObject *d, PyObject *outer, PyObject *inner) {
@@ -117,5 +131,7 @@ PyObject *py_tree_hosts(PyObject *self, PyObject *args);
 PyObject *py_tree_shape(PyObject *self, PyObject *args);
 PyObject *py_tree_bottlenecks(PyObject *self, PyObject *args);
 PyObject *py_tree_dst(PyObject *self, PyObject *args);
+PyObject *py_decision_sends(PyObject *self, PyObject *args);
+PyObject *py_tree_tables(PyObject *self, PyObject *args);
 
 #endif

@@ -121,3 +121,26 @@ def tree_bottlenecks(
 def tree_dst(
     path: tuple[str, ...], adj: dict[str, dict[str, Any]], lid: dict[Any, int], links: list[Any], dst: type, /
 ) -> Any: ...
+def decision_sends(
+    transfers: tuple[Any, ...],
+    after: list[tuple[str, ...]],
+    ids: dict[str, str],
+    planned: set[str],
+    send: type,
+    fields: tuple[str, ...] | None,
+    /,
+) -> tuple[list[Any], dict[str, tuple[Any, tuple[str, ...]]]] | None: ...
+def tree_tables(
+    order: list[Any],
+    paths: dict[str, tuple[str, ...]],
+    adj: dict[str, dict[str, Any]],
+    eligible: frozenset[str],
+    below: dict[str, list[str]],
+    /,
+) -> tuple[
+    dict[str, tuple[list[str], set[str]]],
+    dict[tuple[str, ...], list[str]],
+    dict[str, int],
+    dict[str, int],
+    dict[str, str],
+]: ...

@@ -135,7 +135,7 @@ static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *src, PyObj
             PyTuple_SET_ITEM(out, nu + k, x);
         }
     }
-    if (nested_set(shared, dst, src, out) < 0) Py_CLEAR(out);
+    if (nested_set(shared, dst, src, untrack_atoms(out)) < 0) Py_CLEAR(out);
 done:
     if (out == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pair_ids: unexpected route types");
     Py_XDECREF(up);

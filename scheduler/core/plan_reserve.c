@@ -50,7 +50,7 @@ static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObj
             PyTuple_SET_ITEM(out, i + k - from, x);
         }
     }
-    if (nested_set(walks, dst, src, out) < 0) Py_CLEAR(out);
+    if (nested_set(walks, dst, src, untrack_atoms(out)) < 0) Py_CLEAR(out);
 done:
     Py_XDECREF(up);
     Py_XDECREF(down);

@@ -112,6 +112,13 @@ def _tree(
     server_host = order[0].dst
     shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), every)
     paths, below, rank = shape.paths, shape.below, shape.rank
+    if _plan_native is not None and type(order) is list and type(paths) is dict and type(below) is dict:
+        top_, groups_, depth_, index_, host_of_ = _plan_native.tree_tables(  # the loops below in C
+            order, paths, dict(graph.adjacency()), eligible, below
+        )
+        return _Tree(
+            order, paths, below, top_, rank, server_host, prefix, groups_, index_, host_of_, depth_
+        )
     ingress: dict[str, float] = {}  # tree_cost.ingress of the hosts below a node: one pass over the links
     for nbrs in dict(graph.adjacency()).values():  # node -> its links out (attributes), read directly
         for h, d in nbrs.items():
