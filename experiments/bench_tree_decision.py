@@ -216,8 +216,8 @@ def report(doc: dict[str, Any], seeds: list[int], repeat: int, ref: str, took: f
         "",
         f"Reproduce: `python experiments/bench_tree_decision.py --seeds {' '.join(map(str, seeds))} "
         f"--repeat {repeat} --ref {ref} --out experiments/results/bench_tree_decision.md` "
-        f"({took:.0f} s, 1-minute load average {doc['load'][0]:.1f} at the start, {doc['load'][1]:.1f} at the "
-        "end, on the 2 shared cores).",
+        f"({took:.0f} s, 1-minute load average {doc['load'][0]:.1f} at the start, "
+        f"{doc['load'][1]:.1f} at the end, on the 2 shared cores).",
         "",
         f"Old: `{ref}` at {doc['commit']} (its scheduler package unpacked by `git archive` into a "
         "temporary package, run in this process, C loops of its `_plan_native` "

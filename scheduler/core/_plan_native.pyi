@@ -50,7 +50,7 @@ def estimate(
     server: str,
     order: list[str],
     routes: Any,
-    shared: dict[tuple[str, str], tuple[int, ...]],
+    shared: dict[str, dict[str, tuple[int, ...]]],
     now: float,
     /,
 ) -> float: ...

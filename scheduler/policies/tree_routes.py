@@ -275,12 +275,15 @@ class RouteCache:
         tree = self.server(server_host)
         rank = {h: i for i, h in enumerate(every)}
         if _plan_native is not None:  # the loops below in C
-            if len(tree.hosts) < 2:
-                tree._every()  # every host's path (else made one by one)
-            paths, below = _plan_native.tree_shape(
-                tree, tree.hosts, server_host, eligible, sources, every if type(every) is list else list(every)
+            made = _plan_native.tree_shape(
+                tree,
+                tree.hosts,
+                server_host,
+                eligible,
+                sources,
+                every if type(every) is list else list(every),
             )
-            return TreeShape(paths, below, rank)
+            return TreeShape(*made, rank)
         paths = {s: tree.host(s).path for s in sources}
         crossed = {x for p in paths.values() for x in p[1:-1]}
         below: dict[str, list[str]] = {}

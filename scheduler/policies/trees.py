@@ -116,9 +116,7 @@ def _tree(
         top_, groups_, depth_, index_, host_of_ = _plan_native.tree_tables(  # the loops below in C
             order, paths, dict(graph.adjacency()), eligible, below
         )
-        return _Tree(
-            order, paths, below, top_, rank, server_host, prefix, groups_, index_, host_of_, depth_
-        )
+        return _Tree(order, paths, below, top_, rank, server_host, prefix, groups_, index_, host_of_, depth_)
     ingress: dict[str, float] = {}  # tree_cost.ingress of the hosts below a node: one pass over the links
     for nbrs in dict(graph.adjacency()).values():  # node -> its links out (attributes), read directly
         for h, d in nbrs.items():
