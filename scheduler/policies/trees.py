@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
-from mlfabric.scheduler.core.records import init_fields
+from mlfabric.scheduler.core.records import init_fields, instances
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
@@ -377,9 +377,9 @@ def _plan_server(
     assert best_real is not None
     _, tls, transfers, nodes = best_real
     size = {t.payload_id: t.bytes for t in transfers}
-    aggregates = [
-        Aggregate(aid, n.aggregator, tuple(n.members), size[aid], server_host) for aid, n in nodes.items()
-    ]
+    aggregates = instances(
+        Aggregate, [(aid, n.aggregator, tuple(n.members), size[aid], server_host) for aid, n in nodes.items()]
+    )
     return tls, transfers, aggregates
 
 
