@@ -77,6 +77,14 @@
  *       by the nodes between their source and the server, those nodes' depth, and each
  *       update's place and source.
  *
+ *   update_rows(order, now) -> (rows, readies, sizes)
+ *       The tree planner's per-update inputs: (max(ready_at, now), bytes, id, source) of
+ *       each update (trees._plan_server's estimate input), max(ready_at, now) and id ->
+ *       bytes (tree_cost.reserve's).
+ *
+ *   per_byte(adj, links) -> list of float
+ *       tree_routes.Routes._grow: seconds per byte of each link (1 / its capacity).
+ *
  *   decision_sends(transfers, after, ids, planned, Send, fields) -> (sends, carried) | None
  *       convert.schedule_to_decision's loop over the transfers: the Sends of the payloads
  *       that are not the plan's aggregates, and payload id -> (transfer, after) of those
@@ -109,6 +117,8 @@ static PyMethodDef methods[] = {
     {"tree_bottlenecks", py_tree_bottlenecks, METH_VARARGS, "RouteCache.bottlenecks' loop (see the module doc)."},
     {"tree_dst", py_tree_dst, METH_VARARGS, "tree_routes._ServerRoutes._dst (see the module doc)."},
     {"tree_tables", py_tree_tables, METH_VARARGS, "trees._tree's loops (see the module doc)."},
+    {"update_rows", py_update_rows, METH_VARARGS, "The tree planner's per-update rows (see the module doc)."},
+    {"per_byte", py_per_byte, METH_VARARGS, "tree_routes.Routes._grow's per-byte times (see the module doc)."},
     {"decision_sends", py_decision_sends, METH_VARARGS, "schedule_to_decision's sends (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };

@@ -522,3 +522,86 @@ fail:
     Py_XDECREF(host_of);
     return NULL;
 }
+
+/* update_rows(order, now) -> (rows, readies, sizes): for each Update of `order`, (max(ready_at,
+   now), bytes, update_id, src) (trees._plan_server's estimate input), max(ready_at, now)
+   (tree_cost.reserve's) and update_id -> bytes (reserve's sizes); max() as Python's: `now`
+   only where it is greater, else the update's own ready_at object. */
+static PyObject *str_ready_at_r, *str_bytes_r;
+
+PyObject *py_update_rows(PyObject *self, PyObject *args) {
+    PyObject *order, *now;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &order, &now)) return NULL;
+    if (str_ready_at_r == NULL && ((str_ready_at_r = PyUnicode_InternFromString("ready_at")) == NULL ||
+                                   (str_bytes_r = PyUnicode_InternFromString("bytes")) == NULL))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(order);
+    PyObject *rows = PyList_New(n), *readies = PyList_New(n), *sizes = PyDict_New();
+    if (rows == NULL || readies == NULL || sizes == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *u = PyList_GET_ITEM(order, i);
+        PyObject *ready = PyObject_GetAttr(u, str_ready_at_r), *nbytes = NULL, *uid = NULL, *src = NULL;
+        int later = ready ? PyObject_RichCompareBool(now, ready, Py_GT) : -1;
+        PyObject *start = later > 0 ? now : ready;
+        if (later >= 0) nbytes = PyObject_GetAttr(u, str_bytes_r);
+        if (nbytes) uid = PyObject_GetAttr(u, str_update_id);
+        if (uid) src = PyObject_GetAttr(u, str_src);
+        PyObject *row = src ? PyTuple_Pack(4, start, nbytes, uid, src) : NULL;
+        int rc = row ? PyDict_SetItem(sizes, uid, nbytes) : -1;
+        if (rc == 0) {
+            PyList_SET_ITEM(rows, i, row);
+            Py_INCREF(start);
+            PyList_SET_ITEM(readies, i, start);
+        } else {
+            Py_XDECREF(row);
+        }
+        Py_XDECREF(ready);
+        Py_XDECREF(nbytes);
+        Py_XDECREF(uid);
+        Py_XDECREF(src);
+        if (rc < 0) goto fail;
+    }
+    return Py_BuildValue("(NNN)", rows, readies, sizes);
+fail:
+    Py_XDECREF(rows);
+    Py_XDECREF(readies);
+    Py_XDECREF(sizes);
+    return NULL;
+}
+
+/* per_byte(adj, links) -> [1.0 / float(adj[a][b]["capacity"]) for a, b in links] (tree_routes.Routes._grow) */
+PyObject *py_per_byte(PyObject *self, PyObject *args) {
+    PyObject *adj, *links;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &adj, &PyList_Type, &links)) return NULL;
+    if (str_capacity_r == NULL && (str_capacity_r = PyUnicode_InternFromString("capacity")) == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(links);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *link = PyList_GET_ITEM(links, i);
+        if (!PyTuple_CheckExact(link) || PyTuple_GET_SIZE(link) != 2) {
+            PyErr_SetString(PyExc_TypeError, "per_byte: a link must be a pair of nodes");
+            goto fail;
+        }
+        PyObject *nbrs = PyObject_GetItem(adj, PyTuple_GET_ITEM(link, 0));
+        PyObject *d = nbrs ? PyObject_GetItem(nbrs, PyTuple_GET_ITEM(link, 1)) : NULL;
+        PyObject *c = d ? PyObject_GetItem(d, str_capacity_r) : NULL;
+        Py_XDECREF(nbrs);
+        Py_XDECREF(d);
+        if (c == NULL) goto fail;
+        double cap = PyFloat_AsDouble(c);
+        Py_DECREF(c);
+        if (cap == -1.0 && PyErr_Occurred()) goto fail;
+        if (cap == 0.0) {
+            PyErr_SetString(PyExc_ZeroDivisionError, "float division by zero");
+            goto fail;
+        }
+        PyObject *f = PyFloat_FromDouble(1.0 / cap);
+        if (f == NULL) goto fail;
+        PyList_SET_ITEM(out, i, f);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}

@@ -449,7 +449,10 @@ class Routes:
         """Per-byte times and free times of the links given ids since the last call."""
         adj, tls, per, free = self._adj, self.tls, self.per, self.free
         new = self.cache.links[len(per) :]
-        per.extend([1.0 / float(adj[a][b]["capacity"]) for a, b in new])
+        if _plan_native is not None:
+            per.extend(_plan_native.per_byte(adj, new))  # the list below in C
+        else:
+            per.extend([1.0 / float(adj[a][b]["capacity"]) for a, b in new])
         if tls is None or tls.empty():
             free.extend([-math.inf] * len(new))
         else:

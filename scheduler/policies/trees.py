@@ -290,7 +290,10 @@ def _plan_server(
     server_host = tree.server_host
     candidates, switches = _points_of(tree.groups, graph)
     routes = rc.routes(graph, server_host, tree.paths, tls)
-    updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
+    if _plan_native is not None and type(order) is list:
+        updates = _plan_native.update_rows(order, now)[0]  # the list below in C
+    else:
+        updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
     Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]
     seen: dict[Key, tuple[float, int]] = {}
     built: dict[Key, tuple[dict[str, _Node], dict[str, str]]] = {}

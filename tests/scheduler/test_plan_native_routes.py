@@ -141,3 +141,19 @@ def test_instances_of_a_dataclass_with_post_init_are_its_calls() -> None:
     assert [u.server for u in made] == ["h0", "j/s"]
     assert repr(made) == repr([Update(*row) for row in rows])
     assert records.init_fields(Update) is None  # the C loops that fill fields only never take it
+
+
+@pytest.mark.parametrize("now", [0, 0.0, 0.004])
+def test_int_ready_times_plan_as_in_python(now: float) -> None:
+    """max(ready_at, now) keeps Python's object (an int ready time stays an int) in C too."""
+
+    def plan() -> object:
+        g = two_tier(3, 4, {f"h{i}": 10e9 if i % 3 else 25e9 for i in range(12)}, oversubscription=4)
+        us = [
+            Update(f"u{i}", f"h{i}", "h0", 5 * MB, ready_at=(0 if i % 2 else 0.002 * i)) for i in range(1, 12)
+        ]
+        s = trees.plan_tree(g, us, now=now)
+        return s.transfers, s.aggregates
+
+    native, python = both(plan)
+    assert native == python
