@@ -33,6 +33,8 @@ int make_timeline(PyObject *tls_obj, PyObject *tls, PyObject *link, PyObject *cl
 /* plan_estimate.c: where two hosts' paths to the tree's server meet (see there) */
 int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObject **down, Py_ssize_t *i,
               Py_ssize_t *j);
+/* plan_routes.c: tree._dst(h), in C where it can (see there) */
+PyObject *tree_dst_of(PyObject *tree, PyObject *hosts, PyObject *dsts, PyObject *h);
 /* plan_estimate.c: key -> its place in a dict's order */
 PyObject *places(PyObject *d);
 /* plan_estimate.c: a sequence of floats as a PyMem array */

@@ -73,7 +73,7 @@ int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObj
         Py_INCREF(*down);
     } else {
         if (PyErr_Occurred()) goto done;
-        if ((*down = PyObject_CallMethodOneArg(tree, str_dst_m, dst)) == NULL) goto done;
+        if ((*down = tree_dst_of(tree, hosts, dsts, dst)) == NULL) goto done;
     }
     if ((up_path = PyObject_GetAttr(*up, str_path)) == NULL) goto done;
     if ((pos = PyObject_GetAttr(*down, str_pos)) == NULL) goto done;

@@ -2,6 +2,7 @@
 #include "_plan_native.h"
 
 static PyObject *str_capacity_r; /* "capacity" */
+PyObject *dst_of(PyObject *path, PyObject *adj, PyObject *lid, PyObject *links, PyObject *cls);
 
 /* An instance of the __slots__ class `cls` (tree_routes._Host) whose __init__ only sets
    path and up, those set here (new reference). */
@@ -263,6 +264,56 @@ PyObject *py_tree_dst(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyTuple_Type, &path, &PyDict_Type, &adj, &PyDict_Type, &lid,
                           &PyList_Type, &links, &PyType_Type, &cls))
         return NULL;
+    return dst_of(path, adj, lid, links, cls);
+}
+
+static PyObject *str_adj_r, *str_link_id_r, *str_lid_r, *str_links_r, *str_dst_type_r;
+
+/* tree._dst(h) (new reference), made here where the tree's slots hold what tree_dst takes (its
+   graph's links out made, h's path known): the method else. */
+PyObject *tree_dst_of(PyObject *tree, PyObject *hosts, PyObject *dsts, PyObject *h) {
+    if (str_adj_r == NULL &&
+        ((str_adj_r = PyUnicode_InternFromString("adj")) == NULL ||
+         (str_link_id_r = PyUnicode_InternFromString("link_id")) == NULL ||
+         (str_lid_r = PyUnicode_InternFromString("lid")) == NULL ||
+         (str_links_r = PyUnicode_InternFromString("links")) == NULL ||
+         (str_dst_type_r = PyUnicode_InternFromString("dst_type")) == NULL))
+        return NULL;
+    PyObject *on = PyDict_GetItemWithError(hosts, h);
+    if (on == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        return PyObject_CallMethodOneArg(tree, str_dst_m, h);
+    }
+    PyObject *adj = PyObject_GetAttr(tree, str_adj_r), *link_id = NULL, *lid = NULL, *links = NULL, *cls = NULL;
+    PyObject *path = NULL, *out = NULL;
+    if (adj == NULL) return NULL;
+    if (!PyDict_CheckExact(adj)) { /* not made yet: the method makes it */
+        Py_DECREF(adj);
+        return PyObject_CallMethodOneArg(tree, str_dst_m, h);
+    }
+    if ((link_id = PyObject_GetAttr(tree, str_link_id_r)) == NULL) goto done;
+    if ((lid = PyObject_GetAttr(link_id, str_lid_r)) == NULL) goto done;
+    if ((links = PyObject_GetAttr(link_id, str_links_r)) == NULL) goto done;
+    if ((cls = PyObject_GetAttr(tree, str_dst_type_r)) == NULL) goto done;
+    if ((path = PyObject_GetAttr(on, str_path)) == NULL) goto done;
+    if (!PyTuple_CheckExact(path) || !PyDict_CheckExact(lid) || !PyList_CheckExact(links) || !PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "tree_dst_of: unexpected route types");
+        goto done;
+    }
+    out = dst_of(path, adj, lid, links, cls);
+    if (out != NULL && PyDict_SetItem(dsts, h, out) < 0) Py_CLEAR(out);
+done:
+    Py_XDECREF(adj);
+    Py_XDECREF(link_id);
+    Py_XDECREF(lid);
+    Py_XDECREF(links);
+    Py_XDECREF(cls);
+    Py_XDECREF(path);
+    return out;
+}
+
+/* tree_dst's _Dst of `path` (new reference) */
+PyObject *dst_of(PyObject *path, PyObject *adj, PyObject *lid, PyObject *links, PyObject *cls) {
     Py_ssize_t n = PyTuple_GET_SIZE(path);
     PyObject *pos = PyDict_New(), *down = PyList_New(0), *back = PyTuple_New(n), *down_t = NULL, *obj = NULL;
     if (pos == NULL || down == NULL || back == NULL) goto done;

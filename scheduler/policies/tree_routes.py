@@ -71,6 +71,8 @@ class _ServerRoutes:
 
     __slots__ = ("adj", "dsts", "hosts", "ids", "link_id", "pc", "server", "walks")
 
+    dst_type = _Dst  # what _dst makes (the C routes make it too)
+
     def __init__(self, pc: PathCache, link_id: _LinkIds, server: str) -> None:
         self.pc, self.link_id, self.server = pc, link_id, server  # no reference to the cache: no cycle
         self.adj: dict[str, dict[str, dict[str, object]]] | None = None  # the topology's, made on first use
