@@ -175,7 +175,8 @@ def run(seeds: list[int], repeat: int, ref: str, build: bool = True) -> dict[str
     tmp = tempfile.TemporaryDirectory(prefix="bench_tree_ref_")
     commit, built = load_reference(ref, Path(tmp.name), build)
     planners = {"old": Planner("mlfabric_ref"), "new": Planner("mlfabric")}
-    old_native = importlib.import_module("mlfabric_ref.scheduler.core.timeline")._plan_native is not None
+    old_timeline = importlib.import_module("mlfabric_ref.scheduler.core.timeline")
+    old_native = getattr(old_timeline, "_plan_native", None) is not None  # None: before the C loops
     if built and not old_native:
         raise RuntimeError("the reference's C extension was built but does not load")
     rows: dict[int, dict[str, dict[str, list[float]]]] = {}
@@ -221,7 +222,7 @@ def report(doc: dict[str, Any], seeds: list[int], repeat: int, ref: str, took: f
         "",
         f"Old: `{ref}` at {doc['commit']} (its scheduler package unpacked by `git archive` into a "
         "temporary package, run in this process, C loops of its `_plan_native` "
-        f"{'compiled there' if doc['old_native'] else 'NOT built: its Python loops'}); "
+        f"{'compiled there' if doc['old_native'] else 'absent or not built: its Python loops'}); "
         f"new: this tree at {head} (C loops of "
         f"`_plan_native` {'built' if doc['native'] else 'NOT built: the Python loops'}). 32 x 32 hosts, "
         "4:1, mixed NICs, 1,023 updates of 20 MB to `h0`; the two planners alternated. CPU ms per "
