@@ -3,8 +3,10 @@
 The reference planner is the scheduler package (``scheduler/core``, ``policies``, ``plan``)
 of ``--ref`` (default ``main``) read with ``git archive`` into a temporary directory as the
 package ``mlfabric_ref`` (its imports rewritten), so both planners run in this one process
-on the same graphs, alternately, each on inputs made of its own classes. Nothing of the old
-code is kept in this repository.
+on the same graphs, alternately, each on inputs made of its own classes. The reference's C
+extension (``_plan_native``, where its ``pyproject.toml`` declares one) is compiled there
+with the flags it declares (``--no-build-ref``: its Python loops). Nothing of the old code
+is kept in this repository.
 
 Three decisions, on the graphs of ``experiments/bench_trees.py`` (32 racks x 32 hosts,
 4:1, mixed NICs: 70 % 10 Gbit/s, 20 % 25 Gbit/s, 10 % 2.5 Gbit/s; server ``h0``, every
@@ -38,9 +40,11 @@ import re
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -56,8 +60,52 @@ KINDS = ("cold", "warm", "round first")
 REF_PATHS = ("scheduler/__init__.py", "scheduler/core", "scheduler/policies", "scheduler/plan")
 
 
-def load_reference(ref: str, into: Path) -> str:
-    """Unpack ``ref``'s scheduler as the package ``mlfabric_ref`` under ``into``; its commit."""
+NATIVE = "mlfabric.scheduler.core._plan_native"
+
+
+def build_native(commit: str, pkg: Path) -> bool:
+    """Compile ``commit``'s ``_plan_native`` into ``pkg`` (the reference package); False: none declared."""
+    toml = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{commit}:pyproject.toml"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    ext = next(
+        (e for e in tomllib.loads(toml)["tool"]["setuptools"].get("ext-modules", []) if e["name"] == NATIVE),
+        None,
+    )
+    if ext is None:
+        return False
+    blob = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, *ext["sources"], *ext.get("depends", [])],
+        check=True,
+        capture_output=True,
+    ).stdout
+    src = pkg / "_native_src"
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(src, filter="data")
+    target = pkg / "scheduler" / "core" / f"_plan_native{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(
+        [
+            sysconfig.get_config_var("CC").split()[0],
+            "-shared",
+            "-fPIC",
+            *ext.get("extra-compile-args", []),
+            f"-I{sysconfig.get_paths()['include']}",
+            *(str(src / f) for f in ext["sources"]),
+            "-o",
+            str(target),
+            "-lm",
+        ],
+        check=True,
+    )
+    return True
+
+
+def load_reference(ref: str, into: Path, build: bool = True) -> tuple[str, bool]:
+    """Unpack ``ref``'s scheduler as the package ``mlfabric_ref`` under ``into``; its commit and
+    whether its C extension was built."""
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", ref], check=True, capture_output=True, text=True
     ).stdout.strip()
@@ -76,9 +124,10 @@ def load_reference(ref: str, into: Path) -> str:
     for py in pkg.rglob("*.py"):
         text = py.read_text()
         py.write_text(re.sub(r"\bmlfabric\.scheduler\b", "mlfabric_ref.scheduler", text))
+    native = build and build_native(commit, pkg)
     sys.path.insert(0, str(into))
     importlib.invalidate_caches()
-    return commit
+    return commit, native
 
 
 class Planner:
@@ -118,13 +167,18 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
 
 
-def run(seeds: list[int], repeat: int, ref: str) -> dict[str, Any]:
+def run(seeds: list[int], repeat: int, ref: str, build: bool = True) -> dict[str, Any]:
     from mlfabric.scheduler.core.graph import two_tier
     from mlfabric.scheduler.core.timeline import _plan_native
 
+    loads = [os.getloadavg()[0]]
     tmp = tempfile.TemporaryDirectory(prefix="bench_tree_ref_")
-    commit = load_reference(ref, Path(tmp.name))
+    commit, built = load_reference(ref, Path(tmp.name), build)
     planners = {"old": Planner("mlfabric_ref"), "new": Planner("mlfabric")}
+    old_timeline = importlib.import_module("mlfabric_ref.scheduler.core.timeline")
+    old_native = getattr(old_timeline, "_plan_native", None) is not None  # None: before the C loops
+    if built and not old_native:
+        raise RuntimeError("the reference's C extension was built but does not load")
     rows: dict[int, dict[str, dict[str, list[float]]]] = {}
     same = True
     for seed in seeds:
@@ -143,7 +197,14 @@ def run(seeds: list[int], repeat: int, ref: str) -> dict[str, Any]:
         cells = [f"{k} old {spread(ms['old'][k])} / new {spread(ms['new'][k])} ms" for k in KINDS]
         print(f"seed {seed}: " + ", ".join(cells), file=sys.stderr)
     tmp.cleanup()
-    return {"rows": rows, "same": same, "commit": commit, "native": _plan_native is not None}
+    return {
+        "rows": rows,
+        "same": same,
+        "commit": commit,
+        "native": _plan_native is not None,
+        "old_native": old_native,
+        "load": [*loads, os.getloadavg()[0]],
+    }
 
 
 def report(doc: dict[str, Any], seeds: list[int], repeat: int, ref: str, took: float) -> str:
@@ -156,10 +217,13 @@ def report(doc: dict[str, Any], seeds: list[int], repeat: int, ref: str, took: f
         "",
         f"Reproduce: `python experiments/bench_tree_decision.py --seeds {' '.join(map(str, seeds))} "
         f"--repeat {repeat} --ref {ref} --out experiments/results/bench_tree_decision.md` "
-        f"({took:.0f} s, load average {os.getloadavg()[0]:.0f} on the 2 shared cores).",
+        f"({took:.0f} s, 1-minute load average {doc['load'][0]:.1f} at the start, "
+        f"{doc['load'][1]:.1f} at the end, on the 2 shared cores).",
         "",
         f"Old: `{ref}` at {doc['commit']} (its scheduler package unpacked by `git archive` into a "
-        f"temporary package, run in this process); new: this tree at {head} (C loops of "
+        "temporary package, run in this process, C loops of its `_plan_native` "
+        f"{'compiled there' if doc['old_native'] else 'absent or not built: its Python loops'}); "
+        f"new: this tree at {head} (C loops of "
         f"`_plan_native` {'built' if doc['native'] else 'NOT built: the Python loops'}). 32 x 32 hosts, "
         "4:1, mixed NICs, 1,023 updates of 20 MB to `h0`; the two planners alternated. CPU ms per "
         "decision, median [min-max] over the repeats; old / new: the median of the paired ratios.",
@@ -204,9 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=10, help="decisions per seed and planner")
     ap.add_argument("--ref", default="main", help="the reference commit (a git revision)")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
+    ap.add_argument(
+        "--no-build-ref",
+        action="store_true",
+        help="do not compile the reference's C extension (its Python loops)",
+    )
     args = ap.parse_args(argv)
     started = time.monotonic()
-    doc = run(args.seeds, args.repeat, args.ref)
+    doc = run(args.seeds, args.repeat, args.ref, not args.no_build_ref)
     text = report(doc, args.seeds, args.repeat, args.ref, time.monotonic() - started)
     print(text)
     if args.out is not None:

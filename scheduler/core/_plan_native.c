@@ -34,8 +34,8 @@
  *       `updates` the (ready, bytes, id, source) tuples in the round's order, `nodes` the
  *       aggregates (aggregator, parent, members), `parent` payload id -> aggregate id,
  *       `order` the aggregate ids sorted (the Python heap's tie-break), `routes` a
- *       tree_routes.Routes and `shared` its in-tree routes' link ids by (source,
- *       destination) (made here as _ServerRoutes.pair_ids makes them where a pair is not
+ *       tree_routes.Routes and `shared` its in-tree routes' link ids by destination, then
+ *       source (made here as _ServerRoutes.pair_ids makes them where a pair is not
  *       there yet); then routes.sync() and routes.free (copied), routes.per.
  *
  *   build(groups, depth, index, below, top, rank, host_of, points, prefix, bypass, fan_in,
@@ -54,6 +54,41 @@
  *           profiles, Transfer, fields, Reservation, LinkTimeline, EPS, drop_reason, drops)
  *           -> list of Transfer | None
  *       stf_planner.Planner.run, the STF loop (plan_stf.c, plan_stf_run.c, plan_stf_links.c).
+ *
+ *   tree_hosts(next_hops, hosts, lid, links, Host) -> None
+ *       tree_routes._ServerRoutes._every: each node's path to the server and its link ids
+ *       (a _Host, its slots set without its __init__, which only sets them), from its next
+ *       hop's, new link ids made in `lid` / `links` (plan_routes.c).
+ *
+ *   tree_shape(tree, hosts, server, eligible, sources, every) -> (paths, below)
+ *       tree_routes.RouteCache._shape's loops: the sources' paths, then every eligible host
+ *       whose path crosses theirs, and the hosts below each node, in graph order
+ *       (tree.host(h) called where `hosts` lacks h; a host with no path left out).
+ *
+ *   tree_bottlenecks(adj, next_hops, server) -> dict
+ *       RouteCache.bottlenecks: each node's lowest capacity on its path to the server.
+ *
+ *   tree_dst(path, adj, lid, links, Dst) -> _Dst
+ *       tree_routes._ServerRoutes._dst: what a route down to a host needs of its path
+ *       (positions, the ids of the links back down while the graph has them, reversed).
+ *
+ *   tree_tables(order, paths, adj, eligible, below) -> (top, groups, depth, index, host_of)
+ *       trees._tree's loops: the hosts with the fastest ingress below each node, the updates
+ *       by the nodes between their source and the server, those nodes' depth, and each
+ *       update's place and source.
+ *
+ *   update_rows(order, now) -> (rows, readies, sizes)
+ *       The tree planner's per-update inputs: (max(ready_at, now), bytes, id, source) of
+ *       each update (trees._plan_server's estimate input), max(ready_at, now) and id ->
+ *       bytes (tree_cost.reserve's).
+ *
+ *   per_byte(adj, links) -> list of float
+ *       tree_routes.Routes._grow: seconds per byte of each link (1 / its capacity).
+ *
+ *   decision_sends(transfers, after, ids, planned, Send, fields) -> (sends, carried) | None
+ *       convert.schedule_to_decision's loop over the transfers: the Sends of the payloads
+ *       that are not the plan's aggregates, and payload id -> (transfer, after) of those
+ *       that are (None where a transfer is a replica's: the Python loop runs).
  *
  *   follows(transfers, busy, ids) -> list of tuples | None
  *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
@@ -77,6 +112,14 @@ static PyMethodDef methods[] = {
     {"reserve_until", py_reserve_until, METH_VARARGS, "Timelines.reserve_until (see the module doc)."},
     {"stf_run", py_stf_run, METH_VARARGS, "stf_planner.Planner.run (see plan_stf.c)."},
     {"estimate", py_estimate, METH_VARARGS, "tree_cost.estimate's loop (see the module doc)."},
+    {"tree_hosts", py_tree_hosts, METH_VARARGS, "tree_routes._ServerRoutes._every's loop (see the module doc)."},
+    {"tree_shape", py_tree_shape, METH_VARARGS, "tree_routes.RouteCache._shape's loops (see the module doc)."},
+    {"tree_bottlenecks", py_tree_bottlenecks, METH_VARARGS, "RouteCache.bottlenecks' loop (see the module doc)."},
+    {"tree_dst", py_tree_dst, METH_VARARGS, "tree_routes._ServerRoutes._dst (see the module doc)."},
+    {"tree_tables", py_tree_tables, METH_VARARGS, "trees._tree's loops (see the module doc)."},
+    {"update_rows", py_update_rows, METH_VARARGS, "The tree planner's per-update rows (see the module doc)."},
+    {"per_byte", py_per_byte, METH_VARARGS, "tree_routes.Routes._grow's per-byte times (see the module doc)."},
+    {"decision_sends", py_decision_sends, METH_VARARGS, "schedule_to_decision's sends (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,10 +33,53 @@ int make_timeline(PyObject *tls_obj, PyObject *tls, PyObject *link, PyObject *cl
 /* plan_estimate.c: where two hosts' paths to the tree's server meet (see there) */
 int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObject **down, Py_ssize_t *i,
               Py_ssize_t *j);
+/* plan_routes.c: tree._dst(h), in C where it can (see there) */
+PyObject *tree_dst_of(PyObject *tree, PyObject *hosts, PyObject *dsts, PyObject *h);
 /* plan_estimate.c: key -> its place in a dict's order */
 PyObject *places(PyObject *d);
 /* plan_estimate.c: a sequence of floats as a PyMem array */
 double *floats_of(PyObject *seq, Py_ssize_t *n);
+
+/* `t` (a new tuple, or NULL), no longer tracked by the cyclic collector where it holds only
+   strings and ints: such a tuple is never part of a cycle, and the collector's first pass over
+   it would untrack it (_PyTuple_MaybeUntrack); the routes keep thousands of them, which that
+   pass, after each cold decision, would walk first. */
+static inline PyObject *untrack_atoms(PyObject *t) {
+    if (t == NULL || !PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t)) return t;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++) {
+        PyObject *x = PyTuple_GET_ITEM(t, k);
+        if (!PyUnicode_CheckExact(x) && !PyLong_CheckExact(x)) return t;
+    }
+    PyObject_GC_UnTrack(t);
+    return t;
+}
+
+/* d[outer][inner] of a dict of dicts (the routes' caches: destination -> source -> route), borrowed;
+   NULL where missing (an error set where one occurred) */
+static inline PyObject *nested_get(PyObject *d, PyObject *outer, PyObject *inner) {
+    PyObject *to = PyDict_GetItemWithError(d, outer);
+    if (to == NULL) return NULL;
+    if (!PyDict_CheckExact(to)) {
+        PyErr_SetString(PyExc_TypeError, "a route cache must be a dict of dicts");
+        return NULL;
+    }
+    return PyDict_GetItemWithError(to, inner);
+}
+
+/* d.setdefault(outer, {})[inner] = value: 0, or -1 */
+static inline int nested_set(PyObject *d, PyObject *outer, PyObject *inner, PyObject *value) {
+    PyObject *to = PyDict_GetItemWithError(d, outer);
+    if (to == NULL) {
+        if (PyErr_Occurred() || (to = PyDict_New()) == NULL) return -1;
+        int rc = PyDict_SetItem(d, outer, to);
+        Py_DECREF(to);
+        if (rc < 0) return -1;
+    } else if (!PyDict_CheckExact(to)) {
+        PyErr_SetString(PyExc_TypeError, "a route cache must be a dict of dicts");
+        return -1;
+    }
+    return PyDict_SetItem(to, inner, value);
+}
 
 /* A heap entry of the estimate's and the reservation's loops, ordered by (key, tie, rank) as the
    Python heaps' tuples are (ties are never equal: the rank is unique). */
@@ -86,5 +129,13 @@ PyObject *py_build(PyObject *self, PyObject *args);
 PyObject *py_instances(PyObject *self, PyObject *args);
 PyObject *py_stf_run(PyObject *self, PyObject *args);
 PyObject *py_reserve_until(PyObject *self, PyObject *args);
+PyObject *py_tree_hosts(PyObject *self, PyObject *args);
+PyObject *py_tree_shape(PyObject *self, PyObject *args);
+PyObject *py_tree_bottlenecks(PyObject *self, PyObject *args);
+PyObject *py_tree_dst(PyObject *self, PyObject *args);
+PyObject *py_decision_sends(PyObject *self, PyObject *args);
+PyObject *py_tree_tables(PyObject *self, PyObject *args);
+PyObject *py_update_rows(PyObject *self, PyObject *args);
+PyObject *py_per_byte(PyObject *self, PyObject *args);
 
 #endif

@@ -50,7 +50,7 @@ def estimate(
     server: str,
     order: list[str],
     routes: Any,
-    shared: dict[tuple[str, str], tuple[int, ...]],
+    shared: dict[str, dict[str, tuple[int, ...]]],
     now: float,
     /,
 ) -> float: ...
@@ -103,3 +103,48 @@ def stf_run(
     /,
 ) -> list[Any] | None: ...
 def instances(cls: type[T], fields: tuple[str, ...], rows: list[tuple[Any, ...]], /) -> list[T]: ...
+def tree_hosts(
+    next_hops: dict[str, str], hosts: dict[str, Any], lid: dict[Any, int], links: list[Any], host: type, /
+) -> None: ...
+def tree_shape(
+    tree: Any,
+    hosts: dict[str, Any],
+    server: str,
+    eligible: frozenset[str],
+    sources: frozenset[str],
+    every: list[str],
+    /,
+) -> tuple[dict[str, tuple[str, ...]], dict[str, list[str]]]: ...
+def tree_bottlenecks(
+    adj: dict[str, dict[str, dict[str, Any]]], next_hops: dict[str, str], server: str, /
+) -> dict[str, float]: ...
+def tree_dst(
+    path: tuple[str, ...], adj: dict[str, dict[str, Any]], lid: dict[Any, int], links: list[Any], dst: type, /
+) -> Any: ...
+def decision_sends(
+    transfers: tuple[Any, ...],
+    after: list[tuple[str, ...]],
+    ids: dict[str, str],
+    planned: set[str],
+    send: type,
+    fields: tuple[str, ...] | None,
+    /,
+) -> tuple[list[Any], dict[str, tuple[Any, tuple[str, ...]]]] | None: ...
+def tree_tables(
+    order: list[Any],
+    paths: dict[str, tuple[str, ...]],
+    adj: dict[str, dict[str, Any]],
+    eligible: frozenset[str],
+    below: dict[str, list[str]],
+    /,
+) -> tuple[
+    dict[str, tuple[list[str], set[str]]],
+    dict[tuple[str, ...], list[str]],
+    dict[str, int],
+    dict[str, int],
+    dict[str, str],
+]: ...
+def update_rows(
+    order: list[Any], now: float, /
+) -> tuple[list[tuple[float, float, str, str]], list[float], dict[str, float]]: ...
+def per_byte(adj: dict[str, dict[str, dict[str, Any]]], links: list[tuple[str, str]], /) -> list[float]: ...

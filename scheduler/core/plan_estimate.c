@@ -73,7 +73,7 @@ int tree_meet(PyObject *tree, PyObject *src, PyObject *dst, PyObject **up, PyObj
         Py_INCREF(*down);
     } else {
         if (PyErr_Occurred()) goto done;
-        if ((*down = PyObject_CallMethodOneArg(tree, str_dst_m, dst)) == NULL) goto done;
+        if ((*down = tree_dst_of(tree, hosts, dsts, dst)) == NULL) goto done;
     }
     if ((up_path = PyObject_GetAttr(*up, str_path)) == NULL) goto done;
     if ((pos = PyObject_GetAttr(*down, str_pos)) == NULL) goto done;
@@ -109,7 +109,7 @@ done:
 
 /* _ServerRoutes.pair_ids(src, dst) (new reference), stored in the shared dict as the method
    stores it: C where the paths meet in the tree, the method where the route goes round */
-static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *key, PyObject *src, PyObject *dst) {
+static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *src, PyObject *dst) {
     PyObject *up, *down, *up_ids = NULL, *down_ids = NULL, *out = NULL;
     Py_ssize_t i, j;
     int meet = tree_meet(tree, src, dst, &up, &down, &i, &j);
@@ -135,7 +135,7 @@ static PyObject *pair_ids(PyObject *tree, PyObject *shared, PyObject *key, PyObj
             PyTuple_SET_ITEM(out, nu + k, x);
         }
     }
-    if (PyDict_SetItem(shared, key, out) < 0) Py_CLEAR(out);
+    if (nested_set(shared, dst, src, untrack_atoms(out)) < 0) Py_CLEAR(out);
 done:
     if (out == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pair_ids: unexpected route types");
     Py_XDECREF(up);
@@ -147,30 +147,19 @@ done:
 
 /* routes.tree_ids(src, dst) (new reference): the shared dict, else computed as pair_ids */
 static PyObject *route_ids(PyObject *shared, PyObject *tree, PyObject *src, PyObject *dst) {
-    PyObject *key = PyTuple_Pack(2, src, dst);
-    if (key == NULL) return NULL;
-    PyObject *got = PyDict_GetItemWithError(shared, key);
+    PyObject *got = nested_get(shared, dst, src);
     if (got != NULL) {
-        Py_DECREF(key);
         Py_INCREF(got);
         return got;
     }
-    if (PyErr_Occurred()) {
-        Py_DECREF(key);
-        return NULL;
-    }
+    if (PyErr_Occurred()) return NULL;
     int same = PyUnicode_Compare(src, dst) == 0;
-    if (PyErr_Occurred()) {
-        Py_DECREF(key);
-        return NULL;
-    }
+    if (PyErr_Occurred()) return NULL;
     if (same) {
-        Py_DECREF(key);
         Py_INCREF(empty_tuple);
         return empty_tuple;
     }
-    got = pair_ids(tree, shared, key, src, dst);
-    Py_DECREF(key);
+    got = pair_ids(tree, shared, src, dst);
     if (got != NULL && !PyTuple_CheckExact(got)) {
         Py_DECREF(got);
         PyErr_SetString(PyExc_TypeError, "estimate: a route must be a tuple of link ids");

@@ -236,7 +236,7 @@ PyObject *py_follows(PyObject *self, PyObject *args) {
                 found[nf++] = e.nodes[c].pid;
             }
         }
-        PyObject *deps = nf ? after_of(found, nf, pid, ids) : Py_NewRef(empty_tuple);
+        PyObject *deps = nf ? untrack_atoms(after_of(found, nf, pid, ids)) : Py_NewRef(empty_tuple);
         if (deps == NULL) goto done;
         PyList_SET_ITEM(after, i, deps);
         for (Py_ssize_t k = 0; k + 1 < nh; k++)

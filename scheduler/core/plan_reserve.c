@@ -7,11 +7,8 @@
 /* routes.tree_path(src, dst) (new reference): _ServerRoutes.walks, else pair_path's route (C
    where the paths meet in the tree, the method where it goes round), stored as pair_path does */
 static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObject *dst) {
-    PyObject *key = PyTuple_Pack(2, src, dst);
-    if (key == NULL) return NULL;
-    PyObject *out = PyDict_GetItemWithError(walks, key);
+    PyObject *out = nested_get(walks, dst, src);
     if (out != NULL || PyErr_Occurred()) {
-        Py_DECREF(key);
         Py_XINCREF(out);
         return out;
     }
@@ -53,9 +50,8 @@ static PyObject *tree_path(PyObject *tree, PyObject *walks, PyObject *src, PyObj
             PyTuple_SET_ITEM(out, i + k - from, x);
         }
     }
-    if (PyDict_SetItem(walks, key, out) < 0) Py_CLEAR(out);
+    if (nested_set(walks, dst, src, untrack_atoms(out)) < 0) Py_CLEAR(out);
 done:
-    Py_DECREF(key);
     Py_XDECREF(up);
     Py_XDECREF(down);
     Py_XDECREF(up_path);

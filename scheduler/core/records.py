@@ -3,7 +3,8 @@
 A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` — about a
 microsecond per object, thousands of times per decision at 1,024 workers (issue 24).
 :func:`instances` fills each instance's fields in C instead (``_plan_native.instances``),
-for a dataclass whose generated ``__init__`` only sets them (:func:`init_fields`); the
+for a dataclass whose generated ``__init__`` only sets them (:func:`init_fields`), then
+calls the class's ``__post_init__`` on each, as that ``__init__`` would (``Update``'s); the
 objects are the same (fields, equality, hash, ``repr``, frozenness). Without the C
 extension, or for any other class, it calls the class.
 """
@@ -22,6 +23,7 @@ __all__ = ["init_fields", "instances"]
 T = TypeVar("T")
 
 _FIELDS: dict[type, tuple[str, ...] | None] = {}
+_SET_FIELDS: dict[type, tuple[str, ...] | None] = {}
 
 
 def init_fields(cls: type) -> tuple[str, ...] | None:
@@ -41,8 +43,17 @@ def init_fields(cls: type) -> tuple[str, ...] | None:
     """
     if cls in _FIELDS:
         return _FIELDS[cls]
+    got = _FIELDS[cls] = None if hasattr(cls, "__post_init__") else _set_fields(cls)
+    return got
+
+
+def _set_fields(cls: type) -> tuple[str, ...] | None:
+    """The fields the generated ``__init__`` of dataclass ``cls`` sets, in order (its
+    ``__post_init__`` aside); None where ``__init__`` is not that."""
+    if cls in _SET_FIELDS:
+        return _SET_FIELDS[cls]
     got: tuple[str, ...] | None = None
-    if dataclasses.is_dataclass(cls) and not hasattr(cls, "__post_init__"):
+    if dataclasses.is_dataclass(cls):
         fields = dataclasses.fields(cls)
         init = cls.__dict__.get("__init__")
         params = list(inspect.signature(init).parameters)[1:] if init is not None else None
@@ -50,7 +61,7 @@ def init_fields(cls: type) -> tuple[str, ...] | None:
         names = tuple(f.name for f in fields)
         if generated and all(f.init for f in fields) and params is not None and tuple(params) == names:
             got = names
-    _FIELDS[cls] = got
+    _SET_FIELDS[cls] = got
     return got
 
 
@@ -64,7 +75,12 @@ def instances(cls: type[T], rows: Sequence[tuple[Any, ...]]) -> list[T]:
     >>> s == [Send("u1", "h0", ("h1", "h0"), (), 0.0, 1.0)]
     True
     """
-    fields = init_fields(cls)
+    fields = _set_fields(cls)
     if _plan_native is None or fields is None:
         return [cls(*row) for row in rows]
-    return _plan_native.instances(cls, fields, rows if isinstance(rows, list) else list(rows))
+    out: list[T] = _plan_native.instances(cls, fields, rows if isinstance(rows, list) else list(rows))
+    post = getattr(cls, "__post_init__", None)
+    if post is not None:  # as the generated __init__ ends (no InitVar: every parameter a field)
+        for obj in out:
+            post(obj)
+    return out

@@ -23,7 +23,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from mlfabric.scheduler.core.records import instances
+from mlfabric.scheduler.core.records import init_fields, instances
 from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer
 from mlfabric.scheduler.core.timeline import _plan_native
 from mlfabric.scheduler.policies.base import Decision, Drop, PlannedAggregate, ReplicaSend, Send
@@ -77,32 +77,43 @@ def schedule_to_decision(
     after = _follows(transfers, busy, ids)
     planned = {a.aggregate_id for a in schedule.aggregates}
     replicas: list[ReplicaSend] = []
-    carried: dict[str, tuple[Transfer, tuple[str, ...]]] = {}
-    rows: list[tuple[str, str, tuple[str, ...], tuple[str, ...], float, float]] = []
-    for i, t in enumerate(transfers):
-        pid = ids.get(t.payload_id, t.payload_id)
-        if t.replica:
-            replicas.append(ReplicaSend(pid, t.src, t.dst, t.path, after[i], t.start, t.end))
-        elif t.payload_id in planned:
-            carried[t.payload_id] = (t, after[i])
-        else:
-            rows.append((pid, t.dst, t.path, after[i], t.start, t.end))
-    sends = instances(Send, rows)
-    aggregates = []
+    fields = init_fields(Send)
+    made = None
+    if _plan_native is not None and type(transfers) is tuple and fields is not None:
+        made = _plan_native.decision_sends(  # the loop below in C (None: a replica's transfer)
+            transfers, after if isinstance(after, list) else list(after), ids, planned, Send, fields
+        )
+    if made is not None:
+        sends, carried = made
+    else:
+        carried = {}
+        rows: list[tuple[str, str, tuple[str, ...], tuple[str, ...], float, float]] = []
+        for i, t in enumerate(transfers):
+            pid = ids.get(t.payload_id, t.payload_id)
+            if t.replica:
+                replicas.append(ReplicaSend(pid, t.src, t.dst, t.path, after[i], t.start, t.end))
+            elif t.payload_id in planned:
+                carried[t.payload_id] = (t, after[i])
+            else:
+                rows.append((pid, t.dst, t.path, after[i], t.start, t.end))
+        sends = instances(Send, rows)
+    aggregate_rows = []
     for a in schedule.aggregates:
         out, deps = carried.get(a.aggregate_id, (None, ()))
         members = tuple(ids.get(m, m) for m in a.members)
-        aggregates.append(
-            PlannedAggregate(
-                aggregate_id=ids.get(a.aggregate_id, a.aggregate_id),
-                aggregator=a.aggregator,
-                members=members,
-                bytes=a.bytes,
-                dst=out.dst if out is not None else a.dst,
-                after=tuple(p for p in deps if p not in members),
-                path=out.path if out is not None else (),
+        aggregate_rows.append(
+            (
+                ids.get(a.aggregate_id, a.aggregate_id),  # aggregate_id
+                a.aggregator,
+                members,
+                a.bytes,
+                out.dst if out is not None else a.dst,  # dst
+                tuple(p for p in deps if p not in members),  # after
+                out.path if out is not None else (),  # path
+                0.0,  # hold_until
             )
         )
+    aggregates = instances(PlannedAggregate, aggregate_rows)
     drops = tuple(Drop(uid, reason) for uid, reason in sorted(schedule.drops.items()))
     return Decision(sends=tuple(sends), drops=drops, aggregates=tuple(aggregates), replicas=tuple(replicas))
 

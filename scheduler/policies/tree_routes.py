@@ -23,7 +23,7 @@ import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
 from mlfabric.scheduler.core.schedule import Link
-from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 
 __all__ = ["RouteCache", "TreeShape"]
 
@@ -69,14 +69,17 @@ class _Dst:
 class _ServerRoutes:
     """Routes within the tree of one server host (topology only)."""
 
-    __slots__ = ("dsts", "hosts", "ids", "link_id", "pc", "server", "walks")
+    __slots__ = ("adj", "dsts", "hosts", "ids", "link_id", "pc", "server", "walks")
+
+    dst_type = _Dst  # what _dst makes (the C routes make it too)
 
     def __init__(self, pc: PathCache, link_id: _LinkIds, server: str) -> None:
         self.pc, self.link_id, self.server = pc, link_id, server  # no reference to the cache: no cycle
+        self.adj: dict[str, dict[str, dict[str, object]]] | None = None  # the topology's, made on first use
         self.hosts: dict[str, _Host] = {}
         self.dsts: dict[str, _Dst] = {}
-        self.ids: dict[tuple[str, str], tuple[int, ...]] = {}
-        self.walks: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.ids: dict[str, dict[str, tuple[int, ...]]] = {}  # destination -> source -> route's link ids
+        self.walks: dict[str, dict[str, tuple[str, ...]]] = {}  # destination -> source -> route (nodes)
 
     def host(self, h: str) -> _Host:
         """The path of ``h`` to the server (raises TopologyError where there is none)."""
@@ -96,7 +99,11 @@ class _ServerRoutes:
         """The path of every node with one to the server, each from its next hop's (listed first)."""
         hosts = self.hosts
         ids, links = self.link_id.lid, self.link_id.links  # self.link_id(link), inline
-        for v, nxt in self.pc.next_hops(self.server).items():
+        next_hops = self.pc.next_hops(self.server)
+        if _plan_native is not None and type(next_hops) is dict:
+            _plan_native.tree_hosts(next_hops, hosts, ids, links, _Host)  # the loop below in C
+            return
+        for v, nxt in next_hops.items():
             if v in hosts:
                 continue
             if v == nxt:  # the server
@@ -114,6 +121,13 @@ class _ServerRoutes:
         got = self.dsts.get(h)
         if got is None:
             path = self.host(h).path
+            if _plan_native is not None:  # the loop below in C
+                if self.adj is None:
+                    self.adj = dict(self.pc.graph.adjacency())  # node -> its links out, read directly
+                got = self.dsts[h] = _plan_native.tree_dst(
+                    path, self.adj, self.link_id.lid, self.link_id.links, _Dst
+                )
+                return got
             has_edge = self.pc.graph.has_edge
             down = []
             for a, b in itertools.pairwise(path):
@@ -134,8 +148,10 @@ class _ServerRoutes:
 
     def pair_ids(self, src: str, dst: str) -> tuple[int, ...]:
         """Link ids of the tree route from ``src`` to ``dst`` (both with paths to the server)."""
-        key = (src, dst)
-        out = self.ids.get(key)
+        to = self.ids.get(dst)
+        if to is None:
+            to = self.ids[dst] = {}
+        out = to.get(src)
         if out is None:
             up = self.hosts.get(src) or self.host(src)
             if dst == self.server:
@@ -149,13 +165,15 @@ class _ServerRoutes:
                 else:
                     i, j = meet
                     out = up.up[:i] + down.down[j - 1 :: -1] if j else up.up[:i]
-            self.ids[key] = out
+            to[src] = out
         return out
 
     def pair_path(self, src: str, dst: str) -> tuple[str, ...]:
         """Node path of the tree route from ``src`` to ``dst`` (both with paths to the server)."""
-        key = (src, dst)
-        out = self.walks.get(key)
+        to = self.walks.get(dst)
+        if to is None:
+            to = self.walks[dst] = {}
+        out = to.get(src)
         if out is None:
             up = self.hosts.get(src) or self.host(src)
             if dst == self.server:
@@ -168,7 +186,7 @@ class _ServerRoutes:
                 else:
                     i, j = meet
                     out = up.path[:i] + down.back[len(down.back) - 1 - j :]
-            self.walks[key] = out
+            to[src] = out
         return out
 
 
@@ -185,20 +203,14 @@ class TreeShape:
         in graph order.
     rank : dict
         Host -> its place in graph order.
-    into : dict
-        Eligible host of ``paths`` -> the nodes with a link into it (its ingress NICs).
     """
 
-    __slots__ = ("below", "into", "paths", "rank")
+    __slots__ = ("below", "paths", "rank")
 
     def __init__(
-        self,
-        paths: dict[str, tuple[str, ...]],
-        below: dict[str, list[str]],
-        rank: dict[str, int],
-        into: dict[str, list[str]],
+        self, paths: dict[str, tuple[str, ...]], below: dict[str, list[str]], rank: dict[str, int]
     ) -> None:
-        self.paths, self.below, self.rank, self.into = paths, below, rank, into
+        self.paths, self.below, self.rank = paths, below, rank
 
 
 #: tree shapes a :class:`RouteCache` keeps (the most recently used)
@@ -263,6 +275,17 @@ class RouteCache:
         self, server_host: str, eligible: frozenset[str], sources: frozenset[str], every: Sequence[str]
     ) -> TreeShape:
         tree = self.server(server_host)
+        rank = {h: i for i, h in enumerate(every)}
+        if _plan_native is not None:  # the loops below in C
+            made = _plan_native.tree_shape(
+                tree,
+                tree.hosts,
+                server_host,
+                eligible,
+                sources,
+                every if type(every) is list else list(every),
+            )
+            return TreeShape(*made, rank)
         paths = {s: tree.host(s).path for s in sources}
         crossed = {x for p in paths.values() for x in p[1:-1]}
         below: dict[str, list[str]] = {}
@@ -283,9 +306,7 @@ class RouteCache:
                 paths[h] = path
             for x in paths[h][1:-1]:
                 below.setdefault(x, []).append(h)
-        pred = self.pc.graph.pred  # node -> the nodes with a link into it
-        into = {h: list(pred[h]) for h in paths if h in eligible}
-        return TreeShape(paths, below, {h: i for i, h in enumerate(every)}, into)
+        return TreeShape(paths, below, rank)
 
     def server(self, server_host: str) -> _ServerRoutes:
         """The routes within the tree of ``server_host``."""
@@ -307,12 +328,16 @@ class RouteCache:
         """
         adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
         tree = self.server(server_host)
-        known = {server_host: math.inf}
-        for v, nxt in self.pc.next_hops(server_host).items():  # every node after its next hop
-            if v != nxt:
-                cap = float(adj[v][nxt]["capacity"])
-                rate = known[nxt]
-                known[v] = cap if cap < rate else rate
+        next_hops = self.pc.next_hops(server_host)
+        if _plan_native is not None and type(next_hops) is dict:
+            known = _plan_native.tree_bottlenecks(adj, next_hops, server_host)  # the loop below in C
+        else:
+            known = {server_host: math.inf}
+            for v, nxt in next_hops.items():  # every node after its next hop
+                if v != nxt:
+                    cap = float(adj[v][nxt]["capacity"])
+                    rate = known[nxt]
+                    known[v] = cap if cap < rate else rate
         out = {}
         for src in sources:
             got = known.get(src)
@@ -379,15 +404,16 @@ class Routes:
         """Integer ids of the links from ``src`` to ``dst`` (indices into :attr:`per`, :attr:`free`)."""
         if src == dst:
             return ()
-        key = (src, dst)
         paths = self.paths
         if dst == self.server_host or (src in paths and dst in paths):  # _in_tree: the shared routes
-            out = self._shared.get(key)
+            to = self._shared.get(dst)
+            out = None if to is None else to.get(src)
             if out is None:
                 out = self._tree.pair_ids(src, dst)
                 if len(self.per) < len(self.cache.links):
                     self._grow()
             return out
+        key = (src, dst)
         out = self._ids.get(key)
         if out is None:
             lid = self.cache.link_id
@@ -398,7 +424,8 @@ class Routes:
 
     def tree_ids(self, src: str, dst: str) -> tuple[int, ...]:
         """:meth:`ids` of two hosts of the tree (``dst`` may be the server), without checking that."""
-        out = self._shared.get((src, dst))
+        to = self._shared.get(dst)
+        out = None if to is None else to.get(src)
         if out is None:
             if src == dst:
                 return ()
@@ -409,7 +436,8 @@ class Routes:
 
     def tree_path(self, src: str, dst: str) -> tuple[str, ...]:
         """:meth:`path` of two hosts of the tree (``dst`` may be the server), without checking that."""
-        out = self._tree.walks.get((src, dst))
+        to = self._tree.walks.get(dst)
+        out = None if to is None else to.get(src)
         if out is None:
             out = (src,) if src == dst else self._tree.pair_path(src, dst)
         return out
@@ -423,7 +451,10 @@ class Routes:
         """Per-byte times and free times of the links given ids since the last call."""
         adj, tls, per, free = self._adj, self.tls, self.per, self.free
         new = self.cache.links[len(per) :]
-        per.extend([1.0 / float(adj[a][b]["capacity"]) for a, b in new])
+        if _plan_native is not None:
+            per.extend(_plan_native.per_byte(adj, new))  # the list below in C
+        else:
+            per.extend([1.0 / float(adj[a][b]["capacity"]) for a, b in new])
         if tls is None or tls.empty():
             free.extend([-math.inf] * len(new))
         else:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
-from mlfabric.scheduler.core.records import init_fields
+from mlfabric.scheduler.core.records import init_fields, instances
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
@@ -112,14 +112,25 @@ def _tree(
     server_host = order[0].dst
     shape = rc.shape(server_host, eligible, frozenset(u.src for u in order), every)
     paths, below, rank = shape.paths, shape.below, shape.rank
-    adj = dict(graph.adjacency())  # node -> its links out (attributes), read directly
-    ingress = {  # tree_cost.ingress
-        h: max([float(adj[v][h]["capacity"]) for v in vs], default=0.0) for h, vs in shape.into.items()
-    }
+    if _plan_native is not None and type(order) is list and type(paths) is dict and type(below) is dict:
+        top_, groups_, depth_, index_, host_of_ = _plan_native.tree_tables(  # the loops below in C
+            order, paths, dict(graph.adjacency()), eligible, below
+        )
+        return _Tree(order, paths, below, top_, rank, server_host, prefix, groups_, index_, host_of_, depth_)
+    ingress: dict[str, float] = {}  # tree_cost.ingress of the hosts below a node: one pass over the links
+    for nbrs in dict(graph.adjacency()).values():  # node -> its links out (attributes), read directly
+        for h, d in nbrs.items():
+            if h in paths and h in eligible:
+                c = float(d["capacity"])
+                got = ingress.get(h)
+                if got is None or c > got:  # max()
+                    ingress[h] = c
     top: dict[str, tuple[list[str], set[str]]] = {}
+    get = ingress.get
     for x, hs in below.items():
-        fastest = max(map(ingress.__getitem__, hs))
-        tier = [h for h in hs if ingress[h] == fastest]
+        caps = [get(h, 0.0) for h in hs]  # 0: no link in
+        fastest = max(caps)
+        tier = [h for h, c in zip(hs, caps, strict=True) if c == fastest]
         top[x] = (tier, set(tier))
     groups: dict[tuple[str, ...], list[str]] = {}
     for u in order:
@@ -279,7 +290,10 @@ def _plan_server(
     server_host = tree.server_host
     candidates, switches = _points_of(tree.groups, graph)
     routes = rc.routes(graph, server_host, tree.paths, tls)
-    updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
+    if _plan_native is not None and type(order) is list:
+        updates = _plan_native.update_rows(order, now)[0]  # the list below in C
+    else:
+        updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
     Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]
     seen: dict[Key, tuple[float, int]] = {}
     built: dict[Key, tuple[dict[str, _Node], dict[str, str]]] = {}
@@ -366,9 +380,9 @@ def _plan_server(
     assert best_real is not None
     _, tls, transfers, nodes = best_real
     size = {t.payload_id: t.bytes for t in transfers}
-    aggregates = [
-        Aggregate(aid, n.aggregator, tuple(n.members), size[aid], server_host) for aid, n in nodes.items()
-    ]
+    aggregates = instances(
+        Aggregate, [(aid, n.aggregator, tuple(n.members), size[aid], server_host) for aid, n in nodes.items()]
+    )
     return tls, transfers, aggregates
 
 
