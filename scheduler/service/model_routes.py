@@ -44,9 +44,10 @@ ROUTE_REFRESH_INTERVAL = 0.1
 #: not overlapped with the next (0.4-0.5 ms measured on loopback under load, with the daemons'
 #: Python on both ends), so the chunk rule uses this instead of the planner's per-frame cost
 PIECE_OVERHEAD_SECONDS = 1e-3
-#: the most worker hosts of one server whose relay tree is planned whole (plan_broadcast);
-#: beyond, the one-level rule of :func:`model_upstreams` (its cost is O(hosts) per refresh)
-MAX_PLANNED_HOSTS = 256
+#: the most worker hosts of one server whose relay tree is planned whole (plan_broadcast: 17 ms
+#: for 16 hosts, 36-82 ms for 32, 0.9-2 s for 256 on a loaded machine, on the scheduler's loop
+#: at every refresh); beyond, each relay of the one-level rule feeds its group down a chain
+MAX_PLANNED_HOSTS = 16
 
 
 def model_upstreams(
@@ -183,9 +184,11 @@ def model_routes(
     their uplinks — that is the answer, whole. Where it puts relays (a shared uplink) and
     the model's size is known, the relay tree of
     :func:`~mlfabric.scheduler.policies.broadcast.plan_broadcast` over the hosts in the graph
-    (up to :data:`MAX_PLANNED_HOSTS`) replaces it: one copy per subtree behind a bottleneck,
-    fanned out inside it down a chain or a heap, moved in pieces (``chunk_bytes``) so that a
-    relay forwards a piece while the next one arrives. The piece count is the planner's chunk
+    (up to :data:`MAX_PLANNED_HOSTS`; beyond, each relay's group of the one-level rule as a
+    chain from the relay: the planner's cost grows too fast for the scheduler's loop) replaces
+    it: one copy per subtree behind a bottleneck, fanned out inside it down a chain or a heap,
+    moved in pieces (``chunk_bytes``) so that a relay forwards a piece while the next one
+    arrives. The piece count is the planner's chunk
     rule (:func:`~mlfabric.scheduler.policies.broadcast_model.pipeline_chunks`: two hops at
     the hosts' median NIC rate to fill, :data:`PIECE_OVERHEAD_SECONDS` per piece): many
     pieces on slow links, few large ones on fast links (one: whole, ``chunk_bytes`` 0). Hosts
@@ -222,12 +225,42 @@ def model_routes(
     if nbytes <= 0 or all(u == server_host for u in ups.values()):
         return ModelRoutes(ups)
     receivers = [h for h in ups if h in graph and graph.nodes[h].get("kind") == "host"]
-    if len(receivers) < 2 or len(receivers) > MAX_PLANNED_HOSTS:
+    if len(receivers) < 2:
         return ModelRoutes(ups)
     median = statistics.median(nic_rate(graph, h) for h in receivers)
     chunks = pipeline_chunks(nbytes, 2.0 / median, PIECE_OVERHEAD_SECONDS)
+    if chunks < 2:
+        return ModelRoutes(ups)  # one piece: whole, and the one-level rule
+    if len(receivers) > MAX_PLANNED_HOSTS:
+        return ModelRoutes(_chains(graph, server_host, ups), -(-nbytes // chunks))
     plan = plan_broadcast(graph, server_host, receivers, float(nbytes), chunks=chunks)
-    return ModelRoutes(ups | plan.parents(), -(-nbytes // chunks) if chunks > 1 else 0)
+    return ModelRoutes(ups | plan.parents(), -(-nbytes // chunks))
+
+
+def _chains(graph: nx.DiGraph, server_host: str, ups: Mapping[str, str]) -> dict[str, str]:
+    """Each relay's group of :func:`model_upstreams` as a chain from the relay, fastest NICs first.
+
+    A chain in pieces moves the model to its last host in about one transfer plus a piece per
+    hop, where the relay sending a copy to each host of its group takes one transfer per host.
+    O(hosts).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import two_tier
+    >>> g = two_tier(2, 3, 1e9, oversubscription=3.0)
+    >>> _chains(g, "h0", {"h1": "h0", "h2": "h0", "h3": "h0", "h4": "h3", "h5": "h3"})
+    {'h1': 'h0', 'h2': 'h0', 'h3': 'h0', 'h4': 'h3', 'h5': 'h4'}
+    """
+    groups: dict[str, list[str]] = {}
+    for host, up in ups.items():
+        if up != server_host:
+            groups.setdefault(up, []).append(host)
+    out = dict(ups)
+    for relay, members in groups.items():
+        members.sort(key=lambda h: (-nic_rate(graph, h), h))
+        for parent, child in zip([relay, *members], members, strict=False):
+            out[child] = parent
+    return out
 
 
 @dataclass

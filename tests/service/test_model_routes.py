@@ -17,6 +17,7 @@ from mlfabric.scheduler.policies.fair import FairPolicy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
 from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.model_routes import (
+    MAX_PLANNED_HOSTS,
     ModelRouteBook,
     model_bytes,
     model_routes,
@@ -71,7 +72,7 @@ def _racks_with_outside_server(racks: int, per_rack: int, nic_bps: float, over: 
     return g
 
 
-@pytest.mark.parametrize(("racks", "per_rack", "over"), [(2, 4, 4.0), (3, 6, 2.0), (4, 3, 8.0)])
+@pytest.mark.parametrize(("racks", "per_rack", "over"), [(2, 4, 4.0), (3, 5, 2.0), (4, 3, 8.0)])
 def test_with_the_model_size_known_the_routes_are_the_broadcast_tree_in_pieces(
     racks: int, per_rack: int, over: float
 ) -> None:
@@ -121,6 +122,22 @@ def test_a_model_of_unknown_size_is_routed_by_the_one_level_rule(spec: tuple[Any
     hosts = [f"h{i}" for i in range(8)]
     if model_bytes(specs) == 0:
         assert model_routes(g, "ps", hosts, model_bytes(specs)).chunk_bytes == 0
+
+
+def test_beyond_the_planned_size_each_rack_is_a_chain_from_its_relay() -> None:
+    g = _racks_with_outside_server(3, 8, 100e6, 4.0)  # 24 hosts: more than MAX_PLANNED_HOSTS
+    hosts = [f"h{i}" for i in range(24)]
+    assert len(hosts) > MAX_PLANNED_HOSTS
+    routes = model_routes(g, "ps", hosts, 4_500_000)
+    one_level = model_upstreams(g, "ps", hosts)
+    relays = {u for u in one_level.values() if u != "ps"}
+    assert {h for h, u in routes.upstreams.items() if u == "ps"} == relays  # one copy per rack
+    for relay in relays:  # its group, a chain: every host but the last feeds exactly one
+        group = {h for h, u in one_level.items() if u == relay}
+        children = {h: [c for c, u in routes.upstreams.items() if u == h] for h in group | {relay}}
+        assert sorted(len(c) for c in children.values()) == [0] + [1] * len(group)
+        assert all(routes.upstreams[h] in group | {relay} for h in group)
+    assert routes.chunk_bytes > 0
 
 
 def test_pieces_follow_the_link_rate_and_fast_links_move_the_model_whole() -> None:
