@@ -221,3 +221,24 @@ class Policy(Protocol):
     def decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
         """Decide what to do with ``pending`` given ``snapshot``."""
         ...
+
+
+def describe_decision(decision: Decision, now: float) -> list[str]:
+    """One line per send and aggregate of ``decision`` (for a DEBUG log of a synchronous round).
+
+    Examples
+    --------
+    >>> d = Decision(sends=[Send("u1", "ps", ("w1", "sw", "ps"), after=("u0",))])
+    >>> describe_decision(d, 0.0)
+    ["send u1 -> ps after ['u0']"]
+    """
+    lines = [
+        f"send {s.update_id} -> {s.path[-1] if s.path else s.next_hop} after {list(s.after)}"
+        for s in decision.sends
+    ]
+    lines += [
+        f"aggregate {a.aggregate_id} at {a.aggregator} members {list(a.members)} after {list(a.after)} "
+        f"hold {a.hold_until - now:.3f}"
+        for a in decision.aggregates
+    ]
+    return lines

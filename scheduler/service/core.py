@@ -75,7 +75,7 @@ import networkx as nx
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.core.estimation import Estimator, StaticEstimator
 from mlfabric.scheduler.core.schedule import is_aggregate_id
-from mlfabric.scheduler.policies.base import Decision, Policy
+from mlfabric.scheduler.policies.base import Decision, Policy, describe_decision
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
 from mlfabric.scheduler.policies.runner import DecisionRunner
 from mlfabric.scheduler.service import wire
@@ -472,6 +472,9 @@ class SchedulerCore:
         seconds = time.perf_counter() - t0
         self.recorder.decision_seconds.observe(seconds)
         log.debug("decided %d pending in %.2f ms, %d sends", len(pending), seconds * 1e3, len(decision.sends))
+        if snapshot.rounds and log.isEnabledFor(logging.DEBUG):  # a synchronous round's plan
+            for line in describe_decision(decision, snapshot.now):
+                log.debug("  %s", line)
         for d in decision.drops:
             src = self.state.source_host(d.update_id)
             self.state.drop(d.update_id, d.reason)
