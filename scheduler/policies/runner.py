@@ -112,6 +112,8 @@ class DecisionRunner:
         self.trigger = ReplanTrigger() if trigger is None else trigger
         #: decisions made (calls of the policy)
         self.decisions = 0
+        #: waits of kept aggregates for updates a newer plan sends after them, dropped (:meth:`adopt`)
+        self.broken_waits = 0
         self._gathering: dict[str, _Gathering] = {}
         self._member_of: dict[str, str] = {}
         self._replanned = False  # the plan or an aggregate's members changed since wakeup_changed()
@@ -178,8 +180,49 @@ class DecisionRunner:
                     self._member_of[m] = a.aggregate_id
             if a.hold_until != g.planned.hold_until:  # the policy's latest word on how long it waits
                 g.planned = replace(g.planned, hold_until=a.hold_until)
+        self._break_cycles(decision.sends)
         self.dispatcher.adopt(decision)
         self.forget(d.update_id for d in decision.drops)
+
+    def _break_cycles(self, sends: Sequence[Send]) -> None:
+        """An aggregate no longer waits for an update the new plan sends after it.
+
+        An aggregate kept from an earlier decision (a member already released) keeps the
+        ``after`` of that decision; a later decision may plan one of those updates anew after
+        the aggregate (it sees the aggregate as a transfer that will not end soon). Both would
+        wait for each other until the round timed out (a synchronous round's stall on the
+        racks testbed: an aggregate after a direct send, the send re-planned after the
+        aggregate). The newer plan wins: the aggregate's wait for that update is dropped.
+        Cycles through other sends and aggregates (``after`` and unreleased members) count.
+        """
+        after = {s.update_id: s.after for s in sends}
+        for g in self._gathering.values():
+            waits = [x for x in g.planned.after if x in after]
+            if not waits:
+                continue
+            aid = g.planned.aggregate_id
+            cyclic = [x for x in waits if self._waits_for(x, aid, after)]
+            if cyclic:
+                self.broken_waits += len(cyclic)
+                g.planned = replace(g.planned, after=tuple(x for x in g.planned.after if x not in cyclic))
+
+    def _waits_for(self, start: str, target: str, after: Mapping[str, tuple[str, ...]]) -> bool:
+        """Whether ``start`` (a send or an aggregate) waits, transitively, for aggregate ``target``."""
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            x = todo.pop()
+            if x == target:
+                return True
+            if x in seen:
+                continue
+            seen.add(x)
+            todo.extend(after.get(x, ()))
+            g = self._gathering.get(x)
+            if g is not None:
+                todo.extend(g.planned.after)
+                todo.extend(m for m in g.members if m not in g.arrived)
+        return False
 
     def forget(self, update_ids: Iterable[str]) -> None:
         """Updates that went away unreleased (dropped, their daemon left): out of the plan.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -248,3 +249,38 @@ def test_the_factory_names_the_problem() -> None:
         make_policy("lifo")
     with pytest.raises(ValueError, match="horizon must be >= 0"):
         make_policy("stf", horizon=-1)
+
+
+def test_a_kept_aggregate_stops_waiting_for_an_update_replanned_after_it() -> None:
+    # the racks testbed's stall: the first plan sends "a" straight to the server (after a
+    # transfer in flight, "z") and the aggregate after "a"; the aggregate's members leave, so a
+    # second decision cannot replace it, and it plans "a" anew after the aggregate (gathering:
+    # in flight, no known end). Each would wait for the other until the round timed out.
+    z = InFlight("z", "j", "s", ("w0", "sw", "ps"), MB, 0.0, 5.0)
+    first = Decision(
+        sends=(
+            Send("a", "ps", ("w0", "sw", "ps"), after=("z",)),
+            Send("m1", "x", ("w0", "sw", "x")),
+            Send("m2", "x", ("w0", "sw", "x")),
+        ),
+        aggregates=(replace(AGG, after=("a",)),),
+    )
+    second = Decision(sends=(Send("a", "ps", ("w0", "sw", "ps"), after=("agg:ps:0",)),))
+    r = runner(first, second)
+    r.decide(SNAP, PENDING[:3])
+    assert ids(r.release(0.0, {"z": z})) == ["m1", "m2"]  # "a" waits for "z"
+    r.decide(SNAP, PENDING[:1])
+    assert r.broken_waits == 1
+    r.arrived("m1")
+    r.arrived("m2")
+    released = r.release(1.0, {"z": z})
+    assert [a.aggregate_id for a in released.aggregates] == ["agg:ps:0"]  # no longer waits for "a"
+    assert ids(r.release(6.0, {})) == ["a"]
+    # a wait that is no cycle stays: an aggregate after a send planned after something else
+    r2 = runner(first, replace(second, sends=(Send("a", "ps", ("w0", "sw", "ps"), after=("z",)),)))
+    r2.decide(SNAP, PENDING[:3])
+    r2.release(0.0, {"z": z})
+    r2.decide(SNAP, PENDING[:1])
+    r2.arrived("m1")
+    r2.arrived("m2")
+    assert r2.broken_waits == 0 and not r2.release(1.0, {"z": z}).aggregates
