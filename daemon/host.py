@@ -253,6 +253,7 @@ class Daemon:
             self.serving,
             budget=self.receive_budget,
             max_wait=None if config.io_timeout is None else 0.8 * config.io_timeout,
+            max_model_bytes=config.max_payload_bytes,
         )
         self.worker = WorkerRole(
             ctx,

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mlfabric.api import MlfabricError
 from mlfabric.daemon.channels.frames import FrameError, FrameHeader, FrameLimits, check_header
 from mlfabric.daemon.channels.peers import PeerPool
 from mlfabric.proto.v1 import dataplane_pb2
@@ -121,3 +122,18 @@ def test_a_piece_header_must_lie_inside_its_model() -> None:
     first.tensors[0].nbytes = 12
     with pytest.raises(FrameError, match="out of range of a 8-byte payload"):
         check_header(first, FrameLimits(), payload_bytes=4)
+
+
+def test_a_model_over_the_daemons_payload_limit_is_refused_naming_both(
+    make_daemon: Any, scheduler: FakeScheduler
+) -> None:
+    # pieces pass the frame limit one by one: the whole model's size is checked on the first
+    c = Cluster(make_daemon, ("w1",), model=_model, w1={"max_payload_bytes": 1 << 20})
+    try:
+        c.route(scheduler, "w1", "ps", chunk_bytes=CHUNK)
+        c.publish(1)
+        with pytest.raises(MlfabricError, match=r"a model of 2000008 bytes exceeds the limit of 1048576"):
+            c.workers["w1"].get("ps0", min_version=1, timeout=10)
+        assert c.models("w1")["entries"] == 0
+    finally:
+        c.close()

@@ -165,6 +165,7 @@ def fetch_pieces(
     src_host: str,
     start: Callable[[int, list[Layout], int], Growing],
     growing: Growing | None = None,
+    max_bytes: int | None = None,
 ) -> Growing:
     """Fetch a model in pieces of ``chunk_bytes`` from the daemon at ``address``.
 
@@ -188,6 +189,9 @@ def fetch_pieces(
         ``start(version, layouts, model_bytes) -> Growing``: called on the first piece.
     growing : Growing, optional
         A fetch to continue (from its :attr:`~Growing.have` on, same version).
+    max_bytes : int, optional
+        The largest model taken (the daemon's payload limit): a bigger one is refused before
+        anything is allocated for it.
 
     Returns
     -------
@@ -229,6 +233,8 @@ def fetch_pieces(
             n = len(reply.payload)
             total = int(h.model_bytes)
             want = min(chunk_bytes, total - offset)
+            if max_bytes is not None and total > max_bytes:
+                raise PieceError(f"{where}: a model of {total} bytes exceeds the limit of {max_bytes}")
             if growing is None:
                 if h.version < min_version or h.range_offset != 0 or n != want:
                     raise PieceError(

@@ -79,6 +79,9 @@ class ModelRelays(Role):
         Cached models are held against it.
     max_wait : float, optional
         The longest a GET waits for a new enough model (the peers' I/O timeout must outlast it).
+    max_model_bytes : int, optional
+        The largest model fetched in pieces (the daemon's payload limit, which a whole GET's
+        frame check enforces).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class ModelRelays(Role):
         *,
         budget: ByteBudget | None = None,
         max_wait: float | None = None,
+        max_model_bytes: int | None = None,
     ) -> None:
         self._ctx = context
         self._directory = directory
@@ -97,6 +101,7 @@ class ModelRelays(Role):
         self._serving = serving
         self.cache = ModelCache(budget)
         self._max_wait = max_wait
+        self._max_model_bytes = max_model_bytes
         self._lock = threading.Lock()
         #: (job, server) -> the scheduler's route (ModelRouteDirective)
         self._routes: dict[Key, Any] = {}
@@ -277,13 +282,23 @@ class ModelRelays(Role):
     def _lead(self, key: Key, floor: int, deadline: float, asked_by: str, flight: Flight) -> None:
         """Lead a fetch a peer's piece GET started (on the task pool)."""
         try:
+            leftover = self._lead_flight(key, floor, deadline, asked_by, flight)
+        except ModelUnavailable:
+            return  # the flight ended with the error: its waiters have it
+        if leftover is not None:  # not kept (the budget): its pieces were answered from the flight
+            leftover.close()
+
+    def _lead_flight(
+        self, key: Key, floor: int, deadline: float, asked_by: str, flight: Flight
+    ) -> ModelSnapshot | None:
+        """Fetch for ``flight`` and end it (its waiters wake); a failure ends it with its error and raises."""
+        try:
             leftover = self._fetch(key, floor, deadline, asked_by, flight)
         except ModelUnavailable as exc:
             self.cache.end(key, flight, str(exc))
-            return
+            raise
         self.cache.end(key, flight)
-        if leftover is not None:  # not kept (the budget): its pieces were answered from the flight
-            leftover.close()
+        return leftover
 
     def _response(self, h: Any, snap: ModelSnapshot) -> Response:
         _LOG.debug("GET from %s at or above %d: version %d", h.src_host, h.min_version, snap.version)
@@ -322,13 +337,7 @@ class ModelRelays(Role):
                 self._count(f"{who}_hits")
                 return None
             if leader:
-                try:
-                    leftover = self._fetch(key, min_version, deadline, asked_by, flight)
-                except ModelUnavailable as exc:
-                    self.cache.end(key, flight, str(exc))
-                    raise
-                self.cache.end(key, flight)
-                return leftover
+                return self._lead_flight(key, min_version, deadline, asked_by, flight)
             self._count("joined")
             _LOG.debug(
                 "get of %s at or above %d (%s) joins the fetch at or above %d",
@@ -410,7 +419,17 @@ class ModelRelays(Role):
         def fetch(host: str, address: str, resume: Growing | None) -> Growing:
             self._count("fetches")
             return fetch_pieces(
-                self._request, host, address, key, floor, chunk_bytes, left, self._ctx.host, start, resume
+                self._request,
+                host,
+                address,
+                key,
+                floor,
+                chunk_bytes,
+                left,
+                self._ctx.host,
+                start,
+                resume,
+                max_bytes=self._max_model_bytes,
             )
 
         growing: Growing | None = None
