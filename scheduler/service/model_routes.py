@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
-import numpy as np
 
 from mlfabric.proto.v1 import control_pb2 as pb
 from mlfabric.scheduler.policies.allreduce_model import nic_rate
@@ -33,6 +32,7 @@ from mlfabric.scheduler.policies.broadcast_model import pipeline_chunks
 from mlfabric.scheduler.service.effects import Effects
 from mlfabric.scheduler.service.records import SchedulerError, ServerRole
 from mlfabric.scheduler.service.state import SchedulerState
+from mlfabric.wire.tensors import DTYPES
 
 __all__ = ["ModelRouteBook", "ModelRoutes", "model_routes", "model_upstreams"]
 
@@ -156,18 +156,17 @@ def model_bytes(specs: Iterable[Any]) -> int:
     >>> from mlfabric.scheduler.service.records import TensorSpec
     >>> model_bytes([TensorSpec("w", "float32", (4, 4)), TensorSpec("b", "float64", (3,))])
     88
+    >>> model_bytes([TensorSpec("w", "bfloat16", (4,))])   # the wire's dtypes, bfloat16 too
+    8
     >>> model_bytes([TensorSpec("w", "", (4,))])   # unknown: 0 (the routes' one-level rule)
     0
     """
     total = 0
     for t in specs:
-        try:
-            itemsize = np.dtype(t.dtype).itemsize
-        except TypeError:  # a dtype numpy does not know (a forged registration): size unknown
+        dtype = DTYPES.get(t.dtype)
+        if dtype is None or any(d < 0 for d in t.shape):  # not a wire dtype (forged): size unknown
             return 0
-        if any(d < 0 for d in t.shape):
-            return 0
-        total += math.prod(t.shape) * itemsize
+        total += math.prod(t.shape) * dtype.itemsize
     return total
 
 

@@ -110,6 +110,15 @@ def test_the_book_sends_pieces_to_every_host_once_the_model_size_is_known() -> N
     assert sum(r.upstream_host == "ps" for r in got.values()) <= 2  # at most one copy per rack
 
 
+def test_a_bfloat16_model_is_sized_by_the_wire_dtypes() -> None:
+    # numpy has no bfloat16: the size comes from the wire's table (not numpy's), as the frames'
+    assert (
+        model_bytes([TensorSpec("w", "bfloat16", (1024, 1024)), TensorSpec("b", "float64", (3,))])
+        == (2 << 20) + 24
+    )
+    assert model_bytes([TensorSpec("w", "int8", (4,))]) == 0  # not a model dtype on the wire
+
+
 @pytest.mark.parametrize(
     "spec",
     [("w", "", (2,)), ("w", "not-a-dtype", (2,)), ("w", "float32", (-1, 4)), ("w", "float32", ())],

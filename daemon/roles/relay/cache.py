@@ -45,6 +45,12 @@ class Flight:
     #: the model while it arrives in pieces (a fetch in pieces, once its first piece is in)
     growing: Growing | None = None
 
+    def release_growing(self) -> None:
+        """Give back the buffer of the model that was arriving (a fetch in pieces that failed)."""
+        g = self.growing
+        if g is not None:
+            g.release()
+
     def wait_piece(self, floor: int, end: int, timeout: float) -> Growing | None:
         """Wait until the model arriving holds ``[0, end)`` (cut at its size) or the fetch ends.
 

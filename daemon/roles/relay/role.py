@@ -441,37 +441,33 @@ class ModelRelays(Role):
                 _LOG.warning("%s; fetching the rest from the server's daemon instead", exc)
                 growing = flight.growing
         if growing is None or not growing.complete:
-            server = self._server_address(key)
-            if server is None:
-                known = self._directory.servers(key[0])
-                raise ModelUnavailable(f"unknown server {key[1]!r} in job {key[0]!r} (servers: {known})")
+            server = self._server_or_raise(key)
             try:
                 growing = fetch(*server, growing)
             except PieceError as exc:
                 if growing is None or flight.growing is not growing:
-                    self._release(flight)
+                    flight.release_growing()
                     raise ModelUnavailable(str(exc)) from None
                 _LOG.info("%s; fetching the newest model afresh", exc)
                 try:
                     growing = fetch(*server, None)
                 except PieceError as again:
-                    self._release(flight)
+                    flight.release_growing()
                     raise ModelUnavailable(str(again)) from None
         return self.cache.keep(
             key, growing.version, growing.layouts, growing.model_bytes, growing.take_buffer()
         )
 
-    @staticmethod
-    def _release(flight: Flight) -> None:
-        if flight.growing is not None:
-            flight.growing.release()
-
-    def _fetch_from_server(self, key: Key, min_version: int, deadline: float) -> ModelSnapshot | None:
+    def _server_or_raise(self, key: Key) -> tuple[str, str]:
+        """(host, data address) of the server's daemon; :class:`ModelUnavailable` naming the known."""
         server = self._server_address(key)
         if server is None:
             known = self._directory.servers(key[0])
             raise ModelUnavailable(f"unknown server {key[1]!r} in job {key[0]!r} (servers: {known})")
-        return self._fetch_from(server[0], server[1], key, min_version, deadline)
+        return server
+
+    def _fetch_from_server(self, key: Key, min_version: int, deadline: float) -> ModelSnapshot | None:
+        return self._fetch_from(*self._server_or_raise(key), key, min_version, deadline)
 
     def _fetch_from(
         self, host: str, address: str, key: Key, min_version: int, deadline: float
