@@ -477,7 +477,9 @@ def main() -> int:
     parser.add_argument("--label", default="", help="suffix of the result files' name")
     args = parser.parse_args()
     if args.command == "rank":
-        return rank_main(args)
+        from mlfabric.torch import exit_rank
+
+        exit_rank(rank_main(args))  # gloo's threads outlive the group: no interpreter teardown
     bad = [s for s in args.systems.split(",") if s not in SYSTEMS]
     if bad:
         parser.error(f"unknown systems {bad}; choose from {SYSTEMS}")

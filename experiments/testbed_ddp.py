@@ -316,7 +316,9 @@ def main() -> int:
     parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "rank":
-        return rank_main(args)
+        from mlfabric.torch import exit_rank
+
+        exit_rank(rank_main(args))  # gloo's threads outlive the group: no interpreter teardown
     return driver(args)
 
 

@@ -212,7 +212,7 @@ def _local_sgd(text: str) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``rank`` (one rank) or ``launch`` (all ranks on loopback)."""
+    """Command line: ``rank`` (one rank; it ends the process) or ``launch`` (all ranks on loopback)."""
     parser = argparse.ArgumentParser(
         prog="python -m mlfabric.examples.ddp_digits", description=__doc__.split("\n")[0]
     )
@@ -258,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write_result(args.out, result)
     print(f"rank {args.rank}: accuracy {result['accuracy']:.3f} in {result['seconds']:.2f} s", flush=True)
-    return 0
+    from mlfabric.torch import exit_rank
+
+    exit_rank(0)  # gloo's threads outlive the group: no interpreter teardown (see exit_rank)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from mlfabric.torch.groups import GroupServers, plan_groups
 from mlfabric.torch.hook import HookState, allreduce_hook
-from mlfabric.torch.launch import Context, init
+from mlfabric.torch.launch import Context, exit_rank, init
 from mlfabric.torch.localsgd import LocalSGDState, PeriodicModelAverager, post_local_sgd_hook
 from mlfabric.torch.optimizer import DistributedOptimizer
 from mlfabric.torch.staging import Stager
@@ -44,6 +44,7 @@ __all__ = [
     "PeriodicModelAverager",
     "Stager",
     "allreduce_hook",
+    "exit_rank",
     "init",
     "plan_groups",
     "post_local_sgd_hook",

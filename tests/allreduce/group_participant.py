@@ -52,3 +52,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from mlfabric.torch import exit_rank
+
+    exit_rank(0)  # gloo's threads outlive the group: no interpreter teardown
