@@ -171,7 +171,9 @@ def mlf_worker(args: argparse.Namespace) -> int:
     xtr, ytr, _, _ = dataset()
     model = make_model()
     rng = np.random.default_rng(args.seed)
+    codec, feedback = split_codec(args.codec)
     worker = mlfabric.register_as_worker("e2e", name=args.name, wait=60)
+    worker.rng = np.random.default_rng(args.seed + 1000)  # int8's stochastic rounding, seeded
     with worker:
         while True:
             try:
@@ -181,9 +183,34 @@ def mlf_worker(args: argparse.Namespace) -> int:
             load_numpy(model, tensors)
             update = gradient(model, xtr, ytr, args.batch, rng, args.lr)
             time.sleep(args.compute_delay)
-            result = worker.push("ps", update).wait(timeout=300)
+            result = worker.push("ps", update, codec=codec, error_feedback=feedback).wait(timeout=300)
             if not result.applied and "unregistered" in result.reason:
                 return 0
+
+
+def split_codec(spec: str | None) -> tuple[str | None, bool]:
+    """A system's codec part (``int8+ef``) as push's ``codec`` and ``error_feedback``.
+
+    Examples
+    --------
+    >>> split_codec("int8+ef"), split_codec("fp16"), split_codec(None)
+    (('int8', True), ('fp16', False), (None, False))
+    """
+    if not spec:
+        return None, False
+    return spec.removesuffix("+ef"), spec.endswith("+ef")
+
+
+def split_system(system: str) -> tuple[str, str | None]:
+    """``policy@codec`` (``stf@int8+ef``) as the scheduler's policy and the workers' codec.
+
+    Examples
+    --------
+    >>> split_system("stf@int8+ef"), split_system("fair")
+    (('stf', 'int8+ef'), ('fair', None))
+    """
+    policy, _, codec = system.partition("@")
+    return policy, codec or None
 
 
 # ------------------------------------------------------------------------ gloo roles
@@ -294,7 +321,8 @@ def run_system(
     rates = ScheduleRunner(lambda c: testbed.set_rate(c.link, c.rate, c.direction), changes)
     if system == "gloo":
         return run_gloo(testbed, workers, args, delays, rates, workdir, me, common)
-    with TestbedCluster(testbed, topo, policy=system, workdir=workdir / "run") as cluster:
+    policy, codec = split_system(system)
+    with TestbedCluster(testbed, topo, policy=policy, workdir=workdir / "run") as cluster:
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
         server = cluster.spawn("ps", [*sargv, "--tau-max", str(args.tau_max)])
         wait_file(ready, server.popen, 120)
@@ -302,6 +330,7 @@ def run_system(
         procs = []
         for i, w in enumerate(workers):
             argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(i)]
+            argv += ["--codec", codec] if codec else []
             procs.append(cluster.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
         cluster.wait(server, timeout=args.time_limit + 120)
         rates.stop()
@@ -404,24 +433,39 @@ def plot(results: dict[str, dict], target: float, path: Path) -> None:
     plt.close(fig)
 
 
+def layout(args: argparse.Namespace) -> tuple[list[int], list[str], dict[str, float]]:
+    """The workers' uplinks (Mbit/s), names and compute delays (seeded by ``--seed``)."""
+    from mlfabric.testbed.schedule import compute_delays
+
+    uplinks = [100, 100, 50, 50] if args.quick else [200, 200, 100, 100, 50, 50, 25, 25]
+    workers = [f"w{i}" for i in range(len(uplinks))]
+    delays = compute_delays(
+        workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=random.Random(args.seed)
+    )
+    return uplinks, workers, delays
+
+
+def write_topology(path: Path, args: argparse.Namespace, uplinks: list[int], workers: list[str]) -> Path:
+    """The bottleneck star (the server's link ``--server-mbps``) as a topology file at ``path``."""
+    from mlfabric.testbed.topologies import bottleneck_star, to_toml
+
+    star = bottleneck_star("ps", args.server_mbps, dict(zip(workers, uplinks, strict=True)))
+    path.write_text(to_toml(star))
+    return path
+
+
 def driver(args: argparse.Namespace) -> int:
     from mlfabric.scheduler.core.graph import load_topology
     from mlfabric.testbed.cluster import Testbed
     from mlfabric.testbed.launch import write_transfer_csv
     from mlfabric.testbed.netns import SubprocessRunner, missing_prerequisites, new_prefix, sweep_stale
-    from mlfabric.testbed.schedule import compute_delays
-    from mlfabric.testbed.topologies import bottleneck_star, to_toml
 
     missing = missing_prerequisites()
     if missing:
         print("testbed unavailable: " + "; ".join(missing), file=sys.stderr)
         return 2
-    uplinks = [100, 100, 50, 50] if args.quick else [200, 200, 100, 100, 50, 50, 25, 25]
-    workers = [f"w{i}" for i in range(len(uplinks))]
+    uplinks, workers, delays = layout(args)
     name = "testbed_e2e" + ("_quick" if args.quick else "")
-    delays = compute_delays(
-        workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=random.Random(args.seed)
-    )
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resummarize:  # the results of an earlier run kept with --workdir
         done = {s: args.resummarize / s / "server.json" for s in args.systems.split(",")}
@@ -440,10 +484,7 @@ def driver(args: argparse.Namespace) -> int:
     transfers: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-e2e-") as tmp_dir:
         tmp = args.workdir or Path(tmp_dir)
-        topo = tmp / "topology.toml"
-        topo.write_text(
-            to_toml(bottleneck_star("ps", args.server_mbps, dict(zip(workers, uplinks, strict=True))))
-        )
+        topo = write_topology(tmp / "topology.toml", args, uplinks, workers)
         graph = load_topology(topo)
         changes = ns_setting(graph, workers, args)
         with Testbed(graph, new_prefix(random.Random())) as testbed:
@@ -543,12 +584,17 @@ def summary(
     path.write_text("\n".join(lines) + "\n")
 
 
-def main() -> int:
+def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The options of the driver and of the roles it starts (``--role``)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="CI size: 4 workers, target 0.90")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated: stf, fair, gloo, or POLICY@CODEC (stf@fp16, stf@int8+ef: the workers' codec)",
+    )
     parser.add_argument("--target", type=float)
     parser.add_argument("--time-limit", type=float, help="seconds per system (150 quick, 400 full)")
     parser.add_argument("--lr", type=float, default=0.05)
@@ -569,12 +615,23 @@ def main() -> int:
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
     parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--codec", help=argparse.SUPPRESS)  # a worker's: int8, fp16, int8+ef, ...
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options, with the target and time limit defaulted by ``--quick``."""
     args, _ = parser.parse_known_args()
     args.target = args.target or (0.90 if args.quick else 0.95)
     args.time_limit = args.time_limit or (150.0 if args.quick else 400.0)
+    return args
+
+
+def main() -> int:
+    args = parse(build_parser())
     if args.role == "mlf-server":
         return mlf_server(args)
     if args.role == "mlf-worker":
