@@ -57,7 +57,7 @@ __all__ = [
     "WIRE_CODECS",
     "WireCodec",
     "check_encoding",
-    "check_member",
+    "check_words",
     "codec_for",
     "codec_spec",
     "decode_layout",
@@ -399,7 +399,7 @@ def raw_layouts(layouts: Sequence[Layout]) -> tuple[list[Layout], int]:
     return out, offset
 
 
-def check_member(codec: WireCodec, enc: Encoded) -> None:
+def check_words(codec: WireCodec, enc: Encoded) -> None:
     """The checks ``codec.decode``/``sum_into`` make of a member, without summing it.
 
     Raises
