@@ -50,6 +50,7 @@ from mlfabric.wire.tensors import (
     Layout,
     _as_numpy,
     dtype_name,
+    is_encoded,
 )
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "parse_codec",
     "raw_layouts",
     "read_dense",
+    "wire_summary",
 ]
 
 #: The codecs a push may travel with, by name.
@@ -397,6 +399,37 @@ def raw_layouts(layouts: Sequence[Layout]) -> tuple[list[Layout], int]:
         out.append(Layout(x.name, x.dtype, tuple(x.shape), offset, nbytes))
         offset += nbytes
     return out, offset
+
+
+def wire_summary(layouts: Sequence[Any]) -> tuple[str, int]:
+    """The codec a payload travels with and its tensors' bytes uncompressed (for the stats).
+
+    Parameters
+    ----------
+    layouts : sequence of Layout or TensorLayout
+        The payload's tensors.
+
+    Returns
+    -------
+    codec : str
+        ``none`` (no tensor encoded), the codec's name, or ``mixed``.
+    raw_bytes : int
+        The bytes the tensors would take travelling as they are.
+
+    Examples
+    --------
+    >>> enc = Layout("w", "float32", (4,), 0, 4, Encoding("int8", "int8", (0.1,)))
+    >>> wire_summary([enc, Layout("b", "float64", (2,), 4, 16)])
+    ('int8', 32)
+    >>> wire_summary([])
+    ('none', 0)
+    """
+    codecs = {str(x.encoding.codec) for x in layouts if is_encoded(x)}
+    raw = sum(
+        math.prod(int(d) for d in x.shape) * DTYPES[x.dtype].itemsize for x in layouts if x.dtype in DTYPES
+    )
+    codec = "none" if not codecs else codecs.pop() if len(codecs) == 1 else "mixed"
+    return codec, raw
 
 
 def check_words(codec: WireCodec, enc: Encoded) -> None:

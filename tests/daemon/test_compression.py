@@ -87,6 +87,17 @@ def test_a_compressed_push_applies_the_decoded_update(
     wait_until(lambda: any(r.update_id == result.update_id for r in scheduler.reports))
     report = next(r for r in scheduler.reports if r.update_id == result.update_id)
     assert report.bytes == (600 + 8) * words < raw  # the bytes on the wire are the words
+    codec = spec.split(":")[0]  # the stats: bytes on the wire against the tensors' own
+    pushed, received = served["w0"].stats(), served["ps"].stats()
+    assert (pushed.pushes, pushed.push_bytes, pushed.push_raw_bytes) == (
+        {codec: 1},
+        {codec: report.bytes},
+        {codec: raw},
+    )
+    assert (received.update_bytes_received, received.update_raw_bytes_received) == (
+        {codec: report.bytes},
+        {codec: raw},
+    )
 
 
 def test_stochastic_int8_stays_within_its_scale(served: dict[str, Any]) -> None:
