@@ -176,6 +176,17 @@ class EncodedSum:
         else:
             np.add(t.dense, values, out=t.dense)
 
+    @property
+    def codec(self) -> str:
+        """The codec the sum would be forwarded in now: a codec's name, ``mixed``, or "" (none).
+
+        As :func:`~mlfabric.aggregators.codecs.payload.wire_summary` names a payload (tensors
+        forwarded as they are do not count). An fp16 sum beyond float16's range is still
+        forwarded as it is by :meth:`finish`.
+        """
+        codecs = {t.codec.name for t in self._tensors.values() if t.acc is not None and t.codec is not None}
+        return "" if not codecs else codecs.pop() if len(codecs) == 1 else "mixed"
+
     def finish(
         self,
     ) -> tuple[dict[str, object], dict[str, tuple[str, tuple[int, ...], Encoding]], dict[str, str]]:

@@ -154,7 +154,7 @@ class UnregisterRole(_message.Message):
     def __init__(self, job: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
-    __slots__ = ("update_id", "job", "server", "worker", "bytes", "norm", "base_version", "ready_at", "resent")
+    __slots__ = ("update_id", "job", "server", "worker", "bytes", "norm", "base_version", "ready_at", "resent", "codec")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class UpdateReady(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_AT_FIELD_NUMBER: _ClassVar[int]
     RESENT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     job: str
     server: str
@@ -173,7 +174,8 @@ class UpdateReady(_message.Message):
     base_version: int
     ready_at: float
     resent: bool
-    def __init__(self, update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., ready_at: _Optional[float] = ..., resent: _Optional[bool] = ...) -> None: ...
+    codec: str
+    def __init__(self, update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., ready_at: _Optional[float] = ..., resent: _Optional[bool] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class TransferReport(_message.Message):
     __slots__ = ("update_id", "src_host", "dst_host", "bytes", "start", "end", "throughput", "ok", "error", "outcome", "delay", "server_version", "reason", "member_verdicts")

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.aggregators.codecs.payload import parse_codec
 from mlfabric.proto.v1 import control_pb2
 from tests.daemon.test_aggregation import (
     MODEL,
@@ -92,12 +91,14 @@ def test_members_of_a_summable_codec_are_summed_on_their_words_and_forwarded_in_
 ) -> None:
     report = _through_aggregator(cluster, scheduler, codecs, "agg:job:c1")
     assert report.bytes == ELEMENTS * words  # the aggregate left the aggregator compressed
+    codec = codecs[0].split(":")[0]  # announced with its codec, as the members were (the trace)
+    assert scheduler.ready_for("agg:job:c1").codec == codec
+    assert {r.codec for r in scheduler.ready if r.worker} == {codec}
     model, expected = _model(cluster), _expected(codecs)
-    codec = parse_codec(codecs[0])
     for k in MODEL:  # the decode of the forwarded sum: the sum of the decodes, within float32
-        np.testing.assert_allclose(model[k], expected[k], rtol=0, atol=1e-5 if codec else 0)
+        np.testing.assert_allclose(model[k], expected[k], rtol=0, atol=1e-5)
         exact = MODEL[k] - sum(_update(float(i + 1))[k] for i in range(len(codecs)))
-        error = {"fp16": 2**-10, "bf16": 2**-7}.get(codecs[0].split(":")[0], 32 / 127)
+        error = {"fp16": 2**-10, "bf16": 2**-7}.get(codec, 32 / 127)
         assert np.abs(model[k] - exact).max() <= error * len(codecs) * max(1.0, np.abs(exact).max())
 
 
@@ -114,6 +115,7 @@ def test_mixed_or_non_summable_members_are_decoded_summed_and_forwarded_as_they_
 ) -> None:
     report = _through_aggregator(cluster, scheduler, codecs, "agg:job:c2")
     assert report.bytes == ELEMENTS * 8  # forwarded dense, in the tensors' own dtype (float64)
+    assert scheduler.ready_for("agg:job:c2").codec == ""
     model, expected = _model(cluster), _expected(codecs)
     for k in MODEL:  # summed in float64 (the tensors' dtype) from the decodes
         np.testing.assert_allclose(model[k], expected[k], rtol=1e-12, atol=1e-12)

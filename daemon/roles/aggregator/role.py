@@ -454,6 +454,7 @@ class AggregatorRole(Role):
             norm=h.norm,
             base_version=h.base_version,
             ready_at=self._clock(),
+            codec=agg.acc.codec if isinstance(agg.acc, EncodedSum) else "",
         )
 
     def _announce_ready(self, ready: Any) -> None:
