@@ -1,4 +1,4 @@
-"""Worker processes for the compressed-aggregation end-to-end test (run as a script).
+"""Server and worker processes for the compressed-aggregation end-to-end test (run as a script).
 
 ``python codec_roles.py server OUT_DIR TAU_MAX CODEC`` is ``agg_roles.py server`` with a
 larger integer-valued float64 model (:data:`SHAPES`: 5100 elements, so that updates queue on
@@ -10,18 +10,13 @@ in between. Every verdict is written to ``OUT_DIR/worker<RANK>.json``.
 
 from __future__ import annotations
 
-import json
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 
-import mlfabric
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.integration
-from tests.integration import agg_roles
-from tests.integration.roles import JOB, SERVER
+from tests.integration import agg_roles, roles
 
 SHAPES = {"w": (50, 100), "b": (100,)}
 
@@ -38,28 +33,9 @@ def update_for(rank: int, index: int) -> dict[str, np.ndarray]:
     return {k: rng.integers(-5, 6, size=s).astype(np.float64) for k, s in SHAPES.items()}
 
 
-def worker(out: Path, rank: int, pushes: int) -> None:
-    w = mlfabric.register_as_worker(JOB, name=f"w{rank}", wait=60.0)
-    handles = []
-    pause = threading.Event()
-    with w:
-        for i in range(pushes):
-            if i == pushes // 2:
-                while not (out / "go").exists():
-                    pause.wait(0.02)
-            if i % 4 == 0:
-                w.get(SERVER)
-            handles.append((i, w.push(SERVER, update_for(rank, i))))
-        results = []
-        for i, handle in handles:
-            r = handle.wait(timeout=120.0)
-            verdict = {"index": i, "status": r.status, "delay": r.delay, "reason": r.reason}
-            results.append({**verdict, "update_id": r.update_id})
-    (out / f"worker{rank}.json").write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "server":
         agg_roles.server(Path(sys.argv[2]), int(sys.argv[3]), 0, sys.argv[4], initial_model())
     else:
-        worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        out = Path(sys.argv[2])
+        roles.worker(out, int(sys.argv[3]), int(sys.argv[4]), updates=update_for, gate=out / "go")

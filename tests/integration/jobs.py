@@ -7,6 +7,7 @@ stopped is the same, and lives here.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -35,6 +36,31 @@ def wait_for(path: Path, proc: Any, timeout: float) -> None:
         assert proc.popen.poll() is None, proc.log_tail()
         assert time.monotonic() < deadline, f"{path.name} did not appear"
         time.sleep(0.02)
+
+
+def read_outcome(
+    out: Path, workers: Sequence[tuple[str, int]], pushes: int
+) -> tuple[dict[int, list[dict[str, Any]]], dict[str, Any], list[str]]:
+    """The workers' verdicts, the server's record and the worker updates it applied (each once).
+
+    Reads ``worker<rank>.json`` of every worker and ``server.json`` from ``out``; checks every
+    push has a verdict and no worker update was applied twice.
+
+    Returns
+    -------
+    results : dict
+        Rank -> the verdicts of its pushes.
+    served : dict
+        The server's record (``applied``: each payload it applied with its ``members``).
+    members : list of str
+        The worker update ids it applied, aggregates flattened.
+    """
+    results = {rank: json.loads((out / f"worker{rank}.json").read_text()) for _, rank in workers}
+    served = json.loads((out / "server.json").read_text())
+    assert sum(len(r) for r in results.values()) == len(workers) * pushes
+    members = [m for a in served["applied"] for m in a["members"]]
+    assert len(members) == len(set(members)), "a worker update was applied twice"
+    return results, served, members
 
 
 def applied_pushes(

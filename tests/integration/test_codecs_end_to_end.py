@@ -31,7 +31,7 @@ from mlfabric.aggregators.codecs import decode
 from mlfabric.aggregators.codecs.payload import encode_update, encoded_of, parse_codec
 from mlfabric.cluster import wait_for_ready_file
 from mlfabric.tensors import encode_into, plan_layout
-from tests.integration.jobs import applied_pushes, finish, spawn_workers, wait_for
+from tests.integration.jobs import applied_pushes, finish, read_outcome, spawn_workers, wait_for
 from tests.integration.test_aggregates_end_to_end import (
     TOPOLOGY,
     AggregatorCluster,
@@ -117,11 +117,7 @@ def test_int8_members_at_a_killed_and_restarted_aggregator_are_applied_exactly_o
     finally:
         cluster.stop()
 
-    results = {rank: json.loads((out / f"worker{rank}.json").read_text()) for _, rank in WORKERS}
-    served = json.loads((out / "server.json").read_text())
-    assert sum(len(r) for r in results.values()) == len(WORKERS) * PUSHES_PER_WORKER
-    members = [m for a in served["applied"] for m in a["members"]]
-    assert len(members) == len(set(members)), "a member was applied twice"
+    results, _, members = read_outcome(out, WORKERS, PUSHES_PER_WORKER)
     forwards = _x_forwards(run)
     assert len(forwards) > before, "the restarted aggregator forwarded no aggregate"
     elements = sum(int(np.prod(s)) for s in roles.SHAPES.values())
