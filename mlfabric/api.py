@@ -50,6 +50,7 @@ import numpy as np
 
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
+from mlfabric.aggregators.codecs.feedback import ErrorFeedback
 from mlfabric.aggregators.codecs.payload import WireCodec, encode_update, parse_codec
 from mlfabric.allreduce import DEFAULT_TIMEOUT as ALLREDUCE_TIMEOUT
 from mlfabric.allreduce import AllreduceGroup, AllreduceHandle, join_allreduce, submit_allreduce
@@ -151,6 +152,7 @@ class Worker:
         #: The random bits of stochastic rounding (int8 codecs); replace it to seed pushes.
         self.rng = np.random.default_rng()
         self._job_codec = parse_codec(self.params.compression)
+        self._feedback: dict[str, ErrorFeedback] = {}  # server -> residuals of its pushes
         #: Device staging (:class:`mlfabric.torch.staging.Stager`) for CUDA tensors; None: the
         #: process's default, created when a CUDA tensor first comes (tests inject a fake here).
         self.stager: Any = None
@@ -173,6 +175,7 @@ class Worker:
         *,
         base_version: int | None = None,
         codec: object = None,
+        error_feedback: bool = False,
     ) -> PushHandle:
         """Push an update to ``server`` (asynchronous; paper Table 1, ``push``).
 
@@ -198,6 +201,11 @@ class Worker:
             float16/float32/float64 tensors are encoded (bfloat16 ones travel as they are);
             the server applies the decoded update. Stochastic int8 rounding draws from
             :attr:`rng`.
+        error_feedback : bool
+            With a codec: add what the codec lost on this server's earlier pushes (the
+            residual kept here per tensor name, :meth:`feedback`) to this update before
+            encoding it, and keep what it loses now (Seide et al. 2014): the decoded pushes sum
+            to the updates minus the last residual. A push with another codec starts afresh.
 
         Returns
         -------
@@ -234,22 +242,45 @@ class Worker:
         _check_base_version(base)
         chosen = self._job_codec if codec is None else parse_codec(codec)
         self._check_update(server, update)
+        feedback = self._feedback_for(server, chosen) if error_feedback else None
         stager = self._staging(update)
         if stager is None:
-            return self._push(server, update, norm, base, chosen)
+            return self._push(server, update, norm, base, chosen, feedback)
         # CUDA tensors: copied on a side stream into pinned buffers; only their event is waited for
         staged = stager.to_host(update)
         try:
-            return self._push(server, staged.wait(), norm, base, chosen)
+            return self._push(server, staged.wait(), norm, base, chosen, feedback)
         finally:
             staged.release()  # the bytes are in the update's memfd now
 
+    def feedback(self, server: str) -> ErrorFeedback | None:
+        """The error feedback of pushes to ``server`` (its residual per tensor name), if any."""
+        return self._feedback.get(server)
+
+    def _feedback_for(self, server: str, codec: WireCodec | None) -> ErrorFeedback | None:
+        """The error feedback of ``server``'s pushes with ``codec`` (a new one for a new codec)."""
+        if codec is None:
+            return None
+        kept = self._feedback.get(server)
+        if kept is None or kept.codec != codec:
+            kept = self._feedback[server] = ErrorFeedback(codec)
+        return kept
+
     def _push(
-        self, server: str, update: Tensors, norm: float | None, base: int, codec: WireCodec | None
+        self,
+        server: str,
+        update: Tensors,
+        norm: float | None,
+        base: int,
+        codec: WireCodec | None,
+        feedback: ErrorFeedback | None = None,
     ) -> PushHandle:
         if norm is None:
             norm = tcodec.l2_norm(update)
-        words, encoded = (update, None) if codec is None else encode_update(update, codec, self.rng)
+        if codec is None:
+            words, encoded = update, None
+        else:
+            words, encoded = encode_update(update, codec, self.rng, feedback)
         buf, layouts, total, crc = tensorio.encode_pooled(self._buffers, words, crc=True, encoded=encoded)
         # lost connection: the daemon may still read the buffer, so it is never reused
         handle = PushHandle(server, on_final=lambda lost: buf.discard() if lost else buf.release())

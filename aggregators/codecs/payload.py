@@ -41,6 +41,7 @@ import numpy as np
 
 from mlfabric.aggregators.codecs.base import FLOAT_DTYPES, CodecError, Encoded
 from mlfabric.aggregators.codecs.casts import Bf16Codec, Fp16Codec
+from mlfabric.aggregators.codecs.feedback import ErrorFeedback
 from mlfabric.aggregators.codecs.int8 import Int8Codec, check_scales
 from mlfabric.aggregators.kernels import bf16_to_f32
 from mlfabric.wire.tensors import (
@@ -188,7 +189,10 @@ def encoding_of(enc: Encoded, codec: WireCodec) -> Encoding:
 
 
 def encode_update(
-    tensors: Mapping[str, object], codec: WireCodec, rng: np.random.Generator | None = None
+    tensors: Mapping[str, object],
+    codec: WireCodec,
+    rng: np.random.Generator | None = None,
+    feedback: ErrorFeedback | None = None,
 ) -> tuple[dict[str, object], dict[str, tuple[str, tuple[int, ...], Encoding]]]:
     """Encode a push's tensors with ``codec`` for :func:`~mlfabric.wire.tensors.plan_layout`.
 
@@ -200,6 +204,9 @@ def encode_update(
         The codec (a stochastic int8 needs ``rng``).
     rng : numpy.random.Generator, optional
         For stochastic rounding.
+    feedback : ErrorFeedback, optional
+        Error feedback (its codec is ``codec``): each tensor is sent with its residual added,
+        and the new residuals are kept once every tensor was encoded.
 
     Returns
     -------
@@ -216,6 +223,7 @@ def encode_update(
     """
     words: dict[str, object] = {}
     encoded: dict[str, tuple[str, tuple[int, ...], Encoding]] = {}
+    residuals: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         dtype = dtype_name(value)
         if dtype not in FLOAT_DTYPES or (dtype == "float16" and not isinstance(codec, Int8Codec)):
@@ -223,11 +231,17 @@ def encode_update(
             continue
         array = _as_numpy(value)
         try:
-            enc = codec.encode(array, rng=rng)
+            if feedback is None:
+                enc = codec.encode(array, rng=rng)
+            else:
+                enc, residuals[name] = feedback.step(name, array, rng=rng)
         except CodecError as exc:
             raise CodecError(exc.field, f"tensor {name!r} ({codec_spec(codec)}): {_message(exc)}") from None
         words[name] = enc.payload
         encoded[name] = (dtype, tuple(int(d) for d in array.shape), encoding_of(enc, codec))
+    for name, residual in residuals.items():
+        assert feedback is not None
+        feedback.keep(name, residual)
     return words, encoded
 
 

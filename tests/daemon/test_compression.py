@@ -108,6 +108,42 @@ def test_stochastic_int8_stays_within_its_scale(served: dict[str, Any]) -> None:
         assert np.abs(server.model[name] - (MODEL[name] - update[name])).max() < 4 / 127
 
 
+def test_error_feedback_sends_what_the_codec_lost_on_the_next_push(served: dict[str, Any]) -> None:
+    worker, server = served["worker"], served["server"]
+    spec, pushes = "int8:bound=1,stochastic=0", 12
+    g: dict[str, np.ndarray] = {
+        "w": np.random.default_rng(5).uniform(-0.9, 0.9, (20, 30)),
+        "b": np.full(8, 38.45 / 127, np.float32),  # 0.45 of a scale lost per push
+    }
+    for _ in range(pushes):
+        assert worker.push("ps0", g, codec=spec, error_feedback=True).wait(10).applied
+    feedback = worker.feedback("ps0")
+    assert feedback is not None and feedback.codec == parse_codec(spec)
+    for name in MODEL:  # sent = pushes * g - the last residual: off by at most half a scale
+        residual = feedback.residual(name)
+        assert residual is not None and np.abs(residual).max() <= 0.5 / 127 + 1e-6
+        np.testing.assert_allclose(server.model[name], MODEL[name] - pushes * g[name] + residual, atol=1e-5)
+    # without it the same rounding error adds up push after push
+    for _ in range(pushes):
+        assert worker.push("ps0", g, codec=spec).wait(10).applied
+    drift = np.abs(server.model["b"] - (MODEL["b"] - 2 * pushes * g["b"])).max()
+    assert drift > 5 * 0.5 / 127
+
+
+def test_a_push_refused_while_encoding_keeps_the_residuals(served: dict[str, Any]) -> None:
+    worker = served["worker"]
+    g = _update(1)
+    assert worker.push("ps0", g, codec="int8:bound=4,stochastic=0", error_feedback=True).wait(10).applied
+    feedback = worker.feedback("ps0")
+    assert feedback is not None
+    before = {name: np.array(feedback.residual(name)) for name in MODEL}
+    bad = {"w": g["w"], "b": np.full(8, np.inf, np.float32)}  # "w" encodes, "b" cannot
+    with pytest.raises(ValueError, match="tensor 'b'"):
+        worker.push("ps0", bad, codec="int8:bound=4,stochastic=0", error_feedback=True)
+    for name in MODEL:
+        np.testing.assert_array_equal(feedback.residual(name), before[name])
+
+
 @pytest.mark.parametrize("served", [mlfabric.Params(compression="fp16")], indirect=True)
 def test_the_jobs_compression_is_the_default_and_a_push_may_choose_none(served: dict[str, Any]) -> None:
     worker, server = served["worker"], served["server"]
