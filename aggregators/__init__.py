@@ -7,6 +7,7 @@ and bfloat16 accumulated in float32). The daemons run them: an aggregator hop's 
 :mod:`mlfabric.scheduler.policies.aggregation`.
 
 :mod:`mlfabric.aggregators.codecs` holds the codecs whose payloads an aggregator can still sum
-(fp16, bf16, int8, top-k, random-k, error feedback; ``docs/compression.md``); the daemons do not
-use them yet.
+(fp16, bf16, int8, top-k, random-k, error feedback; ``docs/compression.md``); fp16, bf16 and
+int8 travel on the wire (:mod:`~mlfabric.aggregators.codecs.payload`) and aggregator hops sum
+encoded members (:mod:`~mlfabric.aggregators.codecs.payloadsum`).
 """

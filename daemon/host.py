@@ -267,6 +267,7 @@ class Daemon:
             fallback_after=config.fallback_after,
             push_timeout=config.push_timeout,
             budget_timeout=config.io_timeout,
+            on_push=self._counters.push,
         )
         self.aggregator = AggregatorRole(
             ctx,

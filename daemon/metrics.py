@@ -31,6 +31,13 @@ host in the ``host`` label so one dashboard query covers the cluster:
   fetched (``local_hits``, ``peer_hits``, ``fetches``, ``joined``, ``relay_fallbacks``,
   ``server_gets``, ``relayed``, ``not_kept``; docs/model-relays.md), and
   ``mlfabric_daemon_model_cache_bytes{host}``: bytes of the models kept in the cache
+- ``mlfabric_daemon_pushes_total{host,codec}``: pushes taken from this host's training
+  processes by codec (``none``, ``fp16``, ``bf16``, ``int8``; docs/compression.md), with
+  ``mlfabric_daemon_push_bytes_total{host,codec}`` their payload bytes (on the wire) and
+  ``mlfabric_daemon_push_raw_bytes_total{host,codec}`` their tensors' bytes uncompressed
+- ``mlfabric_daemon_update_bytes_received_total{host,codec}`` and
+  ``mlfabric_daemon_update_raw_bytes_received_total{host,codec}``: the same for the UPDATE
+  frames (updates and aggregates) received here: an aggregator hop's or a server's ingress
 """
 
 from __future__ import annotations
@@ -172,6 +179,35 @@ class DaemonCollector(Collector):
                 "models kept in the cache",
                 [],
                 s.models.get("bytes", 0),
+            ),
+            (
+                C,
+                "mlfabric_daemon_pushes",
+                "pushes from training processes, by codec",
+                ["codec"],
+                s.pushes,
+            ),
+            (C, "mlfabric_daemon_push_bytes", "their payload bytes (on the wire)", ["codec"], s.push_bytes),
+            (
+                C,
+                "mlfabric_daemon_push_raw_bytes",
+                "their tensors' bytes uncompressed",
+                ["codec"],
+                s.push_raw_bytes,
+            ),
+            (
+                C,
+                "mlfabric_daemon_update_bytes_received",
+                "payload bytes of the updates and aggregates received, by codec",
+                ["codec"],
+                s.update_bytes_received,
+            ),
+            (
+                C,
+                "mlfabric_daemon_update_raw_bytes_received",
+                "their tensors' bytes uncompressed",
+                ["codec"],
+                s.update_raw_bytes_received,
             ),
         ]
         for kind, name, doc, labels, values in rows:

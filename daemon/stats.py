@@ -14,12 +14,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlfabric.aggregators.codecs.payload import wire_summary
 from mlfabric.daemon.channels.routing import FrameRoute, names_aggregate
-from mlfabric.proto.v1 import control_pb2
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
 __all__ = ["Counters", "DaemonStats"]
 
 _OUTCOMES = {control_pb2.OUTCOME_APPLIED: "applied", control_pb2.OUTCOME_DROPPED: "dropped"}
+_UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,15 @@ class DaemonStats:
     models : dict
         The model gets (:meth:`~mlfabric.daemon.roles.relay.role.ModelRelays.stats`): cache
         hits, fetches sent upstream, relay fallbacks, GETs answered, the cache's size.
+    pushes : dict
+        Codec (``none``, ``fp16``, ``bf16``, ``int8``; docs/compression.md) -> pushes this
+        daemon took from its training processes.
+    push_bytes, push_raw_bytes : dict
+        Codec -> those pushes' payload bytes (what goes on the wire), and what their tensors
+        take uncompressed.
+    update_bytes_received, update_raw_bytes_received : dict
+        Codec -> payload bytes of the UPDATE frames received (updates and aggregates, at an
+        aggregator hop or a server's daemon), and what their tensors take uncompressed.
     """
 
     host: str
@@ -77,6 +88,11 @@ class DaemonStats:
     inflight_bytes: dict[str, int] = field(default_factory=dict)
     pool_idle_bytes: int = 0
     models: dict[str, int] = field(default_factory=dict)
+    pushes: dict[str, int] = field(default_factory=dict)
+    push_bytes: dict[str, int] = field(default_factory=dict)
+    push_raw_bytes: dict[str, int] = field(default_factory=dict)
+    update_bytes_received: dict[str, int] = field(default_factory=dict)
+    update_raw_bytes_received: dict[str, int] = field(default_factory=dict)
 
 
 class Counters:
@@ -89,6 +105,10 @@ class Counters:
     >>> s = c.snapshot("w0")
     >>> s.sent_bytes, s.transfers
     ({'ps': 512}, {'ok': 1, 'failed': 0})
+    >>> from mlfabric.tensors import Encoding, Layout
+    >>> c.push([Layout("w", "float32", (256,), 0, 512, Encoding("fp16", "float16"))], 512)
+    >>> s = c.snapshot("w0"); s.pushes, s.push_bytes, s.push_raw_bytes
+    ({'fp16': 1}, {'fp16': 512}, {'fp16': 1024})
     """
 
     def __init__(self) -> None:
@@ -102,6 +122,19 @@ class Counters:
         self._frames = 0
         self._members = 0
         self._member_bytes = 0
+        self._pushes: collections.Counter[str] = collections.Counter()
+        self._push_bytes: collections.Counter[str] = collections.Counter()
+        self._push_raw: collections.Counter[str] = collections.Counter()
+        self._update_bytes: collections.Counter[str] = collections.Counter()
+        self._update_raw: collections.Counter[str] = collections.Counter()
+
+    def push(self, layouts: Any, payload_bytes: int) -> None:
+        """Count one push taken from a training process (its tensors' layouts, its payload's size)."""
+        codec, raw = wire_summary(layouts)
+        with self._lock:
+            self._pushes[codec] += 1
+            self._push_bytes[codec] += payload_bytes
+            self._push_raw[codec] += raw
 
     def report(self, report: Any) -> None:
         """Count one ``TransferReport`` the daemon sends to the scheduler."""
@@ -127,6 +160,11 @@ class Counters:
                 self._member_bytes += header.payload_bytes
             if header.payload_bytes:
                 self._received_bytes[header.src_host or "unknown"] += header.payload_bytes
+        if header.kind == _UPDATE and header.tensors and not header.HasField("allreduce"):
+            codec, raw = wire_summary(header.tensors)
+            with self._lock:
+                self._update_bytes[codec] += header.payload_bytes
+                self._update_raw[codec] += raw
 
     def snapshot(self, host: str, **gauges: Any) -> DaemonStats:
         """The counts now, with the daemon's ``gauges`` (the other :class:`DaemonStats` fields)."""
@@ -142,5 +180,10 @@ class Counters:
                 received_frames=self._frames,
                 aggregate_members=self._members,
                 aggregate_member_bytes=self._member_bytes,
+                pushes=dict(self._pushes),
+                push_bytes=dict(self._push_bytes),
+                push_raw_bytes=dict(self._push_raw),
+                update_bytes_received=dict(self._update_bytes),
+                update_raw_bytes_received=dict(self._update_raw),
                 **gauges,
             )

@@ -46,8 +46,12 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
+from mlfabric.aggregators.codecs.feedback import ErrorFeedback
+from mlfabric.aggregators.codecs.payload import WireCodec, encode_update, parse_codec
 from mlfabric.allreduce import DEFAULT_TIMEOUT as ALLREDUCE_TIMEOUT
 from mlfabric.allreduce import AllreduceGroup, AllreduceHandle, join_allreduce, submit_allreduce
 from mlfabric.localclient import (
@@ -145,6 +149,10 @@ class Worker:
         self._buffers = MemfdPool(PUSH_POOL_BYTES, name="mlfabric-update")
         self._allreduce_seqs: dict[str, int] = {}
         self._allreduce_lock = threading.Lock()
+        #: The random bits of stochastic rounding (int8 codecs); replace it to seed pushes.
+        self.rng = np.random.default_rng()
+        self._job_codec = parse_codec(self.params.compression)
+        self._feedback: dict[str, ErrorFeedback] = {}  # server -> residuals of its pushes
         #: Device staging (:class:`mlfabric.torch.staging.Stager`) for CUDA tensors; None: the
         #: process's default, created when a CUDA tensor first comes (tests inject a fake here).
         self.stager: Any = None
@@ -160,7 +168,14 @@ class Worker:
         return default_stager()
 
     def push(
-        self, server: str, update: Tensors, norm: float | None = None, *, base_version: int | None = None
+        self,
+        server: str,
+        update: Tensors,
+        norm: float | None = None,
+        *,
+        base_version: int | None = None,
+        codec: object = None,
+        error_feedback: bool = False,
     ) -> PushHandle:
         """Push an update to ``server`` (asynchronous; paper Table 1, ``push``).
 
@@ -178,6 +193,19 @@ class Worker:
         base_version : int, optional
             The model version the update was computed from (0 or more); default the version
             of the last :meth:`get` from this server (0 before any).
+        codec : str or codec, optional
+            How the update travels (docs/compression.md): ``"none"``, ``"fp16"``, ``"bf16"``,
+            ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (one shared scale
+            ``B / 127``, summed by aggregator hops without decoding; values beyond ``B`` are
+            clipped), or a codec object of those; default the job's ``Params(compression=)``.
+            float16/float32/float64 tensors are encoded (bfloat16 ones travel as they are);
+            the server applies the decoded update. Stochastic int8 rounding draws from
+            :attr:`rng`.
+        error_feedback : bool
+            With a codec: add what the codec lost on this server's earlier pushes (the
+            residual kept here per tensor name, :meth:`feedback`) to this update before
+            encoding it, and keep what it loses now (Seide et al. 2014): the decoded pushes sum
+            to the updates minus the last residual. A push with another codec starts afresh.
 
         Returns
         -------
@@ -188,6 +216,11 @@ class Worker:
 
         Raises
         ------
+        ValueError
+            An unknown codec or a bad codec parameter (naming it and the known codecs); a
+            :class:`~mlfabric.aggregators.codecs.CodecError` (a ValueError) for a value the
+            codec cannot carry (int8: NaN or infinity; fp16: beyond its range), naming the
+            tensor. Both before anything is sent.
         TypeError
             ``update`` is not a dict (mapping) of name -> tensor.
         TensorError
@@ -207,21 +240,48 @@ class Worker:
         """
         base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
         _check_base_version(base)
+        chosen = self._job_codec if codec is None else parse_codec(codec)
         self._check_update(server, update)
+        feedback = self._feedback_for(server, chosen) if error_feedback else None
         stager = self._staging(update)
         if stager is None:
-            return self._push(server, update, norm, base)
+            return self._push(server, update, norm, base, chosen, feedback)
         # CUDA tensors: copied on a side stream into pinned buffers; only their event is waited for
         staged = stager.to_host(update)
         try:
-            return self._push(server, staged.wait(), norm, base)
+            return self._push(server, staged.wait(), norm, base, chosen, feedback)
         finally:
             staged.release()  # the bytes are in the update's memfd now
 
-    def _push(self, server: str, update: Tensors, norm: float | None, base: int) -> PushHandle:
+    def feedback(self, server: str) -> ErrorFeedback | None:
+        """The error feedback of pushes to ``server`` (its residual per tensor name), if any."""
+        return self._feedback.get(server)
+
+    def _feedback_for(self, server: str, codec: WireCodec | None) -> ErrorFeedback | None:
+        """The error feedback of ``server``'s pushes with ``codec`` (a new one for a new codec)."""
+        if codec is None:
+            return None
+        kept = self._feedback.get(server)
+        if kept is None or kept.codec != codec:
+            kept = self._feedback[server] = ErrorFeedback(codec)
+        return kept
+
+    def _push(
+        self,
+        server: str,
+        update: Tensors,
+        norm: float | None,
+        base: int,
+        codec: WireCodec | None,
+        feedback: ErrorFeedback | None = None,
+    ) -> PushHandle:
         if norm is None:
             norm = tcodec.l2_norm(update)
-        buf, layouts, total, crc = tensorio.encode_pooled(self._buffers, update, crc=True)
+        if codec is None:
+            words, encoded = update, None
+        else:
+            words, encoded = encode_update(update, codec, self.rng, feedback)
+        buf, layouts, total, crc = tensorio.encode_pooled(self._buffers, words, crc=True, encoded=encoded)
         # lost connection: the daemon may still read the buffer, so it is never reused
         handle = PushHandle(server, on_final=lambda lost: buf.discard() if lost else buf.release())
         push = local_pb2.PushRequest(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlfabric.aggregators.codecs.payload import codec_spec, parse_codec
 from mlfabric.proto.v1 import control_pb2
 
 __all__ = ["Params"]
@@ -33,6 +34,12 @@ class Params:
     refuse_non_finite : bool
         True (default): the server refuses (DROPPED, naming the tensor) an update holding a
         NaN or an infinity instead of applying it to the model. False: such updates are applied.
+    compression : str or None
+        The codec the job's workers push with unless a push names its own
+        (``push(..., codec=...)``; docs/compression.md): None or ``"none"``, ``"fp16"``,
+        ``"bf16"``, ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (a shared
+        scale ``B / 127``: aggregator hops sum the words without decoding). Checked here: an
+        unknown codec or a bad parameter is a ValueError naming it and the known ones.
 
     Examples
     --------
@@ -44,14 +51,22 @@ class Params:
     4
     >>> Params.from_pb(Params(refuse_non_finite=False).to_pb()).refuse_non_finite
     False
+    >>> Params.from_pb(Params(compression="int8:bound=4").to_pb()).compression
+    'int8:bound=4.0'
+    >>> Params(compression="zstd")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown codec 'zstd' (known: none, bf16, fp16, int8)
     """
 
     tau_max: int | None = None
     div_max: float | None = None
     sync_workers: int = 0
     refuse_non_finite: bool = True
+    compression: str | None = None
 
     def __post_init__(self) -> None:
+        parse_codec(self.compression)  # a ValueError naming the codec and the known ones
         if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
             raise ValueError(f"tau_max must be an integer >= 0 or None (unbounded), got {self.tau_max!r}")
         if self.div_max is not None and not float(self.div_max) >= 0:
@@ -70,6 +85,7 @@ class Params:
             div_max=0.0 if self.div_max is None else float(self.div_max),
             sync_workers=int(self.sync_workers),
             allow_non_finite=not self.refuse_non_finite,
+            compression=codec_spec(parse_codec(self.compression)),
         )
 
     @classmethod
@@ -80,4 +96,5 @@ class Params:
             div_max=None if message.div_max <= 0 else float(message.div_max),
             sync_workers=int(message.sync_workers),
             refuse_non_finite=not message.allow_non_finite,
+            compression=message.compression or None,
         )

@@ -19,6 +19,7 @@ from typing import Any
 
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
+from mlfabric.aggregators.codecs import CodecError
 from mlfabric.localclient import LocalClient, MlfabricError, check_size, connect, raise_for_error
 from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, local_pb2
@@ -280,7 +281,11 @@ class Server:
                 os.close(fd)
             self._drop(verdict, refusal)
             return
-        update, mapping = tensorio.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
+        try:  # compressed tensors are decoded here (docs/compression.md)
+            update, mapping = tensorio.from_fd(deliver.tensors, fd, as_torch=self._as_torch, mapped=True)
+        except CodecError as exc:  # a payload that does not decode: refused, the model untouched
+            self._drop(verdict, f"update {deliver.update_id} does not decode: {exc}")
+            return
         # the fallback: the daemon tests payloads in its CRC pass (finite_checked); one it could
         # not check (a synchronous round summed in the daemon) is read here
         bad = (

@@ -21,6 +21,7 @@ import numpy as np
 from mlfabric.wire import _native
 from mlfabric.wire.tensors import (
     DTYPES,
+    Encoding,
     Layout,
     TensorError,
     _as_numpy,
@@ -108,17 +109,31 @@ def write_fd(fd: int, tensors: Mapping[str, object], layouts: Sequence[Layout]) 
 
 @overload
 def encode_pooled(
-    pool: Any, tensors: Mapping[str, object], *, crc: Literal[False] = False
+    pool: Any,
+    tensors: Mapping[str, object],
+    *,
+    crc: Literal[False] = False,
+    encoded: Mapping[str, tuple[str, tuple[int, ...], Encoding]] | None = None,
 ) -> tuple[Any, list[Layout], int]: ...
 
 
 @overload
 def encode_pooled(
-    pool: Any, tensors: Mapping[str, object], *, crc: Literal[True]
+    pool: Any,
+    tensors: Mapping[str, object],
+    *,
+    crc: Literal[True],
+    encoded: Mapping[str, tuple[str, tuple[int, ...], Encoding]] | None = None,
 ) -> tuple[Any, list[Layout], int, int]: ...
 
 
-def encode_pooled(pool: Any, tensors: Mapping[str, object], *, crc: bool = False) -> tuple[Any, ...]:
+def encode_pooled(
+    pool: Any,
+    tensors: Mapping[str, object],
+    *,
+    crc: bool = False,
+    encoded: Mapping[str, tuple[str, tuple[int, ...], Encoding]] | None = None,
+) -> tuple[Any, ...]:
     """Write the tensors into a recycled memfd from ``pool`` (one copy, no new pages once warm).
 
     Parameters
@@ -131,6 +146,8 @@ def encode_pooled(pool: Any, tensors: Mapping[str, object], *, crc: bool = False
         Also compute the payload's CRC-32, piece by piece right behind the copy
         (:func:`mlfabric.wire._native.copy_crc`; a fresh buffer is filled with ``pwrite``, which
         faults no pages in, and the CRC-32 read from the tensors).
+    encoded : Mapping[str, (dtype, shape, Encoding)], optional
+        The tensors whose value is a codec's words (:func:`~mlfabric.wire.tensors.plan_layout`).
 
     Returns
     -------
@@ -158,7 +175,7 @@ def encode_pooled(pool: Any, tensors: Mapping[str, object], *, crc: bool = False
     True
     >>> buf.release(); pool.close()
     """
-    layouts, total = plan_layout(tensors)
+    layouts, total = plan_layout(tensors, encoded)
     buf = pool.allocate(total)
     checksum = 0
     try:

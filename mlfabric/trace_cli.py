@@ -129,7 +129,7 @@ def _update_events(events: Sequence[Any], first_pid: int, origin: float) -> list
         }
         for job, p in pid.items()
     ]
-    ready: dict[str, float] = {}
+    ready: dict[str, tuple[float, str]] = {}  # update id -> when it was announced, its codec
     for e in events:
         job = job_of.get(e.update_id, "")
         p = pid[job]
@@ -150,11 +150,12 @@ def _update_events(events: Sequence[Any], first_pid: int, origin: float) -> list
         tid = tids[e.update_id]
         route = "->".join(e.path)
         if e.kind == _READY:
-            ready[e.update_id] = e.start
+            ready[e.update_id] = (e.start, e.codec)
         elif e.kind == _PLANNED:
-            since = ready.pop(e.update_id, None)
+            since, codec = ready.pop(e.update_id, (None, ""))
             if since is not None and e.start > since:
-                out.append(_x("queued", p, tid, since, e.start, origin, worker_to_server=route))
+                extra = {"codec": codec} if codec else {}
+                out.append(_x("queued", p, tid, since, e.start, origin, worker_to_server=route, **extra))
             name = "planned aggregate" if e.aggregate else "planned"
             if e.end > e.start:
                 rate = e.bytes / (e.end - e.start)

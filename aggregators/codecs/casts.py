@@ -45,6 +45,7 @@ class _CastCodec:
 
     name: ClassVar[str]
     payload_dtype: ClassVar[np.dtype[np.generic]]
+    payload_dtypes: ClassVar[tuple[str, ...]]
     summable: ClassVar[bool] = True
     randomised: ClassVar[bool] = False
 
@@ -74,7 +75,7 @@ class _CastCodec:
         return self._encode_flat(flat, array.dtype.name, tuple(array.shape), 1, "array")
 
     def _check(self, encoded: Encoded) -> Encoded:
-        return check_encoded(encoded, self.name, (self.payload_dtype.name,))
+        return check_encoded(encoded, self.name, self.payload_dtypes)
 
     def decode(self, encoded: Encoded) -> np.ndarray:
         """The tensor back, in its original dtype and shape.
@@ -157,6 +158,7 @@ class Fp16Codec(_CastCodec):
 
     name: ClassVar[str] = "fp16"
     payload_dtype: ClassVar[np.dtype[np.generic]] = np.dtype("float16")
+    payload_dtypes: ClassVar[tuple[str, ...]] = ("float16",)
 
     def _narrow(self, src: np.ndarray, out: np.ndarray, what: str) -> None:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -188,6 +190,7 @@ class Bf16Codec(_CastCodec):
 
     name: ClassVar[str] = "bf16"
     payload_dtype: ClassVar[np.dtype[np.generic]] = np.dtype("uint16")
+    payload_dtypes: ClassVar[tuple[str, ...]] = ("uint16",)
 
     def _narrow(self, src: np.ndarray, out: np.ndarray, what: str) -> None:
         f32_to_bf16(src if src.dtype == np.float32 else src.astype(np.float32), out)

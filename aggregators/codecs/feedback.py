@@ -114,8 +114,23 @@ class ErrorFeedback:
             ``array``'s shape is not the one this name had (field ``residual``): call
             :meth:`reset` first if the tensor changed.
         """
-        encoded, self._residuals[name] = compensate(self.codec, array, self._residuals.get(name), rng=rng)
+        encoded, residual = self.step(name, array, rng=rng)
+        self.keep(name, residual)
         return encoded
+
+    def step(
+        self, name: str, array: np.ndarray, *, rng: np.random.Generator | None = None
+    ) -> tuple[Encoded, np.ndarray]:
+        """:meth:`encode` without keeping the new residual: ``(encoded, residual)``; :meth:`keep` it.
+
+        For a sender that encodes several tensors and keeps their residuals only once all of
+        them were encoded (a push refused half-way leaves the residuals as they were).
+        """
+        return compensate(self.codec, array, self._residuals.get(name), rng=rng)
+
+    def keep(self, name: str, residual: np.ndarray) -> None:
+        """Keep ``residual`` (from :meth:`step`) as tensor ``name``'s."""
+        self._residuals[name] = residual
 
     def residual(self, name: str) -> np.ndarray | None:
         """Tensor ``name``'s residual (float32), None before its first update."""

@@ -49,7 +49,7 @@ from mlfabric.aggregators.codecs.base import (
     frozen,
 )
 
-__all__ = ["Int8Codec", "block_count"]
+__all__ = ["Int8Codec", "block_count", "check_scales"]
 
 _QMAX = 127
 #: the smallest normal float32: a scale below it would have an infinite inverse
@@ -115,17 +115,40 @@ def _non_finite(values: np.ndarray, offset: int, what: str) -> CodecError:
 
 
 def _check_scales(encoded: Encoded) -> np.ndarray:
-    if not isinstance(encoded.block, int | np.integer) or encoded.block < 0:
-        raise CodecError("block", f"expected an int >= 0, got {encoded.block!r}")
-    scales = encoded.scales
+    return check_scales(encoded.scales, encoded.block, encoded.size)
+
+
+def check_scales(scales: object, block: object, size: int) -> np.ndarray:
+    """Check an int8 tensor's scales: one float32 per ``block`` elements of ``size``, finite, >= 0.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``scales``, checked.
+
+    Raises
+    ------
+    CodecError
+        Naming ``block`` or ``scales``: a count that does not match, a NaN, an infinity, a
+        negative scale, not a 1-D float32 array.
+
+    Examples
+    --------
+    >>> check_scales(np.array([0.5, np.nan], np.float32), 4, 8)
+    Traceback (most recent call last):
+    ...
+    mlfabric.aggregators.codecs.base.CodecError: scales: scale 1 is nan, expected a finite value >= 0
+    """
+    if not isinstance(block, int | np.integer) or block < 0:
+        raise CodecError("block", f"expected an int >= 0, got {block!r}")
     if not isinstance(scales, np.ndarray):
         raise CodecError("scales", f"expected a float32 array, got {type(scales).__name__}")
     if scales.dtype != np.float32 or scales.ndim != 1:
         raise CodecError("scales", f"expected a 1-D float32 array, got {scales.ndim}-D {scales.dtype}")
-    expected = block_count(encoded.size, int(encoded.block))
+    expected = block_count(size, int(block))
     if scales.size != expected:
-        per = "one per block of " + str(encoded.block) if encoded.block else "one for the tensor"
-        raise CodecError("scales", f"expected {expected} ({per}, {encoded.size} elements), got {scales.size}")
+        per = "one per block of " + str(block) if block else "one for the tensor"
+        raise CodecError("scales", f"expected {expected} ({per}, {size} elements), got {scales.size}")
     bad = ~(np.isfinite(scales) & (scales >= 0))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
@@ -201,6 +224,8 @@ class Int8Codec:
     bound: float | None = None
     stochastic: bool = True
     name: ClassVar[str] = "int8"
+    #: the payload's dtypes: int8 words; a shared-scale sum narrowed to int16 or int32
+    payload_dtypes: ClassVar[tuple[str, ...]] = ("int8", "int16", "int32")
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, int) or self.block < 0:
@@ -287,7 +312,7 @@ class Int8Codec:
         )
 
     def _check(self, encoded: Encoded) -> Encoded:
-        enc = check_encoded(encoded, "int8", ("int8", "int16", "int32"))
+        enc = check_encoded(encoded, "int8", self.payload_dtypes)
         _check_scales(enc)
         _check_range(enc)
         return enc

@@ -41,6 +41,8 @@ from typing import Any, TypeAlias
 
 from google.protobuf.message import DecodeError
 
+from mlfabric.aggregators.codecs import CodecError
+from mlfabric.aggregators.codecs.payload import check_encoding
 from mlfabric.daemon.channels.payloadio import (
     RECV_PIECE_BYTES,
     FileSpan,
@@ -59,7 +61,7 @@ from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.daemon.channels.sockets import io_timeout
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire import _native
-from mlfabric.wire.tensors import pack_layout
+from mlfabric.wire.tensors import pack_layout, words_dtype
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -101,6 +103,7 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 _SMALL_BYTES = 64 * 1024
 _KINDS = frozenset(k for k in dataplane_pb2.FrameKind.values() if k)
 _MODEL_KIND = dataplane_pb2.FRAME_KIND_MODEL
+_UPDATE_KIND = dataplane_pb2.FRAME_KIND_UPDATE
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,11 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
 
     The layout rules: every tensor has a known dtype, non-negative dims and
     ``nbytes == prod(shape) * itemsize``; tensors lie inside the payload, do not overlap, and
-    together cover exactly ``payload_bytes`` (a non-empty payload must be described).
+    together cover exactly ``payload_bytes`` (a non-empty payload must be described). A tensor
+    travelling encoded (an UPDATE's only) counts its words' itemsize, and its encoding passes
+    :func:`~mlfabric.aggregators.codecs.payload.check_encoding` (a known codec, scales of the
+    right count, finite, >= 0, the shared scale its bound gives) and sums at most the frame's
+    ``num_updates``.
 
     Parameters
     ----------
@@ -286,18 +293,31 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
         size = header.model_bytes
     spans: list[tuple[int, int, str]] = []
     for t in header.tensors:
-        itemsize = DTYPE_ITEMSIZE.get(t.dtype)
-        if itemsize is None:
-            raise FrameError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
         count = 1
         for dim in t.shape:
             if dim < 0:
                 raise FrameError(f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}")
             count *= dim
+        if t.HasField("encoding"):  # compressed: its bytes are the codec's words (docs/compression.md)
+            if header.kind != _UPDATE_KIND:
+                raise FrameError(f"tensor {t.name!r}: only an UPDATE's tensors travel encoded")
+            try:
+                check_encoding(t)
+            except CodecError as exc:
+                raise FrameError(f"bad encoding: {exc}") from None
+            if t.encoding.members > max(1, header.num_updates):
+                raise FrameError(
+                    f"tensor {t.name!r}: its words sum {t.encoding.members} updates, the frame carries "
+                    f"{max(1, header.num_updates)}"
+                )
+        words = words_dtype(t)
+        itemsize = DTYPE_ITEMSIZE.get(words)
+        if itemsize is None:
+            raise FrameError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
         if count * itemsize != t.nbytes:
             raise FrameError(
                 f"tensor {t.name!r}: nbytes {t.nbytes} != {count} elements x {itemsize} bytes "
-                f"({t.dtype}, shape {list(t.shape)})"
+                f"({words}, shape {list(t.shape)})"
             )
         if t.offset + t.nbytes > size:
             raise FrameError(

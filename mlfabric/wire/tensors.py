@@ -28,7 +28,7 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,8 @@ from mlfabric.wire.errors import MlfabricError
 __all__ = [
     "DTYPES",
     "LAYOUT_KINDS",
+    "WORD_DTYPES",
+    "Encoding",
     "Layout",
     "Spec",
     "TensorError",
@@ -47,11 +49,13 @@ __all__ = [
     "dtype_name",
     "encode_into",
     "first_non_finite",
+    "is_encoded",
     "l2_norm",
     "layouts_from_pb",
     "layouts_to_pb",
     "pack_layout",
     "plan_layout",
+    "words_dtype",
 ]
 
 #: dtype name -> numpy dtype the bytes are viewed as (bfloat16: raw uint16 words).
@@ -82,15 +86,75 @@ class TensorError(MlfabricError, ValueError):
         super().__init__(message, code)
 
 
+#: numpy dtypes of an encoded tensor's words (``TensorEncoding.words``; docs/compression.md)
+WORD_DTYPES: dict[str, np.dtype[Any]] = {
+    "float16": np.dtype("<f2"),
+    "uint16": np.dtype("<u2"),
+    "int8": np.dtype("i1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+}
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How an encoded tensor's words read (mirrors ``TensorEncoding`` in ``dataplane.proto``).
+
+    Plain data: the codecs (:mod:`mlfabric.aggregators.codecs.payload`) check and read it.
+    ``scales`` are float32 values as Python floats (int8), ``bound`` 0 for own scales.
+    """
+
+    codec: str
+    words: str
+    scales: tuple[float, ...] = ()
+    block: int = 0
+    bound: float = 0.0
+    members: int = 1
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Where one tensor sits in a payload (mirrors ``TensorLayout`` in ``dataplane.proto``)."""
+    """Where one tensor sits in a payload (mirrors ``TensorLayout`` in ``dataplane.proto``).
+
+    ``dtype`` is the tensor's own dtype; with an ``encoding`` the ``nbytes`` at ``offset`` are
+    the codec's words (:func:`words_dtype`), one per element.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    encoding: Encoding | None = None
+
+
+def words_dtype(layout: Any) -> str:
+    """The dtype of the bytes a layout (:class:`Layout` or ``TensorLayout``) describes.
+
+    The tensor's dtype, or its encoding's words when it travels encoded.
+
+    Examples
+    --------
+    >>> words_dtype(Layout("w", "float32", (2,), 0, 2, Encoding("int8", "int8", (0.1,))))
+    'int8'
+    >>> words_dtype(Layout("w", "float32", (2,), 0, 8))
+    'float32'
+    """
+    return str(layout.encoding.words) if is_encoded(layout) else str(layout.dtype)
+
+
+def is_encoded(layout: Any) -> bool:
+    """Whether a :class:`Layout` or ``TensorLayout`` message travels encoded.
+
+    Examples
+    --------
+    >>> plain = Layout("w", "float32", (2,), 0, 8)
+    >>> is_encoded(plain), is_encoded(layouts_to_pb([plain])[0])
+    (False, False)
+    """
+    if isinstance(layout, Layout):
+        return layout.encoding is not None
+    return bool(layout.HasField("encoding"))
 
 
 def _is_torch(value: object) -> bool:
@@ -150,13 +214,19 @@ def _as_numpy(value: object) -> np.ndarray:
     return np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
 
 
-def plan_layout(tensors: Mapping[str, object]) -> tuple[list[Layout], int]:
+def plan_layout(
+    tensors: Mapping[str, object], encoded: Mapping[str, tuple[str, tuple[int, ...], Encoding]] | None = None
+) -> tuple[list[Layout], int]:
     """Lay the tensors out in one payload, back to back in the dict's order.
 
     Parameters
     ----------
     tensors : Mapping[str, numpy.ndarray or torch.Tensor]
         The update or model.
+    encoded : Mapping[str, (dtype, shape, Encoding)], optional
+        The tensors that travel encoded: their value in ``tensors`` is the codec's words (a
+        1-D numpy array of the encoding's ``words`` dtype), laid out with the tensor's own
+        dtype and shape (:mod:`mlfabric.aggregators.codecs.payload`).
 
     Returns
     -------
@@ -176,6 +246,12 @@ def plan_layout(tensors: Mapping[str, object]) -> tuple[list[Layout], int]:
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise TensorError(f"tensor names must be non-empty strings, got {name!r}")
+        if encoded is not None and name in encoded:
+            dtype, shape, encoding = encoded[name]
+            nbytes = int(np.asarray(value).nbytes)
+            layouts.append(Layout(name, dtype, tuple(shape), offset, nbytes, encoding))
+            offset += nbytes
+            continue
         dtype = dtype_name(value)
         shape = tuple(int(d) for d in value.shape)  # type: ignore[attr-defined]
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
@@ -248,9 +324,16 @@ def decode(
     >>> decode(bytes(n), layouts)["x"].shape
     (2, 2)
     """
+    # compressed tensors first, each decoded from a copy of its words (a new array): a payload
+    # that does not decode raises before any view of ``buf`` exists (its mapping can be closed)
+    decoded = {x.name: _decode_encoded(buf, x) for x in layouts if x.encoding is not None}
     view = memoryview(buf).cast("B")
     out: dict[str, Any] = {}
     for layout in layouts:
+        if layout.name in decoded:
+            arr = decoded[layout.name]
+            out[layout.name] = _to_torch(arr, layout.dtype) if as_torch else arr
+            continue
         dtype = DTYPES.get(layout.dtype)
         if dtype is None:
             raise TensorError(f"tensor {layout.name!r}: unknown dtype {layout.dtype!r}")
@@ -265,6 +348,21 @@ def decode(
             arr = arr.copy()
         out[layout.name] = _to_torch(arr, layout.dtype) if as_torch else arr
     return out
+
+
+def _decode_encoded(buf: bytes | bytearray | memoryview | mmap.mmap, layout: Layout) -> np.ndarray:
+    """An encoded tensor of ``buf`` decoded by its codec (:mod:`mlfabric.aggregators.codecs.payload`)."""
+    from mlfabric.aggregators.codecs.payload import decode_layout
+
+    with memoryview(buf) as whole, whole.cast("B") as flat:
+        end = layout.offset + layout.nbytes
+        if end > len(flat):
+            raise TensorError(
+                f"tensor {layout.name!r}: bytes [{layout.offset}, {end}) do not fit a "
+                f"{len(flat)}-byte payload"
+            )
+        words = bytes(flat[layout.offset : end])
+    return decode_layout(replace(layout, offset=0), memoryview(words))
 
 
 def _to_torch(arr: np.ndarray, dtype: str) -> Any:
@@ -310,6 +408,8 @@ def l2_norm(tensors: Mapping[str, object]) -> float:
 
 #: ``kind`` of a dtype in :func:`pack_layout` (the C extension's NaN/inf test; 0: not tested).
 LAYOUT_KINDS: dict[str, int] = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
+#: encoded words -> the :data:`LAYOUT_KINDS` key they are tested as
+_ENCODED_KINDS = {"float16": "float16", "uint16": "bfloat16"}
 _SEGMENT = struct.Struct("<3Q")  # offset, nbytes, kind
 
 
@@ -330,7 +430,14 @@ def pack_layout(layouts: Sequence[Any]) -> bytes:
     >>> len(pack_layout(layouts)), _native.check(buf, 0, n, 0, pack_layout(layouts))[1]
     (48, 1)
     """
-    return b"".join(_SEGMENT.pack(x.offset, x.nbytes, LAYOUT_KINDS.get(x.dtype, 0)) for x in layouts)
+    return b"".join(_SEGMENT.pack(x.offset, x.nbytes, _kind(x)) for x in layouts)
+
+
+def _kind(layout: Any) -> int:
+    """The :data:`LAYOUT_KINDS` value a layout's bytes are tested as (0: not tested)."""
+    if is_encoded(layout):  # fp16 words as float16, bf16 words as bfloat16; int8 words: integers
+        return LAYOUT_KINDS.get(_ENCODED_KINDS.get(str(layout.encoding.words), ""), 0)
+    return LAYOUT_KINDS.get(layout.dtype, 0)
 
 
 def first_non_finite(tensors: Mapping[str, object]) -> str | None:
@@ -388,12 +495,25 @@ def layouts_to_pb(layouts: Sequence[Layout]) -> list[Any]:
     """
     from mlfabric.proto.v1 import dataplane_pb2
 
-    return [
-        dataplane_pb2.TensorLayout(
+    out = []
+    for x in layouts:
+        message = dataplane_pb2.TensorLayout(
             name=x.name, dtype=x.dtype, shape=list(x.shape), offset=x.offset, nbytes=x.nbytes
         )
-        for x in layouts
-    ]
+        e = x.encoding
+        if e is not None:
+            message.encoding.CopyFrom(
+                dataplane_pb2.TensorEncoding(
+                    codec=e.codec,
+                    words=e.words,
+                    scales=e.scales,
+                    block=e.block,
+                    bound=e.bound,
+                    members=e.members,
+                )
+            )
+        out.append(message)
+    return out
 
 
 def layouts_from_pb(messages: Sequence[Any]) -> list[Layout]:
@@ -414,9 +534,17 @@ def layouts_from_pb(messages: Sequence[Any]) -> list[Layout]:
     'float64'
     """
     return [
-        Layout(m.name, m.dtype, tuple(int(d) for d in m.shape), int(m.offset), int(m.nbytes))
+        Layout(m.name, m.dtype, tuple(int(d) for d in m.shape), int(m.offset), int(m.nbytes), _encoding(m))
         for m in messages
     ]
+
+
+def _encoding(message: Any) -> Encoding | None:
+    """The :class:`Encoding` of a ``TensorLayout`` message, None when it travels as it is."""
+    if not message.HasField("encoding"):
+        return None
+    e = message.encoding
+    return Encoding(e.codec, e.words, tuple(e.scales), int(e.block), float(e.bound), int(e.members))
 
 
 #: Model spec: tensor name -> (dtype, shape).

@@ -136,7 +136,7 @@ class TraceRequest(_message.Message):
     def __init__(self, cursor: _Optional[int] = ..., max_events: _Optional[int] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
-    __slots__ = ("seq", "kind", "update_id", "job", "server", "worker", "path", "bytes", "start", "end", "aggregate", "outcome", "reason", "ok", "clock_from_receipt", "version")
+    __slots__ = ("seq", "kind", "update_id", "job", "server", "worker", "path", "bytes", "start", "end", "aggregate", "outcome", "reason", "ok", "clock_from_receipt", "version", "codec")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class TraceEvent(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FROM_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     seq: int
     kind: TraceEventKind
     update_id: str
@@ -169,7 +170,8 @@ class TraceEvent(_message.Message):
     ok: bool
     clock_from_receipt: bool
     version: int
-    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[TraceEventKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., path: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., aggregate: _Optional[bool] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., ok: _Optional[bool] = ..., clock_from_receipt: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    codec: str
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[TraceEventKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., path: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., aggregate: _Optional[bool] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., ok: _Optional[bool] = ..., clock_from_receipt: _Optional[bool] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class TraceReply(_message.Message):
     __slots__ = ("events", "next_cursor", "lost", "now", "capacity")

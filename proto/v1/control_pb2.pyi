@@ -80,16 +80,18 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobParams(_message.Message):
-    __slots__ = ("tau_max", "div_max", "sync_workers", "allow_non_finite")
+    __slots__ = ("tau_max", "div_max", "sync_workers", "allow_non_finite", "compression")
     TAU_MAX_FIELD_NUMBER: _ClassVar[int]
     DIV_MAX_FIELD_NUMBER: _ClassVar[int]
     SYNC_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     tau_max: int
     div_max: float
     sync_workers: int
     allow_non_finite: bool
-    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ..., sync_workers: _Optional[int] = ..., allow_non_finite: _Optional[bool] = ...) -> None: ...
+    compression: str
+    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ..., sync_workers: _Optional[int] = ..., allow_non_finite: _Optional[bool] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class AggregateMember(_message.Message):
     __slots__ = ("update_id", "worker", "base_version", "norm", "src_host", "bytes")
@@ -152,7 +154,7 @@ class UnregisterRole(_message.Message):
     def __init__(self, job: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
-    __slots__ = ("update_id", "job", "server", "worker", "bytes", "norm", "base_version", "ready_at", "resent")
+    __slots__ = ("update_id", "job", "server", "worker", "bytes", "norm", "base_version", "ready_at", "resent", "codec")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +164,7 @@ class UpdateReady(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_AT_FIELD_NUMBER: _ClassVar[int]
     RESENT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     job: str
     server: str
@@ -171,7 +174,8 @@ class UpdateReady(_message.Message):
     base_version: int
     ready_at: float
     resent: bool
-    def __init__(self, update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., ready_at: _Optional[float] = ..., resent: _Optional[bool] = ...) -> None: ...
+    codec: str
+    def __init__(self, update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., ready_at: _Optional[float] = ..., resent: _Optional[bool] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class TransferReport(_message.Message):
     __slots__ = ("update_id", "src_host", "dst_host", "bytes", "start", "end", "throughput", "ok", "error", "outcome", "delay", "server_version", "reason", "member_verdicts")

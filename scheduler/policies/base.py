@@ -57,6 +57,8 @@ class PendingUpdate:
     #: applied already, so it goes whole to the server at once (:class:`DecisionRunner
     #: <mlfabric.scheduler.policies.runner.DecisionRunner>`), never aggregated or dropped
     resent: bool = False
+    #: the codec its payload travels with (``UpdateReady.codec``; "": none), for the trace
+    codec: str = ""
 
 
 @dataclass(frozen=True)

@@ -409,6 +409,7 @@ class SchedulerCore:
                 m.base_version,
                 now=self.clock(),
                 resent=m.resent,
+                codec=m.codec,
             )
         except DuplicateUpdate as exc:
             log.warning("host %s: %s; ignored", session.host, exc)

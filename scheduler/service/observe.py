@@ -343,7 +343,7 @@ class Recorder:
         self.activity.push(u.job, u.worker, u.ready_at)
         if self.trace is not None:
             ends = (u.src_host, u.dst_host)
-            self.trace.ready(u.update_id, u.job, u.server, u.worker, ends, u.bytes, u.base_version)
+            self.trace.ready(u.update_id, u.job, u.server, u.worker, ends, u.bytes, u.base_version, u.codec)
 
     def released(self, f: InFlight) -> None:
         """Transfer ``f`` was released: its bytes are scheduled on each link of its path."""

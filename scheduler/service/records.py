@@ -204,13 +204,15 @@ class JobParams:
 
     ``tau_max < 0`` and ``div_max <= 0`` mean unbounded. ``allow_non_finite``: servers apply
     updates holding NaN or inf (default: they refuse them). ``sync_workers``: worker updates
-    per synchronous round (0: asynchronous).
+    per synchronous round (0: asynchronous). ``compression``: the codec workers push with by
+    default (a spec string, ``""``: none; docs/compression.md), passed on to the job's workers.
     """
 
     tau_max: int = -1
     div_max: float = 0.0
     allow_non_finite: bool = False
     sync_workers: int = 0
+    compression: str = ""
 
 
 @dataclass(frozen=True)

@@ -334,11 +334,13 @@ class SchedulerState:
         base_version: int,
         now: float,
         resent: bool = False,
+        codec: str = "",
     ) -> PendingUpdate:
         """Record that ``update_id`` is ready at ``host`` (an ``UpdateReady``).
 
         ``now`` is the scheduler's clock: daemon clocks are not comparable across hosts.
         ``resent``: announced again after its server failed over (``PendingUpdate.resent``).
+        ``codec``: the codec its payload travels with (``UpdateReady.codec``), for the trace.
 
         Raises
         ------
@@ -374,6 +376,7 @@ class SchedulerState:
             base_version=int(base_version),
             ready_at=now,
             resent=bool(resent),
+            codec=codec,
         )
         self.pending[update_id] = u
         self.recorder.update_ready(u)

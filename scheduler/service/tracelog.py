@@ -74,6 +74,7 @@ class TraceRecord(NamedTuple):
     ok: bool = False
     clock_from_receipt: bool = False
     version: int = 0
+    codec: str = ""
 
     def to_pb(self) -> apb.TraceEvent:
         """As the wire message (only the fields set: half the cost of setting every one)."""
@@ -95,6 +96,7 @@ class TraceRecord(NamedTuple):
             "reason",
             "ok",
             "version",
+            "codec",
         ):
             value = getattr(self, name)
             if value:
@@ -175,9 +177,10 @@ class TraceLog:
         ends: tuple[str, str],
         nbytes: int,
         base_version: int = 0,
+        codec: str = "",
     ) -> None:
         """``update_id`` (computed from model ``base_version``) was announced ready now, to go
-        from ``ends[0]`` to ``ends[1]``."""
+        from ``ends[0]`` to ``ends[1]``, its payload encoded by ``codec`` ("": none)."""
         now = self._wall()
         self._add(
             TraceRecord(
@@ -192,6 +195,7 @@ class TraceLog:
                 now,
                 now,
                 version=base_version,
+                codec=codec,
             )
         )
 

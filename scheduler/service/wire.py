@@ -65,7 +65,7 @@ def job_params(p: pb.JobParams) -> JobParams:
     Examples
     --------
     >>> job_params(pb.JobParams(tau_max=4, div_max=0.5))
-    JobParams(tau_max=4, div_max=0.5, allow_non_finite=False, sync_workers=0)
+    JobParams(tau_max=4, div_max=0.5, allow_non_finite=False, sync_workers=0, compression='')
     >>> job_params(pb.JobParams(sync_workers=8)).sync_workers
     8
     """
@@ -74,6 +74,7 @@ def job_params(p: pb.JobParams) -> JobParams:
         div_max=p.div_max,
         allow_non_finite=p.allow_non_finite,
         sync_workers=p.sync_workers,
+        compression=p.compression,
     )
 
 
@@ -94,6 +95,7 @@ def job_params_pb(p: JobParams) -> pb.JobParams:
         div_max=p.div_max,
         allow_non_finite=p.allow_non_finite,
         sync_workers=p.sync_workers,
+        compression=p.compression,
     )
 
 

@@ -1,6 +1,6 @@
 """Server and worker processes for the aggregation end-to-end test (run as a script).
 
-``python agg_roles.py server OUT_DIR TAU_MAX SYNC_WORKERS`` serves the integration test's
+``python agg_roles.py server OUT_DIR TAU_MAX SYNC_WORKERS [COMPRESSION]`` serves the integration test's
 integer-valued float64 model; every payload it applies (an update, an aggregate or a
 synchronous round) is recorded with its members and their delays; the third payload
 applied touches ``OUT_DIR/progress``; on SIGTERM it writes the final model.
@@ -24,11 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from tests.integration.roles import JOB, SERVER, initial_model, worker
 
 
-def server(out: Path, tau_max: int, sync_workers: int) -> None:
+def server(
+    out: Path,
+    tau_max: int,
+    sync_workers: int,
+    compression: str | None = None,
+    model: dict[str, np.ndarray] | None = None,
+) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    params = mlfabric.Params(tau_max=tau_max, sync_workers=sync_workers)
-    srv = mlfabric.register_as_server(JOB, SERVER, initial_model(), params)
+    params = mlfabric.Params(tau_max=tau_max, sync_workers=sync_workers, compression=compression)
+    srv = mlfabric.register_as_server(JOB, SERVER, initial_model() if model is None else model, params)
     applied: list[dict[str, object]] = []
 
     @srv.on_update
@@ -56,6 +62,6 @@ def server(out: Path, tau_max: int, sync_workers: int) -> None:
 if __name__ == "__main__":
     role, out_dir = sys.argv[1], Path(sys.argv[2])
     if role == "server":
-        server(out_dir, int(sys.argv[3]), int(sys.argv[4]))
+        server(out_dir, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else None)
     else:
         worker(out_dir, int(sys.argv[3]), int(sys.argv[4]))

@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +55,28 @@ def server(out: Path, tau_max: int) -> None:
     (out / "server.json").write_text(json.dumps({"applied": applied, "version": srv.version}))
 
 
-def worker(out: Path, rank: int, pushes: int) -> None:
+def worker(
+    out: Path,
+    rank: int,
+    pushes: int,
+    updates: Callable[[int, int], dict[str, np.ndarray]] | None = None,
+    gate: Path | None = None,
+) -> None:
+    """Push ``updates(rank, i)`` (default :func:`update_for`) ``pushes`` times; write the verdicts.
+
+    With ``gate``, the second half of the pushes waits until that file exists.
+    """
+    make = update_for if updates is None else updates
     w = mlfabric.register_as_worker(JOB, name=f"w{rank}", wait=60.0)
     handles = []
+    pause = threading.Event()
     with w:
         for i in range(pushes):
+            while gate is not None and i >= pushes // 2 and not gate.exists():
+                pause.wait(0.02)
             if i % 4 == 0:
                 w.get(SERVER)
-            handles.append((i, w.push(SERVER, update_for(rank, i))))
+            handles.append((i, w.push(SERVER, make(rank, i))))
         results = []
         for i, handle in handles:
             r = handle.wait(timeout=120.0)

@@ -86,10 +86,9 @@ def test_the_core_records_ready_planned_measured_and_verdict() -> None:
         ),
     )
     core.on_message(a, msg(register_role=pb.RegisterRole(job="j", role=pb.ROLE_WORKER, name="w")))
-    for uid in ("a/1", "a/2"):
-        core.on_message(
-            a, msg(update_ready=pb.UpdateReady(update_id=uid, job="j", server="ps", worker="w", bytes=8000))
-        )
+    for uid, codec in (("a/1", "int8"), ("a/2", "")):
+        ready = pb.UpdateReady(update_id=uid, job="j", server="ps", worker="w", bytes=8000, codec=codec)
+        core.on_message(a, msg(update_ready=ready))
     core.decide()
     t[0] = 51.0
     report = pb.TransferReport(
@@ -115,6 +114,8 @@ def test_the_core_records_ready_planned_measured_and_verdict() -> None:
         (Kind.MEASURED, "a/1"),
         (Kind.VERDICT, "a/2"),
     ]
+    assert [e.codec for e in events[:2]] == ["int8", ""]  # the codec a READY update travels with
+    assert events[0].to_pb().codec == "int8"
     planned = events[2]
     assert planned.path == ("a", "sw", "ps") and planned.start == pytest.approx(1e6 + 50.0)
     assert planned.end == pytest.approx(planned.start + 8000 / 1e9) and planned.bytes == 8000  # 8 Gbit/s

@@ -1,7 +1,7 @@
 """Server, replica and worker processes for the replication tests (run as a script).
 
-``python roles.py server OUT DIV_MAX`` serves a float64 model of integer values with
-``Params(div_max=DIV_MAX)``; ``python roles.py replica OUT`` replicates it (the same
+``python roles.py server OUT DIV_MAX [CODEC]`` serves a float64 model of integer values with
+``Params(div_max=DIV_MAX, compression=CODEC)``; ``python roles.py replica OUT`` replicates it (the same
 ``on_update``; ``python roles.py replica OUT PAUSE`` sleeps PAUSE s after each update;
 ``python roles.py replica OUT PAUSE READY_FILE N`` SIGKILLs the process whose pid the ready
 file names inside its N-th ``on_update``: the server's daemon dies after the replica applied
@@ -78,8 +78,9 @@ def _serve(
     srv.close()
 
 
-def server(out: Path, div_max: float) -> None:
-    srv = mlfabric.register_as_server(JOB, SERVER, initial_model(), mlfabric.Params(div_max=div_max))
+def server(out: Path, div_max: float, compression: str | None = None) -> None:
+    params = mlfabric.Params(div_max=div_max, compression=compression)
+    srv = mlfabric.register_as_server(JOB, SERVER, initial_model(), params)
     _serve(srv, out, "server", {})
 
 
@@ -176,7 +177,7 @@ def big(out: Path, rank: int, scale: float, after: float) -> None:
 if __name__ == "__main__":
     role, out_dir = sys.argv[1], Path(sys.argv[2])
     if role == "server":
-        server(out_dir, float(sys.argv[3]))
+        server(out_dir, float(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
     elif role == "replica":
         kill_at = (Path(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else None
         replica(out_dir, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0, kill_at)

@@ -64,6 +64,7 @@ class Run:
         replica_args: tuple[str, ...] = (),
         scheduler_args: tuple[str, ...] = (),
         workers: int = 2,
+        server_args: tuple[str, ...] = (),
     ) -> None:
         topology = tmp_path / "topology.toml"
         topology.write_text(_topology(workers))
@@ -72,7 +73,7 @@ class Run:
         self.cluster = cluster_cls(
             topology, policy=policy, workdir=tmp_path / "run", extra_scheduler_args=scheduler_args
         ).start()
-        self.server = self.spawn("ps", "server", str(div_max))
+        self.server = self.spawn("ps", "server", str(div_max), *server_args)
         _wait_file(self.out / "server.ready", self.server)
         self.replica = self.spawn("rep", "replica", *replica_args)
         _wait_file(self.out / "replica.ready", self.replica)

@@ -41,15 +41,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlfabric.aggregators.codecs.payloadsum import EncodedSum
 from mlfabric.aggregators.kernels import Accumulator
 from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.peers import Delivery
 from mlfabric.daemon.channels.routing import FrameRoute
+from mlfabric.daemon.roles.aggregator import summing
 from mlfabric.daemon.roles.aggregator import tree as aggregate_tree
 from mlfabric.daemon.roles.base import Role, RoleContext, Routes
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
-from mlfabric.wire.tensors import layouts_from_pb
 
 __all__ = ["AggregatorRole"]
 
@@ -78,7 +79,7 @@ class _Aggregate:
     tensors: list[Any] = field(default_factory=list)  # TensorLayout messages of the first member
     payload_bytes: int = 0
     buffer: Any = None
-    acc: Accumulator | None = None
+    acc: Accumulator | EncodedSum | None = None  # EncodedSum: the first member came encoded
     state: str = "collecting"  # -> ready -> forwarding -> (removed); or abandoned
     allow_non_finite: bool = False  # the job's option (AggregateDirective.allow_non_finite)
     refused: dict[str, str] = field(default_factory=dict)  # member id -> why it was not summed
@@ -412,20 +413,9 @@ class AggregatorRole(Role):
                 refused_by = f"aggregator {self.host!r} (aggregate {h.aggregate_id})"
                 agg.refused[h.update_id] = non_finite_reason(frame.non_finite, h.update_id, refused_by)
                 return self._ack(h, frame, agg.refused[h.update_id])
-            if agg.acc is None:
-                try:
-                    buffer = self._alloc(h.payload_bytes)
-                    agg.acc = Accumulator(layouts_from_pb(h.tensors), buffer)
-                except ValueError as exc:
-                    return self._error(f"update {h.update_id}: cannot be summed: {exc}", h.update_id)
-                agg.buffer, agg.tensors, agg.payload_bytes = buffer, list(h.tensors), h.payload_bytes
-            elif list(h.tensors) != agg.tensors:
-                return self._error(
-                    f"update {h.update_id}: its tensor layout differs from the other members of "
-                    f"aggregate {h.aggregate_id}",
-                    h.update_id,
-                )
-            agg.acc.add(frame.payload)
+            problem = summing.add_member(agg, h, frame, self._alloc)
+            if problem:
+                return self._error(f"update {h.update_id}: cannot be summed: {problem}", h.update_id)
             agg.arrived.append(h.update_id)
             agg.summed[h.update_id] = brings
             ready = self._complete_if_in(agg)
@@ -464,6 +454,7 @@ class AggregatorRole(Role):
             norm=h.norm,
             base_version=h.base_version,
             ready_at=self._clock(),
+            codec=agg.acc.codec if isinstance(agg.acc, EncodedSum) else "",
         )
 
     def _announce_ready(self, ready: Any) -> None:
@@ -496,9 +487,14 @@ class AggregatorRole(Role):
                 self._abandon(agg, f"send directive while {state}", notify=False)
                 self._cannot_forward(send, f"it is {state}, not complete")
                 return
+            problem = summing.finish(agg, self._alloc)
+            if problem:
+                self._abandon(
+                    agg, f"aggregate {agg.aggregate_id} cannot be forwarded: {problem}", notify=True
+                )
+                self._cannot_forward(send, problem)
+                return
             agg.state = "forwarding"
-            if agg.acc is not None and not agg.acc.finished:
-                agg.acc.finish()
             header = agg.header(self.host)
         address = send.next_hop_address or agg.dst_address
         parent = send.aggregate_id if send.aggregate_id and send.aggregate_id != agg.aggregate_id else ""

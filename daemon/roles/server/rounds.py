@@ -35,12 +35,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlfabric.aggregators.codecs.payload import decode_to_raw, raw_layouts
 from mlfabric.aggregators.kernels import Accumulator
 from mlfabric.daemon.channels.frames import Frame, FrameHeader
 from mlfabric.daemon.roles.base import Verdict
 from mlfabric.daemon.roles.server.handoff import ServerHandoff
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
-from mlfabric.wire.tensors import layouts_from_pb
+from mlfabric.wire.tensors import layouts_from_pb, layouts_to_pb
 
 __all__ = ["ServerAggregation", "SyncRounds", "member_verdicts", "members_of"]
 
@@ -117,6 +118,23 @@ class _Round:
     verdict: Verdict | None = None
 
 
+def _raw_member(frame: Frame) -> tuple[list[Any], int, Any]:
+    """A round member's tensors, size and payload as they sum: a compressed one decoded.
+
+    A round is summed in the tensors' own dtypes and delivered as such (docs/compression.md):
+    encoded members are decoded into a raw payload first (``CodecError``, a ValueError
+    naming the tensor, when one does not decode).
+    """
+    h = frame.header
+    layouts = layouts_from_pb(h.tensors)
+    if not any(x.encoding is not None for x in layouts):
+        return list(h.tensors), int(h.payload_bytes), frame.payload
+    raw, size = raw_layouts(layouts)
+    decoded = bytearray(size)
+    decode_to_raw(layouts, frame.payload, memoryview(decoded))
+    return layouts_to_pb(raw), size, decoded
+
+
 class SyncRounds:
     """The open round of one synchronous server: sums arrivals until ``workers`` updates are in.
 
@@ -166,15 +184,16 @@ class SyncRounds:
                     f"round:{self.job}:{self.server}:{next(self._seq)}", self._clock() + self.timeout
                 )
             if h.update_id not in r.frames:
+                tensors, size, payload = _raw_member(frame)
                 if r.acc is None:
-                    r.buffer = self._alloc(h.payload_bytes)
-                    r.acc = Accumulator(layouts_from_pb(h.tensors), r.buffer)
-                    r.tensors, r.payload_bytes = list(h.tensors), h.payload_bytes
-                elif list(h.tensors) != r.tensors:
+                    r.buffer = self._alloc(size)
+                    r.acc = Accumulator(layouts_from_pb(tensors), r.buffer)
+                    r.tensors, r.payload_bytes = tensors, size
+                elif tensors != r.tensors:
                     raise ValueError(
                         f"update {h.update_id}: tensor layout differs from the round's first update"
                     )
-                r.acc.add(frame.payload)
+                r.acc.add(payload)
                 r.frames.append(h.update_id)
                 r.members.extend(members)
             mine = len(r.members) >= self.workers and self._current is r

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from mlfabric.aggregators.codecs.payload import wire_summary
 from mlfabric.daemon.roles.base import Verdict
 from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
@@ -47,9 +48,10 @@ def update_ready(push: PendingPush) -> Any:
     --------
     >>> p = PendingPush("h1/x/1", "j", "ps0", "w0", -1, [], 8, 1.0, 3, 0.5, 1, 0)
     >>> m = update_ready(p)
-    >>> m.update_id, m.bytes, m.base_version
-    ('h1/x/1', 8, 3)
+    >>> m.update_id, m.bytes, m.base_version, m.codec
+    ('h1/x/1', 8, 3, '')
     """
+    codec, _ = wire_summary(push.layouts)
     return control_pb2.UpdateReady(
         update_id=push.update_id,
         job=push.job,
@@ -60,6 +62,7 @@ def update_ready(push: PendingPush) -> Any:
         base_version=push.base_version,
         ready_at=push.ready_at,
         resent=push.resent,
+        codec=codec if codec != "none" else "",
     )
 
 

@@ -44,7 +44,7 @@ from mlfabric.daemon.roles.worker.fallback import Fallback, update_ready
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush, new_incarnation
 from mlfabric.daemon.roles.worker.sender import PushSender
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2, local_pb2
-from mlfabric.wire.tensors import check_update, layouts_from_pb
+from mlfabric.wire.tensors import Layout, check_update, layouts_from_pb
 
 #: seconds a registration waits for the name's holder to go: another process of this host (a
 #: process restarted at once may register before the daemon saw the old one's socket close), or
@@ -107,8 +107,10 @@ class WorkerRole(Role):
         fallback_after: float | None,
         push_timeout: float,
         budget_timeout: float | None,
+        on_push: Callable[[list[Layout], int], None] | None = None,
     ) -> None:
         self._ctx = context
+        self._on_push = on_push
         self._registrar = registrar
         self._directory = directory
         self._peers = peers
@@ -497,6 +499,8 @@ class WorkerRole(Role):
             crc32=req.payload_crc32 if req.has_crc32 else None,
         )
         self.outgoing.add(push)
+        if self._on_push is not None:  # the stats: pushes and their bytes, by codec
+            self._on_push(layouts, req.payload_bytes)
         accepted = local_pb2.PushAccepted(update_id=push.update_id)
         conn.send(local_pb2.LocalEvent(request_id=rid, push_accepted=accepted))
         # re-registering: kept, announced once the worker is registered (or sent directly)
