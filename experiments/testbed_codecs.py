@@ -76,6 +76,7 @@ def run(args: argparse.Namespace, seeds: list[int], systems: list[str]) -> list[
     rows = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-codecs-") as tmp_dir:
         tmp = args.workdir or Path(tmp_dir)
+        tmp.mkdir(parents=True, exist_ok=True)
         for seed in seeds:
             args.seed = seed
             uplinks, workers, delays = e2e.layout(args)
@@ -112,13 +113,15 @@ def summarize(
     rows: list[dict[str, Any]], args: argparse.Namespace, systems: list[str], seeds: list[int]
 ) -> str:
     """The Markdown table: medians and spread per system, ratios to the uncompressed run."""
+    workers = 4 if args.quick else 8  # testbed_e2e.layout's
     times = {s: {r["seed"]: r["time_to_target"] for r in rows if r["system"] == s} for s in systems}
     lines = [
         "# Compression on the testbed (asynchronous SGD, the paper's setting)",
         "",
         f"Digits MLP 64-{e2e.HIDDEN}-{e2e.HIDDEN}-10 (4.5 MB float32 updates), lr {args.lr}, "
-        f"batch {args.batch}; 8 workers (uplinks 200-25 Mbit/s), server link {args.server_mbps:g} "
-        f"Mbit/s changing every {args.period:g} s; target test accuracy {args.target}; seeds {seeds}; "
+        f"batch {args.batch}; {workers} workers (uplinks 200-25 Mbit/s), "
+        f"server link {args.server_mbps:g} Mbit/s changing every {args.period:g} s; "
+        f"target test accuracy {args.target}; seeds {seeds}; "
         f"limit {args.time_limit:g} s per run. Each seed's systems take turns on one testbed.",
         "",
         "| system | time to target (s) | reached | x uncompressed (per seed) | accuracy at stop "

@@ -32,7 +32,9 @@ def test_the_summary_gives_medians_spread_and_per_seed_ratios_to_the_same_policy
             (0, "stf@int8+ef", 30.0, 113e6), (1, "stf@int8+ef", 40.0, 113e6), (2, "stf@int8+ef", None, 113e6),
         ]
     ]  # fmt: skip
-    args = argparse.Namespace(lr=0.05, batch=64, server_mbps=100.0, period=5.0, target=0.95, time_limit=400.0)
+    args = argparse.Namespace(
+        quick=False, lr=0.05, batch=64, server_mbps=100.0, period=5.0, target=0.95, time_limit=400.0
+    )
     text = codecs.summarize(rows, args, ["stf", "stf@int8+ef"], [0, 1, 2])
     (stf,) = [line for line in text.splitlines() if line.startswith("| stf |")]
     (int8,) = [line for line in text.splitlines() if line.startswith("| stf@int8+ef |")]
