@@ -10,11 +10,11 @@
  *       Timelines.transfer's walk and reservation: integrate the path residual of `links`
  *       from `ready` until `nbytes` are through (Timelines._walk, record=True), then
  *       subtract each piece's rate on every link (LinkTimeline.reserve, link by link) and
- *       return the Reservation tuples. `timelines` is Timelines._links (link ->
- *       LinkTimeline). None, with nothing changed, where a link has no timeline yet, a time
- *       is not a float, or the path never has residual bandwidth: the caller makes the
- *       timelines, or runs the Python loops (which raise). A reservation beyond the residual
- *       raises ValueError as LinkTimeline.reserve does.
+ *       return the Reservation tuples (none, (), where Reservation is None). `timelines` is
+ *       Timelines._links (link -> LinkTimeline). None, with nothing changed, where a link
+ *       has no timeline yet, a time is not a float, or the path never has residual
+ *       bandwidth: the caller makes the timelines, or runs the Python loops (which raise). A
+ *       reservation beyond the residual raises ValueError as LinkTimeline.reserve does.
  *
  *   reserve_until(tls, timelines, links, start, end, who, Reservation, LinkTimeline, EPS)
  *       -> reservations | None
@@ -54,6 +54,10 @@
  *           profiles, Transfer, fields, Reservation, LinkTimeline, EPS, drop_reason, drops)
  *           -> list of Transfer | None
  *       stf_planner.Planner.run, the STF loop (plan_stf.c, plan_stf_run.c, plan_stf_links.c).
+ *       With Reservation None, the timelines are reserved all the same but no reservation
+ *       records are made, and each transfer is a row of the tuple class passed as Transfer
+ *       (schedule.TransferTimes: payload id, src, dst, path, start, end, bytes, False),
+ *       untracked by the cyclic collector.
  *
  *   tree_hosts(next_hops, hosts, lid, links, Host) -> None
  *       tree_routes._ServerRoutes._every: each node's path to the server and its link ids

@@ -11,7 +11,7 @@ def transfer(
     nbytes: float,
     ready: float,
     who: str,
-    reservation: type,
+    reservation: type | None,
     /,
 ) -> tuple[float, float, tuple[Any, ...]] | None: ...
 def reserve_until(
@@ -95,7 +95,7 @@ def stf_run(
     profiles: Any,
     transfer: type,
     fields: tuple[str, ...] | None,
-    reservation: type,
+    reservation: type | None,
     timeline: type,
     eps: float,
     drop_reason: Any,

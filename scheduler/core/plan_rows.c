@@ -7,7 +7,8 @@ static PyObject *str_capacity_t; /* "capacity" */
 /* decision_sends(transfers, after, ids, planned, Send, fields) -> (sends, carried) | None:
    schedule_to_decision's loop over the transfers: each transfer of a payload that is not an
    aggregate of the plan becomes a Send (its id renamed by `ids`; made as make_instance makes
-   it), each of an aggregate is carried (payload id -> (transfer, its after)). None, with
+   it, untracked by the cyclic collector where its fields are leaves: untrack_record), each of
+   an aggregate is carried (payload id -> (transfer, its after)). None, with
    nothing made, where a transfer is a replica's: the Python loop runs. */
 static PyObject *str_replica_r, *str_dst_r;
 
@@ -57,7 +58,7 @@ PyObject *py_decision_sends(PyObject *self, PyObject *args) {
         vals[2] = vals[1] ? PyObject_GetAttr(t, str_path) : NULL;
         vals[4] = vals[2] ? PyObject_GetAttr(t, str_start) : NULL;
         vals[5] = vals[4] ? PyObject_GetAttr(t, str_end) : NULL;
-        PyObject *send = vals[5] ? make_instance(cls, fields, vals, 6) : NULL;
+        PyObject *send = vals[5] ? untrack_record(make_instance(cls, fields, vals, 6)) : NULL;
         Py_DECREF(pid);
         Py_XDECREF(vals[1]);
         Py_XDECREF(vals[2]);

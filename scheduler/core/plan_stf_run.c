@@ -200,7 +200,16 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
         for (Py_ssize_t k = 0; k < nl; k++)
             PyTuple_SET_ITEM(path, k + 1, Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(links, k), 1)));
         if (st->names != Py_None) Py_SETREF(name, PyObject_GetItem(st->names, uid));
-        if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3) {
+        untrack_atoms(path);
+        if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3 && st->reservation_cls == Py_None) {
+            /* the light row: TransferTimes(name, src, dst, path, start, end, bytes, False) */
+            PyTypeObject *type = (PyTypeObject *)st->transfer_cls;
+            PyObject *argv[8] = {name, src, dst, path, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), size, Py_False};
+            if ((t = type->tp_alloc(type, 8)) != NULL) {
+                for (Py_ssize_t k = 0; k < 8; k++) PyTuple_SET_ITEM(t, k, Py_NewRef(argv[k]));
+                untrack_leaves(t);
+            }
+        } else if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3) {
             PyObject *argv[9] = {name, src, dst, path, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), size,
                                  PyTuple_GET_ITEM(got, 2), Py_False};
             t = make_instance(st->transfer_cls, st->fields, argv, st->fields == Py_None ? 8 : 9);
@@ -338,6 +347,11 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
                           &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
                           &st.drop_reason, &PyDict_Type, &st.drops))
         return NULL;
+    if (st.reservation_cls == Py_None &&
+        (!PyType_Check(st.transfer_cls) || !PyType_IsSubtype((PyTypeObject *)st.transfer_cls, &PyTuple_Type))) {
+        PyErr_SetString(PyExc_TypeError, "stf_run: without reservations the transfers' class must be a tuple's");
+        return NULL;
+    }
     if (st.book_on_link != Py_None && (!PyDict_Check(st.book_on_link) || !PyAnySet_Check(st.popped))) {
         PyErr_SetString(PyExc_TypeError, "stf_run: book links must be a dict and popped a set");
         return NULL;

@@ -301,9 +301,18 @@ static int walk(Lane *lanes, Py_ssize_t nl, double nbytes, PyObject *ready, Piec
 }
 
 /* Timelines._reserve_pieces: every piece reserved on every link of `links` (their lanes), link
-   by link; the Reservation tuples (`cls`), NULL on error */
+   by link; the Reservation tuples (`cls`; None: reserved, no tuples made, () returned), NULL on error */
 static PyObject *reserve_pieces(Lane *lanes, PyObject *links, Pieces *ps, PyObject *who, PyObject *cls) {
     Py_ssize_t nl = PyTuple_GET_SIZE(links), m = 0;
+    if (cls == Py_None) {
+        for (Py_ssize_t k = 0; k < nl; k++)
+            for (Py_ssize_t q = 0; q < ps->n; q++) {
+                Piece *p = &ps->p[q];
+                if (reserve_lists(lanes[k].times, lanes[k].residual, lanes[k].eps, p->lo, p->hi, p->rate, who) < 0)
+                    return NULL;
+            }
+        return Py_NewRef(empty_tuple);
+    }
     PyObject *res = PyTuple_New(nl * ps->n);
     if (res == NULL) return NULL;
     PyTypeObject *type = (PyTypeObject *)cls;
@@ -331,7 +340,8 @@ static PyObject *reserve_pieces(Lane *lanes, PyObject *links, Pieces *ps, PyObje
 }
 
 /* The walk and reservation of one transfer over `links` (a tuple of links): (start, end,
-   reservations), None where the Python loops are to run (nothing changed then), NULL on error. */
+   reservations) (() where `cls` is None: none made), None where the Python loops are to run
+   (nothing changed then), NULL on error. */
 PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who,
                                PyObject *cls) {
     Py_ssize_t nl = PyTuple_GET_SIZE(links);

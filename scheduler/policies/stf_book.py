@@ -35,7 +35,7 @@ from collections.abc import Collection, Mapping, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, TopologyError
-from mlfabric.scheduler.core.schedule import Link, Schedule, Update
+from mlfabric.scheduler.core.schedule import Link, Schedule, TransferTimes, Update
 from mlfabric.scheduler.core.timeline import INF, Timelines
 from mlfabric.scheduler.policies.base import PendingUpdate
 from mlfabric.scheduler.policies.planning import server_key
@@ -275,7 +275,68 @@ class STFBook:
         Schedule
             As :func:`plan_stf` returns it.
         """
+        planner = self._run(tls, now, tau_max, server_version, ahead, touched, limit, reservations=True)
+        names = self._names
+        return Schedule(
+            transfers=tuple(planner.transfers),
+            drops={names[k]: reason for k, reason in planner.drops.items()},
+            arrivals=tuple(t.payload_id for t in planner.transfers),
+        )
+
+    def plan_times(
+        self,
+        tls: Timelines,
+        now: float,
+        tau_max: Mapping[str, int],
+        server_version: Mapping[str, int],
+        ahead: Mapping[str, int] | None = None,
+        *,
+        touched: Collection[Link] = (),
+        limit: int | None = None,
+    ) -> tuple[tuple[TransferTimes, ...], dict[str, str]]:
+        """:meth:`plan`'s transfers as :class:`TransferTimes` (no reservation records), and its drops.
+
+        The same plan, reserved on ``tls`` the same way, for a caller that executes it and
+        does not check it (:class:`~mlfabric.scheduler.policies.stf.STFPolicy`): the
+        planner's C loop then makes one untracked row per transfer instead of a
+        :class:`~mlfabric.scheduler.core.schedule.Transfer` and its reservations (issue 24).
+        Parameters as :meth:`plan`'s.
+
+        Returns
+        -------
+        tuple of TransferTimes, dict
+            The planned transfers in STF order, and update id -> drop reason.
+
+        Examples
+        --------
+        >>> from mlfabric.scheduler.core.graph import star
+        >>> g = star(["ps", "a", "b"], 8e6)
+        >>> mk = lambda uid, host, size: PendingUpdate(uid, "j", "s", host, host, "ps", size, 1.0, 0, 0.0)
+        >>> book = STFBook()
+        >>> book.sync(g, 0.0, [mk("big", "a", 3e6), mk("small", "b", 1e6)])
+        >>> times, drops = book.plan_times(Timelines(g), 0.0, {}, {})
+        >>> [(t.payload_id, t.start, t.end) for t in times], drops
+        ([('small', 0.0, 1.0), ('big', 1.0, 4.0)], {})
+        """
+        planner = self._run(tls, now, tau_max, server_version, ahead, touched, limit, reservations=False)
+        names = self._names
+        return planner.times(), {names[k]: reason for k, reason in planner.drops.items()}
+
+    def _run(
+        self,
+        tls: Timelines,
+        now: float,
+        tau_max: Mapping[str, int],
+        server_version: Mapping[str, int],
+        ahead: Mapping[str, int] | None,
+        touched: Collection[Link],
+        limit: int | None,
+        *,
+        reservations: bool,
+    ) -> Planner:
+        """A planner over the book's classes, run (see :meth:`plan`)."""
         planner = _BookPlanner(self, tls, now, tau_max, server_version, ahead)
+        planner.reservations = reservations
         for gk, members in self._groups.items():
             planner.group_idx[gk] = len(planner.classes)
             planner.classes.append(UpdateClass(now, members))
@@ -293,12 +354,7 @@ class STFBook:
             planner.add(uid, exact=False)
         planner.drops.update(self._noroute)
         planner.run(limit)
-        names = self._names
-        return Schedule(
-            transfers=tuple(planner.transfers),
-            drops={names[k]: reason for k, reason in planner.drops.items()},
-            arrivals=tuple(t.payload_id for t in planner.transfers),
-        )
+        return planner
 
 
 class _BookPlanner(Planner):
