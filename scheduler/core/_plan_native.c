@@ -59,6 +59,11 @@
  *       (schedule.TransferTimes: payload id, src, dst, path, start, end, bytes, False),
  *       untracked by the cyclic collector.
  *
+ *   changed_capacities(caps, succ) -> list of links
+ *       stf_book.STFBook._recapacity's scan: the links of `caps` (link -> capacity) whose
+ *       capacity in the graph's adjacency `succ` differs now, in `caps`' order
+ *       (plan_stf_links.c).
+ *
  *   tree_hosts(next_hops, hosts, lid, links, Host) -> None
  *       tree_routes._ServerRoutes._every: each node's path to the server and its link ids
  *       (a _Host, its slots set without its __init__, which only sets them), from its next
@@ -115,6 +120,7 @@ static PyMethodDef methods[] = {
     {"instances", py_instances, METH_VARARGS, "Dataclass instances, their fields filled (see the module doc)."},
     {"reserve_until", py_reserve_until, METH_VARARGS, "Timelines.reserve_until (see the module doc)."},
     {"stf_run", py_stf_run, METH_VARARGS, "stf_planner.Planner.run (see plan_stf.c)."},
+    {"changed_capacities", py_changed_capacities, METH_VARARGS, "STFBook._recapacity's scan (see the module doc)."},
     {"estimate", py_estimate, METH_VARARGS, "tree_cost.estimate's loop (see the module doc)."},
     {"tree_hosts", py_tree_hosts, METH_VARARGS, "tree_routes._ServerRoutes._every's loop (see the module doc)."},
     {"tree_shape", py_tree_shape, METH_VARARGS, "tree_routes.RouteCache._shape's loops (see the module doc)."},

@@ -166,6 +166,7 @@ PyObject *py_follows(PyObject *self, PyObject *args);
 PyObject *py_build(PyObject *self, PyObject *args);
 PyObject *py_instances(PyObject *self, PyObject *args);
 PyObject *py_stf_run(PyObject *self, PyObject *args);
+PyObject *py_changed_capacities(PyObject *self, PyObject *args);
 PyObject *py_reserve_until(PyObject *self, PyObject *args);
 PyObject *py_tree_hosts(PyObject *self, PyObject *args);
 PyObject *py_tree_shape(PyObject *self, PyObject *args);

@@ -102,6 +102,9 @@ def stf_run(
     drops: dict[str, str],
     /,
 ) -> list[Any] | None: ...
+def changed_capacities(
+    caps: dict[tuple[str, str], float], succ: dict[str, dict[str, dict[str, Any]]], /
+) -> list[tuple[str, str]]: ...
 def instances(cls: type[T], fields: tuple[str, ...], rows: list[tuple[Any, ...]], /) -> list[T]: ...
 def tree_hosts(
     next_hops: dict[str, str], hosts: dict[str, Any], lid: dict[Any, int], links: list[Any], host: type, /

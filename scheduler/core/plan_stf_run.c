@@ -287,6 +287,7 @@ static void release(STF *st) {
     Py_XDECREF(st->link_ix);
     Py_XDECREF(st->srv_ix);
     Py_XDECREF(st->transfers);
+    Py_XDECREF(st->t0_o);
 }
 
 /* whether every timeline the Timelines has holds float lists (else: the Python loop) */

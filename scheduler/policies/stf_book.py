@@ -36,7 +36,7 @@ import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, TopologyError
 from mlfabric.scheduler.core.schedule import Link, Schedule, TransferTimes, Update
-from mlfabric.scheduler.core.timeline import INF, Timelines
+from mlfabric.scheduler.core.timeline import INF, Timelines, _plan_native
 from mlfabric.scheduler.policies.base import PendingUpdate
 from mlfabric.scheduler.policies.planning import server_key
 from mlfabric.scheduler.policies.stf_planner import Planner, UpdateClass
@@ -165,7 +165,10 @@ class STFBook:
     def _recapacity(self, graph: nx.DiGraph) -> None:
         """Move the updates whose first link's capacity changed to their new class."""
         succ = graph._succ
-        changed = [(u, v) for (u, v), cap in self._caps.items() if succ[u][v]["capacity"] != cap]
+        if _plan_native is not None:  # the scan in C: every NIC's, each decision (issue 24)
+            changed = _plan_native.changed_capacities(self._caps, succ)
+        else:
+            changed = [(u, v) for (u, v), cap in self._caps.items() if succ[u][v]["capacity"] != cap]
         for link in changed:
             del self._caps[link]
             for key in list(self._on_link.pop(link, {})):

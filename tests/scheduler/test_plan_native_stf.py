@@ -181,3 +181,22 @@ def test_the_light_rows_and_their_sends_are_left_out_of_the_cyclic_collector() -
     assert not any(gc.is_tracked(s) for s in sends)
     plan = book.plan(Timelines(g), 0.0, {}, {})  # a Schedule's transfers keep their records
     assert plan.transfers[0].reservations and gc.is_tracked(plan.transfers[0])
+
+
+def test_changed_capacities_are_the_python_scan() -> None:
+    g = star(["ps", "a", "b", "c"], 8e6)
+    g.edges["b", "sw"]["capacity"] = 4  # an int, equal to the float it was classed by
+    g.edges["c", "sw"]["capacity"] = float("nan")
+    book = STFBook()
+    mk = lambda uid, host: PendingUpdate(uid, "j", "s", host, host, "ps", MB, 1.0, 0, 0.0)  # noqa: E731
+    book.sync(g, 0.0, [mk("x", "a"), mk("y", "b"), mk("z", "c")])
+    caps = dict(book._caps)
+    assert set(caps) == {("a", "sw"), ("b", "sw"), ("c", "sw")}
+    caps["b", "sw"] = 4.0
+    g.edges["a", "sw"]["capacity"] = 2e6
+    changed = [("a", "sw"), ("c", "sw")]  # nan != nan
+    assert stf_planner._plan_native is not None
+    assert stf_planner._plan_native.changed_capacities(caps, g._succ) == changed
+    assert [link for link, cap in caps.items() if g._succ[link[0]][link[1]]["capacity"] != cap] == changed
+    with pytest.raises(KeyError):
+        stf_planner._plan_native.changed_capacities({("a", "nowhere"): 1.0}, g._succ)
