@@ -26,6 +26,7 @@ int lane_of(PyObject *tl, Lane *out);       /* 0, or -1 (TypeError where they ar
 int all_floats(PyObject *list);             /* every item an exact float */
 /* plan_timeline.c: a transfer's walk and reservation; None where the Python loops are to run */
 PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls);
+PyObject *lanes_transfer(Lane *lanes, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls);
 /* plan_reserve.c: cls(*values) for a dataclass whose __init__ only sets `fields` */
 PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values, Py_ssize_t n);
 /* plan_reserve.c: Timelines.link(link) for a link with no timeline yet (LinkTimeline made in C where it can) */

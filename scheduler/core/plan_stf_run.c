@@ -165,10 +165,15 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
     PyObject *uid = st->u[ui].uid, *links = st->u[ui].links, *start_o = st->c[ci].start_o;
     PyObject *got = Py_None;
     Py_INCREF(got);
-    if (PyFloat_CheckExact(start_o)) {
+    if (PyFloat_CheckExact(start_o)) { /* fast_transfer on the lists the links were read from (floats) */
+        Lane lanes[MAX_LINKS];
+        for (Py_ssize_t k = 0; k < nl; k++) {
+            Lnk *l = &st->l[lk[k]];
+            lanes[k] = (Lane){l->times, l->residual, l->eps, NULL};
+        }
         Py_DECREF(got);
-        got = fast_transfer(st->tls_links, links, nbytes, start_o, PyUnicode_GET_LENGTH(uid) ? uid : a_transfer,
-                            st->reservation_cls);
+        got = lanes_transfer(lanes, links, nbytes, start_o, PyUnicode_GET_LENGTH(uid) ? uid : a_transfer,
+                             st->reservation_cls);
         if (got == NULL) return -1;
     }
     if (got == Py_None) { /* the Python method: it raises where the C declined */

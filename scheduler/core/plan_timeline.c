@@ -356,6 +356,14 @@ PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject 
         if (lane_of(tl, &lanes[k]) < 0) return NULL;
         if (!all_floats(lanes[k].times) || !all_floats(lanes[k].residual)) Py_RETURN_NONE;
     }
+    return lanes_transfer(lanes, links, nbytes, ready, who, cls);
+}
+
+/* fast_transfer over lanes already read (one per link of `links`, float lists): the walk and
+   the reservation, (start, end, reservations), None where the path never has residual
+   bandwidth (nothing changed), NULL on error. */
+PyObject *lanes_transfer(Lane *lanes, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls) {
+    Py_ssize_t nl = PyTuple_GET_SIZE(links);
     Pieces ps = {NULL, 0, 0};
     PyObject *start = NULL, *end = NULL, *res = NULL;
     int got = walk(lanes, nl, nbytes, ready, &ps, &start, &end);

@@ -31,6 +31,7 @@ Pure: no I/O, the clock is an argument.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -125,18 +126,25 @@ class Dispatcher:
             The policy's answer for every pending update; its drops are the caller's.
         """
         self._planned = planned = {s.update_id: s for s in decision.sends}
-        self._pos = {uid: i for i, uid in enumerate(planned)}
-        self._held, self._waiting, self._free = {}, {}, set()
+        self._pos = dict(zip(planned, itertools.count()))
+        held: dict[str, int] = {}
+        waiting: dict[str, list[str]] = {}
+        free: set[str] = set()
+        self._held, self._waiting, self._free = held, waiting, free
         for uid, send in planned.items():
-            held = 0
+            n = 0
             for a in send.after:
                 if a in planned:
-                    held += 1
-                    self._waiting.setdefault(a, []).append(uid)
-            if held:
-                self._held[uid] = held
+                    n += 1
+                    w = waiting.get(a)
+                    if w is None:
+                        waiting[a] = [uid]
+                    else:
+                        w.append(uid)
+            if n:
+                held[uid] = n
             else:
-                self._free.add(uid)
+                free.add(uid)
 
     def forget(self, update_ids: Iterable[str]) -> None:
         """Remove sends from the plan (their updates were dropped or their daemon left)."""
