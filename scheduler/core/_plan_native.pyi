@@ -14,6 +14,9 @@ def transfer(
     reservation: type | None,
     /,
 ) -> tuple[float, float, tuple[Any, ...]] | None: ...
+def ten(
+    tls: Any, timelines: dict[Any, Any], links: tuple[tuple[str, str], ...], nbytes: float, ready: float, /
+) -> tuple[float, float] | None: ...
 def reserve_until(
     tls: Any,
     timelines: dict[Any, Any],

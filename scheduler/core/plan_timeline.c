@@ -396,6 +396,43 @@ PyObject *py_transfer(PyObject *self, PyObject *args) {
     return fast_transfer(tls, links, nbytes, ready, who, cls);
 }
 
+/* ten(tls, timelines, links, nbytes, ready) -> (start, end) | None: Timelines.ten's walk.
+   Missing timelines are made first, in path order, by tls.link (as the walk makes them), up to
+   a link that never has residual bandwidth; None, with the same timelines made, where the
+   Python walk is to run (it raises then, or a time is not a float). */
+PyObject *py_ten(PyObject *self, PyObject *args) {
+    PyObject *tls_obj, *tls, *links, *ready;
+    double nbytes;
+    if (!PyArg_ParseTuple(args, "OO!O!dO", &tls_obj, &PyDict_Type, &tls, &PyTuple_Type, &links, &nbytes, &ready))
+        return NULL;
+    Py_ssize_t nl = PyTuple_GET_SIZE(links);
+    if (nl > MAX_LINKS || !PyFloat_CheckExact(ready)) Py_RETURN_NONE;
+    if (nl == 0 || nbytes <= 0) return PyTuple_Pack(2, ready, ready);
+    Lane lanes[MAX_LINKS];
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        PyObject *link = PyTuple_GET_ITEM(links, k);
+        PyObject *tl = PyDict_GetItemWithError(tls, link);
+        if (tl == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            tl = PyObject_CallMethodOneArg(tls_obj, str_link, link); /* makes it (or raises) */
+            if (tl == NULL) return NULL;
+            Py_DECREF(tl); /* the timelines hold it */
+        }
+        if (lane_of(tl, &lanes[k]) < 0) return NULL;
+        if (!all_floats(lanes[k].times) || !all_floats(lanes[k].residual)) Py_RETURN_NONE;
+        if (PyList_GET_SIZE(lanes[k].times) == 1 && F(lanes[k].residual, 0) <= lanes[k].eps) Py_RETURN_NONE;
+    }
+    Pieces ps = {NULL, 0, 0};
+    PyObject *start = NULL, *end = NULL;
+    int got = walk(lanes, nl, nbytes, ready, &ps, &start, &end);
+    pieces_free(&ps);
+    if (got <= 0) return got < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *out = PyTuple_Pack(2, start, end);
+    Py_DECREF(start);
+    Py_DECREF(end);
+    return out;
+}
+
 /* ------------------------------------------------------------------ Timelines.reserve_until */
 
 /* Timelines.reserve_until(links, start, end, who): the whole path residual over [start, end),

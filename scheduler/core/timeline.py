@@ -310,6 +310,10 @@ class Timelines:
         >>> tls.ten([("a", "b")], 4.0, ready=1.0)
         (2.0, 3.0)
         """
+        if _plan_native is not None and type(ready) is float:  # the walk in C (None: the loop below)
+            got = _plan_native.ten(self, self._links, tuple(links), nbytes, ready)
+            if got is not None:
+                return got
         start, end, _ = self._walk(links, nbytes, ready, record=False)
         return start, end
 

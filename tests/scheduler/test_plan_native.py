@@ -74,7 +74,9 @@ def random_reservations(seed: int) -> object:
         path = pc.path(a, b) if rng.random() < 0.9 else (a,)
         nbytes = rng.choice([0, 1, 5 * MB, 20 * MB, rng.random() * 10 * MB])
         ready = rng.choice([0.0, rng.random() * 0.05, float(k) * 1e-3])
-        if rng.random() < 0.5:
+        if rng.random() < 0.3:  # a walk without a reservation (Timelines.ten)
+            out.append(tls.ten(list(itertools.pairwise(path)), nbytes, ready))
+        elif rng.random() < 0.5:
             out.append(tls.transfer(f"p{k}", path, nbytes, ready))
         else:
             out.append(tls.reserve(list(itertools.pairwise(path)), nbytes, ready, who=f"p{k}"))
@@ -101,6 +103,23 @@ def test_a_path_never_free_raises_as_in_python() -> None:
         else:
             with pytest.raises(ValueError, match="never has residual bandwidth"):
                 tls.transfer("u", ("a", "b", "c"), 4.0, 0.0)
+
+
+def test_ten_on_a_path_never_free_makes_the_python_timelines_and_raises() -> None:
+    g = nx.DiGraph()
+    for u, v in [("a", "b"), ("b", "c"), ("c", "d")]:
+        g.add_edge(u, v, capacity=4.0)
+    g.edges["b", "c"]["capacity"] = 0.0
+
+    def walk() -> object:
+        tls = Timelines(g)
+        with pytest.raises(ValueError, match="never has residual bandwidth") as err:
+            tls.ten([("a", "b"), ("b", "c"), ("c", "d")], 4.0, 0.0)
+        return str(err.value), sorted(tls._links)  # made up to the link that is never free
+
+    native, python = both(walk)
+    assert native == python
+    assert native.endswith("[('a', 'b'), ('b', 'c')])")
 
 
 def test_int_times_run_the_python_loops() -> None:
