@@ -22,6 +22,9 @@
  *       (the same timelines made) where the Python walk is to run: it raises, or a time is
  *       not a float.
  *
+ *   copy_timelines(timelines, LinkTimeline) -> dict
+ *       Timelines.copy: link -> a copy of its LinkTimeline (lists copied, eps shared).
+ *
  *   reserve_until(tls, timelines, links, start, end, who, Reservation, LinkTimeline, EPS)
  *       -> reservations | None
  *       Timelines.reserve_until: the whole path residual of `links` over [start, end), piece
@@ -121,6 +124,7 @@ PyObject *str_aggregator, *str_parent, *str_members, *str_free, *str_per, *str_g
 static PyMethodDef methods[] = {
     {"transfer", py_transfer, METH_VARARGS, "Timelines.transfer's walk and reservation (see the module doc)."},
     {"ten", py_ten, METH_VARARGS, "Timelines.ten's walk (see the module doc)."},
+    {"copy_timelines", py_copy_timelines, METH_VARARGS, "Timelines.copy's timelines (see the module doc)."},
     {"reserve_tree", py_reserve_tree, METH_VARARGS, "tree_cost.reserve's loop (see the module doc)."},
     {"follows", py_follows, METH_VARARGS, "schedule_to_decision's `after` of each transfer (see the module doc)."},
     {"build", py_build, METH_VARARGS, "trees._build (see the module doc)."},

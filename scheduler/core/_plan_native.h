@@ -162,6 +162,7 @@ static inline HeapEntry heap_pop(HeapEntry *h, Py_ssize_t *n) {
 
 PyObject *py_transfer(PyObject *self, PyObject *args);
 PyObject *py_ten(PyObject *self, PyObject *args);
+PyObject *py_copy_timelines(PyObject *self, PyObject *args);
 PyObject *py_estimate(PyObject *self, PyObject *args);
 PyObject *py_reserve_tree(PyObject *self, PyObject *args);
 PyObject *py_follows(PyObject *self, PyObject *args);

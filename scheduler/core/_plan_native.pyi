@@ -17,6 +17,7 @@ def transfer(
 def ten(
     tls: Any, timelines: dict[Any, Any], links: tuple[tuple[str, str], ...], nbytes: float, ready: float, /
 ) -> tuple[float, float] | None: ...
+def copy_timelines(timelines: dict[Any, Any], timeline: type, /) -> dict[Any, Any]: ...
 def reserve_until(
     tls: Any,
     timelines: dict[Any, Any],

@@ -433,6 +433,47 @@ PyObject *py_ten(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* copy_timelines(timelines, LinkTimeline) -> dict: Timelines.copy's {link: tl.copy()}, each
+   LinkTimeline copied here (its lists copied, its eps shared, as LinkTimeline.copy does);
+   tl.copy() called for a timeline of another class. */
+PyObject *py_copy_timelines(PyObject *self, PyObject *args) {
+    PyObject *tls, *cls;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &tls, &PyType_Type, &cls)) return NULL;
+    static PyObject *s_copy;
+    if (s_copy == NULL && (s_copy = PyUnicode_InternFromString("copy")) == NULL) return NULL;
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    PyObject *link, *tl;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(tls, &pos, &link, &tl)) {
+        PyObject *copy = NULL;
+        if (Py_TYPE(tl) != (PyTypeObject *)cls) {
+            copy = PyObject_CallMethodNoArgs(tl, s_copy);
+        } else {
+            PyObject *times = PyObject_GetAttr(tl, str_times);
+            PyObject *residual = times ? PyObject_GetAttr(tl, str_residual) : NULL;
+            PyObject *eps = residual ? PyObject_GetAttr(tl, str_eps) : NULL;
+            PyObject *t2 = eps ? PySequence_List(times) : NULL, *r2 = t2 ? PySequence_List(residual) : NULL;
+            if (r2 != NULL && (copy = PyBaseObject_Type.tp_new((PyTypeObject *)cls, empty_tuple, NULL)) != NULL &&
+                (PyObject_SetAttr(copy, str_times, t2) < 0 || PyObject_SetAttr(copy, str_residual, r2) < 0 ||
+                 PyObject_SetAttr(copy, str_eps, eps) < 0))
+                Py_CLEAR(copy);
+            Py_XDECREF(times);
+            Py_XDECREF(residual);
+            Py_XDECREF(eps);
+            Py_XDECREF(t2);
+            Py_XDECREF(r2);
+        }
+        int rc = copy == NULL ? -1 : PyDict_SetItem(out, link, copy);
+        Py_XDECREF(copy);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
 /* ------------------------------------------------------------------ Timelines.reserve_until */
 
 /* Timelines.reserve_until(links, start, end, who): the whole path residual over [start, end),

@@ -268,7 +268,10 @@ class Timelines:
     def copy(self) -> Timelines:
         """An independent copy (for what-if planning)."""
         new = Timelines(self._graph, self._start, self._profiles)
-        new._links = {k: v.copy() for k, v in self._links.items()}
+        if _plan_native is not None:  # the loop below in C: a tree planner copies them per trial
+            new._links = _plan_native.copy_timelines(self._links, LinkTimeline)
+        else:
+            new._links = {k: v.copy() for k, v in self._links.items()}
         return new
 
     def residual(self, links: Iterable[Link], t: float) -> float:

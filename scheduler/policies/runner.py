@@ -359,9 +359,8 @@ class DecisionRunner:
         wake = min((w for w in wakes if w is not None and w > 0), default=None)
         return None if wake is None or math.isinf(wake) else wake
 
-    def _placeholders(self, extra: Iterable[_Gathering] = ()) -> dict[str, InFlight]:
-        gs = [*self._gathering.values(), *extra]
-        return {g.planned.aggregate_id: g.placeholder() for g in gs}
+    def _placeholders(self, extra: Iterable[_Gathering] = ()) -> Mapping[str, InFlight]:
+        return _Placeholders(self._gathering, {g.planned.aggregate_id: g for g in extra})
 
     # -------------------------------------------------------------- re-planning
 
@@ -381,6 +380,37 @@ class DecisionRunner:
         self.trigger.moved()
         planned = len(self.dispatcher)
         return self.trigger.due(planned, pending - planned)
+
+
+class _Placeholders(Mapping[str, InFlight]):
+    """Aggregates still gathering (then ``extra``) as transfers in flight, by aggregate id.
+
+    ``{a.aggregate_id: a.placeholder() for a in (*gathering.values(), *extra.values())}``,
+    each placeholder made when it is looked up: a release or a wake-up looks up only the
+    ``after`` of its sends, not every aggregate of the plan (issue 24).
+    """
+
+    __slots__ = ("extra", "gathering")
+
+    def __init__(self, gathering: Mapping[str, _Gathering], extra: Mapping[str, _Gathering]) -> None:
+        self.gathering, self.extra = gathering, extra
+
+    def __getitem__(self, key: str) -> InFlight:
+        g = self.extra.get(key) or self.gathering[key]
+        return g.placeholder()
+
+    def get(self, key: str, default: InFlight | None = None) -> InFlight | None:  # type: ignore[override]
+        g = self.extra.get(key) or self.gathering.get(key)
+        return default if g is None else g.placeholder()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.extra or key in self.gathering
+
+    def __iter__(self) -> Iterator[str]:
+        yield from dict.fromkeys([*self.gathering, *self.extra])
+
+    def __len__(self) -> int:
+        return len(self.gathering) + sum(1 for k in self.extra if k not in self.gathering)
 
 
 class _Over(Mapping[str, InFlight]):

@@ -105,6 +105,27 @@ def test_a_path_never_free_raises_as_in_python() -> None:
                 tls.transfer("u", ("a", "b", "c"), 4.0, 0.0)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_copy_of_timelines_is_the_python_one_and_independent(seed: int) -> None:
+    def copies() -> object:
+        rng = random.Random(seed)
+        g = two_tier(2, 3, {f"h{i}": 1e9 for i in range(6)}, oversubscription=2)
+        pc = PathCache(g)
+        tls = Timelines(g, start=0.0)
+        for _ in range(5):
+            a, b = rng.sample([f"h{i}" for i in range(6)], 2)
+            tls.reserve(pc.links(a, b), 1e6 * rng.random(), rng.random() * 0.01)
+        before = state(tls)
+        copy = tls.copy()
+        assert state(copy) == before and all(copy._links[k] is not v for k, v in tls._links.items())
+        copy.reserve(pc.links("h0", "h5"), 5e6, 0.0)  # the original keeps its own
+        assert state(tls) == before
+        return state(copy)
+
+    native, python = both(copies)
+    assert native == python
+
+
 def test_ten_on_a_path_never_free_makes_the_python_timelines_and_raises() -> None:
     g = nx.DiGraph()
     for u, v in [("a", "b"), ("b", "c"), ("c", "d")]:
