@@ -27,6 +27,7 @@ test_stf_incremental.py`` replays decision sequences through both).
 from __future__ import annotations
 
 import heapq
+import itertools
 import struct
 from bisect import bisect_left, insort
 from collections import Counter
@@ -70,13 +71,24 @@ def rank_key(ready_at: float, update_id: str) -> str:
 class _Rec:
     """What the book keeps of one pending update."""
 
-    __slots__ = ("gen", "key", "pending", "server")
+    __slots__ = ("gen", "key", "pending", "serial", "server")
 
-    def __init__(self, pending: PendingUpdate, key: str, server: tuple[str, str, str]) -> None:
+    def __init__(self, pending: PendingUpdate, key: str, server: tuple[str, str, str], serial: int) -> None:
         self.pending = pending
         self.key = key
         self.server = server
         self.gen = 0
+        self.serial = serial  # the order of the book's records
+
+
+def _serial(rec: _Rec) -> int:
+    return rec.serial
+
+
+def _listed_twice(pending: Sequence[PendingUpdate]) -> None:
+    ids = [q.update_id for q in pending]
+    dup = next(i for i in ids if ids.count(i) > 1)
+    raise ValueError(f"update '{dup}' is listed twice")
 
 
 class STFBook:
@@ -105,7 +117,9 @@ class STFBook:
         self._graph: nx.DiGraph | None = None
         self._now = -INF
         self._gen = 0
+        self._serial = 0
         self._recs: dict[str, _Rec] = {}
+        self._held: dict[int, _Rec] = {}  # id of the PendingUpdate a record holds -> the record
         #: rank key -> core update (its ``update_id`` is the rank key), links, real id
         self._by_key: dict[str, Update] = {}
         self._links_of: dict[str, tuple[Link, ...]] = {}
@@ -140,21 +154,30 @@ class STFBook:
         self._recapacity(graph)
         self._gen += 1
         gen = self._gen
-        recs = self._recs
-        for p in pending:
-            rec = recs.get(p.update_id)
-            if rec is not None:
-                if rec.gen == gen:
-                    ids = [q.update_id for q in pending]
-                    dup = next(i for i in ids if ids.count(i) > 1)
-                    raise ValueError(f"update '{dup}' is listed twice")
-                if rec.pending is p or rec.pending == p:
-                    rec.gen = gen
-                    continue
-                self._remove(rec)
-            self._insert(p).gen = gen
-        if len(recs) != len(pending):
-            for rec in [r for r in recs.values() if r.gen != gen]:
+        recs, held = self._recs, self._held
+        # The objects the book holds already are found by identity, in C (the set operations):
+        # only the others are looked at one by one, in the order listed, and then the records
+        # of the objects no longer listed are removed in the book's order (issue 24).
+        keys = list(map(id, pending))
+        listed = set(keys)
+        if len(listed) != len(keys):
+            _listed_twice(pending)
+        gone = held.keys() - listed
+        fresh = listed.difference(held)
+        if fresh:
+            for p in itertools.compress(pending, map(fresh.__contains__, keys)):
+                rec = recs.get(p.update_id)
+                if rec is not None:
+                    if rec.gen == gen or id(rec.pending) in listed:
+                        _listed_twice(pending)
+                    gone.discard(id(rec.pending))
+                    if rec.pending == p:  # the same update, another object: kept as it is
+                        rec.gen = gen
+                        continue
+                    self._remove(rec)
+                self._insert(p).gen = gen
+        if gone:
+            for rec in sorted((held[i] for i in gone), key=_serial):
                 self._remove(rec)
         future = self._future
         while future and future[0][0] <= now:
@@ -178,8 +201,10 @@ class STFBook:
     def _insert(self, p: PendingUpdate) -> _Rec:
         key = rank_key(p.ready_at, p.update_id)
         server = (p.job, p.server, server_key(p.job, p.server))
-        rec = _Rec(p, key, server)
+        rec = _Rec(p, key, server, self._serial)
+        self._serial += 1
         self._recs[p.update_id] = rec
+        self._held[id(p)] = rec
         self._servers[server] += 1
         self._names[key] = p.update_id
         self._by_key[key] = Update(
@@ -207,7 +232,12 @@ class STFBook:
         self._loose.pop(key, None)
         self._noroute.pop(key, None)
         self._links_of.pop(key, None)
-        del self._by_key[key], self._names[key], self._recs[rec.pending.update_id]
+        del (
+            self._by_key[key],
+            self._names[key],
+            self._recs[rec.pending.update_id],
+            self._held[id(rec.pending)],
+        )
         self._servers[rec.server] -= 1
         if not self._servers[rec.server]:
             del self._servers[rec.server]

@@ -11,6 +11,7 @@ for bit), the same drops with the same reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import networkx as nx
@@ -140,6 +141,26 @@ def test_a_duplicate_id_is_refused_as_before() -> None:
     for policy in (STFPolicy(), STFPolicy(incremental=False)):
         with pytest.raises(ValueError, match="update 'v' is listed twice"):
             policy.decide(Snapshot(0.0, g), [q, p, p, q])
+
+
+def test_equal_copies_and_a_new_object_under_a_held_id_are_met_as_before() -> None:
+    g = graph(6)
+    ps = [
+        PendingUpdate(f"u{i}", "j", "s", f"h{i}", f"h{i}", "h0", (1 + i % 3) * MB, 1.0, 0, 0.0)
+        for i in range(1, 6)
+    ]
+    snap = Snapshot(0.0, g)
+    policy, want = STFPolicy(), STFPolicy(incremental=False).decide(snap, ps)
+    assert policy.decide(snap, ps) == want
+    copies = [dataclasses.replace(p) for p in ps]  # equal, not the same objects
+    assert policy.decide(snap, copies[::-1]) == want
+    assert policy.decide(snap, ps) == want
+    bigger = dataclasses.replace(ps[2], bytes=9 * MB)
+    with pytest.raises(ValueError, match="update 'u3' is listed twice"):
+        policy.decide(snap, [*ps, bigger])  # a new object under an id the book holds, both listed
+    assert policy.decide(snap, ps) == want  # the book was left as it was
+    changed = [*ps[:2], bigger, *ps[3:]]
+    assert policy.decide(snap, changed) == STFPolicy(incremental=False).decide(snap, changed)
 
 
 def test_rank_keys_sort_as_ready_time_then_id() -> None:
