@@ -103,15 +103,17 @@
  *   per_byte(adj, links) -> list of float
  *       tree_routes.Routes._grow: seconds per byte of each link (1 / its capacity).
  *
- *   decision_sends(transfers, after, ids, planned, Send, fields) -> (sends, carried) | None
+ *   decision_sends(transfers, after, ids, planned, Send, fields[, rows]) -> (sends, carried) | None
  *       convert.schedule_to_decision's loop over the transfers: the Sends of the payloads
  *       that are not the plan's aggregates, and payload id -> (transfer, after) of those
  *       that are (None where a transfer is a replica's: the Python loop runs).
  *
- *   follows(transfers, busy, ids) -> list of tuples | None
+ *   follows(transfers, busy, ids[, rows]) -> list of tuples | None
  *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
  *       of its links exactly when it starts (None where a link in flight is not a pair of
  *       nodes: the Python loop runs).
+ *
+ *   Both read a transfer of class `rows` (schedule.TransferTimes) by place.
  */
 #include "_plan_native.h"
 

@@ -75,7 +75,11 @@ def build(
     /,
 ) -> tuple[dict[str, Any], dict[str, str]]: ...
 def follows(
-    transfers: tuple[Any, ...], busy: Sequence[tuple[str, Sequence[Hashable], float]], ids: dict[str, str], /
+    transfers: tuple[Any, ...],
+    busy: Sequence[tuple[str, Sequence[Hashable], float]],
+    ids: dict[str, str],
+    rows: type = ...,
+    /,
 ) -> list[tuple[str, ...]] | None: ...
 def stf_run(
     classes: list[tuple[float, list[tuple[float, str]], int]],
@@ -135,6 +139,7 @@ def decision_sends(
     planned: set[str],
     send: type,
     fields: tuple[str, ...] | None,
+    rows: type = ...,
     /,
 ) -> tuple[list[Any], dict[str, tuple[Any, tuple[str, ...]]]] | None: ...
 def tree_tables(

@@ -130,7 +130,13 @@ def _decision(
     made = None
     if _plan_native is not None and type(transfers) is tuple and fields is not None:
         made = _plan_native.decision_sends(  # the loop below in C (None: a replica's transfer)
-            transfers, after if isinstance(after, list) else list(after), ids, planned, Send, fields
+            transfers,
+            after if isinstance(after, list) else list(after),
+            ids,
+            planned,
+            Send,
+            fields,
+            TransferTimes,
         )
     if made is not None:
         sends, carried = made
@@ -180,7 +186,7 @@ def _follows(
     """
     busy = busy if isinstance(busy, list | tuple) else list(busy)
     if _plan_native is not None and type(transfers) is tuple and type(ids) is dict:
-        native = _plan_native.follows(transfers, busy, ids)
+        native = _plan_native.follows(transfers, busy, ids, TransferTimes)
         if native is not None:  # None: a link that is not a pair of nodes
             return native
     ends: dict[Link, dict[float, list[str]]] = defaultdict(dict)  # link -> end -> payloads ending then
