@@ -101,7 +101,7 @@ class Dispatcher:
         # wait for it, and the sends none of whose ``after`` is planned
         self._pos: dict[str, int] = {}
         self._held: dict[str, int] = {}
-        self._waiting: dict[str, list[str]] = {}
+        self._waiting: dict[str, str | list[str]] = {}  # one waiting: its id (no list to keep)
         self._free: set[str] = set()
 
     def __len__(self) -> int:
@@ -128,7 +128,7 @@ class Dispatcher:
         self._planned = planned = {s.update_id: s for s in decision.sends}
         self._pos = dict(zip(planned, itertools.count()))
         held: dict[str, int] = {}
-        waiting: dict[str, list[str]] = {}
+        waiting: dict[str, str | list[str]] = {}
         free: set[str] = set()
         self._held, self._waiting, self._free = held, waiting, free
         for uid, send in planned.items():
@@ -138,7 +138,9 @@ class Dispatcher:
                     n += 1
                     w = waiting.get(a)
                     if w is None:
-                        waiting[a] = [uid]
+                        waiting[a] = uid
+                    elif isinstance(w, str):
+                        waiting[a] = [w, uid]
                     else:
                         w.append(uid)
             if n:
@@ -159,7 +161,8 @@ class Dispatcher:
         self._held.pop(uid, None)
         freed: list[str] = []
         held = self._held
-        for w in self._waiting.pop(uid, ()):
+        waiting = self._waiting.pop(uid, ())
+        for w in (waiting,) if isinstance(waiting, str) else waiting:
             n = held.get(w)
             if n is None:
                 continue  # no longer planned
