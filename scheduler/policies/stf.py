@@ -196,7 +196,7 @@ class STFPolicy:
         versions: dict[str, int] = {}
         if self.incremental:
             book = self._book
-            book.sync(graph, now, pending)
+            book.sync(graph, now, pending, snapshot.graph_version)
             for job, server, key in book.servers():
                 tau[key] = snapshot.tau_max.get(job, -1)
                 versions[key] = snapshot.server_versions.get((job, server), 0)

@@ -115,6 +115,7 @@ class STFBook:
     def _clear(self, paths: PathCache | None) -> None:
         self._paths = paths
         self._graph: nx.DiGraph | None = None
+        self._graph_version: int | None = None
         self._now = -INF
         self._gen = 0
         self._serial = 0
@@ -137,21 +138,33 @@ class STFBook:
         return len(self._recs)
 
     # -- keeping up with the inputs ----------------------------------------------------
-    def sync(self, graph: nx.DiGraph, now: float, pending: Sequence[PendingUpdate]) -> None:
+    def sync(
+        self,
+        graph: nx.DiGraph,
+        now: float,
+        pending: Sequence[PendingUpdate],
+        graph_version: int | None = None,
+    ) -> None:
         """Make the book hold exactly ``pending`` on ``graph`` at ``now``.
+
+        ``graph_version`` (:attr:`~mlfabric.scheduler.policies.base.Snapshot.graph_version`):
+        the capacities of the NICs are not read again where it and the graph object are those
+        of the last sync.
 
         Raises
         ------
         ValueError
             If an update id is listed twice.
         """
+        same = graph_version is not None and graph is self._graph and graph_version == self._graph_version
         if self._paths is None or not self._paths.same_topology(graph):
             self._clear(PathCache(graph))
         elif now < self._now:  # time went back: updates ready by then may not be now
             self._clear(self._paths)
-        self._graph = graph
+        self._graph, self._graph_version = graph, graph_version
         self._now = now
-        self._recapacity(graph)
+        if not same:  # (the same graph, its capacities unchanged: the NICs' classes hold)
+            self._recapacity(graph)
         self._gen += 1
         gen = self._gen
         recs, held = self._recs, self._held
