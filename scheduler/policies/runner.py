@@ -201,6 +201,8 @@ class DecisionRunner:
         aggregate). The newer plan wins: the aggregate's wait for that update is dropped.
         Cycles through other sends and aggregates (``after`` and unreleased members) count.
         """
+        if not self._gathering:
+            return  # no aggregate waits for anything
         after = {s.update_id: s.after for s in sends}
         for g in self._gathering.values():
             waits = [x for x in g.planned.after if x in after]
