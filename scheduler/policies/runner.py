@@ -160,9 +160,9 @@ class DecisionRunner:
             )
             decision = replace(decision, sends=(*whole, *decision.sends))
         ids = set(map(_update_id, pending))
-        for s in decision.sends:
-            if s.update_id not in ids:
-                raise DecisionError(f"policy {self.policy.name!r} sent '{s.update_id}', which is not pending")
+        if not ids.issuperset(map(_update_id, decision.sends)):
+            bad = next(s.update_id for s in decision.sends if s.update_id not in ids)
+            raise DecisionError(f"policy {self.policy.name!r} sent '{bad}', which is not pending")
         self.trigger.decided()
         self.adopt(decision)
         return decision
