@@ -10,11 +10,20 @@
  *       Timelines.transfer's walk and reservation: integrate the path residual of `links`
  *       from `ready` until `nbytes` are through (Timelines._walk, record=True), then
  *       subtract each piece's rate on every link (LinkTimeline.reserve, link by link) and
- *       return the Reservation tuples. `timelines` is Timelines._links (link ->
- *       LinkTimeline). None, with nothing changed, where a link has no timeline yet, a time
- *       is not a float, or the path never has residual bandwidth: the caller makes the
- *       timelines, or runs the Python loops (which raise). A reservation beyond the residual
- *       raises ValueError as LinkTimeline.reserve does.
+ *       return the Reservation tuples (none, (), where Reservation is None). `timelines` is
+ *       Timelines._links (link -> LinkTimeline). None, with nothing changed, where a link
+ *       has no timeline yet, a time is not a float, or the path never has residual
+ *       bandwidth: the caller makes the timelines, or runs the Python loops (which raise). A
+ *       reservation beyond the residual raises ValueError as LinkTimeline.reserve does.
+ *
+ *   ten(tls, timelines, links, nbytes, ready) -> (start, end) | None
+ *       Timelines.ten: transfer's walk without reserving. Missing timelines are made by
+ *       tls.link first, in path order, up to a link that never has residual bandwidth; None
+ *       (the same timelines made) where the Python walk is to run: it raises, or a time is
+ *       not a float.
+ *
+ *   copy_timelines(timelines, LinkTimeline) -> dict
+ *       Timelines.copy: link -> a copy of its LinkTimeline (lists copied, eps shared).
  *
  *   reserve_until(tls, timelines, links, start, end, who, Reservation, LinkTimeline, EPS)
  *       -> reservations | None
@@ -54,6 +63,15 @@
  *           profiles, Transfer, fields, Reservation, LinkTimeline, EPS, drop_reason, drops)
  *           -> list of Transfer | None
  *       stf_planner.Planner.run, the STF loop (plan_stf.c, plan_stf_run.c, plan_stf_links.c).
+ *       With Reservation None, the timelines are reserved all the same but no reservation
+ *       records are made, and each transfer is a row of the tuple class passed as Transfer
+ *       (schedule.TransferTimes: payload id, src, dst, path, start, end, bytes, False),
+ *       untracked by the cyclic collector.
+ *
+ *   changed_capacities(caps, succ) -> list of links
+ *       stf_book.STFBook._recapacity's scan: the links of `caps` (link -> capacity) whose
+ *       capacity in the graph's adjacency `succ` differs now, in `caps`' order
+ *       (plan_stf_links.c).
  *
  *   tree_hosts(next_hops, hosts, lid, links, Host) -> None
  *       tree_routes._ServerRoutes._every: each node's path to the server and its link ids
@@ -85,15 +103,17 @@
  *   per_byte(adj, links) -> list of float
  *       tree_routes.Routes._grow: seconds per byte of each link (1 / its capacity).
  *
- *   decision_sends(transfers, after, ids, planned, Send, fields) -> (sends, carried) | None
+ *   decision_sends(transfers, after, ids, planned, Send, fields[, rows]) -> (sends, carried) | None
  *       convert.schedule_to_decision's loop over the transfers: the Sends of the payloads
  *       that are not the plan's aggregates, and payload id -> (transfer, after) of those
  *       that are (None where a transfer is a replica's: the Python loop runs).
  *
- *   follows(transfers, busy, ids) -> list of tuples | None
+ *   follows(transfers, busy, ids[, rows]) -> list of tuples | None
  *       convert.schedule_to_decision's `after` of each transfer: the payloads ending on one
  *       of its links exactly when it starts (None where a link in flight is not a pair of
  *       nodes: the Python loop runs).
+ *
+ *   Both read a transfer of class `rows` (schedule.TransferTimes) by place.
  */
 #include "_plan_native.h"
 
@@ -105,12 +125,15 @@ PyObject *str_aggregator, *str_parent, *str_members, *str_free, *str_per, *str_g
 
 static PyMethodDef methods[] = {
     {"transfer", py_transfer, METH_VARARGS, "Timelines.transfer's walk and reservation (see the module doc)."},
+    {"ten", py_ten, METH_VARARGS, "Timelines.ten's walk (see the module doc)."},
+    {"copy_timelines", py_copy_timelines, METH_VARARGS, "Timelines.copy's timelines (see the module doc)."},
     {"reserve_tree", py_reserve_tree, METH_VARARGS, "tree_cost.reserve's loop (see the module doc)."},
     {"follows", py_follows, METH_VARARGS, "schedule_to_decision's `after` of each transfer (see the module doc)."},
     {"build", py_build, METH_VARARGS, "trees._build (see the module doc)."},
     {"instances", py_instances, METH_VARARGS, "Dataclass instances, their fields filled (see the module doc)."},
     {"reserve_until", py_reserve_until, METH_VARARGS, "Timelines.reserve_until (see the module doc)."},
     {"stf_run", py_stf_run, METH_VARARGS, "stf_planner.Planner.run (see plan_stf.c)."},
+    {"changed_capacities", py_changed_capacities, METH_VARARGS, "STFBook._recapacity's scan (see the module doc)."},
     {"estimate", py_estimate, METH_VARARGS, "tree_cost.estimate's loop (see the module doc)."},
     {"tree_hosts", py_tree_hosts, METH_VARARGS, "tree_routes._ServerRoutes._every's loop (see the module doc)."},
     {"tree_shape", py_tree_shape, METH_VARARGS, "tree_routes.RouteCache._shape's loops (see the module doc)."},

@@ -26,6 +26,7 @@ int lane_of(PyObject *tl, Lane *out);       /* 0, or -1 (TypeError where they ar
 int all_floats(PyObject *list);             /* every item an exact float */
 /* plan_timeline.c: a transfer's walk and reservation; None where the Python loops are to run */
 PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls);
+PyObject *lanes_transfer(Lane *lanes, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls);
 /* plan_reserve.c: cls(*values) for a dataclass whose __init__ only sets `fields` */
 PyObject *make_instance(PyObject *cls, PyObject *fields, PyObject *const *values, Py_ssize_t n);
 /* plan_reserve.c: Timelines.link(link) for a link with no timeline yet (LinkTimeline made in C where it can) */
@@ -52,6 +53,44 @@ static inline PyObject *untrack_atoms(PyObject *t) {
     }
     PyObject_GC_UnTrack(t);
     return t;
+}
+
+/* whether `x` is not (or no longer) followed by the cyclic collector: no cycle runs through it */
+static inline int gc_leaf(PyObject *x) { return !PyObject_IS_GC(x) || !PyObject_GC_IsTracked(x); }
+
+/* `t` (a new tuple or tuple-subclass record such as a NamedTuple's, or NULL), no longer tracked
+   by the cyclic collector where every item is a leaf (gc_leaf): it can then never be part of a
+   cycle. A decision's records (its planned transfers' rows) would otherwise be walked by every
+   young collection while they live, and push the old generation towards a full collection. */
+static inline PyObject *untrack_leaves(PyObject *t) {
+    if (t == NULL || !PyTuple_Check(t) || !PyObject_GC_IsTracked(t)) return t;
+    PyTypeObject *type = Py_TYPE(t);
+    if (type != &PyTuple_Type && (type->tp_dictoffset != 0 || type->tp_flags & Py_TPFLAGS_MANAGED_DICT))
+        return t; /* an instance that may carry a dict of its own */
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++)
+        if (!gc_leaf(PyTuple_GET_ITEM(t, k))) return t;
+    PyObject_GC_UnTrack(t);
+    return t;
+}
+
+/* `obj` (a new instance of a frozen record class made by make_instance, or NULL) and its
+   instance dict no longer tracked by the cyclic collector where every value in that dict is a
+   leaf (gc_leaf): neither can be part of a cycle then. The dict tracks itself again where a
+   container is ever stored in it (as CPython's dicts do). */
+static inline PyObject *untrack_record(PyObject *obj) {
+    if (obj == NULL || !PyObject_GC_IsTracked(obj)) return obj;
+    PyTypeObject *type = Py_TYPE(obj); /* its dict and a weakref list, nothing else in slots */
+    Py_ssize_t plain = PyBaseObject_Type.tp_basicsize + (type->tp_weaklistoffset ? (Py_ssize_t)sizeof(PyObject *) : 0);
+    if (!(type->tp_flags & Py_TPFLAGS_MANAGED_DICT) || type->tp_basicsize != plain || type->tp_itemsize) return obj;
+    PyObject **dp = _PyObject_GetDictPtr(obj);
+    if (dp == NULL || *dp == NULL || !PyDict_CheckExact(*dp)) return obj;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(*dp, &pos, &key, &value))
+        if (!gc_leaf(value)) return obj;
+    if (PyObject_GC_IsTracked(*dp)) PyObject_GC_UnTrack(*dp);
+    PyObject_GC_UnTrack(obj);
+    return obj;
 }
 
 /* d[outer][inner] of a dict of dicts (the routes' caches: destination -> source -> route), borrowed;
@@ -122,12 +161,15 @@ static inline HeapEntry heap_pop(HeapEntry *h, Py_ssize_t *n) {
 }
 
 PyObject *py_transfer(PyObject *self, PyObject *args);
+PyObject *py_ten(PyObject *self, PyObject *args);
+PyObject *py_copy_timelines(PyObject *self, PyObject *args);
 PyObject *py_estimate(PyObject *self, PyObject *args);
 PyObject *py_reserve_tree(PyObject *self, PyObject *args);
 PyObject *py_follows(PyObject *self, PyObject *args);
 PyObject *py_build(PyObject *self, PyObject *args);
 PyObject *py_instances(PyObject *self, PyObject *args);
 PyObject *py_stf_run(PyObject *self, PyObject *args);
+PyObject *py_changed_capacities(PyObject *self, PyObject *args);
 PyObject *py_reserve_until(PyObject *self, PyObject *args);
 PyObject *py_tree_hosts(PyObject *self, PyObject *args);
 PyObject *py_tree_shape(PyObject *self, PyObject *args);

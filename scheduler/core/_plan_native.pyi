@@ -11,9 +11,13 @@ def transfer(
     nbytes: float,
     ready: float,
     who: str,
-    reservation: type,
+    reservation: type | None,
     /,
 ) -> tuple[float, float, tuple[Any, ...]] | None: ...
+def ten(
+    tls: Any, timelines: dict[Any, Any], links: tuple[tuple[str, str], ...], nbytes: float, ready: float, /
+) -> tuple[float, float] | None: ...
+def copy_timelines(timelines: dict[Any, Any], timeline: type, /) -> dict[Any, Any]: ...
 def reserve_until(
     tls: Any,
     timelines: dict[Any, Any],
@@ -71,7 +75,11 @@ def build(
     /,
 ) -> tuple[dict[str, Any], dict[str, str]]: ...
 def follows(
-    transfers: tuple[Any, ...], busy: Sequence[tuple[str, Sequence[Hashable], float]], ids: dict[str, str], /
+    transfers: tuple[Any, ...],
+    busy: Sequence[tuple[str, Sequence[Hashable], float]],
+    ids: dict[str, str],
+    rows: type = ...,
+    /,
 ) -> list[tuple[str, ...]] | None: ...
 def stf_run(
     classes: list[tuple[float, list[tuple[float, str]], int]],
@@ -95,13 +103,16 @@ def stf_run(
     profiles: Any,
     transfer: type,
     fields: tuple[str, ...] | None,
-    reservation: type,
+    reservation: type | None,
     timeline: type,
     eps: float,
     drop_reason: Any,
     drops: dict[str, str],
     /,
 ) -> list[Any] | None: ...
+def changed_capacities(
+    caps: dict[tuple[str, str], float], succ: dict[str, dict[str, dict[str, Any]]], /
+) -> list[tuple[str, str]]: ...
 def instances(cls: type[T], fields: tuple[str, ...], rows: list[tuple[Any, ...]], /) -> list[T]: ...
 def tree_hosts(
     next_hops: dict[str, str], hosts: dict[str, Any], lid: dict[Any, int], links: list[Any], host: type, /
@@ -128,6 +139,7 @@ def decision_sends(
     planned: set[str],
     send: type,
     fields: tuple[str, ...] | None,
+    rows: type = ...,
     /,
 ) -> tuple[list[Any], dict[str, tuple[Any, tuple[str, ...]]]] | None: ...
 def tree_tables(

@@ -155,8 +155,9 @@ fail:
 }
 
 PyObject *py_follows(PyObject *self, PyObject *args) {
-    PyObject *transfers, *busy, *ids;
-    if (!PyArg_ParseTuple(args, "O!OO!", &PyTuple_Type, &transfers, &busy, &PyDict_Type, &ids)) return NULL;
+    PyObject *transfers, *busy, *ids, *rows = NULL;
+    if (!PyArg_ParseTuple(args, "O!OO!|O!", &PyTuple_Type, &transfers, &busy, &PyDict_Type, &ids, &PyType_Type, &rows))
+        return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(transfers);
     Ends e = {NULL, 0, 0, NULL, 0, 0};
     PyObject *busy_fast = NULL, *after = NULL, *out = NULL;
@@ -195,8 +196,14 @@ PyObject *py_follows(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PyTuple_GET_ITEM(transfers, i);
         PyObject **h = held + 4 * i;
-        if ((h[0] = PyObject_GetAttr(t, str_path)) == NULL || (h[1] = PyObject_GetAttr(t, str_payload_id)) == NULL ||
-            (h[2] = PyObject_GetAttr(t, str_start)) == NULL || (h[3] = PyObject_GetAttr(t, str_end)) == NULL)
+        if (rows != NULL && Py_TYPE(t) == (PyTypeObject *)rows && PyTuple_GET_SIZE(t) >= 6) {
+            h[0] = Py_NewRef(PyTuple_GET_ITEM(t, 3)); /* a TransferTimes row: its fields by place */
+            h[1] = Py_NewRef(PyTuple_GET_ITEM(t, 0));
+            h[2] = Py_NewRef(PyTuple_GET_ITEM(t, 4));
+            h[3] = Py_NewRef(PyTuple_GET_ITEM(t, 5));
+        } else if ((h[0] = PyObject_GetAttr(t, str_path)) == NULL ||
+                   (h[1] = PyObject_GetAttr(t, str_payload_id)) == NULL ||
+                   (h[2] = PyObject_GetAttr(t, str_start)) == NULL || (h[3] = PyObject_GetAttr(t, str_end)) == NULL)
             goto done;
         if (!PyTuple_CheckExact(h[0])) {
             PyErr_SetString(PyExc_TypeError, "follows: a path must be a tuple");

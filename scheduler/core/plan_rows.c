@@ -4,17 +4,19 @@
 
 static PyObject *str_capacity_t; /* "capacity" */
 
-/* decision_sends(transfers, after, ids, planned, Send, fields) -> (sends, carried) | None:
+/* decision_sends(transfers, after, ids, planned, Send, fields[, rows]) -> (sends, carried) | None:
    schedule_to_decision's loop over the transfers: each transfer of a payload that is not an
    aggregate of the plan becomes a Send (its id renamed by `ids`; made as make_instance makes
-   it), each of an aggregate is carried (payload id -> (transfer, its after)). None, with
-   nothing made, where a transfer is a replica's: the Python loop runs. */
+   it, untracked by the cyclic collector where its fields are leaves: untrack_record), each of
+   an aggregate is carried (payload id -> (transfer, its after)). None, with
+   nothing made, where a transfer is a replica's: the Python loop runs. A transfer of class
+   `rows` (schedule.TransferTimes) is read by place. */
 static PyObject *str_replica_r, *str_dst_r;
 
 PyObject *py_decision_sends(PyObject *self, PyObject *args) {
-    PyObject *transfers, *after, *ids, *planned, *cls, *fields;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OO", &PyTuple_Type, &transfers, &PyList_Type, &after, &PyDict_Type, &ids,
-                          &PySet_Type, &planned, &cls, &fields))
+    PyObject *transfers, *after, *ids, *planned, *cls, *fields, *rows = NULL;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OO|O!", &PyTuple_Type, &transfers, &PyList_Type, &after, &PyDict_Type, &ids,
+                          &PySet_Type, &planned, &cls, &fields, &PyType_Type, &rows))
         return NULL;
     if (str_replica_r == NULL && ((str_replica_r = PyUnicode_InternFromString("replica")) == NULL ||
                                   (str_dst_r = PyUnicode_InternFromString("dst")) == NULL))
@@ -25,7 +27,11 @@ PyObject *py_decision_sends(PyObject *self, PyObject *args) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) { /* a replica's transfer: the Python loop */
-        PyObject *r = PyObject_GetAttr(PyTuple_GET_ITEM(transfers, i), str_replica_r);
+        PyObject *t = PyTuple_GET_ITEM(transfers, i);
+        if (rows != NULL && Py_TYPE(t) == (PyTypeObject *)rows && PyTuple_GET_SIZE(t) == 8) {
+            if (PyTuple_GET_ITEM(t, 7) == Py_False) continue; /* a TransferTimes row's replica */
+        }
+        PyObject *r = PyObject_GetAttr(t, str_replica_r);
         if (r == NULL) return NULL;
         int truthy = PyObject_IsTrue(r);
         Py_DECREF(r);
@@ -36,7 +42,8 @@ PyObject *py_decision_sends(PyObject *self, PyObject *args) {
     if (sends == NULL || carried == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PyTuple_GET_ITEM(transfers, i), *a = PyList_GET_ITEM(after, i);
-        PyObject *pid = PyObject_GetAttr(t, str_payload_id);
+        int row = rows != NULL && Py_TYPE(t) == (PyTypeObject *)rows && PyTuple_GET_SIZE(t) == 8;
+        PyObject *pid = row ? Py_NewRef(PyTuple_GET_ITEM(t, 0)) : PyObject_GetAttr(t, str_payload_id);
         if (pid == NULL) goto fail;
         int agg = PySet_Contains(planned, pid);
         if (agg) {
@@ -53,11 +60,18 @@ PyObject *py_decision_sends(PyObject *self, PyObject *args) {
             goto fail;
         }
         PyObject *vals[6] = {renamed ? renamed : pid, NULL, NULL, a, NULL, NULL};
-        vals[1] = PyObject_GetAttr(t, str_dst_r);
-        vals[2] = vals[1] ? PyObject_GetAttr(t, str_path) : NULL;
-        vals[4] = vals[2] ? PyObject_GetAttr(t, str_start) : NULL;
-        vals[5] = vals[4] ? PyObject_GetAttr(t, str_end) : NULL;
-        PyObject *send = vals[5] ? make_instance(cls, fields, vals, 6) : NULL;
+        if (row) { /* a TransferTimes row: its fields by place */
+            vals[1] = Py_NewRef(PyTuple_GET_ITEM(t, 2));
+            vals[2] = Py_NewRef(PyTuple_GET_ITEM(t, 3));
+            vals[4] = Py_NewRef(PyTuple_GET_ITEM(t, 4));
+            vals[5] = Py_NewRef(PyTuple_GET_ITEM(t, 5));
+        } else {
+            vals[1] = PyObject_GetAttr(t, str_dst_r);
+            vals[2] = vals[1] ? PyObject_GetAttr(t, str_path) : NULL;
+            vals[4] = vals[2] ? PyObject_GetAttr(t, str_start) : NULL;
+            vals[5] = vals[4] ? PyObject_GetAttr(t, str_end) : NULL;
+        }
+        PyObject *send = vals[5] ? untrack_record(make_instance(cls, fields, vals, 6)) : NULL;
         Py_DECREF(pid);
         Py_XDECREF(vals[1]);
         Py_XDECREF(vals[2]);

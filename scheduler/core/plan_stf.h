@@ -25,6 +25,7 @@ typedef struct {
     PyObject *key;              /* the link tuple (new reference) */
     PyObject *times, *residual; /* borrowed from the LinkTimeline; NULL: not made yet */
     double cap, eps;            /* where times is NULL */
+    char has_cap;               /* cap is the graph's (no profile): stf_realize makes the timeline here */
     long modified;              /* stamp of its last reservation, -1: none */
     double free, peak;          /* Planner.free_from / peak, cached */
     char free_ok, peak_ok, popped_known, popped;
@@ -76,6 +77,7 @@ typedef struct {
     double now, t0, eps;
     /* made here */
     PyObject *transfers, *uid_ix, *link_ix, *srv_ix;
+    PyObject *t0_o; /* the Timelines' origin (its _start), fetched when first needed */
     Upd *u;
     Py_ssize_t nu, ucap;
     Py_ssize_t *pool;

@@ -57,6 +57,7 @@ static int init_link(STF *st, Lnk *l, PyObject *link) {
         l->cap = PyFloat_AsDouble(cap);
         if (l->cap == -1.0 && PyErr_Occurred()) return -1;
         l->eps = st->eps * l->cap; /* LinkTimeline: EPS * float(capacity) */
+        l->has_cap = 1;
         return 0;
     }
     int ok = read_timeline(l, tl);
@@ -86,10 +87,43 @@ Py_ssize_t stf_link(STF *st, PyObject *link) {
     return rc < 0 ? -1 : li;
 }
 
+/* Timelines.link(link) for a link of capacity l->cap and no profile: LinkTimeline(cap, start)
+   made here, its slots set as its __init__ sets them, into the Timelines' dict. Its lists and
+   it are left out of the cyclic collector: they hold floats only, so they are never part of
+   a cycle, and a decision makes hundreds of them (issue 24). 1: made, 0: the origin is not a
+   float (make_timeline then), -1: error. */
+static int new_timeline(STF *st, Lnk *l) {
+    if (st->t0_o == NULL && (st->t0_o = PyObject_GetAttrString(st->tls, "_start")) == NULL) return -1;
+    if (!PyFloat_CheckExact(st->t0_o) || !PyType_Check(st->timeline_cls)) return 0;
+    PyObject *obj = PyBaseObject_Type.tp_new((PyTypeObject *)st->timeline_cls, empty_tuple, NULL);
+    PyObject *times = obj ? PyList_New(1) : NULL, *residual = times ? PyList_New(1) : NULL;
+    PyObject *cap = residual ? PyFloat_FromDouble(l->cap) : NULL, *eps = cap ? PyFloat_FromDouble(l->eps) : NULL;
+    int rc = -1;
+    if (eps != NULL) {
+        PyList_SET_ITEM(times, 0, Py_NewRef(st->t0_o));
+        PyList_SET_ITEM(residual, 0, cap);
+        cap = NULL;
+        PyObject_GC_UnTrack(times);
+        PyObject_GC_UnTrack(residual);
+        if (PyObject_SetAttr(obj, str_times, times) == 0 && PyObject_SetAttr(obj, str_residual, residual) == 0 &&
+            PyObject_SetAttr(obj, str_eps, eps) == 0 && PyDict_SetItem(st->tls_links, l->key, obj) == 0)
+            rc = 1;
+        if (PyObject_GC_IsTracked(obj)) PyObject_GC_UnTrack(obj);
+    }
+    Py_XDECREF(obj);
+    Py_XDECREF(times);
+    Py_XDECREF(residual);
+    Py_XDECREF(cap);
+    Py_XDECREF(eps);
+    return rc;
+}
+
 int stf_realize(STF *st, Py_ssize_t li) {
     Lnk *l = &st->l[li];
     if (l->times != NULL) return 0;
-    if (make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
+    int made = l->has_cap ? new_timeline(st, l) : 0;
+    if (made < 0) return -1;
+    if (!made && make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
     PyObject *tl = PyDict_GetItemWithError(st->tls_links, l->key); /* the Timelines holds it */
     if (tl == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "stf_run: Timelines.link made no timeline");
@@ -297,4 +331,49 @@ int stf_walk(STF *st, Py_ssize_t ui, double nbytes, double ready, double *end) {
         remaining -= rate * (nxt - t);
         t = nxt;
     }
+}
+
+/* changed_capacities(caps, succ) -> list of links: STFBook._recapacity's scan, the links of
+   `caps` (link -> capacity its updates are classed by) whose capacity in the graph's
+   adjacency `succ` (u -> v -> edge data) is no longer that one (compared as Python's !=
+   compares them), in `caps`' order. KeyError where a link or its capacity is missing. */
+PyObject *py_changed_capacities(PyObject *self, PyObject *args) {
+    PyObject *caps, *succ;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &caps, &PyDict_Type, &succ)) return NULL;
+    static PyObject *capacity; /* not s_capacity: stf_run makes its names together */
+    if (capacity == NULL && (capacity = PyUnicode_InternFromString("capacity")) == NULL) return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    PyObject *link, *cap;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(caps, &pos, &link, &cap)) {
+        if (!PyTuple_CheckExact(link) || PyTuple_GET_SIZE(link) != 2) {
+            PyErr_SetString(PyExc_TypeError, "changed_capacities: a link must be a pair of nodes");
+            goto fail;
+        }
+        PyObject *u = PyTuple_GET_ITEM(link, 0), *v = PyTuple_GET_ITEM(link, 1);
+        PyObject *nbrs = PyDict_GetItemWithError(succ, u), *data = NULL, *now = NULL;
+        if (nbrs == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, u);
+            goto fail;
+        }
+        if ((data = PyObject_GetItem(nbrs, v)) == NULL) goto fail; /* succ[u][v]["capacity"] */
+        now = PyObject_GetItem(data, capacity);
+        Py_DECREF(data);
+        if (now == NULL) goto fail;
+        int ne;
+        if (PyFloat_CheckExact(now) && PyFloat_CheckExact(cap)) {
+            ne = PyFloat_AS_DOUBLE(now) != PyFloat_AS_DOUBLE(cap);
+        } else {
+            PyObject *r = PyObject_RichCompare(now, cap, Py_NE);
+            ne = r == NULL ? -1 : PyObject_IsTrue(r);
+            Py_XDECREF(r);
+        }
+        Py_DECREF(now);
+        if (ne < 0 || (ne && PyList_Append(out, link) < 0)) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
 }

@@ -165,10 +165,15 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
     PyObject *uid = st->u[ui].uid, *links = st->u[ui].links, *start_o = st->c[ci].start_o;
     PyObject *got = Py_None;
     Py_INCREF(got);
-    if (PyFloat_CheckExact(start_o)) {
+    if (PyFloat_CheckExact(start_o)) { /* fast_transfer on the lists the links were read from (floats) */
+        Lane lanes[MAX_LINKS];
+        for (Py_ssize_t k = 0; k < nl; k++) {
+            Lnk *l = &st->l[lk[k]];
+            lanes[k] = (Lane){l->times, l->residual, l->eps, NULL};
+        }
         Py_DECREF(got);
-        got = fast_transfer(st->tls_links, links, nbytes, start_o, PyUnicode_GET_LENGTH(uid) ? uid : a_transfer,
-                            st->reservation_cls);
+        got = lanes_transfer(lanes, links, nbytes, start_o, PyUnicode_GET_LENGTH(uid) ? uid : a_transfer,
+                             st->reservation_cls);
         if (got == NULL) return -1;
     }
     if (got == Py_None) { /* the Python method: it raises where the C declined */
@@ -200,7 +205,16 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
         for (Py_ssize_t k = 0; k < nl; k++)
             PyTuple_SET_ITEM(path, k + 1, Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(links, k), 1)));
         if (st->names != Py_None) Py_SETREF(name, PyObject_GetItem(st->names, uid));
-        if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3) {
+        untrack_atoms(path);
+        if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3 && st->reservation_cls == Py_None) {
+            /* the light row: TransferTimes(name, src, dst, path, start, end, bytes, False) */
+            PyTypeObject *type = (PyTypeObject *)st->transfer_cls;
+            PyObject *argv[8] = {name, src, dst, path, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), size, Py_False};
+            if ((t = type->tp_alloc(type, 8)) != NULL) {
+                for (Py_ssize_t k = 0; k < 8; k++) PyTuple_SET_ITEM(t, k, Py_NewRef(argv[k]));
+                untrack_leaves(t);
+            }
+        } else if (name != NULL && PyTuple_CheckExact(got) && PyTuple_GET_SIZE(got) == 3) {
             PyObject *argv[9] = {name, src, dst, path, PyTuple_GET_ITEM(got, 0), PyTuple_GET_ITEM(got, 1), size,
                                  PyTuple_GET_ITEM(got, 2), Py_False};
             t = make_instance(st->transfer_cls, st->fields, argv, st->fields == Py_None ? 8 : 9);
@@ -278,6 +292,7 @@ static void release(STF *st) {
     Py_XDECREF(st->link_ix);
     Py_XDECREF(st->srv_ix);
     Py_XDECREF(st->transfers);
+    Py_XDECREF(st->t0_o);
 }
 
 /* whether every timeline the Timelines has holds float lists (else: the Python loop) */
@@ -338,6 +353,11 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
                           &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
                           &st.drop_reason, &PyDict_Type, &st.drops))
         return NULL;
+    if (st.reservation_cls == Py_None &&
+        (!PyType_Check(st.transfer_cls) || !PyType_IsSubtype((PyTypeObject *)st.transfer_cls, &PyTuple_Type))) {
+        PyErr_SetString(PyExc_TypeError, "stf_run: without reservations the transfers' class must be a tuple's");
+        return NULL;
+    }
     if (st.book_on_link != Py_None && (!PyDict_Check(st.book_on_link) || !PyAnySet_Check(st.popped))) {
         PyErr_SetString(PyExc_TypeError, "stf_run: book links must be a dict and popped a set");
         return NULL;

@@ -301,9 +301,18 @@ static int walk(Lane *lanes, Py_ssize_t nl, double nbytes, PyObject *ready, Piec
 }
 
 /* Timelines._reserve_pieces: every piece reserved on every link of `links` (their lanes), link
-   by link; the Reservation tuples (`cls`), NULL on error */
+   by link; the Reservation tuples (`cls`; None: reserved, no tuples made, () returned), NULL on error */
 static PyObject *reserve_pieces(Lane *lanes, PyObject *links, Pieces *ps, PyObject *who, PyObject *cls) {
     Py_ssize_t nl = PyTuple_GET_SIZE(links), m = 0;
+    if (cls == Py_None) {
+        for (Py_ssize_t k = 0; k < nl; k++)
+            for (Py_ssize_t q = 0; q < ps->n; q++) {
+                Piece *p = &ps->p[q];
+                if (reserve_lists(lanes[k].times, lanes[k].residual, lanes[k].eps, p->lo, p->hi, p->rate, who) < 0)
+                    return NULL;
+            }
+        return Py_NewRef(empty_tuple);
+    }
     PyObject *res = PyTuple_New(nl * ps->n);
     if (res == NULL) return NULL;
     PyTypeObject *type = (PyTypeObject *)cls;
@@ -331,7 +340,8 @@ static PyObject *reserve_pieces(Lane *lanes, PyObject *links, Pieces *ps, PyObje
 }
 
 /* The walk and reservation of one transfer over `links` (a tuple of links): (start, end,
-   reservations), None where the Python loops are to run (nothing changed then), NULL on error. */
+   reservations) (() where `cls` is None: none made), None where the Python loops are to run
+   (nothing changed then), NULL on error. */
 PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject *ready, PyObject *who,
                                PyObject *cls) {
     Py_ssize_t nl = PyTuple_GET_SIZE(links);
@@ -346,6 +356,14 @@ PyObject *fast_transfer(PyObject *tls, PyObject *links, double nbytes, PyObject 
         if (lane_of(tl, &lanes[k]) < 0) return NULL;
         if (!all_floats(lanes[k].times) || !all_floats(lanes[k].residual)) Py_RETURN_NONE;
     }
+    return lanes_transfer(lanes, links, nbytes, ready, who, cls);
+}
+
+/* fast_transfer over lanes already read (one per link of `links`, float lists): the walk and
+   the reservation, (start, end, reservations), None where the path never has residual
+   bandwidth (nothing changed), NULL on error. */
+PyObject *lanes_transfer(Lane *lanes, PyObject *links, double nbytes, PyObject *ready, PyObject *who, PyObject *cls) {
+    Py_ssize_t nl = PyTuple_GET_SIZE(links);
     Pieces ps = {NULL, 0, 0};
     PyObject *start = NULL, *end = NULL, *res = NULL;
     int got = walk(lanes, nl, nbytes, ready, &ps, &start, &end);
@@ -376,6 +394,84 @@ PyObject *py_transfer(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!dOOO", &PyDict_Type, &tls, &PyTuple_Type, &links, &nbytes, &ready, &who, &cls))
         return NULL;
     return fast_transfer(tls, links, nbytes, ready, who, cls);
+}
+
+/* ten(tls, timelines, links, nbytes, ready) -> (start, end) | None: Timelines.ten's walk.
+   Missing timelines are made first, in path order, by tls.link (as the walk makes them), up to
+   a link that never has residual bandwidth; None, with the same timelines made, where the
+   Python walk is to run (it raises then, or a time is not a float). */
+PyObject *py_ten(PyObject *self, PyObject *args) {
+    PyObject *tls_obj, *tls, *links, *ready;
+    double nbytes;
+    if (!PyArg_ParseTuple(args, "OO!O!dO", &tls_obj, &PyDict_Type, &tls, &PyTuple_Type, &links, &nbytes, &ready))
+        return NULL;
+    Py_ssize_t nl = PyTuple_GET_SIZE(links);
+    if (nl > MAX_LINKS || !PyFloat_CheckExact(ready)) Py_RETURN_NONE;
+    if (nl == 0 || nbytes <= 0) return PyTuple_Pack(2, ready, ready);
+    Lane lanes[MAX_LINKS];
+    for (Py_ssize_t k = 0; k < nl; k++) {
+        PyObject *link = PyTuple_GET_ITEM(links, k);
+        PyObject *tl = PyDict_GetItemWithError(tls, link);
+        if (tl == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            tl = PyObject_CallMethodOneArg(tls_obj, str_link, link); /* makes it (or raises) */
+            if (tl == NULL) return NULL;
+            Py_DECREF(tl); /* the timelines hold it */
+        }
+        if (lane_of(tl, &lanes[k]) < 0) return NULL;
+        if (!all_floats(lanes[k].times) || !all_floats(lanes[k].residual)) Py_RETURN_NONE;
+        if (PyList_GET_SIZE(lanes[k].times) == 1 && F(lanes[k].residual, 0) <= lanes[k].eps) Py_RETURN_NONE;
+    }
+    Pieces ps = {NULL, 0, 0};
+    PyObject *start = NULL, *end = NULL;
+    int got = walk(lanes, nl, nbytes, ready, &ps, &start, &end);
+    pieces_free(&ps);
+    if (got <= 0) return got < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *out = PyTuple_Pack(2, start, end);
+    Py_DECREF(start);
+    Py_DECREF(end);
+    return out;
+}
+
+/* copy_timelines(timelines, LinkTimeline) -> dict: Timelines.copy's {link: tl.copy()}, each
+   LinkTimeline copied here (its lists copied, its eps shared, as LinkTimeline.copy does);
+   tl.copy() called for a timeline of another class. */
+PyObject *py_copy_timelines(PyObject *self, PyObject *args) {
+    PyObject *tls, *cls;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &tls, &PyType_Type, &cls)) return NULL;
+    static PyObject *s_copy;
+    if (s_copy == NULL && (s_copy = PyUnicode_InternFromString("copy")) == NULL) return NULL;
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    PyObject *link, *tl;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(tls, &pos, &link, &tl)) {
+        PyObject *copy = NULL;
+        if (Py_TYPE(tl) != (PyTypeObject *)cls) {
+            copy = PyObject_CallMethodNoArgs(tl, s_copy);
+        } else {
+            PyObject *times = PyObject_GetAttr(tl, str_times);
+            PyObject *residual = times ? PyObject_GetAttr(tl, str_residual) : NULL;
+            PyObject *eps = residual ? PyObject_GetAttr(tl, str_eps) : NULL;
+            PyObject *t2 = eps ? PySequence_List(times) : NULL, *r2 = t2 ? PySequence_List(residual) : NULL;
+            if (r2 != NULL && (copy = PyBaseObject_Type.tp_new((PyTypeObject *)cls, empty_tuple, NULL)) != NULL &&
+                (PyObject_SetAttr(copy, str_times, t2) < 0 || PyObject_SetAttr(copy, str_residual, r2) < 0 ||
+                 PyObject_SetAttr(copy, str_eps, eps) < 0))
+                Py_CLEAR(copy);
+            Py_XDECREF(times);
+            Py_XDECREF(residual);
+            Py_XDECREF(eps);
+            Py_XDECREF(t2);
+            Py_XDECREF(r2);
+        }
+        int rc = copy == NULL ? -1 : PyDict_SetItem(out, link, copy);
+        Py_XDECREF(copy);
+        if (rc < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
 }
 
 /* ------------------------------------------------------------------ Timelines.reserve_until */

@@ -33,6 +33,7 @@ __all__ = [
     "Reservation",
     "Schedule",
     "Transfer",
+    "TransferTimes",
     "Update",
     "aggregate_id",
     "is_aggregate_id",
@@ -220,6 +221,36 @@ class Transfer:
             reservations=tuple(Reservation(link, start, end, rate) for link in links),
             replica=replica,
         )
+
+
+class TransferTimes(NamedTuple):
+    """A planned :class:`Transfer`'s path and times, without its reservations.
+
+    What a decision needs of a transfer (its ``after``, its expected start and end): the
+    light output of a planner run for a policy, which executes its plan and does not check
+    it (the reservations are made in the planner's timelines all the same). Fields as
+    :class:`Transfer`'s.
+
+    Examples
+    --------
+    >>> t = Transfer.at_rate("u1", ("w1", "sw", "ps"), start=0.0, bytes=10.0, rate=5.0)
+    >>> TransferTimes.of(t)[3:6]
+    (('w1', 'sw', 'ps'), 0.0, 2.0)
+    """
+
+    payload_id: str
+    src: str
+    dst: str
+    path: tuple[str, ...]
+    start: float
+    end: float
+    bytes: float
+    replica: bool = False
+
+    @classmethod
+    def of(cls, t: Transfer) -> TransferTimes:
+        """``t``'s path and times."""
+        return cls(t.payload_id, t.src, t.dst, t.path, t.start, t.end, t.bytes, t.replica)
 
 
 @dataclass(frozen=True)

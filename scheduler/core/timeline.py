@@ -268,7 +268,10 @@ class Timelines:
     def copy(self) -> Timelines:
         """An independent copy (for what-if planning)."""
         new = Timelines(self._graph, self._start, self._profiles)
-        new._links = {k: v.copy() for k, v in self._links.items()}
+        if _plan_native is not None:  # the loop below in C: a tree planner copies them per trial
+            new._links = _plan_native.copy_timelines(self._links, LinkTimeline)
+        else:
+            new._links = {k: v.copy() for k, v in self._links.items()}
         return new
 
     def residual(self, links: Iterable[Link], t: float) -> float:
@@ -310,6 +313,10 @@ class Timelines:
         >>> tls.ten([("a", "b")], 4.0, ready=1.0)
         (2.0, 3.0)
         """
+        if _plan_native is not None and type(ready) is float:  # the walk in C (None: the loop below)
+            got = _plan_native.ten(self, self._links, tuple(links), nbytes, ready)
+            if got is not None:
+                return got
         start, end, _ = self._walk(links, nbytes, ready, record=False)
         return start, end
 

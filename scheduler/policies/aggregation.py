@@ -382,10 +382,9 @@ def plan_aggregation_sync(
 
 
 def _plan_sync(
-    graph: nx.DiGraph, updates: Sequence[Update], aggregators: Sequence[str], now: float
+    graph: nx.DiGraph, updates: Sequence[Update], aggregators: Sequence[str], now: float, pc: PathCache
 ) -> Schedule:
     """Smallest-makespan grouping; exhaustive like ``plan_aggregation_sync`` for small batches."""
-    pc = PathCache(graph)
     if len(updates) <= EXHAUSTIVE_UP_TO:
         return plan_aggregation_sync(graph, updates, aggregators=aggregators, now=now, paths=pc)
     best = plan_stf(graph, updates, now=now, paths=pc)
@@ -554,7 +553,7 @@ class AggregationPolicy:
         servers = {p.dst_host for p in pending}
         aggregators = aggregator_pool(graph, self.aggregators, servers, snapshot.aggregators)
         if self.sync:
-            return _plan_sync(graph, updates, aggregators, snapshot.now), []
+            return _plan_sync(graph, updates, aggregators, snapshot.now, self._pc(snapshot)), []
         # online: transfers in flight keep their links until their expected end, and a server
         # whose ingress is busy may have its next group gathered at an aggregator meanwhile
         now = snapshot.now
@@ -567,5 +566,6 @@ class AggregationPolicy:
             timelines=tls,
             ahead_until=until,
             min_members=1 if self.join else 2,
+            paths=self._pc(snapshot),  # the policy's: paths to every candidate aggregator, kept (issue 24)
         )
         return schedule, busy

@@ -127,6 +127,10 @@ class Snapshot:
     gathering: tuple[PlannedAggregate, ...] = ()
     #: (job, server) -> its round membership, for servers of synchronous jobs
     rounds: Mapping[ServerKey, RoundSpec] = field(default_factory=dict)
+    #: a number its producer changes whenever it changes a capacity of ``graph`` in place, so a
+    #: policy may skip re-reading the capacities of the graph object it saw last with the same
+    #: number (the simulator keeps one); ``None``: not kept, every decision reads them
+    graph_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from mlfabric.scheduler.core.records import init_fields, instances
-from mlfabric.scheduler.core.schedule import Link, Schedule, Transfer
+from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, TransferTimes
 from mlfabric.scheduler.core.timeline import _plan_native
 from mlfabric.scheduler.policies.base import Decision, Drop, PlannedAggregate, ReplicaSend, Send
 
-__all__ = ["schedule_to_decision"]
+__all__ = ["schedule_to_decision", "times_to_decision"]
 
 
 def schedule_to_decision(
@@ -73,15 +73,70 @@ def schedule_to_decision(
     (['x', 'x'], 'agg:ps:7', ('x', 'ps'))
     """
     ids = dict(aggregate_ids or {})
-    transfers = schedule.transfers
+    return _decision(schedule.transfers, schedule.drops, schedule.aggregates, busy, ids)
+
+
+def times_to_decision(
+    transfers: Sequence[TransferTimes],
+    drops: Mapping[str, str],
+    *,
+    busy: Iterable[tuple[str, Sequence[Link], float]] = (),
+) -> Decision:
+    """The decision executing a plan given by its transfers' paths and times (no aggregates).
+
+    :func:`schedule_to_decision` for a planner's light output (an STF plan's
+    :class:`~mlfabric.scheduler.core.schedule.TransferTimes`, from
+    :meth:`~mlfabric.scheduler.policies.stf_book.STFBook.plan_times`): the same sends,
+    ``after`` and drops as for the :class:`~mlfabric.scheduler.core.schedule.Schedule` of
+    those transfers.
+
+    Parameters
+    ----------
+    transfers : sequence of TransferTimes
+        The planned transfers, in the plan's order.
+    drops : mapping
+        Update id -> reason.
+    busy : iterable of (str, sequence of Link, float)
+        Transfers already on the network, as :func:`schedule_to_decision` takes them.
+
+    Returns
+    -------
+    Decision
+        Sends in the plan's order, drops sorted by update id.
+
+    Examples
+    --------
+    >>> a = TransferTimes("a", "w0", "ps", ("w0", "ps"), 0.0, 1.0, 1.0)
+    >>> b = TransferTimes("b", "w0", "ps", ("w0", "ps"), 1.0, 2.0, 1.0)
+    >>> d = times_to_decision((a, b), {"c": "stale"}, busy=[("f", [("w0", "ps")], 0.0)])
+    >>> [(s.update_id, s.next_hop, s.after) for s in d.sends], d.drops
+    ([('a', 'ps', ('f',)), ('b', 'ps', ('a',))], (Drop(update_id='c', reason='stale'),))
+    """
+    return _decision(transfers, drops, (), busy, {})
+
+
+def _decision(
+    transfers: Sequence[Transfer | TransferTimes],
+    drops: Mapping[str, str],
+    aggregates: Sequence[Aggregate],
+    busy: Iterable[tuple[str, Sequence[Link], float]],
+    ids: dict[str, str],
+) -> Decision:
+    """The body of :func:`schedule_to_decision` and :func:`times_to_decision`."""
     after = _follows(transfers, busy, ids)
-    planned = {a.aggregate_id for a in schedule.aggregates}
+    planned = {a.aggregate_id for a in aggregates}
     replicas: list[ReplicaSend] = []
     fields = init_fields(Send)
     made = None
     if _plan_native is not None and type(transfers) is tuple and fields is not None:
         made = _plan_native.decision_sends(  # the loop below in C (None: a replica's transfer)
-            transfers, after if isinstance(after, list) else list(after), ids, planned, Send, fields
+            transfers,
+            after if isinstance(after, list) else list(after),
+            ids,
+            planned,
+            Send,
+            fields,
+            TransferTimes,
         )
     if made is not None:
         sends, carried = made
@@ -98,7 +153,7 @@ def schedule_to_decision(
                 rows.append((pid, t.dst, t.path, after[i], t.start, t.end))
         sends = instances(Send, rows)
     aggregate_rows = []
-    for a in schedule.aggregates:
+    for a in aggregates:
         out, deps = carried.get(a.aggregate_id, (None, ()))
         members = tuple(ids.get(m, m) for m in a.members)
         aggregate_rows.append(
@@ -113,13 +168,17 @@ def schedule_to_decision(
                 0.0,  # hold_until
             )
         )
-    aggregates = instances(PlannedAggregate, aggregate_rows)
-    drops = tuple(Drop(uid, reason) for uid, reason in sorted(schedule.drops.items()))
-    return Decision(sends=tuple(sends), drops=drops, aggregates=tuple(aggregates), replicas=tuple(replicas))
+    dropped = tuple(Drop(uid, reason) for uid, reason in sorted(drops.items()))
+    planned_aggregates = tuple(instances(PlannedAggregate, aggregate_rows))
+    return Decision(
+        sends=tuple(sends), drops=dropped, aggregates=planned_aggregates, replicas=tuple(replicas)
+    )
 
 
 def _follows(
-    transfers: Sequence[Transfer], busy: Iterable[tuple[str, Sequence[Link], float]], ids: Mapping[str, str]
+    transfers: Sequence[Transfer | TransferTimes],
+    busy: Iterable[tuple[str, Sequence[Link], float]],
+    ids: Mapping[str, str],
 ) -> Sequence[tuple[str, ...]]:
     """Each transfer's ``after``: what ends on one of its links exactly when it starts (by index).
 
@@ -127,7 +186,7 @@ def _follows(
     """
     busy = busy if isinstance(busy, list | tuple) else list(busy)
     if _plan_native is not None and type(transfers) is tuple and type(ids) is dict:
-        native = _plan_native.follows(transfers, busy, ids)
+        native = _plan_native.follows(transfers, busy, ids, TransferTimes)
         if native is not None:  # None: a link that is not a pair of nodes
             return native
     ends: dict[Link, dict[float, list[str]]] = defaultdict(dict)  # link -> end -> payloads ending then

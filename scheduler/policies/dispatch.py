@@ -30,6 +30,8 @@ Pure: no I/O, the clock is an argument.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -93,6 +95,14 @@ class Dispatcher:
             raise ValueError(f"margin must be >= 0 seconds, got {margin}")
         self.margin = margin
         self._planned: dict[str, Send] = {}
+        # kept with the plan (adopt, then each send taken out), so that a release or a wake-up
+        # looks only at the sends no planned send holds back (issue 24): the place of each
+        # planned send in the plan, how many of its ``after`` are planned, which planned sends
+        # wait for it, and the sends none of whose ``after`` is planned
+        self._pos: dict[str, int] = {}
+        self._held: dict[str, int] = {}
+        self._waiting: dict[str, str | list[str]] = {}  # one waiting: its id (no list to keep)
+        self._free: set[str] = set()
 
     def __len__(self) -> int:
         """How many sends are planned and not yet released."""
@@ -115,12 +125,54 @@ class Dispatcher:
         decision : Decision
             The policy's answer for every pending update; its drops are the caller's.
         """
-        self._planned = {s.update_id: s for s in decision.sends}
+        self._planned = planned = {s.update_id: s for s in decision.sends}
+        self._pos = dict(zip(planned, itertools.count()))
+        held: dict[str, int] = {}
+        waiting: dict[str, str | list[str]] = {}
+        free: set[str] = set()
+        self._held, self._waiting, self._free = held, waiting, free
+        for uid, send in planned.items():
+            n = 0
+            for a in send.after:
+                if a in planned:
+                    n += 1
+                    w = waiting.get(a)
+                    if w is None:
+                        waiting[a] = uid
+                    elif isinstance(w, str):
+                        waiting[a] = [w, uid]
+                    else:
+                        w.append(uid)
+            if n:
+                held[uid] = n
+            else:
+                free.add(uid)
 
     def forget(self, update_ids: Iterable[str]) -> None:
         """Remove sends from the plan (their updates were dropped or their daemon left)."""
         for uid in update_ids:
-            self._planned.pop(uid, None)
+            if uid in self._planned:
+                self._take(uid)
+
+    def _take(self, uid: str) -> list[str]:
+        """Take planned ``uid`` out of the plan; the sends that no planned send holds back now."""
+        del self._planned[uid]
+        self._free.discard(uid)
+        self._held.pop(uid, None)
+        freed: list[str] = []
+        held = self._held
+        waiting = self._waiting.pop(uid, ())
+        for w in (waiting,) if isinstance(waiting, str) else waiting:
+            n = held.get(w)
+            if n is None:
+                continue  # no longer planned
+            if n > 1:
+                held[w] = n - 1
+            else:
+                del held[w]
+                self._free.add(w)
+                freed.append(w)
+        return freed
 
     def release(self, now: float, in_flight: Mapping[str, InFlight]) -> list[Release]:
         """Take out of the plan, in order, every send whose predecessors are (nearly) done.
@@ -146,10 +198,18 @@ class Dispatcher:
         # the ends of the transfers in flight, and of the sends released by this call (looked up
         # per predecessor: no copy of everything in flight per call)
         ends = _Ends(in_flight)
+        pos = self._pos
         progress = True
         while progress and self._planned:
             progress = False
-            for uid, send in list(self._planned.items()):
+            # one pass over the plan in its order; a send held back by a planned one is blocked,
+            # so only the free ones are looked at, each once: those freed by a release in this
+            # pass when they come after it in the plan, the others in the next pass
+            todo = [(pos[uid], uid) for uid in self._free]
+            heapq.heapify(todo)
+            while todo:
+                at, uid = heapq.heappop(todo)
+                send = self._planned[uid]
                 if self._blocked(send, now, ends):
                     continue
                 duration = max(0.0, send.expected_end - send.expected_start)
@@ -157,7 +217,9 @@ class Dispatcher:
                 r = Release(send, now, start + duration)
                 released.append(r)
                 ends[uid] = r.expected_end
-                del self._planned[uid]
+                for w in self._take(uid):
+                    if pos[w] > at:
+                        heapq.heappush(todo, (pos[w], w))
                 progress = True
         return released
 
@@ -168,9 +230,8 @@ class Dispatcher:
         (it will be reconsidered when that one is released) or nothing is planned.
         """
         best: float | None = None
-        for send in self._planned.values():
-            if any(a in self._planned for a in send.after):
-                continue
+        for uid in sorted(self._free, key=self._pos.__getitem__):  # in the plan's order, as before
+            send = self._planned[uid]
             ends = [in_flight[a].expected_end for a in send.after if a in in_flight]
             at = max(ends, default=float("-inf")) - self.margin
             best = at if best is None else min(best, at)

@@ -27,7 +27,9 @@ Pure: no I/O; the clock and the in-flight transfers are arguments.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -44,6 +46,10 @@ from mlfabric.scheduler.policies.base import (
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, ReplanTrigger
 
 __all__ = ["DecisionError", "DecisionRunner", "Released"]
+
+
+_resent = operator.attrgetter("resent")
+_update_id = operator.attrgetter("update_id")
 
 
 class DecisionError(ValueError):
@@ -142,21 +148,21 @@ class DecisionRunner:
             If a send names an update that is not in ``pending``.
         """
         decision = Decision()
-        planned = [p for p in pending if not p.resent]
+        planned = list(itertools.filterfalse(_resent, pending))  # the passes over pending in C (issue 24)
         if planned:
             decision = self.policy.decide(replace(snapshot, gathering=self.gathering), planned)
             self.decisions += 1
-        whole = tuple(
-            Send(p.update_id, p.dst_host, tuple(shortest_path(snapshot.graph, p.src_host, p.dst_host)))
-            for p in pending
-            if p.resent
-        )
-        if whole:
+        if len(planned) < len(pending):
+            whole = tuple(
+                Send(p.update_id, p.dst_host, tuple(shortest_path(snapshot.graph, p.src_host, p.dst_host)))
+                for p in pending
+                if p.resent
+            )
             decision = replace(decision, sends=(*whole, *decision.sends))
-        ids = {p.update_id for p in pending}
-        for s in decision.sends:
-            if s.update_id not in ids:
-                raise DecisionError(f"policy {self.policy.name!r} sent '{s.update_id}', which is not pending")
+        ids = set(map(_update_id, pending))
+        if not ids.issuperset(map(_update_id, decision.sends)):
+            bad = next(s.update_id for s in decision.sends if s.update_id not in ids)
+            raise DecisionError(f"policy {self.policy.name!r} sent '{bad}', which is not pending")
         self.trigger.decided()
         self.adopt(decision)
         return decision
@@ -195,6 +201,8 @@ class DecisionRunner:
         aggregate). The newer plan wins: the aggregate's wait for that update is dropped.
         Cycles through other sends and aggregates (``after`` and unreleased members) count.
         """
+        if not self._gathering:
+            return  # no aggregate waits for anything
         after = {s.update_id: s.after for s in sends}
         for g in self._gathering.values():
             waits = [x for x in g.planned.after if x in after]
@@ -359,9 +367,8 @@ class DecisionRunner:
         wake = min((w for w in wakes if w is not None and w > 0), default=None)
         return None if wake is None or math.isinf(wake) else wake
 
-    def _placeholders(self, extra: Iterable[_Gathering] = ()) -> dict[str, InFlight]:
-        gs = [*self._gathering.values(), *extra]
-        return {g.planned.aggregate_id: g.placeholder() for g in gs}
+    def _placeholders(self, extra: Iterable[_Gathering] = ()) -> Mapping[str, InFlight]:
+        return _Placeholders(self._gathering, {g.planned.aggregate_id: g for g in extra})
 
     # -------------------------------------------------------------- re-planning
 
@@ -381,6 +388,37 @@ class DecisionRunner:
         self.trigger.moved()
         planned = len(self.dispatcher)
         return self.trigger.due(planned, pending - planned)
+
+
+class _Placeholders(Mapping[str, InFlight]):
+    """Aggregates still gathering (then ``extra``) as transfers in flight, by aggregate id.
+
+    ``{a.aggregate_id: a.placeholder() for a in (*gathering.values(), *extra.values())}``,
+    each placeholder made when it is looked up: a release or a wake-up looks up only the
+    ``after`` of its sends, not every aggregate of the plan (issue 24).
+    """
+
+    __slots__ = ("extra", "gathering")
+
+    def __init__(self, gathering: Mapping[str, _Gathering], extra: Mapping[str, _Gathering]) -> None:
+        self.gathering, self.extra = gathering, extra
+
+    def __getitem__(self, key: str) -> InFlight:
+        g = self.extra.get(key) or self.gathering[key]
+        return g.placeholder()
+
+    def get(self, key: str, default: InFlight | None = None) -> InFlight | None:  # type: ignore[override]
+        g = self.extra.get(key) or self.gathering.get(key)
+        return default if g is None else g.placeholder()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.extra or key in self.gathering
+
+    def __iter__(self) -> Iterator[str]:
+        yield from dict.fromkeys([*self.gathering, *self.extra])
+
+    def __len__(self) -> int:
+        return len(self.gathering) + sum(1 for k in self.extra if k not in self.gathering)
 
 
 class _Over(Mapping[str, InFlight]):

@@ -30,7 +30,7 @@ from mlfabric.scheduler.core.graph import PathCache, TopologyError
 from mlfabric.scheduler.core.schedule import Link, Schedule, Update
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Snapshot
-from mlfabric.scheduler.policies.convert import schedule_to_decision
+from mlfabric.scheduler.policies.convert import schedule_to_decision, times_to_decision
 from mlfabric.scheduler.policies.planning import core_updates, server_key
 from mlfabric.scheduler.policies.stf_book import STFBook
 from mlfabric.scheduler.policies.stf_planner import Planner, drop_reason
@@ -196,13 +196,15 @@ class STFPolicy:
         versions: dict[str, int] = {}
         if self.incremental:
             book = self._book
-            book.sync(graph, now, pending)
+            book.sync(graph, now, pending, snapshot.graph_version)
             for job, server, key in book.servers():
                 tau[key] = snapshot.tau_max.get(job, -1)
                 versions[key] = snapshot.server_versions.get((job, server), 0)
             touched = {link for _, links, _ in busy for link in links}
-            plan = book.plan(tls, now, tau, versions, ahead, touched=touched, limit=self.horizon)
-            return schedule_to_decision(plan, busy=busy)
+            times, drops = book.plan_times(
+                tls, now, tau, versions, ahead, touched=touched, limit=self.horizon
+            )
+            return times_to_decision(times, drops, busy=busy)
         updates = core_updates(pending)
         for p in pending:
             key = server_key(p.job, p.server)

@@ -27,6 +27,7 @@ test_stf_incremental.py`` replays decision sequences through both).
 from __future__ import annotations
 
 import heapq
+import itertools
 import struct
 from bisect import bisect_left, insort
 from collections import Counter
@@ -35,8 +36,8 @@ from collections.abc import Collection, Mapping, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, TopologyError
-from mlfabric.scheduler.core.schedule import Link, Schedule, Update
-from mlfabric.scheduler.core.timeline import INF, Timelines
+from mlfabric.scheduler.core.schedule import Link, Schedule, TransferTimes, Update
+from mlfabric.scheduler.core.timeline import INF, Timelines, _plan_native
 from mlfabric.scheduler.policies.base import PendingUpdate
 from mlfabric.scheduler.policies.planning import server_key
 from mlfabric.scheduler.policies.stf_planner import Planner, UpdateClass
@@ -70,13 +71,24 @@ def rank_key(ready_at: float, update_id: str) -> str:
 class _Rec:
     """What the book keeps of one pending update."""
 
-    __slots__ = ("gen", "key", "pending", "server")
+    __slots__ = ("gen", "key", "pending", "serial", "server")
 
-    def __init__(self, pending: PendingUpdate, key: str, server: tuple[str, str, str]) -> None:
+    def __init__(self, pending: PendingUpdate, key: str, server: tuple[str, str, str], serial: int) -> None:
         self.pending = pending
         self.key = key
         self.server = server
         self.gen = 0
+        self.serial = serial  # the order of the book's records
+
+
+def _serial(rec: _Rec) -> int:
+    return rec.serial
+
+
+def _listed_twice(pending: Sequence[PendingUpdate]) -> None:
+    ids = [q.update_id for q in pending]
+    dup = next(i for i in ids if ids.count(i) > 1)
+    raise ValueError(f"update '{dup}' is listed twice")
 
 
 class STFBook:
@@ -103,9 +115,12 @@ class STFBook:
     def _clear(self, paths: PathCache | None) -> None:
         self._paths = paths
         self._graph: nx.DiGraph | None = None
+        self._graph_version: int | None = None
         self._now = -INF
         self._gen = 0
+        self._serial = 0
         self._recs: dict[str, _Rec] = {}
+        self._held: dict[int, _Rec] = {}  # id of the PendingUpdate a record holds -> the record
         #: rank key -> core update (its ``update_id`` is the rank key), links, real id
         self._by_key: dict[str, Update] = {}
         self._links_of: dict[str, tuple[Link, ...]] = {}
@@ -123,38 +138,59 @@ class STFBook:
         return len(self._recs)
 
     # -- keeping up with the inputs ----------------------------------------------------
-    def sync(self, graph: nx.DiGraph, now: float, pending: Sequence[PendingUpdate]) -> None:
+    def sync(
+        self,
+        graph: nx.DiGraph,
+        now: float,
+        pending: Sequence[PendingUpdate],
+        graph_version: int | None = None,
+    ) -> None:
         """Make the book hold exactly ``pending`` on ``graph`` at ``now``.
+
+        ``graph_version`` (:attr:`~mlfabric.scheduler.policies.base.Snapshot.graph_version`):
+        the capacities of the NICs are not read again where it and the graph object are those
+        of the last sync.
 
         Raises
         ------
         ValueError
             If an update id is listed twice.
         """
+        same = graph_version is not None and graph is self._graph and graph_version == self._graph_version
         if self._paths is None or not self._paths.same_topology(graph):
             self._clear(PathCache(graph))
         elif now < self._now:  # time went back: updates ready by then may not be now
             self._clear(self._paths)
-        self._graph = graph
+        self._graph, self._graph_version = graph, graph_version
         self._now = now
-        self._recapacity(graph)
+        if not same:  # (the same graph, its capacities unchanged: the NICs' classes hold)
+            self._recapacity(graph)
         self._gen += 1
         gen = self._gen
-        recs = self._recs
-        for p in pending:
-            rec = recs.get(p.update_id)
-            if rec is not None:
-                if rec.gen == gen:
-                    ids = [q.update_id for q in pending]
-                    dup = next(i for i in ids if ids.count(i) > 1)
-                    raise ValueError(f"update '{dup}' is listed twice")
-                if rec.pending is p or rec.pending == p:
-                    rec.gen = gen
-                    continue
-                self._remove(rec)
-            self._insert(p).gen = gen
-        if len(recs) != len(pending):
-            for rec in [r for r in recs.values() if r.gen != gen]:
+        recs, held = self._recs, self._held
+        # The objects the book holds already are found by identity, in C (the set operations):
+        # only the others are looked at one by one, in the order listed, and then the records
+        # of the objects no longer listed are removed in the book's order (issue 24).
+        keys = list(map(id, pending))
+        listed = set(keys)
+        if len(listed) != len(keys):
+            _listed_twice(pending)
+        gone = held.keys() - listed
+        fresh = listed.difference(held)
+        if fresh:
+            for p in itertools.compress(pending, map(fresh.__contains__, keys)):
+                rec = recs.get(p.update_id)
+                if rec is not None:
+                    if rec.gen == gen or id(rec.pending) in listed:
+                        _listed_twice(pending)
+                    gone.discard(id(rec.pending))
+                    if rec.pending == p:  # the same update, another object: kept as it is
+                        rec.gen = gen
+                        continue
+                    self._remove(rec)
+                self._insert(p).gen = gen
+        if gone:
+            for rec in sorted((held[i] for i in gone), key=_serial):
                 self._remove(rec)
         future = self._future
         while future and future[0][0] <= now:
@@ -165,7 +201,10 @@ class STFBook:
     def _recapacity(self, graph: nx.DiGraph) -> None:
         """Move the updates whose first link's capacity changed to their new class."""
         succ = graph._succ
-        changed = [(u, v) for (u, v), cap in self._caps.items() if succ[u][v]["capacity"] != cap]
+        if _plan_native is not None:  # the scan in C: every NIC's, each decision (issue 24)
+            changed = _plan_native.changed_capacities(self._caps, succ)
+        else:
+            changed = [(u, v) for (u, v), cap in self._caps.items() if succ[u][v]["capacity"] != cap]
         for link in changed:
             del self._caps[link]
             for key in list(self._on_link.pop(link, {})):
@@ -175,8 +214,10 @@ class STFBook:
     def _insert(self, p: PendingUpdate) -> _Rec:
         key = rank_key(p.ready_at, p.update_id)
         server = (p.job, p.server, server_key(p.job, p.server))
-        rec = _Rec(p, key, server)
+        rec = _Rec(p, key, server, self._serial)
+        self._serial += 1
         self._recs[p.update_id] = rec
+        self._held[id(p)] = rec
         self._servers[server] += 1
         self._names[key] = p.update_id
         self._by_key[key] = Update(
@@ -204,7 +245,12 @@ class STFBook:
         self._loose.pop(key, None)
         self._noroute.pop(key, None)
         self._links_of.pop(key, None)
-        del self._by_key[key], self._names[key], self._recs[rec.pending.update_id]
+        del (
+            self._by_key[key],
+            self._names[key],
+            self._recs[rec.pending.update_id],
+            self._held[id(rec.pending)],
+        )
         self._servers[rec.server] -= 1
         if not self._servers[rec.server]:
             del self._servers[rec.server]
@@ -275,7 +321,68 @@ class STFBook:
         Schedule
             As :func:`plan_stf` returns it.
         """
+        planner = self._run(tls, now, tau_max, server_version, ahead, touched, limit, reservations=True)
+        names = self._names
+        return Schedule(
+            transfers=tuple(planner.transfers),
+            drops={names[k]: reason for k, reason in planner.drops.items()},
+            arrivals=tuple(t.payload_id for t in planner.transfers),
+        )
+
+    def plan_times(
+        self,
+        tls: Timelines,
+        now: float,
+        tau_max: Mapping[str, int],
+        server_version: Mapping[str, int],
+        ahead: Mapping[str, int] | None = None,
+        *,
+        touched: Collection[Link] = (),
+        limit: int | None = None,
+    ) -> tuple[tuple[TransferTimes, ...], dict[str, str]]:
+        """:meth:`plan`'s transfers as :class:`TransferTimes` (no reservation records), and its drops.
+
+        The same plan, reserved on ``tls`` the same way, for a caller that executes it and
+        does not check it (:class:`~mlfabric.scheduler.policies.stf.STFPolicy`): the
+        planner's C loop then makes one untracked row per transfer instead of a
+        :class:`~mlfabric.scheduler.core.schedule.Transfer` and its reservations (issue 24).
+        Parameters as :meth:`plan`'s.
+
+        Returns
+        -------
+        tuple of TransferTimes, dict
+            The planned transfers in STF order, and update id -> drop reason.
+
+        Examples
+        --------
+        >>> from mlfabric.scheduler.core.graph import star
+        >>> g = star(["ps", "a", "b"], 8e6)
+        >>> mk = lambda uid, host, size: PendingUpdate(uid, "j", "s", host, host, "ps", size, 1.0, 0, 0.0)
+        >>> book = STFBook()
+        >>> book.sync(g, 0.0, [mk("big", "a", 3e6), mk("small", "b", 1e6)])
+        >>> times, drops = book.plan_times(Timelines(g), 0.0, {}, {})
+        >>> [(t.payload_id, t.start, t.end) for t in times], drops
+        ([('small', 0.0, 1.0), ('big', 1.0, 4.0)], {})
+        """
+        planner = self._run(tls, now, tau_max, server_version, ahead, touched, limit, reservations=False)
+        names = self._names
+        return planner.times(), {names[k]: reason for k, reason in planner.drops.items()}
+
+    def _run(
+        self,
+        tls: Timelines,
+        now: float,
+        tau_max: Mapping[str, int],
+        server_version: Mapping[str, int],
+        ahead: Mapping[str, int] | None,
+        touched: Collection[Link],
+        limit: int | None,
+        *,
+        reservations: bool,
+    ) -> Planner:
+        """A planner over the book's classes, run (see :meth:`plan`)."""
         planner = _BookPlanner(self, tls, now, tau_max, server_version, ahead)
+        planner.reservations = reservations
         for gk, members in self._groups.items():
             planner.group_idx[gk] = len(planner.classes)
             planner.classes.append(UpdateClass(now, members))
@@ -293,12 +400,7 @@ class STFBook:
             planner.add(uid, exact=False)
         planner.drops.update(self._noroute)
         planner.run(limit)
-        names = self._names
-        return Schedule(
-            transfers=tuple(planner.transfers),
-            drops={names[k]: reason for k, reason in planner.drops.items()},
-            arrivals=tuple(t.payload_id for t in planner.transfers),
-        )
+        return planner
 
 
 class _BookPlanner(Planner):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from mlfabric.scheduler.core.records import init_fields
-from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
+from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, TransferTimes, Update
 from mlfabric.scheduler.core.timeline import EPS, INF, LinkTimeline, Timelines
 
 try:  # the STF loop in C (plan_stf.c, the same plans), built by ``pip install``
@@ -124,6 +124,9 @@ class Planner:
         #: class -> (head, stamp, ten, rate pieces) of its head's latest computed ten
         self.exact: dict[int, tuple[str, int, float, list[tuple[float, float, float]]]] = {}
         self.transfers: list[Transfer] = []
+        #: False: the C loop makes no reservation records, only the transfers' times (:meth:`times`)
+        self.reservations = True
+        self._times: list[TransferTimes] = []
         self.drops: dict[str, str] = {}
         #: planner id -> the update id its transfer is named by (None: the planner id)
         self.names: Mapping[str, str] | None = None
@@ -352,13 +355,22 @@ class Planner:
                 self.gate_of[idx] = None
                 heapq.heappush(heap, (end, nbytes, uid, next(self.seq), _EXACT, idx))
 
+    def times(self) -> tuple[TransferTimes, ...]:
+        """The planned transfers' paths and times, in the plan's order (after :meth:`run`)."""
+        return tuple(self._times) if self._times else tuple(map(TransferTimes.of, self.transfers))
+
     def book_links(self) -> tuple[Mapping[Link, Mapping[str, None]] | None, set[Link] | None]:
         """Untouched first links' updates kept outside the planner, and those links taken (none here)."""
         return None, None
 
     def _run_native(self, limit: int | None) -> bool:
-        """:meth:`run` in C (``_plan_native.stf_run``); False: the inputs need the Python loop."""
+        """:meth:`run` in C (``_plan_native.stf_run``); False: the inputs need the Python loop.
+
+        Without :attr:`reservations` the C makes :class:`TransferTimes` rows, no reservation
+        records (:meth:`times`; :attr:`transfers` stays empty).
+        """
         tls = self.tls
+        light = not self.reservations
         on_link, popped = self.book_links()
         got = _plan_native.stf_run(
             [(c.start, c.members, c.head) for c in self.classes],
@@ -380,9 +392,9 @@ class Planner:
             tls._graph._succ,
             tls._start,
             tls._profiles,
-            Transfer,
-            init_fields(Transfer),
-            Reservation,
+            TransferTimes if light else Transfer,
+            None if light else init_fields(Transfer),
+            None if light else Reservation,
             LinkTimeline,
             EPS,
             drop_reason,
@@ -390,7 +402,7 @@ class Planner:
         )
         if got is None:
             return False
-        self.transfers.extend(got)
+        (self._times if light else self.transfers).extend(got)
         return True
 
     def accept(self, idx: int, uid: str, nbytes: float) -> None:

@@ -371,6 +371,7 @@ class Simulator:
         self._heap: list[tuple[float, int, int, Callable[[], object]]] = []
         self._seq = 0
         self._policy_graph = self.graph
+        self._graph_version = 0  # changed with each capacity change of the policy's graph
         self._pending: dict[str, PendingUpdate] = {}
         #: the service's decision pipeline: policy, dispatcher, re-plan trigger
         self.runner = DecisionRunner(
@@ -411,6 +412,7 @@ class Simulator:
         if self._policy_graph is self.graph:
             self._policy_graph = self.graph.copy()
         self._policy_graph.edges[change.link]["capacity"] = change.capacity
+        self._graph_version += 1
 
     # -- internals: the scheduler service --------------------------------------------
     def _snapshot(self) -> Snapshot:
@@ -426,6 +428,7 @@ class Simulator:
             server_versions={(self.job, self.server): self.version},
             tau_max={self.job: self.tau_max},
             rounds=self._rounds,
+            graph_version=self._graph_version,
         )
 
     def _ready(self) -> None:

@@ -21,13 +21,13 @@ from mlfabric.scheduler.core import records, timeline
 from mlfabric.scheduler.core.graph import PathCache, two_tier
 from mlfabric.scheduler.core.schedule import Update
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.policies import convert, stf_planner, tree_cost, tree_routes, trees
+from mlfabric.scheduler.policies import convert, stf_book, stf_planner, tree_cost, tree_routes, trees
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.tree_policy import TreePolicy
 from mlfabric.scheduler.policies.trees import plan_tree
 
 MB = 1_000_000
-MODULES = (timeline, records, tree_cost, tree_routes, trees, convert, stf_planner)
+MODULES = (timeline, records, tree_cost, tree_routes, trees, convert, stf_planner, stf_book)
 
 
 @contextmanager
@@ -74,7 +74,9 @@ def random_reservations(seed: int) -> object:
         path = pc.path(a, b) if rng.random() < 0.9 else (a,)
         nbytes = rng.choice([0, 1, 5 * MB, 20 * MB, rng.random() * 10 * MB])
         ready = rng.choice([0.0, rng.random() * 0.05, float(k) * 1e-3])
-        if rng.random() < 0.5:
+        if rng.random() < 0.3:  # a walk without a reservation (Timelines.ten)
+            out.append(tls.ten(list(itertools.pairwise(path)), nbytes, ready))
+        elif rng.random() < 0.5:
             out.append(tls.transfer(f"p{k}", path, nbytes, ready))
         else:
             out.append(tls.reserve(list(itertools.pairwise(path)), nbytes, ready, who=f"p{k}"))
@@ -101,6 +103,44 @@ def test_a_path_never_free_raises_as_in_python() -> None:
         else:
             with pytest.raises(ValueError, match="never has residual bandwidth"):
                 tls.transfer("u", ("a", "b", "c"), 4.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_copy_of_timelines_is_the_python_one_and_independent(seed: int) -> None:
+    def copies() -> object:
+        rng = random.Random(seed)
+        g = two_tier(2, 3, {f"h{i}": 1e9 for i in range(6)}, oversubscription=2)
+        pc = PathCache(g)
+        tls = Timelines(g, start=0.0)
+        for _ in range(5):
+            a, b = rng.sample([f"h{i}" for i in range(6)], 2)
+            tls.reserve(pc.links(a, b), 1e6 * rng.random(), rng.random() * 0.01)
+        before = state(tls)
+        copy = tls.copy()
+        assert state(copy) == before and all(copy._links[k] is not v for k, v in tls._links.items())
+        copy.reserve(pc.links("h0", "h5"), 5e6, 0.0)  # the original keeps its own
+        assert state(tls) == before
+        return state(copy)
+
+    native, python = both(copies)
+    assert native == python
+
+
+def test_ten_on_a_path_never_free_makes_the_python_timelines_and_raises() -> None:
+    g = nx.DiGraph()
+    for u, v in [("a", "b"), ("b", "c"), ("c", "d")]:
+        g.add_edge(u, v, capacity=4.0)
+    g.edges["b", "c"]["capacity"] = 0.0
+
+    def walk() -> object:
+        tls = Timelines(g)
+        with pytest.raises(ValueError, match="never has residual bandwidth") as err:
+            tls.ten([("a", "b"), ("b", "c"), ("c", "d")], 4.0, 0.0)
+        return str(err.value), sorted(tls._links)  # made up to the link that is never free
+
+    native, python = both(walk)
+    assert native == python
+    assert native.endswith("[('a', 'b'), ('b', 'c')])")
 
 
 def test_int_times_run_the_python_loops() -> None:

@@ -11,16 +11,20 @@ profiles, updates on their server's host, ``limit``, times that are not floats.
 
 from __future__ import annotations
 
+import gc
 import random
 
 import networkx as nx
 import pytest
 
 from mlfabric.scheduler.core.graph import PathCache, star, two_tier
-from mlfabric.scheduler.core.schedule import Update
+from mlfabric.scheduler.core.schedule import TransferTimes, Update
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies import stf_planner
+from mlfabric.scheduler.policies.base import PendingUpdate
+from mlfabric.scheduler.policies.convert import times_to_decision
 from mlfabric.scheduler.policies.stf import plan_stf
+from mlfabric.scheduler.policies.stf_book import STFBook
 from tests.scheduler.test_plan_native import MODULES, both, state
 from tests.scheduler.test_stf_incremental import replay
 
@@ -130,3 +134,69 @@ def test_a_missing_link_raises_as_in_python() -> None:
                 plan_stf(g2, [Update("x", "a", "b", 1.0)], paths=pc)
         finally:
             stf_planner._plan_native = saved
+
+
+def book_plan(seed: int, light: bool) -> object:
+    """A seeded book planned as a Schedule or as TransferTimes rows: the times, drops, timelines."""
+    rng = random.Random(seed)
+    g = two_tier(3, 4, {f"h{i}": rng.choice([1e9, 10e9]) for i in range(12)}, oversubscription=4)
+    pending = [
+        PendingUpdate(
+            f"u{i}", "j", f"s{i % 2}", f"h{k}", f"h{k}", f"h{i % 2}", rng.choice([1, 5]) * MB, 1.0, 0, 0.0
+        )
+        for i, k in enumerate(rng.choices(range(2, 12), k=30))
+    ]
+    book = STFBook()
+    book.sync(g, 0.0, pending)
+    tls = Timelines(g, start=0.0)
+    busy = PathCache(g).links("h3", "h0")
+    tls.reserve_until(busy, 0.0, 0.002)  # a NIC in use
+    tau, versions, limit = {"j/s0": 3}, {"j/s0": 4}, rng.choice([None, 9])
+    if light:
+        times, drops = book.plan_times(tls, 0.0, tau, versions, touched=busy, limit=limit)
+    else:
+        plan = book.plan(tls, 0.0, tau, versions, touched=busy, limit=limit)
+        times, drops = tuple(map(TransferTimes.of, plan.transfers)), dict(plan.drops)
+    return times, drops, [row for row in state(tls) if len(row[1]) > 1]  # (Python makes more, unreserved)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_light_plan_is_the_schedules_in_c_and_in_python(seed: int) -> None:
+    native_plan, python_plan = both(lambda: book_plan(seed, light=False))
+    native_light, python_light = both(lambda: book_plan(seed, light=True))
+    assert native_light == native_plan == python_plan == python_light
+    assert "TransferTimes(" in native_light and "expected delay" in native_light
+
+
+def test_the_light_rows_and_their_sends_are_left_out_of_the_cyclic_collector() -> None:
+    g = star(["ps", "a", "b"], 8e6)
+    mk = lambda uid, host: PendingUpdate(uid, "j", "s", host, host, "ps", MB, 1.0, 0, 0.0)  # noqa: E731
+    book = STFBook()
+    book.sync(g, 0.0, [mk("x", "a"), mk("y", "b")])
+    times, _ = book.plan_times(Timelines(g), 0.0, {}, {})
+    assert [t.payload_id for t in times] == ["x", "y"]
+    assert not any(gc.is_tracked(t) or gc.is_tracked(t.path) for t in times)
+    sends = times_to_decision(times, {}).sends
+    assert [s.after for s in sends] == [(), ("x",)]
+    assert not any(gc.is_tracked(s) for s in sends)
+    plan = book.plan(Timelines(g), 0.0, {}, {})  # a Schedule's transfers keep their records
+    assert plan.transfers[0].reservations and gc.is_tracked(plan.transfers[0])
+
+
+def test_changed_capacities_are_the_python_scan() -> None:
+    g = star(["ps", "a", "b", "c"], 8e6)
+    g.edges["b", "sw"]["capacity"] = 4  # an int, equal to the float it was classed by
+    g.edges["c", "sw"]["capacity"] = float("nan")
+    book = STFBook()
+    mk = lambda uid, host: PendingUpdate(uid, "j", "s", host, host, "ps", MB, 1.0, 0, 0.0)  # noqa: E731
+    book.sync(g, 0.0, [mk("x", "a"), mk("y", "b"), mk("z", "c")])
+    caps = dict(book._caps)
+    assert set(caps) == {("a", "sw"), ("b", "sw"), ("c", "sw")}
+    caps["b", "sw"] = 4.0
+    g.edges["a", "sw"]["capacity"] = 2e6
+    changed = [("a", "sw"), ("c", "sw")]  # nan != nan
+    assert stf_planner._plan_native is not None
+    assert stf_planner._plan_native.changed_capacities(caps, g._succ) == changed
+    assert [link for link, cap in caps.items() if g._succ[link[0]][link[1]]["capacity"] != cap] == changed
+    with pytest.raises(KeyError):
+        stf_planner._plan_native.changed_capacities({("a", "nowhere"): 1.0}, g._succ)

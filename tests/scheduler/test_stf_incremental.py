@@ -11,6 +11,7 @@ for bit), the same drops with the same reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import networkx as nx
@@ -140,6 +141,44 @@ def test_a_duplicate_id_is_refused_as_before() -> None:
     for policy in (STFPolicy(), STFPolicy(incremental=False)):
         with pytest.raises(ValueError, match="update 'v' is listed twice"):
             policy.decide(Snapshot(0.0, g), [q, p, p, q])
+
+
+def test_equal_copies_and_a_new_object_under_a_held_id_are_met_as_before() -> None:
+    g = graph(6)
+    ps = [
+        PendingUpdate(f"u{i}", "j", "s", f"h{i}", f"h{i}", "h0", (1 + i % 3) * MB, 1.0, 0, 0.0)
+        for i in range(1, 6)
+    ]
+    snap = Snapshot(0.0, g)
+    policy, want = STFPolicy(), STFPolicy(incremental=False).decide(snap, ps)
+    assert policy.decide(snap, ps) == want
+    copies = [dataclasses.replace(p) for p in ps]  # equal, not the same objects
+    assert policy.decide(snap, copies[::-1]) == want
+    assert policy.decide(snap, ps) == want
+    bigger = dataclasses.replace(ps[2], bytes=9 * MB)
+    with pytest.raises(ValueError, match="update 'u3' is listed twice"):
+        policy.decide(snap, [*ps, bigger])  # a new object under an id the book holds, both listed
+    assert policy.decide(snap, ps) == want  # the book was left as it was
+    changed = [*ps[:2], bigger, *ps[3:]]
+    assert policy.decide(snap, changed) == STFPolicy(incremental=False).decide(snap, changed)
+
+
+def test_a_graph_changed_in_place_under_a_new_version_is_read_again() -> None:
+    g = graph(7)
+    rng = random.Random(7)
+    workers = [h for h in hosts(g) if h not in SERVERS]
+    ps = [
+        PendingUpdate(f"u{i}", "j", "s0", w, w, SERVERS[0], rng.choice((1, 5)) * MB, 1.0, 0, 0.0)
+        for i, w in enumerate(workers)
+    ]
+    policy, full = STFPolicy(horizon=8), STFPolicy(horizon=8, incremental=False)
+    for version in range(6):
+        if version:  # the producer changes capacities of the same graph object, and the number
+            for h in rng.sample(workers, len(workers) // 2):
+                g.edges[h, next(iter(g.successors(h)))]["capacity"] = rng.choice((1e9, 5e9, 10e9))
+        snap = Snapshot(0.001 * version, g, graph_version=version)
+        for _ in range(2):  # the second time: nothing changed, nothing read again
+            assert policy.decide(snap, ps) == full.decide(snap, ps), f"version {version}"
 
 
 def test_rank_keys_sort_as_ready_time_then_id() -> None:

@@ -80,6 +80,23 @@ def test_bandwidth_change_mid_transfer() -> None:
     check_schedule(c.graph, schedule, updates=[update], capacity_profiles=profiles)
 
 
+def test_nic_changes_mid_run_are_seen_by_the_incremental_stf_as_by_the_full_re_plan() -> None:
+    # the engine changes its policy graph in place and says so (Snapshot.graph_version): the
+    # book reads the NICs' capacities again then, and only then
+    rng = np.random.default_rng(3)
+    c = cluster("star", 12, nic_bps=80e6, slow_fraction=0.25, slow_factor=4.0, rng=rng)
+    links = [(w, next(iter(c.graph.successors(w)))) for w in c.workers]
+    changes = [
+        BandwidthChange(0.05 * k, links[(5 * k) % len(links)], (1 + k % 4) * 2 * MB) for k in range(1, 80)
+    ]
+    compute = ComputeModel(dict.fromkeys(c.workers, 0.002), jitter=0.3, seed=3)
+    scenario = Scenario(c, compute, update_bytes=MB, iterations=6, changes=tuple(changes))
+    _, incremental = run_scenario(scenario, STFPolicy(horizon=4))
+    _, full = run_scenario(scenario, STFPolicy(horizon=4, incremental=False))
+    assert _key(incremental.records) == _key(full.records)
+    assert incremental.runner.decisions > 20
+
+
 def _hetero_scenario(seed: int, mode: str = "async", tau_max: int = -1, iterations: int = 4) -> Scenario:
     rng = np.random.default_rng(seed)
     c = cluster("star", 12, nic_bps=80e6, slow_fraction=0.25, slow_factor=4.0, rng=rng)
