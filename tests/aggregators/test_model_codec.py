@@ -7,6 +7,8 @@ encoded MODEL frames (whole and in pieces), and the stats of the model bytes ser
 
 from __future__ import annotations
 
+import socket
+import struct
 from typing import Any
 
 import numpy as np
@@ -14,12 +16,28 @@ import pytest
 
 from mlfabric.aggregators.codecs import Bf16Codec, CodecError, Fp16Codec
 from mlfabric.aggregators.codecs.snapshot import encode_model, parse_model_codec
-from mlfabric.daemon.channels.frames import FrameError, FrameHeader, FrameLimits, check_header
+from mlfabric.daemon.channels.frames import (
+    MAGIC,
+    FrameError,
+    FrameHeader,
+    FrameLimits,
+    check_header,
+    recv_frame,
+    send_frame,
+)
 from mlfabric.daemon.stats import Counters
 from mlfabric.params import Params
 from mlfabric.proto.v1 import dataplane_pb2
 from mlfabric.tensorio import from_fd, to_memfd
-from mlfabric.tensors import Encoding, Layout, layouts_to_pb
+from mlfabric.tensors import (
+    Encoding,
+    Layout,
+    decode,
+    encode_into,
+    layouts_from_pb,
+    layouts_to_pb,
+    plan_layout,
+)
 
 _MODEL = dataplane_pb2.FRAME_KIND_MODEL
 _ACK = dataplane_pb2.FRAME_KIND_ACK
@@ -179,3 +197,33 @@ def test_the_model_bytes_served_are_counted_by_codec_pieces_included() -> None:
     assert stats.model_bytes_served == {"fp16": 2 * total, "none": raw}
     served = stats.model_raw_bytes_served
     assert served == {"none": raw, "fp16": 2 * raw}  # a piece: its share, by its range
+
+
+def test_an_encoded_model_crosses_a_socket_and_a_corrupt_one_is_refused_there() -> None:
+    model = _model()
+    words, encoded = encode_model(model, Fp16Codec())
+    layouts, total = plan_layout(words, encoded)
+    payload = bytearray(total)
+    encode_into(memoryview(payload), words, layouts)
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(10)
+        b.settimeout(10)
+        send_frame(a, _model_header(layouts, total, job="j", server="ps", version=4), payload)
+        frame = recv_frame(b, FrameLimits())
+        assert frame is not None and frame.header.version == 4
+        got = decode(frame.payload, layouts_from_pb(frame.header.tensors))
+        np.testing.assert_array_equal(got["w"], Fp16Codec().decode(Fp16Codec().encode(model["w"])))
+        # the same frame with its words said to be int8: the receiver refuses it, naming why
+        corrupt = _model_header(layouts, total, job="j", server="ps", version=5)
+        corrupt.tensors[0].encoding.words = "int8"
+        raw = corrupt.SerializeToString()
+        a.sendall(MAGIC + struct.pack(">I", len(raw)) + raw + bytes(payload))
+        with pytest.raises(
+            FrameError, match=r"bad encoding: words: tensor 'w' \(fp16\): expected float16"
+        ) as info:
+            recv_frame(b, FrameLimits())
+        assert info.value.reply_possible
+    finally:
+        a.close()
+        b.close()

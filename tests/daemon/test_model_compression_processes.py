@@ -10,7 +10,8 @@ model from ``ps``, side by side: ``zip`` with ``model_compression="fp16"``, ``ra
 The workers of ``zip`` (behind the relay, and one on the server's own host) get float32 tensors
 equal to the fp16 rounding of the server's model, while the server's own model stays exact;
 the bytes its daemon and the relay served are half those of ``raw``'s (the daemons' stats); a
-published model whose encoding is corrupt is refused naming the problem.
+replica of ``zip`` is refused (it needs the exact model); a published model whose encoding is
+corrupt is refused naming the problem.
 """
 
 from __future__ import annotations
@@ -131,6 +132,17 @@ def test_a_compressed_model_through_a_relay_in_pieces(procs: Processes, sockdir:
             assert raw["fp16"] == served["none"]
         assert daemons["a2"].stats().models["bytes"] == zip_bytes + raw_bytes  # the cache: one of each
 
+        # a replica needs the exact model: refused for a job whose model travels rounded
+        with pytest.raises(MlfabricError, match=r"model_compression='fp16'.*a replica needs the exact model"):
+            mlfabric.register_as_replica("zip", "ps0", exact, daemon=sock["a3"], timeout=20)
+        # ... and the job goes on without it: a push is applied, the next get is version 2
+        handle = workers[("zip", "a2")].push("ps0", {k: np.ones_like(v) for k, v in exact.items()})
+        assert servers["zip"].serve(max_updates=1, timeout=20) == 1
+        assert handle.wait(timeout=20).status == "APPLIED"
+        version, model = workers[("zip", "a3")].get("ps0", min_version=2, timeout=20)
+        assert version == 2
+        np.testing.assert_array_equal(model["w"], _fp16({"w": exact["w"] - 1})["w"])
+
         # a published model whose encoding is corrupt is refused, naming the problem
         server = servers["zip"]
         fd, layouts, total = to_memfd({"w": np.ones(4, np.float16)})
@@ -142,7 +154,7 @@ def test_a_compressed_model_through_a_relay_in_pieces(procs: Processes, sockdir:
         os.close(fd)
         with pytest.raises(MlfabricError, match=r"published model: bad encoding: words: tensor 'w' \(fp16\)"):
             server.serve(timeout=10)
-        assert workers[("zip", "a2")].get("ps0")[0] == 1  # the model served is still version 1
+        assert workers[("zip", "a2")].get("ps0")[0] == 2  # the model served is still version 2
     finally:
         for c in clients:
             c.close()
