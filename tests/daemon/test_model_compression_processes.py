@@ -1,8 +1,9 @@
 """A model that travels compressed (``Params(model_compression="fp16")``) through a relay, in pieces.
 
 The scheduler service is a real process on the two-rack topology of
-``test_model_relays_processes.py``: the server's host ``ps`` in one rack, ``a1``, ``a2``,
-``a3`` behind a 100 Mbit/s uplink in the other, ``a1`` the rack's relay; the scheduler knows
+``test_model_relays_processes.py`` (``start_scheduler``): the server's host ``ps`` in one
+rack, ``a1``, ``a2``, ``a3`` behind a 100 Mbit/s uplink in the other, ``a1`` the rack's
+relay; the scheduler knows
 the model's size, so its routes move the model in pieces (docs/model-relays.md). The daemons
 run in this process (their stats are read), on loopback. Two jobs serve the same 4 MB float32
 model from ``ps``, side by side: ``zip`` with ``model_compression="fp16"``, ``raw`` without.
@@ -35,7 +36,7 @@ from mlfabric.tensorio import to_memfd
 from mlfabric.tensors import layouts_to_pb
 from tests.daemon.test_aggregation import wait_until
 from tests.daemon.test_daemon_processes import Processes
-from tests.daemon.test_model_relays_processes import TOPOLOGY
+from tests.daemon.test_model_relays_processes import start_scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +61,7 @@ def procs(tmp_path: Path) -> Iterator[Processes]:
 
 
 def test_a_compressed_model_through_a_relay_in_pieces(procs: Processes, sockdir: str, tmp_path: Path) -> None:
-    topology = tmp_path / "topology.toml"
-    topology.write_text(TOPOLOGY)
-    sched = procs.start(
-        "scheduler", "mlfabric.scheduler.service.cli", "--listen", "127.0.0.1:0", "--topology", str(topology)
-    )
+    sched = start_scheduler(procs, tmp_path)
     daemons: dict[str, Daemon] = {}
     clients: list[Any] = []
     try:
