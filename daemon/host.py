@@ -30,6 +30,7 @@ from mlfabric.daemon.channels.control import ControlStream, control_channel
 from mlfabric.daemon.channels.frames import Frame, FrameLimits, error_header
 from mlfabric.daemon.channels.listener import DataPlaneListener, Response
 from mlfabric.daemon.channels.localapi import LocalApiServer, LocalConnection
+from mlfabric.daemon.channels.payloadio import payload_length
 from mlfabric.daemon.channels.peers import PeerPool
 from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.daemon.channels.routing import FrameRoute, directive_kind, frame_route, request_kind
@@ -46,13 +47,14 @@ from mlfabric.daemon.roles.replica.role import ReplicaRole
 from mlfabric.daemon.roles.server.serving import ServerRoles
 from mlfabric.daemon.roles.worker.intake import WorkerRole
 from mlfabric.daemon.stats import Counters, DaemonStats
-from mlfabric.proto.v1 import control_pb2
+from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.memfd import MemfdPool
 from mlfabric.wire.version import __version__
 
 __all__ = ["SHUTDOWN_DRAIN", "Daemon", "Ticker"]
 
 _LOG = logging.getLogger("mlfabric.daemon")
+_MODEL = dataplane_pb2.FRAME_KIND_MODEL
 
 #: seconds a stopping daemon waits for its transfers under way to bring their verdicts
 SHUTDOWN_DRAIN = 2.0
@@ -399,7 +401,10 @@ class Daemon:
         self._counters.frame(frame.header, route)
         handler = self._frames.get(route)
         if handler is not None:
-            return handler(frame)
+            response = handler(frame)
+            if response.header.kind == _MODEL:  # a model (or a piece) served to a peer
+                self._counters.model(response.header, payload_length(response.payload))
+            return response
         frame.release()
         reason = f"unexpected frame kind {frame.header.kind}"
         return Response(error_header(reason, update_id=frame.header.update_id, src_host=self.host))

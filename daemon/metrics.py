@@ -38,6 +38,10 @@ host in the ``host`` label so one dashboard query covers the cluster:
 - ``mlfabric_daemon_update_bytes_received_total{host,codec}`` and
   ``mlfabric_daemon_update_raw_bytes_received_total{host,codec}``: the same for the UPDATE
   frames (updates and aggregates) received here: an aggregator hop's or a server's ingress
+- ``mlfabric_daemon_model_bytes_served_total{host,codec}`` and
+  ``mlfabric_daemon_model_raw_bytes_served_total{host,codec}``: the MODEL frames (whole models
+  and pieces) sent to peers, by the model's codec (``none``, ``fp16``, ``bf16``;
+  ``Params(model_compression=)``): a server's or a relay's egress
 """
 
 from __future__ import annotations
@@ -208,6 +212,20 @@ class DaemonCollector(Collector):
                 "their tensors' bytes uncompressed",
                 ["codec"],
                 s.update_raw_bytes_received,
+            ),
+            (
+                C,
+                "mlfabric_daemon_model_bytes_served",
+                "payload bytes of the models (and pieces) sent to peers, by codec",
+                ["codec"],
+                s.model_bytes_served,
+            ),
+            (
+                C,
+                "mlfabric_daemon_model_raw_bytes_served",
+                "their tensors' bytes uncompressed",
+                ["codec"],
+                s.model_raw_bytes_served,
             ),
         ]
         for kind, name, doc, labels, values in rows:

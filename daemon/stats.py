@@ -22,6 +22,7 @@ __all__ = ["Counters", "DaemonStats"]
 
 _OUTCOMES = {control_pb2.OUTCOME_APPLIED: "applied", control_pb2.OUTCOME_DROPPED: "dropped"}
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
+_MODEL = dataplane_pb2.FRAME_KIND_MODEL
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class DaemonStats:
     update_bytes_received, update_raw_bytes_received : dict
         Codec -> payload bytes of the UPDATE frames received (updates and aggregates, at an
         aggregator hop or a server's daemon), and what their tensors take uncompressed.
+    model_bytes_served, model_raw_bytes_served : dict
+        Codec (``none``, ``fp16``, ``bf16``; ``Params(model_compression=)``) -> payload bytes of
+        the MODEL frames (whole models and pieces) this daemon sent to peers, and what those
+        bytes take uncompressed (a piece: its share of the model's raw size, by its range).
     """
 
     host: str
@@ -93,6 +98,8 @@ class DaemonStats:
     push_raw_bytes: dict[str, int] = field(default_factory=dict)
     update_bytes_received: dict[str, int] = field(default_factory=dict)
     update_raw_bytes_received: dict[str, int] = field(default_factory=dict)
+    model_bytes_served: dict[str, int] = field(default_factory=dict)
+    model_raw_bytes_served: dict[str, int] = field(default_factory=dict)
 
 
 class Counters:
@@ -109,6 +116,14 @@ class Counters:
     >>> c.push([Layout("w", "float32", (256,), 0, 512, Encoding("fp16", "float16"))], 512)
     >>> s = c.snapshot("w0"); s.pushes, s.push_bytes, s.push_raw_bytes
     ({'fp16': 1}, {'fp16': 512}, {'fp16': 1024})
+    >>> Header = dataplane_pb2.FrameHeader
+    >>> first = Header(kind=_MODEL, job="j", server="ps", version=3, model_bytes=512)
+    >>> t = first.tensors.add(name="w", dtype="float32", shape=[256], nbytes=512)
+    >>> t.encoding.codec, t.encoding.words = "fp16", "float16"
+    >>> rest = Header(kind=_MODEL, job="j", server="ps", version=3, range_offset=256, model_bytes=512)
+    >>> c.model(first, 256); c.model(rest, 256)
+    >>> s = c.snapshot("ps"); s.model_bytes_served, s.model_raw_bytes_served
+    ({'fp16': 512}, {'fp16': 1024})
     """
 
     def __init__(self) -> None:
@@ -127,6 +142,11 @@ class Counters:
         self._push_raw: collections.Counter[str] = collections.Counter()
         self._update_bytes: collections.Counter[str] = collections.Counter()
         self._update_raw: collections.Counter[str] = collections.Counter()
+        self._model_bytes: collections.Counter[str] = collections.Counter()
+        self._model_raw: collections.Counter[str] = collections.Counter()
+        #: (job, server) -> (version, codec, raw bytes, wire bytes) of the model last served
+        #: (the pieces after the first carry no layout)
+        self._models: dict[tuple[str, str], tuple[int, str, int, int]] = {}
 
     def push(self, layouts: Any, payload_bytes: int) -> None:
         """Count one push taken from a training process (its tensors' layouts, its payload's size)."""
@@ -166,6 +186,24 @@ class Counters:
                 self._update_bytes[codec] += header.payload_bytes
                 self._update_raw[codec] += raw
 
+    def model(self, header: Any, nbytes: int) -> None:
+        """Count one MODEL frame sent to a peer: its header and its payload's ``nbytes``."""
+        key = (str(header.job), str(header.server))
+        with self._lock:
+            if header.tensors:
+                codec, raw = wire_summary(header.tensors)
+                whole = int(header.model_bytes) or nbytes
+                self._models[key] = (int(header.version), codec, raw, whole)
+            known = self._models.get(key)
+            if known is None or known[0] != header.version:
+                codec, raw, whole = "none", nbytes, nbytes  # a piece of a model not seen: as raw
+            else:
+                _, codec, raw, whole = known
+            self._model_bytes[codec] += nbytes
+            if whole:  # a piece [start, end): its share of the raw size (the shares add up exactly)
+                start = int(header.range_offset)
+                self._model_raw[codec] += raw * (start + nbytes) // whole - raw * start // whole
+
     def snapshot(self, host: str, **gauges: Any) -> DaemonStats:
         """The counts now, with the daemon's ``gauges`` (the other :class:`DaemonStats` fields)."""
         with self._lock:
@@ -185,5 +223,7 @@ class Counters:
                 push_raw_bytes=dict(self._push_raw),
                 update_bytes_received=dict(self._update_bytes),
                 update_raw_bytes_received=dict(self._update_raw),
+                model_bytes_served=dict(self._model_bytes),
+                model_raw_bytes_served=dict(self._model_raw),
                 **gauges,
             )

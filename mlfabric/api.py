@@ -363,7 +363,9 @@ class Worker:
         version : int
             The model version; later pushes use it as their base version.
         model : dict
-            name -> tensor.
+            name -> tensor, in the server's dtypes: a model that travelled compressed
+            (``Params(model_compression="fp16")``, docs/compression.md) is decoded here, each
+            float32/float64 tensor the codec's rounding of the server's.
 
         Raises
         ------

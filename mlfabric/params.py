@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlfabric.aggregators.codecs.payload import codec_spec, parse_codec
+from mlfabric.aggregators.codecs.snapshot import parse_model_codec
 from mlfabric.proto.v1 import control_pb2
 
 __all__ = ["Params"]
@@ -40,6 +41,12 @@ class Params:
         ``"bf16"``, ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (a shared
         scale ``B / 127``: aggregator hops sum the words without decoding). Checked here: an
         unknown codec or a bad parameter is a ValueError naming it and the known ones.
+    model_compression : str or None
+        The codec the servers' models travel with to the workers' ``get`` (docs/compression.md):
+        None or ``"none"`` (as they are), ``"fp16"`` or ``"bf16"``. A server publishes its
+        float32/float64 tensors encoded (its own :attr:`~mlfabric.Server.model` stays exact);
+        a worker's ``get`` decodes them to their own dtype. Checked here like ``compression``
+        (int8 is refused: a model is not an update that error feedback corrects).
 
     Examples
     --------
@@ -57,6 +64,12 @@ class Params:
     Traceback (most recent call last):
     ...
     ValueError: unknown codec 'zstd' (known: none, bf16, fp16, int8)
+    >>> Params.from_pb(Params(model_compression="fp16").to_pb()).model_compression
+    'fp16'
+    >>> Params(model_compression="int8")
+    Traceback (most recent call last):
+    ...
+    ValueError: codec 'int8' does not carry a model (known for a model: none, bf16, fp16)
     """
 
     tau_max: int | None = None
@@ -64,9 +77,11 @@ class Params:
     sync_workers: int = 0
     refuse_non_finite: bool = True
     compression: str | None = None
+    model_compression: str | None = None
 
     def __post_init__(self) -> None:
         parse_codec(self.compression)  # a ValueError naming the codec and the known ones
+        parse_model_codec(self.model_compression)
         if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
             raise ValueError(f"tau_max must be an integer >= 0 or None (unbounded), got {self.tau_max!r}")
         if self.div_max is not None and not float(self.div_max) >= 0:
@@ -86,6 +101,7 @@ class Params:
             sync_workers=int(self.sync_workers),
             allow_non_finite=not self.refuse_non_finite,
             compression=codec_spec(parse_codec(self.compression)),
+            model_compression=codec_spec(parse_model_codec(self.model_compression)),
         )
 
     @classmethod
@@ -97,4 +113,5 @@ class Params:
             sync_workers=int(message.sync_workers),
             refuse_non_finite=not message.allow_non_finite,
             compression=message.compression or None,
+            model_compression=message.model_compression or None,
         )

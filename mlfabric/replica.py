@@ -180,6 +180,13 @@ def register_as_replica(
             raise MlfabricError(f"the daemon sent no model for the replica of {server!r}", code="unavailable")
         tensors = tensorio.from_fd(reply.model.tensors, fd, as_torch=as_torch)
         params = Params.from_pb(reply.params)
+        if params.model_compression:  # its model would be the rounded copy, not the server's
+            raise MlfabricError(
+                f"job {job!r} publishes its model compressed (model_compression="
+                f"{params.model_compression!r}): a replica needs the exact model and is not "
+                "supported with it yet (docs/compression.md)",
+                code="bad_request",
+            )
         with lock:
             replica = Replica(client, job, server, dict(tensors), params, int(reply.model.version))
             for item in inbox:

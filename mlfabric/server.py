@@ -20,6 +20,7 @@ from typing import Any
 from mlfabric import tensorio
 from mlfabric import tensors as tcodec
 from mlfabric.aggregators.codecs import CodecError
+from mlfabric.aggregators.codecs.snapshot import encode_model, parse_model_codec
 from mlfabric.localclient import LocalClient, MlfabricError, check_size, connect, raise_for_error
 from mlfabric.params import Params
 from mlfabric.proto.v1 import control_pb2, local_pb2
@@ -104,6 +105,7 @@ class Server:
         self.applied = 0
         self.dropped = 0
         self._as_torch = any(tcodec._is_torch(v) for v in model.values())
+        self._model_codec = parse_model_codec(params.model_compression)
         self._update_fn: UpdateFn | None = None
         self._request_fn: RequestFn | None = None
         self._inbox: queue.Queue[tuple[Any, int | None]] = queue.Queue()
@@ -129,11 +131,18 @@ class Server:
         return fn
 
     def publish(self) -> None:
-        """Hand the current model (or ``on_request``'s tensors) to the daemon for ``get``."""
+        """Hand the current model (or ``on_request``'s tensors) to the daemon for ``get``.
+
+        With ``Params(model_compression=)`` its float32/float64 tensors are handed over (and
+        travel) as that codec's words, rounded afresh from :attr:`model`, which stays exact
+        (docs/compression.md).
+        """
         tensors = self._request_fn() if self._request_fn is not None else None
-        fd, layouts, total = tensorio.to_memfd(
-            self.model if tensors is None else tensors, name="mlfabric-model"
-        )
+        model = self.model if tensors is None else tensors
+        encoded = None
+        if self._model_codec is not None:
+            model, encoded = encode_model(model, self._model_codec)
+        fd, layouts, total = tensorio.to_memfd(model, name="mlfabric-model", encoded=encoded)
         try:
             publish = local_pb2.PublishModel(
                 version=self.version,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from mlfabric.wire import _native
 from mlfabric.wire.tensors import (
     DTYPES,
+    WORD_DTYPES,
     Encoding,
     Layout,
     TensorError,
@@ -29,6 +31,7 @@ from mlfabric.wire.tensors import (
     decode,
     layouts_from_pb,
     plan_layout,
+    words_dtype,
 )
 
 __all__ = [
@@ -41,7 +44,11 @@ __all__ = [
 ]
 
 
-def to_memfd(tensors: Mapping[str, object], name: str = "mlfabric-tensors") -> tuple[int, list[Layout], int]:
+def to_memfd(
+    tensors: Mapping[str, object],
+    name: str = "mlfabric-tensors",
+    encoded: Mapping[str, tuple[str, tuple[int, ...], Encoding]] | None = None,
+) -> tuple[int, list[Layout], int]:
     """Write the tensors into a new memfd (one copy) for passing to a daemon.
 
     Parameters
@@ -50,6 +57,9 @@ def to_memfd(tensors: Mapping[str, object], name: str = "mlfabric-tensors") -> t
         The update or model.
     name : str
         The memfd's name (shows in ``/proc/PID/fd``).
+    encoded : Mapping[str, (dtype, shape, Encoding)], optional
+        The tensors whose value is a codec's words (:func:`~mlfabric.wire.tensors.plan_layout`;
+        a model published with ``Params(model_compression=)``).
 
     Returns
     -------
@@ -67,7 +77,7 @@ def to_memfd(tensors: Mapping[str, object], name: str = "mlfabric-tensors") -> t
     np.float32(4.0)
     >>> os.close(fd)
     """
-    layouts, total = plan_layout(tensors)
+    layouts, total = plan_layout(tensors, encoded)
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         if total:
@@ -220,12 +230,15 @@ def read_memfd(fd: int, layouts: Sequence[Layout], *, as_torch: bool = False) ->
     Returns
     -------
     dict
-        name -> tensor, see :func:`decode`.
+        name -> tensor, see :func:`decode`; an encoded tensor (a model published with
+        ``Params(model_compression=)``) decoded to its own dtype.
 
     Raises
     ------
     TensorError
         When a tensor lies beyond the end of the file.
+    CodecError
+        An encoded tensor that does not decode (named).
 
     Examples
     --------
@@ -237,14 +250,14 @@ def read_memfd(fd: int, layouts: Sequence[Layout], *, as_torch: bool = False) ->
     size = os.fstat(fd).st_size
     arrays: dict[str, np.ndarray] = {}
     for layout in layouts:
-        dtype = DTYPES.get(layout.dtype)
+        dtype = WORD_DTYPES.get(layout.encoding.words) if layout.encoding else DTYPES.get(layout.dtype)
         if dtype is None:
-            raise TensorError(f"tensor {layout.name!r}: unknown dtype {layout.dtype!r}")
+            raise TensorError(f"tensor {layout.name!r}: unknown dtype {words_dtype(layout)!r}")
         arr = np.empty(layout.shape, dtype=dtype)
         if arr.nbytes != layout.nbytes or layout.offset + layout.nbytes > size:
             raise TensorError(
-                f"tensor {layout.name!r}: layout {layout.shape} {layout.dtype} at offset {layout.offset} "
-                f"({layout.nbytes} bytes) does not fit a {size}-byte payload"
+                f"tensor {layout.name!r}: layout {layout.shape} {words_dtype(layout)} at offset "
+                f"{layout.offset} ({layout.nbytes} bytes) does not fit a {size}-byte payload"
             )
         view = arr.reshape(-1).view(np.uint8).data
         done = 0
@@ -253,6 +266,8 @@ def read_memfd(fd: int, layouts: Sequence[Layout], *, as_torch: bool = False) ->
             if got == 0:
                 raise TensorError(f"tensor {layout.name!r}: file ended at offset {layout.offset + done}")
             done += got
+        if layout.encoding is not None:  # the codec's words: decoded to the tensor's own dtype
+            arr = decode(view, [replace(layout, offset=0)])[layout.name]
         arrays[layout.name] = arr
     if not as_torch:
         return arrays

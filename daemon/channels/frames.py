@@ -249,7 +249,8 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
     The layout rules: every tensor has a known dtype, non-negative dims and
     ``nbytes == prod(shape) * itemsize``; tensors lie inside the payload, do not overlap, and
     together cover exactly ``payload_bytes`` (a non-empty payload must be described). A tensor
-    travelling encoded (an UPDATE's only) counts its words' itemsize, and its encoding passes
+    travelling encoded (an UPDATE's, or a MODEL's of a job with ``model_compression``) counts
+    its words' itemsize, and its encoding passes
     :func:`~mlfabric.aggregators.codecs.payload.check_encoding` (a known codec, scales of the
     right count, finite, >= 0, the shared scale its bound gives) and sums at most the frame's
     ``num_updates``.
@@ -299,8 +300,8 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
                 raise FrameError(f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}")
             count *= dim
         if t.HasField("encoding"):  # compressed: its bytes are the codec's words (docs/compression.md)
-            if header.kind != _UPDATE_KIND:
-                raise FrameError(f"tensor {t.name!r}: only an UPDATE's tensors travel encoded")
+            if header.kind not in (_UPDATE_KIND, _MODEL_KIND):
+                raise FrameError(f"tensor {t.name!r}: only an UPDATE's or a MODEL's tensors travel encoded")
             try:
                 check_encoding(t)
             except CodecError as exc:

@@ -80,18 +80,20 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobParams(_message.Message):
-    __slots__ = ("tau_max", "div_max", "sync_workers", "allow_non_finite", "compression")
+    __slots__ = ("tau_max", "div_max", "sync_workers", "allow_non_finite", "compression", "model_compression")
     TAU_MAX_FIELD_NUMBER: _ClassVar[int]
     DIV_MAX_FIELD_NUMBER: _ClassVar[int]
     SYNC_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     tau_max: int
     div_max: float
     sync_workers: int
     allow_non_finite: bool
     compression: str
-    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ..., sync_workers: _Optional[int] = ..., allow_non_finite: _Optional[bool] = ..., compression: _Optional[str] = ...) -> None: ...
+    model_compression: str
+    def __init__(self, tau_max: _Optional[int] = ..., div_max: _Optional[float] = ..., sync_workers: _Optional[int] = ..., allow_non_finite: _Optional[bool] = ..., compression: _Optional[str] = ..., model_compression: _Optional[str] = ...) -> None: ...
 
 class AggregateMember(_message.Message):
     __slots__ = ("update_id", "worker", "base_version", "norm", "src_host", "bytes")

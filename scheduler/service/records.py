@@ -206,6 +206,7 @@ class JobParams:
     updates holding NaN or inf (default: they refuse them). ``sync_workers``: worker updates
     per synchronous round (0: asynchronous). ``compression``: the codec workers push with by
     default (a spec string, ``""``: none; docs/compression.md), passed on to the job's workers.
+    ``model_compression``: the codec the servers' models travel with (``""``, ``fp16``, ``bf16``).
     """
 
     tau_max: int = -1
@@ -213,6 +214,7 @@ class JobParams:
     allow_non_finite: bool = False
     sync_workers: int = 0
     compression: str = ""
+    model_compression: str = ""
 
 
 @dataclass(frozen=True)

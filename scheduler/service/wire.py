@@ -64,8 +64,9 @@ def job_params(p: pb.JobParams) -> JobParams:
 
     Examples
     --------
-    >>> job_params(pb.JobParams(tau_max=4, div_max=0.5))
-    JobParams(tau_max=4, div_max=0.5, allow_non_finite=False, sync_workers=0, compression='')
+    >>> job_params(pb.JobParams(tau_max=4, div_max=0.5))  # doctest: +NORMALIZE_WHITESPACE
+    JobParams(tau_max=4, div_max=0.5, allow_non_finite=False, sync_workers=0, compression='',
+              model_compression='')
     >>> job_params(pb.JobParams(sync_workers=8)).sync_workers
     8
     """
@@ -75,6 +76,7 @@ def job_params(p: pb.JobParams) -> JobParams:
         allow_non_finite=p.allow_non_finite,
         sync_workers=p.sync_workers,
         compression=p.compression,
+        model_compression=p.model_compression,
     )
 
 
@@ -96,6 +98,7 @@ def job_params_pb(p: JobParams) -> pb.JobParams:
         allow_non_finite=p.allow_non_finite,
         sync_workers=p.sync_workers,
         compression=p.compression,
+        model_compression=p.model_compression,
     )
 
 

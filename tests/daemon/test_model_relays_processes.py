@@ -86,12 +86,17 @@ def _check(result: tuple[int, dict[str, Any]], version: int) -> None:
     assert float(model["w"][0]) == float(model["w"][-1]) == float(version)
 
 
-def test_relay_sigkilled_mid_fetch(procs: Processes, sockdir: str, tmp_path: Path) -> None:
+def start_scheduler(procs: Processes, tmp_path: Path) -> dict[str, Any]:
+    """The scheduler service as a process on :data:`TOPOLOGY`: its ready file's contents."""
     topology = tmp_path / "topology.toml"
     topology.write_text(TOPOLOGY)
-    sched = procs.start(
+    return procs.start(
         "scheduler", "mlfabric.scheduler.service.cli", "--listen", "127.0.0.1:0", "--topology", str(topology)
     )
+
+
+def test_relay_sigkilled_mid_fetch(procs: Processes, sockdir: str, tmp_path: Path) -> None:
+    sched = start_scheduler(procs, tmp_path)
     daemons: dict[str, Daemon] = {}
     clients: list[Any] = []
     try:
