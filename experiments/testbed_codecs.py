@@ -4,11 +4,12 @@ The setting of ``testbed_e2e.py`` (the paper's: 8 workers with uplinks of 200-25
 server's link ``--server-mbps`` changing every ``--period`` s, one straggler; the digits MLP
 with 4.5 MB float32 updates; asynchronous SGD until a target test accuracy) once per system
 and seed, the systems of one seed taking turns on one testbed under the same seeded schedule.
-A system is ``POLICY`` or ``POLICY@CODEC``: the workers push with that codec
-(``push(codec=...)``; ``+ef`` adds error feedback at the sender), e.g.
+A system is ``POLICY``, ``POLICY@CODEC`` or ``POLICY@CODEC@MODEL_CODEC``: the workers push
+with that codec (``push(codec=...)``; ``+ef`` adds error feedback at the sender) and the
+server publishes its model with the model codec (``Params(model_compression=...)``), e.g.
 
     python experiments/testbed_codecs.py                       # stf, stf@fp16, stf@int8+ef; seeds 0-2
-    python experiments/testbed_codecs.py --systems stf,stf@int8 --seeds 3,4,5
+    python experiments/testbed_codecs.py --systems stf,stf@int8+ef@fp16 --seeds 3,4,5
 
 Per system: the median time to target [min-max over seeds], the accuracy where each run
 stopped, updates applied, and the bytes that entered the server's host per applied update

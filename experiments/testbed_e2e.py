@@ -140,7 +140,8 @@ def mlf_server(args: argparse.Namespace) -> int:
     _, _, xte, yte = dataset()
     model = make_model()
     tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
-    server = mlfabric.register_as_server("e2e", "ps", tensors, mlfabric.Params(tau_max=args.tau_max))
+    params = mlfabric.Params(tau_max=args.tau_max, model_compression=args.model_codec)
+    server = mlfabric.register_as_server("e2e", "ps", tensors, params)
     log = AccuracyLog(Path(args.out), args.target)
     write_ready_file(args.ready_file, {})
     deadline = time.monotonic() + args.time_limit
@@ -201,16 +202,17 @@ def split_codec(spec: str | None) -> tuple[str | None, bool]:
     return spec.removesuffix("+ef"), spec.endswith("+ef")
 
 
-def split_system(system: str) -> tuple[str, str | None]:
-    """``policy@codec`` (``stf@int8+ef``) as the scheduler's policy and the workers' codec.
+def split_system(system: str) -> tuple[str, str | None, str | None]:
+    """``policy@codec[@model_codec]`` as the policy, the workers' codec and the model's.
 
     Examples
     --------
-    >>> split_system("stf@int8+ef"), split_system("fair")
-    (('stf', 'int8+ef'), ('fair', None))
+    >>> split_system("stf@int8+ef@fp16"), split_system("stf@fp16"), split_system("fair")
+    (('stf', 'int8+ef', 'fp16'), ('stf', 'fp16', None), ('fair', None, None))
     """
-    policy, _, codec = system.partition("@")
-    return policy, codec or None
+    policy, _, codecs = system.partition("@")
+    codec, _, model_codec = codecs.partition("@")
+    return policy, codec or None, model_codec or None
 
 
 # ------------------------------------------------------------------------ gloo roles
@@ -321,9 +323,10 @@ def run_system(
     rates = ScheduleRunner(lambda c: testbed.set_rate(c.link, c.rate, c.direction), changes)
     if system == "gloo":
         return run_gloo(testbed, workers, args, delays, rates, workdir, me, common)
-    policy, codec = split_system(system)
+    policy, codec, model_codec = split_system(system)
     with TestbedCluster(testbed, topo, policy=policy, workdir=workdir / "run") as cluster:
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
+        sargv += ["--model-codec", model_codec] if model_codec else []
         server = cluster.spawn("ps", [*sargv, "--tau-max", str(args.tau_max)])
         wait_file(ready, server.popen, 120)
         rates.start()
@@ -593,7 +596,8 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help="comma-separated: stf, fair, gloo, or POLICY@CODEC (stf@fp16, stf@int8+ef: the workers' codec)",
+        help="comma-separated: stf, fair, gloo, or POLICY@CODEC[@MODEL_CODEC] (stf@int8+ef@fp16: "
+        "the workers' codec, the model's)",
     )
     parser.add_argument("--target", type=float)
     parser.add_argument("--time-limit", type=float, help="seconds per system (150 quick, 400 full)")
@@ -616,6 +620,7 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
     parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--codec", help=argparse.SUPPRESS)  # a worker's: int8, fp16, int8+ef, ...
+    parser.add_argument("--model-codec", help=argparse.SUPPRESS)  # the server's: fp16, bf16
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
