@@ -114,13 +114,13 @@ def summarize(
     rows: list[dict[str, Any]], args: argparse.Namespace, systems: list[str], seeds: list[int]
 ) -> str:
     """The Markdown table: medians and spread per system, ratios to the uncompressed run."""
-    workers = 4 if args.quick else 8  # testbed_e2e.layout's
+    uplinks = e2e.worker_uplinks(args.quick)
     times = {s: {r["seed"]: r["time_to_target"] for r in rows if r["system"] == s} for s in systems}
     lines = [
         "# Compression on the testbed (asynchronous SGD, the paper's setting)",
         "",
         f"Digits MLP 64-{e2e.HIDDEN}-{e2e.HIDDEN}-10 (4.5 MB float32 updates), lr {args.lr}, "
-        f"batch {args.batch}; {workers} workers (uplinks 200-25 Mbit/s), "
+        f"batch {args.batch}; {len(uplinks)} workers (uplinks {max(uplinks)}-{min(uplinks)} Mbit/s), "
         f"server link {args.server_mbps:g} Mbit/s changing every {args.period:g} s; "
         f"target test accuracy {args.target}; seeds {seeds}; "
         f"limit {args.time_limit:g} s per run. Each seed's systems take turns on one testbed.",

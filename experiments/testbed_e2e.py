@@ -436,11 +436,16 @@ def plot(results: dict[str, dict], target: float, path: Path) -> None:
     plt.close(fig)
 
 
+def worker_uplinks(quick: bool) -> list[int]:
+    """The workers' uplinks in Mbit/s: 4 workers with ``--quick``, else 8."""
+    return [100, 100, 50, 50] if quick else [200, 200, 100, 100, 50, 50, 25, 25]
+
+
 def layout(args: argparse.Namespace) -> tuple[list[int], list[str], dict[str, float]]:
     """The workers' uplinks (Mbit/s), names and compute delays (seeded by ``--seed``)."""
     from mlfabric.testbed.schedule import compute_delays
 
-    uplinks = [100, 100, 50, 50] if args.quick else [200, 200, 100, 100, 50, 50, 25, 25]
+    uplinks = worker_uplinks(args.quick)
     workers = [f"w{i}" for i in range(len(uplinks))]
     delays = compute_delays(
         workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=random.Random(args.seed)
