@@ -13,7 +13,11 @@ and synchronously, with
   ``testbed_e2e.py``; synchronous: rank 0 receives every worker's update, applies the sum,
   sends the model back;
 - ``ddp``     — torch DistributedDataParallel over gloo (ring all-reduce between the workers,
-  no server; synchronous only).
+  no server; synchronous only);
+- ``POLICY@CODEC[@MODEL_CODEC]`` — an mlfabric policy whose workers push with a codec
+  (``stf+agg@fp16``, ``stf+agg@int8+ef``: ``+ef`` adds error feedback at the sender) and whose
+  server publishes its model with the model codec (docs/compression.md), as in
+  ``testbed_codecs.py``; the summary adds the ratio to the same policy without a codec.
 
 Every (seed, mode, system) runs in turn on the same testbed, seeds and modes interleaved.
 For each run: time to target (from the first update), worker updates applied and the bytes
@@ -24,6 +28,7 @@ against the faster gloo baseline.
 
     python experiments/testbed_aggregation.py --quick     # 8 workers, target 0.85, 3 seeds
     python experiments/testbed_aggregation.py             # 8 workers, target 0.95, 3 seeds
+    python experiments/testbed_aggregation.py --modes sync --systems stf+agg,stf+agg@fp16
 
 Writes experiments/results/testbed_aggregation[_quick].{csv,md}. Needs root, ip, tc, torch.
 """
@@ -50,6 +55,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_e2e as e2e  # the model, data, accuracy log, gloo PS and NS schedule
 from harness import init_gloo, stop_all
+from testbed_codecs import ratios
 
 from mlfabric.readyfile import write_ready_file
 
@@ -72,7 +78,12 @@ def mlf_server(args: argparse.Namespace) -> int:
     model = e2e.make_model()
     tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
     # div_max: with a replica registered (testbed_replication.py); without one it has no effect
-    params = mlfabric.Params(tau_max=args.tau_max, sync_workers=args.sync_workers, div_max=args.div_max)
+    params = mlfabric.Params(
+        tau_max=args.tau_max,
+        sync_workers=args.sync_workers,
+        div_max=args.div_max,
+        model_compression=args.model_codec,
+    )
     server = mlfabric.register_as_server("agg", "ps", tensors, params)
     log = e2e.AccuracyLog(Path(args.out), args.target)
     write_ready_file(args.ready_file, {})
@@ -276,12 +287,13 @@ def run_one(
         res = _torch_run(testbed, role, ["ps", *workers], args, delays, rates, workdir, me, common)
         res.setdefault("updates", res.get("applied", 0))
         return {**res, "ingress_per_update": float(update_bytes)}
-    extra = ["--aggregate-plan", args.aggregate_plan] if sync and system == "stf+agg" else []
+    policy, codec, model_codec = e2e.split_system(system)
+    extra = ["--aggregate-plan", args.aggregate_plan] if sync and policy == "stf+agg" else []
     out, ready = workdir / "server.json", workdir / "server.ready"
     with TestbedCluster(
         testbed,
         topo,
-        policy=system,
+        policy=policy,
         workdir=workdir / "run",
         extra_scheduler_args=extra,
         ready_timeout=STARTUP_ALLOWANCE,
@@ -289,7 +301,7 @@ def run_one(
     ) as c:
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
         sargv += ["--tau-max", str(args.tau_max), "--sync-workers", str(len(workers) if sync else 0)]
-        sargv += list(server_args)
+        sargv += list(server_args) + (["--model-codec", model_codec] if model_codec else [])
         server = c.spawn("ps", sargv)
         e2e.wait_file(ready, server.popen, STARTUP_ALLOWANCE)
         procs = before_workers(c, workdir) if before_workers is not None else []
@@ -297,6 +309,7 @@ def run_one(
         for i, w in enumerate(workers):
             argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(100 * seed + i)]
             argv += ["--sync-workers", str(len(workers) if sync else 0)]
+            argv += ["--codec", codec] if codec else []
             procs.append(c.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
         c.wait(server, timeout=args.time_limit + STARTUP_ALLOWANCE + 180)
         rates.stop()
@@ -408,6 +421,19 @@ def _median(xs: list[float]) -> float | None:
     return float(statistics.median(xs)) if xs else None
 
 
+def _per_seed(values: list[float]) -> str:
+    """``a / b / c (median m)`` of per-seed ratios ("-" when none).
+
+    Examples
+    --------
+    >>> _per_seed([1.5, 1.2, 2.0]), _per_seed([])
+    ('1.50 / 1.20 / 2.00 (median 1.50)', '-')
+    """
+    if not values:
+        return "-"
+    return " / ".join(f"{v:.2f}" for v in values) + f" (median {statistics.median(values):.2f})"
+
+
 def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """Per mode and system: median time to target over seeds, spread, ratios, ingress bytes."""
     lines = [
@@ -425,9 +451,9 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{f' --scale {args.scale:g}' if args.scale != 1 else ''}`.",
         "",
         "| mode | system | runs | reached | median time to target (s) | min-max (s) | vs fair "
-        "| vs faster gloo baseline | server ingress per applied update (MB) | vs fair | final accuracy "
-        "| worker updates applied/s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| vs faster gloo baseline | vs uncompressed, per seed | server ingress per applied update (MB) "
+        "| vs fair | final accuracy | worker updates applied/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         of_mode = [r for r in rows if r["mode"] == mode]
@@ -439,6 +465,7 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             ingress[system] = _median([r["ingress_per_update"] for r in rs if r["ingress_per_update"]])
         baselines = [med[s] for s in ("gloo", "ddp") if med.get(s)]
         fastest = min(baselines) if baselines else None  # type: ignore[type-var]
+        by_seed = {s: {r["seed"]: r["time_to_target"] for r in of_mode if r["system"] == s} for s in med}
         for system, m in med.items():
             rs = [r for r in of_mode if r["system"] == system]
             times = [r["time_to_target"] for r in rs if r["time_to_target"] is not None]
@@ -450,6 +477,7 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{f'{min(times):.1f}-{max(times):.1f}' if times else '-'} | "
                 f"{f'{fair / m:.2f}x' if fair and m else '-'} | "
                 f"{f'{fastest / m:.2f}x' if fastest and m else '-'} | "
+                f"{_per_seed(ratios(by_seed, system)) if '@' in system else '-'} | "
                 f"{f'{mine_in / 1e6:.2f}' if mine_in else '-'} | "
                 f"{f'{mine_in / fair_in:.2f}x' if mine_in and fair_in else '-'} | "
                 f"{f'{statistics.median(finals):.3f}' if finals else '-'} | "
@@ -521,6 +549,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-workers", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--div-max", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--codec", help=argparse.SUPPRESS)  # a worker's: fp16, int8+ef, ...
+    parser.add_argument("--model-codec", help=argparse.SUPPRESS)  # the server's: fp16, bf16
     args, _ = parser.parse_known_args()
     args.target = args.target or (0.85 if args.quick else 0.95)
     args.time_limit = args.time_limit or (120.0 if args.quick else 400.0)
@@ -556,7 +586,9 @@ def mlf_worker(args: argparse.Namespace) -> int:
     xtr, ytr, _, _ = e2e.dataset()
     model = e2e.make_model()
     rng = np.random.default_rng(args.seed)
+    codec, feedback = e2e.split_codec(args.codec)
     worker = mlfabric.register_as_worker("agg", name=args.name, wait=60)
+    worker.rng = np.random.default_rng(args.seed + 1000)  # int8's stochastic rounding, seeded
     floor = None  # synchronous: the version its last update was applied in
     with worker:
         while True:
@@ -567,7 +599,7 @@ def mlf_worker(args: argparse.Namespace) -> int:
             e2e.load_numpy(model, tensors)
             update = e2e.gradient(model, xtr, ytr, args.batch, rng, args.lr)
             time.sleep(args.compute_delay)
-            result = worker.push("ps", update).wait(timeout=300)
+            result = worker.push("ps", update, codec=codec, error_feedback=feedback).wait(timeout=300)
             if not result.applied and "unregistered" in result.reason:
                 return 0
             # synchronous: the next model is the round's (version at least the one it was applied

@@ -41,3 +41,32 @@ def test_the_summary_gives_medians_spread_and_per_seed_ratios_to_the_same_policy
     assert "60.0 [50.0-70.0]" in stf and "| 3/3 |" in stf and "4.50" in stf
     # the seed that did not reach the target has no ratio: 60/30 and 50/40
     assert "35.0 [30.0-40.0]" in int8 and "| 2/3 |" in int8 and "(2.00 / 1.25)" in int8 and "1.13" in int8
+
+
+def test_the_aggregation_summary_gives_per_seed_ratios_to_the_same_policy_without_a_codec() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    try:
+        import testbed_aggregation as agg
+    finally:
+        sys.path.pop(0)
+    assert doctest.testmod(agg).failed == 0
+    rows = [
+        {"seed": s, "mode": "sync", "system": sys_, "time_to_target": t, "updates": 80, "payloads": 40,
+         "dropped": 0, "ingress_per_update": b, "final_accuracy": 0.951, "updates_per_s": 1.0, "load1": 3.0}
+        for s, sys_, t, b in [
+            (0, "stf+agg", 60.0, 1.7e6), (1, "stf+agg", 50.0, 1.7e6), (2, "stf+agg", 70.0, 1.7e6),
+            (0, "stf+agg@fp16", 30.0, 0.9e6), (1, "stf+agg@fp16", 40.0, 0.9e6),
+            (2, "stf+agg@fp16", None, 0.9e6),
+        ]
+    ]  # fmt: skip
+    args = argparse.Namespace(
+        quick=False, lr=0.05, batch=64, server_mbps=100.0, server_egress_mbps=1000.0, scale=1.0,
+        period=5.0, compute=0.02, slowdown=4.0, target=0.95, tau_max=32, seeds="0,1,2", modes="sync",
+    )  # fmt: skip
+    lines = agg.summary(rows, args).splitlines()
+    (plain,) = [line for line in lines if line.startswith("| sync | stf+agg |")]
+    (fp16,) = [line for line in lines if line.startswith("| sync | stf+agg@fp16 |")]
+    assert plain.split(" | ")[8] == "-"
+    # seeds 0 and 1 reached with both: 60/30 and 50/40; seed 2 did not with fp16
+    assert fp16.split(" | ")[8] == "2.00 / 1.25 (median 1.62)"
+    assert fp16.split(" | ")[2:5] == ["3", "2", "35.0"]
