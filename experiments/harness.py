@@ -9,11 +9,14 @@
 - :func:`proc_stats`, :func:`cpu_seconds`: a process's RSS and open fds, its CPU time;
 - :func:`decision_buckets`, :func:`quantile_bound`: the scheduler's decision-time histogram
   from its ``/metrics``, and the bucket a quantile falls in between two scrapes
-  (``soak.py``, ``bench_service_scale.py``).
+  (``soak.py``, ``bench_service_scale.py``);
+- :func:`write_csv`, :func:`save_results`: an experiment's rows as CSV, and with its Markdown
+  summary beside them (the testbed experiments).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -21,7 +24,7 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +36,10 @@ __all__ = [
     "init_gloo",
     "proc_stats",
     "quantile_bound",
+    "save_results",
     "start",
     "stop_all",
+    "write_csv",
 ]
 
 
@@ -145,3 +150,18 @@ def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds ``pid`` has used (``/proc/PID/stat``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Write ``rows`` (their first row's keys as the columns) to ``path``, its folder made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def save_results(out: Path, name: str, rows: Sequence[Mapping[str, Any]], text: str) -> None:
+    """Write ``rows`` to ``out/<name>.csv`` and the summary ``text`` to ``out/<name>.md``."""
+    write_csv(out / f"{name}.csv", rows)
+    (out / f"{name}.md").write_text(text)

@@ -36,7 +36,6 @@ Writes experiments/results/testbed_aggregation[_quick].{csv,md}. Needs root, ip,
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import os
@@ -54,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_e2e as e2e  # the model, data, accuracy log, gloo PS and NS schedule
-from harness import init_gloo, stop_all
+from harness import init_gloo, save_results, stop_all
 from testbed_codecs import ratios
 
 from mlfabric.readyfile import write_ready_file
@@ -412,7 +411,7 @@ def driver(args: argparse.Namespace) -> int:
                         rows.append(row)
                         print(json.dumps({**row, "wall": round(time.monotonic() - started, 1)}), flush=True)
     text = summary(rows, args)
-    save(args.out, name, rows, text)
+    save_results(args.out, name, rows, text)
     print(text)
     return 0
 
@@ -567,16 +566,6 @@ def main() -> int:
     if args.role == "ddp":
         return ddp(args)
     return driver(args)
-
-
-def save(out: Path, name: str, rows: list[dict[str, Any]], text: str) -> None:
-    """Write ``rows`` to ``out/<name>.csv`` and the summary ``text`` to ``out/<name>.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / f"{name}.md").write_text(text)
 
 
 def mlf_worker(args: argparse.Namespace) -> int:

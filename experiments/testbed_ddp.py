@@ -34,7 +34,6 @@ Writes experiments/results/testbed_ddp_<setting>_<rates>.{csv,md}. Needs root, i
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -50,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_e2e as e2e  # the model, data and accuracy log
 from bench_allreduce import _commit, _topology
-from harness import stop_all
+from harness import save_results, stop_all
 from testbed_aggregation import _init
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -201,13 +200,8 @@ def driver(args: argparse.Namespace) -> int:
                             wall = round(time.monotonic() - started, 1)
                             print(json.dumps({**row, "wall": wall}), flush=True)
     name = f"testbed_ddp_{args.setting}_{args.mbps.replace(',', '_')}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     text = summary(rows, args, load, _commit(), checks)
-    (args.out / f"{name}.md").write_text(text)
+    save_results(args.out, name, rows, text)
     print(text)
     return 0
 

@@ -16,11 +16,13 @@ Writes experiments/results/testbed_linkcheck[_quick].{csv,png,md}.
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import write_csv
 
 from mlfabric.scheduler.core.graph import load_topology
 from mlfabric.testbed.cluster import Testbed
@@ -107,10 +109,7 @@ def main() -> int:
                 "wire_ratio": round(ratio / PAYLOAD_PER_FRAME, 4),
             }
         )
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"{name}.csv", rows)
     plot(rows, args.out / f"{name}.png")
     summary(rows, args, seconds, notes, args.out / f"{name}.md")
     print((args.out / f"{name}.md").read_text())

@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_aggregation as agg  # the mlfabric runs (server and worker roles)
 import testbed_ddp as tddp  # the DDP runs (plain and with the hook)
 from bench_allreduce import _commit
+from harness import save_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fair", "stf+agg", "stf+tree", "ddp", "ddp+hook")
@@ -454,7 +455,7 @@ def driver(args: argparse.Namespace) -> int:
                     rows.append(row)
                     print(json.dumps({**row, "wall": round(time.monotonic() - started, 1)}), flush=True)
     text = summary(rows, args, checks)
-    agg.save(args.out, name, rows, text)
+    save_results(args.out, name, rows, text)
     print(text)
     return 0
 

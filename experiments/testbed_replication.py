@@ -32,7 +32,6 @@ Writes experiments/results/testbed_replication[_quick].{csv,md}. Needs root, ip,
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -52,6 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_aggregation as agg  # the server and worker roles, topology, NS schedule, one run
 import testbed_e2e as e2e  # the model, data and accuracy
+from harness import write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("none", "div_max", "chain")
@@ -280,14 +280,6 @@ def driver(args: argparse.Namespace) -> int:
     (args.out / f"{name}.md").write_text(text)
     print(text)
     return 0
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def run_with_retry(
