@@ -12,7 +12,9 @@ target test accuracy, with
   planned once by the scheduler from the bandwidth graph and run by the ranks over gloo (gloo's
   own all-reduce where the graph is uniform, mlfabric's tree through gloo's point-to-point
   operations where that is faster);
-- ``mlfabric-daemons`` (``--systems``) — the same hook with the daemons moving the chunks.
+- ``mlfabric-daemons`` (``--systems``) — the same hook with the daemons moving the chunks;
+- ``gloo+fp16`` (``--systems``) — DDP's own all-reduce with torch's ``fp16_compress_hook``
+  (the gradients all-reduced as float16: the yardstick for mlfabric's codecs).
 
 The hosts' NICs are shaped as in ``bench_allreduce.py``: ``--setting hetero`` puts every other
 host at a quarter of the rate, ``uniform`` all at the rate, for each rate of ``--mbps``; before
@@ -53,7 +55,7 @@ from harness import save_results, stop_all
 from testbed_aggregation import _init
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("gloo", "mlfabric", "mlfabric-daemons")
+SYSTEMS = ("gloo", "mlfabric", "mlfabric-daemons", "gloo+fp16")
 #: seconds a run may take to start (8 ranks importing torch on a loaded machine)
 STARTUP_ALLOWANCE = 180.0
 
@@ -84,6 +86,10 @@ def rank_main(args: argparse.Namespace) -> int:
             net.register_comm_hook(
                 mlfabric.torch.HookState(group, timeout=120.0), mlfabric.torch.allreduce_hook
             )
+        elif args.comm == "gloo+fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+            net.register_comm_hook(None, fp16_compress_hook)
         opt = torch.optim.SGD(net.parameters(), lr=args.lr * args.world)  # DDP averages: lr * sum
         xtr, ytr, xte, yte = e2e.dataset()
         rng = np.random.default_rng(args.seed * 1000 + args.rank)

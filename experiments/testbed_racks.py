@@ -20,7 +20,10 @@ to test accuracy ``--target``, with
   workers, no server);
 - ``ddp+hook`` — the same DDP script with ``mlfabric.torch.allreduce_hook``: the scheduler
   plans each bucket's all-reduce from the bandwidth graph (a tree where its model beats the
-  ring), the ranks run it over gloo (docs/allreduce.md).
+  ring), the ranks run it over gloo (docs/allreduce.md);
+- ``ddp@fp16`` — DDP with torch's ``fp16_compress_hook`` (gradients all-reduced as float16);
+- ``POLICY@CODEC[@MODEL_CODEC]`` — an mlfabric system whose workers push with a codec and whose
+  server publishes the model with the model codec (``stf+tree@fp16@fp16``; docs/compression.md).
 
 The mlfabric runs are :func:`testbed_aggregation.run_one` (static rates, no straggler unless
 ``--slowdown``), the DDP runs :func:`testbed_ddp.run_one` (rank ``i`` on a seeded permutation of
@@ -77,7 +80,7 @@ from harness import save_results
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fair", "stf+agg", "stf+tree", "ddp", "ddp+hook")
 #: testbed_ddp's name of each DDP system
-DDP_COMM = {"ddp": "gloo", "ddp+hook": "mlfabric"}
+DDP_COMM = {"ddp": "gloo", "ddp+hook": "mlfabric", "ddp@fp16": "gloo+fp16"}
 SERVER = "ps"
 #: the round split's parts, in order
 PARTS = ("lead", "transfer", "tail")
@@ -402,7 +405,7 @@ def driver(args: argparse.Namespace) -> int:
         print("testbed unavailable: " + "; ".join(missing), file=sys.stderr)
         return 2
     systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
+    unknown = {s for s in systems if s not in DDP_COMM and agg.e2e.split_system(s)[0] not in SYSTEMS}
     if unknown:
         print(f"unknown systems {sorted(unknown)} (known: {', '.join(SYSTEMS)})", file=sys.stderr)
         return 2
