@@ -558,7 +558,7 @@ def main() -> int:
     if args.role == "mlf-server":
         return mlf_server(args)
     if args.role == "mlf-worker":
-        return mlf_worker(args)
+        return e2e.mlf_worker(args, job="agg")
     if args.role == "gloo":
         return e2e.gloo_role(args)
     if args.role == "gloo-sync":
@@ -566,35 +566,6 @@ def main() -> int:
     if args.role == "ddp":
         return ddp(args)
     return driver(args)
-
-
-def mlf_worker(args: argparse.Namespace) -> int:
-    """``testbed_e2e``'s worker for job ``agg``: get, compute, push, wait (a round, when synchronous)."""
-    import mlfabric
-
-    xtr, ytr, _, _ = e2e.dataset()
-    model = e2e.make_model()
-    rng = np.random.default_rng(args.seed)
-    codec, feedback = e2e.split_codec(args.codec)
-    worker = mlfabric.register_as_worker("agg", name=args.name, wait=60)
-    worker.rng = np.random.default_rng(args.seed + 1000)  # int8's stochastic rounding, seeded
-    floor = None  # synchronous: the version its last update was applied in
-    with worker:
-        while True:
-            try:
-                _, tensors = worker.get("ps", min_version=floor)
-            except mlfabric.MlfabricError:
-                return 0  # the server is gone: training is over
-            e2e.load_numpy(model, tensors)
-            update = e2e.gradient(model, xtr, ytr, args.batch, rng, args.lr)
-            time.sleep(args.compute_delay)
-            result = worker.push("ps", update, codec=codec, error_feedback=feedback).wait(timeout=300)
-            if not result.applied and "unregistered" in result.reason:
-                return 0
-            # synchronous: the next model is the round's (version at least the one it was applied
-            # in), which the host's daemon or its rack's relay may serve (docs/model-relays.md);
-            # asynchronous: the server's current model, from the server's daemon, as before
-            floor = result.version if result.applied and args.sync_workers > 0 else None
 
 
 if __name__ == "__main__":

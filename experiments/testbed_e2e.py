@@ -166,19 +166,22 @@ def mlf_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def mlf_worker(args: argparse.Namespace) -> int:
+def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
+    """A worker of ``job``: get, compute, push (with ``--codec``), wait (a round, when synchronous)."""
     import mlfabric
 
     xtr, ytr, _, _ = dataset()
     model = make_model()
     rng = np.random.default_rng(args.seed)
     codec, feedback = split_codec(args.codec)
-    worker = mlfabric.register_as_worker("e2e", name=args.name, wait=60)
+    sync = getattr(args, "sync_workers", 0) > 0
+    worker = mlfabric.register_as_worker(job, name=args.name, wait=60)
     worker.rng = np.random.default_rng(args.seed + 1000)  # int8's stochastic rounding, seeded
+    floor = None  # synchronous: the version its last update was applied in
     with worker:
         while True:
             try:
-                _, tensors = worker.get("ps")
+                _, tensors = worker.get("ps", min_version=floor)
             except mlfabric.MlfabricError:
                 return 0  # the server is gone: training is over
             load_numpy(model, tensors)
@@ -187,6 +190,10 @@ def mlf_worker(args: argparse.Namespace) -> int:
             result = worker.push("ps", update, codec=codec, error_feedback=feedback).wait(timeout=300)
             if not result.applied and "unregistered" in result.reason:
                 return 0
+            # synchronous: the next model is the round's (version at least the one it was applied
+            # in), which the host's daemon or its rack's relay may serve (docs/model-relays.md);
+            # asynchronous: the server's current model, from the server's daemon
+            floor = result.version if result.applied and sync else None
 
 
 def split_codec(spec: str | None) -> tuple[str | None, bool]:
