@@ -125,14 +125,17 @@ def test_auto_compresses_the_slow_path_only(
         assert fast_stats.pushes == {"none": PUSHES}, fast_stats.pushes
         ratio = slow_stats.push_raw_bytes[codec] / slow_stats.push_bytes[codec]
         assert ratio > (3.9 if codec == "int8" else 1.99)
-        if policy == "stf":  # each update applied alone: compare them with what was pushed
+        if policy == "stf":  # each update applied alone (in any order): match it with what was pushed
             got = {h: [u for w, u in applied if w == h] for h in workers}
-            for want, have in zip(updates["fast"], got["fast"], strict=True):
-                np.testing.assert_array_equal(have, want)
             scale = np.abs(np.concatenate(updates["slow"])).max() / 127
-            for want, have in zip(updates["slow"], got["slow"], strict=True):
-                assert not np.array_equal(have, want)
-                assert np.abs(have - want).max() <= 2 * scale  # int8 with own scales: under 2 steps
+            for h, tol in (("fast", 0.0), ("slow", 2 * scale)):  # int8 with own scales: under 2 steps
+                left = list(range(PUSHES))
+                for have in got[h]:
+                    err = {i: float(np.abs(have - updates[h][i]).max()) for i in left}
+                    best = min(err, key=err.__getitem__)
+                    assert err[best] <= tol, (h, err)
+                    assert (err[best] > 0) == (h == "slow")  # the slow host's decoded, the fast's exact
+                    left.remove(best)
         else:
             tol = np.abs(np.concatenate(updates["slow"])).max() * 2**-7 * PUSHES
             total = sum(updates["slow"]) + sum(updates["fast"])
