@@ -18,6 +18,11 @@ the wall time from the first update until the accuracy first reaches the target.
 
     python experiments/testbed_e2e.py --quick     # 4 workers, target 0.90
     python experiments/testbed_e2e.py             # 8 workers, target 0.95
+    python experiments/testbed_e2e.py --uniform-mbps 1000   # every link at 1 Gbit/s, no changes
+
+A system may name the workers' codec (``stf@int8+ef``, ``stf@auto``: the scheduler's choice,
+the job registered with ``Params(compression="auto")``; docs/compression.md) and the model's
+(``stf@int8+ef@fp16``); ``experiments/testbed_codecs.py`` compares them over seeds.
 
 Writes experiments/results/testbed_e2e[_quick].{csv,png,md} and ..._transfers.csv (the mlfabric
 daemons' transfer reports). Needs root, ip, tc, torch.

@@ -15,6 +15,7 @@ its inputs) and the ``mlfabric_codec_choices_total{codec}`` counter.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from mlfabric.scheduler.service.model_routes import model_bytes
 from mlfabric.scheduler.service.state import SchedulerState
 
 __all__ = ["CODEC_REFRESH_INTERVAL", "CodecBook", "path_shares"]
+
+log = logging.getLogger(__name__)
 
 #: the least time between two refreshes of every job's codec advice, s (a refresh is one BFS
 #: per server and a pass over its worker hosts' paths)
@@ -152,7 +155,11 @@ class CodecBook:
             compression = self.state.jobs[job].params.compression
             if not is_auto(compression):
                 continue  # its pushes name their codec
-            auto = parse_auto(compression)
+            try:
+                auto = parse_auto(compression)
+            except ValueError as exc:  # Params checks it; a daemon could still send a bad one
+                log.warning("job %r: no codec advice: %s", job, exc)
+                continue
             workers = {h for h in self.state.worker_hosts(job) if h in self.state.daemons}
             for role in self.state.servers(job):
                 nbytes = model_bytes(role.model)

@@ -140,3 +140,16 @@ def test_shares_divide_a_shared_link_among_the_hosts_crossing_it() -> None:
     shares = path_shares(g, paths)
     assert shares["fast"] == shares["fast2"] == pytest.approx(100e9 / 8 / 3)  # the server's link
     assert shares["slow"] == pytest.approx(25e6 / 8)
+
+
+def test_a_bad_auto_spec_from_a_daemon_gets_no_advice_and_breaks_nothing() -> None:
+    core = _core()
+    sessions = _sessions(core)
+    bad = pb.RegisterRole(
+        job="j", role=pb.ROLE_SERVER, name="ps0", params=pb.JobParams(compression="auto:x=1")
+    )
+    bad.model.extend(MODEL)
+    core.on_message(sessions["ps"], pb.DaemonMessage(register_role=bad))
+    _register(core, sessions["slow"], pb.ROLE_WORKER, "w", Params())
+    kinds = [d.WhichOneof("kind") for d in _drain(sessions["slow"])]
+    assert "role_ack" in kinds and "codec_advice" not in kinds
