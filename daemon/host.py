@@ -142,7 +142,7 @@ class Daemon:
     --------
     >>> daemon = Daemon(DaemonConfig(host="w0", scheduler="127.0.0.1:7077", socket_path="/tmp/w0.sock"))
     >>> sorted(daemon.routes()["directives"])[:4]
-    ['aggregate', 'allreduce', 'allreduce_abort', 'drop']
+    ['aggregate', 'allreduce', 'allreduce_abort', 'codec_advice']
     >>> daemon.start()          # doctest: +SKIP
     >>> daemon.data_address     # doctest: +SKIP
     '127.0.0.1:40123'

@@ -77,12 +77,7 @@ def mlf_server(args: argparse.Namespace) -> int:
     model = e2e.make_model()
     tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
     # div_max: with a replica registered (testbed_replication.py); without one it has no effect
-    params = mlfabric.Params(
-        tau_max=args.tau_max,
-        sync_workers=args.sync_workers,
-        div_max=args.div_max,
-        model_compression=args.model_codec,
-    )
+    params = e2e.job_params(args, sync_workers=args.sync_workers, div_max=args.div_max)
     server = mlfabric.register_as_server("agg", "ps", tensors, params)
     log = e2e.AccuracyLog(Path(args.out), args.target)
     write_ready_file(args.ready_file, {})
@@ -301,6 +296,7 @@ def run_one(
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
         sargv += ["--tau-max", str(args.tau_max), "--sync-workers", str(len(workers) if sync else 0)]
         sargv += list(server_args) + (["--model-codec", model_codec] if model_codec else [])
+        sargv += ["--codec", codec] if codec and codec.startswith("auto") else []  # the job's auto
         server = c.spawn("ps", sargv)
         e2e.wait_file(ready, server.popen, STARTUP_ALLOWANCE)
         procs = before_workers(c, workdir) if before_workers is not None else []

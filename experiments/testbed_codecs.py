@@ -6,10 +6,14 @@ with 4.5 MB float32 updates; asynchronous SGD until a target test accuracy) once
 and seed, the systems of one seed taking turns on one testbed under the same seeded schedule.
 A system is ``POLICY``, ``POLICY@CODEC`` or ``POLICY@CODEC@MODEL_CODEC``: the workers push
 with that codec (``push(codec=...)``; ``+ef`` adds error feedback at the sender) and the
-server publishes its model with the model codec (``Params(model_compression=...)``), e.g.
+server publishes its model with the model codec (``Params(model_compression=...)``). The codec
+``auto`` registers the job with ``Params(compression="auto")``: the scheduler chooses each
+worker host's codec from its path's bandwidth (docs/compression.md). E.g.
 
     python experiments/testbed_codecs.py                       # stf, stf@fp16, stf@int8+ef; seeds 0-2
     python experiments/testbed_codecs.py --systems stf,stf@int8+ef@fp16 --seeds 3,4,5
+    python experiments/testbed_codecs.py --systems stf,stf@fp16,stf@int8+ef,stf@auto+ef,stf+agg@auto
+    python experiments/testbed_codecs.py --systems stf,stf@auto --uniform-mbps 1000   # uniform fast links
 
 Per system: the median time to target [min-max over seeds], the accuracy where each run
 stopped, updates applied, and the bytes that entered the server's host per applied update
@@ -60,11 +64,46 @@ def ratios(times: dict[str, dict[int, float | None]], system: str) -> list[float
     return [b / t for seed, t in times[system].items() if t and (b := base.get(seed))]
 
 
+def best_fixed_ratios(times: dict[str, dict[int, float | None]], system: str) -> list[float]:
+    """Per seed, the best fixed codec's time over ``system``'s (an ``auto`` one; same policy).
+
+    The fixed choices are the same policy's other systems with the same model codec, the
+    uncompressed one included (``stf@auto@fp16`` against ``stf@fp16``, ``stf@int8+ef@fp16``).
+    Below 1: slower than the best fixed choice (issue 26's target: >= 0.9).
+
+    Examples
+    --------
+    >>> t = {"stf": {0: 60.0, 1: 50.0}, "stf@int8": {0: 30.0, 1: 40.0}, "stf@auto": {0: 33.0, 1: None}}
+    >>> best_fixed_ratios(t, "stf@auto")
+    [0.9090909090909091]
+    """
+    policy, _, model_codec = e2e.split_system(system)
+    fixed = [
+        s
+        for s in times
+        if s != system
+        and e2e.split_system(s)[0] == policy
+        and e2e.split_system(s)[2] == model_codec
+        and not (e2e.split_system(s)[1] or "").startswith("auto")
+    ]
+    out = []
+    for seed, t in times[system].items():
+        best = min((x for s in fixed if (x := times[s].get(seed))), default=None)
+        if t and best:
+            out.append(best / t)
+    return out
+
+
 def spread(values: list[float], fmt: str = "{:.1f}") -> str:
     """``median [min-max]`` of ``values`` ("-" when empty)."""
     if not values:
         return "-"
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def _per_seed(rs: list[float]) -> str:
+    """``median [min-max] (a / b / c)`` of per-seed ratios ("-" when empty)."""
+    return spread(rs, "{:.2f}") + " (" + " / ".join(f"{x:.2f}" for x in rs) + ")" if rs else "-"
 
 
 def run(args: argparse.Namespace, seeds: list[int], systems: list[str]) -> list[dict[str, Any]]:
@@ -114,20 +153,22 @@ def summarize(
     rows: list[dict[str, Any]], args: argparse.Namespace, systems: list[str], seeds: list[int]
 ) -> str:
     """The Markdown table: medians and spread per system, ratios to the uncompressed run."""
-    uplinks = e2e.worker_uplinks(args.quick)
+    uniform = getattr(args, "uniform_mbps", None)
+    uplinks = e2e.worker_uplinks(args.quick, uniform)
+    changing = "static (uniform)" if uniform else f"changing every {args.period:g} s"
     times = {s: {r["seed"]: r["time_to_target"] for r in rows if r["system"] == s} for s in systems}
     lines = [
         "# Compression on the testbed (asynchronous SGD, the paper's setting)",
         "",
         f"Digits MLP 64-{e2e.HIDDEN}-{e2e.HIDDEN}-10 (4.5 MB float32 updates), lr {args.lr}, "
         f"batch {args.batch}; {len(uplinks)} workers (uplinks {max(uplinks)}-{min(uplinks)} Mbit/s), "
-        f"server link {args.server_mbps:g} Mbit/s changing every {args.period:g} s; "
+        f"server link {args.server_mbps:g} Mbit/s {changing}; "
         f"target test accuracy {args.target}; seeds {seeds}; "
         f"limit {args.time_limit:g} s per run. Each seed's systems take turns on one testbed.",
         "",
-        "| system | time to target (s) | reached | x uncompressed (per seed) | accuracy at stop "
-        "| applied | server ingress per applied update (MB) |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| system | time to target (s) | reached | x uncompressed (per seed) | auto: x best fixed (per seed) "
+        "| accuracy at stop | applied | server ingress per applied update (MB) |",
+        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
     ]
     for s in systems:
         mine = [r for r in rows if r["system"] == s]
@@ -136,7 +177,7 @@ def summarize(
         rs = ratios(times, s) if "@" in s else []
         lines.append(
             f"| {s} | {spread(reached)} | {len(reached)}/{len(mine)} | "
-            f"{spread(rs, '{:.2f}') + ' (' + ' / '.join(f'{x:.2f}' for x in rs) + ')' if rs else '-'} | "
+            f"{_per_seed(rs)} | {_per_seed(best_fixed_ratios(times, s) if '@auto' in s else [])} | "
             f"{spread([r['accuracy'] for r in mine if r['accuracy'] is not None], '{:.3f}')} | "
             f"{spread([float(r['applied']) for r in mine], '{:.0f}')} | {spread(per_update, '{:.2f}')} |"
         )
@@ -144,7 +185,9 @@ def summarize(
         "",
         "A run stops when the server's test accuracy first reaches the target, so the accuracy at",
         "stop is at or just above it; `x uncompressed` is the same policy's time without a codec",
-        "over the codec's, seed by seed (median [min-max], then each seed).",
+        "over the codec's, seed by seed (median [min-max], then each seed); `x best fixed` (an",
+        "`auto` system) the fastest fixed choice's time (the same policy and model codec, none",
+        "included) over auto's.",
         "",
         "Command: `python " + " ".join(["experiments/testbed_codecs.py", *sys.argv[1:]]) + "`",
     ]

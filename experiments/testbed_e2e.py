@@ -18,6 +18,11 @@ the wall time from the first update until the accuracy first reaches the target.
 
     python experiments/testbed_e2e.py --quick     # 4 workers, target 0.90
     python experiments/testbed_e2e.py             # 8 workers, target 0.95
+    python experiments/testbed_e2e.py --uniform-mbps 1000   # every link at 1 Gbit/s, no changes
+
+A system may name the workers' codec (``stf@int8+ef``, ``stf@auto``: the scheduler's choice,
+the job registered with ``Params(compression="auto")``; docs/compression.md) and the model's
+(``stf@int8+ef@fp16``); ``experiments/testbed_codecs.py`` compares them over seeds.
 
 Writes experiments/results/testbed_e2e[_quick].{csv,png,md} and ..._transfers.csv (the mlfabric
 daemons' transfer reports). Needs root, ip, tc, torch.
@@ -140,7 +145,7 @@ def mlf_server(args: argparse.Namespace) -> int:
     _, _, xte, yte = dataset()
     model = make_model()
     tensors = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
-    params = mlfabric.Params(tau_max=args.tau_max, model_compression=args.model_codec)
+    params = job_params(args)
     server = mlfabric.register_as_server("e2e", "ps", tensors, params)
     log = AccuracyLog(Path(args.out), args.target)
     write_ready_file(args.ready_file, {})
@@ -164,6 +169,27 @@ def mlf_server(args: argparse.Namespace) -> int:
                 log.record(server.version, accuracy(model, xte, yte))
         log.save({"applied": server.applied, "dropped": server.dropped, "delays": delays})
     return 0
+
+
+def job_params(args: argparse.Namespace, **params: Any) -> Any:
+    """The job's params: ``tau_max``, the model's codec, ``auto`` compression if the codec is,
+    and ``params`` (``sync_workers``, ``div_max``: the aggregation testbed's).
+
+    Examples
+    --------
+    >>> ns = argparse.Namespace(tau_max=32, model_codec=None, codec="auto+ef")
+    >>> job_params(ns).compression
+    'auto'
+    >>> job_params(argparse.Namespace(tau_max=32, model_codec=None, codec="int8")).compression is None
+    True
+    """
+    import mlfabric
+
+    codec = split_codec(args.codec)[0]  # "auto": the job's, so the scheduler advises its workers
+    compression = codec if codec and codec.startswith("auto") else None
+    return mlfabric.Params(
+        tau_max=args.tau_max, compression=compression, model_compression=args.model_codec, **params
+    )
 
 
 def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
@@ -334,6 +360,7 @@ def run_system(
     with TestbedCluster(testbed, topo, policy=policy, workdir=workdir / "run") as cluster:
         sargv = [*me, "--role", "mlf-server", *common, "--out", str(out), "--ready-file", str(ready)]
         sargv += ["--model-codec", model_codec] if model_codec else []
+        sargv += ["--codec", codec] if codec and codec.startswith("auto") else []  # the job's auto
         server = cluster.spawn("ps", [*sargv, "--tau-max", str(args.tau_max)])
         wait_file(ready, server.popen, 120)
         rates.start()
@@ -399,8 +426,14 @@ def wait_file(path: Path, popen: Any, timeout: float) -> str:
 
 
 def ns_setting(graph: Any, workers: list[str], args: argparse.Namespace) -> list:
-    """The changing-bandwidth schedule: the server link and every worker uplink change each period."""
+    """The changing-bandwidth schedule: the server link and every worker uplink change each period.
+
+    None with ``--uniform-mbps`` (every link stays at that rate).
+    """
     from mlfabric.testbed.schedule import ns_schedule
+
+    if args.uniform_mbps:
+        return []
 
     rng = random.Random(args.seed)
     server = ns_schedule(
@@ -443,16 +476,23 @@ def plot(results: dict[str, dict], target: float, path: Path) -> None:
     plt.close(fig)
 
 
-def worker_uplinks(quick: bool) -> list[int]:
-    """The workers' uplinks in Mbit/s: 4 workers with ``--quick``, else 8."""
-    return [100, 100, 50, 50] if quick else [200, 200, 100, 100, 50, 50, 25, 25]
+def worker_uplinks(quick: bool, uniform: float | None = None) -> list[float]:
+    """The workers' uplinks in Mbit/s: 4 workers with ``--quick``, else 8; all ``uniform`` if given.
+
+    Examples
+    --------
+    >>> worker_uplinks(True), worker_uplinks(True, 1000.0)
+    ([100, 100, 50, 50], [1000.0, 1000.0, 1000.0, 1000.0])
+    """
+    uplinks: list[float] = [100, 100, 50, 50] if quick else [200, 200, 100, 100, 50, 50, 25, 25]
+    return [float(uniform)] * len(uplinks) if uniform else uplinks
 
 
-def layout(args: argparse.Namespace) -> tuple[list[int], list[str], dict[str, float]]:
+def layout(args: argparse.Namespace) -> tuple[list[float], list[str], dict[str, float]]:
     """The workers' uplinks (Mbit/s), names and compute delays (seeded by ``--seed``)."""
     from mlfabric.testbed.schedule import compute_delays
 
-    uplinks = worker_uplinks(args.quick)
+    uplinks = worker_uplinks(args.quick, args.uniform_mbps)
     workers = [f"w{i}" for i in range(len(uplinks))]
     delays = compute_delays(
         workers, base=args.compute, stragglers=1, slowdown=args.slowdown, rng=random.Random(args.seed)
@@ -460,7 +500,7 @@ def layout(args: argparse.Namespace) -> tuple[list[int], list[str], dict[str, fl
     return uplinks, workers, delays
 
 
-def write_topology(path: Path, args: argparse.Namespace, uplinks: list[int], workers: list[str]) -> Path:
+def write_topology(path: Path, args: argparse.Namespace, uplinks: list[float], workers: list[str]) -> Path:
     """The bottleneck star (the server's link ``--server-mbps``) as a topology file at ``path``."""
     from mlfabric.testbed.topologies import bottleneck_star, to_toml
 
@@ -521,7 +561,7 @@ def driver(args: argparse.Namespace) -> int:
 def report(
     results: dict[str, dict],
     args: argparse.Namespace,
-    uplinks: list[int],
+    uplinks: list[float],
     delays: dict[str, float],
     notes: list[str],
     name: str,
@@ -550,7 +590,7 @@ def longest_gap(rows: list[dict]) -> float:
 def summary(
     results: dict[str, dict],
     args: argparse.Namespace,
-    uplinks: list[int],
+    uplinks: list[float],
     delays: dict[str, float],
     notes: list[str],
     path: Path,
@@ -617,6 +657,12 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--server-mbps", type=float, default=100.0)
     parser.add_argument("--period", type=float, default=5.0, help="seconds between bandwidth changes")
+    parser.add_argument(
+        "--uniform-mbps",
+        type=float,
+        help="a uniform graph instead: every worker uplink and the server link at this rate (Mbit/s), "
+        "no bandwidth changes",
+    )
     parser.add_argument("--compute", type=float, default=0.02, help="extra compute delay per iteration, s")
     parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's compute delay factor")
     parser.add_argument("--tau-max", type=int, default=32)
@@ -644,6 +690,8 @@ def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
     args, _ = parser.parse_known_args()
     args.target = args.target or (0.90 if args.quick else 0.95)
     args.time_limit = args.time_limit or (150.0 if args.quick else 400.0)
+    if args.uniform_mbps:
+        args.server_mbps = args.uniform_mbps
     return args
 
 

@@ -68,6 +68,7 @@ from mlfabric.localclient import (
 from mlfabric.params import Params
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.replica import Replica, register_as_replica
+from mlfabric.scheduler.core.codec_choice import is_auto
 from mlfabric.server import Server, UpdateMeta, register_as_server
 from mlfabric.wire.memfd import MemfdPool
 from mlfabric.wire.tensors import TensorError, check_update
@@ -151,7 +152,10 @@ class Worker:
         self._allreduce_lock = threading.Lock()
         #: The random bits of stochastic rounding (int8 codecs); replace it to seed pushes.
         self.rng = np.random.default_rng()
-        self._job_codec = parse_codec(self.params.compression)
+        self._job_auto = is_auto(self.params.compression)
+        self._job_codec = None if self._job_auto else parse_codec(self.params.compression)
+        #: server -> the codec the scheduler advises for this host's pushes there (``auto``)
+        self._advice: dict[str, str] = {s.name: s.codec for s in reply.servers}
         self._feedback: dict[str, ErrorFeedback] = {}  # server -> residuals of its pushes
         #: Device staging (:class:`mlfabric.torch.staging.Stager`) for CUDA tensors; None: the
         #: process's default, created when a CUDA tensor first comes (tests inject a fake here).
@@ -198,6 +202,9 @@ class Worker:
             ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (one shared scale
             ``B / 127``, summed by aggregator hops without decoding; values beyond ``B`` are
             clipped), or a codec object of those; default the job's ``Params(compression=)``.
+            ``"auto"`` (a job registered with ``Params(compression="auto")``; its default):
+            the codec the scheduler chose for this host's pushes to ``server`` from the
+            path's bandwidth and the job's error budget (:meth:`advised`; none until it says).
             float16/float32/float64 tensors are encoded (bfloat16 ones travel as they are);
             the server applies the decoded update. Stochastic int8 rounding draws from
             :attr:`rng`.
@@ -240,7 +247,7 @@ class Worker:
         """
         base = self._base_versions.get(server, 0) if base_version is None else int(base_version)
         _check_base_version(base)
-        chosen = self._job_codec if codec is None else parse_codec(codec)
+        chosen = self._codec(server, codec)
         self._check_update(server, update)
         feedback = self._feedback_for(server, chosen) if error_feedback else None
         stager = self._staging(update)
@@ -252,6 +259,29 @@ class Worker:
             return self._push(server, staged.wait(), norm, base, chosen, feedback)
         finally:
             staged.release()  # the bytes are in the update's memfd now
+
+    def _codec(self, server: str, codec: object) -> WireCodec | None:
+        """The codec of a push to ``server``: ``codec``, else the job's; ``auto``: the advice."""
+        if codec is None and not self._job_auto:
+            return self._job_codec
+        if codec is None or is_auto(codec):
+            if not self._job_auto or (isinstance(codec, str) and codec.strip() != "auto"):
+                raise ValueError(
+                    f"codec {codec!r}: the scheduler chooses codecs for jobs registered with "
+                    "Params(compression='auto') (its error budget: 'auto:budget=E,bound=B'), "
+                    f"not for job {self.job!r} (compression {self.params.compression or 'none'!r}); "
+                    "a push's 'auto' takes no parameters"
+                )
+            return parse_codec(self.advised(server))
+        return parse_codec(codec)
+
+    def advised(self, server: str) -> str:
+        """The codec the scheduler advises for pushes to ``server`` (``""``: none), as last told.
+
+        The daemon passes the scheduler's choice on at registration and with every accepted
+        push, so a change reaches the push after the next one (docs/compression.md, ``auto``).
+        """
+        return self._advice.get(server, "")
 
     def feedback(self, server: str) -> ErrorFeedback | None:
         """The error feedback of pushes to ``server`` (its residual per tensor name), if any."""
@@ -298,6 +328,8 @@ class Worker:
         ids: list[int] = []
 
         def on_event(event: Any, event_fd: int | None) -> None:
+            if event.WhichOneof("kind") == "push_accepted":  # the scheduler's codec now (auto)
+                self._advice[server] = event.push_accepted.codec
             if handle._on_event(event, event_fd) and ids:
                 self._client.forget(ids[0])
 

@@ -11,6 +11,7 @@ from typing import Any
 from mlfabric.aggregators.codecs.payload import codec_spec, parse_codec
 from mlfabric.aggregators.codecs.snapshot import parse_model_codec
 from mlfabric.proto.v1 import control_pb2
+from mlfabric.scheduler.core.codec_choice import auto_spec, is_auto, parse_auto
 
 __all__ = ["Params"]
 
@@ -39,7 +40,10 @@ class Params:
         The codec the job's workers push with unless a push names its own
         (``push(..., codec=...)``; docs/compression.md): None or ``"none"``, ``"fp16"``,
         ``"bf16"``, ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (a shared
-        scale ``B / 127``: aggregator hops sum the words without decoding). Checked here: an
+        scale ``B / 127``: aggregator hops sum the words without decoding); or ``"auto"``
+        (``"auto:budget=E,bound=B"``): the scheduler chooses per worker host and server from
+        the path's bandwidth, among the codecs whose relative error is at most ``E``
+        (default 0.02; int8 with a shared scale only with a bound ``B``). Checked here: an
         unknown codec or a bad parameter is a ValueError naming it and the known ones.
     model_compression : str or None
         The codec the servers' models travel with to the workers' ``get`` (docs/compression.md):
@@ -60,6 +64,8 @@ class Params:
     False
     >>> Params.from_pb(Params(compression="int8:bound=4").to_pb()).compression
     'int8:bound=4.0'
+    >>> Params.from_pb(Params(compression="auto:budget=0.001").to_pb()).compression
+    'auto:budget=0.001'
     >>> Params(compression="zstd")
     Traceback (most recent call last):
     ...
@@ -80,7 +86,10 @@ class Params:
     model_compression: str | None = None
 
     def __post_init__(self) -> None:
-        parse_codec(self.compression)  # a ValueError naming the codec and the known ones
+        if is_auto(self.compression):
+            parse_auto(str(self.compression))  # a ValueError naming the parameter
+        else:
+            parse_codec(self.compression)  # a ValueError naming the codec and the known ones
         parse_model_codec(self.model_compression)
         if self.tau_max is not None and (isinstance(self.tau_max, bool) or int(self.tau_max) < 0):
             raise ValueError(f"tau_max must be an integer >= 0 or None (unbounded), got {self.tau_max!r}")
@@ -100,7 +109,9 @@ class Params:
             div_max=0.0 if self.div_max is None else float(self.div_max),
             sync_workers=int(self.sync_workers),
             allow_non_finite=not self.refuse_non_finite,
-            compression=codec_spec(parse_codec(self.compression)),
+            compression=auto_spec(parse_auto(str(self.compression)))
+            if is_auto(self.compression)
+            else codec_spec(parse_codec(self.compression)),
             model_compression=codec_spec(parse_model_codec(self.model_compression)),
         )
 

@@ -46,7 +46,7 @@ POLL_INTERVAL = 0.2
 _PAGE = 1024
 
 # TraceEventKind values (admin.proto), kept here so --help does not import the stubs
-_READY, _PLANNED, _MEASURED, _VERDICT = 1, 2, 3, 4
+_READY, _PLANNED, _MEASURED, _VERDICT, _CODEC = 1, 2, 3, 4, 5
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -225,6 +225,8 @@ def build_trace(
     from mlfabric.scheduler.core.round_trace import round_phases, round_slices, round_summary
     from mlfabric.scheduler.core.trace import compare_events
 
+    codecs = [e for e in events if e.kind == _CODEC]  # the scheduler's codec choices (auto)
+    events = [e for e in events if e.kind != _CODEC]
     origin = min((e.start for e in events if e.start > 0), default=0.0)
     planned = _schedule([e for e in events if e.kind == _PLANNED])
     measured = _schedule([e for e in events if e.kind == _MEASURED and e.ok])
@@ -234,6 +236,7 @@ def build_trace(
     rounds = round_phases(events)
     pids = [e["pid"] for e in out if "pid" in e]
     out += round_slices(rounds, max(pids, default=0) + 1, origin)
+    out += _codec_events(codecs, max((e["pid"] for e in out if "pid" in e), default=0) + 1, origin)
     verdicts: dict[str, int] = {}
     for e in events:
         if e.kind == _VERDICT:
@@ -245,8 +248,45 @@ def build_trace(
         "verdicts": verdicts,
         "links": len(links),
         "rounds": round_summary(rounds),
+        "codecs": {
+            c: sum(1 for e in codecs if (e.codec or "none") == c) for c in {e.codec or "none" for e in codecs}
+        },
     }
     return out, meta
+
+
+def _codec_events(codecs: Sequence[Any], pid: int, origin: float) -> list[dict[str, Any]]:
+    """The scheduler's codec choices (``CODEC`` events, ``auto``): one instant each, a process of theirs."""
+    if not codecs:
+        return []
+    out: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "codec choices (auto)"}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "choices"}},
+    ]
+    for e in codecs:
+        args = {
+            "job": e.job,
+            "server": e.server,
+            "path": "->".join(e.path),
+            "bytes": e.bytes,
+            "bandwidth_Bps": e.bandwidth,
+            "seconds": e.end - e.start,
+            "seconds_none": e.seconds_none,
+        }
+        name = f"codec {e.codec or 'none'} for {e.path[0] if e.path else '?'}"
+        out.append(
+            {
+                "ph": "i",
+                "s": "p",
+                "name": name,
+                "cat": "codec",
+                "pid": pid,
+                "tid": 1,
+                "ts": (e.start - origin) * 1e6,
+                "args": args,
+            }
+        )
+    return out
 
 
 def _capacities(stub: Any, apb: Any, timeout: float) -> dict[tuple[str, str], float]:

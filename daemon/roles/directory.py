@@ -62,6 +62,8 @@ class Directory:
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, ServerLocation]] = {}
         self._changed = threading.Condition(self._lock)
+        #: (job, server) -> the codec the scheduler advised for pushes from this host (``auto``)
+        self._advice: dict[tuple[str, str], str] = {}
 
     def update(self, job: str, servers: Iterable[Any], *, replace: bool = False) -> None:
         """Record ``ServerInfo`` messages for ``job`` (``replace``: forget servers not listed)."""
@@ -85,6 +87,23 @@ class Directory:
         with self._lock:
             self._jobs.setdefault(job, {})[location.name] = location
             self._changed.notify_all()
+
+    def advise(self, job: str, server: str, codec: str) -> None:
+        """The scheduler's ``CodecAdvice``: pushes to ``server`` of ``job`` with ``auto`` use ``codec``."""
+        with self._lock:
+            self._advice[(job, server)] = codec
+
+    def advice(self, job: str, server: str) -> str:
+        """The codec advised for pushes to ``server`` of ``job`` (``""``: none, or none advised).
+
+        Examples
+        --------
+        >>> d = Directory()
+        >>> d.advise("j", "ps0", "int8"); d.advice("j", "ps0"), d.advice("j", "ps1")
+        ('int8', '')
+        """
+        with self._lock:
+            return self._advice.get((job, server), "")
 
     def lookup(self, job: str, server: str) -> ServerLocation | None:
         """The server's location, or None."""
@@ -112,6 +131,7 @@ class Directory:
             data_address=loc.data_address,
             version=loc.version,
             model=[control_pb2.TensorSpec(name=n, dtype=d, shape=list(s)) for n, (d, s) in loc.spec.items()],
+            codec=self.advice(job, name),
         )
 
     def wait_for_failover(

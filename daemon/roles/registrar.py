@@ -60,7 +60,13 @@ class Registrar(Role):
         self._ids = itertools.count(1)
 
     def routes(self) -> Routes:
-        return Routes(directives={"role_ack": self.on_role_ack, "job_update": self.on_job_update})
+        return Routes(
+            directives={
+                "role_ack": self.on_role_ack,
+                "job_update": self.on_job_update,
+                "codec_advice": self.on_codec_advice,
+            }
+        )
 
     def register(self, message: Any, on_ack: OnAck) -> None:
         """Send ``message`` (a ``RegisterRole``); ``on_ack(RoleAck or None)`` once answered."""
@@ -116,6 +122,21 @@ class Registrar(Role):
     def on_job_update(self, update: Any) -> None:
         """A ``JobUpdate`` lists the job's servers now: one that left is forgotten."""
         self._directory.update(update.job, update.servers, replace=True)
+
+    def on_codec_advice(self, advice: Any) -> None:
+        """A ``CodecAdvice``: the codec of this host's ``auto`` pushes to a server (docs/compression.md)."""
+        self._directory.advise(advice.job, advice.server, advice.codec)
+        _LOG.info(
+            "job %r, server %r: pushes with codec 'auto' travel as %s (path share %.3g MB/s, %d bytes: "
+            "%.3g s, uncompressed %.3g s)",
+            advice.job,
+            advice.server,
+            advice.codec or "none",
+            advice.bandwidth / 1e6,
+            advice.bytes,
+            advice.seconds,
+            advice.seconds_none,
+        )
 
     def log_answer(self, job: str, name: str, ack: Any) -> bool:
         """Log a failed re-registration of ``name`` of ``job``; note the servers of an ok one.

@@ -15,11 +15,13 @@ class TraceEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRACE_EVENT_KIND_PLANNED: _ClassVar[TraceEventKind]
     TRACE_EVENT_KIND_MEASURED: _ClassVar[TraceEventKind]
     TRACE_EVENT_KIND_VERDICT: _ClassVar[TraceEventKind]
+    TRACE_EVENT_KIND_CODEC: _ClassVar[TraceEventKind]
 TRACE_EVENT_KIND_UNSPECIFIED: TraceEventKind
 TRACE_EVENT_KIND_READY: TraceEventKind
 TRACE_EVENT_KIND_PLANNED: TraceEventKind
 TRACE_EVENT_KIND_MEASURED: TraceEventKind
 TRACE_EVENT_KIND_VERDICT: TraceEventKind
+TRACE_EVENT_KIND_CODEC: TraceEventKind
 
 class StatusRequest(_message.Message):
     __slots__ = ("window_seconds",)
@@ -136,7 +138,7 @@ class TraceRequest(_message.Message):
     def __init__(self, cursor: _Optional[int] = ..., max_events: _Optional[int] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
-    __slots__ = ("seq", "kind", "update_id", "job", "server", "worker", "path", "bytes", "start", "end", "aggregate", "outcome", "reason", "ok", "clock_from_receipt", "version", "codec")
+    __slots__ = ("seq", "kind", "update_id", "job", "server", "worker", "path", "bytes", "start", "end", "aggregate", "outcome", "reason", "ok", "clock_from_receipt", "version", "codec", "bandwidth", "seconds_none")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,8 @@ class TraceEvent(_message.Message):
     CLOCK_FROM_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_NONE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     kind: TraceEventKind
     update_id: str
@@ -171,7 +175,9 @@ class TraceEvent(_message.Message):
     clock_from_receipt: bool
     version: int
     codec: str
-    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[TraceEventKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., path: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., aggregate: _Optional[bool] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., ok: _Optional[bool] = ..., clock_from_receipt: _Optional[bool] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
+    bandwidth: float
+    seconds_none: float
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[TraceEventKind, str]] = ..., update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., path: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., aggregate: _Optional[bool] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., ok: _Optional[bool] = ..., clock_from_receipt: _Optional[bool] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., bandwidth: _Optional[float] = ..., seconds_none: _Optional[float] = ...) -> None: ...
 
 class TraceReply(_message.Message):
     __slots__ = ("events", "next_cursor", "lost", "now", "capacity")

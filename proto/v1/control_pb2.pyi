@@ -354,7 +354,7 @@ class Welcome(_message.Message):
     def __init__(self, policy: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("name", "host", "data_address", "model", "version", "replicated", "failed_over_from")
+    __slots__ = ("name", "host", "data_address", "model", "version", "replicated", "failed_over_from", "codec")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +362,7 @@ class ServerInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_FIELD_NUMBER: _ClassVar[int]
     FAILED_OVER_FROM_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     name: str
     host: str
     data_address: str
@@ -369,7 +370,8 @@ class ServerInfo(_message.Message):
     version: int
     replicated: bool
     failed_over_from: str
-    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., replicated: _Optional[bool] = ..., failed_over_from: _Optional[str] = ...) -> None: ...
+    codec: str
+    def __init__(self, name: _Optional[str] = ..., host: _Optional[str] = ..., data_address: _Optional[str] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., version: _Optional[int] = ..., replicated: _Optional[bool] = ..., failed_over_from: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class RoleAck(_message.Message):
     __slots__ = ("request_id", "ok", "error", "params", "servers", "code")
@@ -454,6 +456,24 @@ class JobUpdate(_message.Message):
     job: str
     servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
     def __init__(self, job: _Optional[str] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ...) -> None: ...
+
+class CodecAdvice(_message.Message):
+    __slots__ = ("job", "server", "codec", "bandwidth", "bytes", "seconds", "seconds_none")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_NONE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    server: str
+    codec: str
+    bandwidth: float
+    bytes: int
+    seconds: float
+    seconds_none: float
+    def __init__(self, job: _Optional[str] = ..., server: _Optional[str] = ..., codec: _Optional[str] = ..., bandwidth: _Optional[float] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., seconds_none: _Optional[float] = ...) -> None: ...
 
 class ReplicateDirective(_message.Message):
     __slots__ = ("job", "server", "replica", "replica_host", "replica_address", "up_to_version", "div_max", "detach", "resync")
@@ -564,7 +584,7 @@ class AllreduceAbort(_message.Message):
     def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., reason: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve", "replicate", "promote", "model_route", "allreduce", "allreduce_abort")
+    __slots__ = ("welcome", "role_ack", "send", "drop", "job_update", "aggregate", "resolve", "replicate", "promote", "model_route", "codec_advice", "allreduce", "allreduce_abort")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     ROLE_ACK_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
@@ -575,6 +595,7 @@ class Directive(_message.Message):
     REPLICATE_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ROUTE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_ADVICE_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_ABORT_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
@@ -587,6 +608,7 @@ class Directive(_message.Message):
     replicate: ReplicateDirective
     promote: PromoteDirective
     model_route: ModelRouteDirective
+    codec_advice: CodecAdvice
     allreduce: AllreduceDirective
     allreduce_abort: AllreduceAbort
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateDirective, _Mapping]] = ..., promote: _Optional[_Union[PromoteDirective, _Mapping]] = ..., model_route: _Optional[_Union[ModelRouteDirective, _Mapping]] = ..., allreduce: _Optional[_Union[AllreduceDirective, _Mapping]] = ..., allreduce_abort: _Optional[_Union[AllreduceAbort, _Mapping]] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., role_ack: _Optional[_Union[RoleAck, _Mapping]] = ..., send: _Optional[_Union[SendDirective, _Mapping]] = ..., drop: _Optional[_Union[DropDirective, _Mapping]] = ..., job_update: _Optional[_Union[JobUpdate, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateDirective, _Mapping]] = ..., resolve: _Optional[_Union[ResolveDirective, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateDirective, _Mapping]] = ..., promote: _Optional[_Union[PromoteDirective, _Mapping]] = ..., model_route: _Optional[_Union[ModelRouteDirective, _Mapping]] = ..., codec_advice: _Optional[_Union[CodecAdvice, _Mapping]] = ..., allreduce: _Optional[_Union[AllreduceDirective, _Mapping]] = ..., allreduce_abort: _Optional[_Union[AllreduceAbort, _Mapping]] = ...) -> None: ...

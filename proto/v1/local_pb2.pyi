@@ -206,10 +206,12 @@ class RegisterReply(_message.Message):
     def __init__(self, params: _Optional[_Union[_control_pb2.JobParams, _Mapping]] = ..., servers: _Optional[_Iterable[_Union[_control_pb2.ServerInfo, _Mapping]]] = ..., model: _Optional[_Union[ModelReply, _Mapping]] = ...) -> None: ...
 
 class PushAccepted(_message.Message):
-    __slots__ = ("update_id",)
+    __slots__ = ("update_id", "codec")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+    codec: str
+    def __init__(self, update_id: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("update_id", "outcome", "delay", "version", "reason")

@@ -82,6 +82,7 @@ from mlfabric.scheduler.service import wire
 from mlfabric.scheduler.service.aggregates import DEFAULT_TIMEOUT, AggregateBook
 from mlfabric.scheduler.service.allreduce import AllreduceBook
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.codec_advice import CodecBook
 from mlfabric.scheduler.service.effects import Effects
 from mlfabric.scheduler.service.model_routes import ModelRouteBook
 from mlfabric.scheduler.service.observe import ServiceStats
@@ -217,6 +218,8 @@ class SchedulerCore:
         self.allreduce = AllreduceBook(lambda: self.estimator.estimated_graph(), state.address)
         #: where each worker host fetches each server's model: relays (docs/model-relays.md)
         self.model_routes = ModelRouteBook(state)
+        #: the codec of each worker host's pushes to each server (``auto``, docs/compression.md)
+        self.codecs = CodecBook(state, must_sum=policy.name in ("stf+agg", "stf+tree"))
 
     @property
     def policy(self) -> Policy:
@@ -274,6 +277,7 @@ class SchedulerCore:
         self._apply_cleanup(self.state.disconnect(session.host))
         self._execute(self.aggregates.host_lost(session.host, self.clock()))
         self._execute(self.allreduce.host_lost(session.host))
+        self.codecs.forget(session.host)  # a new session gets its advice again
         self._routes_changed()  # a relay may be gone
         log.info("daemon of host %s disconnected", session.host)
 
@@ -342,6 +346,8 @@ class SchedulerCore:
             return
         ack.params.CopyFrom(wire.job_params_pb(job.params))
         ack.servers.extend(self.replication.server_infos(m.job))
+        if m.role == pb.ROLE_WORKER:  # its codec advice before the ack: its first push may use it
+            self._execute(self.codecs.refresh(self.estimator.estimated_graph(), [session.host]))
         session.send(pb.Directive(role_ack=ack))
         if m.role == pb.ROLE_SERVER:
             self._execute(self.replication.announce(m.job))  # its workers' daemons
@@ -365,7 +371,8 @@ class SchedulerCore:
         self._routes_changed()
 
     def _routes_changed(self) -> None:
-        """Roles or daemons changed: the model routes follow, coalesced while the loop runs."""
+        """Roles or daemons changed: model routes and codec advice follow, coalesced while looping."""
+        self._execute(self.codecs.refresh_due(self.clock(), self.estimator.estimated_graph()))
         if not self._looping:  # driven by hand (no release loop): at once
             self._execute(self.model_routes.refresh())
         elif self.model_routes.changed(self.clock()) < self._timer:
@@ -456,6 +463,7 @@ class SchedulerCore:
         self.recorder.measured(path, nbytes, duration, now)
         self.estimator.observe(path, nbytes, duration, now, shared=shared)
         self._execute(self.allreduce.replan(now))  # kept process-group plans follow the estimates
+        self._execute(self.codecs.refresh_due(now, self.estimator.estimated_graph()))  # and codecs
 
     # ------------------------------------------------------- deciding/releasing
 

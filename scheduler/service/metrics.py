@@ -31,6 +31,9 @@ do. Names follow the Prometheus conventions (base units, ``_total`` counters, ``
 - ``mlfabric_replica_server_waits_total{job,server}``, ``mlfabric_replica_divergence{job,server}``,
   ``mlfabric_replica_resyncing{job,server}``, ``mlfabric_replica_promotions_total``
   (docs/replication.md)
+- ``mlfabric_codec_choices_total{codec}``: codecs the scheduler chose for a worker host's
+  pushes to a server (``auto``, docs/compression.md), one per change, by codec (``none``,
+  ``fp16``, ``bf16``, ``int8``)
 
 The snapshot copies what the asyncio loop mutates: :func:`serve_metrics` (a minimal HTTP/1.0
 server on that loop) has the collector take it on the loop, then formats the text in a thread
@@ -248,6 +251,14 @@ class ServiceCollector(Collector):
             ),
             snap.allreduce_plans,
         )
+        choices = CounterMetricFamily(
+            "mlfabric_codec_choices",
+            "codecs chosen for a worker host's pushes to a server (auto; one per change), by codec",
+            labels=["codec"],
+        )
+        for codec, count in sorted(snap.codec_choices.items()):
+            choices.add_metric([codec], count)
+        yield choices
 
 
 async def serve_metrics(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
+from mlfabric.scheduler.core.codec_choice import CodecChoice
 from mlfabric.scheduler.core.schedule import is_aggregate_id
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate
 from mlfabric.scheduler.service.records import OutcomeKind, TransferResult, UpdateOutcome
@@ -284,6 +285,8 @@ class ServiceStats:
     jobs: int
     #: all-reduce plans made, by (executor, kind): ("daemons" | "process_group", "tree" | "ring" | "native")
     allreduce_plans: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: codecs chosen for a worker host's pushes to a server (``auto``), by codec (``none``, ...)
+    codec_choices: dict[str, int] = field(default_factory=dict)
 
 
 class Recorder:
@@ -335,6 +338,8 @@ class Recorder:
         self.replica_promotions = 0
         self.replica_divergence: dict[tuple[str, str], float] = {}
         self.replica_resyncing: dict[tuple[str, str], int] = {}
+        #: codec choices sent (``auto``), by codec
+        self.codec_choices: dict[str, int] = {}
 
     # ----------------------------------------------------- the state's changes
 
@@ -398,6 +403,14 @@ class Recorder:
         else:
             self.updates_dropped += 1
 
+    def codec_chosen(self, job: str, server: str, path: Sequence[str], choice: CodecChoice) -> None:
+        """The pushes along ``path`` to ``server`` of ``job`` travel with ``choice.codec`` now."""
+        name = choice.codec.partition(":")[0] or "none"
+        self.codec_choices[name] = self.codec_choices.get(name, 0) + 1
+        if self.trace is not None:
+            c = choice
+            self.trace.codec(job, server, path, c.nbytes, c.codec, c.bandwidth, c.seconds, c.seconds_none)
+
     def measured(self, path: Sequence[str], nbytes: int, duration: float, now: float) -> None:
         """A transfer of ``nbytes`` along ``path`` took ``duration`` s (reported at ``now``)."""
         for link in pairwise(path):
@@ -435,4 +448,5 @@ class Recorder:
             pending_updates=per_server(state.pending.values()),
             daemons_connected=len(state.daemons),
             jobs=len(state.jobs),
+            codec_choices=dict(self.codec_choices),
         )

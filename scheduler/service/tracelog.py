@@ -3,7 +3,7 @@
 :class:`TraceLog` keeps the last :data:`DEFAULT_CAPACITY` events of the running service,
 each a small tuple appended to a ``deque(maxlen=...)``: recording is one clock read and one
 append, and memory is bounded however long the scheduler runs (older events are
-overwritten). Four kinds, recorded by the service state from its own mutations, through the
+overwritten). Five kinds, recorded by the service state from its own mutations, through the
 :class:`~.observe.Recorder` it was given (no hook in the core):
 
 - ``READY``: an update was announced (the scheduler's time);
@@ -12,7 +12,10 @@ overwritten). Four kinds, recorded by the service state from its own mutations, 
   end, hence the planned rate;
 - ``MEASURED``: a ``TransferReport``: bytes, start and end as the sending daemon measured
   them (its wall clock), ``ok`` and the outcome if the report carries one;
-- ``VERDICT``: how an update's push resolved (APPLIED, DROPPED with the reason, UNKNOWN).
+- ``VERDICT``: how an update's push resolved (APPLIED, DROPPED with the reason, UNKNOWN);
+- ``CODEC``: the codec chosen for a worker host's pushes to a server (``auto``,
+  docs/compression.md), with the choice's inputs: the path, the uncompressed bytes, the
+  path's bandwidth share, and the expected seconds with the codec and without one.
 
 Times are Unix seconds. The service's clock is monotonic: its times are shifted by the
 offset between ``time.time()`` and the service clock taken when the log is made. A report
@@ -53,6 +56,7 @@ class Kind(IntEnum):
     PLANNED = apb.TRACE_EVENT_KIND_PLANNED
     MEASURED = apb.TRACE_EVENT_KIND_MEASURED
     VERDICT = apb.TRACE_EVENT_KIND_VERDICT
+    CODEC = apb.TRACE_EVENT_KIND_CODEC
 
 
 class TraceRecord(NamedTuple):
@@ -75,6 +79,8 @@ class TraceRecord(NamedTuple):
     clock_from_receipt: bool = False
     version: int = 0
     codec: str = ""
+    bandwidth: float = 0.0
+    seconds_none: float = 0.0
 
     def to_pb(self) -> apb.TraceEvent:
         """As the wire message (only the fields set: half the cost of setting every one)."""
@@ -97,6 +103,8 @@ class TraceRecord(NamedTuple):
             "ok",
             "version",
             "codec",
+            "bandwidth",
+            "seconds_none",
         ):
             value = getattr(self, name)
             if value:
@@ -284,6 +292,29 @@ class TraceLog:
                 version=version,
             )
         )
+
+    def codec(
+        self,
+        job: str,
+        server: str,
+        path: Sequence[str],
+        nbytes: int,
+        codec: str,
+        bandwidth: float,
+        seconds: float,
+        seconds_none: float,
+    ) -> None:
+        """The pushes along ``path`` to ``server`` of ``job`` travel with ``codec`` from now on.
+
+        ``nbytes``: the update's uncompressed bytes; ``bandwidth``: the path's share the choice
+        used (bytes/s); ``seconds`` (``end - start``) and ``seconds_none``: a push's expected
+        time with the codec and without one.
+        """
+        now = self._wall()
+        record = TraceRecord(
+            self._next, Kind.CODEC, "", job, server, "", tuple(path), nbytes, now, now + seconds
+        )
+        self._add(record._replace(codec=codec, bandwidth=bandwidth, seconds_none=seconds_none))
 
     def since(self, cursor: int, limit: int = MAX_REPLY) -> tuple[list[TraceRecord], int, int]:
         """The events from sequence number ``cursor`` on (0: the oldest kept), at most ``limit``.

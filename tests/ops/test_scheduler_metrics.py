@@ -112,6 +112,7 @@ def test_one_collector_exports_every_metric_of_the_scheduler() -> None:
         "mlfabric_replica_resyncing",
         "mlfabric_replica_promotions",
         "mlfabric_allreduce_plans",
+        "mlfabric_codec_choices",
     }
 
 

@@ -70,3 +70,53 @@ def test_the_aggregation_summary_gives_per_seed_ratios_to_the_same_policy_withou
     # seeds 0 and 1 reached with both: 60/30 and 50/40; seed 2 did not with fp16
     assert fp16.split(" | ")[8] == "2.00 / 1.25 (median 1.62)"
     assert fp16.split(" | ")[2:5] == ["3", "2", "35.0"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    old = sys.argv
+    sys.argv = ["testbed_codecs.py", *argv]
+    try:
+        return e2e.parse(e2e.build_parser())
+    finally:
+        sys.argv = old
+
+
+def test_auto_systems_parse_with_and_without_a_model_codec() -> None:
+    assert e2e.split_system("stf@auto") == ("stf", "auto", None)
+    assert e2e.split_system("stf+agg@auto@fp16") == ("stf+agg", "auto", "fp16")
+    assert e2e.split_codec("auto+ef") == ("auto", True)
+    args = _parse(["--role", "mlf-server", "--codec", "auto", "--model-codec", "fp16"])
+    params = e2e.job_params(args)
+    assert (params.compression, params.model_compression) == ("auto", "fp16")
+    # a fixed codec stays the workers' own: the job is registered without one
+    assert e2e.job_params(_parse(["--codec", "int8+ef"])).compression is None
+
+
+def test_uniform_links_replace_the_heterogeneous_setting() -> None:
+    args = _parse(["--quick", "--uniform-mbps", "1000"])
+    assert args.server_mbps == 1000.0
+    uplinks, workers, _ = e2e.layout(args)
+    assert uplinks == [1000.0] * 4 and len(workers) == 4
+    assert e2e.ns_setting(None, workers, args) == []  # no bandwidth changes
+    hetero = _parse(["--quick"])
+    assert e2e.layout(hetero)[0] == [100, 100, 50, 50] and hetero.server_mbps == 100.0
+
+
+def test_the_summary_compares_auto_with_the_best_fixed_choice() -> None:
+    rows = [
+        {"seed": s, "system": sys_, "time_to_target": t, "accuracy": 0.95, "applied": 10,
+         "dropped": 0, "ingress_bytes": 1e6}
+        for s, sys_, t in [
+            (0, "stf", 60.0), (1, "stf", 50.0),
+            (0, "stf@int8+ef", 30.0), (1, "stf@int8+ef", 40.0),
+            (0, "stf@auto+ef", 33.0), (1, "stf@auto+ef", 40.0),
+        ]
+    ]  # fmt: skip
+    args = argparse.Namespace(
+        quick=True, lr=0.05, batch=64, server_mbps=1000.0, period=5.0, target=0.9, time_limit=150.0,
+        uniform_mbps=1000.0,
+    )  # fmt: skip
+    text = codecs.summarize(rows, args, ["stf", "stf@int8+ef", "stf@auto+ef"], [0, 1])
+    (auto,) = [line for line in text.splitlines() if line.startswith("| stf@auto+ef |")]
+    assert "(0.91 / 1.00)" in auto  # 30/33 and 40/40
+    assert "static (uniform)" in text and "uplinks 1000.0-1000.0" in text

@@ -501,7 +501,9 @@ class WorkerRole(Role):
         self.outgoing.add(push)
         if self._on_push is not None:  # the stats: pushes and their bytes, by codec
             self._on_push(layouts, req.payload_bytes)
-        accepted = local_pb2.PushAccepted(update_id=push.update_id)
+        accepted = local_pb2.PushAccepted(
+            update_id=push.update_id, codec=self._directory.advice(conn.job, req.server)
+        )
         conn.send(local_pb2.LocalEvent(request_id=rid, push_accepted=accepted))
         # re-registering: kept, announced once the worker is registered (or sent directly)
         reason = f"scheduler at {self._ctx.scheduler} not connected; {push.update_id} not scheduled"
