@@ -39,7 +39,8 @@ class Params:
         The codec the job's workers push with unless a push names its own
         (``push(..., codec=...)``; docs/compression.md): None or ``"none"``, ``"fp16"``,
         ``"bf16"``, ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (a shared
-        scale ``B / 127``: aggregator hops sum the words without decoding). Checked here: an
+        scale ``B / 127``: aggregator hops sum the words without decoding), ``"topk:ratio=R"``,
+        ``"randk:ratio=R"`` (``rescale=0`` for error feedback). Checked here: an
         unknown codec or a bad parameter is a ValueError naming it and the known ones.
     model_compression : str or None
         The codec the servers' models travel with to the workers' ``get`` (docs/compression.md):
@@ -63,7 +64,7 @@ class Params:
     >>> Params(compression="zstd")
     Traceback (most recent call last):
     ...
-    ValueError: unknown codec 'zstd' (known: none, bf16, fp16, int8)
+    ValueError: unknown codec 'zstd' (known: none, bf16, fp16, int8, randk, topk)
     >>> Params.from_pb(Params(model_compression="fp16").to_pb()).model_compression
     'fp16'
     >>> Params(model_compression="int8")

@@ -40,8 +40,8 @@ def add_member(agg: Any, h: Any, frame: Any, alloc: Callable[[int], Any]) -> str
     try:
         if agg.acc is None:
             if encoded:
-                agg.acc = EncodedSum(layouts)
-                agg.tensors, agg.payload_bytes = list(h.tensors), h.payload_bytes
+                agg.acc = EncodedSum(layouts)  # announced with its estimate (sparse tensors: dense)
+                agg.tensors, agg.payload_bytes = list(h.tensors), agg.acc.payload_bytes
             else:
                 buffer = alloc(h.payload_bytes)
                 agg.acc = Accumulator(layouts, buffer)
