@@ -77,6 +77,7 @@ __all__ = [
     "parse_codec",
     "raw_layouts",
     "read_dense",
+    "sparse_words",
     "wire_summary",
 ]
 
@@ -267,7 +268,7 @@ def encode_update(
                 enc, residuals[name] = feedback.step(name, array, rng=rng)
         except CodecError as exc:
             raise CodecError(exc.field, f"tensor {name!r} ({codec_spec(codec)}): {_message(exc)}") from None
-        words[name] = enc.payload if enc.indices is None else _sparse_words(enc)
+        words[name] = enc.payload if enc.indices is None else sparse_words(enc)
         encoded[name] = (dtype, tuple(int(d) for d in array.shape), encoding_of(enc, codec))
     for name, residual in residuals.items():
         assert feedback is not None
@@ -282,8 +283,15 @@ def _gains(codec: WireCodec, array: np.ndarray) -> bool:
     return array.dtype != np.float16 or isinstance(codec, Int8Codec)
 
 
-def _sparse_words(enc: Encoded) -> np.ndarray:
-    """A sparse tensor's bytes on the wire: its float32 values, then its uint32 positions."""
+def sparse_words(enc: Encoded) -> np.ndarray:
+    """A sparse tensor's bytes on the wire: its float32 values, then its uint32 positions.
+
+    Examples
+    --------
+    >>> enc = TopKCodec(0.5).encode(np.array([0.0, 2.0, -1.0, 0.5], np.float32))
+    >>> sparse_words(enc).view(np.uint32)[2:].tolist()
+    [1, 2]
+    """
     assert enc.indices is not None
     values = np.asarray(enc.payload, "<f4").view(np.uint8)
     return np.concatenate([values, np.asarray(enc.indices, "<u4").view(np.uint8)])
@@ -334,8 +342,9 @@ def check_encoding(layout: Layout | Any) -> None:
         words of the wrong dtype for the codec; ``members < 1``; int8: scales of the wrong
         count, NaN, infinite or negative, a bound that is not finite and >= 0, or a shared
         scale that is not ``bound / 127``; fp16/bf16: scales, a block or a bound given;
-        topk/randk: a ratio not in (0, 1], a ``count`` that is not ``ceil(ratio x n)``,
-        ``members`` other than 1, scales, a block or a bound given.
+        topk/randk: a ratio not in (0, 1], a ``count`` that is not ``k = ceil(ratio x n)``
+        (a sum of ``m`` members, the union of their positions: not in ``[k, min(n, m x k)]``),
+        scales, a block or a bound given.
 
     Examples
     --------
@@ -394,13 +403,18 @@ def _check_sparse_encoding(e: Any, codec: str, size: int) -> None:
         raise CodecError(
             "scales", f"{codec} has no scales, block or bound, got {len(e.scales)}/{e.block}/{e.bound}"
         )
-    if e.members != 1:  # an aggregate of sparse members is forwarded dense (docs/compression.md)
-        raise CodecError("members", f"a sparse tensor carries one update, got members {e.members}")
     if not (0 < e.ratio <= 1):
         raise CodecError("ratio", f"expected a ratio in (0, 1], got {e.ratio}")
     k = TopKCodec(ratio=float(e.ratio)).k_for(size)
-    if e.count != k:
+    if e.members == 1 and e.count != k:
         raise CodecError("count", f"expected {k} values (ratio {e.ratio} of {size} elements), got {e.count}")
+    most = min(size, e.members * k)  # a sum of members: the union of their positions
+    if not k <= e.count <= most:
+        raise CodecError(
+            "count",
+            f"expected {k} to {most} values (the union of {e.members} members' positions, ratio {e.ratio} "
+            f"of {size} elements), got {e.count}",
+        )
 
 
 def encoded_of(layout: Layout, payload: memoryview) -> Encoded:

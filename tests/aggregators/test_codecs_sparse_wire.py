@@ -8,6 +8,7 @@ sparse members densely and forwards the sum dense.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -165,7 +166,6 @@ def test_bad_positions_are_refused_where_they_are_read_naming_the_problem(
             "count: tensor 'w' (topk): expected 40 values (ratio 0.02 of 2000 elements), got 20",
         ),
         ({"ratio": 1.5}, "ratio: tensor 'w' (topk): expected a ratio in (0, 1], got 1.5"),
-        ({"members": 2}, "members: tensor 'w' (topk): a sparse tensor carries one update, got members 2"),
         ({"words": "int8"}, "words: tensor 'w' (topk): expected float32, got 'int8'"),
         ({"block": 4}, "scales: tensor 'w' (topk): topk has no scales, block or bound, got 0/4/0.0"),
     ],
@@ -210,27 +210,91 @@ def test_the_nan_pass_tests_the_values_not_the_positions() -> None:
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01", "randk:ratio=0.02"])
-def test_sparse_members_are_summed_densely_and_forwarded_dense(spec: str) -> None:
+def test_sparse_members_are_summed_and_forwarded_on_the_union_of_their_positions(spec: str) -> None:
     members = [_member(u, spec, np.random.default_rng(i)) for i, u in enumerate(_update(s) for s in range(4))]
     total = EncodedSum(members[0][0])
-    assert total.payload_bytes == 2000 * 4 + 300 * 8  # announced as it will be forwarded: dense
     for layouts, buf in members:
         total.add(layouts, buf)
-    assert total.codec == ""  # forwarded uncompressed
     words, encoded, forms = total.finish()
-    assert not encoded and forms == {"w": "raw", "h": "raw"}
-    for name, dtype in (("w", np.float32), ("h", np.float64)):
+    codec = spec.split(":")[0]
+    assert forms == {"w": codec, "h": codec} and total.codec == codec
+    out, size = plan_layout(words, encoded)
+    sum_buf = bytearray(size)
+    encode_into(memoryview(sum_buf), words, out)
+    assert size == total.payload_bytes  # announced as forwarded
+    member_bytes = len(members[0][1])
+    assert size <= 4 * member_bytes < 2000 * 4 + 300 * 8  # at most the members' bytes, fewer than dense
+    for x in out:
+        union = set()
+        for lay, b in members:
+            m = next(y for y in lay if y.name == x.name)
+            assert m.encoding is not None
+            union |= set(
+                np.frombuffer(b, np.uint32, m.encoding.count, m.offset + 4 * m.encoding.count).tolist()
+            )
+        assert x.encoding is not None and x.encoding.members == 4 and x.encoding.count == len(union)
         exact = sum(
-            np.asarray(decode(encoded_of(next(x for x in lay if x.name == name), memoryview(b))), np.float64)
+            np.asarray(
+                decode(encoded_of(next(y for y in lay if y.name == x.name), memoryview(b))), np.float64
+            )
             for lay, b in members
         )
-        got = words[name]
-        assert isinstance(got, np.ndarray) and got.dtype == dtype
-        np.testing.assert_allclose(
-            got, exact, rtol=1e-6, atol=1e-6
-        )  # nothing dropped: the sum of the decodes
-    _, size = plan_layout(words, encoded)
-    assert size == 2000 * 4 + 300 * 8  # the forward's bytes: one dense update (4 members in: 4 x 184)
+        got = decode_layout(x, memoryview(sum_buf))  # the frame check and the decode accept it
+        assert got.dtype == np.dtype(x.dtype)  # the tensor's own dtype
+        np.testing.assert_allclose(got, exact, rtol=1e-6, atol=1e-6)  # nothing dropped
+    header = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, payload_bytes=size, num_updates=4)
+    header.tensors.extend(layouts_to_pb(out))
+    check_header(header, FrameLimits())
+    again = EncodedSum(out)  # a parent aggregate (a tree) sums the union again
+    again.add(out, sum_buf, 4)
+    again.add(*members[0])
+    _, encoded2, _ = again.finish()
+    assert encoded2["w"][2].members == 5
+
+
+def test_a_union_no_smaller_than_the_dense_sum_is_forwarded_dense() -> None:
+    members = [
+        _member(
+            {"w": np.arange(8, dtype=np.float32) * (-1) ** i}, "randk:ratio=0.25", np.random.default_rng(i)
+        )
+        for i in range(4)
+    ]
+    total = EncodedSum(members[0][0])
+    for layouts, buf in members:
+        total.add(layouts, buf)
+    words, encoded, forms = total.finish()
+    # 4 members of 2 positions: a union of >= 4 positions is 32 bytes, the dense float32 sum 32
+    assert forms == {"w": "raw"} and not encoded and total.codec == ""
+    exact = sum(np.asarray(decode(encoded_of(lay[0], memoryview(b))), np.float64) for lay, b in members)
+    np.testing.assert_allclose(words["w"], exact, rtol=1e-6)  # type: ignore[arg-type]
+
+
+def test_sparse_and_other_members_are_summed_densely() -> None:
+    update = _update(9)
+    members = [_member(update, "topk:ratio=0.01"), _member(update, "fp16")]
+    total = EncodedSum(members[0][0])
+    for layouts, buf in members:
+        total.add(layouts, buf)
+    assert total.payload_bytes == 2000 * 4 + 300 * 8  # dense: announced so
+    _, encoded, forms = total.finish()
+    assert not encoded and forms == {"w": "raw", "h": "raw"}
+
+
+@pytest.mark.parametrize(
+    ("members", "count", "named"),
+    [
+        (3, 19, "count: tensor 'w' (topk): expected 20 to 60 values (the union of 3 members' positions"),
+        (3, 61, "expected 20 to 60 values"),
+    ],
+)
+def test_the_union_of_a_sums_positions_is_bounded_by_its_members(
+    members: int, count: int, named: str
+) -> None:
+    layouts, buf = _member(_update(4), "topk:ratio=0.01")
+    header = FrameHeader(kind=dataplane_pb2.FRAME_KIND_UPDATE, payload_bytes=len(buf), num_updates=members)
+    header.tensors.extend(layouts_to_pb([_corrupt(layouts, buf, members=members, count=count), *layouts[1:]]))
+    with pytest.raises(FrameError, match=re.escape(named)):
+        check_header(header, FrameLimits())
 
 
 def test_error_feedback_with_topk_keeps_what_was_not_sent() -> None:

@@ -136,7 +136,7 @@ def test_float16_tensors_are_encoded_only_by_int8() -> None:
         (Encoding("topk", "float32", count=3, ratio=0.25), "count", "expected 2 values (ratio 0.25 of 8"),
         (Encoding("randk", "float32", count=1, ratio=0.0), "ratio", "expected a ratio in (0, 1], got 0.0"),
         (Encoding("topk", "float16", count=2, ratio=0.25), "words", "expected float32, got 'float16'"),
-        (Encoding("topk", "float32", members=2, count=2, ratio=0.25), "members", "carries one update"),
+        (Encoding("topk", "float32", members=2, count=5, ratio=0.25), "count", "expected 2 to 4 values"),
         (Encoding("randk", "float32", (0.5,), count=2, ratio=0.25), "scales", "randk has no scales"),
         (Encoding("fp16", "float16", members=0), "members", "expected >= 1, got 0"),
     ],

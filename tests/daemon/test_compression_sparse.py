@@ -162,7 +162,10 @@ def test_nan_values_are_dropped_by_the_servers_daemon(served: dict[str, Any]) ->
             lambda t: setattr(t, "nbytes", 4800),
             "tensor 'w': nbytes 4800 != 6 values x (4 + 4 bytes of position)",
         ),
-        (lambda t: setattr(t.encoding, "members", 2), "a sparse tensor carries one update, got members 2"),
+        (
+            lambda t: setattr(t.encoding, "members", 2),
+            "tensor 'w': its words sum 2 updates, the frame carries 1",
+        ),
     ],
 )
 def test_a_bad_sparse_header_is_refused_by_the_frame_check(
