@@ -10,6 +10,8 @@ server publishes its model with the model codec (``Params(model_compression=...)
 
     python experiments/testbed_codecs.py                       # stf, stf@fp16, stf@int8+ef; seeds 0-2
     python experiments/testbed_codecs.py --systems stf,stf@int8+ef@fp16 --seeds 3,4,5
+    python experiments/testbed_codecs.py --systems stf+agg,stf+agg@topk:ratio=0.01+ef@fp16
+    python experiments/testbed_codecs.py --systems stf,stf@randk:ratio=0.01,rescale=0+ef  # "," inside a codec
 
 Per system: the median time to target [min-max over seeds], the accuracy where each run
 stopped, updates applied, and the bytes that entered the server's host per applied update
@@ -163,7 +165,7 @@ def main() -> int:
         print("testbed unavailable: " + "; ".join(missing), file=sys.stderr)
         return 2
     seeds = [int(s) for s in args.seeds.split(",")]
-    systems = args.systems.split(",")
+    systems = e2e.split_systems(args.systems)
     rows = run(args, seeds, systems)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "testbed_codecs" + ("_quick" if args.quick else "")

@@ -41,3 +41,29 @@ def test_the_summary_gives_medians_spread_and_per_seed_ratios_to_the_same_policy
     assert "60.0 [50.0-70.0]" in stf and "| 3/3 |" in stf and "4.50" in stf
     # the seed that did not reach the target has no ratio: 60/30 and 50/40
     assert "35.0 [30.0-40.0]" in int8 and "| 2/3 |" in int8 and "(2.00 / 1.25)" in int8 and "1.13" in int8
+
+
+def test_sparse_codec_systems_parse_into_pushes_codec_and_the_models() -> None:
+    from mlfabric.aggregators.codecs import RandomKCodec, TopKCodec
+    from mlfabric.aggregators.codecs.payload import parse_codec
+
+    systems = e2e.split_systems(
+        "stf+agg,stf+agg@topk:ratio=0.01+ef@fp16,stf@randk:ratio=0.01,rescale=0+ef,fair"
+    )
+    assert systems == [
+        "stf+agg",
+        "stf+agg@topk:ratio=0.01+ef@fp16",
+        "stf@randk:ratio=0.01,rescale=0+ef",
+        "fair",
+    ]
+    policy, codec, model_codec = e2e.split_system(systems[1])
+    assert (policy, model_codec) == ("stf+agg", "fp16")
+    spec, feedback = e2e.split_codec(codec)
+    assert feedback and parse_codec(spec) == TopKCodec(ratio=0.01)
+    policy, codec, model_codec = e2e.split_system(systems[2])
+    spec, feedback = e2e.split_codec(codec)
+    assert (policy, model_codec, feedback) == ("stf", None, True)
+    assert parse_codec(spec) == RandomKCodec(ratio=0.01, rescale=False)
+    # the ratio to the uncompressed run of the same policy
+    times = {"stf+agg": {0: 60.0}, systems[1]: {0: 30.0}}
+    assert codecs.ratios(times, systems[1]) == [2.0]
