@@ -266,7 +266,9 @@ def test_a_union_no_smaller_than_the_dense_sum_is_forwarded_dense() -> None:
     # 4 members of 2 positions: a union of >= 4 positions is 32 bytes, the dense float32 sum 32
     assert forms == {"w": "raw"} and not encoded and total.codec == ""
     exact = sum(np.asarray(decode(encoded_of(lay[0], memoryview(b))), np.float64) for lay, b in members)
-    np.testing.assert_allclose(words["w"], exact, rtol=1e-6)  # type: ignore[arg-type]
+    got = words["w"]
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_allclose(got, exact, rtol=1e-6)
 
 
 def test_sparse_and_other_members_are_summed_densely() -> None:

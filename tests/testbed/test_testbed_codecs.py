@@ -65,5 +65,5 @@ def test_sparse_codec_systems_parse_into_pushes_codec_and_the_models() -> None:
     assert (policy, model_codec, feedback) == ("stf", None, True)
     assert parse_codec(spec) == RandomKCodec(ratio=0.01, rescale=False)
     # the ratio to the uncompressed run of the same policy
-    times = {"stf+agg": {0: 60.0}, systems[1]: {0: 30.0}}
+    times: dict[str, dict[int, float | None]] = {"stf+agg": {0: 60.0}, systems[1]: {0: 30.0}}
     assert codecs.ratios(times, systems[1]) == [2.0]
