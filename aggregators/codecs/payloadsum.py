@@ -65,7 +65,7 @@ from mlfabric.aggregators.codecs.payload import (
     sparse_words,
 )
 from mlfabric.aggregators.kernels import f32_to_bf16
-from mlfabric.wire.tensors import DTYPES, SPARSE_CODECS, Encoding, Layout
+from mlfabric.wire.tensors import DTYPES, Encoding, Layout
 
 __all__ = ["EncodedSum"]
 
@@ -86,7 +86,6 @@ class _TensorSum:
     dense: np.ndarray | None = None
     union: np.ndarray | None = None  # sparse members: where any member had a value (bool)
     ratio: float = 0.0  # sparse members: the largest ratio among them
-    sparse: bool = False  # the first member was sparse
 
     @property
     def dense_dtype(self) -> np.dtype[Any]:
@@ -104,11 +103,11 @@ class _TensorSum:
         return count if 8 * count < self.raw_bytes else None
 
     def forward_bytes(self) -> int:
-        """The bytes this tensor would be forwarded in now (the first member's for a summable codec)."""
+        """The bytes this tensor would be forwarded in now (a summable codec's: the first member's)."""
         count = self.union_count()
         if count is not None:
             return 8 * count
-        return self.raw_bytes if self.sparse else self.first_bytes
+        return self.raw_bytes if self.union is not None or self.dense is not None else self.first_bytes
 
     def dense_or_other(self, enc: Encoded) -> bool:
         """Whether the sum went dense, or sums another codec than the sparse member ``enc``'s."""
@@ -144,22 +143,14 @@ class EncodedSum:
 
     @property
     def payload_bytes(self) -> int:
-        """What the aggregate is announced with: the first member's payload size, its sparse
-        tensors counted as they would be forwarded now (the union of the positions so far, or
-        dense when that is fewer bytes)."""
+        """What the aggregate is announced with: the bytes it would be forwarded in now (a
+        summable codec's tensors: the first member's; sparse ones: the union of the positions
+        so far, or dense when that is no fewer bytes; tensors summed densely: their own)."""
         return sum(t.forward_bytes() for t in self._tensors.values())
 
     def __init__(self, layouts: Sequence[Layout]) -> None:
         ordered = sorted(layouts, key=lambda x: x.offset)
-        self._tensors = {
-            x.name: _TensorSum(
-                x.dtype,
-                tuple(x.shape),
-                x.nbytes,
-                sparse=x.encoding is not None and x.encoding.codec in SPARSE_CODECS,
-            )
-            for x in ordered
-        }
+        self._tensors = {x.name: _TensorSum(x.dtype, tuple(x.shape), x.nbytes) for x in ordered}
         self.count = 0
         self.finished = False
 
