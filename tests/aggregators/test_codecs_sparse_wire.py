@@ -315,3 +315,28 @@ def test_error_feedback_with_topk_keeps_what_was_not_sent() -> None:
     np.testing.assert_allclose(sent + residual, 10 * g["w"], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="contractive"):
         ErrorFeedback(RandomKCodec(ratio=0.1))
+
+
+def test_a_sparse_update_reads_back_from_a_memfd_decoded() -> None:
+    import os
+
+    from mlfabric.tensorio import map_memfd, read_memfd, to_memfd
+
+    update = _update(10)
+    codec = parse_codec("topk:ratio=0.01")
+    assert codec is not None
+    words, encoded = encode_update(update, codec)
+    fd, layouts, _ = to_memfd(words, encoded=encoded)
+    try:
+        read = read_memfd(fd, layouts)
+        mapped, mapping = map_memfd(fd, layouts)
+        for name in update:
+            assert read[name].dtype == update[name].dtype and np.count_nonzero(read[name]) == (
+                20 if name == "w" else 3
+            )
+            np.testing.assert_array_equal(read[name], mapped[name])
+        del mapped
+        if mapping is not None:
+            mapping.close()
+    finally:
+        os.close(fd)
