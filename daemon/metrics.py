@@ -32,7 +32,7 @@ host in the ``host`` label so one dashboard query covers the cluster:
   ``server_gets``, ``relayed``, ``not_kept``; docs/model-relays.md), and
   ``mlfabric_daemon_model_cache_bytes{host}``: bytes of the models kept in the cache
 - ``mlfabric_daemon_pushes_total{host,codec}``: pushes taken from this host's training
-  processes by codec (``none``, ``fp16``, ``bf16``, ``int8``; docs/compression.md), with
+  processes by codec (``none``, ``fp16``, ``bf16``, ``int8``, ``topk``, ``randk``; docs/compression.md), with
   ``mlfabric_daemon_push_bytes_total{host,codec}`` their payload bytes (on the wire) and
   ``mlfabric_daemon_push_raw_bytes_total{host,codec}`` their tensors' bytes uncompressed
 - ``mlfabric_daemon_update_bytes_received_total{host,codec}`` and

@@ -63,8 +63,8 @@ class DaemonStats:
         The model gets (:meth:`~mlfabric.daemon.roles.relay.role.ModelRelays.stats`): cache
         hits, fetches sent upstream, relay fallbacks, GETs answered, the cache's size.
     pushes : dict
-        Codec (``none``, ``fp16``, ``bf16``, ``int8``; docs/compression.md) -> pushes this
-        daemon took from its training processes.
+        Codec (``none``, ``fp16``, ``bf16``, ``int8``, ``topk``, ``randk``, ``mixed``;
+        docs/compression.md) -> pushes this daemon took from its training processes.
     push_bytes, push_raw_bytes : dict
         Codec -> those pushes' payload bytes (what goes on the wire), and what their tensors
         take uncompressed.

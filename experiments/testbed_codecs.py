@@ -14,6 +14,8 @@ worker host's codec from its path's bandwidth (docs/compression.md). E.g.
     python experiments/testbed_codecs.py --systems stf,stf@int8+ef@fp16 --seeds 3,4,5
     python experiments/testbed_codecs.py --systems stf,stf@fp16,stf@int8+ef,stf@auto+ef,stf+agg@auto
     python experiments/testbed_codecs.py --systems stf,stf@auto --uniform-mbps 1000   # uniform fast links
+    python experiments/testbed_codecs.py --systems stf+agg,stf+agg@topk:ratio=0.01+ef@fp16
+    python experiments/testbed_codecs.py --systems stf,stf@randk:ratio=0.01,rescale=0+ef  # "," inside a codec
 
 Per system: the median time to target [min-max over seeds], the accuracy where each run
 stopped, updates applied, and the bytes that entered the server's host per applied update
@@ -206,7 +208,7 @@ def main() -> int:
         print("testbed unavailable: " + "; ".join(missing), file=sys.stderr)
         return 2
     seeds = [int(s) for s in args.seeds.split(",")]
-    systems = args.systems.split(",")
+    systems = e2e.split_systems(args.systems)
     rows = run(args, seeds, systems)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "testbed_codecs" + ("_quick" if args.quick else "")

@@ -235,6 +235,24 @@ def split_codec(spec: str | None) -> tuple[str | None, bool]:
     return spec.removesuffix("+ef"), spec.endswith("+ef")
 
 
+def split_systems(text: str) -> list[str]:
+    """``--systems``: comma-separated systems; a part with ``=`` and no ``@`` continues the
+    codec parameters of the one before it (``randk:ratio=0.01,rescale=0+ef``).
+
+    Examples
+    --------
+    >>> split_systems("stf,stf+agg@topk:ratio=0.01+ef@fp16,stf@randk:ratio=0.01,rescale=0+ef")
+    ['stf', 'stf+agg@topk:ratio=0.01+ef@fp16', 'stf@randk:ratio=0.01,rescale=0+ef']
+    """
+    systems: list[str] = []
+    for part in text.split(","):
+        if systems and "=" in part and "@" not in part:
+            systems[-1] += "," + part
+        else:
+            systems.append(part)
+    return systems
+
+
 def split_system(system: str) -> tuple[str, str | None, str | None]:
     """``policy@codec[@model_codec]`` as the policy, the workers' codec and the model's.
 
@@ -242,6 +260,8 @@ def split_system(system: str) -> tuple[str, str | None, str | None]:
     --------
     >>> split_system("stf@int8+ef@fp16"), split_system("stf@fp16"), split_system("fair")
     (('stf', 'int8+ef', 'fp16'), ('stf', 'fp16', None), ('fair', None, None))
+    >>> split_system("stf+agg@topk:ratio=0.01+ef@fp16")
+    ('stf+agg', 'topk:ratio=0.01+ef', 'fp16')
     """
     policy, _, codecs = system.partition("@")
     codec, _, model_codec = codecs.partition("@")
@@ -523,7 +543,7 @@ def driver(args: argparse.Namespace) -> int:
     name = "testbed_e2e" + ("_quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.resummarize:  # the results of an earlier run kept with --workdir
-        done = {s: args.resummarize / s / "server.json" for s in args.systems.split(",")}
+        done = {s: args.resummarize / s / "server.json" for s in split_systems(args.systems)}
         results = {s: json.loads(p.read_text()) for s, p in done.items() if p.exists()}
         report(
             results,
@@ -543,7 +563,7 @@ def driver(args: argparse.Namespace) -> int:
         graph = load_topology(topo)
         changes = ns_setting(graph, workers, args)
         with Testbed(graph, new_prefix(random.Random())) as testbed:
-            for system in args.systems.split(","):
+            for system in split_systems(args.systems):
                 res = run_system(system, testbed, topo, workers, args, delays, changes, tmp / system)
                 transfers += res.pop("transfers", [])
                 results[system] = res
@@ -649,7 +669,8 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "--systems",
         default=",".join(SYSTEMS),
         help="comma-separated: stf, fair, gloo, or POLICY@CODEC[@MODEL_CODEC] (stf@int8+ef@fp16: "
-        "the workers' codec, the model's)",
+        "the workers' codec, the model's; stf+agg@topk:ratio=0.01+ef; "
+        "stf@randk:ratio=0.01,rescale=0+ef)",
     )
     parser.add_argument("--target", type=float)
     parser.add_argument("--time-limit", type=float, help="seconds per system (150 quick, 400 full)")

@@ -150,7 +150,8 @@ class Worker:
         self._buffers = MemfdPool(PUSH_POOL_BYTES, name="mlfabric-update")
         self._allreduce_seqs: dict[str, int] = {}
         self._allreduce_lock = threading.Lock()
-        #: The random bits of stochastic rounding (int8 codecs); replace it to seed pushes.
+        #: The random bits of stochastic rounding (int8) and random-k's positions; replace it
+        #: (``numpy.random.default_rng(seed)``) to make pushes reproducible.
         self.rng = np.random.default_rng()
         self._job_auto = is_auto(self.params.compression)
         self._job_codec = None if self._job_auto else parse_codec(self.params.compression)
@@ -201,18 +202,22 @@ class Worker:
             How the update travels (docs/compression.md): ``"none"``, ``"fp16"``, ``"bf16"``,
             ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (one shared scale
             ``B / 127``, summed by aggregator hops without decoding; values beyond ``B`` are
-            clipped), or a codec object of those; default the job's ``Params(compression=)``.
+            clipped), ``"topk:ratio=R"`` (the ``ceil(R x n)`` largest magnitudes of each tensor
+            and their positions), ``"randk:ratio=R"`` (as many positions drawn from
+            :attr:`rng`, rescaled by ``n/k``; ``rescale=0`` for error feedback), or a codec
+            object of those; default the job's ``Params(compression=)``.
             ``"auto"`` (a job registered with ``Params(compression="auto")``; its default):
             the codec the scheduler chose for this host's pushes to ``server`` from the
             path's bandwidth and the job's error budget (:meth:`advised`; none until it says).
             float16/float32/float64 tensors are encoded (bfloat16 ones travel as they are);
-            the server applies the decoded update. Stochastic int8 rounding draws from
-            :attr:`rng`.
+            the server applies the decoded update (zeros outside a sparse tensor's positions).
+            Stochastic int8 rounding and random-k's positions draw from :attr:`rng`.
         error_feedback : bool
             With a codec: add what the codec lost on this server's earlier pushes (the
             residual kept here per tensor name, :meth:`feedback`) to this update before
             encoding it, and keep what it loses now (Seide et al. 2014): the decoded pushes sum
             to the updates minus the last residual. A push with another codec starts afresh.
+            Top-k: the residual is what was not sent; random-k needs ``rescale=0``.
 
         Returns
         -------
@@ -226,8 +231,9 @@ class Worker:
         ValueError
             An unknown codec or a bad codec parameter (naming it and the known codecs); a
             :class:`~mlfabric.aggregators.codecs.CodecError` (a ValueError) for a value the
-            codec cannot carry (int8: NaN or infinity; fp16: beyond its range), naming the
-            tensor. Both before anything is sent.
+            codec cannot carry (int8: NaN or infinity; fp16: beyond its range; top-k: NaN),
+            naming the tensor; error feedback with a rescaled random-k. All before anything is
+            sent.
         TypeError
             ``update`` is not a dict (mapping) of name -> tensor.
         TensorError

@@ -40,7 +40,8 @@ class Params:
         The codec the job's workers push with unless a push names its own
         (``push(..., codec=...)``; docs/compression.md): None or ``"none"``, ``"fp16"``,
         ``"bf16"``, ``"int8"`` (own scales per block of 256), ``"int8:bound=B"`` (a shared
-        scale ``B / 127``: aggregator hops sum the words without decoding); or ``"auto"``
+        scale ``B / 127``: aggregator hops sum the words without decoding), ``"topk:ratio=R"``,
+        ``"randk:ratio=R"`` (``rescale=0`` for error feedback); or ``"auto"``
         (``"auto:budget=E,bound=B"``): the scheduler chooses per worker host and server from
         the path's bandwidth, among the codecs whose relative error is at most ``E``
         (default 0.02; int8 with a shared scale only with a bound ``B``). Checked here: an
@@ -69,7 +70,7 @@ class Params:
     >>> Params(compression="zstd")
     Traceback (most recent call last):
     ...
-    ValueError: unknown codec 'zstd' (known: none, bf16, fp16, int8)
+    ValueError: unknown codec 'zstd' (known: none, bf16, fp16, int8, randk, topk)
     >>> Params.from_pb(Params(model_compression="fp16").to_pb()).model_compression
     'fp16'
     >>> Params(model_compression="int8")

@@ -22,6 +22,7 @@ import numpy as np
 from mlfabric.wire import _native
 from mlfabric.wire.tensors import (
     DTYPES,
+    SPARSE_CODECS,
     WORD_DTYPES,
     Encoding,
     Layout,
@@ -253,7 +254,9 @@ def read_memfd(fd: int, layouts: Sequence[Layout], *, as_torch: bool = False) ->
         dtype = WORD_DTYPES.get(layout.encoding.words) if layout.encoding else DTYPES.get(layout.dtype)
         if dtype is None:
             raise TensorError(f"tensor {layout.name!r}: unknown dtype {words_dtype(layout)!r}")
-        arr = np.empty(layout.shape, dtype=dtype)
+        sparse = layout.encoding is not None and layout.encoding.codec in SPARSE_CODECS
+        # a sparse tensor's bytes: its values and positions (their count is checked by the decode)
+        arr = np.empty(layout.nbytes, np.uint8) if sparse else np.empty(layout.shape, dtype=dtype)
         if arr.nbytes != layout.nbytes or layout.offset + layout.nbytes > size:
             raise TensorError(
                 f"tensor {layout.name!r}: layout {layout.shape} {words_dtype(layout)} at offset "

@@ -19,7 +19,7 @@ codec                          bytes    summable   error
 
 :class:`ErrorFeedback` keeps what a codec lost at the sender and adds it to the next update.
 Every check of a payload raises :class:`CodecError` naming the field. Pure: no I/O, no state
-but the accumulators and residuals the caller holds. On the wire (fp16, bf16, int8): the
+but the accumulators and residuals the caller holds. On the wire (all of them): the
 encoded tensor layout and its checks in :mod:`.payload`, the aggregator's sum of encoded
 members in :mod:`.payloadsum` (``docs/compression.md``).
 

@@ -8,13 +8,18 @@ shared bound). Its bytes are the codec's words, one per element, so every check 
 (the bytes cover ``prod(shape) x`` the words' itemsize) and the CRC + NaN/inf pass still
 apply: fp16 words are tested as float16, bf16 words as bfloat16, int8 words are integers.
 The scales travel in the header: a wrong count, a NaN, an infinity or a negative scale is
-refused by the frame check before a payload byte is read (:func:`check_encoding`).
+refused by the frame check before a payload byte is read (:func:`check_encoding`). A sparse
+codec's bytes (``topk``, ``randk``) are its ``count`` kept values (float32, NaN-tested like
+any float32 words) followed by their ``count`` flat positions (uint32, strictly increasing):
+``count`` and ``ratio`` are in the header, so the bytes are checkable before they are read
+(``count == ceil(ratio x prod(shape))``); the positions are checked where they are read.
 
-Which codecs travel (:data:`WIRE_CODECS`): ``fp16``, ``bf16`` and ``int8`` (own scales per
-block, or a shared scale ``bound / 127``: ``int8:bound=B``). Top-k and random-k do not yet
-(their indices would need a section of their own). Only float16/float32/float64 tensors are
-encoded, and only when the words are smaller than the tensor (bfloat16 tensors, and float16
-ones under fp16/bf16, travel as they are).
+Which codecs travel (:data:`WIRE_CODECS`): ``fp16``, ``bf16``, ``int8`` (own scales per
+block, or a shared scale ``bound / 127``: ``int8:bound=B``), ``topk:ratio=R`` and
+``randk:ratio=R`` (``rescale=0`` for the contractive form error feedback needs). Only
+float16/float32/float64 tensors are encoded, and only when the words are smaller than the
+tensor (bfloat16 tensors, float16 ones under fp16/bf16, and a sparse codec keeping 8 bytes
+per value of as many bytes of tensor travel as they are).
 
 Pure: plain data and buffers in, arrays out.
 
@@ -43,9 +48,11 @@ from mlfabric.aggregators.codecs.base import FLOAT_DTYPES, CodecError, Encoded
 from mlfabric.aggregators.codecs.casts import Bf16Codec, Fp16Codec
 from mlfabric.aggregators.codecs.feedback import ErrorFeedback
 from mlfabric.aggregators.codecs.int8 import Int8Codec, check_scales
+from mlfabric.aggregators.codecs.sparse import RandomKCodec, TopKCodec
 from mlfabric.aggregators.kernels import bf16_to_f32
 from mlfabric.wire.tensors import (
     DTYPES,
+    SPARSE_CODECS,
     WORD_DTYPES,
     Encoding,
     Layout,
@@ -70,19 +77,30 @@ __all__ = [
     "parse_codec",
     "raw_layouts",
     "read_dense",
+    "sparse_words",
     "wire_summary",
 ]
 
 #: The codecs a push may travel with, by name.
-WIRE_CODECS: dict[str, type[Any]] = {"fp16": Fp16Codec, "bf16": Bf16Codec, "int8": Int8Codec}
+WIRE_CODECS: dict[str, type[Any]] = {
+    "fp16": Fp16Codec,
+    "bf16": Bf16Codec,
+    "int8": Int8Codec,
+    "topk": TopKCodec,
+    "randk": RandomKCodec,
+}
 #: What ``codec=`` / ``Params(compression=)`` accept (``none``: no codec).
 KNOWN_CODECS = ("none", *sorted(WIRE_CODECS))
 _KNOWN = ", ".join(KNOWN_CODECS)
 
-WireCodec = Fp16Codec | Bf16Codec | Int8Codec
+WireCodec = Fp16Codec | Bf16Codec | Int8Codec | TopKCodec | RandomKCodec
 
-#: int8 parameters a spec string may give, and how each reads
-_INT8_PARAMS = {"bound": float, "block": int, "stochastic": lambda v: _boolean(v)}
+#: the parameters a spec string may give each codec, and how each reads
+_PARAMS: dict[type[Any], dict[str, Any]] = {
+    Int8Codec: {"bound": float, "block": int, "stochastic": lambda v: _boolean(v)},
+    TopKCodec: {"ratio": float},
+    RandomKCodec: {"ratio": float, "rescale": lambda v: _boolean(v)},
+}
 
 
 def _boolean(value: str) -> bool:
@@ -102,18 +120,19 @@ def parse_codec(spec: object) -> WireCodec | None:
         ``None``, ``""`` or ``"none"``: none. ``"fp16"``, ``"bf16"``, ``"int8"`` (own scales,
         blocks of 256), ``"int8:bound=B"`` (one shared scale ``B / 127``: aggregators sum the
         words without decoding), with ``block=N`` and ``stochastic=0|1`` as further
-        ``key=value`` pairs after the colon (comma-separated); or a codec object of one of
-        those classes.
+        ``key=value`` pairs after the colon (comma-separated); ``"topk:ratio=R"`` (the
+        ``ceil(R x n)`` largest magnitudes; R 0.01 by default), ``"randk:ratio=R"`` (as many
+        positions drawn from the worker's ``rng``, values rescaled by ``n/k``;
+        ``rescale=0``: not rescaled, for error feedback); or a codec object of those classes.
 
     Returns
     -------
-    Fp16Codec, Bf16Codec, Int8Codec or None
+    Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, RandomKCodec or None
 
     Raises
     ------
     ValueError
-        An unknown codec, one that does not travel on the wire (top-k, random-k), or a bad
-        parameter: the message names the codec and the known ones.
+        An unknown codec or a bad parameter: the message names the codec and the known ones.
 
     Examples
     --------
@@ -124,11 +143,13 @@ def parse_codec(spec: object) -> WireCodec | None:
     >>> parse_codec("gzip")
     Traceback (most recent call last):
     ...
-    ValueError: unknown codec 'gzip' (known: none, bf16, fp16, int8)
+    ValueError: unknown codec 'gzip' (known: none, bf16, fp16, int8, randk, topk)
     >>> parse_codec("int8:bound=-1")
     Traceback (most recent call last):
     ...
-    ValueError: codec 'int8:bound=-1': bound must be finite and > 0, got -1.0 (known: none, bf16, fp16, int8)
+    ValueError: codec 'int8:bound=-1': bound must be finite and > 0, got -1.0 (known: ...)
+    >>> parse_codec("topk:ratio=0.01"), parse_codec("randk:ratio=0.1,rescale=0")
+    (TopKCodec(ratio=0.01), RandomKCodec(ratio=0.1, rescale=False))
     """
     if spec is None:
         return None
@@ -143,20 +164,15 @@ def parse_codec(spec: object) -> WireCodec | None:
         return None
     cls = WIRE_CODECS.get(name)
     if cls is None:
-        where = " is not carried on the wire yet" if name in ("topk", "randk") else ""
-        raise ValueError(
-            f"codec {name!r}{where} (known: {_KNOWN})"
-            if where
-            else f"unknown codec {name!r} (known: {_KNOWN})"
-        )
+        raise ValueError(f"unknown codec {name!r} (known: {_KNOWN})")
     params: dict[str, Any] = {}
+    accepted = _PARAMS.get(cls, {})
     try:
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, eq, value = item.partition("=")
-            if not eq or cls is not Int8Codec or key.strip() not in _INT8_PARAMS:
-                accepted = ", ".join(_INT8_PARAMS) if cls is Int8Codec else "none"
-                raise ValueError(f"unknown parameter {item!r} (accepted: {accepted})")
-            params[key.strip()] = _INT8_PARAMS[key.strip()](value.strip())  # type: ignore[operator]
+            if not eq or key.strip() not in accepted:
+                raise ValueError(f"unknown parameter {item!r} (accepted: {', '.join(accepted) or 'none'})")
+            params[key.strip()] = accepted[key.strip()](value.strip())
         codec: WireCodec = cls(**params)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"codec {spec!r}: {exc} (known: {_KNOWN})") from None
@@ -170,11 +186,14 @@ def codec_spec(codec: WireCodec | None) -> str:
     --------
     >>> codec_spec(parse_codec("int8:bound=6,stochastic=0"))
     'int8:bound=6.0,stochastic=0'
-    >>> codec_spec(Int8Codec()), codec_spec(None)
-    ('int8:block=256', '')
+    >>> codec_spec(Int8Codec()), codec_spec(None), codec_spec(RandomKCodec(0.5, rescale=False))
+    ('int8:block=256', '', 'randk:ratio=0.5,rescale=0')
     """
     if codec is None:
         return ""
+    if isinstance(codec, TopKCodec | RandomKCodec):
+        rescale = isinstance(codec, RandomKCodec) and not codec.rescale
+        return f"{codec.name}:ratio={codec.ratio!r}" + (",rescale=0" if rescale else "")
     if not isinstance(codec, Int8Codec):
         return str(codec.name)
     where = f"bound={codec.bound!r}" if codec.bound is not None else f"block={codec.block}"
@@ -183,6 +202,9 @@ def codec_spec(codec: WireCodec | None) -> str:
 
 def encoding_of(enc: Encoded, codec: WireCodec) -> Encoding:
     """The wire's :class:`~mlfabric.wire.tensors.Encoding` of an encoded tensor."""
+    if isinstance(codec, TopKCodec | RandomKCodec):
+        count = 0 if enc.indices is None else int(enc.indices.size)
+        return Encoding(enc.codec, "float32", members=int(enc.members), count=count, ratio=float(codec.ratio))
     scales = () if enc.scales is None else tuple(float(s) for s in enc.scales)
     bound = float(codec.bound) if isinstance(codec, Int8Codec) and codec.bound is not None else 0.0
     return Encoding(enc.codec, enc.payload.dtype.name, scales, int(enc.block), bound, int(enc.members))
@@ -200,10 +222,10 @@ def encode_update(
     ----------
     tensors : Mapping[str, numpy.ndarray or torch.Tensor]
         The update.
-    codec : Fp16Codec, Bf16Codec or Int8Codec
-        The codec (a stochastic int8 needs ``rng``).
+    codec : Fp16Codec, Bf16Codec, Int8Codec, TopKCodec or RandomKCodec
+        The codec (a stochastic int8 and random-k need ``rng``).
     rng : numpy.random.Generator, optional
-        For stochastic rounding.
+        For stochastic rounding and random-k's positions.
     feedback : ErrorFeedback, optional
         Error feedback (its codec is ``codec``): each tensor is sent with its residual added,
         and the new residuals are kept once every tensor was encoded.
@@ -211,25 +233,34 @@ def encode_update(
     Returns
     -------
     words : dict
-        name -> the codec's words (encoded tensors) or the tensor itself (travelling as it is).
+        name -> the codec's words (encoded tensors; a sparse codec's: its values' bytes then its
+        positions', as one ``uint8`` array) or the tensor itself (travelling as it is).
     encoded : dict
         name -> (dtype, shape, Encoding) of each encoded tensor.
 
     Raises
     ------
     CodecError
-        A value the codec cannot carry (int8: a NaN or an infinity; fp16: beyond its range),
-        naming the tensor and the element.
+        A value the codec cannot carry (int8: a NaN or an infinity; fp16: beyond its range;
+        top-k: a NaN), naming the tensor and the element.
+
+    Examples
+    --------
+    >>> words, encoded = encode_update({"w": np.array([0.5, -3.0, 0.0, 1.0], np.float32)}, TopKCodec(0.25))
+    >>> words["w"].nbytes, encoded["w"][2].count, encoded["w"][2].ratio
+    (8, 1, 0.25)
+    >>> decode_layout(Layout("w", "float32", (4,), 0, 8, encoded["w"][2]), memoryview(words["w"])).tolist()
+    [0.0, -3.0, 0.0, 0.0]
     """
     words: dict[str, object] = {}
     encoded: dict[str, tuple[str, tuple[int, ...], Encoding]] = {}
     residuals: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         dtype = dtype_name(value)
-        if dtype not in FLOAT_DTYPES or (dtype == "float16" and not isinstance(codec, Int8Codec)):
+        array = _as_numpy(value) if dtype in FLOAT_DTYPES else None
+        if array is None or not _gains(codec, array):
             words[name] = value  # nothing to gain: travels as it is
             continue
-        array = _as_numpy(value)
         try:
             if feedback is None:
                 enc = codec.encode(array, rng=rng)
@@ -237,12 +268,33 @@ def encode_update(
                 enc, residuals[name] = feedback.step(name, array, rng=rng)
         except CodecError as exc:
             raise CodecError(exc.field, f"tensor {name!r} ({codec_spec(codec)}): {_message(exc)}") from None
-        words[name] = enc.payload
+        words[name] = enc.payload if enc.indices is None else sparse_words(enc)
         encoded[name] = (dtype, tuple(int(d) for d in array.shape), encoding_of(enc, codec))
     for name, residual in residuals.items():
         assert feedback is not None
         feedback.keep(name, residual)
     return words, encoded
+
+
+def _gains(codec: WireCodec, array: np.ndarray) -> bool:
+    """Whether ``codec``'s words are fewer bytes than ``array`` (float16/32/64)."""
+    if isinstance(codec, TopKCodec | RandomKCodec):
+        return 8 * codec.k_for(array.size) < array.nbytes
+    return array.dtype != np.float16 or isinstance(codec, Int8Codec)
+
+
+def sparse_words(enc: Encoded) -> np.ndarray:
+    """A sparse tensor's bytes on the wire: its float32 values, then its uint32 positions.
+
+    Examples
+    --------
+    >>> enc = TopKCodec(0.5).encode(np.array([0.0, 2.0, -1.0, 0.5], np.float32))
+    >>> sparse_words(enc).view(np.uint32)[2:].tolist()
+    [1, 2]
+    """
+    assert enc.indices is not None
+    values = np.asarray(enc.payload, "<f4").view(np.uint8)
+    return np.concatenate([values, np.asarray(enc.indices, "<u4").view(np.uint8)])
 
 
 def _message(exc: CodecError) -> str:
@@ -260,7 +312,13 @@ def codec_for(encoding: Encoding) -> WireCodec:
     True
     >>> codec_for(Encoding("int8", "int8", (0.1,), 256)).summable
     False
+    >>> codec_for(Encoding("topk", "float32", count=6, ratio=0.01))
+    TopKCodec(ratio=0.01)
     """
+    if encoding.codec == "topk":
+        return TopKCodec(ratio=encoding.ratio)
+    if encoding.codec == "randk":  # the values are rescaled already: decoding needs no factor
+        return RandomKCodec(ratio=encoding.ratio, rescale=False)
     if encoding.codec != "int8":
         codec: WireCodec = WIRE_CODECS[encoding.codec]()
         return codec
@@ -283,7 +341,10 @@ def check_encoding(layout: Layout | Any) -> None:
         Naming the tensor and the field: an unknown codec; a dtype a codec does not encode;
         words of the wrong dtype for the codec; ``members < 1``; int8: scales of the wrong
         count, NaN, infinite or negative, a bound that is not finite and >= 0, or a shared
-        scale that is not ``bound / 127``; fp16/bf16: scales, a block or a bound given.
+        scale that is not ``bound / 127``; fp16/bf16: scales, a block or a bound given;
+        topk/randk: a ratio not in (0, 1], a ``count`` that is not ``k = ceil(ratio x n)``
+        (a sum of ``m`` members, the union of their positions: not in ``[k, min(n, m x k)]``),
+        scales, a block or a bound given.
 
     Examples
     --------
@@ -315,6 +376,9 @@ def _check_encoding(layout: Any, e: Any, codec: str) -> None:
     if e.members < 1:
         raise CodecError("members", f"expected >= 1, got {e.members}")
     size = math.prod(int(d) for d in layout.shape)
+    if codec in SPARSE_CODECS:
+        _check_sparse_encoding(e, codec, size)
+        return
     if codec != "int8":
         if len(e.scales) or e.block or e.bound:
             raise CodecError(
@@ -334,6 +398,25 @@ def _check_encoding(layout: Any, e: Any, codec: str) -> None:
             )
 
 
+def _check_sparse_encoding(e: Any, codec: str, size: int) -> None:
+    if len(e.scales) or e.block or e.bound:
+        raise CodecError(
+            "scales", f"{codec} has no scales, block or bound, got {len(e.scales)}/{e.block}/{e.bound}"
+        )
+    if not (0 < e.ratio <= 1):
+        raise CodecError("ratio", f"expected a ratio in (0, 1], got {e.ratio}")
+    k = TopKCodec(ratio=float(e.ratio)).k_for(size)
+    if e.members == 1 and e.count != k:
+        raise CodecError("count", f"expected {k} values (ratio {e.ratio} of {size} elements), got {e.count}")
+    most = min(size, e.members * k)  # a sum of members: the union of their positions
+    if not k <= e.count <= most:
+        raise CodecError(
+            "count",
+            f"expected {k} to {most} values (the union of {e.members} members' positions, ratio {e.ratio} "
+            f"of {size} elements), got {e.count}",
+        )
+
+
 def encoded_of(layout: Layout, payload: memoryview) -> Encoded:
     """The :class:`Encoded` an encoded tensor's layout and payload bytes describe (a view, checked).
 
@@ -346,14 +429,21 @@ def encoded_of(layout: Layout, payload: memoryview) -> Encoded:
     e = layout.encoding
     assert e is not None
     size = math.prod(layout.shape)
+    sparse = e.codec in SPARSE_CODECS
+    count = e.count if sparse else size
     words = WORD_DTYPES[e.words]
-    if size * words.itemsize != layout.nbytes or layout.offset + layout.nbytes > len(payload):
+    expected = count * (words.itemsize + (4 if sparse else 0))
+    if expected != layout.nbytes or layout.offset + layout.nbytes > len(payload):
+        what = f"{count} float32 values and {count} uint32 positions" if sparse else f"{size} {e.words} words"
         raise CodecError(
             "payload",
             f"tensor {layout.name!r} ({e.codec}): {layout.nbytes} bytes at offset {layout.offset} of a "
-            f"{len(payload)}-byte payload, expected {size} {e.words} words",
+            f"{len(payload)}-byte payload, expected {what}",
         )
-    array = np.frombuffer(payload, words, size, layout.offset)
+    array = np.frombuffer(payload, words, count, layout.offset)
+    if sparse:
+        positions = np.frombuffer(payload, "<u4", count, layout.offset + 4 * count)
+        return Encoded(e.codec, layout.dtype, layout.shape, array, None, positions, members=e.members)
     scales = np.array(e.scales, np.float32) if e.codec == "int8" else None
     return Encoded(e.codec, layout.dtype, layout.shape, array, scales, None, e.block, e.members)
 

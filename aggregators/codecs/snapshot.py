@@ -60,7 +60,7 @@ def parse_model_codec(spec: object) -> ModelCodec | None:
     Raises
     ------
     ValueError
-        An unknown codec, or one that does not carry a model (int8), naming it and the known
+        An unknown codec, or one that does not carry a model (int8, topk, randk), naming it and the known
         ones.
 
     Examples

@@ -95,7 +95,7 @@ def _check_sparse(encoded: Encoded, name: str) -> Encoded:
         raise CodecError("indices", f"expected a uint32 array, got {type(indices).__name__}")
     if indices.dtype != np.uint32 or indices.ndim != 1:
         raise CodecError("indices", f"expected a 1-D uint32 array, got {indices.ndim}-D {indices.dtype}")
-    enc = check_encoded(encoded, name, ("float32",), count=indices.size)
+    enc = check_encoded(encoded, name, _SparseCodec.payload_dtypes, count=indices.size)
     size = enc.size
     if indices.size > size:
         raise CodecError("indices", f"expected at most {size} (the tensor's size), got {indices.size}")
@@ -119,11 +119,17 @@ class _SparseCodec:
 
     name: ClassVar[str]
     summable: ClassVar[bool] = False
+    #: the kept values' dtype (their positions are uint32)
+    payload_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     ratio: float
 
     def _check_ratio(self) -> None:
         if not (0 < self.ratio <= 1):
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
+
+    def _check(self, encoded: Encoded) -> Encoded:
+        """The checks :meth:`decode` and :meth:`sum_into` make (CodecError naming the field)."""
+        return _check_sparse(encoded, self.name)
 
     def k_for(self, size: int) -> int:
         """Values kept of a tensor of ``size`` elements: ``ceil(ratio * size)``, at least 1."""

@@ -61,7 +61,7 @@ from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.daemon.channels.sockets import io_timeout
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire import _native
-from mlfabric.wire.tensors import pack_layout, words_dtype
+from mlfabric.wire.tensors import SPARSE_CODECS, pack_layout, words_dtype
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -253,7 +253,8 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
     its words' itemsize, and its encoding passes
     :func:`~mlfabric.aggregators.codecs.payload.check_encoding` (a known codec, scales of the
     right count, finite, >= 0, the shared scale its bound gives) and sums at most the frame's
-    ``num_updates``.
+    ``num_updates``; a sparse one (top-k, random-k: an UPDATE's only) holds its ``count``
+    values and positions (8 bytes each).
 
     Parameters
     ----------
@@ -302,6 +303,8 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
         if t.HasField("encoding"):  # compressed: its bytes are the codec's words (docs/compression.md)
             if header.kind not in (_UPDATE_KIND, _MODEL_KIND):
                 raise FrameError(f"tensor {t.name!r}: only an UPDATE's or a MODEL's tensors travel encoded")
+            if t.encoding.codec in SPARSE_CODECS and header.kind != _UPDATE_KIND:
+                raise FrameError(f"tensor {t.name!r}: only an UPDATE's tensors travel {t.encoding.codec}")
             try:
                 check_encoding(t)
             except CodecError as exc:
@@ -315,7 +318,13 @@ def check_header(header: Any, limits: FrameLimits, payload_bytes: int | None = N
         itemsize = DTYPE_ITEMSIZE.get(words)
         if itemsize is None:
             raise FrameError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
-        if count * itemsize != t.nbytes:
+        if t.HasField("encoding") and t.encoding.codec in SPARSE_CODECS:
+            if t.encoding.count * (itemsize + 4) != t.nbytes:
+                raise FrameError(
+                    f"tensor {t.name!r}: nbytes {t.nbytes} != {t.encoding.count} values x ({itemsize} + 4 "
+                    f"bytes of position) ({t.encoding.codec}, shape {list(t.shape)})"
+                )
+        elif count * itemsize != t.nbytes:
             raise FrameError(
                 f"tensor {t.name!r}: nbytes {t.nbytes} != {count} elements x {itemsize} bytes "
                 f"({words}, shape {list(t.shape)})"

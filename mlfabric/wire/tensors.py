@@ -39,6 +39,7 @@ from mlfabric.wire.errors import MlfabricError
 __all__ = [
     "DTYPES",
     "LAYOUT_KINDS",
+    "SPARSE_CODECS",
     "WORD_DTYPES",
     "Encoding",
     "Layout",
@@ -93,6 +94,7 @@ WORD_DTYPES: dict[str, np.dtype[Any]] = {
     "int8": np.dtype("i1"),
     "int16": np.dtype("<i2"),
     "int32": np.dtype("<i4"),
+    "float32": np.dtype("<f4"),
 }
 
 
@@ -101,7 +103,8 @@ class Encoding:
     """How an encoded tensor's words read (mirrors ``TensorEncoding`` in ``dataplane.proto``).
 
     Plain data: the codecs (:mod:`mlfabric.aggregators.codecs.payload`) check and read it.
-    ``scales`` are float32 values as Python floats (int8), ``bound`` 0 for own scales.
+    ``scales`` are float32 values as Python floats (int8), ``bound`` 0 for own scales;
+    ``count`` and ``ratio``: the values kept by a sparse codec (:data:`SPARSE_CODECS`).
     """
 
     codec: str
@@ -110,6 +113,12 @@ class Encoding:
     block: int = 0
     bound: float = 0.0
     members: int = 1
+    count: int = 0
+    ratio: float = 0.0
+
+
+#: codecs whose bytes are ``count`` float32 values, then their ``count`` uint32 positions
+SPARSE_CODECS = frozenset({"topk", "randk"})
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,8 @@ class Layout:
     """Where one tensor sits in a payload (mirrors ``TensorLayout`` in ``dataplane.proto``).
 
     ``dtype`` is the tensor's own dtype; with an ``encoding`` the ``nbytes`` at ``offset`` are
-    the codec's words (:func:`words_dtype`), one per element.
+    the codec's words (:func:`words_dtype`), one per element (a sparse codec's: ``count``
+    float32 values, then ``count`` uint32 positions).
     """
 
     name: str
@@ -409,7 +419,7 @@ def l2_norm(tensors: Mapping[str, object]) -> float:
 #: ``kind`` of a dtype in :func:`pack_layout` (the C extension's NaN/inf test; 0: not tested).
 LAYOUT_KINDS: dict[str, int] = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 #: encoded words -> the :data:`LAYOUT_KINDS` key they are tested as
-_ENCODED_KINDS = {"float16": "float16", "uint16": "bfloat16"}
+_ENCODED_KINDS = {"float16": "float16", "uint16": "bfloat16", "float32": "float32"}
 _SEGMENT = struct.Struct("<3Q")  # offset, nbytes, kind
 
 
@@ -430,12 +440,19 @@ def pack_layout(layouts: Sequence[Any]) -> bytes:
     >>> len(pack_layout(layouts)), _native.check(buf, 0, n, 0, pack_layout(layouts))[1]
     (48, 1)
     """
-    return b"".join(_SEGMENT.pack(x.offset, x.nbytes, _kind(x)) for x in layouts)
+    return b"".join(_SEGMENT.pack(x.offset, _tested_bytes(x), _kind(x)) for x in layouts)
+
+
+def _tested_bytes(layout: Any) -> int:
+    """The bytes of a layout the NaN/inf pass tests: a sparse tensor's values, not its positions."""
+    if is_encoded(layout) and layout.encoding.codec in SPARSE_CODECS:
+        return min(int(layout.nbytes), 4 * int(layout.encoding.count))
+    return int(layout.nbytes)
 
 
 def _kind(layout: Any) -> int:
     """The :data:`LAYOUT_KINDS` value a layout's bytes are tested as (0: not tested)."""
-    if is_encoded(layout):  # fp16 words as float16, bf16 words as bfloat16; int8 words: integers
+    if is_encoded(layout):  # fp16/bf16 words as float16/bfloat16, sparse values as float32; int8: no
         return LAYOUT_KINDS.get(_ENCODED_KINDS.get(str(layout.encoding.words), ""), 0)
     return LAYOUT_KINDS.get(layout.dtype, 0)
 
@@ -510,6 +527,8 @@ def layouts_to_pb(layouts: Sequence[Layout]) -> list[Any]:
                     block=e.block,
                     bound=e.bound,
                     members=e.members,
+                    count=e.count,
+                    ratio=e.ratio,
                 )
             )
         out.append(message)
@@ -544,7 +563,9 @@ def _encoding(message: Any) -> Encoding | None:
     if not message.HasField("encoding"):
         return None
     e = message.encoding
-    return Encoding(e.codec, e.words, tuple(e.scales), int(e.block), float(e.bound), int(e.members))
+    return Encoding(
+        e.codec, e.words, tuple(e.scales), int(e.block), float(e.bound), int(e.members), int(e.count), e.ratio
+    )
 
 
 #: Model spec: tensor name -> (dtype, shape).

@@ -41,20 +41,24 @@ class TensorLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., encoding: _Optional[_Union[TensorEncoding, _Mapping]] = ...) -> None: ...
 
 class TensorEncoding(_message.Message):
-    __slots__ = ("codec", "words", "scales", "block", "bound", "members")
+    __slots__ = ("codec", "words", "scales", "block", "bound", "members", "count", "ratio")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     WORDS_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     BOUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
     codec: str
     words: str
     scales: _containers.RepeatedScalarFieldContainer[float]
     block: int
     bound: float
     members: int
-    def __init__(self, codec: _Optional[str] = ..., words: _Optional[str] = ..., scales: _Optional[_Iterable[float]] = ..., block: _Optional[int] = ..., bound: _Optional[float] = ..., members: _Optional[int] = ...) -> None: ...
+    count: int
+    ratio: float
+    def __init__(self, codec: _Optional[str] = ..., words: _Optional[str] = ..., scales: _Optional[_Iterable[float]] = ..., block: _Optional[int] = ..., bound: _Optional[float] = ..., members: _Optional[int] = ..., count: _Optional[int] = ..., ratio: _Optional[float] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
     __slots__ = ("kind", "update_id", "job", "server", "worker", "base_version", "norm", "num_updates", "tensors", "payload_bytes", "payload_crc32", "outcome", "delay", "version", "reason", "src_host", "crc_trailer", "receive_seconds", "aggregate_id", "members", "member_verdicts", "replica", "replica_version", "applied_ids", "min_version", "wait_seconds", "range_offset", "range_bytes", "exact_version", "model_bytes", "allreduce")

@@ -54,7 +54,18 @@ def _updates(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
 
 @pytest.mark.parametrize(
     "spec",
-    ["fp16", "bf16", "int8", "int8:bound=6", "int8:block=64,stochastic=0", "int8:bound=0.5,stochastic=1"],
+    [
+        "fp16",
+        "bf16",
+        "int8",
+        "int8:bound=6",
+        "int8:block=64,stochastic=0",
+        "int8:bound=0.5,stochastic=1",
+        "topk",
+        "topk:ratio=0.01",
+        "randk:ratio=0.25",
+        "randk:ratio=0.25,rescale=0",
+    ],
 )
 def test_specs_round_trip(spec: str) -> None:
     codec = parse_codec(spec)
@@ -65,8 +76,13 @@ def test_specs_round_trip(spec: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("gzip", "unknown codec 'gzip' (known: none, bf16, fp16, int8)"),
-        ("randk", "codec 'randk' is not carried on the wire yet (known: none, bf16, fp16, int8)"),
+        ("gzip", "unknown codec 'gzip' (known: none, bf16, fp16, int8, randk, topk)"),
+        ("topk:ratio=0", "codec 'topk:ratio=0': ratio must be in (0, 1], got 0.0"),
+        ("topk:ratio=1.5", "ratio must be in (0, 1], got 1.5"),
+        ("topk:ratio=x", "could not convert string to float"),
+        ("topk:bound=2", "unknown parameter 'bound=2' (accepted: ratio)"),
+        ("randk:ratio=0.1,rescale=maybe", "expected 0/1/true/false"),
+        ("randk:seed=3", "unknown parameter 'seed=3' (accepted: ratio, rescale)"),
         ("int8:bound=0", "bound must be finite and > 0, got 0.0"),
         ("int8:bound=x", "could not convert string to float"),
         ("int8:rounds=3", "unknown parameter 'rounds=3' (accepted: bound, block, stochastic)"),
@@ -77,7 +93,7 @@ def test_specs_round_trip(spec: str) -> None:
 def test_bad_specs_name_the_codec_and_the_known_ones(spec: str, message: str) -> None:
     with pytest.raises(ValueError) as err:
         parse_codec(spec)
-    assert message in str(err.value) and "known: none, bf16, fp16, int8" in str(err.value)
+    assert message in str(err.value) and "known: none, bf16, fp16, int8, randk, topk" in str(err.value)
 
 
 def test_not_a_spec_is_refused() -> None:
@@ -116,7 +132,12 @@ def test_float16_tensors_are_encoded_only_by_int8() -> None:
         (Encoding("int8", "int8", (1.0,), 0, float("nan")), "bound", "expected a finite bound"),
         (Encoding("int8", "float16", (1.0,)), "words", "expected int8 or int16 or int32, got 'float16'"),
         (Encoding("fp16", "float16", (1.0,)), "scales", "fp16 has no scales"),
-        (Encoding("topk", "float32"), "codec", "unknown codec 'topk'"),
+        (Encoding("lz4", "float32"), "codec", "unknown codec 'lz4'"),
+        (Encoding("topk", "float32", count=3, ratio=0.25), "count", "expected 2 values (ratio 0.25 of 8"),
+        (Encoding("randk", "float32", count=1, ratio=0.0), "ratio", "expected a ratio in (0, 1], got 0.0"),
+        (Encoding("topk", "float16", count=2, ratio=0.25), "words", "expected float32, got 'float16'"),
+        (Encoding("topk", "float32", members=2, count=5, ratio=0.25), "count", "expected 2 to 4 values"),
+        (Encoding("randk", "float32", (0.5,), count=2, ratio=0.25), "scales", "randk has no scales"),
         (Encoding("fp16", "float16", members=0), "members", "expected >= 1, got 0"),
     ],
 )

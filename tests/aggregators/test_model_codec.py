@@ -116,7 +116,7 @@ def test_a_snapshot_whose_words_do_not_decode_is_refused_naming_the_tensor() -> 
         ("int8", "codec 'int8' does not carry a model (known for a model: none, bf16, fp16)"),
         ("int8:bound=2", "codec 'int8:bound=2' does not carry a model"),
         ("zstd", "unknown codec 'zstd' (known for a model: none, bf16, fp16)"),
-        ("topk", "codec 'topk' is not carried on the wire yet (known for a model: none, bf16, fp16)"),
+        ("topk", "codec 'topk' does not carry a model (known for a model: none, bf16, fp16)"),
         ("fp16:block=2", "codec 'fp16:block=2': unknown parameter 'block=2'"),
     ],
 )

@@ -2,7 +2,8 @@
 
 Members of one summable codec (fp16, int8 with a shared bound) are summed on their words and
 the aggregate forwarded in that codec (its bytes on the wire show it); mixed codecs, int8 with
-own scales or raw members are decoded, summed densely and forwarded as they are. The server
+own scales, top-k or raw members are decoded (top-k: scattered at its positions), summed
+densely and forwarded as they are. The server
 applies the decoded sum: equal to the sum of ``aggregators.codecs.decode`` of the members.
 """
 
@@ -130,3 +131,26 @@ def test_a_raw_first_member_then_encoded_ones_are_summed_decoded(
     model, expected = _model(cluster), _expected(codecs)
     for k in MODEL:
         np.testing.assert_allclose(model[k], expected[k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("codecs", "codec", "forwarded"),
+    [
+        # "w": 2 of 6 values kept, "b": 1 of 4; every member keeps the same positions (w's ties
+        # broken alike, b's largest): the union is 3 positions, 24 bytes against 80 dense
+        (["topk:ratio=0.2"] * 3, "topk", 24),
+        (["topk:ratio=0.2", "int8:bound=16,stochastic=0", "none"], "", ELEMENTS * 8),  # mixed: dense
+    ],
+)
+def test_topk_members_are_summed_forwarded_on_their_positions_or_dense_and_applied_once(
+    cluster: dict[str, Any], scheduler: AggScheduler, codecs: list[str], codec: str, forwarded: int
+) -> None:
+    report = _through_aggregator(cluster, scheduler, codecs, "agg:job:c4")  # each member APPLIED once
+    members = [r for r in scheduler.ready if r.worker and r.codec == "topk"]
+    assert members and all(r.bytes == (2 + 1) * 8 for r in members)  # values and positions
+    ready = scheduler.ready_for("agg:job:c4")
+    assert (ready.codec, ready.bytes) == (codec, forwarded)  # announced as it is forwarded
+    assert report.bytes == forwarded
+    model, expected = _model(cluster), _expected(codecs)
+    for k in MODEL:  # the sum of the members' decodes: nothing outside the positions lost
+        np.testing.assert_allclose(model[k], expected[k], rtol=1e-7, atol=1e-12)

@@ -175,12 +175,16 @@ def test_an_unknown_codec_or_bad_parameter_is_refused_before_anything_is_sent(
     served: dict[str, Any], scheduler: Any
 ) -> None:
     worker, server = served["worker"], served["server"]
-    with pytest.raises(ValueError, match=r"unknown codec 'zstd' \(known: none, bf16, fp16, int8\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown codec 'zstd' \(known: none, bf16, fp16, int8, randk, topk\)"
+    ):
         worker.push("ps0", _update(1), codec="zstd")
     with pytest.raises(ValueError, match=r"codec 'int8:bound=nan'.*bound must be finite"):
         worker.push("ps0", _update(1), codec="int8:bound=nan")
-    with pytest.raises(ValueError, match=r"codec 'topk' is not carried on the wire"):
-        worker.push("ps0", _update(1), codec="topk")
+    with pytest.raises(ValueError, match=r"codec 'topk:ratio=2'.*ratio must be in \(0, 1\], got 2.0"):
+        worker.push("ps0", _update(1), codec="topk:ratio=2")
+    with pytest.raises(ValueError, match=r"error feedback needs a contractive codec"):
+        worker.push("ps0", _update(1), codec="randk:ratio=0.1", error_feedback=True)
     nan = _update(1)
     nan["w"][3, 4] = np.nan
     with pytest.raises(ValueError, match=r"tensor 'w' \(int8:bound=4.0\): element 94 is nan"):

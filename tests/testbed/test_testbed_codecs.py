@@ -120,3 +120,29 @@ def test_the_summary_compares_auto_with_the_best_fixed_choice() -> None:
     (auto,) = [line for line in text.splitlines() if line.startswith("| stf@auto+ef |")]
     assert "(0.91 / 1.00)" in auto  # 30/33 and 40/40
     assert "static (uniform)" in text and "uplinks 1000.0-1000.0" in text
+
+
+def test_sparse_codec_systems_parse_into_pushes_codec_and_the_models() -> None:
+    from mlfabric.aggregators.codecs import RandomKCodec, TopKCodec
+    from mlfabric.aggregators.codecs.payload import parse_codec
+
+    systems = e2e.split_systems(
+        "stf+agg,stf+agg@topk:ratio=0.01+ef@fp16,stf@randk:ratio=0.01,rescale=0+ef,fair"
+    )
+    assert systems == [
+        "stf+agg",
+        "stf+agg@topk:ratio=0.01+ef@fp16",
+        "stf@randk:ratio=0.01,rescale=0+ef",
+        "fair",
+    ]
+    policy, codec, model_codec = e2e.split_system(systems[1])
+    assert (policy, model_codec) == ("stf+agg", "fp16")
+    spec, feedback = e2e.split_codec(codec)
+    assert feedback and parse_codec(spec) == TopKCodec(ratio=0.01)
+    policy, codec, model_codec = e2e.split_system(systems[2])
+    spec, feedback = e2e.split_codec(codec)
+    assert (policy, model_codec, feedback) == ("stf", None, True)
+    assert parse_codec(spec) == RandomKCodec(ratio=0.01, rescale=False)
+    # the ratio to the uncompressed run of the same policy
+    times: dict[str, dict[int, float | None]] = {"stf+agg": {0: 60.0}, systems[1]: {0: 30.0}}
+    assert codecs.ratios(times, systems[1]) == [2.0]

@@ -4,8 +4,10 @@ Members travelling as they are go into an :class:`~mlfabric.aggregators.kernels.
 in place in a pooled buffer (DESIGN §9). When the first member came with encoded tensors
 (``push(..., codec=...)``), the aggregate is an
 :class:`~mlfabric.aggregators.codecs.payloadsum.EncodedSum`: members of one summable codec are
-summed on their words and the sum forwarded in that codec; mixed or non-summable members are
-decoded, summed densely and forwarded as they are. An encoded member of an aggregate whose
+summed on their words and the sum forwarded in that codec; top-k (or random-k) members are
+scattered into a float32 sum forwarded on the union of their positions (dense when that is no
+fewer bytes); mixed or non-summable members are decoded, summed densely and forwarded as they
+are. An encoded member of an aggregate whose
 first member was raw is decoded and summed as the raw ones are.
 
 ``agg`` is the role's ``_Aggregate`` (its lock held by the caller): ``acc``, ``buffer``,
@@ -48,6 +50,9 @@ def add_member(agg: Any, h: Any, frame: Any, alloc: Callable[[int], Any]) -> str
                 agg.buffer, agg.tensors, agg.payload_bytes = buffer, list(h.tensors), h.payload_bytes
         if isinstance(agg.acc, EncodedSum):
             agg.acc.add(layouts, frame.payload, members)
+            agg.payload_bytes = (
+                agg.acc.payload_bytes
+            )  # announced as it would be forwarded (sparse: the union)
             return ""
         if not encoded and list(h.tensors) == agg.tensors:
             agg.acc.add(frame.payload)
