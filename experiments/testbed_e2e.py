@@ -44,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import init_gloo, stop_all
 
+from mlfabric.examples.digits import split_codec
 from mlfabric.readyfile import write_ready_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -187,19 +188,6 @@ def mlf_worker(args: argparse.Namespace) -> int:
             result = worker.push("ps", update, codec=codec, error_feedback=feedback).wait(timeout=300)
             if not result.applied and "unregistered" in result.reason:
                 return 0
-
-
-def split_codec(spec: str | None) -> tuple[str | None, bool]:
-    """A system's codec part (``int8+ef``) as push's ``codec`` and ``error_feedback``.
-
-    Examples
-    --------
-    >>> split_codec("int8+ef"), split_codec("fp16"), split_codec(None)
-    (('int8', True), ('fp16', False), (None, False))
-    """
-    if not spec:
-        return None, False
-    return spec.removesuffix("+ef"), spec.endswith("+ef")
 
 
 def split_system(system: str) -> tuple[str, str | None, str | None]:
