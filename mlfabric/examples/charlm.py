@@ -60,6 +60,7 @@ from mlfabric.examples.digits import (
     local_sgd,
     push_record,
     run_role,
+    sgd_steps,
 )
 
 __all__ = [
@@ -395,18 +396,13 @@ def train_local(
     ['loss', 'model', 'perplexity', 'samples']
     """
     train, val = load_data(budget)
-    model = {k: v.numpy() for k, v in init_model(config, seed).items()}
     rng = np.random.default_rng(seed)
-    past = [{k: v.copy() for k, v in model.items()}]  # the models of the last ``delay`` steps and now
-    for _ in range(steps):
-        total: dict[str, Any] = {}
-        base = past[0]
-        for _ in range(per_step):
-            update, _ = gradient_step(base, config, *batches(train, config.context, batch, rng), lr, clip)
-            total = {k: total.get(k, 0) + v.numpy() for k, v in update.items()}
-        for k, v in total.items():
-            model[k] -= v
-        past = [*past, {k: v.copy() for k, v in model.items()}][-(delay + 1) :]
+
+    def update(base: dict[str, Any]) -> dict[str, Any]:
+        return gradient_step(base, config, *batches(train, config.context, batch, rng), lr, clip)[0]
+
+    start = {k: v.numpy() for k, v in init_model(config, seed).items()}
+    model = sgd_steps(start, steps, update, per_step=per_step, delay=delay)
     loss, ppl = evaluate(model, config, val)
     return {"model": model, "loss": loss, "perplexity": ppl, "samples": steps * per_step * batch}
 

@@ -54,7 +54,9 @@ __all__ = [
     "run_role",
     "run_server",
     "run_worker",
+    "sgd_steps",
     "split_codec",
+    "train_local",
 ]
 
 #: Tensor names of the MLP, in order: 64 -> hidden -> 10.
@@ -123,6 +125,72 @@ def gradient_step(model: dict[str, Any], x: np.ndarray, y: np.ndarray, lr: float
     loss = torch.nn.functional.cross_entropy(_logits(params, torch.from_numpy(x)), torch.from_numpy(y))
     loss.backward()
     return {k: (lr * p.grad).detach() for k, p in params.items()}
+
+
+def sgd_steps(
+    model: dict[str, np.ndarray],
+    steps: int,
+    update: Any,
+    *,
+    per_step: int = 1,
+    delay: int = 0,
+) -> dict[str, np.ndarray]:
+    """The examples' rule in one process: ``steps`` times ``model -=`` the sum of ``per_step`` updates.
+
+    ``update(model)`` gives one update (name -> numpy array or torch tensor, ``lr`` x a
+    gradient) computed from ``model``. ``per_step=N`` is a synchronous round of N workers;
+    ``delay=d`` computes every update from the model as it was ``d`` steps before (the steady
+    state of asynchronous SGD with ``d + 1`` workers taking turns). Returns the new model
+    (``model`` itself is not changed).
+
+    Examples
+    --------
+    >>> out = sgd_steps({"w": np.zeros(2)}, 3, lambda m: {"w": m["w"] * 0 + 1.0}, per_step=2)
+    >>> out["w"].tolist()
+    [-6.0, -6.0]
+    """
+    model = {k: np.array(v) for k, v in model.items()}
+    past = [{k: v.copy() for k, v in model.items()}]  # the models of the last ``delay`` steps and now
+    for _ in range(steps):
+        total: dict[str, Any] = {}
+        for _ in range(per_step):
+            for k, v in update(past[0]).items():
+                total[k] = total.get(k, 0) + np.asarray(v)
+        for k, v in total.items():
+            model[k] -= v
+        past = [*past, {k: v.copy() for k, v in model.items()}][-(delay + 1) :]
+    return model
+
+
+def train_local(
+    hidden: int, steps: int, *, per_step: int = 1, batch: int = 32, lr: float = 0.05, seed: int = 0
+) -> dict[str, Any]:
+    """The single-process baseline (:func:`sgd_steps`) from ``init_model(hidden, seed)``; test accuracy.
+
+    Batches are drawn from the whole training set (``default_rng(seed)``).
+
+    Examples
+    --------
+    >>> out = train_local(32, 20, batch=16, lr=0.1)
+    >>> sorted(out), out["accuracy"] > 0.3
+    (['accuracy', 'model'], True)
+    """
+    import torch
+
+    x_train, y_train, x_test, y_test = load_data(seed)
+    rng = np.random.default_rng(seed)
+
+    def update(model: dict[str, np.ndarray]) -> dict[str, Any]:
+        pick = rng.integers(0, len(x_train), size=batch)
+        tensors = {k: torch.from_numpy(v) for k, v in model.items()}
+        return gradient_step(tensors, x_train[pick], y_train[pick], lr)
+
+    start = {k: v.numpy() for k, v in init_model(hidden, seed).items()}
+    model = sgd_steps(start, steps, update, per_step=per_step)
+    return {
+        "model": model,
+        "accuracy": accuracy({k: torch.from_numpy(v) for k, v in model.items()}, x_test, y_test),
+    }
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
