@@ -196,7 +196,9 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) 
     if failed:
         lines += [
             "",
-            "Failed runs: " + "; ".join(f"{r['system']} seed {r['seed']}: {r['error']}" for r in failed),
+            "Failed runs: "
+            + "; ".join(f"{r['system']} seed {r['seed']}: {r['error']}" for r in failed)
+            + ".",
         ]
     loads = [r["load1"] for r in rows]
     lines += [
