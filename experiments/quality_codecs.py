@@ -28,7 +28,6 @@ Writes experiments/results/quality_codecs_TASK[_quick].{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -192,18 +191,9 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) 
             f"{statistics.median(r['mean_delay'] for r in rs):.2f} | "
             f"{statistics.median(r['wall'] for r in rs):.0f} |"
         )
-    failed = [r for r in rows if r.get(metric) is None]
-    if failed:
-        lines += [
-            "",
-            "Failed runs: "
-            + "; ".join(f"{r['system']} seed {r['seed']}: {r['error']}" for r in failed)
-            + ".",
-        ]
-    loads = [r["load1"] for r in rows]
+    failed = [f"{r['system']} seed {r['seed']} ({r['error']})" for r in rows if r.get(metric) is None]
+    lines += tc.run_notes(failed, [r["load1"] for r in rows])
     lines += [
-        "",
-        f"Load average (1 min) at the end of each run: {min(loads):g} to {max(loads):g} (2 cores, shared).",
         "The baseline's pushes per worker are its steps (one process). Worker updates applied count",
         "each push once (a local SGD push is one update, the sum of H steps).",
     ]
@@ -307,11 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python experiments/quality_codecs.py " + " ".join(argv if argv is not None else sys.argv[1:])
     name = f"quality_codecs_{args.task}" + ("_quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    tc.write_csv(args.out / f"{name}.csv", rows)
     text = summary(rows, args, command.strip())
     (args.out / f"{name}.md").write_text(text)
     plot(rows, args, args.out / f"{name}.png")

@@ -265,6 +265,31 @@ def _spread(xs: list[float], fmt: str) -> str:
     return f"{format(min(xs), fmt)}-{format(max(xs), fmt)}"
 
 
+def run_notes(failed: list[str], loads: list[float]) -> list[str]:
+    """The lines after a results table: the failed runs (if any), the load average's range.
+
+    Examples
+    --------
+    >>> run_notes(["fair seed 1"], [2.0, 3.5])[1:3]
+    ['Failed runs: fair seed 1.', '']
+    """
+    lines = ["", f"Failed runs: {', '.join(failed)}."] if failed else []
+    return [
+        *lines,
+        "",
+        f"Load average (1 min) at the end of each run: {min(loads):g} to {max(loads):g} (2 cores, shared).",
+    ]
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as CSV, the columns every key of any row in order of appearance."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def summary(rows: list[dict[str, Any]], args: argparse.Namespace, digest: str) -> str:
     """Per mode and system: median validation loss and perplexity over seeds, spread, vs baseline."""
     samples = args.workers * args.pushes * args.batch
@@ -307,16 +332,9 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace, digest: str) -
                 f"{statistics.median(r['mean_delay'] for r in rs):.2f} | "
                 f"{statistics.median(r['wall'] for r in rs):.0f} |"
             )
-    failed = [r for r in rows if r["loss"] is None]
-    if failed:
-        lines += [
-            "",
-            "Failed runs: " + ", ".join(f"{r['mode']} {r['system']} seed {r['seed']}" for r in failed) + ".",
-        ]
-    loads = [r["load1"] for r in rows]
+    failed = [f"{r['mode']} {r['system']} seed {r['seed']}" for r in rows if r["loss"] is None]
+    lines += run_notes(failed, [r["load1"] for r in rows])
     lines += [
-        "",
-        f"Load average (1 min) at the end of each run: {min(loads):g} to {max(loads):g} (2 cores, shared).",
         "",
         "The baseline trains the same update rule in one process for the same samples from the same",
         "initial model (async: one update a step; sync: the sum of N updates a step); `delayed` is",
@@ -383,11 +401,7 @@ def main() -> int:
     text = summary(rows, args, digest)
     name = "train_charlm" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"{name}.csv", rows)
     (args.out / f"{name}.md").write_text(text)
     print(text)
     return 0

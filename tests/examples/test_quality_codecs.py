@@ -52,7 +52,7 @@ def test_summary_compares_each_seed_with_the_uncompressed_run_and_the_baseline()
         "| stf+agg@int8+ef | 2 | 0.8400 [0.8200-0.8600] | -0.0100 [-0.0400-+0.0200] | -0.0600 | 4 |" in text
     )
     assert "| stf+agg | 2 | 0.8500 [0.8000-0.9000] | - | -0.0500 | 4 |" in text
-    assert "| stf+agg@h2 | 0 |" in text and "Failed runs: stf+agg@h2 seed 0: boom." in text
+    assert "| stf+agg@h2 | 0 |" in text and "Failed runs: stf+agg@h2 seed 0 (boom)." in text
 
 
 def test_systems_split_and_parse_for_any_codec_spec() -> None:
