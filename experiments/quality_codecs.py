@@ -57,7 +57,7 @@ TASKS: dict[str, dict[str, Any]] = {
     "charlm": {
         "metric": "loss",
         "higher": False,
-        "full": {"workers": 4, "pushes": 100, "lr": 0.3, "batch": 16, "budget": charlm.BUDGET},
+        "full": {"workers": 4, "pushes": 80, "lr": 0.3, "batch": 16, "budget": charlm.BUDGET},
         "quick": {
             "workers": 2,
             "pushes": 8,
