@@ -49,6 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import init_gloo, stop_all
 
+from mlfabric.examples.digits import split_codec
 from mlfabric.readyfile import write_ready_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -220,19 +221,6 @@ def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
             # in), which the host's daemon or its rack's relay may serve (docs/model-relays.md);
             # asynchronous: the server's current model, from the server's daemon
             floor = result.version if result.applied and sync else None
-
-
-def split_codec(spec: str | None) -> tuple[str | None, bool]:
-    """A system's codec part (``int8+ef``) as push's ``codec`` and ``error_feedback``.
-
-    Examples
-    --------
-    >>> split_codec("int8+ef"), split_codec("fp16"), split_codec(None)
-    (('int8', True), ('fp16', False), (None, False))
-    """
-    if not spec:
-        return None, False
-    return spec.removesuffix("+ef"), spec.endswith("+ef")
 
 
 def split_systems(text: str) -> list[str]:

@@ -32,6 +32,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -70,16 +71,70 @@ def model_args(args: argparse.Namespace) -> list[str]:
     return ["--layers", str(args.layers), "--d-model", str(args.d_model), "--context", str(args.context)]
 
 
-def run_one(system: str, sync: bool, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """One distributed run; its final validation loss, perplexity and push accounting."""
+def split_systems(text: str) -> list[str]:
+    """``--systems``: comma-separated, a codec's own ``key=value`` pairs kept with their system.
+
+    Examples
+    --------
+    >>> split_systems("fair,stf+agg@int8:bound=6,stochastic=0@h4,stf+agg@fp16")
+    ['fair', 'stf+agg@int8:bound=6,stochastic=0@h4', 'stf+agg@fp16']
+    """
+    systems: list[str] = []
+    for piece in text.split(","):
+        if systems and "=" in piece.split("@")[0]:
+            systems[-1] += "," + piece  # a codec parameter, not a system
+        else:
+            systems.append(piece)
+    return systems
+
+
+def parse_system(system: str) -> tuple[str, list[str]]:
+    """``POLICY[@CODEC[+ef]][@hH[kK]]`` as the policy and the workers' push options.
+
+    ``CODEC`` is passed to ``push(codec=...)`` as written (any spec it accepts: ``fp16``,
+    ``int8:bound=6``, ...); ``+ef`` adds error feedback; ``hH`` is local SGD with H local
+    steps a push, ``kK`` post-local SGD's K steps pushed one by one first.
+
+    Examples
+    --------
+    >>> parse_system("stf+agg@int8+ef@h4k10")
+    ('stf+agg', ['--codec', 'int8+ef', '--local-period', '4', '--local-warmup', '10'])
+    >>> parse_system("fair")
+    ('fair', [])
+    """
+    policy, *parts = system.split("@")
+    argv: list[str] = []
+    for part in parts:
+        local = re.fullmatch(r"h(\d+)(?:k(\d+))?", part)
+        if local:
+            argv += ["--local-period", local[1]] + (["--local-warmup", local[2]] if local[2] else [])
+        elif part:
+            argv += ["--codec", part]
+    return policy, argv
+
+
+def run_cluster(
+    system: str,
+    sync: bool,
+    args: argparse.Namespace,
+    workdir: Path,
+    example: list[str],
+    server_argv: list[str],
+    worker_argv: list[str],
+) -> dict[str, Any]:
+    """One distributed run of an example (server, then ``args.workers`` workers, ``args.pushes`` steps each).
+
+    ``example``: the example's command up to its role; ``server_argv``/``worker_argv``: the
+    task's own options of each role. Returns the server's final status, the workers' push
+    records and the times (training, and from the cluster's start to the server's stop)."""
     workdir.mkdir(parents=True)
     (workdir / "topology.toml").write_text(topology(args.workers, args.server_mbps))
-    example = [*python_module("mlfabric.examples.charlm"), "--seed", str(seed), *model_args(args)]
-    extra = ["--aggregate-plan", "sync"] if sync and system == "stf+agg" else []
-    model_file, status_file = workdir / "model.npz", workdir / "server.json"
+    policy, push_argv = parse_system(system)
+    extra = ["--aggregate-plan", "sync"] if sync and policy == "stf+agg" else []
+    status_file = workdir / "server.json"
     cluster = LocalCluster(
         workdir / "topology.toml",
-        policy=system,
+        policy=policy,
         workdir=workdir / "run",
         enforce_nic_rates=True,
         extra_scheduler_args=extra,
@@ -87,7 +142,7 @@ def run_one(system: str, sync: bool, seed: int, args: argparse.Namespace, workdi
     )
     began = time.monotonic()
     with cluster:
-        sargv = [*example, "server", "--model-file", str(model_file), "--status-file", str(status_file)]
+        sargv = [*example, "server", "--status-file", str(status_file), *server_argv]
         sargv += ["--sync-workers", str(args.workers if sync else 0)]
         if args.tau_max is not None:
             sargv += ["--tau-max", str(args.tau_max)]
@@ -97,10 +152,9 @@ def run_one(system: str, sync: bool, seed: int, args: argparse.Namespace, workdi
         workers = []
         for rank in range(args.workers):
             wargv = [*example, "worker", "--rank", str(rank), "--world", str(args.workers)]
-            wargv += ["--max-pushes", str(args.pushes), "--lr", str(args.lr), "--batch", str(args.batch)]
-            wargv += ["--budget", str(args.budget), "--go-file", str(go)]
-            wargv += ["--ready-file", str(workdir / f"worker{rank}.ready")]
-            wargv += ["--stats-file", str(workdir / f"worker{rank}.json")] + (["--sync"] if sync else [])
+            wargv += ["--steps", str(args.pushes), "--lr", str(args.lr), *worker_argv, *push_argv]
+            wargv += ["--go-file", str(go), "--ready-file", str(workdir / f"worker{rank}.ready")]
+            wargv += ["--stats-file", str(workdir / f"worker{rank}.json")]
             workers.append(cluster.spawn(f"w{rank}", wargv, name=f"worker{rank}"))
         deadline = time.monotonic() + 180.0
         while not all((workdir / f"worker{r}.ready").exists() for r in range(args.workers)):
@@ -118,29 +172,50 @@ def run_one(system: str, sync: bool, seed: int, args: argparse.Namespace, workdi
         seconds = time.monotonic() - started
         server.popen.terminate()
         cluster.wait(server, timeout=60)
-    status = json.loads(status_file.read_text())
-    with np.load(model_file) as saved:
-        model = {k: saved[k] for k in saved.files}
-    loss, ppl = charlm.evaluate(model, config(args), load_val(args))
     pushes = [
         p
         for r in range(args.workers)
         for p in json.loads((workdir / f"worker{r}.json").read_text())["pushes"]
     ]
     return {
-        "loss": loss,
-        "perplexity": ppl,
+        "status": json.loads(status_file.read_text()),
+        "pushes": pushes,
+        "seconds": seconds,
+        "wall": time.monotonic() - began,
+    }
+
+
+def push_counts(pushes: list[dict[str, Any]]) -> dict[str, int]:
+    """The workers' pushes: how many, and how many APPLIED, DROPPED or neither."""
+    return {
         "pushes": len(pushes),
         "applied": sum(p["status"] == "APPLIED" for p in pushes),
         "dropped": sum(p["status"] == "DROPPED" for p in pushes),
         "unresolved": sum(p["status"] not in ("APPLIED", "DROPPED") for p in pushes),
+    }
+
+
+def run_one(system: str, sync: bool, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One distributed run; its final validation loss, perplexity and push accounting."""
+    example = [*python_module("mlfabric.examples.charlm"), "--seed", str(seed), *model_args(args)]
+    model_file = workdir / "model.npz"
+    worker_argv = ["--batch", str(args.batch), "--budget", str(args.budget)]
+    run = run_cluster(system, sync, args, workdir, example, ["--model-file", str(model_file)], worker_argv)
+    status = run["status"]
+    with np.load(model_file) as saved:
+        model = {k: saved[k] for k in saved.files}
+    loss, ppl = charlm.evaluate(model, config(args), load_val(args))
+    return {
+        "loss": loss,
+        "perplexity": ppl,
+        **push_counts(run["pushes"]),
         "worker_updates": status["worker_updates"],
         "payloads": status["payloads"],
         "aggregated": status["aggregated"],
         "partial_rounds": status["partial_rounds"],
         "mean_delay": status["mean_delay"],
-        "seconds": seconds,
-        "wall": time.monotonic() - began,
+        "seconds": run["seconds"],
+        "wall": run["wall"],
     }
 
 
@@ -190,6 +265,31 @@ def _spread(xs: list[float], fmt: str) -> str:
     return f"{format(min(xs), fmt)}-{format(max(xs), fmt)}"
 
 
+def run_notes(failed: list[str], loads: list[float]) -> list[str]:
+    """The lines after a results table: the failed runs (if any), the load average's range.
+
+    Examples
+    --------
+    >>> run_notes(["fair seed 1"], [2.0, 3.5])[1:3]
+    ['Failed runs: fair seed 1.', '']
+    """
+    lines = ["", f"Failed runs: {', '.join(failed)}."] if failed else []
+    return [
+        *lines,
+        "",
+        f"Load average (1 min) at the end of each run: {min(loads):g} to {max(loads):g} (2 cores, shared).",
+    ]
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as CSV, the columns every key of any row in order of appearance."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def summary(rows: list[dict[str, Any]], args: argparse.Namespace, digest: str) -> str:
     """Per mode and system: median validation loss and perplexity over seeds, spread, vs baseline."""
     samples = args.workers * args.pushes * args.batch
@@ -232,16 +332,9 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace, digest: str) -
                 f"{statistics.median(r['mean_delay'] for r in rs):.2f} | "
                 f"{statistics.median(r['wall'] for r in rs):.0f} |"
             )
-    failed = [r for r in rows if r["loss"] is None]
-    if failed:
-        lines += [
-            "",
-            "Failed runs: " + ", ".join(f"{r['mode']} {r['system']} seed {r['seed']}" for r in failed) + ".",
-        ]
-    loads = [r["load1"] for r in rows]
+    failed = [f"{r['mode']} {r['system']} seed {r['seed']}" for r in rows if r["loss"] is None]
+    lines += run_notes(failed, [r["load1"] for r in rows])
     lines += [
-        "",
-        f"Load average (1 min) at the end of each run: {min(loads):g} to {max(loads):g} (2 cores, shared).",
         "",
         "The baseline trains the same update rule in one process for the same samples from the same",
         "initial model (async: one update a step; sync: the sum of N updates a step); `delayed` is",
@@ -287,7 +380,7 @@ def main() -> int:
         root = args.workdir or Path(tmp)
         for seed in [int(s) for s in args.seeds.split(",")]:
             for mode in args.modes.split(","):
-                for system in ["baseline", *args.systems.split(",")]:
+                for system in ["baseline", *split_systems(args.systems)]:
                     if system == DELAYED and mode == "sync":
                         continue  # a synchronous round has no delays
                     try:
@@ -308,11 +401,7 @@ def main() -> int:
     text = summary(rows, args, digest)
     name = "train_charlm" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / f"{name}.csv", rows)
     (args.out / f"{name}.md").write_text(text)
     print(text)
     return 0

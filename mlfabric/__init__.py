@@ -35,6 +35,7 @@ _API = {
     "DROPPED",
     "UNKNOWN",
     "join_allreduce",
+    "LocalSGD",
     "AllreduceGroup",
     "AllreduceHandle",
 }

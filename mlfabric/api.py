@@ -65,6 +65,7 @@ from mlfabric.localclient import (
     check_size,
     connect,
 )
+from mlfabric.localsgd import LocalSGD
 from mlfabric.params import Params
 from mlfabric.proto.v1 import local_pb2
 from mlfabric.replica import Replica, register_as_replica
@@ -79,6 +80,7 @@ __all__ = [
     "UNKNOWN",
     "AllreduceGroup",
     "AllreduceHandle",
+    "LocalSGD",
     "MlfabricError",
     "Params",
     "PushHandle",

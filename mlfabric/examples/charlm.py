@@ -27,7 +27,7 @@ process — the baseline the distributed runs are compared with, sample for samp
 Run a server and N workers next to their hosts' daemons (``MLFABRIC_DAEMON`` or ``--daemon``)::
 
     python -m mlfabric.examples.charlm server --name ps0 --model-file /tmp/model.npz
-    python -m mlfabric.examples.charlm worker --rank 0 --world 4 --max-pushes 250
+    python -m mlfabric.examples.charlm worker --rank 0 --world 4 --steps 250 --codec int8+ef
 
 ``experiments/train_charlm.py`` runs them on a local cluster, asynchronously and
 synchronously, with the fair and stf+agg policies, next to the single-process baseline.
@@ -56,8 +56,11 @@ from mlfabric.examples.digits import (
     _stop_on_signals,
     _write_json,
     add_launch_options,
+    add_push_options,
+    local_sgd,
     push_record,
     run_role,
+    sgd_steps,
 )
 
 __all__ = [
@@ -393,18 +396,13 @@ def train_local(
     ['loss', 'model', 'perplexity', 'samples']
     """
     train, val = load_data(budget)
-    model = {k: v.numpy() for k, v in init_model(config, seed).items()}
     rng = np.random.default_rng(seed)
-    past = [{k: v.copy() for k, v in model.items()}]  # the models of the last ``delay`` steps and now
-    for _ in range(steps):
-        total: dict[str, Any] = {}
-        base = past[0]
-        for _ in range(per_step):
-            update, _ = gradient_step(base, config, *batches(train, config.context, batch, rng), lr, clip)
-            total = {k: total.get(k, 0) + v.numpy() for k, v in update.items()}
-        for k, v in total.items():
-            model[k] -= v
-        past = [*past, {k: v.copy() for k, v in model.items()}][-(delay + 1) :]
+
+    def update(base: dict[str, Any]) -> dict[str, Any]:
+        return gradient_step(base, config, *batches(train, config.context, batch, rng), lr, clip)[0]
+
+    start = {k: v.numpy() for k, v in init_model(config, seed).items()}
+    model = sgd_steps(start, steps, update, per_step=per_step, delay=delay)
     loss, ppl = evaluate(model, config, val)
     return {"model": model, "loss": loss, "perplexity": ppl, "samples": steps * per_step * batch}
 
@@ -472,7 +470,10 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """Get, compute, push, wait — ``--max-pushes`` times (synchronous: each get is the last round's model)."""
+    """Get, compute, push, wait — ``--steps`` times (``mlfabric.LocalSGD``: every ``--local-period``).
+
+    Each push is followed by a get of at least the version it was applied in (synchronous:
+    the round's model)."""
     import mlfabric
 
     torch = _torch()
@@ -484,6 +485,7 @@ def run_worker(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(1000 * args.seed + args.rank)
     me = f"worker{args.rank}"
     worker = mlfabric.register_as_worker(args.job, name=me, daemon=args.daemon, wait=60.0)
+    local = local_sgd(worker, args)
     results: list[dict[str, Any]] = []
     with worker:
         worker.get(args.server)  # warm up (imports, connections) before the clock starts
@@ -491,18 +493,18 @@ def run_worker(args: argparse.Namespace) -> int:
             Path(args.ready_file).touch()
         while args.go_file and not Path(args.go_file).exists() and not stop.is_set():
             time.sleep(0.01)
-        floor = None  # synchronous: the version the last round was applied in
-        while not stop.is_set() and len(results) < args.max_pushes:
-            version, model = worker.get(args.server, min_version=floor, timeout=args.push_timeout)
-            update, loss = gradient_step(
-                model, config, *batches(mine, config.context, args.batch, rng), args.lr
-            )
-            result = worker.push(args.server, update).wait(timeout=args.push_timeout)
-            results.append({**push_record(result, version), "loss": loss})
-            if args.sync and result.applied:
-                floor = result.version
-            if args.progress > 0 and len(results) % 50 == 0:
-                _say(f"{me}: {len(results)} pushes, last {result.status}, training loss {loss:.3f}")
+        local.fetch()
+        while not stop.is_set() and local.steps < args.steps:
+            version = local.version
+            x, y = batches(mine, config.context, args.batch, rng)
+            update, loss = gradient_step(local.model, config, x, y, args.lr)
+            result = local.step(update)
+            if result is None and local.steps == args.steps:
+                result = local.flush()  # the steps since the last push
+            if result is not None:
+                results.append({**push_record(result, version), "loss": loss, "steps": local.steps})
+            if args.progress > 0 and local.steps % 50 == 0:
+                _say(f"{me}: {local.steps} steps, {local.pushes} pushes, training loss {loss:.3f}")
     if args.stats_file:
         _write_json(Path(args.stats_file), {"rank": args.rank, "pushes": results})
     return 0
@@ -540,8 +542,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--budget", type=int, default=BUDGET, help="corpus bytes")
     worker.add_argument("--lr", type=float, default=0.3)
     worker.add_argument("--batch", type=int, default=16, help="sequences per update")
-    worker.add_argument("--max-pushes", type=int, required=True)
-    worker.add_argument("--sync", action="store_true", help="get the model of the round just applied")
+    worker.add_argument(
+        "--steps",
+        "--max-pushes",
+        dest="steps",
+        type=int,
+        required=True,
+        help="gradient steps (pushes without local SGD)",
+    )
+    add_push_options(worker)
     add_launch_options(worker)
     worker.set_defaults(run=run_worker)
     return parser

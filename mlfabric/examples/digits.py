@@ -45,13 +45,18 @@ import numpy as np
 __all__ = [
     "accuracy",
     "add_launch_options",
+    "add_push_options",
     "init_model",
     "load_data",
+    "local_sgd",
     "main",
     "push_record",
     "run_role",
     "run_server",
     "run_worker",
+    "sgd_steps",
+    "split_codec",
+    "train_local",
 ]
 
 #: Tensor names of the MLP, in order: 64 -> hidden -> 10.
@@ -120,6 +125,72 @@ def gradient_step(model: dict[str, Any], x: np.ndarray, y: np.ndarray, lr: float
     loss = torch.nn.functional.cross_entropy(_logits(params, torch.from_numpy(x)), torch.from_numpy(y))
     loss.backward()
     return {k: (lr * p.grad).detach() for k, p in params.items()}
+
+
+def sgd_steps(
+    model: dict[str, np.ndarray],
+    steps: int,
+    update: Any,
+    *,
+    per_step: int = 1,
+    delay: int = 0,
+) -> dict[str, np.ndarray]:
+    """The examples' rule in one process: ``steps`` times ``model -=`` the sum of ``per_step`` updates.
+
+    ``update(model)`` gives one update (name -> numpy array or torch tensor, ``lr`` x a
+    gradient) computed from ``model``. ``per_step=N`` is a synchronous round of N workers;
+    ``delay=d`` computes every update from the model as it was ``d`` steps before (the steady
+    state of asynchronous SGD with ``d + 1`` workers taking turns). Returns the new model
+    (``model`` itself is not changed).
+
+    Examples
+    --------
+    >>> out = sgd_steps({"w": np.zeros(2)}, 3, lambda m: {"w": m["w"] * 0 + 1.0}, per_step=2)
+    >>> out["w"].tolist()
+    [-6.0, -6.0]
+    """
+    model = {k: np.array(v) for k, v in model.items()}
+    past = [{k: v.copy() for k, v in model.items()}]  # the models of the last ``delay`` steps and now
+    for _ in range(steps):
+        total: dict[str, Any] = {}
+        for _ in range(per_step):
+            for k, v in update(past[0]).items():
+                total[k] = total.get(k, 0) + np.asarray(v)
+        for k, v in total.items():
+            model[k] -= v
+        past = [*past, {k: v.copy() for k, v in model.items()}][-(delay + 1) :]
+    return model
+
+
+def train_local(
+    hidden: int, steps: int, *, per_step: int = 1, batch: int = 32, lr: float = 0.05, seed: int = 0
+) -> dict[str, Any]:
+    """The single-process baseline (:func:`sgd_steps`) from ``init_model(hidden, seed)``; test accuracy.
+
+    Batches are drawn from the whole training set (``default_rng(seed)``).
+
+    Examples
+    --------
+    >>> out = train_local(32, 20, batch=16, lr=0.1)
+    >>> sorted(out), out["accuracy"] > 0.3
+    (['accuracy', 'model'], True)
+    """
+    import torch
+
+    x_train, y_train, x_test, y_test = load_data(seed)
+    rng = np.random.default_rng(seed)
+
+    def update(model: dict[str, np.ndarray]) -> dict[str, Any]:
+        pick = rng.integers(0, len(x_train), size=batch)
+        tensors = {k: torch.from_numpy(v) for k, v in model.items()}
+        return gradient_step(tensors, x_train[pick], y_train[pick], lr)
+
+    start = {k: v.numpy() for k, v in init_model(hidden, seed).items()}
+    model = sgd_steps(start, steps, update, per_step=per_step)
+    return {
+        "model": model,
+        "accuracy": accuracy({k: torch.from_numpy(v) for k, v in model.items()}, x_test, y_test),
+    }
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -231,7 +302,12 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """Get, compute, push, wait — until the stop file appears or ``--max-pushes`` are done."""
+    """Get, compute, push, wait — until the stop file appears or ``--steps`` are done.
+
+    With ``--local-period H`` the steps are local (:class:`mlfabric.LocalSGD`): one push of
+    their sum every H steps (every step for the first ``--local-warmup``)."""
+    import torch
+
     import mlfabric
 
     stop = _stop_on_signals()
@@ -253,6 +329,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.progress > 0:
         _say(f"{me}: registered with job {args.job} (servers: {', '.join(sorted(worker.servers))})")
     said = time.monotonic()
+    local = local_sgd(worker, args)
     with worker:
         worker.get(args.server)  # warm up (imports, connections) before the clock starts
         if args.ready_file:
@@ -260,17 +337,23 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.go_file:
             while not Path(args.go_file).exists() and not stop.is_set():
                 time.sleep(0.01)
+        local.fetch()
         while not stop.is_set() and (stop_file is None or not stop_file.exists()):
-            if args.max_pushes is not None and len(results) >= args.max_pushes:
+            if args.steps is not None and local.steps >= args.steps:
                 break
-            version, model = worker.get(args.server, as_torch=True)
+            version = local.version
+            model = {k: torch.from_numpy(v) for k, v in local.model.items()}
             batch = rng.choice(shard, size=args.batch_size)
             update = gradient_step(model, x_train[batch], y_train[batch], args.lr)
             if args.compute_delay > 0:
                 time.sleep(args.compute_delay)
-            pushed = time.monotonic()
-            result = worker.push(args.server, update).wait(timeout=args.push_timeout)
-            results.append({**push_record(result, version), "seconds": time.monotonic() - pushed})
+            began = time.monotonic()
+            result = local.step(update)
+            if result is None and local.steps == args.steps:
+                result = local.flush()  # the steps since the last push
+            if result is not None:  # seconds: the push, its verdict and the get of the model
+                seconds = time.monotonic() - began
+                results.append({**push_record(result, version), "seconds": seconds, "steps": local.steps})
             if args.progress > 0 and time.monotonic() - said >= args.progress:
                 _say(progress())
                 said = time.monotonic()
@@ -290,6 +373,50 @@ def push_record(result: Any, base_version: int) -> dict[str, Any]:
         "reason": result.reason,
         "base_version": base_version,
     }
+
+
+def split_codec(spec: str | None) -> tuple[str | None, bool]:
+    """A codec option (``int8+ef``) as push's ``codec`` and ``error_feedback``.
+
+    Examples
+    --------
+    >>> split_codec("int8+ef"), split_codec("fp16"), split_codec(None)
+    (('int8', True), ('fp16', False), (None, False))
+    """
+    if not spec:
+        return None, False
+    return spec.removesuffix("+ef"), spec.endswith("+ef")
+
+
+def add_push_options(worker: argparse.ArgumentParser) -> None:
+    """A worker's options for how it pushes: the codec and local SGD (:func:`local_sgd`)."""
+    worker.add_argument(
+        "--codec",
+        help="push codec (docs/compression.md: fp16, bf16, int8, int8:bound=6, ...); +ef: error feedback",
+    )
+    worker.add_argument(
+        "--local-period", type=int, default=1, help="local SGD: local steps per push (default 1: every step)"
+    )
+    worker.add_argument(
+        "--local-warmup", type=int, default=0, help="post-local SGD: push every step for the first K steps"
+    )
+
+
+def local_sgd(worker: Any, args: argparse.Namespace) -> Any:
+    """The worker's :class:`mlfabric.LocalSGD` from :func:`add_push_options`' options (seeded rounding)."""
+    import mlfabric
+
+    codec, feedback = split_codec(args.codec)
+    worker.rng = np.random.default_rng([args.seed, 7919, args.rank])  # stochastic int8 rounding
+    return mlfabric.LocalSGD(
+        worker,
+        args.server,
+        period=args.local_period,
+        warmup=args.local_warmup,
+        codec=codec,
+        error_feedback=feedback,
+        timeout=args.push_timeout,
+    )
 
 
 def add_launch_options(worker: argparse.ArgumentParser) -> None:
@@ -339,8 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--lr", type=float, default=0.05)
     worker.add_argument("--batch-size", type=int, default=32)
     worker.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds per step (straggler)")
-    worker.add_argument("--max-pushes", type=int, default=None)
+    worker.add_argument(
+        "--steps",
+        "--max-pushes",
+        dest="steps",
+        type=int,
+        default=None,
+        help="gradient steps (default: no limit)",
+    )
     worker.add_argument("--stop-file", help="stop once this file exists")
+    add_push_options(worker)
     add_launch_options(worker)
     worker.set_defaults(run=run_worker)
     return parser

@@ -117,9 +117,9 @@ def test_training_through_a_local_cluster_applies_every_push(tmp_path: Path, syn
         workers = [
             cluster.spawn(
                 f"w{rank}",
-                [*example, "worker", "--rank", str(rank), "--world", "2", "--max-pushes", "12", "--lr", "1.0"]
+                [*example, "worker", "--rank", str(rank), "--world", "2", "--steps", "12", "--lr", "1.0"]
                 + ["--budget", "200000", "--stats-file", str(tmp_path / f"w{rank}.json")]
-                + (["--sync"] if sync else []),
+                + (["--local-period", "2", "--codec", "fp16+ef"] if sync else []),
             )
             for rank in range(2)
         ]
@@ -128,11 +128,13 @@ def test_training_through_a_local_cluster_applies_every_push(tmp_path: Path, syn
         server.popen.terminate()
         assert server.popen.wait(timeout=30) == 0, server.log_tail()
     pushes = [p for r in range(2) for p in json.loads((tmp_path / f"w{r}.json").read_text())["pushes"]]
-    assert len(pushes) == 24 and {p["status"] for p in pushes} == {"APPLIED"}, pushes
+    # sync: local SGD, 12 steps in 6 pushes of 2 (fp16, error feedback) from each worker
+    count = 12 if sync else 24
+    assert len(pushes) == count and {p["status"] for p in pushes} == {"APPLIED"}, pushes
     status = json.loads(status_file.read_text())
-    assert status["final"] and status["worker_updates"] == 24 and status["dropped"] == 0
+    assert status["final"] and status["worker_updates"] == count and status["dropped"] == 0
     if sync:
-        assert status["payloads"] == 12 and status["partial_rounds"] == 0
+        assert status["payloads"] == 6 and status["partial_rounds"] == 0
     with np.load(model_file) as saved:
         trained = {k: saved[k] for k in saved.files}
     _, val = charlm.load_data(budget=200_000)
