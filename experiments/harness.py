@@ -39,6 +39,7 @@ __all__ = [
     "save_results",
     "start",
     "stop_all",
+    "wait_file",
     "write_csv",
 ]
 
@@ -165,3 +166,13 @@ def save_results(out: Path, name: str, rows: Sequence[Mapping[str, Any]], text: 
     """Write ``rows`` to ``out/<name>.csv`` and the summary ``text`` to ``out/<name>.md``."""
     write_csv(out / f"{name}.csv", rows)
     (out / f"{name}.md").write_text(text)
+
+
+def wait_file(path: Path, popen: Any, timeout: float) -> str:
+    """Wait for ``path`` to appear; a RuntimeError if ``popen`` exits or ``timeout`` s pass first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{path.name} never appeared (process exit code {popen.poll()})")
+        time.sleep(0.05)
+    return path.read_text()

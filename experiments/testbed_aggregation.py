@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_e2e as e2e  # the model, data, accuracy log, gloo PS and NS schedule
 from harness import init_gloo, save_results, stop_all
 from testbed_codecs import ratios
+from testbed_gloo import gloo_role, unflatten
 
 from mlfabric.readyfile import write_ready_file
 
@@ -143,7 +144,7 @@ def gloo_sync(args: argparse.Namespace) -> int:
                 w.wait()
             flat.sub_(torch.stack(bufs).sum(0))
             version += 1
-            e2e.load_numpy(model, e2e.unflatten(flat, names, shapes, sizes))
+            e2e.load_numpy(model, unflatten(flat, names, shapes, sizes))
             log.record(version, e2e.accuracy(model, xte, yte))
             if log.reached is not None or time.monotonic() > deadline:
                 stop[0] = 1
@@ -156,7 +157,7 @@ def gloo_sync(args: argparse.Namespace) -> int:
         dist.recv(buf, src=0)
         if buf[-1].item():
             return 0
-        e2e.load_numpy(model, e2e.unflatten(buf[:-1], names, shapes, sizes))
+        e2e.load_numpy(model, unflatten(buf[:-1], names, shapes, sizes))
         update = e2e.gradient(model, xtr, ytr, args.batch, rng, args.lr)
         time.sleep(args.compute_delay)
         dist.send(torch.cat([torch.as_tensor(update[k]).reshape(-1) for k in names]), dst=0)
@@ -556,7 +557,7 @@ def main() -> int:
     if args.role == "mlf-worker":
         return e2e.mlf_worker(args, job="agg")
     if args.role == "gloo":
-        return e2e.gloo_role(args)
+        return gloo_role(args)
     if args.role == "gloo-sync":
         return gloo_sync(args)
     if args.role == "ddp":

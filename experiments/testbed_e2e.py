@@ -34,12 +34,9 @@ import argparse
 import csv
 import itertools
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,94 +44,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import init_gloo, stop_all
+from digits_task import HIDDEN, AccuracyLog, accuracy, dataset, gradient, load_numpy, make_model, reached
+from harness import wait_file
+from testbed_gloo import gloo_role, run_gloo
 
 from mlfabric.examples.digits import split_codec
 from mlfabric.readyfile import write_ready_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("stf", "fair", "gloo")
-HIDDEN = 1024
-
-
-# ----------------------------------------------------------------------------- model
-
-
-def dataset(seed: int = 0) -> tuple[Any, Any, Any, Any]:
-    """Digits (bundled with scikit-learn), scaled to [0, 1], a fixed 80/20 split."""
-    import torch
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    idx = np.random.default_rng(seed).permutation(len(x))
-    train, test = idx[:1437], idx[1437:]
-    return (torch.tensor(x[train]), torch.tensor(y[train]), torch.tensor(x[test]), torch.tensor(y[test]))
-
-
-def make_model(seed: int = 0) -> Any:
-    import torch
-
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 10),
-    )
-
-
-def accuracy(model: Any, x: Any, y: Any) -> float:
-    import torch
-
-    with torch.no_grad():
-        return int((model(x).argmax(1) == y).sum()) / len(y)  # exact: 342/360 is 0.95
-
-
-def gradient(model: Any, x: Any, y: Any, batch: int, rng: np.random.Generator, lr: float) -> dict[str, Any]:
-    """``lr * grad`` of the loss on one minibatch, per parameter name (float32 numpy)."""
-    import torch
-
-    b = torch.as_tensor(rng.integers(0, len(x), size=batch))
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(x[b]), y[b]).backward()
-    return {k: (lr * p.grad).numpy() for k, p in model.named_parameters()}
-
-
-def load_numpy(model: Any, tensors: dict[str, np.ndarray]) -> None:
-    import torch
-
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(torch.as_tensor(np.asarray(tensors[k])))
-
-
-def reached(acc: float, target: float) -> bool:
-    """Whether ``acc`` meets ``target`` (tolerant of float32 rounding: 0.9499999881 is 0.95)."""
-    return acc >= target - 1e-6
-
-
-class AccuracyLog:
-    """The server's progress: (seconds since the first update, version, accuracy) rows."""
-
-    def __init__(self, path: Path, target: float) -> None:
-        self.path, self.target = path, target
-        self.rows: list[dict[str, float]] = []
-        self.start: float | None = None
-        self.reached: float | None = None
-
-    def record(self, version: int, acc: float) -> None:
-        now = time.time()
-        self.start = self.start or now
-        self.rows.append({"t": now - self.start, "version": version, "accuracy": acc})
-        if self.reached is None and reached(acc, self.target):
-            self.reached = now - self.start
-
-    def save(self, extra: dict[str, Any]) -> None:
-        """Write the rows, the time to target and ``start`` (Unix seconds of the first row)."""
-        body = {"rows": self.rows, "time_to_target": self.reached, "start": self.start, **extra}
-        self.path.write_text(json.dumps(body))
 
 
 # --------------------------------------------------------------------- mlfabric roles
@@ -256,88 +174,6 @@ def split_system(system: str) -> tuple[str, str | None, str | None]:
     return policy, codec or None, model_codec or None
 
 
-# ------------------------------------------------------------------------ gloo roles
-
-
-def unflatten(flat: Any, names: list, shapes: list, sizes: list) -> dict[str, np.ndarray]:
-    """Split one flat tensor back into named parameter arrays."""
-    parts = flat.split(sizes)
-    return {k: parts[i].reshape(shapes[i]).numpy() for i, k in enumerate(names)}
-
-
-def gloo_role(args: argparse.Namespace) -> int:
-    """One rank of the gloo parameter server (rank 0 serves, the others work)."""
-    import torch
-    import torch.distributed as dist
-
-    init_gloo(args.store, args.rank, args.world, args.ready_file)
-    model = make_model()
-    names = [k for k, _ in model.named_parameters()]
-    shapes = [p.shape for _, p in model.named_parameters()]
-    sizes = [p.numel() for _, p in model.named_parameters()]
-    flat = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
-    if args.rank == 0:
-        return gloo_server(args, model, flat, names, shapes, sizes)
-    xtr, ytr, _, _ = dataset()
-    rng = np.random.default_rng(args.seed)
-    buf = torch.empty_like(flat)
-    while True:
-        dist.recv(buf, src=0)
-        load_numpy(model, unflatten(buf, names, shapes, sizes))
-        update = gradient(model, xtr, ytr, args.batch, rng, args.lr)
-        time.sleep(args.compute_delay)
-        dist.send(torch.cat([torch.as_tensor(update[k]).reshape(-1) for k in names]), dst=0)
-
-
-def gloo_server(
-    args: argparse.Namespace, model: Any, flat: Any, names: list, shapes: list, sizes: list
-) -> int:
-    """Rank 0: one thread per worker receives its gradients (all concurrently) and answers with the model.
-
-    Gloo's ``Work.is_completed`` does not advance for point-to-point operations nobody
-    waits on, so the straightforward asynchronous server is a blocking ``recv`` per worker
-    in its own thread; the threads apply under one lock.
-    """
-    import torch.distributed as dist
-
-    _, _, xte, yte = dataset()
-    log = AccuracyLog(Path(args.out), args.target)
-    lock = threading.Lock()
-    state = {"version": 0}
-    delays: list[int] = []
-    done = threading.Event()
-
-    def serve(rank: int) -> None:
-        buf = flat.clone()
-        with lock:
-            model_copy, sent_version = flat.clone(), state["version"]
-        while not done.is_set():
-            dist.send(model_copy, dst=rank)
-            dist.recv(buf, src=rank)
-            with lock:
-                flat.sub_(buf)
-                delays.append(state["version"] - sent_version)
-                state["version"] += 1
-                model_copy, sent_version = flat.clone(), state["version"]
-
-    for rank in range(1, args.world):
-        threading.Thread(target=serve, args=(rank,), daemon=True).start()
-    deadline = time.monotonic() + args.time_limit
-    last = 0
-    while time.monotonic() < deadline and log.reached is None:
-        time.sleep(0.25)
-        with lock:
-            version, snapshot = state["version"], flat.clone()
-        if version != last:
-            last = version
-            load_numpy(model, unflatten(snapshot, names, shapes, sizes))
-            log.record(version, accuracy(model, xte, yte))
-    done.set()
-    with lock:
-        log.save({"applied": state["version"], "dropped": 0, "delays": list(delays)})
-    os._exit(0)  # the threads are blocked in gloo; the driver terminates the workers
-
-
 # ---------------------------------------------------------------------------- driver
 
 
@@ -383,54 +219,6 @@ def run_system(
             p.popen.terminate()
     transfers = [dict(r, system=system) for r in cluster.transfer_reports()]  # the daemons' reports
     return {**json.loads(out.read_text()), "transfers": transfers}
-
-
-def run_gloo(
-    testbed: Any,
-    workers: list[str],
-    args: argparse.Namespace,
-    delays: dict[str, float],
-    rates: Any,
-    workdir: Path,
-    me: list[str],
-    common: list[str],
-) -> dict[str, Any]:
-    out, ready = workdir / "server.json", workdir / "server.ready"
-    env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-    world = len(workers) + 1
-    base = [*me, "--role", "gloo", *common, "--world", str(world)]
-    rank0_files = ["--out", str(out), "--ready-file", str(ready)]
-    procs = []
-    try:
-        with open(workdir / "rank0.log", "wb") as log0:
-            server = testbed.popen(
-                "ps",
-                [*base, "--rank", "0", "--store", f"{testbed.address('ps')}:0", *rank0_files],
-                env=env,
-                stdout=log0,
-                stderr=subprocess.STDOUT,
-            )
-            procs.append(server)
-            port = json.loads(wait_file(ready, server, 60))["port"]
-            rates.start()
-            for i, w in enumerate(workers):
-                argv = [*base, "--rank", str(i + 1), "--store", f"{testbed.address('ps')}:{port}"]
-                argv += ["--seed", str(i), "--compute-delay", str(delays[w]), "--out", "-"]
-                procs.append(testbed.popen(w, argv, env=env, stdout=log0, stderr=subprocess.STDOUT))
-            server.wait(timeout=args.time_limit + 120)
-            rates.stop()
-    finally:
-        stop_all(procs)  # a rank may be stuck in gloo
-    return json.loads(out.read_text())
-
-
-def wait_file(path: Path, popen: Any, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if popen.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{path.name} never appeared (process exit code {popen.poll()})")
-        time.sleep(0.05)
-    return path.read_text()
 
 
 def ns_setting(graph: Any, workers: list[str], args: argparse.Namespace) -> list:
