@@ -335,6 +335,7 @@ def driver(args: argparse.Namespace) -> int:
     transfers: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-e2e-") as tmp_dir:
         tmp = args.workdir or Path(tmp_dir)
+        tmp.mkdir(parents=True, exist_ok=True)
         topo = write_topology(tmp / "topology.toml", args, uplinks, workers)
         graph = load_topology(topo)
         changes = ns_setting(graph, workers, args)
