@@ -417,6 +417,12 @@ def _median(xs: list[float]) -> float | None:
     return float(statistics.median(xs)) if xs else None
 
 
+def _systems_option(args: argparse.Namespace) -> str:
+    """`` --systems ...`` when the run named other systems than the default ones, else ""."""
+    systems = getattr(args, "systems", None)
+    return f" --systems {systems}" if systems and systems != ",".join(SYSTEMS) else ""
+
+
 def _per_seed(values: list[float]) -> str:
     """``a / b / c (median m)`` of per-seed ratios ("-" when none).
 
@@ -444,7 +450,8 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"(compute {args.compute:g} s). Target {args.target}; tau_max {args.tau_max}; "
         f"seeds {args.seeds}. Command: `python experiments/testbed_aggregation.py"
         f"{' --quick' if args.quick else ''} --seeds {args.seeds} --modes {args.modes}"
-        f"{f' --scale {args.scale:g}' if args.scale != 1 else ''}`.",
+        f"{f' --scale {args.scale:g}' if args.scale != 1 else ''}"
+        f"{_systems_option(args)}`.",
         "",
         "| mode | system | runs | reached | median time to target (s) | min-max (s) | vs fair "
         "| vs faster gloo baseline | vs uncompressed, per seed | server ingress per applied update (MB) "
