@@ -23,6 +23,11 @@ or everything on this machine (a scheduler and one daemon per rank on loopback):
 Every rank trains on its own shard with the same seeded batches, so a run with mlfabric and
 one with gloo start from the same parameters and see the same buckets: their final
 parameters agree to float32 rounding (``tests/allreduce/test_ddp_hook.py``).
+
+``--compress fp16`` sends the buckets as half-precision floats the way torch composes
+compression with any hook: ``fp16_compress_wrapper(mlfabric.torch.allreduce_hook)``
+(torch's own wrapper around mlfabric's hook; with ``--comm gloo`` torch's
+``fp16_compress_hook``), half the bytes per all-reduce (docs/allreduce.md).
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ from mlfabric.examples.digits import load_data
 
 #: Who all-reduces the buckets: mlfabric over the process group, mlfabric's daemons, or gloo.
 COMMS = ("mlfabric", "mlfabric-daemons", "gloo")
+#: What ``--compress`` takes: the bucket cast to this dtype around the hook (torch's wrapper;
+#: torch's bf16 wrapper needs CUDA 11+ and NCCL 2.10+, DDP refuses it on CPU).
+COMPRESS = ("fp16",)
 
 __all__ = ["build_model", "launch", "main", "train_rank"]
 
@@ -66,6 +74,7 @@ def train_rank(
     job: str = "ddp-digits",
     daemon: str | None = None,
     local_sgd: tuple[int, int] | None = None,
+    compress: str | None = None,
 ) -> dict[str, Any]:
     """Train one rank for ``steps`` SGD steps; return its final parameters, accuracy and time.
 
@@ -79,12 +88,19 @@ def train_rank(
         Post-local SGD ``(K, H)``: gradients all-reduced for the first ``K`` steps, then local
         steps with the parameters averaged every ``H`` steps — torch's hook and averager over
         gloo (``gloo``), or the same schedule over mlfabric (:mod:`mlfabric.torch.localsgd`).
+    compress : {"fp16"}, optional
+        The buckets all-reduced as float16: torch's ``fp16_compress_wrapper`` around the hook
+        (mlfabric's or, with ``gloo``, torch's ``allreduce_hook``). Not with ``local_sgd``.
     """
     import torch
     import torch.distributed as dist
 
     if comm not in COMMS:
         raise ValueError(f"--comm must be one of {COMMS}, got {comm!r}")
+    if compress is not None and compress not in COMPRESS:
+        raise ValueError(f"--compress must be one of {COMPRESS}, got {compress!r}")
+    if compress is not None and local_sgd is not None:
+        raise ValueError("--compress and --local-sgd do not combine (local SGD's averaging is not a hook)")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     group = None
@@ -109,7 +125,7 @@ def train_rank(
             )
             hook_state = mlfabric.torch.HookState(group, timeout=60.0)
             if local_sgd is None:
-                model.register_comm_hook(hook_state, mlfabric.torch.allreduce_hook)
+                model.register_comm_hook(hook_state, _compressed(mlfabric.torch.allreduce_hook, compress))
             else:
                 state = mlfabric.torch.LocalSGDState(post_local, hook_state)
                 model.register_comm_hook(state, mlfabric.torch.post_local_sgd_hook)
@@ -120,6 +136,10 @@ def train_rank(
 
             model.register_comm_hook(post_local, post_localSGD_hook)
             averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
+        elif compress is not None:  # torch's own hook, compressed by torch's wrapper
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            model.register_comm_hook(dist.group.WORLD, _compressed(allreduce_hook, compress))
         x_train, y_train, x_test, y_test = load_data(seed)
         shard = np.arange(rank, len(x_train), world_size)
         rng = np.random.default_rng(seed * 1000 + rank)
@@ -146,8 +166,22 @@ def train_rank(
         dist.destroy_process_group()
 
 
+def _compressed(hook: Any, compress: str | None) -> Any:
+    """``hook`` wrapped by torch's ``fp16_compress_wrapper`` (or as it is)."""
+    if compress is None:
+        return hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
+
+    return fp16_compress_wrapper(hook)
+
+
 def launch(
-    world_size: int, comm: str, steps: int, seed: int = 0, local_sgd: tuple[int, int] | None = None
+    world_size: int,
+    comm: str,
+    steps: int,
+    seed: int = 0,
+    local_sgd: tuple[int, int] | None = None,
+    compress: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run every rank on this machine: a scheduler and one daemon per rank on loopback (mlfabric).
 
@@ -177,6 +211,7 @@ def launch(
                 ]  # fmt: skip
                 if local_sgd is not None:
                     argv += ["--local-sgd", f"{local_sgd[0]}:{local_sgd[1]}"]
+                argv += ["--compress", compress] if compress else []
                 procs.append(cluster.spawn(hosts[rank], argv, name=f"rank{rank}"))
             for p in procs:
                 cluster.wait(p, timeout=600)
@@ -237,9 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             default=None,
             help="post-local SGD: all-reduce every step for K steps, then average the model every H",
         )
+        p.add_argument(
+            "--compress",
+            choices=COMPRESS,
+            default=None,
+            help="all-reduce the buckets as fp16 (torch's fp16_compress_wrapper around the hook)",
+        )
     args = parser.parse_args(argv)
     if args.command == "launch":
-        results = launch(args.world_size, args.comm, args.steps, args.seed, args.local_sgd)
+        results = launch(args.world_size, args.comm, args.steps, args.seed, args.local_sgd, args.compress)
         print(
             f"{args.comm}: {args.world_size} ranks, {args.steps} steps, test accuracy "
             f"{results[0]['accuracy']:.3f}, {results[0]['seconds']:.2f} s"
@@ -255,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         job=args.job,
         daemon=args.daemon,
         local_sgd=args.local_sgd,
+        compress=args.compress,
     )
     write_result(args.out, result)
     print(f"rank {args.rank}: accuracy {result['accuracy']:.3f} in {result['seconds']:.2f} s", flush=True)
