@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -130,12 +130,16 @@ class CodecBook:
         """``host``'s daemon went away: what was sent to it is forgotten (a new session gets it again)."""
         self.sent = {key: codec for key, codec in self.sent.items() if key[0] != host}
 
-    def refresh_due(self, now: float, graph: nx.DiGraph) -> Effects:
-        """:meth:`refresh` if :attr:`interval` passed since the last one (else nothing)."""
+    def refresh_due(self, now: float, graph_of: Callable[[], nx.DiGraph]) -> Effects:
+        """:meth:`refresh` on ``graph_of()`` if :attr:`interval` passed since the last one and a job
+        is ``auto`` (else nothing, and the graph is not asked for: callers pass the estimator's
+        ``estimated_graph``, a copy of the whole graph after each measurement)."""
         if now - self._last < self.interval:
             return Effects()
         self._last = now
-        return self.refresh(graph)
+        if not any(is_auto(j.params.compression) for j in self.state.jobs.values()) and not self.sent:
+            return Effects()
+        return self.refresh(graph_of())
 
     def refresh(self, graph: nx.DiGraph, hosts: Iterable[str] | None = None) -> Effects:
         """The advice for every (worker host, job, server) whose choice changed.

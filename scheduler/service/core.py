@@ -372,7 +372,7 @@ class SchedulerCore:
 
     def _routes_changed(self) -> None:
         """Roles or daemons changed: model routes and codec advice follow, coalesced while looping."""
-        self._execute(self.codecs.refresh_due(self.clock(), self.estimator.estimated_graph()))
+        self._execute(self.codecs.refresh_due(self.clock(), self.estimator.estimated_graph))
         if not self._looping:  # driven by hand (no release loop): at once
             self._execute(self.model_routes.refresh())
         elif self.model_routes.changed(self.clock()) < self._timer:
@@ -463,7 +463,7 @@ class SchedulerCore:
         self.recorder.measured(path, nbytes, duration, now)
         self.estimator.observe(path, nbytes, duration, now, shared=shared)
         self._execute(self.allreduce.replan(now))  # kept process-group plans follow the estimates
-        self._execute(self.codecs.refresh_due(now, self.estimator.estimated_graph()))  # and codecs
+        self._execute(self.codecs.refresh_due(now, self.estimator.estimated_graph))  # and codecs
 
     # ------------------------------------------------------- deciding/releasing
 

@@ -122,10 +122,10 @@ def test_advice_follows_the_bandwidth_and_a_new_session_gets_it_again() -> None:
     ((host, d),) = book.refresh(g).directives
     assert host == "fast" and d.codec_advice.codec == "int8"
     g.edges["fast", "sw"]["capacity"] = 100e9 / 8  # back: none again, at most once per interval
-    assert [d.codec_advice.codec for _, d in book.refresh_due(1e9, g).directives] == [""]
+    assert [d.codec_advice.codec for _, d in book.refresh_due(1e9, lambda: g).directives] == [""]
     g.edges["fast", "sw"]["capacity"] = 50e6 / 8
-    assert book.refresh_due(1e9 + 0.5, g).directives == []  # within the interval: later
-    assert [d.codec_advice.codec for _, d in book.refresh_due(1e9 + 1.0, g).directives] == ["int8"]
+    assert book.refresh_due(1e9 + 0.5, lambda: g).directives == []  # within the interval: later
+    assert [d.codec_advice.codec for _, d in book.refresh_due(1e9 + 1.0, lambda: g).directives] == ["int8"]
     # its daemon reconnects: the new session is advised again when its worker registers
     core.estimator = StaticEstimator(g)
     core.goodbye(sessions["fast"])
