@@ -17,7 +17,9 @@ and synchronously, with
 - ``POLICY@CODEC[@MODEL_CODEC]`` — an mlfabric policy whose workers push with a codec
   (``stf+agg@fp16``, ``stf+agg@int8+ef``: ``+ef`` adds error feedback at the sender) and whose
   server publishes its model with the model codec (docs/compression.md), as in
-  ``testbed_codecs.py``; the summary adds the ratio to the same policy without a codec.
+  ``testbed_codecs.py``; ``@hH`` adds local SGD (H local steps a push, ``@hHkK``: every
+  step for the first K; ``stf+agg@h4``, ``stf+agg@int8:bound=0.003+ef@h4``). The summary adds
+  the ratio to the same policy without a codec (every step pushed).
 
 Every (seed, mode, system) runs in turn on the same testbed, seeds and modes interleaved.
 For each run: time to target (from the first update), worker updates applied and the bytes
@@ -304,8 +306,7 @@ def run_one(
         rates.start()
         for i, w in enumerate(workers):
             argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(100 * seed + i)]
-            argv += ["--sync-workers", str(len(workers) if sync else 0)]
-            argv += ["--codec", codec] if codec else []
+            argv += ["--sync-workers", str(len(workers) if sync else 0), *e2e.worker_argv(system)]
             procs.append(c.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
         c.wait(server, timeout=args.time_limit + STARTUP_ALLOWANCE + 180)
         rates.stop()
@@ -515,7 +516,8 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The driver's options and the roles' (run inside the namespaces)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -553,8 +555,13 @@ def main() -> int:
     parser.add_argument("--sync-workers", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--div-max", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--codec", help=argparse.SUPPRESS)  # a worker's: fp16, int8+ef, ...
+    e2e.add_local_options(parser)
     parser.add_argument("--model-codec", help=argparse.SUPPRESS)  # the server's: fp16, bf16
-    args, _ = parser.parse_known_args()
+    return parser
+
+
+def main() -> int:
+    args, _ = build_parser().parse_known_args()
     args.target = args.target or (0.85 if args.quick else 0.95)
     args.time_limit = args.time_limit or (120.0 if args.quick else 400.0)
     if args.role is not None:

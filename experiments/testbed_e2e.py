@@ -22,7 +22,9 @@ the wall time from the first update until the accuracy first reaches the target.
 
 A system may name the workers' codec (``stf@int8+ef``, ``stf@auto``: the scheduler's choice,
 the job registered with ``Params(compression="auto")``; docs/compression.md) and the model's
-(``stf@int8+ef@fp16``); ``experiments/testbed_codecs.py`` compares them over seeds.
+(``stf@int8+ef@fp16``), and local SGD (``stf@h4``: 4 local steps a push; ``stf@int8+ef@h4k10``:
+post-local SGD, every step for the first 10); ``experiments/testbed_codecs.py`` compares them
+over seeds.
 
 Writes experiments/results/testbed_e2e[_quick].{csv,png,md} and ..._transfers.csv (the mlfabric
 daemons' transfer reports). Needs root, ip, tc, torch.
@@ -35,6 +37,7 @@ import csv
 import itertools
 import json
 import random
+import re
 import sys
 import tempfile
 import time
@@ -112,7 +115,12 @@ def job_params(args: argparse.Namespace, **params: Any) -> Any:
 
 
 def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
-    """A worker of ``job``: get, compute, push (with ``--codec``), wait (a round, when synchronous)."""
+    """A worker of ``job``: get, compute, push (with ``--codec``), wait (a round, when synchronous).
+
+    With ``--local-period H`` (``--local-warmup K``) the steps are local SGD's
+    (:class:`mlfabric.LocalSGD`): the gradient of the local copy applied to it, one push of the
+    steps' sum every H steps (every step for the first K), then the server's model again.
+    """
     import mlfabric
 
     xtr, ytr, _, _ = dataset()
@@ -120,8 +128,11 @@ def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
     rng = np.random.default_rng(args.seed)
     codec, feedback = split_codec(args.codec)
     sync = getattr(args, "sync_workers", 0) > 0
+    period, warmup = getattr(args, "local_period", 1), getattr(args, "local_warmup", 0)
     worker = mlfabric.register_as_worker(job, name=args.name, wait=60)
     worker.rng = np.random.default_rng(args.seed + 1000)  # int8's stochastic rounding, seeded
+    if period > 1 or warmup:
+        return _local_sgd_worker(args, worker, model, (xtr, ytr, rng), codec, feedback, (period, warmup))
     floor = None  # synchronous: the version its last update was applied in
     with worker:
         while True:
@@ -139,6 +150,43 @@ def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
             # in), which the host's daemon or its rack's relay may serve (docs/model-relays.md);
             # asynchronous: the server's current model, from the server's daemon
             floor = result.version if result.applied and sync else None
+
+
+def _local_sgd_worker(
+    args: argparse.Namespace,
+    worker: Any,
+    model: Any,
+    data: tuple[Any, Any, np.random.Generator],
+    codec: str | None,
+    feedback: bool,
+    schedule: tuple[int, int],
+) -> int:
+    """:func:`mlf_worker`'s loop with local steps: a push of their sum every ``schedule[0]``."""
+    import mlfabric
+
+    xtr, ytr, rng = data
+    period, warmup = schedule
+    local = mlfabric.LocalSGD(
+        worker, "ps", period=period, warmup=warmup, codec=codec, error_feedback=feedback, timeout=300
+    )
+    with worker:
+        try:
+            local.fetch()
+            while True:
+                load_numpy(model, local.model)
+                update = gradient(model, xtr, ytr, args.batch, rng, args.lr)
+                time.sleep(args.compute_delay)
+                result = local.step(update)  # a push (then the model again) every H-th step
+                if result is not None and not result.applied and "unregistered" in result.reason:
+                    return 0
+        except mlfabric.MlfabricError:
+            return 0  # the server is gone: training is over
+
+
+def add_local_options(parser: argparse.ArgumentParser) -> None:
+    """A worker role's local SGD options (:func:`worker_argv` writes them)."""
+    parser.add_argument("--local-period", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--local-warmup", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def split_systems(text: str) -> list[str]:
@@ -159,8 +207,13 @@ def split_systems(text: str) -> list[str]:
     return systems
 
 
+LOCAL_STEPS = re.compile(r"h(\d+)(?:k(\d+))?")
+
+
 def split_system(system: str) -> tuple[str, str | None, str | None]:
-    """``policy@codec[@model_codec]`` as the policy, the workers' codec and the model's.
+    """``policy@codec[@model_codec][@hH[kK]]`` as the policy, the workers' codec and the model's.
+
+    A part ``hH[kK]`` (local SGD, :func:`local_schedule`) is not a codec.
 
     Examples
     --------
@@ -168,10 +221,45 @@ def split_system(system: str) -> tuple[str, str | None, str | None]:
     (('stf', 'int8+ef', 'fp16'), ('stf', 'fp16', None), ('fair', None, None))
     >>> split_system("stf+agg@topk:ratio=0.01+ef@fp16")
     ('stf+agg', 'topk:ratio=0.01+ef', 'fp16')
+    >>> split_system("stf+agg@h4"), split_system("stf+agg@int8+ef@h4k10")
+    (('stf+agg', None, None), ('stf+agg', 'int8+ef', None))
     """
-    policy, _, codecs = system.partition("@")
-    codec, _, model_codec = codecs.partition("@")
-    return policy, codec or None, model_codec or None
+    policy, *parts = system.split("@")
+    codecs = [part for part in parts if not LOCAL_STEPS.fullmatch(part)] + ["", ""]
+    return policy, codecs[0] or None, codecs[1] or None
+
+
+def local_schedule(system: str) -> tuple[int, int]:
+    """Local SGD's steps per push H and post-local SGD's warmup K of a system's ``@hH[kK]``.
+
+    Examples
+    --------
+    >>> local_schedule("stf+agg@h4"), local_schedule("stf@int8+ef@h4k10"), local_schedule("stf")
+    ((4, 0), (4, 10), (1, 0))
+    """
+    for part in system.split("@")[1:]:
+        match = LOCAL_STEPS.fullmatch(part)
+        if match:
+            return int(match[1]), int(match[2] or 0)
+    return 1, 0
+
+
+def worker_argv(system: str) -> list[str]:
+    """The push options of a system's workers (``--role mlf-worker``): codec and local SGD.
+
+    Examples
+    --------
+    >>> worker_argv("stf+agg@int8+ef@h4k10")
+    ['--codec', 'int8+ef', '--local-period', '4', '--local-warmup', '10']
+    >>> worker_argv("stf")
+    []
+    """
+    _, codec, _ = split_system(system)
+    period, warmup = local_schedule(system)
+    argv = ["--codec", codec] if codec else []
+    if period > 1 or warmup:
+        argv += ["--local-period", str(period), "--local-warmup", str(warmup)]
+    return argv
 
 
 # ---------------------------------------------------------------------------- driver
@@ -210,8 +298,7 @@ def run_system(
         rates.start()
         procs = []
         for i, w in enumerate(workers):
-            argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(i)]
-            argv += ["--codec", codec] if codec else []
+            argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(i), *worker_argv(system)]
             procs.append(cluster.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
         cluster.wait(server, timeout=args.time_limit + 120)
         rates.stop()
@@ -476,6 +563,7 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
     parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--codec", help=argparse.SUPPRESS)  # a worker's: int8, fp16, int8+ef, ...
+    add_local_options(parser)
     parser.add_argument("--model-codec", help=argparse.SUPPRESS)  # the server's: fp16, bf16
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)

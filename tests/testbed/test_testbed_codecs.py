@@ -146,3 +146,18 @@ def test_sparse_codec_systems_parse_into_pushes_codec_and_the_models() -> None:
     # the ratio to the uncompressed run of the same policy
     times: dict[str, dict[int, float | None]] = {"stf+agg": {0: 60.0}, systems[1]: {0: 30.0}}
     assert codecs.ratios(times, systems[1]) == [2.0]
+
+
+def test_local_sgd_systems_reach_the_workers_as_their_schedule() -> None:
+    import testbed_aggregation as agg
+
+    system = "stf+agg@int8+ef@h4k10"
+    assert e2e.split_system(system) == ("stf+agg", "int8+ef", None)
+    argv = ["--role", "mlf-worker", "--name", "w0", *e2e.worker_argv(system)]
+    args, _ = agg.build_parser().parse_known_args(argv)
+    assert (args.codec, args.local_period, args.local_warmup) == ("int8+ef", 4, 10)
+    plain, _ = agg.build_parser().parse_known_args(["--role", "mlf-worker", *e2e.worker_argv("stf+agg")])
+    assert (plain.codec, plain.local_period, plain.local_warmup) == (None, 1, 0)
+    # compared with the same policy's uncompressed run, every step pushed
+    times: dict[str, dict[int, float | None]] = {"stf+agg": {0: 60.0}, "stf+agg@h4": {0: 40.0}}
+    assert codecs.ratios(times, "stf+agg@h4") == [1.5]
