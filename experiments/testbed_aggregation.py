@@ -18,7 +18,7 @@ and synchronously, with
   (``stf+agg@fp16``, ``stf+agg@int8+ef``: ``+ef`` adds error feedback at the sender) and whose
   server publishes its model with the model codec (docs/compression.md), as in
   ``testbed_codecs.py``; ``@hH`` adds local SGD (H local steps a push, ``@hHkK``: every
-  step for the first K; ``stf+agg@h4``, ``stf+agg@int8:bound=0.003+ef@h4``). The summary adds
+  step for the first K, ``@hHsS``: the delta pushed times S; ``stf+agg@h4s0.25``). The summary adds
   the ratio to the same policy without a codec (every step pushed).
 
 Every (seed, mode, system) runs in turn on the same testbed, seeds and modes interleaved.

@@ -23,7 +23,8 @@ the wall time from the first update until the accuracy first reaches the target.
 A system may name the workers' codec (``stf@int8+ef``, ``stf@auto``: the scheduler's choice,
 the job registered with ``Params(compression="auto")``; docs/compression.md) and the model's
 (``stf@int8+ef@fp16``), and local SGD (``stf@h4``: 4 local steps a push; ``stf@int8+ef@h4k10``:
-post-local SGD, every step for the first 10); ``experiments/testbed_codecs.py`` compares them
+post-local SGD, every step for the first 10; ``stf@h4s0.25``: the delta pushed times 0.25, the mean
+of the steps); ``experiments/testbed_codecs.py`` compares them
 over seeds.
 
 Writes experiments/results/testbed_e2e[_quick].{csv,png,md} and ..._transfers.csv (the mlfabric
@@ -128,11 +129,11 @@ def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
     rng = np.random.default_rng(args.seed)
     codec, feedback = split_codec(args.codec)
     sync = getattr(args, "sync_workers", 0) > 0
-    period, warmup = getattr(args, "local_period", 1), getattr(args, "local_warmup", 0)
+    schedule = (getattr(args, "local_period", 1), getattr(args, "local_warmup", 0))
     worker = mlfabric.register_as_worker(job, name=args.name, wait=60)
     worker.rng = np.random.default_rng(args.seed + 1000)  # int8's stochastic rounding, seeded
-    if period > 1 or warmup:
-        return _local_sgd_worker(args, worker, model, (xtr, ytr, rng), codec, feedback, (period, warmup))
+    if schedule != (1, 0):
+        return _local_sgd_worker(args, worker, model, (xtr, ytr, rng), codec, feedback, schedule)
     floor = None  # synchronous: the version its last update was applied in
     with worker:
         while True:
@@ -161,13 +162,21 @@ def _local_sgd_worker(
     feedback: bool,
     schedule: tuple[int, int],
 ) -> int:
-    """:func:`mlf_worker`'s loop with local steps: a push of their sum every ``schedule[0]``."""
+    """:func:`mlf_worker`'s loop with local steps: a push of their sum (times ``--local-scale``)
+    every ``schedule[0]``."""
     import mlfabric
 
     xtr, ytr, rng = data
     period, warmup = schedule
     local = mlfabric.LocalSGD(
-        worker, "ps", period=period, warmup=warmup, codec=codec, error_feedback=feedback, timeout=300
+        worker,
+        "ps",
+        period=period,
+        warmup=warmup,
+        codec=codec,
+        error_feedback=feedback,
+        scale=args.local_scale,
+        timeout=300,
     )
     with worker:
         try:
@@ -187,6 +196,7 @@ def add_local_options(parser: argparse.ArgumentParser) -> None:
     """A worker role's local SGD options (:func:`worker_argv` writes them)."""
     parser.add_argument("--local-period", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--local-warmup", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--local-scale", type=float, default=1.0, help=argparse.SUPPRESS)
 
 
 def split_systems(text: str) -> list[str]:
@@ -207,13 +217,13 @@ def split_systems(text: str) -> list[str]:
     return systems
 
 
-LOCAL_STEPS = re.compile(r"h(\d+)(?:k(\d+))?")
+LOCAL_STEPS = re.compile(r"h(\d+)(?:k(\d+))?(?:s(\d*\.?\d+))?")
 
 
 def split_system(system: str) -> tuple[str, str | None, str | None]:
-    """``policy@codec[@model_codec][@hH[kK]]`` as the policy, the workers' codec and the model's.
+    """``policy@codec[@model_codec][@hH[kK][sS]]`` as the policy, the workers' codec and the model's.
 
-    A part ``hH[kK]`` (local SGD, :func:`local_schedule`) is not a codec.
+    A part ``hH[kK][sS]`` (local SGD, :func:`local_schedule`) is not a codec.
 
     Examples
     --------
@@ -229,19 +239,23 @@ def split_system(system: str) -> tuple[str, str | None, str | None]:
     return policy, codecs[0] or None, codecs[1] or None
 
 
-def local_schedule(system: str) -> tuple[int, int]:
-    """Local SGD's steps per push H and post-local SGD's warmup K of a system's ``@hH[kK]``.
+def local_schedule(system: str) -> tuple[int, int, float]:
+    """Local SGD of a system's ``@hH[kK][sS]``: H steps per push, warmup K, the delta's scale S.
+
+    (:class:`mlfabric.LocalSGD`'s ``period``, ``warmup`` and ``scale``.)
 
     Examples
     --------
     >>> local_schedule("stf+agg@h4"), local_schedule("stf@int8+ef@h4k10"), local_schedule("stf")
-    ((4, 0), (4, 10), (1, 0))
+    ((4, 0, 1.0), (4, 10, 1.0), (1, 0, 1.0))
+    >>> local_schedule("stf+agg@h4s0.25")
+    (4, 0, 0.25)
     """
     for part in system.split("@")[1:]:
         match = LOCAL_STEPS.fullmatch(part)
         if match:
-            return int(match[1]), int(match[2] or 0)
-    return 1, 0
+            return int(match[1]), int(match[2] or 0), float(match[3] or 1.0)
+    return 1, 0, 1.0
 
 
 def worker_argv(system: str) -> list[str]:
@@ -250,15 +264,15 @@ def worker_argv(system: str) -> list[str]:
     Examples
     --------
     >>> worker_argv("stf+agg@int8+ef@h4k10")
-    ['--codec', 'int8+ef', '--local-period', '4', '--local-warmup', '10']
+    ['--codec', 'int8+ef', '--local-period', '4', '--local-warmup', '10', '--local-scale', '1.0']
     >>> worker_argv("stf")
     []
     """
     _, codec, _ = split_system(system)
-    period, warmup = local_schedule(system)
+    period, warmup, scale = local_schedule(system)
     argv = ["--codec", codec] if codec else []
     if period > 1 or warmup:
-        argv += ["--local-period", str(period), "--local-warmup", str(warmup)]
+        argv += ["--local-period", str(period), "--local-warmup", str(warmup), "--local-scale", str(scale)]
     return argv
 
 

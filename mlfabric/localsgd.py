@@ -146,6 +146,11 @@ class LocalSGD:
     codec, error_feedback :
         Passed to every :meth:`~mlfabric.api.Worker.push` (docs/compression.md): the delta
         travels encoded, the residual is kept across pushes as for single updates.
+    scale : float
+        The delta is pushed times ``scale`` (FedAvg's server learning rate; default 1: the
+        whole sum). ``1 / period`` pushes the mean of the local steps, a step as large as one
+        update's: where the server sums many workers' deltas (asynchronous aggregates,
+        synchronous rounds) a whole sum of ``period`` steps from each can overshoot.
     timeout : float
         Seconds to wait for a push's verdict and for the model.
 
@@ -178,12 +183,16 @@ class LocalSGD:
         warmup: int = 0,
         codec: object = None,
         error_feedback: bool = False,
+        scale: float = 1.0,
         timeout: float = 120.0,
     ) -> None:
         _check_schedule(period, warmup)
+        if not (np.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale {scale!r}: the delta's factor must be a finite number > 0")
         self.worker, self.server = worker, server
         self.period, self.warmup = int(period), int(warmup)
         self.codec, self.error_feedback, self.timeout = codec, error_feedback, timeout
+        self.scale = float(scale)
         self.model: dict[str, np.ndarray] = {}
         self.version = 0
         self.steps = self.pushes = 0
@@ -222,6 +231,8 @@ class LocalSGD:
         if self.delta is None:
             return None
         delta, self.delta = self.delta, None
+        if self.scale != 1.0:
+            delta = {k: (v * self.scale).astype(v.dtype, copy=False) for k, v in delta.items()}
         handle = self.worker.push(
             self.server,
             delta,

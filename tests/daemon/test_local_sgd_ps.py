@@ -113,6 +113,22 @@ def test_the_delta_of_h_steps_is_pushed_once_then_the_model_fetched() -> None:
         np.testing.assert_array_equal(local.model[name], worker.model[name])
 
 
+def test_a_scale_pushes_the_delta_times_it_and_a_bad_one_is_refused() -> None:
+    worker = RecordingWorker()
+    local = LocalSGD(worker, "ps0", period=4, scale=0.25)
+    local.fetch()
+    for s in range(1, 5):
+        local.step(_update(s))
+    ((delta, _),) = worker.pushed
+    for name in MODEL:  # the mean of the 4 steps, in the tensor's dtype
+        mean = sum(_update(s)[name] for s in range(1, 5)) * 0.25
+        np.testing.assert_allclose(delta[name], mean, rtol=1e-6)
+        assert delta[name].dtype == MODEL[name].dtype
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="the delta's factor"):
+            LocalSGD(worker, "ps0", period=4, scale=bad)
+
+
 # ------------------------------------------------------------- through the daemons
 
 

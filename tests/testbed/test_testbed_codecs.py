@@ -151,11 +151,11 @@ def test_sparse_codec_systems_parse_into_pushes_codec_and_the_models() -> None:
 def test_local_sgd_systems_reach_the_workers_as_their_schedule() -> None:
     import testbed_aggregation as agg
 
-    system = "stf+agg@int8+ef@h4k10"
+    system = "stf+agg@int8+ef@h4k10s0.5"
     assert e2e.split_system(system) == ("stf+agg", "int8+ef", None)
     argv = ["--role", "mlf-worker", "--name", "w0", *e2e.worker_argv(system)]
     args, _ = agg.build_parser().parse_known_args(argv)
-    assert (args.codec, args.local_period, args.local_warmup) == ("int8+ef", 4, 10)
+    assert (args.codec, args.local_period, args.local_warmup, args.local_scale) == ("int8+ef", 4, 10, 0.5)
     plain, _ = agg.build_parser().parse_known_args(["--role", "mlf-worker", *e2e.worker_argv("stf+agg")])
     assert (plain.codec, plain.local_period, plain.local_warmup) == (None, 1, 0)
     # compared with the same policy's uncompressed run, every step pushed
