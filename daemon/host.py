@@ -46,7 +46,7 @@ from mlfabric.daemon.roles.replica.log import ReplicationLogs
 from mlfabric.daemon.roles.replica.role import ReplicaRole
 from mlfabric.daemon.roles.server.serving import ServerRoles
 from mlfabric.daemon.roles.worker.intake import WorkerRole
-from mlfabric.daemon.stats import Counters, DaemonStats
+from mlfabric.daemon.stats import Counters, DaemonStats, cpu_load_per_core
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.memfd import MemfdPool
 from mlfabric.wire.version import __version__
@@ -132,6 +132,9 @@ class Daemon:
     report_log : TransferReportLog, optional
         Also append every transfer report sent to the scheduler here (opened by
         :meth:`start`, closed by :meth:`stop`).
+    host_load : callable
+        ``host_load() -> float``: the host's CPU load per core, stamped on every update
+        announced (``UpdateReady.cpu_load``; default :func:`~mlfabric.daemon.stats.cpu_load_per_core`).
 
     Attributes
     ----------
@@ -156,8 +159,10 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         channel_factory: Callable[[str], Any] | None = None,
         report_log: TransferReportLog | None = None,
+        host_load: Callable[[], float] = cpu_load_per_core,
     ) -> None:
         self.config = config
+        self._host_load = host_load
         self.host = config.host
         self._report_log = report_log
         self._counters = Counters()
@@ -223,13 +228,13 @@ class Daemon:
         self._context = RoleContext(
             config.host,
             config.scheduler,
-            self._control.send,
+            self._send,
             self._tasks.submit,
             threading.Event(),
             clock,
         )
         # ---------------------------------------------------------------- roles
-        ctx, send = self._context, self._control.send
+        ctx, send = self._context, self._send
         self.directory = Directory()
         self.registrar = Registrar(ctx, self.directory)
         #: replication logs of this host's servers that have a replica (docs/replication.md)
@@ -380,6 +385,12 @@ class Daemon:
             pool_idle_bytes=self.receive_buffers.idle_bytes,
             models=self.models.stats(),
         )
+
+    def _send(self, message: Any) -> bool:
+        """Queue ``message`` on the control stream, an announced update stamped with the host's load."""
+        if message.HasField("update_ready"):
+            message.update_ready.cpu_load = self._host_load()
+        return self._control.send(message)
 
     def _send_report(self, report: Any) -> None:
         """Send a ``TransferReport`` to the scheduler, count it, append it to the report log if any."""

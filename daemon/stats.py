@@ -10,6 +10,7 @@ scrape; nothing here knows Prometheus (docs/operations.md lists the metrics).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,11 +19,31 @@ from mlfabric.aggregators.codecs.payload import wire_summary
 from mlfabric.daemon.channels.routing import FrameRoute, names_aggregate
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
-__all__ = ["Counters", "DaemonStats"]
+__all__ = ["Counters", "DaemonStats", "cpu_load_per_core"]
 
 _OUTCOMES = {control_pb2.OUTCOME_APPLIED: "applied", control_pb2.OUTCOME_DROPPED: "dropped"}
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
 _MODEL = dataplane_pb2.FRAME_KIND_MODEL
+
+
+def cpu_load_per_core() -> float:
+    """The host's 1-minute load average over the cores this process may run on (0: not known).
+
+    What a daemon tells the scheduler with each update it announces (``UpdateReady.cpu_load``):
+    the ``auto`` codec scales the codecs' one-core rates by it (docs/compression.md).
+
+    Examples
+    --------
+    >>> cpu_load_per_core() >= 0
+    True
+    """
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return 0.0
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return load / max(cores, 1)
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,12 @@
 
 A codec pays for itself on a transfer when the link time it saves is more than the time its
 encode and decode cost. :func:`choose_codec` is that rule, a pure function of plain data: the
-bottleneck bandwidth of the transfer's path, its bytes, each codec's measured rates, ratio
-and error (:class:`CodecRate`, defaults :data:`MEASURED_RATES` from
-``experiments/bench_codecs.py``), whether the next hop must sum what arrives (an aggregator:
-only the summable codecs keep their compression there) and the job's error budget
-(:class:`AutoSpec`, ``Params(compression="auto:budget=0.01")``).
+bottleneck bandwidth of the transfer's path (or, once the pushes' rate is measured, the
+path's links with their load: :class:`LinkUse`, :func:`link_seconds`), its bytes, each
+codec's measured rates, ratio and error (:class:`CodecRate`, defaults :data:`MEASURED_RATES`
+from ``experiments/bench_codecs.py``, slowed by the hosts' CPU load), whether the next hop
+must sum what arrives (an aggregator: only the summable codecs keep their compression there)
+and the job's error budget (:class:`AutoSpec`, ``Params(compression="auto:budget=0.01")``).
 
 :func:`parse_auto` reads the job's spec (``"auto"``, ``"auto:budget=B,bound=X"``) and
 :func:`auto_spec` writes it back. No I/O, no globals read: the rates are an argument.
@@ -15,7 +16,7 @@ only the summable codecs keep their compression there) and the job's error budge
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -24,9 +25,11 @@ __all__ = [
     "AutoSpec",
     "CodecChoice",
     "CodecRate",
+    "LinkUse",
     "auto_spec",
     "choose_codec",
     "is_auto",
+    "link_seconds",
     "parse_auto",
 ]
 
@@ -151,6 +154,55 @@ def auto_spec(auto: AutoSpec) -> str:
 
 
 @dataclass(frozen=True)
+class LinkUse:
+    """One link of a transfer's path, with the load the pushes crossing it offer.
+
+    Attributes
+    ----------
+    capacity : float
+        Bytes/s.
+    users : int
+        Hosts whose pushes cross it (they take turns on it: time-sharing).
+    utilisation : float
+        The uncompressed bytes per second those pushes offer, over ``capacity`` (measured from
+        their rate; >= 1: the link is saturated).
+    """
+
+    capacity: float
+    users: int
+    utilisation: float
+
+
+def link_seconds(links: Sequence[LinkUse], nbytes: float, ratio: float = 1.0) -> float:
+    """The expected time of a transfer of ``nbytes`` (sent ``ratio`` times smaller) on a path.
+
+    On each link the transfer takes ``s = nbytes / ratio / capacity`` alone and waits for the
+    transfers ahead of it: ``s / (1 - u)`` at utilisation ``u`` (the offered load, also
+    ``ratio`` times smaller if every host's pushes are), at most ``users * s`` (each host's
+    transfer once ahead of it: the saturated time-shared link). The path's time is its slowest
+    link's.
+
+    Examples
+    --------
+    A 1 Gbit/s link eight hosts push 4.5 MB across, loaded to 36 %: 56 ms, not the 288 ms of
+    eight transfers in a row; int8's quarter of the bytes: 10 ms.
+
+    >>> link = [LinkUse(125e6, 8, 0.36)]
+    >>> round(link_seconds(link, 4.5e6) * 1e3), round(link_seconds(link, 4.5e6, 4.0) * 1e3)
+    (56, 10)
+    >>> round(link_seconds([LinkUse(125e6, 8, 1.2)], 4.5e6) * 1e3)    # saturated
+    288
+    """
+    worst = 0.0
+    for link in links:
+        alone = nbytes / ratio / link.capacity
+        load = link.utilisation / ratio
+        waited = alone * link.users if load >= 1 else min(alone / (1 - load), alone * link.users)
+        worst = max(worst, waited)
+    return worst
+
+
+@dataclass(frozen=True)
 class CodecChoice:
     """The codec chosen for a transfer and why.
 
@@ -182,14 +234,21 @@ def choose_codec(
     *,
     auto: AutoSpec = AutoSpec(),
     must_sum: bool = False,
+    links: Sequence[LinkUse] | None = None,
+    cpu_load: tuple[float, float] = (0.0, 0.0),
+    margin: float = 0.0,
 ) -> CodecChoice:
     """The codec a transfer of ``nbytes`` over a path of ``bandwidth`` should travel with.
 
     The rule: of the codecs in ``rates`` whose error is within ``auto.budget`` (and, when
     ``must_sum``, that an aggregator sums without decoding), take the one with the least
     expected time ``nbytes / encode + nbytes / ratio / bandwidth + nbytes / decode``; none
-    unless that is shorter than ``nbytes / bandwidth``, i.e. unless the link time saved is
-    more than the encode and decode time. Ties go to none, then to the smaller error.
+    unless that is shorter than ``(1 - margin)`` times ``nbytes / bandwidth``, i.e. unless the
+    link time saved is more than the encode and decode time (and a ``margin`` of the time
+    uncompressed). Ties go to none, then to the smaller error. With ``links`` the link times
+    are :func:`link_seconds` of the path as loaded instead of the bandwidth's; with a
+    ``cpu_load`` the encode and decode rates are divided by the sender's and receiver's load
+    per core (where above 1: the cores are shared).
 
     Parameters
     ----------
@@ -207,6 +266,13 @@ def choose_codec(
     must_sum : bool
         The next hop sums what arrives (an aggregator): only summable codecs (fp16, bf16,
         int8 with a shared bound) keep their bytes down past it.
+    links : sequence of LinkUse, optional
+        The path's links with their measured load (default: unmeasured, the ``bandwidth``).
+    cpu_load : (float, float)
+        The encoding and the decoding host's CPU load per core (0: unknown, a core each).
+    margin : float
+        The least fraction of the uncompressed time a codec must save (in [0, 1)): where it
+        saves less, its error and the CPU it takes from training are not worth it.
 
     Returns
     -------
@@ -238,13 +304,34 @@ def choose_codec(
     'bf16'
     >>> choose_codec(25e6 / 8, 4_500_000, MEASURED_RATES, auto=AutoSpec(bound=6.0), must_sum=True).codec
     'int8:bound=6.0'
+
+    Eight hosts sharing a 1 Gbit/s link: as if each had an eighth of it, int8 pays. Measured
+    at 36 % load, with the cores shared 5 to 1, int8 would save 8 of 56 ms, less than a 25 %
+    margin, and bf16 17 ms; shared 10 to 1, none saves a quarter.
+
+    >>> choose_codec(125e6 / 8, 4_500_000, MEASURED_RATES, margin=0.25).codec
+    'int8'
+    >>> used = [LinkUse(125e6, 8, 0.36)]
+    >>> c = choose_codec(125e6 / 8, 4_500_000, MEASURED_RATES, links=used, cpu_load=(5, 5), margin=0.25)
+    >>> c.codec, round(c.seconds_none * 1e3), round(c.seconds * 1e3)
+    ('bf16', 56, 39)
+    >>> choose_codec(125e6 / 8, 4_500_000, MEASURED_RATES, links=used, cpu_load=(10, 10), margin=0.25).codec
+    ''
     """
     if not bandwidth > 0:
         raise ValueError(f"a path's bandwidth must be > 0 bytes/s, got {bandwidth}")
     if nbytes < 0:
         raise ValueError(f"a transfer's bytes must be >= 0, got {nbytes}")
-    none = nbytes / bandwidth
-    best, best_key = "", (none, 0.0)
+    if not 0 <= margin < 1:
+        raise ValueError(f"a codec's margin must be in [0, 1), got {margin}")
+    if links is None:
+        none = nbytes / bandwidth
+        link_time = lambda ratio: nbytes / ratio / bandwidth  # noqa: E731
+    else:
+        none = link_seconds(links, nbytes)
+        link_time = lambda ratio: link_seconds(links, nbytes, ratio)  # noqa: E731
+    slow_encode, slow_decode = (max(1.0, load) for load in cpu_load)
+    best, best_key = "", ((1 - margin) * none, 0.0)
     for name, rate in sorted(rates.items()):
         if rate.error > auto.budget or (must_sum and not rate.summable):
             continue
@@ -252,7 +339,8 @@ def choose_codec(
             if auto.bound is None:
                 continue
             name = f"int8:bound={auto.bound!r}"
-        seconds = nbytes / rate.encode + nbytes / rate.ratio / bandwidth + nbytes / rate.decode
+        cpu = nbytes * slow_encode / rate.encode + nbytes * slow_decode / rate.decode
+        seconds = cpu + link_time(rate.ratio)
         if (seconds, rate.error) < best_key:
             best, best_key = name, (seconds, rate.error)
-    return CodecChoice(best, float(bandwidth), int(nbytes), best_key[0], none)
+    return CodecChoice(best, float(bandwidth), int(nbytes), best_key[0] if best else none, none)

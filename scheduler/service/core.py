@@ -425,6 +425,7 @@ class SchedulerCore:
             self.recorder.count(OutcomeKind.DROPPED)
             session.send(wire.drop_directive(m.update_id, str(exc), wire.error_code(exc)))
             return
+        self.codecs.note_ready(session.host, m.job, m.server, m.cpu_load, self.clock())
         self.batcher.notify()
 
     def _transfer_report(self, host: str, m: pb.TransferReport) -> None:

@@ -147,3 +147,24 @@ def test_auto_compresses_the_slow_path_only(
             c.close()
         for d in daemons.values():
             d.stop()
+
+
+def test_the_daemon_stamps_its_hosts_cpu_load_on_every_update_it_announces(tmp_path: Path) -> None:
+    from mlfabric.proto.v1 import control_pb2
+
+    daemon = Daemon(
+        DaemonConfig(host="w0", scheduler="127.0.0.1:1", socket_path=str(tmp_path / "w0.sock")),
+        host_load=lambda: 2.5,
+    )
+    sent: list[Any] = []
+
+    class Stream:  # the control stream, as far as sending goes (no I/O: never started)
+        def send(self, message: Any) -> bool:
+            sent.append(message)
+            return True
+
+    daemon._control = Stream()  # type: ignore[assignment]
+    ready = control_pb2.UpdateReady(update_id="w0/1", job="j", server="ps0", worker="w")
+    assert daemon._context.send(control_pb2.DaemonMessage(update_ready=ready))
+    assert daemon._context.send(control_pb2.DaemonMessage(update_resolved=control_pb2.UpdateResolved()))
+    assert sent[0].update_ready.cpu_load == 2.5 and not sent[1].HasField("update_ready")

@@ -153,3 +153,58 @@ def test_a_bad_auto_spec_from_a_daemon_gets_no_advice_and_breaks_nothing() -> No
     _register(core, sessions["slow"], pb.ROLE_WORKER, "w", Params())
     kinds = [d.WhichOneof("kind") for d in _drain(sessions["slow"])]
     assert "role_ack" in kinds and "codec_advice" not in kinds
+
+
+def _uniform_core(gbit: float) -> tuple[SchedulerCore, dict[str, DaemonSession], list[float]]:
+    """Hosts ps, fast, fast2 (and slow) on a star of ``gbit`` Gbit/s links; a settable clock."""
+    g = star(["ps", "fast", "slow", "fast2"], gbit * 1e9)
+    now = [0.0]
+    core = SchedulerCore(
+        SchedulerState(g, Recorder(TraceLog())),
+        FairPolicy(),
+        dispatcher=Dispatcher(),
+        batcher=AdaptiveBatcher(),
+        estimator=StaticEstimator(g),
+        clock=lambda: now[0],
+    )
+    return core, _sessions(core), now
+
+
+def _announce(core: SchedulerCore, session: DaemonSession, n: int, worker: str, load: float) -> None:
+    ready = pb.UpdateReady(
+        update_id=f"{session.host}/{n}", job="j", server="ps0", worker=worker, bytes=4_500_000, cpu_load=load
+    )
+    core.on_message(session, pb.DaemonMessage(update_ready=ready))
+
+
+def test_measured_load_and_busy_cores_turn_a_codec_off_where_it_would_not_pay() -> None:
+    # Two hosts push 4.5 MB updates across the server's 1 Gbit/s link. Judged as saturated (no
+    # rate measured yet) each has half of it and int8 is advised. Measured: 2 pushes/s each,
+    # 18 MB/s of 125 (14 %), cores shared 10 to 1: a push takes 42 ms uncompressed, int8 would
+    # take 85 ms (75 of them encoding and decoding) -- none again.
+    core, sessions, now = _uniform_core(1.0)
+    _register(core, sessions["ps"], pb.ROLE_SERVER, "ps0", Params(compression="auto"))
+    for host in ("fast", "fast2"):
+        _register(core, sessions[host], pb.ROLE_WORKER, f"w-{host}", Params())
+    advised = {
+        h: [d.codec_advice.codec for d in _drain(sessions[h]) if d.HasField("codec_advice")]
+        for h in ("fast", "fast2")
+    }
+    assert advised == {"fast": ["int8"], "fast2": ["int8"]}
+    for n in range(6):
+        now[0] = 10.0 + 0.5 * n
+        for host in ("fast", "fast2"):
+            _announce(core, sessions[host], n, f"w-{host}", 10.0)
+    assert core.codecs.push_rate("fast", "j", "ps0") == pytest.approx(2.0)
+    refreshed = core.codecs.refresh(core.state.graph)
+    assert sorted((h, d.codec_advice.codec) for h, d in refreshed.directives) == [("fast", ""), ("fast2", "")]
+    # the same pushes on quiet cores (load 0.5 per core): int8 saves more than a quarter again
+    for n in range(6, 12):
+        now[0] = 10.0 + 0.5 * n
+        for host in ("fast", "fast2"):
+            _announce(core, sessions[host], n, f"w-{host}", 0.5)
+    refreshed = core.codecs.refresh(core.state.graph)
+    assert sorted((h, d.codec_advice.codec) for h, d in refreshed.directives) == [
+        ("fast", "int8"),
+        ("fast2", "int8"),
+    ]
