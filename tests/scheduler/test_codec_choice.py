@@ -101,3 +101,40 @@ def test_auto_specs_parse_and_print_back() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             parse_auto(bad)
+
+
+@pytest.mark.parametrize("mbps", [10, 100, 1000, 10_000])
+def test_a_margin_or_busier_cores_never_turn_none_into_a_codec(mbps: float) -> None:
+    from mlfabric.scheduler.core.codec_choice import LinkUse
+
+    bandwidth, n = mbps * 1e6 / 8, 4_500_000
+    for links in (None, [LinkUse(bandwidth, 4, 0.3)], [LinkUse(bandwidth, 4, 1.5)]):
+        chosen = [
+            choose_codec(
+                bandwidth, n, MEASURED_RATES, links=links, cpu_load=(load, load), margin=margin
+            ).codec
+            for margin in (0.0, 0.25, 0.5)
+            for load in (0.0, 4.0, 16.0)
+        ]
+        # once none (a larger margin, then busier cores), none from there on
+        for margin_row in range(3):
+            row = chosen[3 * margin_row : 3 * margin_row + 3]
+            assert "" not in row or all(c == "" for c in row[row.index("") :]), (links, row)
+        firsts = chosen[0::3]
+        assert "" not in firsts or all(c == "" for c in firsts[firsts.index("") :]), (links, firsts)
+
+
+def test_a_lightly_loaded_link_costs_less_than_its_share_and_a_saturated_one_its_share() -> None:
+    from mlfabric.scheduler.core.codec_choice import LinkUse, link_seconds
+
+    s = 4.5e6 / 125e6
+    assert link_seconds([LinkUse(125e6, 8, 0.0)], 4.5e6) == pytest.approx(s)
+    assert link_seconds([LinkUse(125e6, 8, 0.5)], 4.5e6) == pytest.approx(2 * s)
+    assert link_seconds([LinkUse(125e6, 8, 0.99)], 4.5e6) == pytest.approx(8 * s)  # capped at the share
+    assert link_seconds([LinkUse(125e6, 8, 3.0)], 4.5e6) == pytest.approx(8 * s)
+    # compressed 4x: a quarter of the bytes on a link a quarter as loaded; the slowest link counts
+    # (a link only its own host uses: never more than its transfer alone)
+    two = [LinkUse(125e6, 8, 0.5), LinkUse(12.5e6, 1, 0.1)]
+    assert link_seconds(two, 4.5e6, 4.0) == pytest.approx(max(s / 4 / (1 - 0.125), 10 * s / 4))
+    with pytest.raises(ValueError, match="margin"):
+        choose_codec(1e6, 10, MEASURED_RATES, margin=1.0)
