@@ -33,7 +33,8 @@ from mlfabric.scheduler.service.core import (
 from mlfabric.scheduler.service.state import SchedulerState
 
 TIMEOUT = 5.0
-NIC_BPS = 8e6  # 1 MB/s: a 100 kB update is expected to take 0.1 s, far longer than a report's trip
+#: 100 kB/s: a 100 kB update is expected to take 1 s, far longer than a report's trip (loaded too)
+NIC_BPS = 8e5
 
 # ------------------------------------------------------------------ pure: trigger + dispatcher
 
@@ -223,7 +224,7 @@ async def _drain(
             dropped[d.drop.update_id] = d.drop.reason
             continue
         uid = d.send.update_id
-        # one after another: expected durations are >= 0.1 s, so only reports release
+        # one after another: expected durations are >= 1 s, so only reports release
         assert set(core.state.in_flight) == {uid}, (uid, set(core.state.in_flight))
         sent.append(uid)
         version += 1
