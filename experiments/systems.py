@@ -30,18 +30,20 @@ def add_local_options(parser: argparse.ArgumentParser) -> None:
 
 
 def split_systems(text: str) -> list[str]:
-    """``--systems``: comma-separated systems; a part with ``=`` and no ``@`` continues the
-    codec parameters of the one before it (``randk:ratio=0.01,rescale=0+ef``).
+    """``--systems``: comma-separated systems; a part whose text before any ``@`` has an ``=``
+    continues the codec parameters of the one before it (``randk:ratio=0.01,rescale=0+ef``).
 
     Examples
     --------
     >>> split_systems("stf,stf+agg@topk:ratio=0.01+ef@fp16,stf@randk:ratio=0.01,rescale=0+ef")
     ['stf', 'stf+agg@topk:ratio=0.01+ef@fp16', 'stf@randk:ratio=0.01,rescale=0+ef']
+    >>> split_systems("fair,stf+agg@int8:bound=6,stochastic=0@h4,stf+agg@fp16")
+    ['fair', 'stf+agg@int8:bound=6,stochastic=0@h4', 'stf+agg@fp16']
     """
     systems: list[str] = []
     for part in text.split(","):
-        if systems and "=" in part and "@" not in part:
-            systems[-1] += "," + part
+        if systems and "=" in part.split("@")[0]:
+            systems[-1] += "," + part  # a codec parameter, not a system
         else:
             systems.append(part)
     return systems

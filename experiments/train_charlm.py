@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from systems import split_systems
 
 from mlfabric.cluster import ClusterError, LocalCluster, python_module, wait_for_ready_file
 from mlfabric.examples import charlm
@@ -69,23 +70,6 @@ def topology(workers: int, server_mbps: float) -> str:
 def model_args(args: argparse.Namespace) -> list[str]:
     """The example's model options (shared by the server and the workers)."""
     return ["--layers", str(args.layers), "--d-model", str(args.d_model), "--context", str(args.context)]
-
-
-def split_systems(text: str) -> list[str]:
-    """``--systems``: comma-separated, a codec's own ``key=value`` pairs kept with their system.
-
-    Examples
-    --------
-    >>> split_systems("fair,stf+agg@int8:bound=6,stochastic=0@h4,stf+agg@fp16")
-    ['fair', 'stf+agg@int8:bound=6,stochastic=0@h4', 'stf+agg@fp16']
-    """
-    systems: list[str] = []
-    for piece in text.split(","):
-        if systems and "=" in piece.split("@")[0]:
-            systems[-1] += "," + piece  # a codec parameter, not a system
-        else:
-            systems.append(piece)
-    return systems
 
 
 def parse_system(system: str) -> tuple[str, list[str]]:
