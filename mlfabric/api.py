@@ -52,6 +52,7 @@ from mlfabric import tensorio
 from mlfabric import tensors as tcodec
 from mlfabric.aggregators.codecs.feedback import ErrorFeedback
 from mlfabric.aggregators.codecs.payload import WireCodec, encode_update, parse_codec
+from mlfabric.aggregators.codecs.sparse import version_rng
 from mlfabric.allreduce import DEFAULT_TIMEOUT as ALLREDUCE_TIMEOUT
 from mlfabric.allreduce import AllreduceGroup, AllreduceHandle, join_allreduce, submit_allreduce
 from mlfabric.localclient import (
@@ -318,7 +319,8 @@ class Worker:
         if codec is None:
             words, encoded = update, None
         else:
-            words, encoded = encode_update(update, codec, self.rng, feedback)
+            rng = version_rng(base) if getattr(codec, "shared", False) else self.rng  # shared random-k
+            words, encoded = encode_update(update, codec, rng, feedback)
         buf, layouts, total, crc = tensorio.encode_pooled(self._buffers, words, crc=True, encoded=encoded)
         # lost connection: the daemon may still read the buffer, so it is never reused
         handle = PushHandle(server, on_final=lambda lost: buf.discard() if lost else buf.release())

@@ -99,7 +99,7 @@ WireCodec = Fp16Codec | Bf16Codec | Int8Codec | TopKCodec | RandomKCodec
 _PARAMS: dict[type[Any], dict[str, Any]] = {
     Int8Codec: {"bound": float, "block": int, "stochastic": lambda v: _boolean(v)},
     TopKCodec: {"ratio": float},
-    RandomKCodec: {"ratio": float, "rescale": lambda v: _boolean(v)},
+    RandomKCodec: {"ratio": float, "rescale": lambda v: _boolean(v), "shared": lambda v: _boolean(v)},
 }
 
 
@@ -123,7 +123,9 @@ def parse_codec(spec: object) -> WireCodec | None:
         ``key=value`` pairs after the colon (comma-separated); ``"topk:ratio=R"`` (the
         ``ceil(R x n)`` largest magnitudes; R 0.01 by default), ``"randk:ratio=R"`` (as many
         positions drawn from the worker's ``rng``, values rescaled by ``n/k``;
-        ``rescale=0``: not rescaled, for error feedback); or a codec object of those classes.
+        ``rescale=0``: not rescaled, for error feedback; ``shared=1``: drawn from the push's
+        base version, the same for every worker pushing against it); or a codec object of
+        those classes.
 
     Returns
     -------
@@ -149,7 +151,7 @@ def parse_codec(spec: object) -> WireCodec | None:
     ...
     ValueError: codec 'int8:bound=-1': bound must be finite and > 0, got -1.0 (known: ...)
     >>> parse_codec("topk:ratio=0.01"), parse_codec("randk:ratio=0.1,rescale=0")
-    (TopKCodec(ratio=0.01), RandomKCodec(ratio=0.1, rescale=False))
+    (TopKCodec(ratio=0.01), RandomKCodec(ratio=0.1, rescale=False, shared=False))
     """
     if spec is None:
         return None
@@ -188,12 +190,19 @@ def codec_spec(codec: WireCodec | None) -> str:
     'int8:bound=6.0,stochastic=0'
     >>> codec_spec(Int8Codec()), codec_spec(None), codec_spec(RandomKCodec(0.5, rescale=False))
     ('int8:block=256', '', 'randk:ratio=0.5,rescale=0')
+    >>> codec_spec(parse_codec("randk:ratio=0.1,rescale=0,shared=1"))
+    'randk:ratio=0.1,rescale=0,shared=1'
     """
     if codec is None:
         return ""
     if isinstance(codec, TopKCodec | RandomKCodec):
         rescale = isinstance(codec, RandomKCodec) and not codec.rescale
-        return f"{codec.name}:ratio={codec.ratio!r}" + (",rescale=0" if rescale else "")
+        shared = isinstance(codec, RandomKCodec) and codec.shared
+        return (
+            f"{codec.name}:ratio={codec.ratio!r}"
+            + (",rescale=0" if rescale else "")
+            + (",shared=1" if shared else "")
+        )
     if not isinstance(codec, Int8Codec):
         return str(codec.name)
     where = f"bound={codec.bound!r}" if codec.bound is not None else f"block={codec.block}"

@@ -43,7 +43,7 @@ from mlfabric.aggregators.codecs.base import (
     frozen,
 )
 
-__all__ = ["RandomKCodec", "TopKCodec", "top_k_indices"]
+__all__ = ["RandomKCodec", "TopKCodec", "top_k_indices", "version_rng"]
 
 #: elements sampled to guess the k-th magnitude before the exact selection
 _SAMPLE = 1 << 16
@@ -243,9 +243,29 @@ class TopKCodec(_SparseCodec):
         return top_k_indices(flat, k), 1.0
 
 
+def version_rng(base_version: int) -> np.random.Generator:
+    """The generator a shared random-k push draws its positions from: seeded by its base version.
+
+    Every worker pushing against one model version draws the same positions, tensor by tensor
+    (the tensors are encoded in the model's order), so an aggregate of their pushes (a
+    synchronous round's members) keeps ``k`` values: summable on the values, as fp16 is.
+
+    Examples
+    --------
+    >>> a, b = version_rng(7).choice(100, 3, replace=False), version_rng(7).choice(100, 3, replace=False)
+    >>> bool((a == b).all()), bool((a == version_rng(8).choice(100, 3, replace=False)).all())
+    (True, False)
+    """
+    return np.random.default_rng([0x6D6C66, int(base_version) & 0xFFFFFFFFFFFFFFFF])
+
+
 @dataclass(frozen=True)
 class RandomKCodec(_SparseCodec):
     """Keep ``ceil(ratio * n)`` positions drawn uniformly; ``rescale`` by ``n/k`` to be unbiased.
+
+    ``shared``: a push draws them from :func:`version_rng` of its base version instead of the
+    worker's own generator (``Worker.push`` does the choosing), so that pushes against one
+    model version share their positions.
 
     Examples
     --------
@@ -257,6 +277,7 @@ class RandomKCodec(_SparseCodec):
 
     ratio: float = 0.01
     rescale: bool = True
+    shared: bool = False
     name: ClassVar[str] = "randk"
     randomised: ClassVar[bool] = True
 

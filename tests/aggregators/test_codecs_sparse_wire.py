@@ -8,6 +8,7 @@ sparse members densely and forwards the sum dense.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from typing import Any
@@ -340,3 +341,25 @@ def test_a_sparse_update_reads_back_from_a_memfd_decoded() -> None:
             mapping.close()
     finally:
         os.close(fd)
+
+
+def test_shared_randk_members_of_one_version_keep_k_positions_in_their_sum() -> None:
+    from mlfabric.aggregators.codecs.sparse import version_rng
+
+    spec = "randk:ratio=0.02,rescale=0,shared=1"
+    codec = parse_codec(spec)
+    assert isinstance(codec, RandomKCodec) and codec.shared and codec_spec(codec) == spec
+    # four workers pushing against version 7 draw their positions from version_rng(7): the same
+    members = [_member(_update(s), spec, version_rng(7)) for s in range(4)]
+    total = EncodedSum(members[0][0])
+    for layouts, buf in members:
+        total.add(layouts, buf)
+    words, encoded, _ = total.finish()
+    out, size = plan_layout(words, encoded)
+    assert size == len(members[0][1])  # the sum is as small as one member: k values and positions
+    for x in out:
+        assert x.encoding is not None and x.encoding.members == 4
+        assert x.encoding.count == math.ceil(0.02 * int(np.prod(x.shape)))
+    # against another version: other positions
+    other = _member(_update(0), spec, version_rng(8))
+    assert bytes(other[1]) != bytes(_member(_update(0), spec, version_rng(7))[1])

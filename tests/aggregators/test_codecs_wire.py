@@ -82,7 +82,7 @@ def test_specs_round_trip(spec: str) -> None:
         ("topk:ratio=x", "could not convert string to float"),
         ("topk:bound=2", "unknown parameter 'bound=2' (accepted: ratio)"),
         ("randk:ratio=0.1,rescale=maybe", "expected 0/1/true/false"),
-        ("randk:seed=3", "unknown parameter 'seed=3' (accepted: ratio, rescale)"),
+        ("randk:seed=3", "unknown parameter 'seed=3' (accepted: ratio, rescale, shared)"),
         ("int8:bound=0", "bound must be finite and > 0, got 0.0"),
         ("int8:bound=x", "could not convert string to float"),
         ("int8:rounds=3", "unknown parameter 'rounds=3' (accepted: bound, block, stochastic)"),

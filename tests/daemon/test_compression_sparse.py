@@ -29,10 +29,12 @@ served = test_compression.served  # daemons "ps" (server ps0) and "w0" (a worker
 RAW = 600 * 8 + 8 * 4  # MODEL's bytes: "w" (20, 30) float64, "b" (8,) float32
 
 
-def _encoded(update: dict[str, np.ndarray], spec: str, seed: int = 0) -> tuple[list[Layout], bytearray]:
+def _encoded(
+    update: dict[str, np.ndarray], spec: str, seed: int = 0, rng: np.random.Generator | None = None
+) -> tuple[list[Layout], bytearray]:
     codec = parse_codec(spec)
     assert codec is not None
-    words, encoded = encode_update(update, codec, np.random.default_rng(seed))
+    words, encoded = encode_update(update, codec, rng or np.random.default_rng(seed))
     layouts, total = plan_layout(words, encoded)
     buf = bytearray(total)
     encode_into(memoryview(buf), words, layouts)
@@ -80,6 +82,18 @@ def test_randk_positions_come_from_the_workers_rng(served: dict[str, Any]) -> No
     for name in MODEL:
         np.testing.assert_array_equal(server.model[name], MODEL[name] - expected[name])
     assert np.count_nonzero(server.model["w"] != MODEL["w"]) == 30
+
+
+def test_shared_randk_positions_come_from_the_pushs_base_version(served: dict[str, Any]) -> None:
+    from mlfabric.aggregators.codecs.sparse import version_rng
+
+    worker, server = served["worker"], served["server"]
+    update, spec = _update(3), "randk:ratio=0.05,shared=1"
+    worker.rng = np.random.default_rng(21)  # not used: the positions are the version's (0)
+    assert worker.push("ps0", update, codec=spec, base_version=0).wait(10).applied
+    expected = _decoded(*_encoded(update, spec, rng=version_rng(0)))
+    for name in MODEL:
+        np.testing.assert_array_equal(server.model[name], MODEL[name] - expected[name])
 
 
 def test_error_feedback_with_topk_sends_what_was_left_out_later(served: dict[str, Any]) -> None:
