@@ -33,7 +33,9 @@ def rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:
 
 
 def ingress(graph: nx.DiGraph, host: str) -> float:
-    return max((float(d["capacity"]) for d in graph.pred[host].values()), default=0.0)
+    # the graph's own dict of the links into ``host`` (no view objects: a pass over every host
+    # per decision, issue 24)
+    return max([float(d["capacity"]) for d in graph._pred[host].values()], default=0.0)
 
 
 #: Transfer's fields, which its __init__ only sets (the C loop then fills each instance's
