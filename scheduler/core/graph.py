@@ -430,11 +430,11 @@ class PathCache:
                 raise TopologyError(f"'{dst}' is not a host of the bandwidth graph")
             tree = {dst: dst}
             frontier = [dst]
-            pred = self._graph.predecessors
+            pred = self._graph._pred  # v -> its predecessors, in predecessors(v)'s order (issue 24)
             while frontier:
                 nxt = []
                 for v in frontier:
-                    for u in pred(v):
+                    for u in pred[v]:
                         if u not in tree:
                             tree[u] = v
                             nxt.append(u)

@@ -155,8 +155,10 @@ def _feeds_ingress(graph: nx.DiGraph, links: Sequence[Link]) -> bool:
     """Whether a path into a server is no narrower than its last link (the server's ingress)."""
     if not links:
         return True
-    ingress = float(graph.edges[links[-1]]["capacity"])
-    return min(float(graph.edges[link]["capacity"]) for link in links) >= ingress * (1 - 1e-9)
+    succ = graph._succ  # graph.edges[u, v] without its view (a test per candidate aggregator, issue 24)
+    last_u, last_v = links[-1]
+    ingress = float(succ[last_u][last_v]["capacity"])
+    return min(float(succ[u][v]["capacity"]) for u, v in links) >= ingress * (1 - 1e-9)
 
 
 def _plan_server(

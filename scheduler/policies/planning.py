@@ -152,10 +152,13 @@ def reserve_in_flight(
     tls = Timelines(graph, start=now)
     busy: list[Busy] = []
     until: dict[str, float] = {}
+    succ = graph._succ  # u -> {v: attributes}: graph.has_edge(u, v) without a call per link (issue 24)
     for f in sorted(in_flight, key=lambda f: (f.expected_end, f.update_id)):
-        links = tuple(itertools.pairwise(f.path))
         end = max(f.expected_end, now)
-        if not links or math.isinf(end) or not all(graph.has_edge(*link) for link in links):
+        if math.isinf(end):
+            continue
+        links = tuple(itertools.pairwise(f.path))
+        if not links or not all(b in succ.get(a, ()) for a, b in links):
             continue
         tls.reserve_until(links, now, end, who=f.update_id)
         busy.append((f.update_id, links, end))
