@@ -263,7 +263,6 @@ def test_the_tree_policy_forgets_a_tree_once_all_its_updates_were_released() -> 
     )
 
 
-
 def test_nics_changed_in_place_under_a_new_graph_version_are_read_again() -> None:
     # TreePolicy keeps the hosts' ingress while Snapshot.graph_version stays the same (issue 24):
     # the same decisions as a policy that reads them every time (graph_version None); with the
