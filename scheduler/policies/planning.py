@@ -154,11 +154,20 @@ def reserve_in_flight(
     until: dict[str, float] = {}
     succ = graph._succ  # u -> {v: attributes}: graph.has_edge(u, v) without a call per link (issue 24)
     for f in sorted(in_flight, key=lambda f: (f.expected_end, f.update_id)):
-        end = max(f.expected_end, now)
+        end = f.expected_end
+        if now > end:  # max(expected_end, now)
+            end = now
         if math.isinf(end):
             continue
         links = tuple(itertools.pairwise(f.path))
-        if not links or not all(b in succ.get(a, ()) for a, b in links):
+        if not links:
+            continue
+        gone = False  # a link the graph no longer has
+        for a, b in links:
+            if b not in succ.get(a, ()):
+                gone = True
+                break
+        if gone:
             continue
         tls.reserve_until(links, now, end, who=f.update_id)
         busy.append((f.update_id, links, end))
