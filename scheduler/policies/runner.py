@@ -75,7 +75,7 @@ class _Gathering:
     arrived: set[str] = field(default_factory=set)
     started: bool = False  # a member has been released
     seq: int = 0  # its place among the aggregates gathered (their order of adoption)
-    blocker: str = ""  # the last of its ``after`` found planned or gathering (looked up first)
+    blocker: str = ""  # the one of its ``after`` that held it back last (looked up first)
 
     def placeholder(self) -> InFlight:
         """The aggregate as a transfer in flight that ends at no known time."""
