@@ -222,7 +222,8 @@ def star(n: int | Iterable[str], nic_bps: float | Mapping[str, float], switch: s
 
 def hosts(g: nx.DiGraph) -> list[str]:
     """The host nodes of ``g``, in insertion order."""
-    return [v for v, kind in g.nodes(data="kind") if kind == "host"]
+    # the graph's own node dict (no view: a pass per decision, issue 24)
+    return [v for v, d in g._node.items() if d.get("kind") == "host"]
 
 
 def shortest_path(g: nx.DiGraph, src: str, dst: str) -> list[str]:
@@ -430,11 +431,11 @@ class PathCache:
                 raise TopologyError(f"'{dst}' is not a host of the bandwidth graph")
             tree = {dst: dst}
             frontier = [dst]
-            pred = self._graph.predecessors
+            pred = self._graph._pred  # v -> its predecessors, in predecessors(v)'s order (issue 24)
             while frontier:
                 nxt = []
                 for v in frontier:
-                    for u in pred(v):
+                    for u in pred[v]:
                         if u not in tree:
                             tree[u] = v
                             nxt.append(u)

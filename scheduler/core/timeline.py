@@ -265,6 +265,28 @@ class Timelines:
         times = tl.times
         return times[-1] if len(times) > 1 else -INF
 
+    def last_changes(self, links: Iterable[Link]) -> list[float]:
+        """:meth:`last_change` of each of ``links``, in order.
+
+        Examples
+        --------
+        >>> tls = Timelines(nx.DiGraph([("a", "b", {"capacity": 4.0}), ("b", "c", {"capacity": 4.0})]))
+        >>> _ = tls.reserve_until([("a", "b")], 1.0, 2.0)
+        >>> tls.last_changes([("a", "b"), ("b", "c")])
+        [2.0, -inf]
+        """
+        own, profiles, out = self._links, self._profiles, []  # last_change(link) inline, per link
+        for link in links:
+            tl = own.get(link)
+            if tl is None:
+                if link not in profiles:
+                    out.append(-INF)
+                    continue
+                tl = self.link(link)
+            times = tl.times
+            out.append(times[-1] if len(times) > 1 else -INF)
+        return out
+
     def copy(self) -> Timelines:
         """An independent copy (for what-if planning)."""
         new = Timelines(self._graph, self._start, self._profiles)

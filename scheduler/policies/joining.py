@@ -128,6 +128,7 @@ def join_open(
     ready_at = _ready_times(open_aggs, graph, paths, free, members_in, now)
     sends: list[Send] = []
     joined: dict[str, PlannedAggregate] = {}
+    succ = graph._succ  # graph.edges[u, v] without its view (per pending update and aggregate, issue 24)
     for p in sorted(pending, key=lambda p: (p.ready_at, p.bytes, p.update_id)):
         key = server_key(p.job, p.server)
         best: tuple[float, str, tuple[str, ...]] | None = None
@@ -140,7 +141,7 @@ def join_open(
                 _, arrive = tls.ten(to_agg, p.bytes, max(p.ready_at, now))
             except (ValueError, KeyError):
                 continue
-            d = p.bytes / min(graph.edges[link]["capacity"] for link in onward) if onward else 0.0
+            d = p.bytes / min(succ[u][v]["capacity"] for u, v in onward) if onward else 0.0
             bound = ready_at[a.aggregate_id] + slack * d
             if arrive <= bound and (best is None or (arrive, a.aggregate_id) < best[:2]):
                 best = (arrive, a.aggregate_id, paths.path(p.src_host, a.aggregator))

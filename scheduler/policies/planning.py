@@ -152,10 +152,22 @@ def reserve_in_flight(
     tls = Timelines(graph, start=now)
     busy: list[Busy] = []
     until: dict[str, float] = {}
+    succ = graph._succ  # u -> {v: attributes}: graph.has_edge(u, v) without a call per link (issue 24)
     for f in sorted(in_flight, key=lambda f: (f.expected_end, f.update_id)):
+        end = f.expected_end
+        if now > end:  # max(expected_end, now)
+            end = now
+        if math.isinf(end):
+            continue
         links = tuple(itertools.pairwise(f.path))
-        end = max(f.expected_end, now)
-        if not links or math.isinf(end) or not all(graph.has_edge(*link) for link in links):
+        if not links:
+            continue
+        gone = False  # a link the graph no longer has
+        for a, b in links:
+            if b not in succ.get(a, ()):
+                gone = True
+                break
+        if gone:
             continue
         tls.reserve_until(links, now, end, who=f.update_id)
         busy.append((f.update_id, links, end))

@@ -74,6 +74,8 @@ class _Gathering:
     members: list[str]
     arrived: set[str] = field(default_factory=set)
     started: bool = False  # a member has been released
+    seq: int = 0  # its place among the aggregates gathered (their order of adoption)
+    blocker: str = ""  # the one of its ``after`` that held it back last (looked up first)
 
     def placeholder(self) -> InFlight:
         """The aggregate as a transfer in flight that ends at no known time."""
@@ -122,6 +124,10 @@ class DecisionRunner:
         self.broken_waits = 0
         self._gathering: dict[str, _Gathering] = {}
         self._member_of: dict[str, str] = {}
+        # the aggregates all of whose members are in (the only ones a release or a wake-up looks
+        # at: kept as members come and go, issue 24), and the adoption counter of their order
+        self._complete: set[str] = set()
+        self._seq = itertools.count()
         self._replanned = False  # the plan or an aggregate's members changed since wakeup_changed()
 
     # ------------------------------------------------------------------ deciding
@@ -176,14 +182,16 @@ class DecisionRunner:
         for a in decision.aggregates:
             g = self._gathering.get(a.aggregate_id)
             if g is None:
-                self._gathering[a.aggregate_id] = _Gathering(a, list(a.members))
+                self._gathering[a.aggregate_id] = _Gathering(a, list(a.members), seq=next(self._seq))
                 for m in a.members:
                     self._member_of[m] = a.aggregate_id
+                self._recheck(a.aggregate_id)
                 continue
             for m in a.members:  # listed again with more members: they join it before it leaves
                 if m not in g.members and m not in self._member_of:
                     g.members.append(m)
                     self._member_of[m] = a.aggregate_id
+            self._recheck(a.aggregate_id)
             if a.hold_until != g.planned.hold_until:  # the policy's latest word on how long it waits
                 g.planned = replace(g.planned, hold_until=a.hold_until)
         self._break_cycles(decision.sends)
@@ -249,6 +257,7 @@ class DecisionRunner:
                 continue
             g.members = [m for m in g.members if m != uid]
             g.arrived.discard(uid)
+            self._recheck(g.planned.aggregate_id)
             if not g.members:
                 self._drop_aggregate(g.planned.aggregate_id)
                 if g.planned.aggregate_id in self._member_of:
@@ -258,8 +267,17 @@ class DecisionRunner:
         """Whether a member of ``g`` was released, or (a deeper tree) a member aggregate started."""
         return g.started or any(m in self._gathering and self._started(self._gathering[m]) for m in g.members)
 
+    def _recheck(self, aid: str) -> None:
+        """Whether aggregate ``aid``, being gathered, has all its members in (:attr:`_complete`)."""
+        g = self._gathering.get(aid)
+        if g is not None and len(g.arrived) >= len(g.members):
+            self._complete.add(aid)
+        else:
+            self._complete.discard(aid)
+
     def _drop_aggregate(self, aid: str) -> None:
         g = self._gathering.pop(aid)
+        self._complete.discard(aid)
         for m in g.members:
             if self._member_of.get(m) == aid:
                 del self._member_of[m]
@@ -271,6 +289,7 @@ class DecisionRunner:
         aid = self._member_of.get(member_id)
         if aid is not None and aid in self._gathering:
             self._gathering[aid].arrived.add(member_id)
+            self._recheck(aid)
             self._replanned = True
 
     def aggregate_of(self, update_id: str) -> PlannedAggregate | None:
@@ -305,21 +324,30 @@ class DecisionRunner:
         # a transfer in flight past its expected end (less the margin) is nearly done: its report
         # may be held (a synchronous round ACKs once applied, which may need this aggregate)
         near = now + self.dispatcher.margin
-        gathering = set(self._gathering)  # as they stand before any is forwarded
+        gathered = self._gathering
+        gone: set[str] = set()  # forwarded by this call: they count as gathering for the others
 
         def busy(uid: str) -> bool:
             f = in_flight.get(uid)
             if f is not None and f.expected_end > near:
                 return True
-            return uid in gathering or uid in self.dispatcher
+            return uid in gathered or uid in gone or uid in self.dispatcher
 
         forwarded: list[_Gathering] = []
-        for aid, g in list(self._gathering.items()):
-            if len(g.arrived) < len(g.members) or any(busy(a) for a in g.planned.after):
-                continue
+        # those with every member in, in the order they were adopted (a member's arrival is rare
+        # beside a release: no pass over every aggregate being gathered)
+        for aid in sorted(self._complete, key=lambda a: gathered[a].seq):
+            g = gathered[aid]
             if g.planned.hold_until > now:  # a synchronous round's members still expected
                 continue
-            forwarded.append(self._gathering.pop(aid))
+            if g.blocker and busy(g.blocker):
+                continue
+            g.blocker = next((a for a in g.planned.after if busy(a)), "")
+            if g.blocker:
+                continue
+            forwarded.append(gathered.pop(aid))
+            gone.add(aid)
+            self._complete.discard(aid)
             up = self._gathering.get(self._member_of.get(aid, ""))
             if up is not None:  # an aggregate summed into another one: that one has started
                 up.started = True
@@ -352,18 +380,35 @@ class DecisionRunner:
         nearly done.
         """
         wakes = [self.dispatcher.next_wakeup(_Over(self._placeholders(), in_flight))]
-        for g in self._gathering.values():
-            if len(g.arrived) < len(g.members):
-                continue  # its last member's arrival is an event of its own
-            after = g.planned.after
-            if any(a in self._gathering or a in self.dispatcher for a in after):
-                continue  # reconsidered when that one is released
-            # in flight: nearly done at its expected end less the margin, whether or not its report
+        gathering, planned, margin = self._gathering, self.dispatcher, self.dispatcher.margin
+        inf = math.inf
+        for aid in self._complete:  # the others: their last member's arrival is an event of its own
+            g = gathering[aid]
+            b = g.blocker  # what held it back last time, likely still there: looked up first
+            if b and (b in gathering or b in planned or _ends_never(in_flight.get(b), margin)):
+                continue
+            # held back by one of its ``after`` planned or gathering (reconsidered when that one is
+            # released), or in flight with no expected end (a wake-up at inf: none); else in
+            # flight: nearly done at its expected end less the margin, whether or not its report
             # comes (a synchronous round holds the reports of its direct sends until it is applied,
             # which may need this very aggregate: without this wake-up nothing would release it
             # before the transfer counts as stalled)
-            ends = [in_flight[a].expected_end - self.dispatcher.margin for a in after if a in in_flight]
-            wakes.append(max([g.planned.hold_until, *ends]))
+            at, b = g.planned.hold_until, ""
+            for a in g.planned.after:
+                if a in gathering or a in planned:
+                    b = a
+                    break
+                f = in_flight.get(a)
+                if f is not None:
+                    end = f.expected_end - margin
+                    if end == inf:
+                        b = a
+                        break
+                    if end > at:  # max(hold_until, *ends)
+                        at = end
+            g.blocker = b
+            if not b:
+                wakes.append(at)
         wake = min((w for w in wakes if w is not None and w > 0), default=None)
         return None if wake is None or math.isinf(wake) else wake
 
@@ -388,6 +433,11 @@ class DecisionRunner:
         self.trigger.moved()
         planned = len(self.dispatcher)
         return self.trigger.due(planned, pending - planned)
+
+
+def _ends_never(f: InFlight | None, margin: float) -> bool:
+    """Whether ``f`` is a transfer in flight with no expected end (``inf``)."""
+    return f is not None and f.expected_end - margin == math.inf
 
 
 class _Placeholders(Mapping[str, InFlight]):

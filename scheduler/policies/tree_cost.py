@@ -33,7 +33,24 @@ def rate(graph: nx.DiGraph, links: Sequence[Link]) -> float:
 
 
 def ingress(graph: nx.DiGraph, host: str) -> float:
-    return max((float(d["capacity"]) for d in graph.pred[host].values()), default=0.0)
+    # the graph's own dict of the links into ``host`` (no view objects, issue 24)
+    return max([float(d["capacity"]) for d in graph._pred[host].values()], default=0.0)
+
+
+class Ingress(dict[str, float]):
+    """host -> :func:`ingress` on ``graph``, each found when first looked up.
+
+    A caller may keep one across decisions while ``graph``'s capacities stay the same (the
+    tree planner looks up every eligible host per decision; issue 24).
+    """
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __missing__(self, host: str) -> float:
+        self[host] = got = ingress(self.graph, host)
+        return got
 
 
 #: Transfer's fields, which its __init__ only sets (the C loop then fills each instance's

@@ -19,6 +19,7 @@ member takes their place); empty ones are removed.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -155,7 +156,8 @@ def improve_members(
                     continue
                 own = source[mate]
                 hosts = [own] if own in eligible and own not in busy else []
-                hosts += [h for h in idle_hosts if h not in busy and h != own][:2]
+                # the first two (no pass over every idle host per pair, issue 24)
+                hosts += itertools.islice((h for h in idle_hosts if h not in busy and h != own), 2)
                 targets += [(None, mate, h) for h in hosts]
             for target, other, host in targets:
                 if used <= 0:

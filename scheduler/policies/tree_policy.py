@@ -28,7 +28,7 @@ from mlfabric.scheduler.policies.planning import (
     reserve_in_flight,
 )
 from mlfabric.scheduler.policies.round_plans import RoundBook
-from mlfabric.scheduler.policies.tree_cost import collector_paused
+from mlfabric.scheduler.policies.tree_cost import Ingress, collector_paused
 from mlfabric.scheduler.policies.tree_routes import RouteCache
 from mlfabric.scheduler.policies.trees import plan_tree
 
@@ -86,6 +86,9 @@ class TreePolicy:
         self._count = 0
         self._paths: PathCache | None = None
         self._routes: RouteCache | None = None  # the trees' routes on self._paths' topology
+        # the hosts' ingress on the graph last seen, kept while its graph_version stays the same
+        self._ingress: Ingress | None = None
+        self._graph_version: int | None = None
 
     def abandon(self, aggregate_id: str) -> None:
         """Forget aggregate ``aggregate_id`` (its aggregator failed)."""
@@ -195,7 +198,19 @@ class TreePolicy:
         pool = aggregator_pool(graph, self.aggregators, servers, snapshot.aggregators)
         tls, busy, _ = reserve_in_flight(graph, snapshot.in_flight, now)
         idle = None if not busy else tls  # an idle network: plan_tree may also try Fig. 6's groups
+        version = snapshot.graph_version
+        ing = self._ingress
+        if ing is None or ing.graph is not graph or version is None or version != self._graph_version:
+            ing = self._ingress = Ingress(graph)  # the capacities may have changed
+            self._graph_version = version
         schedule = plan_tree(
-            graph, updates, aggregators=pool, now=now, paths=pc, timelines=idle, routes=self._routes
+            graph,
+            updates,
+            aggregators=pool,
+            now=now,
+            paths=pc,
+            timelines=idle,
+            routes=self._routes,
+            ingress=ing,
         )
         return schedule, busy

@@ -458,7 +458,7 @@ class Routes:
         if tls is None or tls.empty():
             free.extend([-math.inf] * len(new))
         else:
-            free.extend([tls.last_change(link) for link in new])
+            free.extend(tls.last_changes(new))
 
     def path(self, src: str, dst: str) -> tuple[str, ...]:
         """Node path from ``src`` to ``dst``."""

@@ -54,9 +54,9 @@ from mlfabric.scheduler.core.records import init_fields, instances
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines, _plan_native
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
+from mlfabric.scheduler.policies.tree_cost import Ingress
 from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
-from mlfabric.scheduler.policies.tree_cost import ingress as _ingress
 from mlfabric.scheduler.policies.tree_cost import reserve as _reserve
 from mlfabric.scheduler.policies.tree_moves import Node as _Node
 from mlfabric.scheduler.policies.tree_moves import improve_members
@@ -285,6 +285,7 @@ def _plan_server(
     prefix: str,
     local_search: bool,
     every: Sequence[str],
+    nic_in: Mapping[str, float],
 ) -> tuple[Timelines, list[Transfer], list[Aggregate]]:
     tree = _tree(graph, rc, order, eligible, prefix, every)
     server_host = tree.server_host
@@ -358,7 +359,7 @@ def _plan_server(
     if local_search and len(order) <= MOVES_UP_TO:
         # break the topology's shape: move single updates between aggregates (tree_moves.py),
         # scored by the reservation itself
-        ingress_of = {h: _ingress(graph, h) for h in tree.paths if h in eligible}
+        ingress_of = {h: nic_in[h] for h in tree.paths if h in eligible}
         idle = sorted(ingress_of, key=lambda h: (-ingress_of[h], tree.rank[h]))
         moved, _ = improve_members(
             finalists[0],
@@ -396,6 +397,7 @@ def plan_tree(
     timelines: Timelines | None = None,
     local_search: bool | None = None,
     routes: RouteCache | None = None,
+    ingress: Ingress | None = None,
 ) -> Schedule:
     """Plan ``updates`` as multi-level aggregation trees, one per server (DESIGN §4).
 
@@ -421,6 +423,10 @@ def plan_tree(
         The trees' routes on ``graph``'s topology, kept by a caller across rounds (built on
         ``paths``, which defaults to its path cache); default: made for this call. Only
         the time taken depends on it, never the plan.
+    ingress : tree_cost.Ingress, optional
+        The widest link into each host on ``graph``, kept by a caller across rounds while
+        ``graph``'s capacities stay the same; default: made for this call. Only the time
+        taken depends on it, never the plan.
 
     Returns
     -------
@@ -450,7 +456,7 @@ def plan_tree(
     >>> _ = check_schedule(g, s, updates=us)
     """
     with _collector_paused():
-        return _plan_tree(graph, updates, aggregators, now, paths, timelines, local_search, routes)
+        return _plan_tree(graph, updates, aggregators, now, paths, timelines, local_search, routes, ingress)
 
 
 def _plan_tree(
@@ -462,12 +468,15 @@ def _plan_tree(
     timelines: Timelines | None,
     local_search: bool | None,
     routes: RouteCache | None,
+    ingress: Ingress | None = None,
 ) -> Schedule:
     if routes is not None and paths is not None and routes.pc is not paths:
         raise ValueError("plan_tree: routes were made on another path cache than paths")
     pc = paths if paths is not None else routes.pc if routes is not None else PathCache(graph)
     rc = routes if routes is not None else RouteCache(pc)
     tls = timelines if timelines is not None else Timelines(graph, start=now)
+    if ingress is None or ingress.graph is not graph:
+        ingress = Ingress(graph)
     servers = {u.dst for u in updates}
     every = hosts(graph)  # in graph order
     pool = aggregators if aggregators is not None else [h for h in every if h not in servers]
@@ -488,7 +497,7 @@ def _plan_tree(
         own = {u.update_id: u.bytes / rates[u.dst][u.src] for u in by_server[server]}
         order = sorted(by_server[server], key=lambda u: (u.ready_at, -own[u.update_id], u.update_id))
         prefix = order[0].dst if len(by_server) == 1 else f"{order[0].dst}.{i}"
-        tls, ts, aggs = _plan_server(graph, order, tls, rc, eligible, now, prefix, search, every)
+        tls, ts, aggs = _plan_server(graph, order, tls, rc, eligible, now, prefix, search, every, ingress)
         transfers.extend(ts)
         aggregates.extend(aggs)
     tree = Schedule.aggregated(transfers, aggregates)

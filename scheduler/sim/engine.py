@@ -381,6 +381,7 @@ class Simulator:
         self._requested = False
         self._inflight: dict[str, tuple[str, tuple[str, ...], float, float]] = {}  # kind, path, bytes, t0
         self._moving: dict[str, InFlight] = {}  # update and aggregate transfers, expected_end = inf
+        self._seen: dict[str, InFlight] = {}  # those of _moving as the last snapshot gave them
         self._rate_log: dict[str, list[tuple[float, float]]] = {}
         self._made: dict[str, PlannedAggregate] = {}  # aggregates forwarded, by id
         self._to_aggregator: set[str] = set()  # updates released to an aggregator
@@ -417,14 +418,17 @@ class Simulator:
     # -- internals: the scheduler service --------------------------------------------
     def _snapshot(self) -> Snapshot:
         ends = self._net.expected_ends(list(self._moving)).tolist()
-        in_flight = tuple(
-            InFlight(f.update_id, f.job, f.server, f.path, f.bytes, f.started_at, end)
-            for f, end in zip(self._moving.values(), ends, strict=True)
-        )
+        seen = self._seen  # the last snapshot's view of each transfer: kept while its end is the same
+        in_flight = []
+        for (fid, f), end in zip(self._moving.items(), ends, strict=True):
+            got = seen.get(fid)
+            if got is None or got.expected_end != end:
+                got = seen[fid] = InFlight(f.update_id, f.job, f.server, f.path, f.bytes, f.started_at, end)
+            in_flight.append(got)
         return Snapshot(
             now=self._now,
             graph=self._policy_graph,
-            in_flight=in_flight,
+            in_flight=tuple(in_flight),
             server_versions={(self.job, self.server): self.version},
             tau_max={self.job: self.tau_max},
             rounds=self._rounds,
@@ -555,6 +559,7 @@ class Simulator:
         else:
             self._schedule(self._now + latency, 0, lambda: self._arrive(fid))
         self._moving.pop(fid, None)
+        self._seen.pop(fid, None)
         return True
 
     def _at_aggregator(self, fid: str) -> None:

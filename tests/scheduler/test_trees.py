@@ -261,3 +261,25 @@ def test_the_tree_policy_forgets_a_tree_once_all_its_updates_were_released() -> 
     assert not any(
         m.startswith("u") and m.endswith(".0") for a in policy._committed.values() for m in a.members
     )
+
+
+def test_nics_changed_in_place_under_a_new_graph_version_are_read_again() -> None:
+    # TreePolicy keeps the hosts' ingress while Snapshot.graph_version stays the same (issue 24):
+    # the same decisions as a policy that reads them every time (graph_version None); with the
+    # old ingress (the NICs of h3, h4, h8 below changed), the moves between aggregates differ
+    g = two_tier(2, 6, 10e9, oversubscription=60)
+    sizes = {2: 5, 5: 20, 11: 5, 8: 20, 7: 5, 4: 5, 6: 5, 10: 5, 1: 5, 3: 5, 9: 5}
+    late = {5, 7, 9, 10, 11}
+    pending = [
+        PendingUpdate(f"u{i}", "j", "s", f"h{i}", f"h{i}", "h0", b * MB, 1.0, 0, 0.001 if i in late else 0.0)
+        for i, b in sizes.items()
+    ]
+    changes = [{}, {4: 4.0, 8: 0.25, 10: 1.0, 11: 1.0, 3: 0.25, 2: 1.0}, {4: 1.0, 8: 4.0, 3: 1.0}]
+    kept, fresh = TreePolicy(), TreePolicy()
+    for version, change in enumerate(changes):
+        for i, factor in change.items():  # the producer changes NICs of the same graph object, and the number
+            tor = next(iter(g.predecessors(f"h{i}")))
+            g.edges[tor, f"h{i}"]["capacity"] = factor * 10e9 / 8
+        for _ in range(2):  # the second time: nothing changed, nothing read again
+            want = fresh.decide(Snapshot(0.0, g), pending)
+            assert kept.decide(Snapshot(0.0, g, graph_version=version), pending) == want, f"version {version}"
