@@ -46,7 +46,7 @@ from mlfabric.daemon.roles.replica.log import ReplicationLogs
 from mlfabric.daemon.roles.replica.role import ReplicaRole
 from mlfabric.daemon.roles.server.serving import ServerRoles
 from mlfabric.daemon.roles.worker.intake import WorkerRole
-from mlfabric.daemon.stats import Counters, DaemonStats, cpu_load_per_core
+from mlfabric.daemon.stats import Counters, DaemonStats, LoadGauge
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 from mlfabric.wire.memfd import MemfdPool
 from mlfabric.wire.version import __version__
@@ -134,7 +134,8 @@ class Daemon:
         :meth:`start`, closed by :meth:`stop`).
     host_load : callable
         ``host_load() -> float``: the host's CPU load per core, stamped on every update
-        announced (``UpdateReady.cpu_load``; default :func:`~mlfabric.daemon.stats.cpu_load_per_core`).
+        announced (``UpdateReady.cpu_load``; default: :func:`~mlfabric.daemon.stats.cpu_load_per_core`
+        read at most once a second, :class:`~mlfabric.daemon.stats.LoadGauge`).
 
     Attributes
     ----------
@@ -159,10 +160,10 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         channel_factory: Callable[[str], Any] | None = None,
         report_log: TransferReportLog | None = None,
-        host_load: Callable[[], float] = cpu_load_per_core,
+        host_load: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
-        self._host_load = host_load
+        self._host_load = host_load or LoadGauge()
         self.host = config.host
         self._report_log = report_log
         self._counters = Counters()

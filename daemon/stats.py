@@ -10,8 +10,11 @@ scrape; nothing here knows Prometheus (docs/operations.md lists the metrics).
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +22,7 @@ from mlfabric.aggregators.codecs.payload import wire_summary
 from mlfabric.daemon.channels.routing import FrameRoute, names_aggregate
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
-__all__ = ["Counters", "DaemonStats", "cpu_load_per_core"]
+__all__ = ["Counters", "DaemonStats", "LoadGauge", "cpu_load_per_core"]
 
 _OUTCOMES = {control_pb2.OUTCOME_APPLIED: "applied", control_pb2.OUTCOME_DROPPED: "dropped"}
 _UPDATE = dataplane_pb2.FRAME_KIND_UPDATE
@@ -44,6 +47,40 @@ def cpu_load_per_core() -> float:
     affinity = getattr(os, "sched_getaffinity", None)
     cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
     return load / max(cores, 1)
+
+
+class LoadGauge:
+    """``read()`` at most once per ``interval`` seconds: the last value in between.
+
+    The daemon stamps the host's load on every update it announces; the 1-minute load average
+    moves slowly, so it is read from the kernel once a second, not per update.
+
+    Examples
+    --------
+    >>> reads, now = iter([1.5, 2.5]), [0.0]
+    >>> gauge = LoadGauge(lambda: next(reads), clock=lambda: now[0])
+    >>> gauge(), gauge()
+    (1.5, 1.5)
+    >>> now[0] = 1.0
+    >>> gauge()
+    2.5
+    """
+
+    def __init__(
+        self,
+        read: Callable[[], float] = cpu_load_per_core,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        interval: float = 1.0,
+    ) -> None:
+        self._read, self._clock, self._interval = read, clock, interval
+        self._value, self._at = 0.0, -math.inf
+
+    def __call__(self) -> float:
+        now = self._clock()
+        if now - self._at >= self._interval:
+            self._value, self._at = float(self._read()), now
+        return self._value
 
 
 @dataclass(frozen=True)
