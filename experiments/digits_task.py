@@ -93,8 +93,14 @@ class AccuracyLog:
         self.start: float | None = None
         self.reached: float | None = None
 
-    def record(self, version: int, acc: float) -> None:
-        now = time.time()
+    def record(self, version: int, acc: float, at: float | None = None) -> None:
+        """Add a row: ``version`` reached accuracy ``acc``; ``at``: when it was applied (Unix s).
+
+        Without ``at`` the row is timed now. A server that evaluates after ``serve()`` returns
+        passes the time of its last apply, so the rows (and the round split read off them) do
+        not include the rest of the serve call's wait and the evaluation.
+        """
+        now = time.time() if at is None else at
         self.start = self.start or now
         self.rows.append({"t": now - self.start, "version": version, "accuracy": acc})
         if self.reached is None and reached(acc, self.target):

@@ -91,6 +91,8 @@ def mlf_server(args: argparse.Namespace) -> int:
     counts = {"updates": 0, "payloads": 0}
     norms: list[float] = []  # the declared norms (an aggregate: its members' sum)
 
+    applied_at = [0.0]
+
     @server.on_update
     def apply(update: dict[str, np.ndarray], meta: Any) -> None:
         counts["updates"] += meta.num_updates
@@ -98,6 +100,7 @@ def mlf_server(args: argparse.Namespace) -> int:
         norms.append(meta.norm / meta.num_updates)
         for k, v in update.items():
             server.model[k] -= v
+        applied_at[0] = time.time()  # the row's time: the apply, not the evaluation after serve()
 
     last_eval = -1
     with server:
@@ -108,7 +111,7 @@ def mlf_server(args: argparse.Namespace) -> int:
                     started, deadline = True, time.monotonic() + args.time_limit
                 last_eval = server.version
                 e2e.load_numpy(model, server.model)
-                log.record(server.version, e2e.accuracy(model, xte, yte))
+                log.record(server.version, e2e.accuracy(model, xte, yte), at=applied_at[0])
         norm = statistics.median(norms) if norms else None
         log.save({**counts, "dropped": server.dropped, "median_update_norm": norm, "version": server.version})
     return 0

@@ -75,11 +75,14 @@ def mlf_server(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.time_limit
     delays: list[int] = []
 
+    applied_at = [0.0]
+
     @server.on_update
     def apply(update: dict[str, np.ndarray], meta: Any) -> None:
         delays.append(meta.delay)
         for k, v in update.items():
             server.model[k] -= v
+        applied_at[0] = time.time()  # the row's time: the apply, not the evaluation after serve()
 
     log.start = None
     last_eval = -1
@@ -89,7 +92,7 @@ def mlf_server(args: argparse.Namespace) -> int:
             if server.version != last_eval and server.version > 0:
                 last_eval = server.version
                 load_numpy(model, server.model)
-                log.record(server.version, accuracy(model, xte, yte))
+                log.record(server.version, accuracy(model, xte, yte), at=applied_at[0])
         log.save({"applied": server.applied, "dropped": server.dropped, "delays": delays})
     return 0
 
