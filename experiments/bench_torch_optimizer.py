@@ -9,14 +9,16 @@ order alternating with the seed), each training the same ``torch.nn`` MLP (64 ->
 - ``hand``: the loop of ``mlfabric.examples.digits``: ``get`` the whole model from one server,
   load it, forward/backward, ``push`` ``lr * grad`` (the server subtracts it), wait for the
   verdict;
-- ``optimizer``: the same model and data wrapped by ``DistributedOptimizer`` (wait-free,
-  one server per tensor: each tensor's update pushed from its gradient hook, ``step()``
-  waits and loads the servers' model).
+- ``serial``: the same model and data wrapped by ``DistributedOptimizer(pipeline=False)``
+  (wait-free, one server per tensor: each tensor's update pushed from its gradient hook;
+  ``step()`` waits for every verdict, then fetches the servers' models one after another);
+- ``optimizer``: the same with the default ``pipeline=True``: each tensor's model fetched as
+  soon as its own verdict is in, while the other tensors' pushes are under way.
 
 A worker times each epoch (wall clock, from its first step); the table gives per system the
 median epoch time over workers, epochs and seeds, its min-max over the seeds' medians, and
-the per-seed ratio ``hand / optimizer`` (> 1: the optimizer faster). Every run checks that
-the servers applied exactly the updates the workers pushed.
+per seed the ratios ``hand / X`` and ``serial / optimizer`` (> 1: the latter faster). Every
+run checks that the servers applied exactly the updates the workers pushed.
 
     python experiments/bench_torch_optimizer.py --seeds 0,1,2 --mbps 100 \\
         --out experiments/results/bench_torch_optimizer.md
@@ -35,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+#: the systems, in the order of the tables
+SYSTEMS = ("hand", "serial", "optimizer")
 
 
 def _model(hidden: int, seed: int) -> Any:
@@ -86,9 +91,16 @@ def work(args: argparse.Namespace) -> None:
     steps = len(shard) // 32
     worker = mlfabric.register_as_worker(args.job, name=f"w{args.rank}", wait=60)
     opt = None
-    if args.system == "optimizer":
+    if args.system != "hand":
         sgd = torch.optim.SGD(model.parameters(), lr=0.05)
-        opt = DistributedOptimizer(sgd, model.named_parameters(), worker, group_bytes=0, on_drop="count")
+        opt = DistributedOptimizer(
+            sgd,
+            model.named_parameters(),
+            worker,
+            group_bytes=0,
+            on_drop="count",
+            pipeline=args.system == "optimizer",
+        )
         opt.pull()
     params = dict(model.named_parameters())
     epochs: list[float] = []
@@ -190,7 +202,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="role")
     for role in ("serve", "work"):
         p = sub.add_parser(role)
-        p.add_argument("--system", choices=["hand", "optimizer"], required=True)
+        p.add_argument("--system", choices=SYSTEMS, required=True)
         p.add_argument("--job", required=True)
         p.add_argument("--seed", type=int, required=True)
         p.add_argument("--hidden", type=int, required=True)
@@ -222,48 +234,58 @@ def main() -> int:
     for h in hosts:
         lines += ["[[links]]", f'a = "{h}"', 'b = "sw"', f"mbps = {args.mbps}"]
     (work_dir / "topology.toml").write_text("\n".join(lines) + "\n")
-    per_seed: dict[str, list[float]] = {"hand": [], "optimizer": []}
+    per_seed: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     rows = []
     load_before = os.getloadavg()[0]
     with LocalCluster(
         work_dir / "topology.toml", policy="stf", workdir=work_dir / "run", enforce_nic_rates=True
     ) as cluster:
         for seed in seeds:
-            order = ["hand", "optimizer"] if seed % 2 == 0 else ["optimizer", "hand"]
-            got = {s: run_system(cluster, s, seed, args, work_dir) for s in order}
-            for s in order:
-                per_seed[s].append(statistics.median(got[s]["epochs"]))
-            t_hand, t_opt = per_seed["hand"][-1], per_seed["optimizer"][-1]
+            order = list(SYSTEMS[seed % len(SYSTEMS) :] + SYSTEMS[: seed % len(SYSTEMS)])  # rotated
+            got = {name: run_system(cluster, name, seed, args, work_dir) for name in order}
+            t = {name: statistics.median(got[name]["epochs"]) for name in SYSTEMS}
+            for name in SYSTEMS:
+                per_seed[name].append(t[name])
             rows.append(
-                f"| {seed} | {t_hand:.3f} | {t_opt:.3f} | {t_hand / t_opt:.2f} | "
-                f"{got['hand']['pushes']} | {got['optimizer']['pushes']} | {got['optimizer']['hidden']:.3f} |"
+                f"| {seed} | {t['hand']:.3f} | {t['serial']:.3f} | {t['optimizer']:.3f} | "
+                f"{t['hand'] / t['optimizer']:.2f} | {t['serial'] / t['optimizer']:.2f} | "
+                f"{got['hand']['pushes']} | {got['optimizer']['pushes']} | "
+                f"{got['serial']['hidden']:.3f} / {got['optimizer']['hidden']:.3f} |"
             )
             print(rows[-1], flush=True)
     load_after = os.getloadavg()[0]
-    ratios = [h / o for h, o in zip(per_seed["hand"], per_seed["optimizer"], strict=True)]
+
+    def ratio(a: str, b: str) -> str:
+        r = [x / y for x, y in zip(per_seed[a], per_seed[b], strict=True)]
+        return f"median {statistics.median(r):.2f}, min-max {min(r):.2f}-{max(r):.2f}"
+
     out = [
         f"# Digits MLP 64-{args.hidden}-10, {args.workers} workers, {args.mbps} Mbit/s NICs (enforced), "
         f"{args.epochs} epochs (first a warm-up), seeds {args.seeds}; load average {load_before:.1f} "
         f"before, {load_after:.1f} after, {os.cpu_count()} cores",
         "",
-        "Communication hidden behind backward: over the optimizer's steps, the time from a step's "
-        "first push to its last verdict that passed before `step()` was called, as a fraction of "
-        "that span (`DistributedOptimizer.hidden_seconds / comm_seconds`).",
+        "Systems: `hand` (get, forward/backward, push, wait), `serial` (`DistributedOptimizer(pipeline="
+        "False)`: the models fetched one after another once every verdict is in), `optimizer` (the "
+        "default, `pipeline=True`: each model fetched as soon as its verdict is in). Communication "
+        "hidden behind backward: over the optimizer's steps, the time from a step's first push to its "
+        "last verdict that passed before `step()` was called, as a fraction of that span "
+        "(`DistributedOptimizer.hidden_seconds / comm_seconds`).",
         "",
         f"`python experiments/bench_torch_optimizer.py --seeds {args.seeds} --mbps {args.mbps} "
         f"--hidden {args.hidden} --workers {args.workers} --epochs {args.epochs}`",
         "",
-        "| seed | hand: s/epoch (median) | optimizer: s/epoch (median) | hand / optimizer "
-        "| pushes hand | pushes optimizer | optimizer: communication hidden behind backward |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| seed | hand: s/epoch | serial: s/epoch | optimizer: s/epoch | hand / optimizer "
+        "| serial / optimizer | pushes hand | pushes optimizer "
+        "| hidden behind backward (serial / optimizer) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
         "| system | median s/epoch over seeds | min-max |",
         "| --- | --- | --- |",
         *[f"| {s} | {statistics.median(v):.3f} | {min(v):.3f}-{max(v):.3f} |" for s, v in per_seed.items()],
         "",
-        f"hand / optimizer: median {statistics.median(ratios):.2f}, "
-        f"min-max {min(ratios):.2f}-{max(ratios):.2f}",
+        f"hand / optimizer: {ratio('hand', 'optimizer')}; "
+        f"serial / optimizer: {ratio('serial', 'optimizer')}; hand / serial: {ratio('hand', 'serial')}",
     ]
     text = "\n".join(out) + "\n"
     print(text)

@@ -40,6 +40,12 @@ update than the user's step would have.
 the parameters: ``mode="async"``: each server's current model (the freshest; a push older
 than ``tau_max`` is DROPPED by the server); ``mode="sync"`` (servers with
 ``Params(sync_workers=N)``): the round's model, ``get(min_version=<the round's version>)``.
+**Pipelined pulls** (``pipeline=True``, the default): each group's model is fetched as soon as
+its own push's verdict is in, on a small pool of threads, while the other groups' pushes are
+still on their way (a push goes up the worker's link, a model comes down it); ``step()`` then
+only copies the fetched models into the parameters (on the training thread: nothing changes
+a parameter while backward may still read it). ``pipeline=False`` fetches the groups one
+after another once every verdict is in.
 A DROPPED push raises :class:`~mlfabric.MlfabricError` (code ``dropped``) after the model
 was loaded, unless ``on_drop="count"``; an UNKNOWN one always raises (code ``unknown``).
 Bad input and exactly-once are :meth:`mlfabric.Worker.push`'s.
@@ -51,6 +57,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -59,7 +66,20 @@ from mlfabric.localclient import APPLIED, DROPPED, MlfabricError, PushHandle, Pu
 from mlfabric.torch.groups import GROUP_BYTES, GroupServers, _groups_of, _named, plan_groups, server_name
 from mlfabric.torch.staging import Stager, default_stager, has_device_tensors
 
-__all__ = ["GROUP_BYTES", "DistributedOptimizer", "GroupServers", "plan_groups", "server_name"]
+__all__ = [
+    "GROUP_BYTES",
+    "PULL_THREADS",
+    "DistributedOptimizer",
+    "GroupServers",
+    "plan_groups",
+    "server_name",
+]
+
+#: Threads fetching the groups' models at most (``pipeline=True``).
+PULL_THREADS = 4
+
+#: a group's verdict and its model (or the error fetching it)
+_Fetched = tuple[PushResult, dict[str, Any] | BaseException]
 
 
 class DistributedOptimizer:
@@ -84,6 +104,9 @@ class DistributedOptimizer:
         Backward passes accumulated into the gradients before a group is ready (wait-free).
     on_drop : {"raise", "count"}
         A DROPPED push raises in ``step()``, or is counted in :attr:`dropped`.
+    pipeline : bool
+        Fetch each group's model as soon as its verdict is in, while the other groups' pushes
+        go on (True), or all groups one after another after the last verdict (False).
     timeout : float
         Seconds a step waits for a verdict, and for a model.
     stager : Stager, optional
@@ -117,6 +140,7 @@ class DistributedOptimizer:
         wait_free: bool = True,
         backward_passes_per_step: int = 1,
         on_drop: str = "raise",
+        pipeline: bool = True,
         timeout: float = 120.0,
         stager: Stager | None = None,
     ) -> None:
@@ -134,6 +158,7 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.worker = worker
         self.mode, self.prefix, self.wait_free, self.on_drop = mode, prefix, wait_free, on_drop
+        self.pipeline = pipeline
         self.timeout = timeout
         self.backward_passes_per_step = backward_passes_per_step
         self._params = dict(named)
@@ -151,6 +176,10 @@ class DistributedOptimizer:
         self._ready: dict[int, int] = {}  # group -> parameters accumulated this step
         self._sent: dict[int, dict[str, tuple[int, int]]] = {}  # group -> its gradients at push time
         self._handles: dict[int, PushHandle | BaseException] = {}
+        #: group -> its verdict and model, fetched as soon as the verdict came (``pipeline``)
+        self._fetches: dict[int, Future[_Fetched]] = {}
+        self._pullers: ThreadPoolExecutor | None = None
+        self._fetched: dict[int, dict[str, Any] | BaseException] = {}
         self._done = threading.Condition()
         self._queue: queue.SimpleQueue[tuple[int, dict[str, Any]] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
@@ -303,8 +332,32 @@ class DistributedOptimizer:
                 if staged is not None:
                     staged.release()  # push() copied the bytes into its memfd
             with self._done:
+                if self.pipeline and isinstance(outcome, PushHandle):
+                    self._fetches[g] = self._pool().submit(self._fetch_after, g, outcome)
                 self._handles[g] = outcome
                 self._done.notify_all()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._pullers is None:
+            workers = max(1, min(PULL_THREADS, len(self.groups)))
+            self._pullers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mlfabric-pull")
+        return self._pullers
+
+    def _fetch_after(self, g: int, handle: PushHandle) -> _Fetched:
+        """Group ``g``'s verdict, then its model: the round's (sync, applied) or the current one."""
+        result = handle.wait(timeout=self.timeout)
+        floor = result.version if self.mode == "sync" and result.status == APPLIED else None
+        try:
+            return result, self._fetch(g, floor)
+        except (MlfabricError, OSError) as exc:  # raised by step() after the verdicts
+            return result, exc
+
+    def _fetch(self, g: int, floor: int | None) -> dict[str, Any]:
+        """Group ``g``'s model from its server, as host tensors."""
+        _, model = self.worker.get(
+            server_name(self.prefix, g), min_version=floor, as_torch=True, timeout=self.timeout
+        )
+        return model
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -370,14 +423,21 @@ class DistributedOptimizer:
         if not ok:
             raise MlfabricError(f"pushes of groups {wanted} not handed to the daemon in {self.timeout} s")
         outcomes = {g: self._handles.pop(g) for g in wanted}
+        fetches = {g: self._fetches.pop(g) for g in wanted if g in self._fetches}
         self._sent.clear()
         self._first_push = None
         self._reset_backward()
         self.pushed += sum(not isinstance(o, BaseException) for o in outcomes.values())
         errors = [o for o in outcomes.values() if isinstance(o, BaseException)]
-        results = {
-            g: o.wait(timeout=self.timeout) for g, o in outcomes.items() if not isinstance(o, BaseException)
-        }
+        results = {}
+        self._fetched = {}
+        for g, o in outcomes.items():
+            if isinstance(o, BaseException):
+                continue
+            if g in fetches:
+                results[g], self._fetched[g] = fetches[g].result(timeout=2 * self.timeout + 10)
+            else:
+                results[g] = o.wait(timeout=self.timeout)
         self.applied += sum(r.status == APPLIED for r in results.values())
         self.dropped += sum(r.status == DROPPED for r in results.values())
         self.last_results = list(results.values())
@@ -386,26 +446,45 @@ class DistributedOptimizer:
         return results
 
     def _pull(self, results: Mapping[int, PushResult]) -> None:
+        """Load this step's models: those fetched after their verdicts, the others fetched now."""
+        fetched, self._fetched = self._fetched, {}
         floors = {}
         if self.mode == "sync":  # the round's model: at least the version its verdict named
             floors = {g: r.version for g, r in results.items() if r.status == APPLIED}
-        self.pull(floors)
+        missing = [g for g in range(len(self.groups)) if g not in fetched]
+        for g in missing:  # pipeline=False, or a group whose push failed
+            fetched[g] = self._fetch(g, floors.get(g))
+        self._load(fetched)
 
     def pull(self, min_versions: Mapping[int, int] | None = None) -> None:
-        """Load the servers' model into the parameters (each group's current, or ``min_versions[g]`` on)."""
-        for g, names in enumerate(self.groups):
-            floor = (min_versions or {}).get(g)
+        """Load the servers' model into the parameters (each group's current, or ``min_versions[g]`` on).
+
+        The groups are fetched concurrently (``pipeline=True``) or one after another.
+        """
+        floors = dict(min_versions or {})
+        groups = range(len(self.groups))
+        if self.pipeline and len(self.groups) > 1:
+            futures = {g: self._pool().submit(self._fetch, g, floors.get(g)) for g in groups}
+            self._load({g: f.result(timeout=self.timeout + 10) for g, f in futures.items()})
+        else:
+            self._load({g: self._fetch(g, floors.get(g)) for g in groups})
+
+    def _load(self, fetched: Mapping[int, dict[str, Any] | BaseException]) -> None:
+        """Copy the fetched models into the parameters (raises the first fetch's error after the rest)."""
+        errors = [m for m in fetched.values() if isinstance(m, BaseException)]
+        for g in sorted(fetched):
+            model = fetched[g]
+            if isinstance(model, BaseException):
+                continue
+            names = self.groups[g]
             device = self._params[names[0]].device
-            _, model = self.worker.get(
-                server_name(self.prefix, g),
-                min_version=floor,
-                as_torch=True,
-                timeout=self.timeout,
-                device=None if device.type == "cpu" else device,
-            )
+            if device.type != "cpu":  # staged host -> device on the side stream
+                model = (self._stager or default_stager()).to_device(model, device)
             with torch.no_grad():
                 for n in names:
                     self._params[n].copy_(model[n])
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         """Remove the gradient hooks and stop the sender (the worker stays open)."""
@@ -415,3 +494,6 @@ class DistributedOptimizer:
             self._queue.put(None)
             self._sender.join(timeout=30)
             self._sender = None
+        if self._pullers is not None:
+            self._pullers.shutdown(wait=True, cancel_futures=True)
+            self._pullers = None
