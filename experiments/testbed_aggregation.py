@@ -255,7 +255,8 @@ def run_one(
     workdir)`` starts more processes once the server is up (they are terminated with the workers).
 
     ``changes``: the bandwidth schedule (default: :func:`ns_changes`; ``[]``: static rates).
-    An mlfabric run's result has the daemons' transfer reports under ``transfers``."""
+    An mlfabric run's result has the daemons' transfer reports under ``transfers`` and its
+    workers' steps (:class:`testbed_e2e.StepsLog`, all workers' lines) under ``steps``."""
     from mlfabric.cluster import ingress_bytes
     from mlfabric.scheduler.core.graph import load_topology
     from mlfabric.testbed.launch import TestbedCluster
@@ -310,6 +311,7 @@ def run_one(
         for i, w in enumerate(workers):
             argv = [*me, "--role", "mlf-worker", *common, "--name", w, "--seed", str(100 * seed + i)]
             argv += ["--sync-workers", str(len(workers) if sync else 0), *e2e.worker_argv(system)]
+            argv += ["--steps-log", str(workdir / f"steps-{w}.jsonl")]
             procs.append(c.spawn(w, [*argv, "--compute-delay", str(delays[w])]))
         c.wait(server, timeout=args.time_limit + STARTUP_ALLOWANCE + 180)
         rates.stop()
@@ -319,7 +321,13 @@ def run_one(
     into = ingress_bytes(reports, "ps")
     res = dict(json.loads(out.read_text()))
     per_update = into / res["updates"] if res["updates"] else None
-    return {**res, "ingress_per_update": per_update, "transfers": reports}
+    steps = [
+        json.loads(line)
+        for path in sorted(workdir.glob("steps-*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    return {**res, "ingress_per_update": per_update, "transfers": reports, "steps": steps}
 
 
 def ns_changes(graph: Any, workers: list[str], args: argparse.Namespace) -> list:
@@ -551,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
     parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--steps-log", help=argparse.SUPPRESS)  # a worker's (testbed_e2e.StepsLog)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)

@@ -138,22 +138,53 @@ def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
     if schedule != (1, 0):
         return _local_sgd_worker(args, worker, model, (xtr, ytr, rng), codec, feedback, schedule)
     floor = None  # synchronous: the version its last update was applied in
-    with worker:
+    steps = StepsLog(getattr(args, "steps_log", None))
+    with worker, steps:
         while True:
             try:
-                _, tensors = worker.get("ps", min_version=floor)
+                version, tensors = worker.get("ps", min_version=floor)
             except mlfabric.MlfabricError:
                 return 0  # the server is gone: training is over
+            got = time.time()
             load_numpy(model, tensors)
             update = gradient(model, xtr, ytr, args.batch, rng, args.lr)
             time.sleep(args.compute_delay)
-            result = worker.push("ps", update, codec=codec, error_feedback=feedback).wait(timeout=300)
+            handle = worker.push("ps", update, codec=codec, error_feedback=feedback)
+            steps.record(version=version, got=got, handed=time.time())
+            result = handle.wait(timeout=300)
             if not result.applied and "unregistered" in result.reason:
                 return 0
             # synchronous: the next model is the round's (version at least the one it was applied
             # in), which the host's daemon or its rack's relay may serve (docs/model-relays.md);
             # asynchronous: the server's current model, from the server's daemon
             floor = result.version if result.applied and sync else None
+
+
+class StepsLog:
+    """A worker's steps as JSON lines (Unix seconds): the model's version, when it was in hand
+    (``got``) and when the update computed from it was handed to the daemon (``handed``).
+
+    The round split of ``testbed_racks.py`` reads them (the model's way down, the compute). A
+    line is written per step, so a worker terminated at the run's end leaves its steps. No
+    path: nothing is written.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._file: Any = None
+
+    def __enter__(self) -> StepsLog:
+        if self.path:
+            self._file = open(self.path, "a", buffering=1)  # closed by __exit__
+        return self
+
+    def record(self, **fields: float) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(fields) + "\n")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def _local_sgd_worker(
@@ -492,6 +523,7 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
     parser.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--steps-log", help=argparse.SUPPRESS)  # a worker's StepsLog
     parser.add_argument("--codec", help=argparse.SUPPRESS)  # a worker's: int8, fp16, int8+ef, ...
     add_local_options(parser)
     parser.add_argument("--model-codec", help=argparse.SUPPRESS)  # the server's: fp16, bf16

@@ -84,6 +84,10 @@ DDP_COMM = {"ddp": "gloo", "ddp+hook": "mlfabric", "ddp@fp16": "gloo+fp16"}
 SERVER = "ps"
 #: the round split's parts, in order
 PARTS = ("lead", "transfer", "tail")
+#: the lead's parts, from the workers' steps (:func:`lead_split`)
+LEAD_PARTS = ("model", "compute")
+#: the round split's columns
+COLUMNS = ("lead", *LEAD_PARTS, "transfer", "tail")
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -170,6 +174,40 @@ def round_split(log: Mapping[str, Any], transfers: Sequence[Mapping[str, Any]]) 
     return out
 
 
+def lead_split(log: Mapping[str, Any], steps: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """The lead's parts, from the workers' steps (``testbed_e2e.StepsLog``) of each round.
+
+    A round's lead starts at the apply of version ``v`` (the accuracy log's row). Each
+    worker's step on ``v``: ``model`` from the apply to the model in the worker's hands (its
+    way down: the server's daemon, the relays, the ``get``), ``compute`` from there to the
+    update handed to the worker's daemon (load, gradient, the compute delay). Medians over the
+    round's workers, then over the rounds; rounds that skip a version are left out.
+
+    Examples
+    --------
+    >>> log = {"start": 100.0, "rows": [{"t": 0.0, "version": 1}, {"t": 4.0, "version": 2},
+    ...                                 {"t": 9.0, "version": 4}]}
+    >>> steps = [{"version": 1, "got": 100.5, "handed": 101.5}, {"version": 1, "got": 100.7, "handed": 102.7},
+    ...          {"version": 2, "got": 105.0, "handed": 105.5}]
+    >>> lead_split(log, steps)
+    {'model': 0.6, 'compute': 1.5}
+    """
+    start, rows = log.get("start"), log.get("rows") or []
+    parts: dict[str, list[float]] = {p: [] for p in LEAD_PARTS}
+    if start is not None:
+        by_version: dict[int, list[Mapping[str, Any]]] = {}
+        for step in steps:
+            by_version.setdefault(int(step["version"]), []).append(step)
+        for r0, r1 in itertools.pairwise(rows):
+            mine = by_version.get(int(r0["version"]), [])
+            if r1["version"] != r0["version"] + 1 or not mine:
+                continue
+            applied = start + r0["t"]
+            parts["model"].append(statistics.median(s["got"] - applied for s in mine))
+            parts["compute"].append(statistics.median(s["handed"] - s["got"] for s in mine))
+    return {p: round(float(statistics.median(xs)), 6) if xs else None for p, xs in parts.items()}
+
+
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return float(statistics.median(vals)) if vals else None
@@ -200,7 +238,7 @@ def system_stats(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
                 k: _median([r.get(k) for r in rs])
                 for k in ("final_accuracy", "rounds", "round_s", "longest_s")
             },
-            **{f"{p}_s": _median([r.get(f"{p}_s") for r in rs]) for p in PARTS},
+            **{f"{p}_s": _median([r.get(f"{p}_s") for r in rs]) for p in COLUMNS},
         }
     return stats
 
@@ -248,15 +286,15 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
     ...                        lr=0.05, batch=64, compute=0.02, slowdown=1.0, target=0.85, seeds="0",
     ...                        systems="fair,ddp,ddp+hook", commit="abc")
     >>> rows = [{"seed": 0, "system": "fair", "time_to_target": 60.0, "final_accuracy": 0.86,
-    ...          "rounds": 12, "round_s": 5.0, "longest_s": 9.0, "lead_s": 1.0, "transfer_s": 3.5,
-    ...          "tail_s": 0.5, "load1": 3.0},
+    ...          "rounds": 12, "round_s": 5.0, "longest_s": 9.0, "lead_s": 1.0, "model_s": 0.3,
+    ...          "compute_s": 0.6, "transfer_s": 3.5, "tail_s": 0.5, "load1": 3.0},
     ...         {"seed": 0, "system": "ddp", "time_to_target": 20.0, "final_accuracy": 0.86,
     ...          "rounds": 15, "round_s": 1.3, "load1": 3.0},
     ...         {"seed": 0, "system": "ddp+hook", "time_to_target": 16.0, "final_accuracy": 0.87,
     ...          "rounds": 15, "round_s": 1.0, "load1": 3.0}]
     >>> text = summary(rows, a, ["link check: ..."])
     >>> print("\\n".join(line for line in text.splitlines() if line.startswith("| fair")))
-    | fair | 1 | 1 | 60.0 | 60.0-60.0 | 1.00x | 0.33x | 0.860 | 12 | 5.00 | 9.00 | 1.00 | 3.50 | 0.50 |
+    | fair | 1 | 1 | 60.0 | 60.0-60.0 | 1.00x | 0.33x | 0.860 | 12 | 5.00 | 9.00 | 1.00 | 0.30 | 0.60 | 3.50 | 0.50 |
     >>> [line for line in text.splitlines() if line.startswith("ddp / ddp+hook")]
     ['ddp / ddp+hook (> 1: the hook faster): median 1.25x; per seed 1.25']
     """
@@ -280,8 +318,10 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
         *(f"- {c}" for c in checks),
         "",
         "| system | runs | reached | median time to target (s) | min-max (s) | vs fair | vs ddp "
-        "| final accuracy | rounds | round (s) | longest round (s) | lead (s) | transfer (s) | tail (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| final accuracy | rounds | round (s) | longest round (s) | lead (s) | lead: model (s) "
+        "| lead: compute (s) | transfer (s) | tail (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |",
     ]
     for system, s in stats.items():
         spread = f"{s['min']:.1f}-{s['max']:.1f}" if s["reached"] else "-"
@@ -289,7 +329,7 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
             f"| {system} | {s['runs']} | {s['reached']} | {_fmt(s['median'])} | {spread} | "
             f"{_fmt(ratio(fair, s['median']), '.2f', 'x')} | {_fmt(ratio(ddp, s['median']), '.2f', 'x')} | "
             f"{_fmt(s['final_accuracy'], '.3f')} | {_fmt(s['rounds'], '.0f')} | "
-            + " | ".join(_fmt(s[k], ".2f") for k in ("round_s", "longest_s", *(f"{p}_s" for p in PARTS)))
+            + " | ".join(_fmt(s[k], ".2f") for k in ("round_s", "longest_s", *(f"{p}_s" for p in COLUMNS)))
             + " |"
         )
     hook = per_seed_ratios(rows, "ddp", "ddp+hook")
@@ -312,8 +352,12 @@ def summary(rows: Sequence[Mapping[str, Any]], args: argparse.Namespace, checks:
         "between two applied versions (DDP: a step); longest round: per run, then the median over",
         "the seeds (a stall shows there). The mlfabric round split (medians over rounds,",
         "then over seeds): lead = previous apply to the first push transfer (model pull, compute,",
-        "the scheduler's release), transfer = first push transfer to the last payload at the server,",
-        "tail = to the apply. The machine is shared, so times are noisy.",
+        "the scheduler's release), of which (medians over a round's workers) model = the apply to",
+        "the model in a worker's hands and compute = from there to its update handed to its daemon;",
+        "transfer = first push transfer to the last payload at the server, tail = to the apply (the",
+        "server process's apply time; before 2026-12-07 the rows were timed after the server's",
+        "serve() call returned and its evaluation, which put 0.2-0.5 s of lead into tail at",
+        "1 Gbit/s). The machine is shared, so times are noisy.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -349,14 +393,14 @@ def run_mlfabric(
 ) -> dict:
     """One synchronous mlfabric run (static rates) and its round split."""
     res = agg.run_one(system, True, testbed, topo, workers, args, seed, changes=[])
-    split = round_split(res, res.get("transfers", []))
+    split = {**round_split(res, res.get("transfers", [])), **lead_split(res, res.get("steps", []))}
     return {
         "time_to_target": res.get("time_to_target"),
         "final_accuracy": res["rows"][-1]["accuracy"] if res.get("rows") else None,
         "rounds": res.get("version"),
         "round_s": split["round"],
         "longest_s": split["longest"],
-        **{f"{p}_s": split[p] for p in PARTS},
+        **{f"{p}_s": split[p] for p in COLUMNS},
     }
 
 
@@ -390,7 +434,7 @@ def run_ddp(
         "rounds": res.get("steps"),
         "round_s": res.get("step_seconds"),
         "longest_s": None,
-        **{f"{p}_s": None for p in PARTS},
+        **{f"{p}_s": None for p in COLUMNS},
     }
 
 
@@ -451,7 +495,7 @@ def driver(args: argparse.Namespace) -> int:
                         "rounds": None,
                         "round_s": None,
                         "longest_s": None,
-                        **{f"{p}_s": None for p in PARTS},
+                        **{f"{p}_s": None for p in COLUMNS},
                         **res,
                         "load1": round(os.getloadavg()[0], 1),
                     }
