@@ -74,6 +74,7 @@ START_ATTEMPTS = 2
 
 
 def mlf_server(args: argparse.Namespace) -> int:
+    e2e.one_thread()
     import mlfabric
 
     _, _, xte, yte = e2e.dataset()
@@ -126,6 +127,7 @@ def _init(args: argparse.Namespace, world: int) -> Any:
 
 def gloo_sync(args: argparse.Namespace) -> int:
     """Synchronous gloo PS: rank 0 gathers every worker's update, applies the sum, sends the model."""
+    e2e.one_thread()
     import torch
 
     dist = _init(args, args.world)
@@ -170,6 +172,7 @@ def gloo_sync(args: argparse.Namespace) -> int:
 
 def ddp(args: argparse.Namespace) -> int:
     """One rank of torch DDP (gloo all-reduce); each step applies the sum of the workers' lr * gradients."""
+    e2e.one_thread()
     import torch
 
     dist = _init(args, args.world)

@@ -47,7 +47,17 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from digits_task import HIDDEN, AccuracyLog, accuracy, dataset, gradient, load_numpy, make_model, reached
+from digits_task import (
+    HIDDEN,
+    AccuracyLog,
+    accuracy,
+    dataset,
+    gradient,
+    load_numpy,
+    make_model,
+    one_thread,
+    reached,
+)
 from harness import wait_file
 from systems import add_local_options, split_system, split_systems, worker_argv
 from testbed_gloo import gloo_role, run_gloo
@@ -63,6 +73,7 @@ SYSTEMS = ("stf", "fair", "gloo")
 
 
 def mlf_server(args: argparse.Namespace) -> int:
+    one_thread()
     import mlfabric
 
     _, _, xte, yte = dataset()
@@ -125,6 +136,7 @@ def mlf_worker(args: argparse.Namespace, job: str = "e2e") -> int:
     (:class:`mlfabric.LocalSGD`): the gradient of the local copy applied to it, one push of the
     steps' sum every H steps (every step for the first K), then the server's model again.
     """
+    one_thread()
     import mlfabric
 
     xtr, ytr, _, _ = dataset()

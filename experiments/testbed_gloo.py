@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from digits_task import AccuracyLog, accuracy, dataset, gradient, load_numpy, make_model
+from digits_task import AccuracyLog, accuracy, dataset, gradient, load_numpy, make_model, one_thread
 from harness import init_gloo, stop_all, wait_file
 
 __all__ = ["gloo_role", "gloo_server", "run_gloo", "unflatten"]
@@ -32,6 +32,7 @@ def unflatten(flat: Any, names: list, shapes: list, sizes: list) -> dict[str, np
 
 def gloo_role(args: argparse.Namespace) -> int:
     """One rank of the gloo parameter server (rank 0 serves, the others work)."""
+    one_thread()
     import torch
     import torch.distributed as dist
 
