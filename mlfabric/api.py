@@ -52,7 +52,7 @@ from mlfabric import tensorio
 from mlfabric import tensors as tcodec
 from mlfabric.aggregators.codecs.feedback import ErrorFeedback
 from mlfabric.aggregators.codecs.payload import WireCodec, encode_update, parse_codec
-from mlfabric.aggregators.codecs.sparse import version_rng
+from mlfabric.aggregators.codecs.sparse import RandomKCodec, version_rng
 from mlfabric.allreduce import DEFAULT_TIMEOUT as ALLREDUCE_TIMEOUT
 from mlfabric.allreduce import AllreduceGroup, AllreduceHandle, join_allreduce, submit_allreduce
 from mlfabric.localclient import (
@@ -319,7 +319,8 @@ class Worker:
         if codec is None:
             words, encoded = update, None
         else:
-            rng = version_rng(base) if getattr(codec, "shared", False) else self.rng  # shared random-k
+            shared = isinstance(codec, RandomKCodec) and codec.shared  # the version's positions
+            rng = version_rng(base) if shared else self.rng
             words, encoded = encode_update(update, codec, rng, feedback)
         buf, layouts, total, crc = tensorio.encode_pooled(self._buffers, words, crc=True, encoded=encoded)
         # lost connection: the daemon may still read the buffer, so it is never reused

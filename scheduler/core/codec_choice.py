@@ -324,12 +324,14 @@ def choose_codec(
         raise ValueError(f"a transfer's bytes must be >= 0, got {nbytes}")
     if not 0 <= margin < 1:
         raise ValueError(f"a codec's margin must be in [0, 1), got {margin}")
-    if links is None:
-        none = nbytes / bandwidth
-        link_time = lambda ratio: nbytes / ratio / bandwidth  # noqa: E731
-    else:
-        none = link_seconds(links, nbytes)
-        link_time = lambda ratio: link_seconds(links, nbytes, ratio)  # noqa: E731
+
+    def link_time(ratio: float) -> float:
+        """The transfer's seconds on its path with a codec of ``ratio`` (1: uncompressed)."""
+        if links is None:
+            return nbytes / ratio / bandwidth
+        return link_seconds(links, nbytes, ratio)
+
+    none = link_time(1.0)
     slow_encode, slow_decode = (max(1.0, load) for load in cpu_load)
     best, best_key = "", ((1 - margin) * none, 0.0)
     for name, rate in sorted(rates.items()):
