@@ -108,6 +108,9 @@ def stf_run(
     eps: float,
     drop_reason: Any,
     drops: dict[str, str],
+    ix_of: dict[str, tuple[int, ...]] | None = None,
+    link_list: list[Any] | None = None,
+    cap_cache: list[Any] | None = None,
     /,
 ) -> list[Any] | None: ...
 def changed_capacities(

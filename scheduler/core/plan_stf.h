@@ -74,6 +74,11 @@ typedef struct {
     PyObject *now_o, *tau_max, *server_version, *ahead;
     PyObject *tls, *tls_links, *succ, *profiles;
     PyObject *transfer_cls, *fields, *reservation_cls, *timeline_cls, *drop_reason, *drops;
+    /* the book's link numbers (NULL: links are numbered here, as first seen): update ->
+       tuple of link numbers, number -> link, number -> its graph capacity (None: not read
+       yet; filled here); st->l then has one slot per number, made when first used (key NULL
+       until then) */
+    PyObject *ix_of, *link_list, *cap_cache;
     double now, t0, eps;
     /* made here */
     PyObject *transfers, *uid_ix, *link_ix, *srv_ix;

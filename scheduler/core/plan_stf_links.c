@@ -30,7 +30,7 @@ static int read_timeline(Lnk *l, PyObject *tl) {
 
 /* a link seen for the first time: its timeline if the Timelines has one (or a capacity
    profile, then made now), else its graph capacity */
-static int init_link(STF *st, Lnk *l, PyObject *link) {
+static int init_link(STF *st, Lnk *l, PyObject *link, Py_ssize_t num) {
     memset(l, 0, sizeof(*l));
     l->modified = -1;
     l->live = -1;
@@ -39,20 +39,28 @@ static int init_link(STF *st, Lnk *l, PyObject *link) {
     PyObject *tl = PyDict_GetItemWithError(st->tls_links, link);
     if (tl == NULL && PyErr_Occurred()) return -1;
     if (tl == NULL) {
-        int prof = PySequence_Contains(st->profiles, link);
+        int prof = PyDict_CheckExact(st->profiles) && PyDict_GET_SIZE(st->profiles) == 0
+                       ? 0
+                       : PySequence_Contains(st->profiles, link);
         if (prof < 0) return -1;
-        PyObject *data = NULL;
-        if (!prof && PyTuple_CheckExact(link) && PyTuple_GET_SIZE(link) == 2) {
-            PyObject *nbrs = PyDict_GetItemWithError(st->succ, PyTuple_GET_ITEM(link, 0));
-            if (nbrs == NULL && PyErr_Occurred()) return -1;
-            data = nbrs ? PyDict_GetItemWithError(nbrs, PyTuple_GET_ITEM(link, 1)) : NULL;
-            if (data == NULL && PyErr_Occurred()) return -1;
-        }
-        if (data == NULL) return stf_realize(st, l - st->l); /* tls.link makes it (or raises) */
-        PyObject *cap = PyDict_GetItemWithError(data, s_capacity);
+        /* the book's number's capacity, read from the graph once while its capacities hold */
+        PyObject *cap = prof || num < 0 ? NULL : PyList_GET_ITEM(st->cap_cache, num);
+        if (cap == Py_None) cap = NULL;
         if (cap == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "capacity");
-            return -1;
+            PyObject *data = NULL;
+            if (!prof && PyTuple_CheckExact(link) && PyTuple_GET_SIZE(link) == 2) {
+                PyObject *nbrs = PyDict_GetItemWithError(st->succ, PyTuple_GET_ITEM(link, 0));
+                if (nbrs == NULL && PyErr_Occurred()) return -1;
+                data = nbrs ? PyDict_GetItemWithError(nbrs, PyTuple_GET_ITEM(link, 1)) : NULL;
+                if (data == NULL && PyErr_Occurred()) return -1;
+            }
+            if (data == NULL) return stf_realize(st, l - st->l); /* tls.link makes it (or raises) */
+            cap = PyDict_GetItemWithError(data, s_capacity);
+            if (cap == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "capacity");
+                return -1;
+            }
+            if (num >= 0 && PyList_SetItem(st->cap_cache, num, Py_NewRef(cap)) < 0) return -1;
         }
         l->cap = PyFloat_AsDouble(cap);
         if (l->cap == -1.0 && PyErr_Occurred()) return -1;
@@ -75,7 +83,7 @@ Py_ssize_t stf_link(STF *st, PyObject *link) {
     if (PyErr_Occurred()) return -1;
     if (stf_grow((void **)&st->l, &st->lcap, st->nl + 1, sizeof(Lnk)) < 0) return -1;
     Py_ssize_t li = st->nl++;
-    if (init_link(st, &st->l[li], link) < 0) {
+    if (init_link(st, &st->l[li], link, -1) < 0) {
         st->nl--;
         Py_XDECREF(st->l[li].key);
         return -1;
@@ -134,8 +142,54 @@ int stf_realize(STF *st, Py_ssize_t li) {
     return ok == 1 ? 0 : -1;
 }
 
+/* stf_links_of by the book's link numbers: its links tuple and numbers, each link's slot
+   made on first use; 0 or -1 */
+static int links_by_number(STF *st, Py_ssize_t ui) {
+    Upd *u = &st->u[ui];
+    PyObject *links = PyDict_GetItemWithError(st->links_of, u->uid);
+    PyObject *nums = links ? PyDict_GetItemWithError(st->ix_of, u->uid) : NULL;
+    if (nums == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, u->uid);
+        return -1;
+    }
+    if (!PyTuple_CheckExact(links) || !PyTuple_CheckExact(nums) || PyTuple_GET_SIZE(nums) != PyTuple_GET_SIZE(links)) {
+        PyErr_SetString(PyExc_TypeError, "stf_run: an update's links and their numbers must be tuples of one length");
+        return -1;
+    }
+    Py_ssize_t k = PyTuple_GET_SIZE(links);
+    if (k > MAX_LINKS) {
+        PyErr_SetString(PyExc_ValueError, "a path of more than 64 links");
+        return -1;
+    }
+    if (stf_grow((void **)&st->pool, &st->poolcap, st->npool + k, sizeof(Py_ssize_t)) < 0) return -1;
+    Py_ssize_t l0 = st->npool;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t li = PyLong_AsSsize_t(PyTuple_GET_ITEM(nums, i));
+        if (li == -1 && PyErr_Occurred()) return -1;
+        if (li < 0 || li >= st->nl) {
+            PyErr_SetString(PyExc_IndexError, "stf_run: a link number out of range");
+            return -1;
+        }
+        if (st->l[li].key == NULL && init_link(st, &st->l[li], PyList_GET_ITEM(st->link_list, li), li) < 0) {
+            Py_CLEAR(st->l[li].key);
+            return -1;
+        }
+        st->pool[l0 + i] = li;
+    }
+    st->npool += k;
+    u = &st->u[ui];
+    u->links = Py_NewRef(links);
+    u->l0 = l0;
+    u->nl = k;
+    return 0;
+}
+
 Py_ssize_t *stf_links_of(STF *st, Py_ssize_t ui, Py_ssize_t *n) {
     Upd *u = &st->u[ui];
+    if (u->nl < 0 && st->ix_of != NULL) {
+        if (links_by_number(st, ui) < 0) return NULL;
+        u = &st->u[ui];
+    }
     if (u->nl < 0) {
         PyObject *links = PyDict_GetItemWithError(st->links_of, u->uid);
         if (links == NULL) {

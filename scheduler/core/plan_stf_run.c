@@ -34,10 +34,18 @@ static Py_ssize_t server_index(STF *st, PyObject *server) {
         Py_XDECREF(bound);
         return -1;
     }
+    /* a negative tau_max bounds nothing: kept as no bound (delay_drop's fast path) */
+    int nonneg = bound == Py_None ? 0 : PyObject_RichCompareBool(bound, zero, Py_GE);
+    if (nonneg < 0) {
+        Py_DECREF(zero);
+        Py_DECREF(version);
+        Py_DECREF(bound);
+        return -1;
+    }
     s->version = version;
     s->ahead = Py_NewRef(ahead ? ahead : zero);
     Py_DECREF(zero);
-    if (bound == Py_None)
+    if (!nonneg)
         Py_DECREF(bound);
     else
         s->bound = bound;
@@ -63,18 +71,16 @@ static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
     Py_DECREF(server);
     if (si < 0) return -1;
     Srv *s = &st->s[si];
+    if (s->bound == NULL) { /* no tau_max (or a negative one): never dropped, the delay is not needed */
+        s->accepted++;
+        return 0;
+    }
     PyObject *base = PyObject_GetAttr(uo, s_base_version);
     PyObject *done = base ? PyLong_FromLong(s->accepted) : NULL;
     PyObject *n_ahead = done ? PyNumber_Add(s->ahead, done) : NULL;
     PyObject *behind = n_ahead ? PyNumber_Subtract(s->version, base) : NULL;
     PyObject *delay = behind ? PyNumber_Add(behind, n_ahead) : NULL;
-    int over = delay ? 0 : -1;
-    if (delay != NULL && s->bound != NULL) {
-        PyObject *zero = PyLong_FromLong(0);
-        int nonneg = zero ? PyObject_RichCompareBool(s->bound, zero, Py_GE) : -1;
-        Py_XDECREF(zero);
-        over = nonneg > 0 ? PyObject_RichCompareBool(delay, s->bound, Py_GT) : nonneg;
-    }
+    int over = delay ? PyObject_RichCompareBool(delay, s->bound, Py_GT) : -1; /* bound >= 0 here */
     if (over > 0) {
         PyObject *reason = PyObject_CallFunctionObjArgs(st->drop_reason, delay, s->bound, s->version, base, n_ahead, NULL);
         over = reason == NULL || PyDict_SetItem(st->drops, uid, reason) < 0 ? -1 : 1;
@@ -268,7 +274,7 @@ static void release(STF *st) {
         Py_XDECREF(st->u[i].links);
     }
     for (Py_ssize_t i = 0; i < st->nl; i++) {
-        Py_DECREF(st->l[i].key);
+        Py_XDECREF(st->l[i].key); /* NULL: a book link number not used */
         PyMem_Free(st->l[i].g);
     }
     for (Py_ssize_t i = 0; i < st->nc; i++) {
@@ -343,16 +349,27 @@ static int set_up(STF *st, PyObject *classes) {
 PyObject *py_stf_run(PyObject *self, PyObject *args) {
     STF st;
     memset(&st, 0, sizeof(st));
-    PyObject *classes;
+    PyObject *classes, *ix_of = Py_None, *link_list = Py_None, *cap_cache = Py_None;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!", &PyList_Type, &classes, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOO", &PyList_Type, &classes, &PyDict_Type,
                           &st.class_of, &PyDict_Type, &st.class_of_key, &PyDict_Type, &st.on_first_link,
                           &st.book_on_link, &st.popped, &PyDict_Type, &st.by_id, &PyDict_Type, &st.links_of,
                           &st.names, &st.now_o, &st.tau_max, &st.server_version, &PyDict_Type, &st.ahead, &limit,
                           &st.tls, &PyDict_Type, &st.tls_links, &PyDict_Type, &st.succ, &st.t0, &st.profiles,
                           &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
-                          &st.drop_reason, &PyDict_Type, &st.drops))
+                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache))
         return NULL;
+    if (ix_of != Py_None) {
+        if (!PyDict_Check(ix_of) || !PyList_CheckExact(link_list) || !PyList_CheckExact(cap_cache) ||
+            PyList_GET_SIZE(cap_cache) != PyList_GET_SIZE(link_list)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "stf_run: link numbers need a dict, and lists of links and of capacities of one length");
+            return NULL;
+        }
+        st.ix_of = ix_of;
+        st.link_list = link_list;
+        st.cap_cache = cap_cache;
+    }
     if (st.reservation_cls == Py_None &&
         (!PyType_Check(st.transfer_cls) || !PyType_IsSubtype((PyTypeObject *)st.transfer_cls, &PyTuple_Type))) {
         PyErr_SetString(PyExc_TypeError, "stf_run: without reservations the transfers' class must be a tuple's");
@@ -390,6 +407,15 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
     if (!st.transfers || !st.uid_ix || !st.link_ix || !st.srv_ix) {
         release(&st);
         return NULL;
+    }
+    if (st.ix_of != NULL) { /* a slot per book link number, made on first use */
+        Py_ssize_t n = PyList_GET_SIZE(st.link_list);
+        if (stf_grow((void **)&st.l, &st.lcap, n, sizeof(Lnk)) < 0) {
+            release(&st);
+            return NULL;
+        }
+        if (n) memset(st.l, 0, (size_t)n * sizeof(Lnk));
+        st.nl = n;
     }
     ok = set_up(&st, classes);
     if (ok <= 0) {

@@ -133,6 +133,13 @@ class STFBook:
         self._on_link: dict[Link, dict[str, None]] = {}  # first link -> grouped keys
         self._caps: dict[Link, float] = {}  # first link -> capacity its updates are grouped by
         self._servers: Counter[tuple[str, str, str]] = Counter()
+        # the links numbered (the C loop's slots, no lookups by link per decision, issue 24):
+        # link -> number, number -> link, number -> capacity read by the C loop (None: not
+        # yet, or the graph's capacities may have changed since), rank key -> its links' numbers
+        self._link_ix: dict[Link, int] = {}
+        self._link_list: list[Link] = []
+        self._link_caps: list[float | None] = []
+        self._ix_of: dict[str, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._recs)
@@ -165,6 +172,7 @@ class STFBook:
         self._now = now
         if not same:  # (the same graph, its capacities unchanged: the NICs' classes hold)
             self._recapacity(graph)
+            self._link_caps = [None] * len(self._link_list)
         self._gen += 1
         gen = self._gen
         recs, held = self._recs, self._held
@@ -230,6 +238,7 @@ class STFBook:
             self._noroute[key] = f"no route: {exc}"
             return rec
         self._links_of[key] = links
+        self._ix_of[key] = tuple(map(self._link_number, links))
         if not links:
             self._loose[key] = None
         elif p.ready_at <= self._now:
@@ -245,6 +254,7 @@ class STFBook:
         self._loose.pop(key, None)
         self._noroute.pop(key, None)
         self._links_of.pop(key, None)
+        self._ix_of.pop(key, None)
         del (
             self._by_key[key],
             self._names[key],
@@ -254,6 +264,14 @@ class STFBook:
         self._servers[rec.server] -= 1
         if not self._servers[rec.server]:
             del self._servers[rec.server]
+
+    def _link_number(self, link: Link) -> int:
+        ix = self._link_ix.get(link)
+        if ix is None:
+            ix = self._link_ix[link] = len(self._link_list)
+            self._link_list.append(link)
+            self._link_caps.append(None)
+        return ix
 
     def _waiting(self, key: str) -> bool:
         """Whether ``key`` (popped from the future heap) is pending and not classed yet."""
@@ -422,6 +440,12 @@ class _BookPlanner(Planner):
         self.names = book._names
         self.group_idx: dict[GroupKey, int] = {}
         self.popped: set[Link] = set()
+
+    def link_numbers(self) -> tuple[dict[str, tuple[int, ...]], list[Link], list[float | None]] | None:
+        book = self.book
+        if self.tls._graph is not book._graph:  # (capacities read from another graph)
+            return None
+        return book._ix_of, book._link_list, book._link_caps
 
     def class_index(self, uid: str) -> int:
         idx = self.class_of.get(uid)

@@ -363,6 +363,15 @@ class Planner:
         """Untouched first links' updates kept outside the planner, and those links taken (none here)."""
         return None, None
 
+    def link_numbers(self) -> tuple[dict[str, tuple[int, ...]], list[Link], list[float | None]] | None:
+        """The links numbered outside the planner, for the C loop (none here).
+
+        ``(numbers, links, capacities)``: update id -> its links' numbers, number -> link,
+        number -> the link's graph capacity (``None`` where not read yet; the C loop fills
+        it in, so the lists must be dropped when the graph's capacities change).
+        """
+        return None
+
     def _run_native(self, limit: int | None) -> bool:
         """:meth:`run` in C (``_plan_native.stf_run``); False: the inputs need the Python loop.
 
@@ -372,6 +381,7 @@ class Planner:
         tls = self.tls
         light = not self.reservations
         on_link, popped = self.book_links()
+        numbered = self.link_numbers() or (None, None, None)
         got = _plan_native.stf_run(
             [(c.start, c.members, c.head) for c in self.classes],
             self.class_of,
@@ -399,6 +409,7 @@ class Planner:
             EPS,
             drop_reason,
             self.drops,
+            *numbered,
         )
         if got is None:
             return False

@@ -189,3 +189,46 @@ def test_rank_keys_sort_as_ready_time_then_id() -> None:
     ]
     by_key = sorted(pairs, key=lambda p: rank_key(*p))
     assert [(t + 0.0, u) for t, u in by_key] == sorted((t + 0.0, u) for t, u in pairs)
+
+
+def test_links_past_the_nic_changed_in_place_under_a_new_version_are_read_again() -> None:
+    """The book numbers every link and the C loop keeps the capacities it reads (issue 24):
+    a change of an uplink, a core link or the server's NIC under a new version is seen."""
+    g = graph(8)
+    rng = random.Random(8)
+    workers = [h for h in hosts(g) if h not in SERVERS]
+    ps = [
+        PendingUpdate(f"u{i}", "j", "s0", w, w, SERVERS[0], rng.choice((1, 5)) * MB, 1.0, 0, 0.0)
+        for i, w in enumerate(workers)
+    ]
+    inner = [(u, v) for u, v in g.edges if u not in workers and v not in workers]
+    policy, full = STFPolicy(horizon=16), STFPolicy(horizon=16, incremental=False)
+    seen = set()
+    for version in range(8):
+        if version:
+            for link in rng.sample(inner, len(inner) // 3):
+                g.edges[link]["capacity"] *= rng.choice((0.25, 0.5, 2.0))
+        snap = Snapshot(0.001 * version, g, graph_version=version)
+        for _ in range(2):
+            got = policy.decide(snap, ps)
+            assert got == full.decide(snap, ps), f"version {version}"
+        seen.add(tuple((s.update_id, s.expected_end) for s in got.sends))
+    assert len(seen) > 1, "the changes changed no plan: the test tests nothing"
+
+
+def test_the_book_reads_capacities_of_the_timelines_graph_only() -> None:
+    """Planning on timelines of another graph than the book's last sync reads that graph."""
+    from mlfabric.scheduler.core.timeline import Timelines
+    from mlfabric.scheduler.policies.stf_book import STFBook
+
+    g = graph(9)
+    workers = [h for h in hosts(g) if h not in SERVERS]
+    ps = [PendingUpdate(f"u{i}", "j", "s0", w, w, SERVERS[0], MB, 1.0, 0, 0.0) for i, w in enumerate(workers)]
+    book = STFBook()
+    book.sync(g, 0.0, ps, graph_version=1)
+    first = book.plan_times(Timelines(g), 0.0, {}, {})
+    slow = g.copy()
+    for link in slow.edges:
+        slow.edges[link]["capacity"] /= 2
+    again = book.plan_times(Timelines(slow), 0.0, {}, {})
+    assert [t.end for t in again[0]] == [2 * t.end for t in first[0]]
