@@ -113,6 +113,9 @@ def stf_run(
     cap_cache: list[Any] | None = None,
     /,
 ) -> list[Any] | None: ...
+def dispatch_index(
+    sends: tuple[Any, ...], /
+) -> tuple[dict[str, Any], dict[str, int], dict[str, int], dict[str, str | list[str]], set[str]] | None: ...
 def changed_capacities(
     caps: dict[tuple[str, str], float], succ: dict[str, dict[str, dict[str, Any]]], /
 ) -> list[tuple[str, str]]: ...
