@@ -111,6 +111,7 @@ def stf_run(
     ix_of: dict[str, tuple[int, ...]] | None = None,
     link_list: list[Any] | None = None,
     cap_cache: list[Any] | None = None,
+    class_index: Any = None,
     /,
 ) -> list[Any] | None: ...
 def dispatch_index(

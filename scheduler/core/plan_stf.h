@@ -53,6 +53,10 @@ typedef struct {
     double start;
     Py_ssize_t *m;
     Py_ssize_t n, cap, head;
+    /* its members as the planner listed them (borrowed; NULL: all in m), the first pq of the pn
+       taken into m so far: the rest are taken as the head reaches them (stf_take) */
+    PyObject *pm;
+    Py_ssize_t pq, pn;
     Py_ssize_t gate; /* the link whose group holds its head, -1: none */
     char ex_ok;      /* the head's latest computed ten: uid, stamp, end, rate pieces */
     Py_ssize_t ex_uid;
@@ -79,6 +83,8 @@ typedef struct {
        yet; filled here); st->l then has one slot per number, made when first used (key NULL
        until then) */
     PyObject *ix_of, *link_list, *cap_cache;
+    /* the planner's class_index (NULL: every member of every class indexed before the loop) */
+    PyObject *class_index;
     double now, t0, eps;
     /* made here */
     PyObject *transfers, *uid_ix, *link_ix, *srv_ix;
@@ -116,6 +122,10 @@ int stf_place(STF *st, Py_ssize_t ci);                   /* Planner.place */
 int stf_loop(STF *st, Py_ssize_t limit);                 /* Planner.run's loop */
 /* plan_stf_run.c: Planner.accept */
 int stf_accept(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes);
+/* the next listed member of class ci into its m (its index made on first sight); 0 or -1 */
+int stf_take(STF *st, Py_ssize_t ci);
+/* every listed member of class ci into its m; 0 or -1 */
+int stf_take_all(STF *st, Py_ssize_t ci);
 
 /* plan_stf_links.c */
 Py_ssize_t stf_link(STF *st, PyObject *link); /* index of `link`, -1 on error */

@@ -114,8 +114,11 @@ static int new_timeline(STF *st, Lnk *l) {
         PyObject_GC_UnTrack(times);
         PyObject_GC_UnTrack(residual);
         if (PyObject_SetAttr(obj, str_times, times) == 0 && PyObject_SetAttr(obj, str_residual, residual) == 0 &&
-            PyObject_SetAttr(obj, str_eps, eps) == 0 && PyDict_SetItem(st->tls_links, l->key, obj) == 0)
+            PyObject_SetAttr(obj, str_eps, eps) == 0 && PyDict_SetItem(st->tls_links, l->key, obj) == 0) {
             rc = 1;
+            l->times = times; /* read_timeline's reading of it: its lists (kept by it), its eps */
+            l->residual = residual;
+        }
         if (PyObject_GC_IsTracked(obj)) PyObject_GC_UnTrack(obj);
     }
     Py_XDECREF(obj);
@@ -130,8 +133,8 @@ int stf_realize(STF *st, Py_ssize_t li) {
     Lnk *l = &st->l[li];
     if (l->times != NULL) return 0;
     int made = l->has_cap ? new_timeline(st, l) : 0;
-    if (made < 0) return -1;
-    if (!made && make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
+    if (made != 0) return made < 0 ? -1 : 0; /* made here: read as made */
+    if (make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
     PyObject *tl = PyDict_GetItemWithError(st->tls_links, l->key); /* the Timelines holds it */
     if (tl == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "stf_run: Timelines.link made no timeline");

@@ -98,13 +98,43 @@ static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
 
 /* the updates of first_link_members that are not gone, each moved to its path's class; the
    classes they leave and join appended to *moved. 0 or -1. */
+/* the index of `uid`, listed in a class whose head has not reached it yet: made as the head
+   would make it (its bytes as the planner lists them, float(by_id[uid].bytes); its class
+   class_of's, else class_index's); -1 on error */
+static Py_ssize_t untaken(STF *st, PyObject *uid) {
+    PyObject *uo = PyDict_GetItemWithError(st->by_id, uid);
+    if (uo == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", uid);
+        return -1;
+    }
+    PyObject *size = PyObject_GetAttr(uo, s_bytes);
+    double nbytes = size ? PyFloat_AsDouble(size) : -1.0;
+    Py_XDECREF(size);
+    if (nbytes == -1.0 && PyErr_Occurred()) return -1;
+    PyObject *own = PyDict_GetItemWithError(st->class_of, uid);
+    if (own == NULL && PyErr_Occurred()) return -1;
+    PyObject *got = own ? Py_NewRef(own) : PyObject_CallOneArg(st->class_index, uid);
+    Py_ssize_t ci = got ? PyLong_AsSsize_t(got) : -1;
+    Py_XDECREF(got);
+    if (ci == -1 && PyErr_Occurred()) return -1;
+    if (ci < 0 || ci >= st->nc) {
+        PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", uid);
+        return -1;
+    }
+    int fresh;
+    Py_ssize_t ui = stf_uid_index(st, uid, nbytes, &fresh);
+    if (ui >= 0) st->u[ui].cls = ci;
+    return ui;
+}
+
 static int move_one(STF *st, PyObject *other, Py_ssize_t **moved, Py_ssize_t *nm, Py_ssize_t *cap) {
     PyObject *ix = PyDict_GetItemWithError(st->uid_ix, other);
-    if (ix == NULL) {
+    if (ix == NULL && (PyErr_Occurred() || st->class_index == NULL)) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", other);
         return -1;
     }
-    Py_ssize_t oi = PyLong_AsSsize_t(ix);
+    Py_ssize_t oi = ix ? PyLong_AsSsize_t(ix) : untaken(st, other);
+    if (oi < 0) return -1;
     if (st->u[oi].gone) return 0;
     if (stf_grow((void **)moved, cap, *nm + 2, sizeof(Py_ssize_t)) < 0) return -1;
     (*moved)[(*nm)++] = st->u[oi].cls;
@@ -317,31 +347,56 @@ static int float_timelines(PyObject *tls_links) {
     return 1;
 }
 
-/* the classes as the planner holds them: 1, 0 (not as the C expects: the Python loop), -1 */
+int stf_take(STF *st, Py_ssize_t ci) {
+    Cls *c = &st->c[ci];
+    PyObject *m = PyList_GET_ITEM(c->pm, c->pq); /* (nbytes, uid), checked by set_up */
+    PyObject *uid = PyTuple_GET_ITEM(m, 1);
+    c->pq++;
+    int fresh;
+    Py_ssize_t ui = stf_uid_index(st, uid, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(m, 0)), &fresh);
+    if (ui < 0 || stf_class_append(&st->c[ci], ui) < 0) return -1;
+    if (!fresh) return 0;
+    PyObject *own = PyDict_GetItemWithError(st->class_of, uid); /* else: the class listing it */
+    if (own == NULL && PyErr_Occurred()) return -1;
+    st->u[ui].cls = own ? PyLong_AsSsize_t(own) : ci;
+    return st->u[ui].cls == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+int stf_take_all(STF *st, Py_ssize_t ci) {
+    while (st->c[ci].pm != NULL && st->c[ci].pq < st->c[ci].pn)
+        if (stf_take(st, ci) < 0) return -1;
+    return 0;
+}
+
+/* the classes as the planner holds them: 1, 0 (not as the C expects: the Python loop), -1.
+   With the planner's class_index, a class's members are taken as its head reaches them (a
+   decision plans the head of ~1,000 pending updates: most are never looked at, issue 24); a
+   member is indexed as it would have been here, in the class listing it unless class_of
+   says otherwise (the planner lists an update in two classes only after class_of has it). */
 static int set_up(STF *st, PyObject *classes) {
     for (Py_ssize_t ci = 0; ci < PyList_GET_SIZE(classes); ci++) {
         PyObject *cls = PyList_GET_ITEM(classes, ci); /* (start, members, head) */
         if (!PyTuple_CheckExact(cls) || PyTuple_GET_SIZE(cls) != 3) return 0;
         PyObject *start = PyTuple_GET_ITEM(cls, 0), *members = PyTuple_GET_ITEM(cls, 1);
         if (!PyFloat_CheckExact(start) || !PyList_CheckExact(members)) return 0;
-        if (stf_new_class(st, start) != ci) return -1;
-        Py_ssize_t head = PyLong_AsSsize_t(PyTuple_GET_ITEM(cls, 2));
-        if (head == -1 && PyErr_Occurred()) return -1;
-        st->c[ci].head = head;
         for (Py_ssize_t q = 0; q < PyList_GET_SIZE(members); q++) {
             PyObject *m = PyList_GET_ITEM(members, q);
-            if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2) return 0;
-            PyObject *nb = PyTuple_GET_ITEM(m, 0), *uid = PyTuple_GET_ITEM(m, 1);
-            if (!PyFloat_CheckExact(nb) || !PyUnicode_CheckExact(uid)) return 0;
-            int fresh;
-            Py_ssize_t ui = stf_uid_index(st, uid, PyFloat_AS_DOUBLE(nb), &fresh);
-            if (ui < 0 || stf_class_append(&st->c[ci], ui) < 0) return -1;
-            if (!fresh) continue;
-            PyObject *own = PyDict_GetItemWithError(st->class_of, uid); /* else: the class listing it */
-            if (own == NULL && PyErr_Occurred()) return -1;
-            st->u[ui].cls = own ? PyLong_AsSsize_t(own) : ci;
-            if (st->u[ui].cls == -1 && PyErr_Occurred()) return -1;
+            if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2 || !PyFloat_CheckExact(PyTuple_GET_ITEM(m, 0)) ||
+                !PyUnicode_CheckExact(PyTuple_GET_ITEM(m, 1)))
+                return 0;
         }
+    }
+    for (Py_ssize_t ci = 0; ci < PyList_GET_SIZE(classes); ci++) {
+        PyObject *cls = PyList_GET_ITEM(classes, ci);
+        if (stf_new_class(st, PyTuple_GET_ITEM(cls, 0)) != ci) return -1;
+        Py_ssize_t head = PyLong_AsSsize_t(PyTuple_GET_ITEM(cls, 2));
+        if (head == -1 && PyErr_Occurred()) return -1;
+        Cls *c = &st->c[ci];
+        c->head = head;
+        c->pm = PyTuple_GET_ITEM(cls, 1); /* the planner keeps its lists for the whole run */
+        c->pn = PyList_GET_SIZE(c->pm);
+        if (st->class_index == NULL || head > 0) /* (a head moved on: what is before it is taken too) */
+            if (stf_take_all(st, ci) < 0) return -1;
     }
     return 1;
 }
@@ -349,16 +404,23 @@ static int set_up(STF *st, PyObject *classes) {
 PyObject *py_stf_run(PyObject *self, PyObject *args) {
     STF st;
     memset(&st, 0, sizeof(st));
-    PyObject *classes, *ix_of = Py_None, *link_list = Py_None, *cap_cache = Py_None;
+    PyObject *classes, *ix_of = Py_None, *link_list = Py_None, *cap_cache = Py_None, *class_index = Py_None;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOO", &PyList_Type, &classes, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOOO", &PyList_Type, &classes, &PyDict_Type,
                           &st.class_of, &PyDict_Type, &st.class_of_key, &PyDict_Type, &st.on_first_link,
                           &st.book_on_link, &st.popped, &PyDict_Type, &st.by_id, &PyDict_Type, &st.links_of,
                           &st.names, &st.now_o, &st.tau_max, &st.server_version, &PyDict_Type, &st.ahead, &limit,
                           &st.tls, &PyDict_Type, &st.tls_links, &PyDict_Type, &st.succ, &st.t0, &st.profiles,
                           &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
-                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache))
+                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache, &class_index))
         return NULL;
+    if (class_index != Py_None) {
+        if (!PyCallable_Check(class_index)) {
+            PyErr_SetString(PyExc_TypeError, "stf_run: class_index must be callable");
+            return NULL;
+        }
+        st.class_index = class_index;
+    }
     if (ix_of != Py_None) {
         if (!PyDict_Check(ix_of) || !PyList_CheckExact(link_list) || !PyList_CheckExact(cap_cache) ||
             PyList_GET_SIZE(cap_cache) != PyList_GET_SIZE(link_list)) {

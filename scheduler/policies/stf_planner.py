@@ -381,7 +381,7 @@ class Planner:
         tls = self.tls
         light = not self.reservations
         on_link, popped = self.book_links()
-        numbered = self.link_numbers() or (None, None, None)
+        ix_of, link_list, cap_cache = self.link_numbers() or (None, None, None)
         got = _plan_native.stf_run(
             [(c.start, c.members, c.head) for c in self.classes],
             self.class_of,
@@ -409,7 +409,10 @@ class Planner:
             EPS,
             drop_reason,
             self.drops,
-            *numbered,
+            ix_of,
+            link_list,
+            cap_cache,
+            self.class_index,  # (the C takes each class's members as its head reaches them)
         )
         if got is None:
             return False
