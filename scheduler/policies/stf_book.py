@@ -401,10 +401,11 @@ class STFBook:
         """A planner over the book's classes, run (see :meth:`plan`)."""
         planner = _BookPlanner(self, tls, now, tau_max, server_version, ahead)
         planner.reservations = reservations
-        for gk, members in self._groups.items():
-            planner.group_idx[gk] = len(planner.classes)
-            planner.classes.append(UpdateClass(now, members))
-            planner.gate_of.append(None)
+        groups = self._groups  # (shared with the planner: made its classes only if it runs in Python)
+        planner.group_idx = dict(zip(groups, range(len(groups)), strict=True))
+        planner.shared = list(groups.values())
+        planner.classes = [_PLACEHOLDER] * len(groups)
+        planner.gate_of = [None] * len(groups)
         for link in sorted(touched):  # a NIC in use: its updates' ten() is their own
             on_link = self._on_link.get(link)
             if on_link and tls.last_change(link) > -INF:
@@ -419,6 +420,10 @@ class STFBook:
         planner.drops.update(self._noroute)
         planner.run(limit)
         return planner
+
+
+#: what a planner's class shared with the book is until its Python loop runs (never read)
+_PLACEHOLDER = UpdateClass(-INF)
 
 
 class _BookPlanner(Planner):

@@ -107,6 +107,10 @@ class Planner:
         self.by_id: dict[str, Update] = {}
         self.links_of: dict[str, tuple[Link, ...]] = {}
         self.classes: list[UpdateClass] = []
+        #: the member lists of classes 0 .. len(shared) - 1, shared with the caller, from ``now``
+        #: with head 0: ``classes`` holds a placeholder for each until the Python loop runs
+        #: (the C loop reads the lists as they are, issue 24)
+        self.shared: list[list[tuple[float, str]]] = []
         self.class_of_key: dict[tuple[object, ...], int] = {}
         self.class_of: dict[str, int] = {}
         self.gate_of: list[Link | None] = []
@@ -299,6 +303,9 @@ class Planner:
         """
         if _plan_native is not None and (limit is None or limit >= 0) and self._run_native(limit):
             return
+        for idx, members in enumerate(self.shared):  # the placeholders made real
+            self.classes[idx] = UpdateClass(self.now, members)
+        self.shared = []
         for idx in range(len(self.classes)):
             self.place(idx)
         heap = self.heap
@@ -378,12 +385,15 @@ class Planner:
         Without :attr:`reservations` the C makes :class:`TransferTimes` rows, no reservation
         records (:meth:`times`; :attr:`transfers` stays empty).
         """
-        tls = self.tls
+        tls, now, n = self.tls, self.now, len(self.shared)
         light = not self.reservations
         on_link, popped = self.book_links()
         ix_of, link_list, cap_cache = self.link_numbers() or (None, None, None)
         got = _plan_native.stf_run(
-            [(c.start, c.members, c.head) for c in self.classes],
+            [
+                *((now, members, 0) for members in self.shared),
+                *((c.start, c.members, c.head) for c in itertools.islice(self.classes, n, None)),
+            ],
             self.class_of,
             self.class_of_key,
             self.on_first_link,
