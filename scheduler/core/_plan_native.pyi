@@ -112,6 +112,7 @@ def stf_run(
     link_list: list[Any] | None = None,
     cap_cache: list[Any] | None = None,
     class_index: Any = None,
+    keep: bool = True,
     /,
 ) -> list[Any] | None: ...
 def dispatch_index(

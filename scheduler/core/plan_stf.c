@@ -252,6 +252,7 @@ static int still_exact(STF *st, Py_ssize_t ci, Py_ssize_t ui, double *end) {
 
 /* the drop of an update whose path never has residual bandwidth, with the Python's words */
 static int drop_no_residual(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
+    if (stf_flush(st) < 0) return -1; /* the Python reads the Timelines */
     PyObject *nb = PyFloat_FromDouble(nbytes);
     if (nb == NULL) return -1;
     PyObject *got = PyObject_CallMethodObjArgs(st->tls, s_rates, st->u[ui].links, nb, st->c[ci].start_o, NULL);

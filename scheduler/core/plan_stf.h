@@ -23,7 +23,8 @@ enum { K_EXACT = 0, K_GROUP = 1 };
    made no timeline for yet, its graph capacity from the origin on (one piece) */
 typedef struct {
     PyObject *key;              /* the link tuple (new reference) */
-    PyObject *times, *residual; /* borrowed from the LinkTimeline; NULL: not made yet */
+    PyObject *times, *residual; /* borrowed from the LinkTimeline (own: held here); NULL: not made yet */
+    char own;
     double cap, eps;            /* where times is NULL */
     char has_cap;               /* cap is the graph's (no profile): stf_realize makes the timeline here */
     long modified;              /* stamp of its last reservation, -1: none */
@@ -85,6 +86,11 @@ typedef struct {
     PyObject *ix_of, *link_list, *cap_cache;
     /* the planner's class_index (NULL: every member of every class indexed before the loop) */
     PyObject *class_index;
+    /* the links whose timelines new_timeline made and stf_flush has not put in the Timelines yet;
+       keep: flushed at the end (else the Timelines is left without them: its caller drops it) */
+    Py_ssize_t *made;
+    Py_ssize_t nmade, madecap;
+    char keep;
     double now, t0, eps;
     /* made here */
     PyObject *transfers, *uid_ix, *link_ix, *srv_ix;
@@ -130,6 +136,7 @@ int stf_take_all(STF *st, Py_ssize_t ci);
 /* plan_stf_links.c */
 Py_ssize_t stf_link(STF *st, PyObject *link); /* index of `link`, -1 on error */
 int stf_realize(STF *st, Py_ssize_t li);        /* make the link's LinkTimeline; 0 or -1 */
+int stf_flush(STF *st); /* the timelines made and not yet in the Timelines put there, in order; 0 or -1 */
 Py_ssize_t *stf_links_of(STF *st, Py_ssize_t ui, Py_ssize_t *n); /* NULL on error */
 double stf_free_from(STF *st, Py_ssize_t li);
 double stf_peak(STF *st, Py_ssize_t li);

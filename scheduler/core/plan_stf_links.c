@@ -85,7 +85,7 @@ Py_ssize_t stf_link(STF *st, PyObject *link) {
     Py_ssize_t li = st->nl++;
     if (init_link(st, &st->l[li], link, -1) < 0) {
         st->nl--;
-        Py_XDECREF(st->l[li].key);
+        Py_CLEAR(st->l[li].key);
         return -1;
     }
     PyObject *v = PyLong_FromSsize_t(li);
@@ -95,38 +95,54 @@ Py_ssize_t stf_link(STF *st, PyObject *link) {
     return rc < 0 ? -1 : li;
 }
 
-/* Timelines.link(link) for a link of capacity l->cap and no profile: LinkTimeline(cap, start)
-   made here, its slots set as its __init__ sets them, into the Timelines' dict. Its lists and
-   it are left out of the cyclic collector: they hold floats only, so they are never part of
-   a cycle, and a decision makes hundreds of them (issue 24). 1: made, 0: the origin is not a
-   float (make_timeline then), -1: error. */
+/* Timelines.link(link) for a link of capacity l->cap and no profile: the lists of
+   LinkTimeline(cap, start) made here, held by the link (l->own) and queued for stf_flush,
+   which makes the timeline around them (as its __init__ sets its slots) into the Timelines'
+   dict before anything else can read it there. The lists and the timeline are left out of the
+   cyclic collector: they hold floats only, so they are never part of a cycle, and a decision
+   makes hundreds of them (issue 24). 1: made, 0: the origin is not a float or the class not a
+   type (make_timeline then), -1: error. */
 static int new_timeline(STF *st, Lnk *l) {
     if (st->t0_o == NULL && (st->t0_o = PyObject_GetAttrString(st->tls, "_start")) == NULL) return -1;
     if (!PyFloat_CheckExact(st->t0_o) || !PyType_Check(st->timeline_cls)) return 0;
-    PyObject *obj = PyBaseObject_Type.tp_new((PyTypeObject *)st->timeline_cls, empty_tuple, NULL);
-    PyObject *times = obj ? PyList_New(1) : NULL, *residual = times ? PyList_New(1) : NULL;
-    PyObject *cap = residual ? PyFloat_FromDouble(l->cap) : NULL, *eps = cap ? PyFloat_FromDouble(l->eps) : NULL;
-    int rc = -1;
-    if (eps != NULL) {
-        PyList_SET_ITEM(times, 0, Py_NewRef(st->t0_o));
-        PyList_SET_ITEM(residual, 0, cap);
-        cap = NULL;
-        PyObject_GC_UnTrack(times);
-        PyObject_GC_UnTrack(residual);
-        if (PyObject_SetAttr(obj, str_times, times) == 0 && PyObject_SetAttr(obj, str_residual, residual) == 0 &&
-            PyObject_SetAttr(obj, str_eps, eps) == 0 && PyDict_SetItem(st->tls_links, l->key, obj) == 0) {
-            rc = 1;
-            l->times = times; /* read_timeline's reading of it: its lists (kept by it), its eps */
-            l->residual = residual;
-        }
-        if (PyObject_GC_IsTracked(obj)) PyObject_GC_UnTrack(obj);
+    if (stf_grow((void **)&st->made, &st->madecap, st->nmade + 1, sizeof(Py_ssize_t)) < 0) return -1;
+    PyObject *times = PyList_New(1), *residual = times ? PyList_New(1) : NULL;
+    PyObject *cap = residual ? PyFloat_FromDouble(l->cap) : NULL;
+    if (cap == NULL) {
+        Py_XDECREF(times);
+        Py_XDECREF(residual);
+        return -1;
     }
-    Py_XDECREF(obj);
-    Py_XDECREF(times);
-    Py_XDECREF(residual);
-    Py_XDECREF(cap);
-    Py_XDECREF(eps);
-    return rc;
+    PyList_SET_ITEM(times, 0, Py_NewRef(st->t0_o));
+    PyList_SET_ITEM(residual, 0, cap);
+    PyObject_GC_UnTrack(times);
+    PyObject_GC_UnTrack(residual);
+    l->times = times;
+    l->residual = residual;
+    l->own = 1;
+    st->made[st->nmade++] = l - st->l;
+    return 1;
+}
+
+int stf_flush(STF *st) {
+    Py_ssize_t n = st->nmade;
+    st->nmade = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Lnk *l = &st->l[st->made[k]];
+        if (l->key == NULL || l->times == NULL) continue; /* (a link given up on an error) */
+        PyObject *obj = PyBaseObject_Type.tp_new((PyTypeObject *)st->timeline_cls, empty_tuple, NULL);
+        PyObject *eps = obj ? PyFloat_FromDouble(l->eps) : NULL;
+        int rc = -1;
+        if (eps != NULL && PyObject_SetAttr(obj, str_times, l->times) == 0 &&
+            PyObject_SetAttr(obj, str_residual, l->residual) == 0 && PyObject_SetAttr(obj, str_eps, eps) == 0 &&
+            PyDict_SetItem(st->tls_links, l->key, obj) == 0)
+            rc = 0;
+        if (obj != NULL && PyObject_GC_IsTracked(obj)) PyObject_GC_UnTrack(obj);
+        Py_XDECREF(obj);
+        Py_XDECREF(eps);
+        if (rc < 0) return -1;
+    }
+    return 0;
 }
 
 int stf_realize(STF *st, Py_ssize_t li) {
@@ -134,6 +150,7 @@ int stf_realize(STF *st, Py_ssize_t li) {
     if (l->times != NULL) return 0;
     int made = l->has_cap ? new_timeline(st, l) : 0;
     if (made != 0) return made < 0 ? -1 : 0; /* made here: read as made */
+    if (stf_flush(st) < 0) return -1; /* (Timelines.link adds to the dict: after those made before) */
     if (make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
     PyObject *tl = PyDict_GetItemWithError(st->tls_links, l->key); /* the Timelines holds it */
     if (tl == NULL) {

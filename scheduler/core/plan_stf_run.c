@@ -214,6 +214,7 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
     }
     if (got == Py_None) { /* the Python method: it raises where the C declined */
         Py_DECREF(got);
+        if (stf_flush(st) < 0) return -1; /* the Python reads the Timelines */
         PyObject *nb = PyFloat_FromDouble(nbytes);
         PyObject *args = nb ? PyTuple_Pack(3, links, nb, start_o) : NULL;
         PyObject *kw = args ? Py_BuildValue("{OO}", s_who, uid) : NULL;
@@ -305,6 +306,10 @@ static void release(STF *st) {
     }
     for (Py_ssize_t i = 0; i < st->nl; i++) {
         Py_XDECREF(st->l[i].key); /* NULL: a book link number not used */
+        if (st->l[i].own) {
+            Py_DECREF(st->l[i].times);
+            Py_DECREF(st->l[i].residual);
+        }
         PyMem_Free(st->l[i].g);
     }
     for (Py_ssize_t i = 0; i < st->nc; i++) {
@@ -324,6 +329,7 @@ static void release(STF *st) {
     PyMem_Free(st->pool);
     PyMem_Free(st->heap);
     PyMem_Free(st->scratch);
+    PyMem_Free(st->made);
     Py_XDECREF(st->uid_ix);
     Py_XDECREF(st->link_ix);
     Py_XDECREF(st->srv_ix);
@@ -405,15 +411,17 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
     STF st;
     memset(&st, 0, sizeof(st));
     PyObject *classes, *ix_of = Py_None, *link_list = Py_None, *cap_cache = Py_None, *class_index = Py_None;
+    int keep = 1;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOOO", &PyList_Type, &classes, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOOOp", &PyList_Type, &classes, &PyDict_Type,
                           &st.class_of, &PyDict_Type, &st.class_of_key, &PyDict_Type, &st.on_first_link,
                           &st.book_on_link, &st.popped, &PyDict_Type, &st.by_id, &PyDict_Type, &st.links_of,
                           &st.names, &st.now_o, &st.tau_max, &st.server_version, &PyDict_Type, &st.ahead, &limit,
                           &st.tls, &PyDict_Type, &st.tls_links, &PyDict_Type, &st.succ, &st.t0, &st.profiles,
                           &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
-                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache, &class_index))
+                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache, &class_index, &keep))
         return NULL;
+    st.keep = (char)keep;
     if (class_index != Py_None) {
         if (!PyCallable_Check(class_index)) {
             PyErr_SetString(PyExc_TypeError, "stf_run: class_index must be callable");
@@ -485,6 +493,16 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
     if (stf_loop(&st, limit) < 0) {
+        if (st.keep) { /* the Timelines as the loop left it, as the Python loop would */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (stf_flush(&st) < 0) PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+        release(&st);
+        return NULL;
+    }
+    if (st.keep && stf_flush(&st) < 0) {
         release(&st);
         return NULL;
     }

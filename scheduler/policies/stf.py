@@ -205,8 +205,8 @@ class STFPolicy:
                 tau[key] = snapshot.tau_max.get(job, -1)
                 versions[key] = snapshot.server_versions.get((job, server), 0)
             touched = {link for _, links, _ in busy for link in links}
-            times, drops = book.plan_times(
-                tls, now, tau, versions, ahead, touched=touched, limit=self.horizon
+            times, drops = book.plan_times(  # (tls is dropped after: the timelines it made need not be kept)
+                tls, now, tau, versions, ahead, touched=touched, limit=self.horizon, keep_timelines=False
             )
             return times_to_decision(times, drops, busy=busy)
         updates = core_updates(pending)

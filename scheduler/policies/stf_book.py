@@ -357,6 +357,7 @@ class STFBook:
         *,
         touched: Collection[Link] = (),
         limit: int | None = None,
+        keep_timelines: bool = True,
     ) -> tuple[tuple[TransferTimes, ...], dict[str, str]]:
         """:meth:`plan`'s transfers as :class:`TransferTimes` (no reservation records), and its drops.
 
@@ -364,7 +365,9 @@ class STFBook:
         does not check it (:class:`~mlfabric.scheduler.policies.stf.STFPolicy`): the
         planner's C loop then makes one untracked row per transfer instead of a
         :class:`~mlfabric.scheduler.core.schedule.Transfer` and its reservations (issue 24).
-        Parameters as :meth:`plan`'s.
+        Parameters as :meth:`plan`'s, and ``keep_timelines``: False, for a caller that drops
+        ``tls`` afterwards, lets the C loop leave out of ``tls`` the link timelines it made
+        (their reservations are the same; a decision makes hundreds, issue 24).
 
         Returns
         -------
@@ -382,7 +385,8 @@ class STFBook:
         >>> [(t.payload_id, t.start, t.end) for t in times], drops
         ([('small', 0.0, 1.0), ('big', 1.0, 4.0)], {})
         """
-        planner = self._run(tls, now, tau_max, server_version, ahead, touched, limit, reservations=False)
+        args = (tls, now, tau_max, server_version, ahead, touched, limit)
+        planner = self._run(*args, reservations=False, keep=keep_timelines)
         names = self._names
         return planner.times(), {names[k]: reason for k, reason in planner.drops.items()}
 
@@ -397,10 +401,12 @@ class STFBook:
         limit: int | None,
         *,
         reservations: bool,
+        keep: bool = True,
     ) -> Planner:
         """A planner over the book's classes, run (see :meth:`plan`)."""
         planner = _BookPlanner(self, tls, now, tau_max, server_version, ahead)
         planner.reservations = reservations
+        planner.keep_timelines = keep
         groups = self._groups  # (shared with the planner: made its classes only if it runs in Python)
         planner.group_idx = dict(zip(groups, range(len(groups)), strict=True))
         planner.shared = list(groups.values())

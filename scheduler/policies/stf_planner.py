@@ -130,6 +130,8 @@ class Planner:
         self.transfers: list[Transfer] = []
         #: False: the C loop makes no reservation records, only the transfers' times (:meth:`times`)
         self.reservations = True
+        #: False: the C loop may leave ``tls`` without the timelines it made (its caller drops it)
+        self.keep_timelines = True
         self._times: list[TransferTimes] = []
         self.drops: dict[str, str] = {}
         #: planner id -> the update id its transfer is named by (None: the planner id)
@@ -423,6 +425,7 @@ class Planner:
             link_list,
             cap_cache,
             self.class_index,  # (the C takes each class's members as its head reaches them)
+            self.keep_timelines,
         )
         if got is None:
             return False
