@@ -108,7 +108,7 @@ def stf_run(
     eps: float,
     drop_reason: Any,
     drops: dict[str, str],
-    ix_of: dict[str, tuple[int, ...]] | None = None,
+    ix_of: Mapping[str, tuple[Any, ...]] | None = None,
     link_list: list[Any] | None = None,
     cap_cache: list[Any] | None = None,
     class_index: Any = None,

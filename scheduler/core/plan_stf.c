@@ -151,6 +151,7 @@ Py_ssize_t stf_uid_index(STF *st, PyObject *uid, double nbytes, int *fresh) {
     u->nl = -1;
     u->l0 = 0;
     u->links = NULL;
+    u->row = NULL;
     *fresh = 1;
     return st->nu++;
 }

@@ -46,6 +46,7 @@ typedef struct {
     char gone;
     Py_ssize_t nl, l0; /* its links, in the pool from l0; nl -1: not looked up yet */
     PyObject *links;   /* its links tuple (new reference) */
+    PyObject *row;     /* the book's (links, numbers, src, dst, bytes, server) (new reference) or NULL */
 } Upd;
 
 /* one class of updates sharing a ten() function: members sorted by (nbytes, uid) */
@@ -79,10 +80,10 @@ typedef struct {
     PyObject *now_o, *tau_max, *server_version, *ahead;
     PyObject *tls, *tls_links, *succ, *profiles;
     PyObject *transfer_cls, *fields, *reservation_cls, *timeline_cls, *drop_reason, *drops;
-    /* the book's link numbers (NULL: links are numbered here, as first seen): update ->
-       tuple of link numbers, number -> link, number -> its graph capacity (None: not read
-       yet; filled here); st->l then has one slot per number, made when first used (key NULL
-       until then) */
+    /* the book's link numbers (NULL: links are numbered here, as first seen): update -> (its
+       links, their numbers, and its update's src, dst, bytes and server: read there, not as
+       attributes), number -> link, number -> its graph capacity (None: not read yet; filled
+       here); st->l then has one slot per number, made when first used (key NULL until then) */
     PyObject *ix_of, *link_list, *cap_cache;
     /* the planner's class_index (NULL: every member of every class indexed before the loop) */
     PyObject *class_index;

@@ -166,14 +166,17 @@ int stf_realize(STF *st, Py_ssize_t li) {
    made on first use; 0 or -1 */
 static int links_by_number(STF *st, Py_ssize_t ui) {
     Upd *u = &st->u[ui];
-    PyObject *links = PyDict_GetItemWithError(st->links_of, u->uid);
-    PyObject *nums = links ? PyDict_GetItemWithError(st->ix_of, u->uid) : NULL;
-    if (nums == NULL) {
+    PyObject *row = PyDict_GetItemWithError(st->ix_of, u->uid);
+    if (row == NULL) {
         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, u->uid);
         return -1;
     }
-    if (!PyTuple_CheckExact(links) || !PyTuple_CheckExact(nums) || PyTuple_GET_SIZE(nums) != PyTuple_GET_SIZE(links)) {
-        PyErr_SetString(PyExc_TypeError, "stf_run: an update's links and their numbers must be tuples of one length");
+    PyObject *links = PyTuple_CheckExact(row) && PyTuple_GET_SIZE(row) == 6 ? PyTuple_GET_ITEM(row, 0) : NULL;
+    PyObject *nums = links ? PyTuple_GET_ITEM(row, 1) : NULL;
+    if (links == NULL || !PyTuple_CheckExact(links) || !PyTuple_CheckExact(nums) ||
+        PyTuple_GET_SIZE(nums) != PyTuple_GET_SIZE(links)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "stf_run: an update's row must be (links, their numbers, src, dst, bytes, server)");
         return -1;
     }
     Py_ssize_t k = PyTuple_GET_SIZE(links);
@@ -199,6 +202,7 @@ static int links_by_number(STF *st, Py_ssize_t ui) {
     st->npool += k;
     u = &st->u[ui];
     u->links = Py_NewRef(links);
+    u->row = Py_NewRef(row);
     u->l0 = l0;
     u->nl = k;
     return 0;

@@ -64,8 +64,8 @@ static Py_ssize_t server_index(STF *st, PyObject *server) {
 /* ------------------------------------------------------------------ Planner.accept */
 
 /* 1: uid's expected delay exceeds tau_max (dropped, reason recorded), 0: not, -1: error */
-static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
-    PyObject *server = PyObject_GetAttr(uo, str_server);
+static int delay_drop(STF *st, PyObject *uo, PyObject *uid, PyObject *row) {
+    PyObject *server = row ? Py_NewRef(PyTuple_GET_ITEM(row, 5)) : PyObject_GetAttr(uo, str_server);
     if (server == NULL) return -1;
     Py_ssize_t si = server_index(st, server);
     Py_DECREF(server);
@@ -232,9 +232,16 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
         l->modified = st->stamp;
         l->free_ok = l->peak_ok = 0;
     }
-    PyObject *src = PyObject_GetAttr(uo, str_src);
-    PyObject *dst = src ? PyObject_GetAttr(uo, s_dst) : NULL;
-    PyObject *size = dst ? PyObject_GetAttr(uo, s_bytes) : NULL;
+    PyObject *row = st->u[ui].row, *src, *dst, *size; /* the book's row, else the update's attributes */
+    if (row != NULL) {
+        src = Py_NewRef(PyTuple_GET_ITEM(row, 2));
+        dst = Py_NewRef(PyTuple_GET_ITEM(row, 3));
+        size = Py_NewRef(PyTuple_GET_ITEM(row, 4));
+    } else {
+        src = PyObject_GetAttr(uo, str_src);
+        dst = src ? PyObject_GetAttr(uo, s_dst) : NULL;
+        size = dst ? PyObject_GetAttr(uo, s_bytes) : NULL;
+    }
     PyObject *path = size ? PyTuple_New(nl + 1) : NULL;
     PyObject *name = Py_NewRef(uid), *t = NULL;
     if (path != NULL) {
@@ -277,7 +284,7 @@ int stf_accept(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
         return -1;
     }
     st->u[ui].gone = 1;
-    int over = delay_drop(st, uo, uid);
+    int over = delay_drop(st, uo, uid, st->u[ui].row);
     if (over != 0) return over < 0 ? -1 : stf_place(st, ci);
     if (reserve(st, ci, ui, nbytes, uo) < 0) return -1;
     /* the updates whose class was their untouched first link move to their path's class */
@@ -303,6 +310,7 @@ static void release(STF *st) {
     for (Py_ssize_t i = 0; i < st->nu; i++) {
         Py_DECREF(st->u[i].uid);
         Py_XDECREF(st->u[i].links);
+        Py_XDECREF(st->u[i].row);
     }
     for (Py_ssize_t i = 0; i < st->nl; i++) {
         Py_XDECREF(st->l[i].key); /* NULL: a book link number not used */

@@ -46,6 +46,8 @@ __all__ = ["STFBook", "rank_key"]
 
 #: a class of updates ready by now: (capacity of the first link, links after it)
 GroupKey = tuple[float, tuple[Link, ...]]
+#: what the C loop reads of an update: (links, their numbers, src, dst, bytes, server)
+_Row = tuple[tuple[Link, ...], tuple[int, ...], str, str, float, str]
 
 _PACK = struct.Struct(">d")
 _UNPACK = struct.Struct(">Q")
@@ -135,11 +137,12 @@ class STFBook:
         self._servers: Counter[tuple[str, str, str]] = Counter()
         # the links numbered (the C loop's slots, no lookups by link per decision, issue 24):
         # link -> number, number -> link, number -> capacity read by the C loop (None: not
-        # yet, or the graph's capacities may have changed since), rank key -> its links' numbers
+        # yet, or the graph's capacities may have changed since), rank key -> its row for the
+        # C loop: (links, their numbers, and its update's src, dst, bytes and server)
         self._link_ix: dict[Link, int] = {}
         self._link_list: list[Link] = []
         self._link_caps: list[float | None] = []
-        self._ix_of: dict[str, tuple[int, ...]] = {}
+        self._ix_of: dict[str, _Row] = {}
 
     def __len__(self) -> int:
         return len(self._recs)
@@ -228,7 +231,7 @@ class STFBook:
         self._held[id(p)] = rec
         self._servers[server] += 1
         self._names[key] = p.update_id
-        self._by_key[key] = Update(
+        u = self._by_key[key] = Update(
             key, p.src_host, p.dst_host, p.bytes, p.ready_at, p.norm, p.base_version, server[2]
         )
         assert self._paths is not None
@@ -238,7 +241,7 @@ class STFBook:
             self._noroute[key] = f"no route: {exc}"
             return rec
         self._links_of[key] = links
-        self._ix_of[key] = tuple(map(self._link_number, links))
+        self._ix_of[key] = (links, tuple(map(self._link_number, links)), u.src, u.dst, u.bytes, u.server)
         if not links:
             self._loose[key] = None
         elif p.ready_at <= self._now:
@@ -452,7 +455,7 @@ class _BookPlanner(Planner):
         self.group_idx: dict[GroupKey, int] = {}
         self.popped: set[Link] = set()
 
-    def link_numbers(self) -> tuple[dict[str, tuple[int, ...]], list[Link], list[float | None]] | None:
+    def link_numbers(self) -> tuple[Mapping[str, _Row], list[Link], list[float | None]] | None:
         book = self.book
         if self.tls._graph is not book._graph:  # (capacities read from another graph)
             return None

@@ -372,12 +372,13 @@ class Planner:
         """Untouched first links' updates kept outside the planner, and those links taken (none here)."""
         return None, None
 
-    def link_numbers(self) -> tuple[dict[str, tuple[int, ...]], list[Link], list[float | None]] | None:
+    def link_numbers(self) -> tuple[Mapping[str, tuple[object, ...]], list[Link], list[float | None]] | None:
         """The links numbered outside the planner, for the C loop (none here).
 
-        ``(numbers, links, capacities)``: update id -> its links' numbers, number -> link,
-        number -> the link's graph capacity (``None`` where not read yet; the C loop fills
-        it in, so the lists must be dropped when the graph's capacities change).
+        ``(rows, links, capacities)``: update id -> (its links, their numbers, and its update's
+        ``src``, ``dst``, ``bytes`` and ``server``, as in :attr:`by_id`), number -> link,
+        number -> the link's graph capacity (``None`` where not read yet; the C loop fills it
+        in, so the lists must be dropped when the graph's capacities change).
         """
         return None
 
