@@ -118,6 +118,10 @@
  *   dispatch_index(sends) -> (planned, pos, held, waiting, free) | None
  *       dispatch.Dispatcher.adopt's loops over a decision's sends (None where an update id is
  *       not a str or an `after` not a tuple: the Python loop runs).
+ *
+ *   list_diff(old, new) -> (fresh, gone) | None
+ *       stf_book.STFBook.sync: the objects added to a list and taken out of it, by identity,
+ *       where the new list is the old one less some, plus some after them (else None).
  */
 #include "_plan_native.h"
 
@@ -148,6 +152,7 @@ static PyMethodDef methods[] = {
     {"per_byte", py_per_byte, METH_VARARGS, "tree_routes.Routes._grow's per-byte times (see the module doc)."},
     {"decision_sends", py_decision_sends, METH_VARARGS, "schedule_to_decision's sends (see the module doc)."},
     {"dispatch_index", py_dispatch_index, METH_VARARGS, "Dispatcher.adopt's index of a plan (see the module doc)."},
+    {"list_diff", py_list_diff, METH_VARARGS, "STFBook.sync's objects added and taken out (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -401,3 +401,49 @@ done:
     Py_XDECREF(free);
     return out;
 }
+
+/* list_diff(old, new) -> (fresh, gone) | None: the objects of `new` not in `old` (in new's
+   order) and those of `old` not in `new` (in old's order), by identity, where `new` is `old`
+   with some objects taken out and others added after them (STFBook.sync: the simulator's
+   pending updates, a dict's values, issue 24). None where that does not hold, or where an
+   object of `new` is listed twice or was in `old` out of order: the caller's set operations
+   then. A walk of pointers, and a scan of `old` per object added. */
+PyObject *py_list_diff(PyObject *self, PyObject *args) {
+    PyObject *old, *new;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &old, &PyList_Type, &new)) return NULL;
+    Py_ssize_t n_old = PyList_GET_SIZE(old), n_new = PyList_GET_SIZE(new), i = 0, j = 0;
+    PyObject *fresh = PyList_New(0), *gone = PyList_New(0), *out = NULL;
+    if (fresh == NULL || gone == NULL) goto done;
+    for (; j < n_new; j++) {
+        PyObject *x = PyList_GET_ITEM(new, j);
+        while (i < n_old && PyList_GET_ITEM(old, i) != x) /* taken out */
+            if (PyList_Append(gone, PyList_GET_ITEM(old, i++)) < 0) goto done;
+        if (i == n_old) break;
+        i++; /* the same object, in its place */
+    }
+    while (i < n_old) /* after the last object kept: taken out */
+        if (PyList_Append(gone, PyList_GET_ITEM(old, i++)) < 0) goto done;
+    for (; j < n_new; j++) { /* the rest: added, unless in `old` or listed twice */
+        PyObject *x = PyList_GET_ITEM(new, j);
+        if ((double)n_old * (double)(PyList_GET_SIZE(fresh) + 1) > 1e7) { /* (scans too long: sets) */
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+        for (Py_ssize_t q = 0; q < n_old; q++)
+            if (PyList_GET_ITEM(old, q) == x) {
+                out = Py_NewRef(Py_None);
+                goto done;
+            }
+        for (Py_ssize_t q = 0; q < PyList_GET_SIZE(fresh); q++)
+            if (PyList_GET_ITEM(fresh, q) == x) {
+                out = Py_NewRef(Py_None);
+                goto done;
+            }
+        if (PyList_Append(fresh, x) < 0) goto done;
+    }
+    out = PyTuple_Pack(2, fresh, gone);
+done:
+    Py_XDECREF(fresh);
+    Py_XDECREF(gone);
+    return out;
+}

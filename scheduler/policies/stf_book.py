@@ -31,7 +31,7 @@ import itertools
 import struct
 from bisect import bisect_left, insort
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -123,6 +123,9 @@ class STFBook:
         self._serial = 0
         self._recs: dict[str, _Rec] = {}
         self._held: dict[int, _Rec] = {}  # id of the PendingUpdate a record holds -> the record
+        # the list of the last sync, where its objects are exactly those the records hold
+        # (else None): the next sync's objects added and taken out are found by a walk of both
+        self._last: list[PendingUpdate] | None = None
         #: rank key -> core update (its ``update_id`` is the rank key), links, real id
         self._by_key: dict[str, Update] = {}
         self._links_of: dict[str, tuple[Link, ...]] = {}
@@ -179,30 +182,51 @@ class STFBook:
         self._gen += 1
         gen = self._gen
         recs, held = self._recs, self._held
-        # The objects the book holds already are found by identity, in C (the set operations):
-        # only the others are looked at one by one, in the order listed, and then the records
-        # of the objects no longer listed are removed in the book's order (issue 24).
-        keys = list(map(id, pending))
-        listed = set(keys)
-        if len(listed) != len(keys):
-            _listed_twice(pending)
-        gone = held.keys() - listed
-        fresh = listed.difference(held)
-        if fresh:
-            for p in itertools.compress(pending, map(fresh.__contains__, keys)):
-                rec = recs.get(p.update_id)
-                if rec is not None:
-                    if rec.gen == gen or id(rec.pending) in listed:
-                        _listed_twice(pending)
-                    gone.discard(id(rec.pending))
-                    if rec.pending == p:  # the same update, another object: kept as it is
-                        rec.gen = gen
-                        continue
-                    self._remove(rec)
-                self._insert(p).gen = gen
+        # The objects the book holds already are found by identity, in C: a walk of the last
+        # list and this one where this one is the last less some plus some after them (the
+        # simulator's), else set operations. Only the others are looked at one by one, in the
+        # order listed, and then the records of the objects no longer listed are removed in
+        # the book's order (issue 24).
+        last, self._last = self._last, None
+        diff = None
+        listed: set[int] | None = None  # the ids listed (the walk: the last list's less those taken)
+        taken: set[int] = set()
+        if last is not None and _plan_native is not None and type(pending) is list:
+            diff = _plan_native.list_diff(last, pending)
+        if diff is not None:  # (no object listed twice, none of the last list's moved)
+            added, taken_out = diff
+            taken = set(map(id, taken_out))
+            gone = set(taken)
+            fresh_objects: Iterable[PendingUpdate] = added
+        else:
+            keys = list(map(id, pending))
+            listed = set(keys)
+            if len(listed) != len(keys):
+                _listed_twice(pending)
+            gone = held.keys() - listed
+            fresh = listed.difference(held)
+            fresh_objects = itertools.compress(pending, map(fresh.__contains__, keys)) if fresh else ()
+        kept_others = False
+        for p in fresh_objects:
+            rec = recs.get(p.update_id)
+            if rec is not None:
+                # its object listed too (the walk: a held object is listed unless taken out)
+                if rec.gen == gen or (
+                    id(rec.pending) in listed if listed is not None else id(rec.pending) not in taken
+                ):
+                    _listed_twice(pending)
+                gone.discard(id(rec.pending))
+                if rec.pending == p:  # the same update, another object: kept as it is
+                    rec.gen = gen
+                    kept_others = True
+                    continue
+                self._remove(rec)
+            self._insert(p).gen = gen
         if gone:
             for rec in sorted((held[i] for i in gone), key=_serial):
                 self._remove(rec)
+        if not kept_others:  # (the records hold exactly the objects listed)
+            self._last = pending.copy() if type(pending) is list else list(pending)
         future = self._future
         while future and future[0][0] <= now:
             _, key = heapq.heappop(future)
