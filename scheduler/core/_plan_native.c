@@ -114,6 +114,14 @@
  *       nodes: the Python loop runs).
  *
  *   Both read a transfer of class `rows` (schedule.TransferTimes) by place.
+ *
+ *   dispatch_index(sends) -> (planned, pos, held, waiting, free) | None
+ *       dispatch.Dispatcher.adopt's loops over a decision's sends (None where an update id is
+ *       not a str or an `after` not a tuple: the Python loop runs).
+ *
+ *   list_diff(old, new) -> (fresh, gone) | None
+ *       stf_book.STFBook.sync: the objects added to a list and taken out of it, by identity,
+ *       where the new list is the old one less some, plus some after them (else None).
  */
 #include "_plan_native.h"
 
@@ -143,6 +151,8 @@ static PyMethodDef methods[] = {
     {"update_rows", py_update_rows, METH_VARARGS, "The tree planner's per-update rows (see the module doc)."},
     {"per_byte", py_per_byte, METH_VARARGS, "tree_routes.Routes._grow's per-byte times (see the module doc)."},
     {"decision_sends", py_decision_sends, METH_VARARGS, "schedule_to_decision's sends (see the module doc)."},
+    {"dispatch_index", py_dispatch_index, METH_VARARGS, "Dispatcher.adopt's index of a plan (see the module doc)."},
+    {"list_diff", py_list_diff, METH_VARARGS, "STFBook.sync's objects added and taken out (see the module doc)."},
     {NULL, NULL, 0, NULL},
 };
 

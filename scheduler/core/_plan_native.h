@@ -176,6 +176,8 @@ PyObject *py_tree_shape(PyObject *self, PyObject *args);
 PyObject *py_tree_bottlenecks(PyObject *self, PyObject *args);
 PyObject *py_tree_dst(PyObject *self, PyObject *args);
 PyObject *py_decision_sends(PyObject *self, PyObject *args);
+PyObject *py_dispatch_index(PyObject *self, PyObject *args);
+PyObject *py_list_diff(PyObject *self, PyObject *args);
 PyObject *py_tree_tables(PyObject *self, PyObject *args);
 PyObject *py_update_rows(PyObject *self, PyObject *args);
 PyObject *py_per_byte(PyObject *self, PyObject *args);

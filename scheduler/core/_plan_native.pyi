@@ -108,8 +108,17 @@ def stf_run(
     eps: float,
     drop_reason: Any,
     drops: dict[str, str],
+    ix_of: Mapping[str, tuple[Any, ...]] | None = None,
+    link_list: list[Any] | None = None,
+    cap_cache: list[Any] | None = None,
+    class_index: Any = None,
+    keep: bool = True,
     /,
 ) -> list[Any] | None: ...
+def dispatch_index(
+    sends: tuple[Any, ...], /
+) -> tuple[dict[str, Any], dict[str, int], dict[str, int], dict[str, str | list[str]], set[str]] | None: ...
+def list_diff(old: list[T], new: list[T], /) -> tuple[list[T], list[T]] | None: ...
 def changed_capacities(
     caps: dict[tuple[str, str], float], succ: dict[str, dict[str, dict[str, Any]]], /
 ) -> list[tuple[str, str]]: ...

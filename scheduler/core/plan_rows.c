@@ -310,3 +310,140 @@ fail:
     Py_DECREF(out);
     return NULL;
 }
+
+/* dispatch_index(sends) -> (planned, pos, held, waiting, free) | None: dispatch.Dispatcher.adopt's
+   loops. planned: update id -> send (the last of an id, at its first place), pos: id -> place,
+   held: id -> how many of its `after` are planned (counted as listed), waiting: id -> the id, or
+   the list of ids, of the planned sends whose `after` names it, free: the planned ids none of
+   whose `after` is planned. None, with nothing kept, where an update id is not a str or an
+   `after` is not a tuple: the Python loop runs. */
+static PyObject *str_after_d;
+
+static int index_one(PyObject *planned, PyObject *uid, PyObject *after, PyObject *held, PyObject *waiting,
+                     PyObject *free) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(after); k++) {
+        PyObject *a = PyTuple_GET_ITEM(after, k);
+        int in = PyDict_Contains(planned, a);
+        if (in < 0) return -1;
+        if (!in) continue;
+        n++;
+        PyObject *w = PyDict_GetItemWithError(waiting, a);
+        int rc;
+        if (w == NULL) {
+            rc = PyErr_Occurred() ? -1 : PyDict_SetItem(waiting, a, uid);
+        } else if (PyUnicode_Check(w)) {
+            PyObject *pair = PyList_New(2);
+            if (pair == NULL) return -1;
+            PyList_SET_ITEM(pair, 0, Py_NewRef(w));
+            PyList_SET_ITEM(pair, 1, Py_NewRef(uid));
+            rc = PyDict_SetItem(waiting, a, pair);
+            Py_DECREF(pair);
+        } else {
+            rc = PyList_Append(w, uid);
+        }
+        if (rc < 0) return -1;
+    }
+    if (n == 0) return PySet_Add(free, uid);
+    PyObject *v = PyLong_FromSsize_t(n);
+    int rc = v == NULL ? -1 : PyDict_SetItem(held, uid, v);
+    Py_XDECREF(v);
+    return rc;
+}
+
+PyObject *py_dispatch_index(PyObject *self, PyObject *args) {
+    PyObject *sends;
+    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &sends)) return NULL;
+    if (str_after_d == NULL && (str_after_d = PyUnicode_InternFromString("after")) == NULL) return NULL;
+    PyObject *planned = PyDict_New(), *pos = PyDict_New(), *held = PyDict_New(), *waiting = PyDict_New();
+    PyObject *free = PySet_New(NULL), *out = NULL;
+    if (!planned || !pos || !held || !waiting || !free) goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sends); i++) {
+        PyObject *uid = PyObject_GetAttr(PyTuple_GET_ITEM(sends, i), str_update_id);
+        if (uid == NULL) goto done;
+        int rc = PyUnicode_CheckExact(uid) ? PyDict_SetItem(planned, uid, PyTuple_GET_ITEM(sends, i)) : 1;
+        Py_DECREF(uid);
+        if (rc < 0) goto done;
+        if (rc > 0) {
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    PyObject *uid, *send;
+    Py_ssize_t at = 0, place = 0;
+    while (PyDict_Next(planned, &at, &uid, &send)) {
+        PyObject *v = PyLong_FromSsize_t(place++);
+        int rc = v == NULL ? -1 : PyDict_SetItem(pos, uid, v);
+        Py_XDECREF(v);
+        if (rc < 0) goto done;
+    }
+    at = 0;
+    while (PyDict_Next(planned, &at, &uid, &send)) {
+        PyObject *after = PyObject_GetAttr(send, str_after_d);
+        if (after == NULL) goto done;
+        if (!PyTuple_CheckExact(after)) {
+            Py_DECREF(after);
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+        Py_INCREF(uid); /* planned is not changed here; kept for the call all the same */
+        int rc = index_one(planned, uid, after, held, waiting, free);
+        Py_DECREF(uid);
+        Py_DECREF(after);
+        if (rc < 0) goto done;
+    }
+    out = PyTuple_Pack(5, planned, pos, held, waiting, free);
+done:
+    Py_XDECREF(planned);
+    Py_XDECREF(pos);
+    Py_XDECREF(held);
+    Py_XDECREF(waiting);
+    Py_XDECREF(free);
+    return out;
+}
+
+/* list_diff(old, new) -> (fresh, gone) | None: the objects of `new` not in `old` (in new's
+   order) and those of `old` not in `new` (in old's order), by identity, where `new` is `old`
+   with some objects taken out and others added after them (STFBook.sync: the simulator's
+   pending updates, a dict's values, issue 24). None where that does not hold, or where an
+   object of `new` is listed twice or was in `old` out of order: the caller's set operations
+   then. A walk of pointers, and a scan of `old` per object added. */
+PyObject *py_list_diff(PyObject *self, PyObject *args) {
+    PyObject *old, *new;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &old, &PyList_Type, &new)) return NULL;
+    Py_ssize_t n_old = PyList_GET_SIZE(old), n_new = PyList_GET_SIZE(new), i = 0, j = 0;
+    PyObject *fresh = PyList_New(0), *gone = PyList_New(0), *out = NULL;
+    if (fresh == NULL || gone == NULL) goto done;
+    for (; j < n_new; j++) {
+        PyObject *x = PyList_GET_ITEM(new, j);
+        while (i < n_old && PyList_GET_ITEM(old, i) != x) /* taken out */
+            if (PyList_Append(gone, PyList_GET_ITEM(old, i++)) < 0) goto done;
+        if (i == n_old) break;
+        i++; /* the same object, in its place */
+    }
+    while (i < n_old) /* after the last object kept: taken out */
+        if (PyList_Append(gone, PyList_GET_ITEM(old, i++)) < 0) goto done;
+    for (; j < n_new; j++) { /* the rest: added, unless in `old` or listed twice */
+        PyObject *x = PyList_GET_ITEM(new, j);
+        if ((double)n_old * (double)(PyList_GET_SIZE(fresh) + 1) > 1e7) { /* (scans too long: sets) */
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+        for (Py_ssize_t q = 0; q < n_old; q++)
+            if (PyList_GET_ITEM(old, q) == x) {
+                out = Py_NewRef(Py_None);
+                goto done;
+            }
+        for (Py_ssize_t q = 0; q < PyList_GET_SIZE(fresh); q++)
+            if (PyList_GET_ITEM(fresh, q) == x) {
+                out = Py_NewRef(Py_None);
+                goto done;
+            }
+        if (PyList_Append(fresh, x) < 0) goto done;
+    }
+    out = PyTuple_Pack(2, fresh, gone);
+done:
+    Py_XDECREF(fresh);
+    Py_XDECREF(gone);
+    return out;
+}

@@ -110,20 +110,24 @@ int stf_class_append(Cls *c, Py_ssize_t ui) {
     return 0;
 }
 
-/* UpdateClass.current: the head member still in class ci, -1: none */
+/* UpdateClass.current: the head member still in class ci, -1: none, -2: error (members
+   listed but not taken yet are taken as the head reaches them) */
 static Py_ssize_t current(STF *st, Py_ssize_t ci) {
-    Cls *c = &st->c[ci];
-    Py_ssize_t h = c->head, n = c->n;
-    while (h < n) {
-        Upd *u = &st->u[c->m[h]];
-        if (!u->gone && u->cls == ci) {
-            c->head = h;
-            return c->m[h];
+    for (;;) {
+        Cls *c = &st->c[ci];
+        Py_ssize_t h = c->head, n = c->n;
+        while (h < n) {
+            Upd *u = &st->u[c->m[h]];
+            if (!u->gone && u->cls == ci) {
+                c->head = h;
+                return c->m[h];
+            }
+            h++;
         }
-        h++;
+        c->head = h;
+        if (c->pm == NULL || c->pq >= c->pn) return -1;
+        if (stf_take(st, ci) < 0) return -2;
     }
-    c->head = h;
-    return -1;
 }
 
 /* the index of `uid` (made with `nbytes` on first sight), -1 on error; *fresh: made now */
@@ -147,6 +151,7 @@ Py_ssize_t stf_uid_index(STF *st, PyObject *uid, double nbytes, int *fresh) {
     u->nl = -1;
     u->l0 = 0;
     u->links = NULL;
+    u->row = NULL;
     *fresh = 1;
     return st->nu++;
 }
@@ -181,6 +186,10 @@ Py_ssize_t stf_add_exact(STF *st, Py_ssize_t ui) {
         Py_XDECREF(v);
     }
     if (ci < 0) goto done;
+    if (stf_take_all(st, ci) < 0) { /* (the members listed after the head: insort among all) */
+        ci = -1;
+        goto done;
+    }
     Cls *c = &st->c[ci]; /* insort((nbytes, uid), lo=head) */
     Py_ssize_t lo = c->head, hi = c->n;
     double nb = st->u[ui].nbytes;
@@ -244,6 +253,7 @@ static int still_exact(STF *st, Py_ssize_t ci, Py_ssize_t ui, double *end) {
 
 /* the drop of an update whose path never has residual bandwidth, with the Python's words */
 static int drop_no_residual(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
+    if (stf_flush(st) < 0) return -1; /* the Python reads the Timelines */
     PyObject *nb = PyFloat_FromDouble(nbytes);
     if (nb == NULL) return -1;
     PyObject *got = PyObject_CallMethodObjArgs(st->tls, s_rates, st->u[ui].links, nb, st->c[ci].start_o, NULL);
@@ -280,13 +290,17 @@ static int push_exact(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
     return mpush(st, (MEntry){end, nbytes, ui, st->seq++, K_EXACT, ci});
 }
 
-/* Planner.group_top: 1 (*top), 0: the group is empty */
+/* Planner.group_top: 1 (*top), 0: the group is empty, -1: error */
 static int group_top(STF *st, Py_ssize_t gate, GEntry *top) {
     while (st->l[gate].gn > 0) {
         GEntry t = st->l[gate].g[0];
-        if (st->c[t.cls].gate == gate && current(st, t.cls) == t.uid) {
-            *top = t;
-            return 1;
+        if (st->c[t.cls].gate == gate) {
+            Py_ssize_t h = current(st, t.cls);
+            if (h == -2) return -1;
+            if (h == t.uid) {
+                *top = t;
+                return 1;
+            }
         }
         gpop(st, gate);
     }
@@ -296,9 +310,10 @@ static int group_top(STF *st, Py_ssize_t gate, GEntry *top) {
 /* Planner.push_group: (re)key the one live heap entry of gate's group */
 static int push_group(STF *st, Py_ssize_t gate) {
     GEntry top;
-    if (!group_top(st, gate, &top)) {
+    int found = group_top(st, gate, &top);
+    if (found <= 0) {
         st->l[gate].live = -1;
-        return 0;
+        return found;
     }
     double key = stf_free_from(st, gate) + top.d;
     Lnk *g = &st->l[gate];
@@ -317,7 +332,7 @@ int stf_place(STF *st, Py_ssize_t ci) {
     for (;;) {
         Py_ssize_t h = current(st, ci);
         st->c[ci].gate = -1;
-        if (h < 0) return 0;
+        if (h < 0) return h == -2 ? -1 : 0;
         Py_ssize_t nl;
         Py_ssize_t *lk = stf_links_of(st, h, &nl);
         if (lk == NULL) return -1;
@@ -363,7 +378,9 @@ int stf_loop(STF *st, Py_ssize_t limit) {
         double end;
         if (e.kind == K_EXACT) {
             Py_ssize_t ci = e.ref;
-            if (current(st, ci) != e.uid || st->c[ci].gate >= 0) continue;
+            Py_ssize_t h = current(st, ci);
+            if (h == -2) return -1;
+            if (h != e.uid || st->c[ci].gate >= 0) continue;
             int ok = still_exact(st, ci, e.uid, &end);
             if (ok < 0) return -1;
             if ((ok && end == e.key ? stf_accept(st, ci, e.uid, e.nbytes) : stf_place(st, ci)) < 0) return -1;
@@ -373,7 +390,9 @@ int stf_loop(STF *st, Py_ssize_t limit) {
         if (st->l[gate].live != e.seq) continue; /* superseded by a newer entry of the same group */
         st->l[gate].live = -1;
         GEntry top;
-        if (!group_top(st, gate, &top)) continue;
+        int found = group_top(st, gate, &top);
+        if (found < 0) return -1;
+        if (!found) continue;
         double free = stf_free_from(st, gate);
         if (free + top.d != e.key || top.uid != e.uid) {
             if (push_group(st, gate) < 0) return -1;

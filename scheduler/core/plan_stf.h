@@ -23,7 +23,8 @@ enum { K_EXACT = 0, K_GROUP = 1 };
    made no timeline for yet, its graph capacity from the origin on (one piece) */
 typedef struct {
     PyObject *key;              /* the link tuple (new reference) */
-    PyObject *times, *residual; /* borrowed from the LinkTimeline; NULL: not made yet */
+    PyObject *times, *residual; /* borrowed from the LinkTimeline (own: held here); NULL: not made yet */
+    char own;
     double cap, eps;            /* where times is NULL */
     char has_cap;               /* cap is the graph's (no profile): stf_realize makes the timeline here */
     long modified;              /* stamp of its last reservation, -1: none */
@@ -45,6 +46,7 @@ typedef struct {
     char gone;
     Py_ssize_t nl, l0; /* its links, in the pool from l0; nl -1: not looked up yet */
     PyObject *links;   /* its links tuple (new reference) */
+    PyObject *row;     /* the book's (links, numbers, src, dst, bytes, server) (new reference) or NULL */
 } Upd;
 
 /* one class of updates sharing a ten() function: members sorted by (nbytes, uid) */
@@ -53,6 +55,10 @@ typedef struct {
     double start;
     Py_ssize_t *m;
     Py_ssize_t n, cap, head;
+    /* its members as the planner listed them (borrowed; NULL: all in m), the first pq of the pn
+       taken into m so far: the rest are taken as the head reaches them (stf_take) */
+    PyObject *pm;
+    Py_ssize_t pq, pn;
     Py_ssize_t gate; /* the link whose group holds its head, -1: none */
     char ex_ok;      /* the head's latest computed ten: uid, stamp, end, rate pieces */
     Py_ssize_t ex_uid;
@@ -74,6 +80,18 @@ typedef struct {
     PyObject *now_o, *tau_max, *server_version, *ahead;
     PyObject *tls, *tls_links, *succ, *profiles;
     PyObject *transfer_cls, *fields, *reservation_cls, *timeline_cls, *drop_reason, *drops;
+    /* the book's link numbers (NULL: links are numbered here, as first seen): update -> (its
+       links, their numbers, and its update's src, dst, bytes and server: read there, not as
+       attributes), number -> link, number -> its graph capacity (None: not read yet; filled
+       here); st->l then has one slot per number, made when first used (key NULL until then) */
+    PyObject *ix_of, *link_list, *cap_cache;
+    /* the planner's class_index (NULL: every member of every class indexed before the loop) */
+    PyObject *class_index;
+    /* the links whose timelines new_timeline made and stf_flush has not put in the Timelines yet;
+       keep: flushed at the end (else the Timelines is left without them: its caller drops it) */
+    Py_ssize_t *made;
+    Py_ssize_t nmade, madecap;
+    char keep;
     double now, t0, eps;
     /* made here */
     PyObject *transfers, *uid_ix, *link_ix, *srv_ix;
@@ -111,10 +129,15 @@ int stf_place(STF *st, Py_ssize_t ci);                   /* Planner.place */
 int stf_loop(STF *st, Py_ssize_t limit);                 /* Planner.run's loop */
 /* plan_stf_run.c: Planner.accept */
 int stf_accept(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes);
+/* the next listed member of class ci into its m (its index made on first sight); 0 or -1 */
+int stf_take(STF *st, Py_ssize_t ci);
+/* every listed member of class ci into its m; 0 or -1 */
+int stf_take_all(STF *st, Py_ssize_t ci);
 
 /* plan_stf_links.c */
 Py_ssize_t stf_link(STF *st, PyObject *link); /* index of `link`, -1 on error */
 int stf_realize(STF *st, Py_ssize_t li);        /* make the link's LinkTimeline; 0 or -1 */
+int stf_flush(STF *st); /* the timelines made and not yet in the Timelines put there, in order; 0 or -1 */
 Py_ssize_t *stf_links_of(STF *st, Py_ssize_t ui, Py_ssize_t *n); /* NULL on error */
 double stf_free_from(STF *st, Py_ssize_t li);
 double stf_peak(STF *st, Py_ssize_t li);

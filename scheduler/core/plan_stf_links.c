@@ -30,7 +30,7 @@ static int read_timeline(Lnk *l, PyObject *tl) {
 
 /* a link seen for the first time: its timeline if the Timelines has one (or a capacity
    profile, then made now), else its graph capacity */
-static int init_link(STF *st, Lnk *l, PyObject *link) {
+static int init_link(STF *st, Lnk *l, PyObject *link, Py_ssize_t num) {
     memset(l, 0, sizeof(*l));
     l->modified = -1;
     l->live = -1;
@@ -39,20 +39,28 @@ static int init_link(STF *st, Lnk *l, PyObject *link) {
     PyObject *tl = PyDict_GetItemWithError(st->tls_links, link);
     if (tl == NULL && PyErr_Occurred()) return -1;
     if (tl == NULL) {
-        int prof = PySequence_Contains(st->profiles, link);
+        int prof = PyDict_CheckExact(st->profiles) && PyDict_GET_SIZE(st->profiles) == 0
+                       ? 0
+                       : PySequence_Contains(st->profiles, link);
         if (prof < 0) return -1;
-        PyObject *data = NULL;
-        if (!prof && PyTuple_CheckExact(link) && PyTuple_GET_SIZE(link) == 2) {
-            PyObject *nbrs = PyDict_GetItemWithError(st->succ, PyTuple_GET_ITEM(link, 0));
-            if (nbrs == NULL && PyErr_Occurred()) return -1;
-            data = nbrs ? PyDict_GetItemWithError(nbrs, PyTuple_GET_ITEM(link, 1)) : NULL;
-            if (data == NULL && PyErr_Occurred()) return -1;
-        }
-        if (data == NULL) return stf_realize(st, l - st->l); /* tls.link makes it (or raises) */
-        PyObject *cap = PyDict_GetItemWithError(data, s_capacity);
+        /* the book's number's capacity, read from the graph once while its capacities hold */
+        PyObject *cap = prof || num < 0 ? NULL : PyList_GET_ITEM(st->cap_cache, num);
+        if (cap == Py_None) cap = NULL;
         if (cap == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "capacity");
-            return -1;
+            PyObject *data = NULL;
+            if (!prof && PyTuple_CheckExact(link) && PyTuple_GET_SIZE(link) == 2) {
+                PyObject *nbrs = PyDict_GetItemWithError(st->succ, PyTuple_GET_ITEM(link, 0));
+                if (nbrs == NULL && PyErr_Occurred()) return -1;
+                data = nbrs ? PyDict_GetItemWithError(nbrs, PyTuple_GET_ITEM(link, 1)) : NULL;
+                if (data == NULL && PyErr_Occurred()) return -1;
+            }
+            if (data == NULL) return stf_realize(st, l - st->l); /* tls.link makes it (or raises) */
+            cap = PyDict_GetItemWithError(data, s_capacity);
+            if (cap == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "capacity");
+                return -1;
+            }
+            if (num >= 0 && PyList_SetItem(st->cap_cache, num, Py_NewRef(cap)) < 0) return -1;
         }
         l->cap = PyFloat_AsDouble(cap);
         if (l->cap == -1.0 && PyErr_Occurred()) return -1;
@@ -75,9 +83,9 @@ Py_ssize_t stf_link(STF *st, PyObject *link) {
     if (PyErr_Occurred()) return -1;
     if (stf_grow((void **)&st->l, &st->lcap, st->nl + 1, sizeof(Lnk)) < 0) return -1;
     Py_ssize_t li = st->nl++;
-    if (init_link(st, &st->l[li], link) < 0) {
+    if (init_link(st, &st->l[li], link, -1) < 0) {
         st->nl--;
-        Py_XDECREF(st->l[li].key);
+        Py_CLEAR(st->l[li].key);
         return -1;
     }
     PyObject *v = PyLong_FromSsize_t(li);
@@ -87,43 +95,63 @@ Py_ssize_t stf_link(STF *st, PyObject *link) {
     return rc < 0 ? -1 : li;
 }
 
-/* Timelines.link(link) for a link of capacity l->cap and no profile: LinkTimeline(cap, start)
-   made here, its slots set as its __init__ sets them, into the Timelines' dict. Its lists and
-   it are left out of the cyclic collector: they hold floats only, so they are never part of
-   a cycle, and a decision makes hundreds of them (issue 24). 1: made, 0: the origin is not a
-   float (make_timeline then), -1: error. */
+/* Timelines.link(link) for a link of capacity l->cap and no profile: the lists of
+   LinkTimeline(cap, start) made here, held by the link (l->own) and queued for stf_flush,
+   which makes the timeline around them (as its __init__ sets its slots) into the Timelines'
+   dict before anything else can read it there. The lists and the timeline are left out of the
+   cyclic collector: they hold floats only, so they are never part of a cycle, and a decision
+   makes hundreds of them (issue 24). 1: made, 0: the origin is not a float or the class not a
+   type (make_timeline then), -1: error. */
 static int new_timeline(STF *st, Lnk *l) {
     if (st->t0_o == NULL && (st->t0_o = PyObject_GetAttrString(st->tls, "_start")) == NULL) return -1;
     if (!PyFloat_CheckExact(st->t0_o) || !PyType_Check(st->timeline_cls)) return 0;
-    PyObject *obj = PyBaseObject_Type.tp_new((PyTypeObject *)st->timeline_cls, empty_tuple, NULL);
-    PyObject *times = obj ? PyList_New(1) : NULL, *residual = times ? PyList_New(1) : NULL;
-    PyObject *cap = residual ? PyFloat_FromDouble(l->cap) : NULL, *eps = cap ? PyFloat_FromDouble(l->eps) : NULL;
-    int rc = -1;
-    if (eps != NULL) {
-        PyList_SET_ITEM(times, 0, Py_NewRef(st->t0_o));
-        PyList_SET_ITEM(residual, 0, cap);
-        cap = NULL;
-        PyObject_GC_UnTrack(times);
-        PyObject_GC_UnTrack(residual);
-        if (PyObject_SetAttr(obj, str_times, times) == 0 && PyObject_SetAttr(obj, str_residual, residual) == 0 &&
-            PyObject_SetAttr(obj, str_eps, eps) == 0 && PyDict_SetItem(st->tls_links, l->key, obj) == 0)
-            rc = 1;
-        if (PyObject_GC_IsTracked(obj)) PyObject_GC_UnTrack(obj);
+    if (stf_grow((void **)&st->made, &st->madecap, st->nmade + 1, sizeof(Py_ssize_t)) < 0) return -1;
+    PyObject *times = PyList_New(1), *residual = times ? PyList_New(1) : NULL;
+    PyObject *cap = residual ? PyFloat_FromDouble(l->cap) : NULL;
+    if (cap == NULL) {
+        Py_XDECREF(times);
+        Py_XDECREF(residual);
+        return -1;
     }
-    Py_XDECREF(obj);
-    Py_XDECREF(times);
-    Py_XDECREF(residual);
-    Py_XDECREF(cap);
-    Py_XDECREF(eps);
-    return rc;
+    PyList_SET_ITEM(times, 0, Py_NewRef(st->t0_o));
+    PyList_SET_ITEM(residual, 0, cap);
+    PyObject_GC_UnTrack(times);
+    PyObject_GC_UnTrack(residual);
+    l->times = times;
+    l->residual = residual;
+    l->own = 1;
+    st->made[st->nmade++] = l - st->l;
+    return 1;
+}
+
+int stf_flush(STF *st) {
+    Py_ssize_t n = st->nmade;
+    st->nmade = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Lnk *l = &st->l[st->made[k]];
+        if (l->key == NULL || l->times == NULL) continue; /* (a link given up on an error) */
+        PyObject *obj = PyBaseObject_Type.tp_new((PyTypeObject *)st->timeline_cls, empty_tuple, NULL);
+        PyObject *eps = obj ? PyFloat_FromDouble(l->eps) : NULL;
+        int rc = -1;
+        if (eps != NULL && PyObject_SetAttr(obj, str_times, l->times) == 0 &&
+            PyObject_SetAttr(obj, str_residual, l->residual) == 0 && PyObject_SetAttr(obj, str_eps, eps) == 0 &&
+            PyDict_SetItem(st->tls_links, l->key, obj) == 0)
+            rc = 0;
+        if (obj != NULL && PyObject_GC_IsTracked(obj)) PyObject_GC_UnTrack(obj);
+        Py_XDECREF(obj);
+        Py_XDECREF(eps);
+        if (rc < 0) return -1;
+    }
+    return 0;
 }
 
 int stf_realize(STF *st, Py_ssize_t li) {
     Lnk *l = &st->l[li];
     if (l->times != NULL) return 0;
     int made = l->has_cap ? new_timeline(st, l) : 0;
-    if (made < 0) return -1;
-    if (!made && make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
+    if (made != 0) return made < 0 ? -1 : 0; /* made here: read as made */
+    if (stf_flush(st) < 0) return -1; /* (Timelines.link adds to the dict: after those made before) */
+    if (make_timeline(st->tls, st->tls_links, l->key, st->timeline_cls, st->eps) < 0) return -1;
     PyObject *tl = PyDict_GetItemWithError(st->tls_links, l->key); /* the Timelines holds it */
     if (tl == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "stf_run: Timelines.link made no timeline");
@@ -134,8 +162,58 @@ int stf_realize(STF *st, Py_ssize_t li) {
     return ok == 1 ? 0 : -1;
 }
 
+/* stf_links_of by the book's link numbers: its links tuple and numbers, each link's slot
+   made on first use; 0 or -1 */
+static int links_by_number(STF *st, Py_ssize_t ui) {
+    Upd *u = &st->u[ui];
+    PyObject *row = PyDict_GetItemWithError(st->ix_of, u->uid);
+    if (row == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, u->uid);
+        return -1;
+    }
+    PyObject *links = PyTuple_CheckExact(row) && PyTuple_GET_SIZE(row) == 6 ? PyTuple_GET_ITEM(row, 0) : NULL;
+    PyObject *nums = links ? PyTuple_GET_ITEM(row, 1) : NULL;
+    if (links == NULL || !PyTuple_CheckExact(links) || !PyTuple_CheckExact(nums) ||
+        PyTuple_GET_SIZE(nums) != PyTuple_GET_SIZE(links)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "stf_run: an update's row must be (links, their numbers, src, dst, bytes, server)");
+        return -1;
+    }
+    Py_ssize_t k = PyTuple_GET_SIZE(links);
+    if (k > MAX_LINKS) {
+        PyErr_SetString(PyExc_ValueError, "a path of more than 64 links");
+        return -1;
+    }
+    if (stf_grow((void **)&st->pool, &st->poolcap, st->npool + k, sizeof(Py_ssize_t)) < 0) return -1;
+    Py_ssize_t l0 = st->npool;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t li = PyLong_AsSsize_t(PyTuple_GET_ITEM(nums, i));
+        if (li == -1 && PyErr_Occurred()) return -1;
+        if (li < 0 || li >= st->nl) {
+            PyErr_SetString(PyExc_IndexError, "stf_run: a link number out of range");
+            return -1;
+        }
+        if (st->l[li].key == NULL && init_link(st, &st->l[li], PyList_GET_ITEM(st->link_list, li), li) < 0) {
+            Py_CLEAR(st->l[li].key);
+            return -1;
+        }
+        st->pool[l0 + i] = li;
+    }
+    st->npool += k;
+    u = &st->u[ui];
+    u->links = Py_NewRef(links);
+    u->row = Py_NewRef(row);
+    u->l0 = l0;
+    u->nl = k;
+    return 0;
+}
+
 Py_ssize_t *stf_links_of(STF *st, Py_ssize_t ui, Py_ssize_t *n) {
     Upd *u = &st->u[ui];
+    if (u->nl < 0 && st->ix_of != NULL) {
+        if (links_by_number(st, ui) < 0) return NULL;
+        u = &st->u[ui];
+    }
     if (u->nl < 0) {
         PyObject *links = PyDict_GetItemWithError(st->links_of, u->uid);
         if (links == NULL) {

@@ -34,10 +34,18 @@ static Py_ssize_t server_index(STF *st, PyObject *server) {
         Py_XDECREF(bound);
         return -1;
     }
+    /* a negative tau_max bounds nothing: kept as no bound (delay_drop's fast path) */
+    int nonneg = bound == Py_None ? 0 : PyObject_RichCompareBool(bound, zero, Py_GE);
+    if (nonneg < 0) {
+        Py_DECREF(zero);
+        Py_DECREF(version);
+        Py_DECREF(bound);
+        return -1;
+    }
     s->version = version;
     s->ahead = Py_NewRef(ahead ? ahead : zero);
     Py_DECREF(zero);
-    if (bound == Py_None)
+    if (!nonneg)
         Py_DECREF(bound);
     else
         s->bound = bound;
@@ -56,25 +64,23 @@ static Py_ssize_t server_index(STF *st, PyObject *server) {
 /* ------------------------------------------------------------------ Planner.accept */
 
 /* 1: uid's expected delay exceeds tau_max (dropped, reason recorded), 0: not, -1: error */
-static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
-    PyObject *server = PyObject_GetAttr(uo, str_server);
+static int delay_drop(STF *st, PyObject *uo, PyObject *uid, PyObject *row) {
+    PyObject *server = row ? Py_NewRef(PyTuple_GET_ITEM(row, 5)) : PyObject_GetAttr(uo, str_server);
     if (server == NULL) return -1;
     Py_ssize_t si = server_index(st, server);
     Py_DECREF(server);
     if (si < 0) return -1;
     Srv *s = &st->s[si];
+    if (s->bound == NULL) { /* no tau_max (or a negative one): never dropped, the delay is not needed */
+        s->accepted++;
+        return 0;
+    }
     PyObject *base = PyObject_GetAttr(uo, s_base_version);
     PyObject *done = base ? PyLong_FromLong(s->accepted) : NULL;
     PyObject *n_ahead = done ? PyNumber_Add(s->ahead, done) : NULL;
     PyObject *behind = n_ahead ? PyNumber_Subtract(s->version, base) : NULL;
     PyObject *delay = behind ? PyNumber_Add(behind, n_ahead) : NULL;
-    int over = delay ? 0 : -1;
-    if (delay != NULL && s->bound != NULL) {
-        PyObject *zero = PyLong_FromLong(0);
-        int nonneg = zero ? PyObject_RichCompareBool(s->bound, zero, Py_GE) : -1;
-        Py_XDECREF(zero);
-        over = nonneg > 0 ? PyObject_RichCompareBool(delay, s->bound, Py_GT) : nonneg;
-    }
+    int over = delay ? PyObject_RichCompareBool(delay, s->bound, Py_GT) : -1; /* bound >= 0 here */
     if (over > 0) {
         PyObject *reason = PyObject_CallFunctionObjArgs(st->drop_reason, delay, s->bound, s->version, base, n_ahead, NULL);
         over = reason == NULL || PyDict_SetItem(st->drops, uid, reason) < 0 ? -1 : 1;
@@ -92,13 +98,43 @@ static int delay_drop(STF *st, PyObject *uo, PyObject *uid) {
 
 /* the updates of first_link_members that are not gone, each moved to its path's class; the
    classes they leave and join appended to *moved. 0 or -1. */
+/* the index of `uid`, listed in a class whose head has not reached it yet: made as the head
+   would make it (its bytes as the planner lists them, float(by_id[uid].bytes); its class
+   class_of's, else class_index's); -1 on error */
+static Py_ssize_t untaken(STF *st, PyObject *uid) {
+    PyObject *uo = PyDict_GetItemWithError(st->by_id, uid);
+    if (uo == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", uid);
+        return -1;
+    }
+    PyObject *size = PyObject_GetAttr(uo, s_bytes);
+    double nbytes = size ? PyFloat_AsDouble(size) : -1.0;
+    Py_XDECREF(size);
+    if (nbytes == -1.0 && PyErr_Occurred()) return -1;
+    PyObject *own = PyDict_GetItemWithError(st->class_of, uid);
+    if (own == NULL && PyErr_Occurred()) return -1;
+    PyObject *got = own ? Py_NewRef(own) : PyObject_CallOneArg(st->class_index, uid);
+    Py_ssize_t ci = got ? PyLong_AsSsize_t(got) : -1;
+    Py_XDECREF(got);
+    if (ci == -1 && PyErr_Occurred()) return -1;
+    if (ci < 0 || ci >= st->nc) {
+        PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", uid);
+        return -1;
+    }
+    int fresh;
+    Py_ssize_t ui = stf_uid_index(st, uid, nbytes, &fresh);
+    if (ui >= 0) st->u[ui].cls = ci;
+    return ui;
+}
+
 static int move_one(STF *st, PyObject *other, Py_ssize_t **moved, Py_ssize_t *nm, Py_ssize_t *cap) {
     PyObject *ix = PyDict_GetItemWithError(st->uid_ix, other);
-    if (ix == NULL) {
+    if (ix == NULL && (PyErr_Occurred() || st->class_index == NULL)) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_SystemError, "stf_run: %R is in no class", other);
         return -1;
     }
-    Py_ssize_t oi = PyLong_AsSsize_t(ix);
+    Py_ssize_t oi = ix ? PyLong_AsSsize_t(ix) : untaken(st, other);
+    if (oi < 0) return -1;
     if (st->u[oi].gone) return 0;
     if (stf_grow((void **)moved, cap, *nm + 2, sizeof(Py_ssize_t)) < 0) return -1;
     (*moved)[(*nm)++] = st->u[oi].cls;
@@ -178,6 +214,7 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
     }
     if (got == Py_None) { /* the Python method: it raises where the C declined */
         Py_DECREF(got);
+        if (stf_flush(st) < 0) return -1; /* the Python reads the Timelines */
         PyObject *nb = PyFloat_FromDouble(nbytes);
         PyObject *args = nb ? PyTuple_Pack(3, links, nb, start_o) : NULL;
         PyObject *kw = args ? Py_BuildValue("{OO}", s_who, uid) : NULL;
@@ -195,9 +232,16 @@ static int reserve(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes, PyObjec
         l->modified = st->stamp;
         l->free_ok = l->peak_ok = 0;
     }
-    PyObject *src = PyObject_GetAttr(uo, str_src);
-    PyObject *dst = src ? PyObject_GetAttr(uo, s_dst) : NULL;
-    PyObject *size = dst ? PyObject_GetAttr(uo, s_bytes) : NULL;
+    PyObject *row = st->u[ui].row, *src, *dst, *size; /* the book's row, else the update's attributes */
+    if (row != NULL) {
+        src = Py_NewRef(PyTuple_GET_ITEM(row, 2));
+        dst = Py_NewRef(PyTuple_GET_ITEM(row, 3));
+        size = Py_NewRef(PyTuple_GET_ITEM(row, 4));
+    } else {
+        src = PyObject_GetAttr(uo, str_src);
+        dst = src ? PyObject_GetAttr(uo, s_dst) : NULL;
+        size = dst ? PyObject_GetAttr(uo, s_bytes) : NULL;
+    }
     PyObject *path = size ? PyTuple_New(nl + 1) : NULL;
     PyObject *name = Py_NewRef(uid), *t = NULL;
     if (path != NULL) {
@@ -240,7 +284,7 @@ int stf_accept(STF *st, Py_ssize_t ci, Py_ssize_t ui, double nbytes) {
         return -1;
     }
     st->u[ui].gone = 1;
-    int over = delay_drop(st, uo, uid);
+    int over = delay_drop(st, uo, uid, st->u[ui].row);
     if (over != 0) return over < 0 ? -1 : stf_place(st, ci);
     if (reserve(st, ci, ui, nbytes, uo) < 0) return -1;
     /* the updates whose class was their untouched first link move to their path's class */
@@ -266,9 +310,14 @@ static void release(STF *st) {
     for (Py_ssize_t i = 0; i < st->nu; i++) {
         Py_DECREF(st->u[i].uid);
         Py_XDECREF(st->u[i].links);
+        Py_XDECREF(st->u[i].row);
     }
     for (Py_ssize_t i = 0; i < st->nl; i++) {
-        Py_DECREF(st->l[i].key);
+        Py_XDECREF(st->l[i].key); /* NULL: a book link number not used */
+        if (st->l[i].own) {
+            Py_DECREF(st->l[i].times);
+            Py_DECREF(st->l[i].residual);
+        }
         PyMem_Free(st->l[i].g);
     }
     for (Py_ssize_t i = 0; i < st->nc; i++) {
@@ -288,6 +337,7 @@ static void release(STF *st) {
     PyMem_Free(st->pool);
     PyMem_Free(st->heap);
     PyMem_Free(st->scratch);
+    PyMem_Free(st->made);
     Py_XDECREF(st->uid_ix);
     Py_XDECREF(st->link_ix);
     Py_XDECREF(st->srv_ix);
@@ -311,31 +361,56 @@ static int float_timelines(PyObject *tls_links) {
     return 1;
 }
 
-/* the classes as the planner holds them: 1, 0 (not as the C expects: the Python loop), -1 */
+int stf_take(STF *st, Py_ssize_t ci) {
+    Cls *c = &st->c[ci];
+    PyObject *m = PyList_GET_ITEM(c->pm, c->pq); /* (nbytes, uid), checked by set_up */
+    PyObject *uid = PyTuple_GET_ITEM(m, 1);
+    c->pq++;
+    int fresh;
+    Py_ssize_t ui = stf_uid_index(st, uid, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(m, 0)), &fresh);
+    if (ui < 0 || stf_class_append(&st->c[ci], ui) < 0) return -1;
+    if (!fresh) return 0;
+    PyObject *own = PyDict_GetItemWithError(st->class_of, uid); /* else: the class listing it */
+    if (own == NULL && PyErr_Occurred()) return -1;
+    st->u[ui].cls = own ? PyLong_AsSsize_t(own) : ci;
+    return st->u[ui].cls == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+int stf_take_all(STF *st, Py_ssize_t ci) {
+    while (st->c[ci].pm != NULL && st->c[ci].pq < st->c[ci].pn)
+        if (stf_take(st, ci) < 0) return -1;
+    return 0;
+}
+
+/* the classes as the planner holds them: 1, 0 (not as the C expects: the Python loop), -1.
+   With the planner's class_index, a class's members are taken as its head reaches them (a
+   decision plans the head of ~1,000 pending updates: most are never looked at, issue 24); a
+   member is indexed as it would have been here, in the class listing it unless class_of
+   says otherwise (the planner lists an update in two classes only after class_of has it). */
 static int set_up(STF *st, PyObject *classes) {
     for (Py_ssize_t ci = 0; ci < PyList_GET_SIZE(classes); ci++) {
         PyObject *cls = PyList_GET_ITEM(classes, ci); /* (start, members, head) */
         if (!PyTuple_CheckExact(cls) || PyTuple_GET_SIZE(cls) != 3) return 0;
         PyObject *start = PyTuple_GET_ITEM(cls, 0), *members = PyTuple_GET_ITEM(cls, 1);
         if (!PyFloat_CheckExact(start) || !PyList_CheckExact(members)) return 0;
-        if (stf_new_class(st, start) != ci) return -1;
-        Py_ssize_t head = PyLong_AsSsize_t(PyTuple_GET_ITEM(cls, 2));
-        if (head == -1 && PyErr_Occurred()) return -1;
-        st->c[ci].head = head;
         for (Py_ssize_t q = 0; q < PyList_GET_SIZE(members); q++) {
             PyObject *m = PyList_GET_ITEM(members, q);
-            if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2) return 0;
-            PyObject *nb = PyTuple_GET_ITEM(m, 0), *uid = PyTuple_GET_ITEM(m, 1);
-            if (!PyFloat_CheckExact(nb) || !PyUnicode_CheckExact(uid)) return 0;
-            int fresh;
-            Py_ssize_t ui = stf_uid_index(st, uid, PyFloat_AS_DOUBLE(nb), &fresh);
-            if (ui < 0 || stf_class_append(&st->c[ci], ui) < 0) return -1;
-            if (!fresh) continue;
-            PyObject *own = PyDict_GetItemWithError(st->class_of, uid); /* else: the class listing it */
-            if (own == NULL && PyErr_Occurred()) return -1;
-            st->u[ui].cls = own ? PyLong_AsSsize_t(own) : ci;
-            if (st->u[ui].cls == -1 && PyErr_Occurred()) return -1;
+            if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2 || !PyFloat_CheckExact(PyTuple_GET_ITEM(m, 0)) ||
+                !PyUnicode_CheckExact(PyTuple_GET_ITEM(m, 1)))
+                return 0;
         }
+    }
+    for (Py_ssize_t ci = 0; ci < PyList_GET_SIZE(classes); ci++) {
+        PyObject *cls = PyList_GET_ITEM(classes, ci);
+        if (stf_new_class(st, PyTuple_GET_ITEM(cls, 0)) != ci) return -1;
+        Py_ssize_t head = PyLong_AsSsize_t(PyTuple_GET_ITEM(cls, 2));
+        if (head == -1 && PyErr_Occurred()) return -1;
+        Cls *c = &st->c[ci];
+        c->head = head;
+        c->pm = PyTuple_GET_ITEM(cls, 1); /* the planner keeps its lists for the whole run */
+        c->pn = PyList_GET_SIZE(c->pm);
+        if (st->class_index == NULL || head > 0) /* (a head moved on: what is before it is taken too) */
+            if (stf_take_all(st, ci) < 0) return -1;
     }
     return 1;
 }
@@ -343,16 +418,36 @@ static int set_up(STF *st, PyObject *classes) {
 PyObject *py_stf_run(PyObject *self, PyObject *args) {
     STF st;
     memset(&st, 0, sizeof(st));
-    PyObject *classes;
+    PyObject *classes, *ix_of = Py_None, *link_list = Py_None, *cap_cache = Py_None, *class_index = Py_None;
+    int keep = 1;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!", &PyList_Type, &classes, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOOOp", &PyList_Type, &classes, &PyDict_Type,
                           &st.class_of, &PyDict_Type, &st.class_of_key, &PyDict_Type, &st.on_first_link,
                           &st.book_on_link, &st.popped, &PyDict_Type, &st.by_id, &PyDict_Type, &st.links_of,
                           &st.names, &st.now_o, &st.tau_max, &st.server_version, &PyDict_Type, &st.ahead, &limit,
                           &st.tls, &PyDict_Type, &st.tls_links, &PyDict_Type, &st.succ, &st.t0, &st.profiles,
                           &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
-                          &st.drop_reason, &PyDict_Type, &st.drops))
+                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache, &class_index, &keep))
         return NULL;
+    st.keep = (char)keep;
+    if (class_index != Py_None) {
+        if (!PyCallable_Check(class_index)) {
+            PyErr_SetString(PyExc_TypeError, "stf_run: class_index must be callable");
+            return NULL;
+        }
+        st.class_index = class_index;
+    }
+    if (ix_of != Py_None) {
+        if (!PyDict_Check(ix_of) || !PyList_CheckExact(link_list) || !PyList_CheckExact(cap_cache) ||
+            PyList_GET_SIZE(cap_cache) != PyList_GET_SIZE(link_list)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "stf_run: link numbers need a dict, and lists of links and of capacities of one length");
+            return NULL;
+        }
+        st.ix_of = ix_of;
+        st.link_list = link_list;
+        st.cap_cache = cap_cache;
+    }
     if (st.reservation_cls == Py_None &&
         (!PyType_Check(st.transfer_cls) || !PyType_IsSubtype((PyTypeObject *)st.transfer_cls, &PyTuple_Type))) {
         PyErr_SetString(PyExc_TypeError, "stf_run: without reservations the transfers' class must be a tuple's");
@@ -391,12 +486,31 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
         release(&st);
         return NULL;
     }
+    if (st.ix_of != NULL) { /* a slot per book link number, made on first use */
+        Py_ssize_t n = PyList_GET_SIZE(st.link_list);
+        if (stf_grow((void **)&st.l, &st.lcap, n, sizeof(Lnk)) < 0) {
+            release(&st);
+            return NULL;
+        }
+        if (n) memset(st.l, 0, (size_t)n * sizeof(Lnk));
+        st.nl = n;
+    }
     ok = set_up(&st, classes);
     if (ok <= 0) {
         release(&st);
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
     if (stf_loop(&st, limit) < 0) {
+        if (st.keep) { /* the Timelines as the loop left it, as the Python loop would */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (stf_flush(&st) < 0) PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+        release(&st);
+        return NULL;
+    }
+    if (st.keep && stf_flush(&st) < 0) {
         release(&st);
         return NULL;
     }

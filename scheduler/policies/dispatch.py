@@ -35,6 +35,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from mlfabric.scheduler.core.timeline import _plan_native
 from mlfabric.scheduler.policies.base import Decision, InFlight, Send
 
 __all__ = [
@@ -125,7 +126,13 @@ class Dispatcher:
         decision : Decision
             The policy's answer for every pending update; its drops are the caller's.
         """
-        self._planned = planned = {s.update_id: s for s in decision.sends}
+        sends = decision.sends
+        if _plan_native is not None and type(sends) is tuple:  # the loops below in C (issue 24)
+            made = _plan_native.dispatch_index(sends)
+            if made is not None:  # (None: an id that is not a str, an `after` not a tuple)
+                self._planned, self._pos, self._held, self._waiting, self._free = made
+                return
+        self._planned = planned = {s.update_id: s for s in sends}
         self._pos = dict(zip(planned, itertools.count()))
         held: dict[str, int] = {}
         waiting: dict[str, str | list[str]] = {}

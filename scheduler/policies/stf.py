@@ -31,7 +31,7 @@ from mlfabric.scheduler.core.schedule import Link, Schedule, Update
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision, times_to_decision
-from mlfabric.scheduler.policies.planning import core_updates, server_key
+from mlfabric.scheduler.policies.planning import collector_paused, core_updates, server_key
 from mlfabric.scheduler.policies.stf_book import STFBook
 from mlfabric.scheduler.policies.stf_planner import Planner, drop_reason
 
@@ -179,6 +179,10 @@ class STFPolicy:
         Decision
             Sends in STF order with ``after`` and expected times; drops with reasons.
         """
+        with collector_paused():  # the cyclic collector: see planning.collector_paused (issue 24)
+            return self._decide(snapshot, pending)
+
+    def _decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:
         now = snapshot.now
         graph = snapshot.graph
         tls = Timelines(graph, start=now)
@@ -201,8 +205,8 @@ class STFPolicy:
                 tau[key] = snapshot.tau_max.get(job, -1)
                 versions[key] = snapshot.server_versions.get((job, server), 0)
             touched = {link for _, links, _ in busy for link in links}
-            times, drops = book.plan_times(
-                tls, now, tau, versions, ahead, touched=touched, limit=self.horizon
+            times, drops = book.plan_times(  # (tls is dropped after: the timelines it made need not be kept)
+                tls, now, tau, versions, ahead, touched=touched, limit=self.horizon, keep_timelines=False
             )
             return times_to_decision(times, drops, busy=busy)
         updates = core_updates(pending)

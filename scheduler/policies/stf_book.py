@@ -31,7 +31,7 @@ import itertools
 import struct
 from bisect import bisect_left, insort
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -46,6 +46,8 @@ __all__ = ["STFBook", "rank_key"]
 
 #: a class of updates ready by now: (capacity of the first link, links after it)
 GroupKey = tuple[float, tuple[Link, ...]]
+#: what the C loop reads of an update: (links, their numbers, src, dst, bytes, server)
+_Row = tuple[tuple[Link, ...], tuple[int, ...], str, str, float, str]
 
 _PACK = struct.Struct(">d")
 _UNPACK = struct.Struct(">Q")
@@ -121,6 +123,9 @@ class STFBook:
         self._serial = 0
         self._recs: dict[str, _Rec] = {}
         self._held: dict[int, _Rec] = {}  # id of the PendingUpdate a record holds -> the record
+        # the list of the last sync, where its objects are exactly those the records hold
+        # (else None): the next sync's objects added and taken out are found by a walk of both
+        self._last: list[PendingUpdate] | None = None
         #: rank key -> core update (its ``update_id`` is the rank key), links, real id
         self._by_key: dict[str, Update] = {}
         self._links_of: dict[str, tuple[Link, ...]] = {}
@@ -133,6 +138,14 @@ class STFBook:
         self._on_link: dict[Link, dict[str, None]] = {}  # first link -> grouped keys
         self._caps: dict[Link, float] = {}  # first link -> capacity its updates are grouped by
         self._servers: Counter[tuple[str, str, str]] = Counter()
+        # the links numbered (the C loop's slots, no lookups by link per decision, issue 24):
+        # link -> number, number -> link, number -> capacity read by the C loop (None: not
+        # yet, or the graph's capacities may have changed since), rank key -> its row for the
+        # C loop: (links, their numbers, and its update's src, dst, bytes and server)
+        self._link_ix: dict[Link, int] = {}
+        self._link_list: list[Link] = []
+        self._link_caps: list[float | None] = []
+        self._ix_of: dict[str, _Row] = {}
 
     def __len__(self) -> int:
         return len(self._recs)
@@ -165,33 +178,55 @@ class STFBook:
         self._now = now
         if not same:  # (the same graph, its capacities unchanged: the NICs' classes hold)
             self._recapacity(graph)
+            self._link_caps = [None] * len(self._link_list)
         self._gen += 1
         gen = self._gen
         recs, held = self._recs, self._held
-        # The objects the book holds already are found by identity, in C (the set operations):
-        # only the others are looked at one by one, in the order listed, and then the records
-        # of the objects no longer listed are removed in the book's order (issue 24).
-        keys = list(map(id, pending))
-        listed = set(keys)
-        if len(listed) != len(keys):
-            _listed_twice(pending)
-        gone = held.keys() - listed
-        fresh = listed.difference(held)
-        if fresh:
-            for p in itertools.compress(pending, map(fresh.__contains__, keys)):
-                rec = recs.get(p.update_id)
-                if rec is not None:
-                    if rec.gen == gen or id(rec.pending) in listed:
-                        _listed_twice(pending)
-                    gone.discard(id(rec.pending))
-                    if rec.pending == p:  # the same update, another object: kept as it is
-                        rec.gen = gen
-                        continue
-                    self._remove(rec)
-                self._insert(p).gen = gen
+        # The objects the book holds already are found by identity, in C: a walk of the last
+        # list and this one where this one is the last less some plus some after them (the
+        # simulator's), else set operations. Only the others are looked at one by one, in the
+        # order listed, and then the records of the objects no longer listed are removed in
+        # the book's order (issue 24).
+        last, self._last = self._last, None
+        diff = None
+        listed: set[int] | None = None  # the ids listed (the walk: the last list's less those taken)
+        taken: set[int] = set()
+        if last is not None and _plan_native is not None and type(pending) is list:
+            diff = _plan_native.list_diff(last, pending)
+        if diff is not None:  # (no object listed twice, none of the last list's moved)
+            added, taken_out = diff
+            taken = set(map(id, taken_out))
+            gone = set(taken)
+            fresh_objects: Iterable[PendingUpdate] = added
+        else:
+            keys = list(map(id, pending))
+            listed = set(keys)
+            if len(listed) != len(keys):
+                _listed_twice(pending)
+            gone = held.keys() - listed
+            fresh = listed.difference(held)
+            fresh_objects = itertools.compress(pending, map(fresh.__contains__, keys)) if fresh else ()
+        kept_others = False
+        for p in fresh_objects:
+            rec = recs.get(p.update_id)
+            if rec is not None:
+                # its object listed too (the walk: a held object is listed unless taken out)
+                if rec.gen == gen or (
+                    id(rec.pending) in listed if listed is not None else id(rec.pending) not in taken
+                ):
+                    _listed_twice(pending)
+                gone.discard(id(rec.pending))
+                if rec.pending == p:  # the same update, another object: kept as it is
+                    rec.gen = gen
+                    kept_others = True
+                    continue
+                self._remove(rec)
+            self._insert(p).gen = gen
         if gone:
             for rec in sorted((held[i] for i in gone), key=_serial):
                 self._remove(rec)
+        if not kept_others:  # (the records hold exactly the objects listed)
+            self._last = pending.copy() if type(pending) is list else list(pending)
         future = self._future
         while future and future[0][0] <= now:
             _, key = heapq.heappop(future)
@@ -220,7 +255,7 @@ class STFBook:
         self._held[id(p)] = rec
         self._servers[server] += 1
         self._names[key] = p.update_id
-        self._by_key[key] = Update(
+        u = self._by_key[key] = Update(
             key, p.src_host, p.dst_host, p.bytes, p.ready_at, p.norm, p.base_version, server[2]
         )
         assert self._paths is not None
@@ -230,6 +265,7 @@ class STFBook:
             self._noroute[key] = f"no route: {exc}"
             return rec
         self._links_of[key] = links
+        self._ix_of[key] = (links, tuple(map(self._link_number, links)), u.src, u.dst, u.bytes, u.server)
         if not links:
             self._loose[key] = None
         elif p.ready_at <= self._now:
@@ -245,6 +281,7 @@ class STFBook:
         self._loose.pop(key, None)
         self._noroute.pop(key, None)
         self._links_of.pop(key, None)
+        self._ix_of.pop(key, None)
         del (
             self._by_key[key],
             self._names[key],
@@ -254,6 +291,14 @@ class STFBook:
         self._servers[rec.server] -= 1
         if not self._servers[rec.server]:
             del self._servers[rec.server]
+
+    def _link_number(self, link: Link) -> int:
+        ix = self._link_ix.get(link)
+        if ix is None:
+            ix = self._link_ix[link] = len(self._link_list)
+            self._link_list.append(link)
+            self._link_caps.append(None)
+        return ix
 
     def _waiting(self, key: str) -> bool:
         """Whether ``key`` (popped from the future heap) is pending and not classed yet."""
@@ -339,6 +384,7 @@ class STFBook:
         *,
         touched: Collection[Link] = (),
         limit: int | None = None,
+        keep_timelines: bool = True,
     ) -> tuple[tuple[TransferTimes, ...], dict[str, str]]:
         """:meth:`plan`'s transfers as :class:`TransferTimes` (no reservation records), and its drops.
 
@@ -346,7 +392,9 @@ class STFBook:
         does not check it (:class:`~mlfabric.scheduler.policies.stf.STFPolicy`): the
         planner's C loop then makes one untracked row per transfer instead of a
         :class:`~mlfabric.scheduler.core.schedule.Transfer` and its reservations (issue 24).
-        Parameters as :meth:`plan`'s.
+        Parameters as :meth:`plan`'s, and ``keep_timelines``: False, for a caller that drops
+        ``tls`` afterwards, lets the C loop leave out of ``tls`` the link timelines it made
+        (their reservations are the same; a decision makes hundreds, issue 24).
 
         Returns
         -------
@@ -364,7 +412,8 @@ class STFBook:
         >>> [(t.payload_id, t.start, t.end) for t in times], drops
         ([('small', 0.0, 1.0), ('big', 1.0, 4.0)], {})
         """
-        planner = self._run(tls, now, tau_max, server_version, ahead, touched, limit, reservations=False)
+        args = (tls, now, tau_max, server_version, ahead, touched, limit)
+        planner = self._run(*args, reservations=False, keep=keep_timelines)
         names = self._names
         return planner.times(), {names[k]: reason for k, reason in planner.drops.items()}
 
@@ -379,14 +428,17 @@ class STFBook:
         limit: int | None,
         *,
         reservations: bool,
+        keep: bool = True,
     ) -> Planner:
         """A planner over the book's classes, run (see :meth:`plan`)."""
         planner = _BookPlanner(self, tls, now, tau_max, server_version, ahead)
         planner.reservations = reservations
-        for gk, members in self._groups.items():
-            planner.group_idx[gk] = len(planner.classes)
-            planner.classes.append(UpdateClass(now, members))
-            planner.gate_of.append(None)
+        planner.keep_timelines = keep
+        groups = self._groups  # (shared with the planner: made its classes only if it runs in Python)
+        planner.group_idx = dict(zip(groups, range(len(groups)), strict=True))
+        planner.shared = list(groups.values())
+        planner.classes = [_PLACEHOLDER] * len(groups)
+        planner.gate_of = [None] * len(groups)
         for link in sorted(touched):  # a NIC in use: its updates' ten() is their own
             on_link = self._on_link.get(link)
             if on_link and tls.last_change(link) > -INF:
@@ -401,6 +453,10 @@ class STFBook:
         planner.drops.update(self._noroute)
         planner.run(limit)
         return planner
+
+
+#: what a planner's class shared with the book is until its Python loop runs (never read)
+_PLACEHOLDER = UpdateClass(-INF)
 
 
 class _BookPlanner(Planner):
@@ -422,6 +478,12 @@ class _BookPlanner(Planner):
         self.names = book._names
         self.group_idx: dict[GroupKey, int] = {}
         self.popped: set[Link] = set()
+
+    def link_numbers(self) -> tuple[Mapping[str, _Row], list[Link], list[float | None]] | None:
+        book = self.book
+        if self.tls._graph is not book._graph:  # (capacities read from another graph)
+            return None
+        return book._ix_of, book._link_list, book._link_caps
 
     def class_index(self, uid: str) -> int:
         idx = self.class_of.get(uid)

@@ -107,6 +107,10 @@ class Planner:
         self.by_id: dict[str, Update] = {}
         self.links_of: dict[str, tuple[Link, ...]] = {}
         self.classes: list[UpdateClass] = []
+        #: the member lists of classes 0 .. len(shared) - 1, shared with the caller, from ``now``
+        #: with head 0: ``classes`` holds a placeholder for each until the Python loop runs
+        #: (the C loop reads the lists as they are, issue 24)
+        self.shared: list[list[tuple[float, str]]] = []
         self.class_of_key: dict[tuple[object, ...], int] = {}
         self.class_of: dict[str, int] = {}
         self.gate_of: list[Link | None] = []
@@ -126,6 +130,8 @@ class Planner:
         self.transfers: list[Transfer] = []
         #: False: the C loop makes no reservation records, only the transfers' times (:meth:`times`)
         self.reservations = True
+        #: False: the C loop may leave ``tls`` without the timelines it made (its caller drops it)
+        self.keep_timelines = True
         self._times: list[TransferTimes] = []
         self.drops: dict[str, str] = {}
         #: planner id -> the update id its transfer is named by (None: the planner id)
@@ -299,6 +305,9 @@ class Planner:
         """
         if _plan_native is not None and (limit is None or limit >= 0) and self._run_native(limit):
             return
+        for idx, members in enumerate(self.shared):  # the placeholders made real
+            self.classes[idx] = UpdateClass(self.now, members)
+        self.shared = []
         for idx in range(len(self.classes)):
             self.place(idx)
         heap = self.heap
@@ -363,17 +372,31 @@ class Planner:
         """Untouched first links' updates kept outside the planner, and those links taken (none here)."""
         return None, None
 
+    def link_numbers(self) -> tuple[Mapping[str, tuple[object, ...]], list[Link], list[float | None]] | None:
+        """The links numbered outside the planner, for the C loop (none here).
+
+        ``(rows, links, capacities)``: update id -> (its links, their numbers, and its update's
+        ``src``, ``dst``, ``bytes`` and ``server``, as in :attr:`by_id`), number -> link,
+        number -> the link's graph capacity (``None`` where not read yet; the C loop fills it
+        in, so the lists must be dropped when the graph's capacities change).
+        """
+        return None
+
     def _run_native(self, limit: int | None) -> bool:
         """:meth:`run` in C (``_plan_native.stf_run``); False: the inputs need the Python loop.
 
         Without :attr:`reservations` the C makes :class:`TransferTimes` rows, no reservation
         records (:meth:`times`; :attr:`transfers` stays empty).
         """
-        tls = self.tls
+        tls, now, n = self.tls, self.now, len(self.shared)
         light = not self.reservations
         on_link, popped = self.book_links()
+        ix_of, link_list, cap_cache = self.link_numbers() or (None, None, None)
         got = _plan_native.stf_run(
-            [(c.start, c.members, c.head) for c in self.classes],
+            [
+                *((now, members, 0) for members in self.shared),
+                *((c.start, c.members, c.head) for c in itertools.islice(self.classes, n, None)),
+            ],
             self.class_of,
             self.class_of_key,
             self.on_first_link,
@@ -399,6 +422,11 @@ class Planner:
             EPS,
             drop_reason,
             self.drops,
+            ix_of,
+            link_list,
+            cap_cache,
+            self.class_index,  # (the C takes each class's members as its head reaches them)
+            self.keep_timelines,
         )
         if got is None:
             return False

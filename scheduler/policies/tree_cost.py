@@ -9,17 +9,16 @@ Internal to the tree planner.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
 from mlfabric.scheduler.core.records import init_fields
 from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
 from mlfabric.scheduler.core.timeline import EPS, LinkTimeline, Timelines, _plan_native
+from mlfabric.scheduler.policies.planning import collector_paused as collector_paused
 from mlfabric.scheduler.policies.tree_moves import Node
 from mlfabric.scheduler.policies.tree_routes import Routes
 
@@ -214,21 +213,3 @@ def estimate(
         if waiting[to] == 0:
             push(heap, (ready_at[to], nbytes, to, ""))
     return makespan
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (planning makes no reference cycles).
-
-    A full collection walks the caller's whole heap: about a quarter of a 1,024-worker
-    decision's CPU time was spent in collections triggered by the planner's short-lived
-    objects (``experiments/bench_trees.py``). Acyclic objects are still freed at once.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()

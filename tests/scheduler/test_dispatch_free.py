@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 
 import pytest
 
+from mlfabric.scheduler.policies import dispatch
 from mlfabric.scheduler.policies.base import Decision, InFlight, Send
 from mlfabric.scheduler.policies.dispatch import Dispatcher, Release, _Ends
 
@@ -65,6 +66,8 @@ def plan(rng: random.Random, serial: list[int], flying: dict[str, InFlight], now
         after = tuple(sorted(set(rng.sample(pool, min(len(pool), rng.choice((0, 1, 1, 2, 3)))))))
         if rng.random() < 0.03:
             after = (*after, uid)  # after itself: never released
+        if after and rng.random() < 0.05:
+            after = (*after, after[0])  # a predecessor listed twice (counted twice)
         start = now + rng.random() * 0.01
         sends.append(Send(uid, "ps", ("w", "ps"), after, start, start + rng.random() * 0.005))
         ids.append(uid)
@@ -103,3 +106,39 @@ def test_releases_and_wakeups_are_the_plain_scans(seed: int) -> None:
             del flying[uid]
         now += rng.choice((0.0, 0.0005, 0.002, 0.004))
     assert released > 0
+
+
+def index(d: Decision, python: bool) -> tuple[object, ...]:
+    """A dispatcher's plan index after adopting ``d``, each dict and set with its order."""
+    disp = Dispatcher()
+    saved = dispatch._plan_native
+    try:
+        if python:
+            dispatch._plan_native = None  # type: ignore[assignment]
+        disp.adopt(d)
+    finally:
+        dispatch._plan_native = saved
+    parts = (disp._planned, disp._pos, disp._held, disp._waiting)
+    return (*((list(x.items()), [type(v) for v in x.values()]) for x in parts), sorted(disp._free))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_plan_index_in_c_is_the_python_loops(seed: int) -> None:
+    """Dispatcher.adopt's index (``_plan_native.dispatch_index``) as the Python loops make it (issue 24)."""
+    assert dispatch._plan_native is not None
+    rng = random.Random(seed)
+    serial = [0]
+    flying = {f"f{k}": InFlight(f"f{k}", "j", "s", ("w", "ps"), 1, 0.0, 0.01) for k in range(3)}
+    for _ in range(5):
+        d = plan(rng, serial, flying, 0.0)
+        assert index(d, python=False) == index(d, python=True)
+
+
+def test_a_plan_the_c_does_not_read_is_indexed_by_the_python_loops() -> None:
+    a = Send("a", "ps", ("w", "ps"))
+    b = Send("b", "ps", ("w", "ps"), ["a"])  # type: ignore[arg-type]  # after as a list
+    c = Send(7, "ps", ("w", "ps"), ("a",))  # type: ignore[arg-type]  # an id that is no str
+    for sends in ((a, b), (a, c)):
+        d = Decision(sends=sends)
+        assert dispatch._plan_native.dispatch_index(sends) is None
+        assert index(d, python=False) == index(d, python=True)

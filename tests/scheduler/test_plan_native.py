@@ -21,13 +21,21 @@ from mlfabric.scheduler.core import records, timeline
 from mlfabric.scheduler.core.graph import PathCache, two_tier
 from mlfabric.scheduler.core.schedule import Update
 from mlfabric.scheduler.core.timeline import Timelines
-from mlfabric.scheduler.policies import convert, stf_book, stf_planner, tree_cost, tree_routes, trees
+from mlfabric.scheduler.policies import (
+    convert,
+    dispatch,
+    stf_book,
+    stf_planner,
+    tree_cost,
+    tree_routes,
+    trees,
+)
 from mlfabric.scheduler.policies.base import InFlight, PendingUpdate, Snapshot
 from mlfabric.scheduler.policies.tree_policy import TreePolicy
 from mlfabric.scheduler.policies.trees import plan_tree
 
 MB = 1_000_000
-MODULES = (timeline, records, tree_cost, tree_routes, trees, convert, stf_planner, stf_book)
+MODULES = (timeline, records, tree_cost, tree_routes, trees, convert, stf_planner, stf_book, dispatch)
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import random
+from typing import Any
 
 import networkx as nx
 import pytest
@@ -25,7 +26,7 @@ from mlfabric.scheduler.policies.base import PendingUpdate
 from mlfabric.scheduler.policies.convert import times_to_decision
 from mlfabric.scheduler.policies.stf import plan_stf
 from mlfabric.scheduler.policies.stf_book import STFBook
-from tests.scheduler.test_plan_native import MODULES, both, state
+from tests.scheduler.test_plan_native import MODULES, both, python_loops, state
 from tests.scheduler.test_stf_incremental import replay
 
 MB = 1_000_000
@@ -200,3 +201,37 @@ def test_changed_capacities_are_the_python_scan() -> None:
     assert [link for link, cap in caps.items() if g._succ[link[0]][link[1]]["capacity"] != cap] == changed
     with pytest.raises(KeyError):
         stf_planner._plan_native.changed_capacities({("a", "nowhere"): 1.0}, g._succ)
+
+
+def book_plan_kept(seed: int, keep: bool) -> tuple[object, list[tuple[Any, list[float], list[float], float]]]:
+    """A seeded book's light plan (a NIC of no capacity among them), and the timelines left."""
+    rng = random.Random(seed)
+    g = two_tier(3, 4, {f"h{i}": rng.choice([1e9, 10e9]) for i in range(12)}, oversubscription=4)
+    dead = f"h{rng.randrange(2, 12)}"
+    g.edges[dead, next(iter(g.successors(dead)))]["capacity"] = 0.0  # its updates: no residual, ever
+    pending = [
+        PendingUpdate(
+            f"u{i}", "j", f"s{i % 2}", f"h{k}", f"h{k}", f"h{i % 2}", rng.choice([1, 5]) * MB, 1.0, 0, 0.0
+        )
+        for i, k in enumerate(rng.choices(range(2, 12), k=30))
+    ]
+    book = STFBook()
+    book.sync(g, 0.0, pending)
+    tls = Timelines(g, start=0.0)
+    busy = PathCache(g).links("h3", "h0")
+    tls.reserve_until(busy, 0.0, 0.002)
+    got = book.plan_times(tls, 0.0, {"j/s0": 3}, {"j/s0": 4}, touched=busy, keep_timelines=keep)
+    return got, [row for row in state(tls) if len(row[1]) > 1]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_plan_that_drops_its_timelines_is_the_same_plan(seed: int) -> None:
+    """keep_timelines=False: the C loop leaves out of the Timelines the timelines it made, and
+    puts them there before the Python reads it (a path with no residual: its drop's reason)."""
+    kept, kept_state = book_plan_kept(seed, True)
+    with python_loops():
+        python, python_state = book_plan_kept(seed, True)
+    dropped, dropped_state = book_plan_kept(seed, False)
+    assert kept == dropped == python and kept_state == python_state
+    assert "no residual bandwidth" in repr(kept)
+    assert len(dropped_state) < len(kept_state)  # (the timelines of the transfers it planned: left out)

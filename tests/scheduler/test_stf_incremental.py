@@ -33,8 +33,15 @@ def graph(seed: int, racks: int = 4, per_rack: int = 8) -> nx.DiGraph:
     return two_tier(racks, per_rack, nic, oversubscription=4.0)
 
 
-def replay(seed: int, steps: int, horizon: int | None, per_rack: int = 8) -> list[tuple[Decision, Decision]]:
-    """Both policies' decisions along one seeded sequence (``per_rack`` 4: many updates per NIC)."""
+def replay(
+    seed: int, steps: int, horizon: int | None, per_rack: int = 8, shuffle: bool = True
+) -> list[tuple[Decision, Decision]]:
+    """Both policies' decisions along one seeded sequence (``per_rack`` 4: many updates per NIC).
+
+    ``shuffle`` False: the pending updates listed as the simulator lists them (its dict's
+    values: those kept in their order, new ones after them), so the book finds what changed
+    by walking its last list and this one (STFBook.sync, issue 24).
+    """
     rng = random.Random(seed)
     g = graph(seed, per_rack=per_rack)
     full, incremental = STFPolicy(horizon, incremental=False), STFPolicy(horizon)
@@ -97,7 +104,8 @@ def replay(seed: int, steps: int, horizon: int | None, per_rack: int = 8) -> lis
             versions[key] += rng.choice((0, 0, 1))
         snap = Snapshot(now, g, tuple(flying.values()), dict(versions), {"j": rng.choice((-1, 4, 8))})
         ps = list(pending.values())
-        rng.shuffle(ps)
+        if shuffle:
+            rng.shuffle(ps)
         a = full.decide(snap, ps)
         b = incremental.decide(snap, ps)
         out.append((a, b))
@@ -189,3 +197,92 @@ def test_rank_keys_sort_as_ready_time_then_id() -> None:
     ]
     by_key = sorted(pairs, key=lambda p: rank_key(*p))
     assert [(t + 0.0, u) for t, u in by_key] == sorted((t + 0.0, u) for t, u in pairs)
+
+
+def test_links_past_the_nic_changed_in_place_under_a_new_version_are_read_again() -> None:
+    """The book numbers every link and the C loop keeps the capacities it reads (issue 24):
+    a change of an uplink, a core link or the server's NIC under a new version is seen."""
+    g = graph(8)
+    rng = random.Random(8)
+    workers = [h for h in hosts(g) if h not in SERVERS]
+    ps = [
+        PendingUpdate(f"u{i}", "j", "s0", w, w, SERVERS[0], rng.choice((1, 5)) * MB, 1.0, 0, 0.0)
+        for i, w in enumerate(workers)
+    ]
+    inner = [(u, v) for u, v in g.edges if u not in workers and v not in workers]
+    policy, full = STFPolicy(horizon=16), STFPolicy(horizon=16, incremental=False)
+    seen = set()
+    for version in range(8):
+        if version:
+            for link in rng.sample(inner, len(inner) // 3):
+                g.edges[link]["capacity"] *= rng.choice((0.25, 0.5, 2.0))
+        snap = Snapshot(0.001 * version, g, graph_version=version)
+        for _ in range(2):
+            got = policy.decide(snap, ps)
+            assert got == full.decide(snap, ps), f"version {version}"
+        seen.add(tuple((s.update_id, s.expected_end) for s in got.sends))
+    assert len(seen) > 1, "the changes changed no plan: the test tests nothing"
+
+
+def test_the_book_reads_capacities_of_the_timelines_graph_only() -> None:
+    """Planning on timelines of another graph than the book's last sync reads that graph."""
+    from mlfabric.scheduler.core.timeline import Timelines
+    from mlfabric.scheduler.policies.stf_book import STFBook
+
+    g = graph(9)
+    workers = [h for h in hosts(g) if h not in SERVERS]
+    ps = [PendingUpdate(f"u{i}", "j", "s0", w, w, SERVERS[0], MB, 1.0, 0, 0.0) for i, w in enumerate(workers)]
+    book = STFBook()
+    book.sync(g, 0.0, ps, graph_version=1)
+    first = book.plan_times(Timelines(g), 0.0, {}, {})
+    slow = g.copy()
+    for link in slow.edges:
+        slow.edges[link]["capacity"] /= 2
+    again = book.plan_times(Timelines(slow), 0.0, {}, {})
+    assert [t.end for t in again[0]] == [2 * t.end for t in first[0]]
+
+
+@pytest.mark.parametrize("horizon", [None, 8])
+@pytest.mark.parametrize(("seed", "per_rack"), [(5, 8), (6, 4), (7, 4)])
+def test_in_order_updates_plan_as_a_full_re_plan(seed: int, per_rack: int, horizon: int | None) -> None:
+    """The book's walk of its last list and the new one (no set of every id per decision) plans
+    as the full re-plan; equal copies and ids listed twice take the set operations."""
+    pairs = replay(seed, steps=40, horizon=horizon, per_rack=per_rack, shuffle=False)
+    for step, (full, incremental) in enumerate(pairs):
+        assert incremental == full, f"decision {step} differs"
+    assert sum(len(a.sends) for a, _ in pairs) > 100
+
+
+def test_the_walk_finds_what_the_set_operations_find() -> None:
+    """_plan_native.list_diff against sets of ids on seeded lists: taken out, added, moved, twice."""
+    from mlfabric.scheduler.policies import stf_book
+
+    assert stf_book._plan_native is not None
+    diff = stf_book._plan_native.list_diff
+    rng = random.Random(11)
+    walked = 0
+    for _ in range(2000):
+        old = [object() for _ in range(rng.randrange(0, 12))]
+        new = [x for x in old if rng.random() < 0.8] + [object() for _ in range(rng.choice((0, 0, 1, 3)))]
+        if new and rng.random() < 0.2:
+            i, j = rng.randrange(len(new)), rng.randrange(len(new))
+            new[i], new[j] = new[j], new[i]  # moved
+        if new and rng.random() < 0.1:
+            new.append(rng.choice(new))  # listed twice
+        got = diff(old, new)
+        ids_old, ids_new = set(map(id, old)), list(map(id, new))
+        in_order = [x for x in new if id(x) in ids_old] == [x for x in old if id(x) in set(ids_new)]
+        plain = (
+            len(set(ids_new)) == len(ids_new)
+            and in_order
+            and all(id(x) not in ids_old for x in new[len([x for x in new if id(x) in ids_old]) :])
+        )
+        if got is None:
+            assert not plain, (old, new)
+            continue
+        walked += 1
+        added, taken = got
+        assert plain
+        assert added == [x for x in new if id(x) not in ids_old]
+        assert taken == [x for x in old if id(x) not in set(ids_new)]
+    assert walked > 1000
