@@ -18,12 +18,7 @@ from typing import cast
 
 from mlfabric.scheduler.core.records import init_fields
 from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, TransferTimes, Update
-from mlfabric.scheduler.core.timeline import EPS, INF, LinkTimeline, Timelines
-
-try:  # the STF loop in C (plan_stf.c, the same plans), built by ``pip install``
-    from mlfabric.scheduler.core import _plan_native
-except ImportError:  # pragma: no cover - not built: the Python loop below
-    _plan_native = None  # type: ignore[assignment]
+from mlfabric.scheduler.core.timeline import EPS, INF, LinkTimeline, Timelines, _plan_native
 
 __all__ = ["Planner", "UpdateClass", "drop_reason"]
 
