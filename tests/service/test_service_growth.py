@@ -17,6 +17,7 @@ from mlfabric.scheduler.core.graph import star
 from mlfabric.scheduler.policies.dispatch import Dispatcher
 from mlfabric.scheduler.policies.registry import make_policy
 from mlfabric.scheduler.service.batching import AdaptiveBatcher
+from mlfabric.scheduler.service.codec_advice import CodecBook
 from mlfabric.scheduler.service.core import DaemonSession, SchedulerCore, StaticEstimator
 from mlfabric.scheduler.service.observe import Activity, Recorder
 from mlfabric.scheduler.service.records import OutcomeKind, OutcomeLog, UpdateOutcome
@@ -82,6 +83,16 @@ def test_the_activity_keeps_its_history_not_every_event() -> None:
     assert act.link_bytes(("sw", "h0"), now=999.0, window=5.0) == 600
     assert act.worker_rate("j", "w990", now=999.0, window=10.0)[2] == 1
     assert act.span(now=999.0, window=60.0) == 10.0  # a longer window is cut to the history
+
+
+def test_the_codec_books_push_times_are_compact_and_untracked() -> None:
+    book = CodecBook(SchedulerState(star(["ps", "a"], 1e9)))
+    for i in range(100):
+        book.note_ready("a", "j", "ps", 0.0, i * 0.5)
+    times = book._pushes[("a", "j", "ps")]
+    assert len(times) == 21 and times[0] == 39.5  # the window's (10 s) behind the latest push
+    assert book.push_rate("a", "j", "ps") == 2.0
+    assert not _tracked([times])  # one per (worker host, job, server): 32,000 at 4,000 daemons
 
 
 def _core(clock: list[float]) -> tuple[SchedulerCore, dict[str, DaemonSession]]:
