@@ -21,6 +21,7 @@ Nothing here does I/O or reads a clock: times are passed in.
 from __future__ import annotations
 
 import bisect
+import math
 import re
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -43,6 +44,7 @@ __all__ = [
     "DECISION_BUCKETS",
     "DELAY_BUCKETS",
     "DURATION_BUCKETS",
+    "HISTORY",
     "MIN_SPAN",
     "Activity",
     "Buckets",
@@ -80,6 +82,8 @@ DURATION_BUCKETS: tuple[float, ...] = (1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.
 _MAX_EVENTS = 4096
 #: the shortest span rates are averaged over (:meth:`Activity.span`), seconds
 MIN_SPAN = 1.0
+#: seconds of pushes and transfers :class:`Activity` keeps (a longer window is cut to it)
+HISTORY = 300.0
 
 
 def drop_reason_class(reason: str) -> str:
@@ -180,6 +184,19 @@ class Buckets:
 class Activity:
     """Recent pushes per (job, worker) and transfers per link; times are the service's clock.
 
+    Only the last ``history`` seconds are kept (at most :data:`_MAX_EVENTS` events per worker
+    or link): each note drops its worker's or link's events older than that, and once per
+    ``history`` seconds the events of every worker and link are trimmed alike and the idle
+    ones forgotten, so what is kept is bounded by the pushes and transfers of the last two
+    ``history`` spans, not by those seen since the start (issue 24: with 4,000 daemons the
+    per-link events of a 10-minute run were still filling towards 4,096 per link). A window
+    longer than ``history`` is cut to it (:meth:`span`).
+
+    Parameters
+    ----------
+    history : float
+        Seconds of pushes and transfers kept (default :data:`HISTORY`).
+
     Examples
     --------
     >>> a = Activity()
@@ -190,22 +207,28 @@ class Activity:
     >>> a.transfer(("w0", "sw", "ps"), 1000, now=2.0)
     >>> a.link_bytes(("w0", "sw"), now=2.0, window=10.0)
     1000
-    >>> a.span(now=2.0, window=10.0), a.span(now=60.0, window=10.0)
-    (2.0, 10.0)
+    >>> a.span(now=2.0, window=10.0), a.span(now=60.0, window=10.0), a.span(now=900.0, window=600.0)
+    (2.0, 10.0, 300.0)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, history: float = HISTORY) -> None:
+        if not history > 0:
+            raise ValueError(f"an activity keeps a positive number of seconds, not {history}")
+        self.history = history
         #: when the first push or transfer was noted (None: nothing yet)
         self.started: float | None = None
         self._pushes: dict[tuple[str, str], deque[float]] = {}
         self._links: dict[tuple[str, str], deque[tuple[float, int]]] = {}
         #: link -> bytes of every transfer released over it so far
         self.scheduled: dict[tuple[str, str], int] = {}
+        self._trimmed = -math.inf  # when every worker's and link's events were last trimmed
 
     def span(self, now: float, window: float) -> float:
         """The seconds of activity a ``window`` behind ``now`` covers: less than the window early
         in a run (since the first push or transfer, at least :data:`MIN_SPAN`), so rates are
-        averaged over the time there was, not over seconds before anything ran."""
+        averaged over the time there was, not over seconds before anything ran; at most the
+        ``history`` kept."""
+        window = min(window, self.history)
         if self.started is None:
             return window
         return min(window, max(now - self.started, MIN_SPAN))
@@ -214,7 +237,12 @@ class Activity:
         """``worker`` of ``job`` announced an update at ``now``."""
         if self.started is None:
             self.started = now
-        self._pushes.setdefault((job, worker), deque(maxlen=_MAX_EVENTS)).append(now)
+        times = self._pushes.setdefault((job, worker), deque(maxlen=_MAX_EVENTS))
+        times.append(now)
+        cut = now - self.history
+        while times[0] < cut:
+            times.popleft()
+        self._trim(now)
 
     def released(self, path: Sequence[str], nbytes: int) -> None:
         """A transfer of ``nbytes`` along ``path`` was released (scheduled)."""
@@ -225,8 +253,28 @@ class Activity:
         """A transfer of ``nbytes`` along ``path`` was reported at ``now``."""
         if self.started is None:
             self.started = now
+        cut = now - self.history
         for link in pairwise(path):
-            self._links.setdefault(link, deque(maxlen=_MAX_EVENTS)).append((now, nbytes))
+            events = self._links.setdefault(link, deque(maxlen=_MAX_EVENTS))
+            events.append((now, nbytes))
+            while events[0][0] < cut:
+                events.popleft()
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        """Once per ``history`` s: drop every worker's and link's events older than it, and the idle."""
+        if now - self._trimmed < self.history:
+            return
+        self._trimmed = now
+        cut = now - self.history
+        for times in self._pushes.values():
+            while times and times[0] < cut:
+                times.popleft()
+        for events in self._links.values():
+            while events and events[0][0] < cut:
+                events.popleft()
+        self._pushes = {key: times for key, times in self._pushes.items() if times}
+        self._links = {link: events for link, events in self._links.items() if events}
 
     def worker_rate(self, job: str, worker: str, now: float, window: float) -> tuple[float, float, int]:
         """(pushes per second, mean seconds between pushes or 0, pushes) over the window (give

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -28,6 +29,7 @@ __all__ = [
     "JobParams",
     "NoPath",
     "OutcomeKind",
+    "OutcomeLog",
     "ParamsMismatch",
     "SchedulerError",
     "ServerRole",
@@ -266,6 +268,59 @@ class UpdateOutcome:
     reason: str = ""
     delay: int | None = None
     version: int | None = None
+
+
+class OutcomeLog(Mapping[str, UpdateOutcome]):
+    """The latest outcomes, ``update id -> UpdateOutcome``; the oldest forgotten beyond ``capacity``.
+
+    Kept for inspection only (nothing decides by them: a repeated announcement is refused by
+    the pending and in-flight updates; the counters and the trace ring count every outcome).
+    Each is held as a plain tuple of strings and numbers, which the cyclic garbage collector
+    stops tracking, and made an :class:`UpdateOutcome` when read: a frozen dataclass per
+    outcome kept 100,000 objects tracked, and the collector's full passes walked them all
+    (issue 24). An update recorded again moves to the newest place.
+
+    Parameters
+    ----------
+    capacity : int
+        Outcomes kept.
+
+    Examples
+    --------
+    >>> log = OutcomeLog(capacity=2)
+    >>> for uid in ("a", "b", "c"):
+    ...     log.record(UpdateOutcome(uid, OutcomeKind.APPLIED, delay=1, version=3))
+    >>> list(log), "a" in log, log["c"].kind, log["c"].delay
+    (['b', 'c'], False, <OutcomeKind.APPLIED: 'applied'>, 1)
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"an outcome log keeps at least one outcome, not {capacity}")
+        self.capacity = capacity
+        self._rows: OrderedDict[str, tuple[str, str, int | None, int | None]] = OrderedDict()
+
+    def record(self, outcome: UpdateOutcome) -> None:
+        """Keep ``outcome`` as the newest (forgetting the oldest beyond the capacity)."""
+        rows = self._rows
+        uid = outcome.update_id
+        rows[uid] = (outcome.kind.value, outcome.reason, outcome.delay, outcome.version)
+        rows.move_to_end(uid)
+        while len(rows) > self.capacity:
+            rows.popitem(last=False)
+
+    def __getitem__(self, update_id: str) -> UpdateOutcome:
+        kind, reason, delay, version = self._rows[update_id]
+        return UpdateOutcome(update_id, OutcomeKind(kind), reason, delay, version)
+
+    def __contains__(self, update_id: object) -> bool:
+        return update_id in self._rows
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,13 @@
 :class:`TraceLog` keeps the last :data:`DEFAULT_CAPACITY` events of the running service,
 each a small tuple appended to a ``deque(maxlen=...)``: recording is one clock read and one
 append, and memory is bounded however long the scheduler runs (older events are
-overwritten). Five kinds, recorded by the service state from its own mutations, through the
+overwritten). The ring holds each event as a plain tuple of strings and numbers (its kind an
+``int``), which the cyclic garbage collector stops tracking, and makes the
+:class:`TraceRecord` only when it is read: a ``NamedTuple`` or an enum member in the ring kept
+all 32,768 events tracked, and every full collection walked them (issue 24: the collector's
+pauses grew with the events recorded while the ring filled).
+
+Five kinds, recorded by the service state from its own mutations, through the
 :class:`~.observe.Recorder` it was given (no hook in the core):
 
 - ``READY``: an update was announced (the scheduler's time);
@@ -155,7 +161,7 @@ class TraceLog:
         if capacity < 1:
             raise ValueError(f"a trace log holds at least one event, not {capacity}")
         self.capacity = capacity
-        self._events: deque[TraceRecord] = deque(maxlen=capacity)
+        self._events: deque[tuple[Any, ...]] = deque(maxlen=capacity)
         self._next = 1
         self._wall = wall
         self.set_clock(clock)
@@ -173,7 +179,8 @@ class TraceLog:
         return self._wall()
 
     def _add(self, record: TraceRecord) -> None:
-        self._events.append(record)
+        # a plain tuple, its kind a plain int: untracked by the cyclic collector (module docstring)
+        self._events.append((record[0], int(record[1]), *record[2:]))
         self._next += 1
 
     def ready(
@@ -330,7 +337,7 @@ class TraceLog:
         A ``cursor`` beyond the newest event (a cursor of a scheduler since restarted) reads
         from the oldest event kept.
         """
-        oldest = self._events[0].seq if self._events else self._next
+        oldest = self._events[0][0] if self._events else self._next
         if not cursor or cursor > self._next:  # 0, or a cursor of an earlier incarnation
             cursor = oldest
         lost = max(0, min(oldest, self._next) - cursor)
@@ -338,7 +345,8 @@ class TraceLog:
         skip = first - oldest
         count = max(0, min(limit, self._next - first))
         # one pass (a deque indexes in O(n) away from its ends)
-        events = list(itertools.islice(self._events, skip, skip + count))
+        rows = itertools.islice(self._events, skip, skip + count)
+        events = [TraceRecord(r[0], Kind(r[1]), *r[2:]) for r in rows]
         return events, first + count, lost
 
     def reply(self, cursor: int, limit: int = 0) -> apb.TraceReply:
