@@ -296,6 +296,29 @@ class Timelines:
             new._links = {k: v.copy() for k, v in self._links.items()}
         return new
 
+    def copy_links(self, links: Iterable[Link]) -> Timelines:
+        """A copy of the timelines of ``links`` alone (the others start empty there).
+
+        What-if planning that reserves on ``links`` only sees there what :meth:`copy` would,
+        without copying every other timeline (the tree planner's member moves, issue 24).
+
+        Examples
+        --------
+        >>> tls = Timelines(nx.DiGraph([("a", "b", {"capacity": 4.0}), ("b", "c", {"capacity": 4.0})]))
+        >>> _ = tls.reserve_until([("a", "b"), ("b", "c")], 1.0, 2.0)
+        >>> part = tls.copy_links([("a", "b")])
+        >>> part.last_change(("a", "b")), part.last_change(("b", "c")), tls.last_change(("b", "c"))
+        (2.0, -inf, 2.0)
+        """
+        new = Timelines(self._graph, self._start, self._profiles)
+        own = self._links
+        some = {link: own[link] for link in links if link in own}
+        if _plan_native is not None:
+            new._links = _plan_native.copy_timelines(some, LinkTimeline)
+        else:
+            new._links = {k: v.copy() for k, v in some.items()}
+        return new
+
     def residual(self, links: Iterable[Link], t: float) -> float:
         """Path residual bandwidth at ``t``: the minimum over ``links`` (inf for no links)."""
         return min((self.link(link).at(t) for link in links), default=INF)

@@ -58,6 +58,7 @@ from mlfabric.scheduler.policies.tree_cost import Ingress
 from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
 from mlfabric.scheduler.policies.tree_cost import reserve as _reserve
+from mlfabric.scheduler.policies.tree_cost import trial_timelines as _trial_timelines
 from mlfabric.scheduler.policies.tree_moves import Node as _Node
 from mlfabric.scheduler.policies.tree_moves import improve_members
 from mlfabric.scheduler.policies.tree_routes import RouteCache
@@ -254,6 +255,52 @@ def _build(
     return nodes, parent
 
 
+_Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]  # points, bypass, fan-in
+
+
+def _same_tree(tree: _Tree, points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> _Key:
+    """A key shared by every ``(points, bypass, fan_in)`` that :func:`_build` makes the same tree of.
+
+    Counts the payloads reaching each point as :func:`_build` carries them. A point whose
+    payloads are all passed on (fewer than two left to sum, or no host below) passes them
+    on for every bypass from ``payloads - 1`` up (none: for every bypass); a fan-in that
+    no point's sum exceeds splits nothing (as no limit). The planner's search tries many
+    such bypasses and fan-ins (issue 24); the key is ``points``, the bypasses that change
+    the tree (smallest of each run) and the fan-in that does (0 if none).
+    """
+    count: dict[str, int] = {}
+    up: dict[str, str | None] = {}
+    for on_path, uids in tree.groups.items():
+        pts = [x for x in on_path if x in points]
+        if not pts:
+            continue
+        for x in pts:
+            count.setdefault(x, 0)
+        for a, b in itertools.pairwise(pts):
+            up[a] = b
+        up.setdefault(pts[-1], None)
+        count[pts[0]] += len(uids)
+    depth, below = tree.depth, tree.below
+    skips: list[tuple[str, int]] = []
+    widest = 0
+    for x in sorted(count, key=lambda x: (-depth[x], x)):
+        n = count[x]
+        skip = min(bypass.get(x, 0), n)
+        nxt = up.get(x)
+        if n - skip < 2 or not below.get(x):
+            if n >= 2 and below.get(x):
+                skips.append((x, n - 1))  # passed on: as with the smallest bypass that does it
+            if nxt is not None:
+                count[nxt] += n
+            continue
+        if skip:
+            skips.append((x, skip))
+        widest = max(widest, n - skip)
+        if nxt is not None:
+            count[nxt] += skip + 1
+    return points, tuple(sorted(skips)), fan_in if widest > fan_in else 0
+
+
 def _points_of(
     on_paths: Iterable[tuple[str, ...]], graph: nx.DiGraph
 ) -> tuple[list[frozenset[str]], set[str]]:
@@ -295,16 +342,26 @@ def _plan_server(
         updates = _plan_native.update_rows(order, now)[0]  # the list below in C
     else:
         updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
-    Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]
-    seen: dict[Key, tuple[float, int]] = {}
-    built: dict[Key, tuple[dict[str, _Node], dict[str, str]]] = {}
+    seen: dict[_Key, tuple[float, int]] = {}
+    built: dict[_Key, tuple[dict[str, _Node], dict[str, str]]] = {}
+    # trees by _same_tree's key: a bypass or fan-in that changes nothing is not built again
+    same: dict[_Key, tuple[tuple[dict[str, _Node], dict[str, str]], tuple[float, int]]] = {}
 
     def score(points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> tuple[float, int]:
         key = (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan_in)
         if key not in seen:
-            nodes, parent = built[key] = _build(tree, points, bypass, fan_in)
-            makespan = _estimate(routes, updates, nodes, parent, server_host, now)
-            seen[key] = (round(makespan, 9), len(nodes))  # ties within rounding: fewer aggregates
+            canon = key
+            if local_search and (key[1] or fan_in):
+                canon = _same_tree(tree, points, bypass, fan_in)
+            got = same.get(canon)
+            if got is None:
+                nodes, parent = _build(tree, points, bypass, fan_in)
+                makespan = _estimate(routes, updates, nodes, parent, server_host, now)
+                # ties within rounding: fewer aggregates
+                got = ((nodes, parent), (round(makespan, 9), len(nodes)))
+                if local_search:
+                    same[canon] = got
+            built[key], seen[key] = got
             if not local_search and len(built) > 1:  # large rounds: keep only the best tree
                 best = min(seen, key=seen.__getitem__)
                 for k in [k for k in built if k != best]:
@@ -347,7 +404,7 @@ def _plan_server(
                 if key < best_key:
                     best_key, best_fan, improved = key, fan, True
 
-    def key_of(points: frozenset[str], bypass: Mapping[str, int], fan: int) -> Key:
+    def key_of(points: frozenset[str], bypass: Mapping[str, int], fan: int) -> _Key:
         return (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan)
 
     # the estimate ignores that a transfer waits for a link busy in full: reserve the best few
@@ -367,7 +424,15 @@ def _plan_server(
             {u.update_id: u.src for u in order},
             idle,
             eligible,
-            lambda nodes, parent: _reserve(tls.copy(), routes, order, nodes, parent, server_host, now)[1],
+            lambda nodes, parent: _reserve(
+                _trial_timelines(tls, routes, order, nodes, parent, server_host),
+                routes,
+                order,
+                nodes,
+                parent,
+                server_host,
+                now,
+            )[1],
             prefix,
         )
         finalists.append(moved)
