@@ -62,6 +62,10 @@ from mlfabric.scheduler.policies.tree_cost import trial_timelines as _trial_time
 from mlfabric.scheduler.policies.tree_moves import Node as _Node
 from mlfabric.scheduler.policies.tree_moves import improve_members
 from mlfabric.scheduler.policies.tree_routes import RouteCache
+from mlfabric.scheduler.policies.tree_same import Carry as _Carry
+from mlfabric.scheduler.policies.tree_same import Key as _Key
+from mlfabric.scheduler.policies.tree_same import carry as _carry
+from mlfabric.scheduler.policies.tree_same import same_tree as _same_tree
 
 __all__ = ["plan_tree"]
 
@@ -255,52 +259,6 @@ def _build(
     return nodes, parent
 
 
-_Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]  # points, bypass, fan-in
-
-
-def _same_tree(tree: _Tree, points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> _Key:
-    """A key shared by every ``(points, bypass, fan_in)`` that :func:`_build` makes the same tree of.
-
-    Counts the payloads reaching each point as :func:`_build` carries them. A point whose
-    payloads are all passed on (fewer than two left to sum, or no host below) passes them
-    on for every bypass from ``payloads - 1`` up (none: for every bypass); a fan-in that
-    no point's sum exceeds splits nothing (as no limit). The planner's search tries many
-    such bypasses and fan-ins (issue 24); the key is ``points``, the bypasses that change
-    the tree (smallest of each run) and the fan-in that does (0 if none).
-    """
-    count: dict[str, int] = {}
-    up: dict[str, str | None] = {}
-    for on_path, uids in tree.groups.items():
-        pts = [x for x in on_path if x in points]
-        if not pts:
-            continue
-        for x in pts:
-            count.setdefault(x, 0)
-        for a, b in itertools.pairwise(pts):
-            up[a] = b
-        up.setdefault(pts[-1], None)
-        count[pts[0]] += len(uids)
-    depth, below = tree.depth, tree.below
-    skips: list[tuple[str, int]] = []
-    widest = 0
-    for x in sorted(count, key=lambda x: (-depth[x], x)):
-        n = count[x]
-        skip = min(bypass.get(x, 0), n)
-        nxt = up.get(x)
-        if n - skip < 2 or not below.get(x):
-            if n >= 2 and below.get(x):
-                skips.append((x, n - 1))  # passed on: as with the smallest bypass that does it
-            if nxt is not None:
-                count[nxt] += n
-            continue
-        if skip:
-            skips.append((x, skip))
-        widest = max(widest, n - skip)
-        if nxt is not None:
-            count[nxt] += skip + 1
-    return points, tuple(sorted(skips)), fan_in if widest > fan_in else 0
-
-
 def _points_of(
     on_paths: Iterable[tuple[str, ...]], graph: nx.DiGraph
 ) -> tuple[list[frozenset[str]], set[str]]:
@@ -346,13 +304,17 @@ def _plan_server(
     built: dict[_Key, tuple[dict[str, _Node], dict[str, str]]] = {}
     # trees by _same_tree's key: a bypass or fan-in that changes nothing is not built again
     same: dict[_Key, tuple[tuple[dict[str, _Node], dict[str, str]], tuple[float, int]]] = {}
+    carries: dict[frozenset[str], _Carry] = {}
 
     def score(points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> tuple[float, int]:
         key = (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan_in)
         if key not in seen:
             canon = key
             if local_search and (key[1] or fan_in):
-                canon = _same_tree(tree, points, bypass, fan_in)
+                carry = carries.get(points)
+                if carry is None:
+                    carry = carries[points] = _carry(tree, points)
+                canon = _same_tree(tree, points, bypass, fan_in, carry)
             got = same.get(canon)
             if got is None:
                 nodes, parent = _build(tree, points, bypass, fan_in)

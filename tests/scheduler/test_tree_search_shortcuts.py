@@ -114,7 +114,7 @@ def test_a_trial_on_its_own_links_reserves_as_on_a_copy_of_all(seed: int) -> Non
 def test_the_planner_decides_as_without_the_shortcuts(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     g, us, timelines, now = instance(100 + seed, most=24 if seed % 2 else 12)
     fast = trees.plan_tree(g, us, now=now, timelines=timelines.copy() if timelines is not None else None)
-    monkeypatch.setattr(trees, "_same_tree", lambda tree, points, bypass, fan_in: (points, object(), fan_in))
+    monkeypatch.setattr(trees, "_same_tree", lambda tree, points, bypass, fan, *_: (points, object(), fan))
     monkeypatch.setattr(
         trees, "_trial_timelines", lambda tls, routes, order, nodes, parent, server_host: tls.copy()
     )
