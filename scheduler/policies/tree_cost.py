@@ -155,7 +155,7 @@ def trial_timelines(
         to = parent.get(aid)
         hops = path(node.aggregator, nodes[to].aggregator if to is not None else server_host)
         links.update(itertools.pairwise(hops))
-    return tls.copy_links(links)
+    return tls.copy(links)
 
 
 def estimate(
