@@ -312,13 +312,29 @@ class Timelines:
             out.append(times[-1] if len(times) > 1 else -INF)
         return out
 
-    def copy(self) -> Timelines:
-        """An independent copy (for what-if planning)."""
+    def copy(self, links: Iterable[Link] | None = None) -> Timelines:
+        """An independent copy (for what-if planning); with ``links``, of their timelines alone.
+
+        A copy of some links' timelines (the others start empty there) serves what-if
+        planning that reserves on them only, without copying every other timeline (the tree
+        planner's member moves, issue 24).
+
+        Examples
+        --------
+        >>> tls = Timelines(nx.DiGraph([("a", "b", {"capacity": 4.0}), ("b", "c", {"capacity": 4.0})]))
+        >>> _ = tls.reserve_until([("a", "b"), ("b", "c")], 1.0, 2.0)
+        >>> part = tls.copy([("a", "b")])
+        >>> part.last_change(("a", "b")), part.last_change(("b", "c")), tls.copy().last_change(("b", "c"))
+        (2.0, -inf, 2.0)
+        """
         new = Timelines(self._graph, self._start, self._profiles)
+        own = self._links
+        if links is not None:
+            own = {link: own[link] for link in links if link in own}
         if _plan_native is not None:  # the loop below in C: a tree planner copies them per trial
-            new._links = _plan_native.copy_timelines(self._links, LinkTimeline)
+            new._links = _plan_native.copy_timelines(own, LinkTimeline)
         else:
-            new._links = {k: v.copy() for k, v in self._links.items()}
+            new._links = {k: v.copy() for k, v in own.items()}
         return new
 
     def residual(self, links: Iterable[Link], t: float) -> float:

@@ -10,6 +10,7 @@ Internal to the tree planner.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -128,6 +129,33 @@ def reserve(
             made += 1
             push(heap, (ready_at[to], made, to, nodes[to].aggregator))
     return transfers, makespan
+
+
+def trial_timelines(
+    tls: Timelines,
+    routes: Routes,
+    order: Sequence[Update],
+    nodes: Mapping[str, Node],
+    parent: Mapping[str, str],
+    server_host: str,
+) -> Timelines:
+    """A copy of the timelines that :func:`reserve` of this tree reads and writes (no others).
+
+    Each payload's path (an update or aggregate to its aggregate's host or the server);
+    reserving the tree on it gives what reserving it on ``tls.copy()`` gives (issue 24: the
+    member moves score every trial tree by a reservation).
+    """
+    links: set[Link] = set()
+    path = routes.tree_path
+    for u in order:
+        to = parent.get(u.update_id)
+        hops = path(u.src, nodes[to].aggregator if to is not None else server_host)
+        links.update(itertools.pairwise(hops))
+    for aid, node in nodes.items():
+        to = parent.get(aid)
+        hops = path(node.aggregator, nodes[to].aggregator if to is not None else server_host)
+        links.update(itertools.pairwise(hops))
+    return tls.copy(links)
 
 
 def estimate(

@@ -58,9 +58,14 @@ from mlfabric.scheduler.policies.tree_cost import Ingress
 from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
 from mlfabric.scheduler.policies.tree_cost import reserve as _reserve
+from mlfabric.scheduler.policies.tree_cost import trial_timelines as _trial_timelines
 from mlfabric.scheduler.policies.tree_moves import Node as _Node
 from mlfabric.scheduler.policies.tree_moves import improve_members
 from mlfabric.scheduler.policies.tree_routes import RouteCache
+from mlfabric.scheduler.policies.tree_same import Carry as _Carry
+from mlfabric.scheduler.policies.tree_same import Key as _Key
+from mlfabric.scheduler.policies.tree_same import carry as _carry
+from mlfabric.scheduler.policies.tree_same import same_tree as _same_tree
 
 __all__ = ["plan_tree"]
 
@@ -295,16 +300,30 @@ def _plan_server(
         updates = _plan_native.update_rows(order, now)[0]  # the list below in C
     else:
         updates = [(max(u.ready_at, now), u.bytes, u.update_id, u.src) for u in order]
-    Key = tuple[frozenset[str], tuple[tuple[str, int], ...], int]
-    seen: dict[Key, tuple[float, int]] = {}
-    built: dict[Key, tuple[dict[str, _Node], dict[str, str]]] = {}
+    seen: dict[_Key, tuple[float, int]] = {}
+    built: dict[_Key, tuple[dict[str, _Node], dict[str, str]]] = {}
+    # trees by _same_tree's key: a bypass or fan-in that changes nothing is not built again
+    same: dict[_Key, tuple[tuple[dict[str, _Node], dict[str, str]], tuple[float, int]]] = {}
+    carries: dict[frozenset[str], _Carry] = {}
 
     def score(points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> tuple[float, int]:
         key = (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan_in)
         if key not in seen:
-            nodes, parent = built[key] = _build(tree, points, bypass, fan_in)
-            makespan = _estimate(routes, updates, nodes, parent, server_host, now)
-            seen[key] = (round(makespan, 9), len(nodes))  # ties within rounding: fewer aggregates
+            canon = key
+            if local_search and (key[1] or fan_in):
+                carry = carries.get(points)
+                if carry is None:
+                    carry = carries[points] = _carry(tree, points)
+                canon = _same_tree(tree, points, bypass, fan_in, carry)
+            got = same.get(canon)
+            if got is None:
+                nodes, parent = _build(tree, points, bypass, fan_in)
+                makespan = _estimate(routes, updates, nodes, parent, server_host, now)
+                # ties within rounding: fewer aggregates
+                got = ((nodes, parent), (round(makespan, 9), len(nodes)))
+                if local_search:
+                    same[canon] = got
+            built[key], seen[key] = got
             if not local_search and len(built) > 1:  # large rounds: keep only the best tree
                 best = min(seen, key=seen.__getitem__)
                 for k in [k for k in built if k != best]:
@@ -347,7 +366,7 @@ def _plan_server(
                 if key < best_key:
                     best_key, best_fan, improved = key, fan, True
 
-    def key_of(points: frozenset[str], bypass: Mapping[str, int], fan: int) -> Key:
+    def key_of(points: frozenset[str], bypass: Mapping[str, int], fan: int) -> _Key:
         return (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan)
 
     # the estimate ignores that a transfer waits for a link busy in full: reserve the best few
@@ -367,7 +386,15 @@ def _plan_server(
             {u.update_id: u.src for u in order},
             idle,
             eligible,
-            lambda nodes, parent: _reserve(tls.copy(), routes, order, nodes, parent, server_host, now)[1],
+            lambda nodes, parent: _reserve(
+                _trial_timelines(tls, routes, order, nodes, parent, server_host),
+                routes,
+                order,
+                nodes,
+                parent,
+                server_host,
+                now,
+            )[1],
             prefix,
         )
         finalists.append(moved)
