@@ -276,19 +276,19 @@ def test_reservations_in_flight_with_int_times_run_the_python_loop() -> None:
 
 
 def test_the_native_api_list_names_every_function_the_code_calls() -> None:
-    """``timeline.NATIVE_API`` (checked at import: a stale build is named) covers every call."""
+    """``native.NATIVE_API`` (checked at import: a stale build is named) covers every call."""
     import re
     from pathlib import Path
 
-    from mlfabric.scheduler.core import timeline
+    from mlfabric.scheduler.core import native
 
-    root = Path(timeline.__file__).resolve().parents[2]
+    root = Path(native.__file__).resolve().parents[2]
     called = {
         name
         for folder in ("scheduler", "mlfabric", "daemon")
         for path in (root / folder).rglob("*.py")
         for name in re.findall(r"_plan_native\.([a-z_]+)\(", path.read_text())
     }
-    assert called and called <= set(timeline.NATIVE_API), called - set(timeline.NATIVE_API)
-    if timeline._plan_native is not None:
-        assert timeline._stale(timeline._plan_native) == []
+    assert called and called <= set(native.NATIVE_API), called - set(native.NATIVE_API)
+    if native._plan_native is not None:
+        assert native._stale(native._plan_native) == []
