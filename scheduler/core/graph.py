@@ -385,8 +385,14 @@ def fat_tree(k: int, link_bps: float) -> nx.DiGraph:
 class PathCache:
     """Cached hop-count shortest paths of one bandwidth graph (deterministic).
 
-    One breadth-first search per destination yields the path from every source; paths are
-    kept until the cache is dropped. Paths depend only on the topology, so a cache can be
+    When every link is full duplex and the links form a tree (a star, a two-tier cluster),
+    the path between two nodes is the only simple one, so it is found by climbing both ends'
+    parent pointers to their lowest common ancestor: memory linear in the nodes (issue 24:
+    one breadth-first tree per candidate aggregator held ~10^8 entries, 3 GB, at 10,240
+    workers). Otherwise one breadth-first search per destination yields the path from every
+    source, kept until the cache is dropped. :meth:`next_hops` always builds (and keeps) the
+    destination's breadth-first tree. :meth:`links` keeps at most :attr:`MAX_LINKS` paths'
+    links (all dropped when full). Paths depend only on the topology, so a cache can be
     reused for a graph whose capacities changed (see :meth:`same_topology`).
 
     Parameters
@@ -401,12 +407,48 @@ class PathCache:
     (('h0', 'sw', 'h2'), (('h0', 'sw'), ('sw', 'h2')))
     """
 
-    __slots__ = ("_graph", "_links", "_trees")
+    __slots__ = ("_depth", "_graph", "_links", "_parent", "_trees")
+
+    MAX_LINKS = 1 << 16
+    """The most paths whose links :meth:`links` keeps."""
 
     def __init__(self, graph: nx.DiGraph) -> None:
         self._graph = graph
         self._trees: dict[str, dict[str, str]] = {}
         self._links: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+        self._parent: dict[str, str] = {}
+        self._depth: dict[str, int] = {}
+        self._root_tree()
+
+    def _root_tree(self) -> None:
+        """Parent pointers and depths when the links form a tree (else leave both empty)."""
+        g = self._graph
+        n = g.number_of_nodes()
+        if n == 0 or g.number_of_edges() != 2 * (n - 1):
+            return
+        succ = g._succ
+        if any(u == v or u not in succ[v] for u, v in g.edges):
+            return  # a one-way link or a self loop
+        root = next(iter(g))
+        parent = {root: root}
+        depth = {root: 0}
+        frontier = [root]
+        while frontier:
+            nxt = []
+            for v in frontier:
+                for u in succ[v]:
+                    if u not in parent:
+                        parent[u] = v
+                        depth[u] = depth[v] + 1
+                        nxt.append(u)
+            frontier = nxt
+        if len(parent) == n:  # connected with n - 1 links: a tree
+            self._parent, self._depth = parent, depth
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether paths come from parent pointers (the links form a tree) rather than searches."""
+        return bool(self._parent)
 
     @property
     def graph(self) -> nx.DiGraph:
@@ -451,6 +493,8 @@ class PathCache:
         TopologyError
             If an end is unknown or no path joins them.
         """
+        if self._parent:
+            return self._tree_path(src, dst)
         tree = self._tree(dst)
         if src not in tree:
             raise self._no_path(src, dst)
@@ -467,6 +511,9 @@ class PathCache:
         TopologyError
             As :meth:`path`.
         """
+        if self._parent:
+            path = self._tree_path(src, dst)
+            return path[1] if len(path) > 1 else dst
         hop = self._tree(dst).get(src)
         if hop is None:
             raise self._no_path(src, dst)
@@ -489,6 +536,33 @@ class PathCache:
         """
         return self._tree(dst)
 
+    def _tree_path(self, src: str, dst: str) -> tuple[str, ...]:
+        """The path up from ``src`` and down to ``dst`` through their lowest common ancestor."""
+        depth = self._depth
+        if dst not in depth:
+            raise TopologyError(f"'{dst}' is not a host of the bandwidth graph")
+        if src not in depth:
+            raise self._no_path(src, dst)
+        parent = self._parent
+        up, down = [src], [dst]
+        a, b = src, dst
+        da, db = depth[a], depth[b]
+        while da > db:
+            a = parent[a]
+            up.append(a)
+            da -= 1
+        while db > da:
+            b = parent[b]
+            down.append(b)
+            db -= 1
+        while a != b:
+            a, b = parent[a], parent[b]
+            up.append(a)
+            down.append(b)
+        up.pop()  # the common ancestor is down's last
+        down.reverse()
+        return (*up, *down)
+
     def _no_path(self, src: str, dst: str) -> TopologyError:
         if src not in self._graph:
             return TopologyError(f"'{src}' is not a host of the bandwidth graph")
@@ -500,5 +574,7 @@ class PathCache:
         links = self._links.get(key)
         if links is None:
             links = tuple(itertools.pairwise(self.path(src, dst)))
+            if len(self._links) >= self.MAX_LINKS:
+                self._links.clear()  # a bound: links are a function of the topology alone
             self._links[key] = links
         return links
