@@ -1,0 +1,115 @@
+"""The path cache's tree mode: the same paths as the searches, memory linear in the nodes (issue 24)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import tracemalloc
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from mlfabric.scheduler.core.graph import PathCache, TopologyError, fat_tree, star, two_tier
+
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
+
+
+def _searching(graph: nx.DiGraph) -> PathCache:
+    """A cache that answers by breadth-first trees (the code before issue 24's tree mode)."""
+    pc = PathCache(graph)
+    pc._parent, pc._depth = {}, {}
+    return pc
+
+
+def _random_tree(n: int, seed: int) -> nx.DiGraph:
+    rng = random.Random(seed)
+    g = nx.DiGraph()
+    names = [f"n{i}" for i in range(n)]
+    rng.shuffle(names)  # node order unlike the tree's shape
+    g.add_node(names[0])
+    for i in range(1, n):
+        p = names[rng.randrange(i)]
+        g.add_edge(names[i], p, capacity=1.0)
+        g.add_edge(p, names[i], capacity=1.0)
+    return g
+
+
+@pytest.mark.parametrize(
+    "graph",
+    [
+        two_tier(4, 5, 8e9, oversubscription=4.0),
+        two_tier(1, 3, 8e9),
+        star(5, 8e9),
+        _random_tree(40, 0),
+        _random_tree(40, 1),
+    ],
+)
+def test_tree_paths_equal_the_searches_for_every_pair(graph: nx.DiGraph) -> None:
+    tree, search = PathCache(graph), _searching(graph)
+    assert tree.is_tree and not search.is_tree
+    for src, dst in itertools.product(graph.nodes, graph.nodes):
+        assert tree.path(src, dst) == search.path(src, dst)
+        assert tree.next_hop(src, dst) == search.next_hop(src, dst)
+        assert tree.links(src, dst) == search.links(src, dst)
+    assert not tree._trees  # no breadth-first tree was built
+
+
+def test_graphs_that_are_not_trees_are_searched() -> None:
+    assert not PathCache(fat_tree(4, 8e9)).is_tree  # several shortest paths
+    g = star(3, 8e9)
+    g.remove_edge("sw", "h0")  # a one-way link
+    assert not PathCache(g).is_tree
+    g = star(3, 8e9)
+    g.add_node("island")
+    pc = PathCache(g)
+    assert not pc.is_tree
+    with pytest.raises(TopologyError, match="no path from 'island' to 'h0'"):
+        pc.path("island", "h0")
+
+
+def test_tree_mode_raises_as_the_searches() -> None:
+    pc = PathCache(two_tier(2, 2, 8e9))
+    with pytest.raises(TopologyError, match="'nope' is not a host"):
+        pc.path("nope", "h0")
+    with pytest.raises(TopologyError, match="'nope' is not a host"):
+        pc.path("h0", "nope")
+    with pytest.raises(TopologyError, match="'nope' is not a host"):
+        pc.next_hop("nope", "h0")
+
+
+def test_memory_of_paths_to_every_host_is_linear_in_the_nodes() -> None:
+    g = two_tier(64, 16, 8e9, oversubscription=4.0)  # 1,024 hosts
+    hosts = [v for v in g if g.nodes[v]["kind"] == "host"]
+    tracemalloc.start()
+    try:
+        pc = PathCache(g)
+        for dst in hosts:  # every host a destination (stf+agg: every candidate aggregator)
+            pc.path(hosts[0], dst)
+            pc.next_hop(hosts[-1], dst)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not pc._trees
+    assert peak < 2_000_000  # one breadth-first tree per destination: ~100 MB
+
+
+def test_links_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PathCache, "MAX_LINKS", 8)
+    g = two_tier(4, 4, 8e9)
+    pc, search = PathCache(g), _searching(g)
+    for src, dst in itertools.product(g.nodes, g.nodes):
+        assert pc.links(src, dst) == search.links(src, dst)
+        assert len(pc._links) <= 8
+
+
+@pytest.mark.parametrize("policy", ["stf+agg", "stf", "stf+tree"])
+def test_simulated_outcomes_are_those_of_the_searches(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tree mode changes no decision: the digest of every update's record is the search mode's."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    from sim_outcome_digest import digest
+
+    seeds = (0, 1) if policy == "stf+agg" else (0,)
+    fast = [digest(128, policy, s)["digest"] for s in seeds]
+    monkeypatch.setattr(PathCache, "_root_tree", lambda self: None)  # search mode
+    assert [digest(128, policy, s)["digest"] for s in seeds] == fast
