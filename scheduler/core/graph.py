@@ -407,7 +407,7 @@ class PathCache:
     (('h0', 'sw', 'h2'), (('h0', 'sw'), ('sw', 'h2')))
     """
 
-    __slots__ = ("_depth", "_graph", "_links", "_parent", "_trees")
+    __slots__ = ("_down", "_graph", "_links", "_parent", "_trees", "_up", "_up_links")
 
     MAX_LINKS = 1 << 16
     """The most paths whose links :meth:`links` keeps."""
@@ -417,11 +417,13 @@ class PathCache:
         self._trees: dict[str, dict[str, str]] = {}
         self._links: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
         self._parent: dict[str, str] = {}
-        self._depth: dict[str, int] = {}
+        self._up: dict[str, tuple[str, ...]] = {}  # node -> it, its parent, ..., the root
+        self._up_links: dict[str, tuple[tuple[str, str], ...]] = {}  # the links of that climb
+        self._down: dict[str, tuple[tuple[str, str], ...]] = {}  # the links from the root down to it
         self._root_tree()
 
     def _root_tree(self) -> None:
-        """Parent pointers and depths when the links form a tree (else leave both empty)."""
+        """Parent pointers and ancestor chains when the links form a tree (else leave them empty)."""
         g = self._graph
         n = g.number_of_nodes()
         if n == 0 or g.number_of_edges() != 2 * (n - 1):
@@ -431,7 +433,7 @@ class PathCache:
             return  # a one-way link or a self loop
         root = next(iter(g))
         parent = {root: root}
-        depth = {root: 0}
+        up: dict[str, tuple[str, ...]] = {root: (root,)}
         frontier = [root]
         while frontier:
             nxt = []
@@ -439,11 +441,30 @@ class PathCache:
                 for u in succ[v]:
                     if u not in parent:
                         parent[u] = v
-                        depth[u] = depth[v] + 1
+                        up[u] = (u, *up[v])
                         nxt.append(u)
             frontier = nxt
-        if len(parent) == n:  # connected with n - 1 links: a tree
-            self._parent, self._depth = parent, depth
+        if len(parent) != n:
+            return  # not connected (then not a tree)
+        self._parent, self._up = parent, up
+        for v, chain in up.items():
+            climb = tuple(itertools.pairwise(chain))
+            self._up_links[v] = climb
+            self._down[v] = tuple((b, a) for a, b in reversed(climb))
+
+    def _meet(self, src: str, dst: str) -> tuple[int, int]:
+        """Indices of the lowest common ancestor in ``src``'s and ``dst``'s ancestor chains."""
+        up = self._up
+        a, b = up.get(src), up.get(dst)
+        if b is None:
+            raise TopologyError(f"'{dst}' is not a host of the bandwidth graph")
+        if a is None:
+            raise self._no_path(src, dst)
+        i, j = len(a) - 1, len(b) - 1  # both chains end at the root
+        while i and j and a[i - 1] == b[j - 1]:
+            i -= 1
+            j -= 1
+        return i, j
 
     @property
     def is_tree(self) -> bool:
@@ -538,30 +559,8 @@ class PathCache:
 
     def _tree_path(self, src: str, dst: str) -> tuple[str, ...]:
         """The path up from ``src`` and down to ``dst`` through their lowest common ancestor."""
-        depth = self._depth
-        if dst not in depth:
-            raise TopologyError(f"'{dst}' is not a host of the bandwidth graph")
-        if src not in depth:
-            raise self._no_path(src, dst)
-        parent = self._parent
-        up, down = [src], [dst]
-        a, b = src, dst
-        da, db = depth[a], depth[b]
-        while da > db:
-            a = parent[a]
-            up.append(a)
-            da -= 1
-        while db > da:
-            b = parent[b]
-            down.append(b)
-            db -= 1
-        while a != b:
-            a, b = parent[a], parent[b]
-            up.append(a)
-            down.append(b)
-        up.pop()  # the common ancestor is down's last
-        down.reverse()
-        return (*up, *down)
+        i, j = self._meet(src, dst)
+        return self._up[src][: i + 1] + self._up[dst][j - 1 :: -1] if j else self._up[src][: i + 1]
 
     def _no_path(self, src: str, dst: str) -> TopologyError:
         if src not in self._graph:
@@ -573,7 +572,11 @@ class PathCache:
         key = (src, dst)
         links = self._links.get(key)
         if links is None:
-            links = tuple(itertools.pairwise(self.path(src, dst)))
+            if self._parent:
+                i, j = self._meet(src, dst)
+                links = self._up_links[src][:i] + self._down[dst][len(self._down[dst]) - j :]
+            else:
+                links = tuple(itertools.pairwise(self.path(src, dst)))
             if len(self._links) >= self.MAX_LINKS:
                 self._links.clear()  # a bound: links are a function of the topology alone
             self._links[key] = links

@@ -129,19 +129,26 @@ def join_open(
     sends: list[Send] = []
     joined: dict[str, PlannedAggregate] = {}
     succ = graph._succ  # graph.edges[u, v] without its view (per pending update and aggregate, issue 24)
+    onward_rate: dict[str, float] = {}  # aggregate id -> its onward path's narrowest link (inf: none)
+    for a in open_aggs:
+        try:
+            onward = paths.links(a.aggregator, a.dst)
+        except (ValueError, KeyError):
+            continue  # joins no update
+        onward_rate[a.aggregate_id] = min(succ[u][v]["capacity"] for u, v in onward) if onward else math.inf
     for p in sorted(pending, key=lambda p: (p.ready_at, p.bytes, p.update_id)):
         key = server_key(p.job, p.server)
         best: tuple[float, str, tuple[str, ...]] | None = None
         for a in open_aggs:
-            if server_of[a.aggregate_id] != key or a.dst != p.dst_host:
+            rate = onward_rate.get(a.aggregate_id)
+            if rate is None or server_of[a.aggregate_id] != key or a.dst != p.dst_host:
                 continue
             try:
-                onward = paths.links(a.aggregator, a.dst)
                 to_agg = paths.links(p.src_host, a.aggregator)
                 _, arrive = tls.ten(to_agg, p.bytes, max(p.ready_at, now))
             except (ValueError, KeyError):
                 continue
-            d = p.bytes / min(succ[u][v]["capacity"] for u, v in onward) if onward else 0.0
+            d = p.bytes / rate  # 0 when the aggregator is the server
             bound = ready_at[a.aggregate_id] + slack * d
             if arrive <= bound and (best is None or (arrive, a.aggregate_id) < best[:2]):
                 best = (arrive, a.aggregate_id, paths.path(p.src_host, a.aggregator))

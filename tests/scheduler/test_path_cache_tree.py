@@ -18,7 +18,7 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 def _searching(graph: nx.DiGraph) -> PathCache:
     """A cache that answers by breadth-first trees (the code before issue 24's tree mode)."""
     pc = PathCache(graph)
-    pc._parent, pc._depth = {}, {}
+    pc._parent = {}
     return pc
 
 
