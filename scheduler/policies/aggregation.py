@@ -141,12 +141,20 @@ def _choose_aggregator(
         if avoid.intersection(to_a):
             continue
         try:
-            _, arrive = tls.ten(to_a, update.bytes, ready)
             onward_links = pc.links(a, update.dst)
+        except ValueError:
+            continue
+        narrow = not _feeds_ingress(graph, onward_links)
+        if best is not None and narrow > best[0]:
+            continue  # loses on the first key whatever its times (issue 24: no walks)
+        try:
+            _, arrive = tls.ten(to_a, update.bytes, ready)
+            if best is not None and narrow == best[0] and arrive > best[1]:
+                continue  # loses on the second key
             _, onward = tls.ten(onward_links, update.bytes, arrive)
         except ValueError:
             continue
-        key = (not _feeds_ingress(graph, onward_links), arrive, onward, a)
+        key = (narrow, arrive, onward, a)
         if best is None or key < best:
             best = key
     return None if best is None else best[3]
