@@ -11,6 +11,9 @@ import networkx as nx
 import pytest
 
 from mlfabric.scheduler.core.graph import PathCache, TopologyError, fat_tree, star, two_tier
+from mlfabric.scheduler.core.schedule import Link, Update
+from mlfabric.scheduler.core.timeline import Timelines
+from mlfabric.scheduler.policies.aggregation import _choose_aggregator, _feeds_ingress
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
@@ -115,10 +118,16 @@ def test_simulated_outcomes_are_those_of_the_searches(policy: str, monkeypatch: 
     assert [digest(128, policy, s)["digest"] for s in seeds] == fast
 
 
-def _choose_by_every_key(graph, tls, pc, update, aggregators, avoid, ready):  # type: ignore[no-untyped-def]
+def _choose_by_every_key(
+    graph: nx.DiGraph,
+    tls: Timelines,
+    pc: PathCache,
+    update: Update,
+    aggregators: list[str],
+    avoid: set[Link],
+    ready: float,
+) -> str | None:
     """:func:`_choose_aggregator` before issue 24's pruning: every candidate's full key."""
-    from mlfabric.scheduler.policies.aggregation import _feeds_ingress
-
     keys = []
     for a in aggregators:
         to_a = pc.links(update.src, a)
@@ -136,10 +145,6 @@ def _choose_by_every_key(graph, tls, pc, update, aggregators, avoid, ready):  # 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_pruned_aggregator_choice_is_the_full_keys_minimum(seed: int) -> None:
-    from mlfabric.scheduler.core.timeline import Timelines
-    from mlfabric.scheduler.policies.aggregation import _choose_aggregator
-    from mlfabric.scheduler.core.schedule import Update
-
     rng = random.Random(seed)
     nic = {f"h{i}": rng.choice([8e9, 2e9]) for i in range(32)}
     g = two_tier(4, 8, nic, oversubscription=4.0)
@@ -148,11 +153,11 @@ def test_pruned_aggregator_choice_is_the_full_keys_minimum(seed: int) -> None:
     for i in range(40):  # links busy for a while
         src, dst = rng.sample(hosts, 2)
         tls.reserve_until(pc.links(src, dst), 0.0, rng.uniform(0.0, 3.0), who=f"r{i}")
-    chosen = set()
+    chosen: set[str | None] = set()
     for i in range(20):
         src = rng.choice(hosts[1:])
         u = Update(f"u{i}", src, "h0", rng.uniform(1e6, 1e8))
-        avoid = {(f"tor{rng.randrange(4)}", "core")} if i % 2 else set()
+        avoid: set[Link] = {(f"tor{rng.randrange(4)}", "core")} if i % 2 else set()
         ready = rng.uniform(0.0, 2.0)
         got = _choose_aggregator(g, tls, pc, u, hosts[1:], avoid, ready)
         assert got == _choose_by_every_key(g, tls, pc, u, hosts[1:], avoid, ready)
