@@ -387,9 +387,9 @@ class PathCache:
 
     When every link is full duplex and the links form a tree (a star, a two-tier cluster),
     the path between two nodes is the only simple one, so it is found by climbing both ends'
-    parent pointers to their lowest common ancestor: memory linear in the nodes (issue 24:
-    one breadth-first tree per candidate aggregator held ~10^8 entries, 3 GB, at 10,240
-    workers). Otherwise one breadth-first search per destination yields the path from every
+    ancestor chains to their lowest common ancestor: memory the nodes times the tree's depth
+    (issue 24: one breadth-first tree per candidate aggregator held ~10^8 entries, 3 GB, at
+    10,240 workers). Otherwise one breadth-first search per destination yields the path from every
     source, kept until the cache is dropped. :meth:`next_hops` always builds (and keeps) the
     destination's breadth-first tree. :meth:`links` keeps at most :attr:`MAX_LINKS` paths'
     links (all dropped when full). Paths depend only on the topology, so a cache can be
