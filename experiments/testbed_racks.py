@@ -37,8 +37,10 @@ run: time to target (from the first round, or DDP's first step), final accuracy,
 median round, and for the mlfabric systems the round split read off the server's accuracy log
 (one row per applied round, Unix times) and the daemons' transfer reports: ``lead`` (from the
 previous round's apply to the first push transfer: the model pull, the compute, the
-scheduler's release), ``transfer`` (first push transfer to the last payload at the server,
-aggregates included) and ``tail`` (to the round's apply: summing and applying at the server).
+scheduler's release; split further, from the workers' step logs, into ``model``, the apply to
+the model in a worker's hands, and ``compute``, from there to its update handed to its daemon),
+``transfer`` (first push transfer to the last payload at the server, aggregates included) and
+``tail`` (to the round's apply: summing and applying at the server).
 The summary gives per system the median over the seeds, the min-max spread, the ratios against
 ``fair`` and ``ddp`` (> 1: faster) and ``ddp / ddp+hook`` per seed.
 
