@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from mlfabric.scheduler.core.timeline import _plan_native
+from mlfabric.scheduler.core.native import _plan_native
 
 __all__ = ["init_fields", "instances"]
 

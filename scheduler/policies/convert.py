@@ -23,9 +23,9 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.core.records import init_fields, instances
 from mlfabric.scheduler.core.schedule import Aggregate, Link, Schedule, Transfer, TransferTimes
-from mlfabric.scheduler.core.timeline import _plan_native
 from mlfabric.scheduler.policies.base import Decision, Drop, PlannedAggregate, ReplicaSend, Send
 
 __all__ = ["schedule_to_decision", "times_to_decision"]

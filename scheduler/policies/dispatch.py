@@ -35,7 +35,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from mlfabric.scheduler.core.timeline import _plan_native
+from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.policies.base import Decision, InFlight, Send
 
 __all__ = [

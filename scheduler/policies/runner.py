@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from mlfabric.scheduler.core.graph import shortest_path
-from mlfabric.scheduler.core.timeline import _plan_native
+from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.policies.base import (
     Decision,
     InFlight,

@@ -36,8 +36,9 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, TopologyError
+from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.core.schedule import Link, Schedule, TransferTimes, Update
-from mlfabric.scheduler.core.timeline import INF, Timelines, _plan_native
+from mlfabric.scheduler.core.timeline import INF, Timelines
 from mlfabric.scheduler.policies.base import PendingUpdate
 from mlfabric.scheduler.policies.planning import server_key
 from mlfabric.scheduler.policies.stf_planner import Planner, UpdateClass

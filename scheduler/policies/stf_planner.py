@@ -16,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.core.records import init_fields
 from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, TransferTimes, Update
-from mlfabric.scheduler.core.timeline import EPS, INF, LinkTimeline, Timelines, _plan_native
+from mlfabric.scheduler.core.timeline import EPS, INF, LinkTimeline, Timelines
 
 __all__ = ["Planner", "UpdateClass", "drop_reason"]
 

@@ -22,8 +22,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.core.schedule import Link
-from mlfabric.scheduler.core.timeline import Timelines, _plan_native
+from mlfabric.scheduler.core.timeline import Timelines
 
 __all__ = ["RouteCache", "TreeShape"]
 

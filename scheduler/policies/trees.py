@@ -50,9 +50,10 @@ from dataclasses import dataclass
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache, hosts
+from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.core.records import init_fields, instances
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
-from mlfabric.scheduler.core.timeline import Timelines, _plan_native
+from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
 from mlfabric.scheduler.policies.tree_cost import Ingress
 from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
