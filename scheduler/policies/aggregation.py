@@ -52,6 +52,7 @@ from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.joining import join_open
 from mlfabric.scheduler.policies.planning import (
     aggregator_pool,
+    collector_paused,
     core_updates,
     name_aggregates,
     reserve_in_flight,
@@ -59,7 +60,6 @@ from mlfabric.scheduler.policies.planning import (
     server_key,
 )
 from mlfabric.scheduler.policies.stf import plan_stf
-from mlfabric.scheduler.policies.tree_cost import collector_paused
 
 __all__ = ["AggregationPolicy", "plan_aggregation", "plan_aggregation_sync", "run_scope", "send_aggregate"]
 

@@ -20,7 +20,6 @@ from mlfabric.scheduler.core.native import _plan_native
 from mlfabric.scheduler.core.records import init_fields
 from mlfabric.scheduler.core.schedule import Link, Reservation, Transfer, Update
 from mlfabric.scheduler.core.timeline import EPS, LinkTimeline, Timelines
-from mlfabric.scheduler.policies.planning import collector_paused as collector_paused
 from mlfabric.scheduler.policies.tree_moves import Node
 from mlfabric.scheduler.policies.tree_routes import Routes
 

@@ -23,12 +23,13 @@ from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAgg
 from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.planning import (
     aggregator_pool,
+    collector_paused,
     core_updates,
     name_aggregates,
     reserve_in_flight,
 )
 from mlfabric.scheduler.policies.round_plans import RoundBook
-from mlfabric.scheduler.policies.tree_cost import Ingress, collector_paused
+from mlfabric.scheduler.policies.tree_cost import Ingress
 from mlfabric.scheduler.policies.tree_routes import RouteCache
 from mlfabric.scheduler.policies.trees import plan_tree
 
@@ -108,7 +109,7 @@ class TreePolicy:
         Decision
             Aggregate ids unique across this policy object's decisions.
         """
-        with collector_paused():  # the cyclic collector: see tree_cost.collector_paused
+        with collector_paused():  # the cyclic collector: see planning.collector_paused
             return self._decide(snapshot, pending)
 
     def _decide(self, snapshot: Snapshot, pending: Sequence[PendingUpdate]) -> Decision:

@@ -55,8 +55,8 @@ from mlfabric.scheduler.core.records import init_fields, instances
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update, aggregate_id
 from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.aggregation import EXHAUSTIVE_UP_TO, plan_aggregation_sync
+from mlfabric.scheduler.policies.planning import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import Ingress
-from mlfabric.scheduler.policies.tree_cost import collector_paused as _collector_paused
 from mlfabric.scheduler.policies.tree_cost import estimate as _estimate
 from mlfabric.scheduler.policies.tree_cost import reserve as _reserve
 from mlfabric.scheduler.policies.tree_cost import trial_timelines as _trial_timelines
@@ -307,8 +307,11 @@ def _plan_server(
     same: dict[_Key, tuple[tuple[dict[str, _Node], dict[str, str]], tuple[float, int]]] = {}
     carries: dict[frozenset[str], _Carry] = {}
 
+    def key_of(points: frozenset[str], bypass: Mapping[str, int], fan: int) -> _Key:
+        return (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan)
+
     def score(points: frozenset[str], bypass: Mapping[str, int], fan_in: int) -> tuple[float, int]:
-        key = (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan_in)
+        key = key_of(points, bypass, fan_in)
         if key not in seen:
             canon = key
             if local_search and (key[1] or fan_in):
@@ -366,9 +369,6 @@ def _plan_server(
                 key = score(best_points, best_bypass, fan)
                 if key < best_key:
                     best_key, best_fan, improved = key, fan, True
-
-    def key_of(points: frozenset[str], bypass: Mapping[str, int], fan: int) -> _Key:
-        return (points, tuple(sorted((x, k) for x, k in bypass.items() if k and x in points)), fan)
 
     # the estimate ignores that a transfer waits for a link busy in full: reserve the best few
     finalist_keys = [key_of(best_points, best_bypass, best_fan)]
