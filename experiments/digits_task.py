@@ -15,6 +15,12 @@ from typing import Any
 
 import numpy as np
 
+# one torch thread in this process: every testbed role calls it first, as testbed_ddp's ranks
+# always did (torch's default, a thread per core, made 8 workers and a server on 2 cores spin
+# their pools against each other and slowed the parameter-server roles' gradient until
+# 2026-12-07; DEVELOPERS.md)
+from mlfabric.examples.digits import _one_thread as one_thread
+
 __all__ = [
     "HIDDEN",
     "AccuracyLog",
@@ -40,19 +46,6 @@ def dataset(seed: int = 0) -> tuple[Any, Any, Any, Any]:
     idx = np.random.default_rng(seed).permutation(len(x))
     train, test = idx[:1437], idx[1437:]
     return (torch.tensor(x[train]), torch.tensor(y[train]), torch.tensor(x[test]), torch.tensor(y[test]))
-
-
-def one_thread() -> None:
-    """One torch thread in this process: a testbed role's processes share the machine's cores.
-
-    Every role of every system calls it first (``testbed_ddp``'s ranks always did): with torch's
-    default of a thread per core, 8 workers and a server on 2 cores spin their thread pools
-    against each other, which slowed the parameter-server roles' gradient (not DDP's) until
-    2026-12-07.
-    """
-    import torch
-
-    torch.set_num_threads(1)
 
 
 def make_model(seed: int = 0) -> Any:
