@@ -24,10 +24,10 @@ import bisect
 import math
 import re
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
@@ -239,9 +239,7 @@ class Activity:
             self.started = now
         times = self._pushes.setdefault((job, worker), deque(maxlen=_MAX_EVENTS))
         times.append(now)
-        cut = now - self.history
-        while times[0] < cut:
-            times.popleft()
+        _expire(times, now - self.history, _at)
         self._trim(now)
 
     def released(self, path: Sequence[str], nbytes: int) -> None:
@@ -257,8 +255,7 @@ class Activity:
         for link in pairwise(path):
             events = self._links.setdefault(link, deque(maxlen=_MAX_EVENTS))
             events.append((now, nbytes))
-            while events[0][0] < cut:
-                events.popleft()
+            _expire(events, cut, _first)
         self._trim(now)
 
     def _trim(self, now: float) -> None:
@@ -268,11 +265,9 @@ class Activity:
         self._trimmed = now
         cut = now - self.history
         for times in self._pushes.values():
-            while times and times[0] < cut:
-                times.popleft()
+            _expire(times, cut, _at)
         for events in self._links.values():
-            while events and events[0][0] < cut:
-                events.popleft()
+            _expire(events, cut, _first)
         self._pushes = {key: times for key, times in self._pushes.items() if times}
         self._links = {link: events for link, events in self._links.items() if events}
 
@@ -286,6 +281,20 @@ class Activity:
     def link_bytes(self, link: tuple[str, str], now: float, window: float) -> int:
         """Bytes reported over ``link`` in the window."""
         return sum(n for t, n in self._links.get(link, ()) if t >= now - window)
+
+
+def _at(t: float) -> float:
+    return t
+
+
+def _first(event: tuple[float, int]) -> float:
+    return event[0]
+
+
+def _expire(events: deque[Any], cut: float, when: Callable[[Any], float]) -> None:
+    """Drop the events at the left of ``events`` noted before ``cut`` (``when`` reads an event's time)."""
+    while events and when(events[0]) < cut:
+        events.popleft()
 
 
 @dataclass(frozen=True)
