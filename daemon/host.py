@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from mlfabric.daemon.channels.budget import ByteBudget
 from mlfabric.daemon.channels.control import ControlStream, control_channel
-from mlfabric.daemon.channels.frames import Frame, FrameLimits, error_header
+from mlfabric.daemon.channels.frames import Frame, FrameLimits, PayloadWatch, error_header
 from mlfabric.daemon.channels.listener import DataPlaneListener, Response
 from mlfabric.daemon.channels.localapi import LocalApiServer, LocalConnection
 from mlfabric.daemon.channels.payloadio import payload_length
@@ -38,7 +38,14 @@ from mlfabric.daemon.config import DaemonConfig
 from mlfabric.daemon.reports import TransferReportLog
 from mlfabric.daemon.roles.aggregator.role import AggregatorRole
 from mlfabric.daemon.roles.allreduce.role import AllreduceRole
-from mlfabric.daemon.roles.base import DirectiveHandler, FrameHandler, RequestHandler, Role, RoleContext
+from mlfabric.daemon.roles.base import (
+    DirectiveHandler,
+    FrameHandler,
+    RequestHandler,
+    Role,
+    RoleContext,
+    WatchHandler,
+)
 from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.registrar import Registrar
 from mlfabric.daemon.roles.relay.role import ModelRelays
@@ -191,6 +198,7 @@ class Daemon:
             header_timeout=config.header_timeout,
             max_connections=config.max_connections,
             auth=config.data_auth,
+            watch=self._watch_frame,
         )
         self._peers = PeerPool(
             limits,
@@ -300,11 +308,13 @@ class Daemon:
         self._requests: dict[str, RequestHandler] = {}
         self._frames: dict[FrameRoute, FrameHandler] = {}
         self._directives: dict[str, DirectiveHandler] = {}
+        self._watches: dict[FrameRoute, WatchHandler] = {}
         for role in self._roles:
             routes = role.routes()
             _claim(self._requests, routes.requests, role)
             _claim(self._frames, routes.frames, role)
             _claim(self._directives, routes.directives, role)
+            _claim(self._watches, routes.watches, role)
         self._ticker = Ticker(0.1, [self.receive_buffers.trim, *(role.tick for role in self._roles)])
 
     @property
@@ -420,6 +430,11 @@ class Daemon:
         frame.release()
         reason = f"unexpected frame kind {frame.header.kind}"
         return Response(error_header(reason, update_id=frame.header.update_id, src_host=self.host))
+
+    def _watch_frame(self, header: Any, payload: memoryview) -> PayloadWatch | None:
+        """A frame whose payload is landing: a watch from the role that owns its route, if it keeps one."""
+        watch = self._watches.get(frame_route(header))
+        return watch(header, payload) if watch is not None else None
 
     def _on_request(self, conn: LocalConnection, request: Any, fd: int | None) -> None:
         """A local request: to the role that owns its kind; close the fd unless the role kept it."""

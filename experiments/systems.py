@@ -52,10 +52,26 @@ def split_systems(text: str) -> list[str]:
 LOCAL_STEPS = re.compile(r"h(\d+)(?:k(\d+))?(?:s(\d*\.?\d+))?")
 
 
-def split_system(system: str) -> tuple[str, str | None, str | None]:
-    """``policy@codec[@model_codec][@hH[kK][sS]]`` as the policy, the workers' codec and the model's.
+#: the part of a system that pipelines its aggregates (the scheduler's ``--pipelined-aggregates``)
+PIPELINED = "pipe"
 
-    A part ``hH[kK][sS]`` (local SGD, :func:`local_schedule`) is not a codec.
+
+def pipelined(system: str) -> bool:
+    """Whether ``system`` pipelines its aggregates (a part ``@pipe``: ``stf+tree@pipe``).
+
+    Examples
+    --------
+    >>> pipelined("stf+tree@pipe"), pipelined("stf+tree@fp16"), split_system("stf+tree@pipe@fp16")
+    (True, False, ('stf+tree', 'fp16', None))
+    """
+    return PIPELINED in system.split("@")[1:]
+
+
+def split_system(system: str) -> tuple[str, str | None, str | None]:
+    """``policy@codec[@model_codec][@hH[kK][sS]][@pipe]`` as the policy, the workers' codec and the model's.
+
+    A part ``hH[kK][sS]`` (local SGD, :func:`local_schedule`) is not a codec, nor is ``pipe``
+    (:func:`pipelined`).
 
     Examples
     --------
@@ -67,7 +83,7 @@ def split_system(system: str) -> tuple[str, str | None, str | None]:
     (('stf+agg', None, None), ('stf+agg', 'int8+ef', None))
     """
     policy, *parts = system.split("@")
-    codecs = [part for part in parts if not LOCAL_STEPS.fullmatch(part)] + ["", ""]
+    codecs = [part for part in parts if not LOCAL_STEPS.fullmatch(part) and part != PIPELINED] + ["", ""]
     return policy, codecs[0] or None, codecs[1] or None
 
 

@@ -56,6 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import testbed_e2e as e2e  # the model, data, accuracy log, gloo PS and NS schedule
 from harness import init_gloo, save_results, stop_all
+from systems import pipelined
 from testbed_codecs import ratios
 from testbed_gloo import gloo_role, unflatten
 
@@ -293,6 +294,7 @@ def run_one(
         return {**res, "ingress_per_update": float(update_bytes)}
     policy, codec, model_codec = e2e.split_system(system)
     extra = ["--aggregate-plan", args.aggregate_plan] if sync and policy == "stf+agg" else []
+    extra += ["--pipelined-aggregates"] if pipelined(system) else []
     out, ready = workdir / "server.json", workdir / "server.ready"
     with TestbedCluster(
         testbed,

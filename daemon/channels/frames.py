@@ -48,8 +48,11 @@ from mlfabric.daemon.channels.framecheck import (
 )
 from mlfabric.daemon.channels.payloadio import (
     RECV_PIECE_BYTES,
+    STREAM_PIECE_BYTES,
     FileSpan,
     Payload,
+    PayloadWatch,
+    StreamedPayload,
     non_finite_reason,
     payload_crc32,
     payload_length,
@@ -77,6 +80,7 @@ __all__ = [
     "FrameLimits",
     "IdleTimeout",
     "Payload",
+    "PayloadWatch",
     "TransferStats",
     "check_header",
     "encode_header",
@@ -302,7 +306,7 @@ def send_frame(
         if payload is None or size == 0:
             sock.sendall(prefix)
         elif (
-            not isinstance(payload, FileSpan)
+            not isinstance(payload, (FileSpan, StreamedPayload))
             and size <= _SMALL_BYTES
             and (bucket is None or not bucket.enabled)
         ):
@@ -367,6 +371,7 @@ def recv_frame(
     idle_timeout: float | None = None,
     header_timeout: float | None = None,
     check_finite: Callable[[Any], bool] | None = update_frames,
+    watch: Callable[[Any, memoryview], PayloadWatch | None] | None = None,
 ) -> Frame | None:
     """Receive one frame, checking every rule; None when the peer closed between frames.
 
@@ -396,6 +401,12 @@ def recv_frame(
         CRC pass, the result in ``Frame.non_finite`` (default :func:`update_frames`; None:
         never). The frame is received whole either way: what to do with a non-finite update
         is the caller's (the job's) decision.
+    watch : callable, optional
+        ``watch(header, payload)`` once the header is checked and the payload's buffer is
+        allocated: a :class:`~mlfabric.daemon.channels.payloadio.PayloadWatch` told of every
+        piece as it lands (pieces of at most
+        :data:`~mlfabric.daemon.channels.payloadio.STREAM_PIECE_BYTES`) and of a receive that
+        fails (before this raises), or None (not watched). A pipelined aggregate's members.
 
     Returns
     -------
@@ -473,24 +484,40 @@ def recv_frame(
         raise ValueError(f"alloc({size}) returned {payload.nbytes} bytes (readonly={payload.readonly})")
     checked = bool(check_finite and check_finite(header))
     layout = pack_layout(header.tensors) if checked else b""
+    watcher = watch(header, payload) if watch is not None else None
+    piece = chunk_bytes if watcher is None else min(chunk_bytes, STREAM_PIECE_BYTES)
     try:
-        got, crc, bad = recv_payload(sock, payload, layout, piece_bytes=chunk_bytes, bucket=bucket)
-        if got < size:
-            raise FrameError(f"peer closed mid-frame (payload: {got} of {size} bytes)", reply_possible=False)
-        if header.crc_trailer:
-            trailer = memoryview(bytearray(_CRC.size))
-            _fill(sock, trailer, 0, "CRC-32 trailer", None, late("CRC-32 trailer", _CRC.size))
-            (expected,) = _CRC.unpack(trailer)
-        else:
-            expected = header.payload_crc32
-    except (BlockingIOError, TimeoutError):
-        raise _timed_out(f"payload of update {header.update_id!r}", sock) from None
-    end = time.time()
-    if crc != expected:
-        raise FrameError(
-            f"CRC-32 mismatch on update {header.update_id!r}: sender says {expected:#010x}, "
-            f"payload has {crc:#010x}"
-        )
+        try:
+            got, crc, bad = recv_payload(
+                sock,
+                payload,
+                layout,
+                piece_bytes=piece,
+                bucket=bucket,
+                progress=None if watcher is None else watcher.progress,
+            )
+            if got < size:
+                raise FrameError(
+                    f"peer closed mid-frame (payload: {got} of {size} bytes)", reply_possible=False
+                )
+            if header.crc_trailer:
+                trailer = memoryview(bytearray(_CRC.size))
+                _fill(sock, trailer, 0, "CRC-32 trailer", None, late("CRC-32 trailer", _CRC.size))
+                (expected,) = _CRC.unpack(trailer)
+            else:
+                expected = header.payload_crc32
+        except (BlockingIOError, TimeoutError):
+            raise _timed_out(f"payload of update {header.update_id!r}", sock) from None
+        end = time.time()
+        if crc != expected:
+            raise FrameError(
+                f"CRC-32 mismatch on update {header.update_id!r}: sender says {expected:#010x}, "
+                f"payload has {crc:#010x}"
+            )
+    except BaseException as exc:
+        if watcher is not None:
+            watcher.abort(str(exc) if isinstance(exc, FrameError) else repr(exc))
+        raise
     header.payload_crc32, header.crc_trailer = crc, False  # verified: forward it without re-reading
     frame = Frame(header, payload, buffer, TransferStats(size, start, end))
     if checked:

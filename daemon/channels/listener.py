@@ -26,6 +26,7 @@ from mlfabric.daemon.channels.frames import (
     FrameLimits,
     IdleTimeout,
     Payload,
+    PayloadWatch,
     error_header,
     recv_frame,
     send_frame,
@@ -107,6 +108,10 @@ class DataPlaneListener:
         Authenticate each connection before its first frame (:mod:`mlfabric.wire.auth`); a peer
         that does not is logged and closed, and a frame whose ``src_host`` is not a host the
         peer proved is refused with ERROR (None: no authentication).
+    watch : callable, optional
+        ``watch(header, payload)``: a watch on a frame's payload while it lands
+        (:func:`~mlfabric.daemon.channels.frames.recv_frame`'s ``watch``; a pipelined
+        aggregate's members); the handler still gets the frame once it is whole.
 
     Examples
     --------
@@ -130,8 +135,10 @@ class DataPlaneListener:
         max_connections: int | None = None,
         logger: logging.Logger | None = None,
         auth: DataPlaneAuth | None = None,
+        watch: Callable[[Any, memoryview], PayloadWatch | None] | None = None,
     ) -> None:
         self._bind = parse_address(bind_address)
+        self._watch = watch
         self._handler = handler
         self._limits = limits
         self._ingress = ingress_bucket
@@ -287,6 +294,7 @@ class DataPlaneListener:
                     bucket=self._ingress,
                     idle_timeout=math.inf if self._idle_timeout is None else self._idle_timeout,
                     header_timeout=self._header_timeout,
+                    watch=self._watch,
                 )
             except IdleTimeout as exc:
                 with self._lock:

@@ -24,9 +24,9 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from mlfabric.daemon.channels.ratelimit import TokenBucket
 from mlfabric.daemon.channels.sockets import io_timeout, set_receive_timeout
@@ -35,8 +35,12 @@ from mlfabric.wire import _native
 
 __all__ = [
     "RECV_PIECE_BYTES",
+    "STREAM_PIECE_BYTES",
     "FileSpan",
     "Payload",
+    "PayloadAborted",
+    "PayloadWatch",
+    "StreamedPayload",
     "mapped",
     "non_finite_reason",
     "payload_crc32",
@@ -71,8 +75,49 @@ class FileSpan:
     length: int
 
 
-#: A payload to send: any contiguous buffer, or a span of a file descriptor.
-Payload: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap | FileSpan"
+#: Bytes per piece of a payload that is forwarded while it arrives (a watched receive, a
+#: :class:`StreamedPayload`): the pipeline's fill per hop is one piece's time on the link.
+STREAM_PIECE_BYTES = 256 * 1024
+
+
+class PayloadAborted(Exception):
+    """A :class:`StreamedPayload` will never be complete (what it is computed from failed).
+
+    The frame carrying it is cut off mid-payload: its receiver sees the connection close before
+    the CRC-32 trailer and discards it, so nothing built from it was applied anywhere.
+    """
+
+
+@dataclass(frozen=True)
+class StreamedPayload:
+    """A payload sent while it is still being produced (a pipelined aggregate's sum).
+
+    ``view`` holds the bytes; ``wait(upto)`` blocks until ``view[:upto]`` is final (raising
+    :class:`PayloadAborted` if it never will be). :func:`send_payload` calls it before each
+    piece of :data:`STREAM_PIECE_BYTES` and computes the CRC-32 trailer as the pieces go.
+
+    Examples
+    --------
+    >>> StreamedPayload(memoryview(bytearray(8)), lambda upto: None).view.nbytes
+    8
+    """
+
+    view: memoryview
+    wait: Callable[[int], None]
+
+
+class PayloadWatch(Protocol):
+    """Told how a payload's receive goes while it lands (``recv_frame``'s ``watch``)."""
+
+    def progress(self, got: int) -> None:
+        """The first ``got`` bytes of the payload are in its buffer (not yet CRC-checked)."""
+
+    def abort(self, reason: str) -> None:
+        """The payload will not complete (peer gone, timeout, CRC mismatch): ``reason``."""
+
+
+#: A payload to send: any contiguous buffer, a span of a file descriptor, or a streamed one.
+Payload: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap | FileSpan | StreamedPayload"
 
 
 def payload_length(payload: Payload | None) -> int:
@@ -87,6 +132,8 @@ def payload_length(payload: Payload | None) -> int:
         return 0
     if isinstance(payload, FileSpan):
         return payload.length
+    if isinstance(payload, StreamedPayload):
+        return payload.view.nbytes
     return memoryview(payload).nbytes
 
 
@@ -101,6 +148,8 @@ def payload_crc32(payload: Payload | None) -> int:
     """
     if payload is None:
         return 0
+    if isinstance(payload, StreamedPayload):
+        raise TypeError("a streamed payload's CRC-32 is computed while it is sent")
     if not isinstance(payload, FileSpan):
         return _native.crc32(memoryview(payload).cast("B"))
     if payload.length == 0:
@@ -237,6 +286,7 @@ def recv_payload(
     *,
     piece_bytes: int = RECV_PIECE_BYTES,
     bucket: TokenBucket | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[int, int, int]:
     """Receive ``len(payload)`` bytes into ``payload``, checking each piece as it lands.
 
@@ -254,6 +304,8 @@ def recv_payload(
         boundary is tested with the piece it ends in).
     bucket : TokenBucket, optional
         Ingress rate limit, consumed per piece after it is read.
+    progress : callable, optional
+        ``progress(got)`` after each piece: the first ``got`` bytes are in ``payload``.
 
     Returns
     -------
@@ -280,6 +332,8 @@ def recv_payload(
         got += k
         if bucket is not None:
             bucket.consume(k)
+        if progress is not None:
+            progress(got)
     return got, crc, bad
 
 
@@ -295,13 +349,18 @@ def send_payload(
     """Send ``payload``'s bytes (and its CRC-32 trailer when ``trailer``); the CRC-32 (0: not computed).
 
     A :class:`FileSpan` goes out with ``os.sendfile`` (``zero_copy``; never read in user space
-    unless its CRC must be computed here), else from a mapping of it; a buffer with ``sendall``.
+    unless its CRC must be computed here), else from a mapping of it; a buffer with ``sendall``;
+    a :class:`StreamedPayload` in pieces of :data:`STREAM_PIECE_BYTES`, each once it is final.
     The CRC-32 of a ``trailer`` is computed piece by piece just before each piece is sent.
     """
     size = payload_length(payload)
+    streamed = isinstance(payload, StreamedPayload)
     with contextlib.ExitStack() as stack:
         view: memoryview | None = None  # the bytes, when they are read here
-        if not isinstance(payload, FileSpan):
+        if isinstance(payload, StreamedPayload):
+            view = payload.view
+            chunk_bytes = min(chunk_bytes, STREAM_PIECE_BYTES)
+        elif not isinstance(payload, FileSpan):
             view = memoryview(payload).cast("B")
         elif trailer or not zero_copy:
             view = stack.enter_context(mapped(payload))
@@ -309,6 +368,9 @@ def send_payload(
         crc = 0
         for pos in range(0, size, chunk_bytes):
             n = min(chunk_bytes, size - pos)
+            if streamed:
+                assert isinstance(payload, StreamedPayload)
+                payload.wait(pos + n)  # PayloadAborted: the frame is cut off here, never completed
             if bucket is not None:
                 bucket.consume(n)
             if trailer:

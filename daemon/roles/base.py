@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from mlfabric.daemon.channels.control import local_error_code
-from mlfabric.daemon.channels.frames import Frame
+from mlfabric.daemon.channels.frames import Frame, PayloadWatch
 from mlfabric.daemon.channels.listener import Response
 from mlfabric.daemon.channels.localapi import LocalConnection
 from mlfabric.daemon.channels.routing import FrameRoute
@@ -40,6 +40,7 @@ __all__ = [
     "RoleContext",
     "Routes",
     "Verdict",
+    "WatchHandler",
     "already_registered",
     "model_reply",
     "refused",
@@ -53,6 +54,9 @@ FrameHandler: TypeAlias = Callable[[Frame], Response]
 #: ``handler(directive)``: the directive's message (e.g. the ``SendDirective``), on the stream
 #: thread; what the handler returns is ignored
 DirectiveHandler: TypeAlias = Callable[[Any], object]
+#: ``watch(header, payload) -> PayloadWatch | None``: a frame whose payload is still landing
+#: (the listener's thread; the frame goes to the route's :data:`FrameHandler` once whole)
+WatchHandler: TypeAlias = Callable[[Any, memoryview], "PayloadWatch | None"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,8 @@ class Routes:
     frames: Mapping[FrameRoute, FrameHandler] = field(default_factory=dict)
     #: directive kind (:func:`~mlfabric.daemon.channels.routing.directive_kind`) -> handler
     directives: Mapping[str, DirectiveHandler] = field(default_factory=dict)
+    #: frame route -> a watch on its payloads while they land (pipelined aggregates)
+    watches: Mapping[FrameRoute, WatchHandler] = field(default_factory=dict)
 
 
 class Role(abc.ABC):

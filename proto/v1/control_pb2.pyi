@@ -406,7 +406,7 @@ class SendDirective(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., next_hop_host: _Optional[str] = ..., next_hop_address: _Optional[str] = ..., dst_host: _Optional[str] = ..., aggregate_id: _Optional[str] = ...) -> None: ...
 
 class AggregateDirective(_message.Message):
-    __slots__ = ("aggregate_id", "job", "server", "members", "dst_host", "dst_address", "timeout_seconds", "allow_non_finite", "dst_aggregate_id")
+    __slots__ = ("aggregate_id", "job", "server", "members", "dst_host", "dst_address", "timeout_seconds", "allow_non_finite", "dst_aggregate_id", "pipelined")
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,7 @@ class AggregateDirective(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     DST_AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     aggregate_id: str
     job: str
     server: str
@@ -425,7 +426,8 @@ class AggregateDirective(_message.Message):
     timeout_seconds: float
     allow_non_finite: bool
     dst_aggregate_id: str
-    def __init__(self, aggregate_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., members: _Optional[_Iterable[_Union[AggregateMember, _Mapping]]] = ..., dst_host: _Optional[str] = ..., dst_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., allow_non_finite: _Optional[bool] = ..., dst_aggregate_id: _Optional[str] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, aggregate_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., members: _Optional[_Iterable[_Union[AggregateMember, _Mapping]]] = ..., dst_host: _Optional[str] = ..., dst_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., allow_non_finite: _Optional[bool] = ..., dst_aggregate_id: _Optional[str] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class ResolveDirective(_message.Message):
     __slots__ = ("update_id", "outcome", "delay", "server_version", "reason")

@@ -104,6 +104,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "members are planned afresh (default 60)",
     )
     parser.add_argument(
+        "--pipelined-aggregates",
+        action="store_true",
+        help="stf+agg, stf+tree: the daemons forward each piece of an aggregate's sum as soon as that "
+        "piece of every member is in (cut-through), instead of once the members are whole; raw "
+        "float32 updates only, others are summed store-and-forward (docs/aggregation-trees.md)",
+    )
+    parser.add_argument(
         "--replica-grace",
         type=float,
         default=10.0,
@@ -329,6 +336,7 @@ async def _serve(args: argparse.Namespace, graph: Any, setup: PolicySetup) -> in
         replan=setup.trigger,
         aggregate_timeout=args.aggregate_timeout,
         replica_grace=args.replica_grace,
+        pipelined_aggregates=args.pipelined_aggregates,
     )
     try:
         credentials = _credentials(args)

@@ -161,6 +161,8 @@ class SchedulerCore:
     replica_grace : float
         Seconds a replica whose daemon lost its session stays attached (:mod:`.replicas`);
         one registered again later is re-synced.
+    pipelined_aggregates : bool
+        The daemons forward aggregates while their members land (:class:`.aggregates.AggregateBook`).
 
     Examples
     --------
@@ -197,12 +199,15 @@ class SchedulerCore:
         clock: Callable[[], float] = time.monotonic,
         aggregate_timeout: float = DEFAULT_TIMEOUT,
         replica_grace: float = REREGISTER_GRACE,
+        pipelined_aggregates: bool = False,
     ) -> None:
         self.state = state
         #: the decision pipeline shared with the simulator: policy, dispatcher, trigger
         self.runner = DecisionRunner(policy, dispatcher=dispatcher, trigger=replan)
         #: aggregates executed by the daemons (stf+agg)
-        self.aggregates = AggregateBook(state, self.runner, timeout=aggregate_timeout)
+        self.aggregates = AggregateBook(
+            state, self.runner, timeout=aggregate_timeout, pipelined=pipelined_aggregates
+        )
         self.batcher = batcher
         self.estimator = estimator
         #: where the state, the core and the replicas' book count what they see (``stats()``)

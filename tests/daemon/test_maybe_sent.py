@@ -15,7 +15,8 @@ from typing import Any
 
 from mlfabric.daemon.channels.frames import FrameLimits
 from mlfabric.daemon.channels.peers import PeerPool, PeerUnavailable
-from mlfabric.daemon.roles.aggregator.role import AggregatorRole, _Aggregate
+from mlfabric.daemon.roles.aggregator.role import AggregatorRole
+from mlfabric.daemon.roles.aggregator.state import Aggregate
 from mlfabric.daemon.roles.base import RoleContext
 from mlfabric.daemon.roles.directory import Directory
 from mlfabric.daemon.roles.worker.pushes import OutgoingPushes, PendingPush
@@ -117,7 +118,7 @@ def _forward(peer: Peer) -> tuple[list[Any], list[Any]]:
         u: control_pb2.AggregateMember(update_id=u, worker=f"w{i}", base_version=1, norm=1.0, bytes=8)
         for i, u in enumerate(("u1", "u2"))
     }
-    agg = _Aggregate("agg:ps:0", "j", "ps0", "ps", ADDRESS, members, 1e9, arrived=list(members))
+    agg = Aggregate("agg:ps:0", "j", "ps0", "ps", ADDRESS, members, 1e9, arrived=list(members))
     agg.payload_bytes, agg.buffer, agg.state = 8, bytearray(8), "ready"
     role._aggregates[agg.aggregate_id] = agg
     role.forward(

@@ -171,3 +171,49 @@ def test_pushes_through_two_level_trees_resolve_exactly_once(
     final = np.load(out / "final.npz")
     for k, v in expected.items():
         np.testing.assert_array_equal(final[k], v)
+
+
+F32_ROLES = Path(__file__).resolve().parent / "f32_roles.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sync", "scheduler_args"), [(0, SCHEDULER_ARGS), (4, ROUND_ARGS)], ids=["async", "sync"]
+)
+def test_pipelined_trees_resolve_exactly_once(sync: int, scheduler_args: list[str], tmp_path: Path) -> None:
+    """The same two-level trees with ``--pipelined-aggregates`` (float32 updates: summed as they land)."""
+    topology = tmp_path / "topology.toml"
+    topology.write_text(TOPOLOGY)
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster = TreeCluster(
+        topology,
+        policy="stf+tree",
+        workdir=tmp_path / "run",
+        extra_scheduler_args=[*scheduler_args, "--pipelined-aggregates"],
+    )
+    try:
+        cluster.start()
+        argv = [sys.executable, str(F32_ROLES), "server", str(out), str(TAU_MAX), str(sync)]
+        server = cluster.spawn("ps", argv, name="server")
+        wait_for(out / "server.ready", server, 60)
+        workers = spawn_workers(
+            cluster, [sys.executable, str(F32_ROLES), "worker"], out, WORKERS, PUSHES_PER_WORKER
+        )
+        finish(server, workers)
+        summed = [
+            r for h in ("ax", "bx") for r in _reports(cluster, h) if str(r["update_id"]).startswith("agg:")
+        ]
+    finally:
+        cluster.stop()
+
+    results, _served, members = read_outcome(out, WORKERS, PUSHES_PER_WORKER)
+    assert any(r["ok"] for r in summed), "no aggregate was made at ax or bx"
+    roles = _roles_module()
+    expected = {k: v.astype(np.float32) for k, v in roles.initial_model().items()}
+    for rank, p in applied_pushes(results, members, TAU_MAX):
+        for k, v in roles.update_for(rank, p["index"]).items():
+            expected[k] -= v.astype(np.float32)
+    final = np.load(out / "final.npz")
+    for k, v in expected.items():
+        np.testing.assert_array_equal(final[k], v)

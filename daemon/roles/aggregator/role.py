@@ -38,17 +38,24 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from mlfabric.aggregators.codecs.payloadsum import EncodedSum
-from mlfabric.aggregators.kernels import Accumulator
-from mlfabric.daemon.channels.frames import FileSpan, Frame, FrameHeader, error_header, non_finite_reason
+from mlfabric.daemon.channels.frames import (
+    FileSpan,
+    Frame,
+    FrameHeader,
+    PayloadWatch,
+    error_header,
+    non_finite_reason,
+)
 from mlfabric.daemon.channels.listener import Response
+from mlfabric.daemon.channels.payloadio import PayloadAborted, StreamedPayload
 from mlfabric.daemon.channels.peers import Delivery
 from mlfabric.daemon.channels.routing import FrameRoute
-from mlfabric.daemon.roles.aggregator import summing
+from mlfabric.daemon.roles.aggregator import pipelined, summing
 from mlfabric.daemon.roles.aggregator import tree as aggregate_tree
+from mlfabric.daemon.roles.aggregator.state import Aggregate
 from mlfabric.daemon.roles.base import Role, RoleContext, Routes
 from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 
@@ -61,52 +68,6 @@ _DROPPED = control_pb2.OUTCOME_DROPPED
 
 #: Seconds an aggregate may wait for its members when its directive gives no timeout.
 DEFAULT_TIMEOUT = 60.0
-
-
-@dataclass
-class _Aggregate:
-    """One aggregate this daemon runs."""
-
-    aggregate_id: str
-    job: str
-    server: str
-    dst_host: str
-    dst_address: str
-    members: dict[str, Any]  # update id -> AggregateMember, in the directive's order
-    deadline: float
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    arrived: list[str] = field(default_factory=list)
-    tensors: list[Any] = field(default_factory=list)  # TensorLayout messages of the first member
-    payload_bytes: int = 0
-    buffer: Any = None
-    acc: Accumulator | EncodedSum | None = None  # EncodedSum: the first member came encoded
-    state: str = "collecting"  # -> ready -> forwarding -> (removed); or abandoned
-    allow_non_finite: bool = False  # the job's option (AggregateDirective.allow_non_finite)
-    refused: dict[str, str] = field(default_factory=dict)  # member id -> why it was not summed
-    dst_aggregate_id: str = ""  # the parent aggregate (multi-level tree); "": the server
-    summed: dict[str, list[Any]] = field(default_factory=dict)  # member id -> worker updates it brought
-
-    def missing(self) -> list[str]:
-        arrived = set(self.arrived)
-        return [m for m in self.members if m not in arrived]
-
-    def header(self, host: str) -> Any:
-        """The UPDATE frame header that carries the sum to the server (or into its parent aggregate)."""
-        members = aggregate_tree.flatten(self.members, self.summed)
-        return FrameHeader(
-            kind=_UPDATE,
-            update_id=self.aggregate_id,
-            aggregate_id=self.dst_aggregate_id or self.aggregate_id,
-            job=self.job,
-            server=self.server,
-            worker="",
-            base_version=min(m.base_version for m in members),
-            norm=sum(m.norm for m in members),
-            num_updates=len(members),
-            members=members,
-            tensors=self.tensors,
-            src_host=host,
-        )
 
 
 class AggregatorRole(Role):
@@ -166,7 +127,7 @@ class AggregatorRole(Role):
         self.enabled = enabled
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._aggregates: dict[str, _Aggregate] = {}
+        self._aggregates: dict[str, Aggregate] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._stopping = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -174,6 +135,7 @@ class AggregatorRole(Role):
     def routes(self) -> Routes:
         return Routes(
             frames={FrameRoute.AGGREGATE_MEMBER: self.on_frame},
+            watches={FrameRoute.AGGREGATE_MEMBER: self.watch_member},
             directives={
                 "aggregate": self.on_directive,
                 "send_aggregate": lambda send: self._submit(self.forward, send),  # sends: not inline
@@ -227,7 +189,7 @@ class AggregatorRole(Role):
             if agg is None:
                 if not members:
                     return
-                self._aggregates[d.aggregate_id] = _Aggregate(
+                self._aggregates[d.aggregate_id] = Aggregate(
                     d.aggregate_id,
                     d.job,
                     d.server,
@@ -237,12 +199,22 @@ class AggregatorRole(Role):
                     self._clock() + timeout,
                     allow_non_finite=d.allow_non_finite,
                     dst_aggregate_id=d.dst_aggregate_id,
+                    pipelined=d.pipelined,
                 )
                 self._gone.pop(d.aggregate_id, None)
                 self._changed.notify_all()
                 return
         ready = None
         with agg.lock:
+            if agg.stream is not None and members and set(members) != set(agg.members):
+                # the sum is under way over the listed members: it cannot take or lose one
+                self._abandon(
+                    agg,
+                    f"aggregate {agg.aggregate_id} re-issued with other members "
+                    "while its pipelined sum was under way",
+                    notify=True,
+                )
+                return
             if agg.state == "ready" and members and set(members) > set(agg.members):
                 agg.state = "collecting"  # a member joins before the aggregate leaves: open again
             if agg.state != "collecting":
@@ -304,10 +276,12 @@ class AggregatorRole(Role):
                         notify=True,
                     )
 
-    def _abandon(self, agg: _Aggregate, reason: str, *, notify: bool) -> None:
+    def _abandon(self, agg: Aggregate, reason: str, *, notify: bool) -> None:
         """Discard ``agg`` (its lock held): release the buffer, remember why, tell the scheduler."""
         if agg.state == "abandoned":
             return
+        if agg.stream is not None:
+            agg.stream.abort(reason)  # a forward under way is cut off before its CRC trailer
         if agg.state == "forwarding":  # the forward releases the buffer when it ends
             agg.state = "abandoned"
         else:
@@ -329,8 +303,14 @@ class AggregatorRole(Role):
             self._gone.popitem(last=False)
 
     @staticmethod
-    def _release(agg: _Aggregate) -> None:
+    def _release(agg: Aggregate) -> None:
         agg.acc = None
+        if agg.stream is not None:  # its views first, then the frames and the buffer they view
+            agg.stream.release()
+            agg.stream.out.release()
+        for frame in agg.frames:
+            frame.release()
+        agg.frames.clear()
         buffer, agg.buffer = agg.buffer, None
         if buffer is not None and hasattr(buffer, "release"):
             buffer.release()
@@ -338,11 +318,15 @@ class AggregatorRole(Role):
     # ------------------------------------------------------------------ members
 
     def on_frame(self, frame: Frame) -> Response:
-        """A member's UPDATE frame (``header.aggregate_id`` set): sum it, ACK it; ERROR if it cannot be."""
-        try:
-            return self._on_member(frame)
-        finally:
+        """A member's UPDATE frame (``header.aggregate_id`` set): sum it, ACK it; ERROR if it cannot be.
+
+        A pipelined aggregate's member is summed by its stream and its frame kept until the
+        aggregate's forward ends (:mod:`.stream`); any other frame is released here.
+        """
+        response, kept = self._on_member(frame)
+        if not kept:
             frame.release()
+        return response
 
     def _error(self, reason: str, update_id: str) -> Response:
         return Response(error_header(reason, update_id=update_id, src_host=self.host))
@@ -351,7 +335,7 @@ class AggregatorRole(Role):
         with self._changed:
             self._changed.notify_all()
 
-    def _wait_for(self, aggregate_id: str, member: str = "") -> tuple[_Aggregate | None, str]:
+    def _wait_for(self, aggregate_id: str, member: str = "") -> tuple[Aggregate | None, str]:
         """The aggregate, once its directive (listing ``member``, if given) is in; or why not.
 
         A member joining an aggregate being gathered may arrive before the re-issued
@@ -372,11 +356,63 @@ class AggregatorRole(Role):
                     return None, f"aggregate {aggregate_id} is unknown on host {self.host!r}"
                 self._changed.wait(min(left, 0.1))
 
-    def _on_member(self, frame: Frame) -> Response:
+    def watch_member(self, header: Any, payload: memoryview) -> PayloadWatch | None:
+        """A member's frame starts landing: a watch feeding its pipelined aggregate's sum, or None.
+
+        None: the frame is handled whole by :meth:`on_frame` (:func:`.pipelined.begin_member`
+        says when). Once every member has begun, the aggregate is announced (``UpdateReady``).
+        """
+        if not self.enabled or not header.aggregate_id:
+            return None
+        agg, _ = self._wait_for(header.aggregate_id, header.update_id)
+        if agg is None:
+            return None
+        with agg.lock:
+            begun = pipelined.begin_member(agg, header, payload, self._alloc, self._clock)
+            ready = self._complete_if_in(agg) if begun else None
+        if ready is not None:
+            self._announce_ready(ready)
+        if begun is None:
+            return None
+        return pipelined.MemberWatch(agg, header.update_id, self._broke_off)
+
+    def _broke_off(self, agg: Aggregate, member: str, reason: str) -> None:
+        """A watched member's receive failed: its pipelined aggregate cannot be completed."""
+        with agg.lock:
+            why = f"member {member} of aggregate {agg.aggregate_id} broke off while it arrived: {reason}"
+            self._abandon(agg, why, notify=True)
+
+    def _on_member(self, frame: Frame) -> tuple[Response, bool]:
+        """The reply to a member's frame, and whether its aggregate keeps the frame (a stream's)."""
         h = frame.header
         agg, problem = self._wait_for(h.aggregate_id, h.update_id)
         if agg is None:
-            return self._error(problem, h.update_id)
+            return self._error(problem, h.update_id), False
+        if agg.stream is not None:
+            return self._on_streamed(agg, frame)
+        return self._on_stored(agg, frame), False
+
+    def _on_streamed(self, agg: Aggregate, frame: Frame) -> tuple[Response, bool]:
+        """A pipelined aggregate's member arrived whole: accepted into the stream (its frame kept)."""
+        h = frame.header
+        with agg.lock:
+            if agg.state == "abandoned":
+                why = f"aggregate {h.aggregate_id} was abandoned on host {self.host!r}"
+                return self._error(why, h.update_id), False
+            if h.update_id in agg.arrived:
+                return self._ack(h, frame), False  # a retry: summed once already
+            if h.update_id in agg.refused:
+                return self._ack(h, frame, agg.refused[h.update_id]), False  # refused already
+            problem, refused = pipelined.accept_member(agg, frame, f"aggregator {self.host!r}")
+            if problem or refused:  # the sum holds some of its bytes: the aggregate fails
+                self._abandon(agg, problem or refused, notify=True)
+            if problem:
+                return self._error(problem, h.update_id), False
+        return self._ack(h, frame, refused), not refused
+
+    def _on_stored(self, agg: Aggregate, frame: Frame) -> Response:
+        """A store-and-forward aggregate's member: summed into its accumulator now."""
+        h = frame.header
         ready = None
         with agg.lock:
             if agg.state == "abandoned":
@@ -439,9 +475,14 @@ class AggregatorRole(Role):
             )
         )
 
-    def _complete_if_in(self, agg: _Aggregate) -> Any:
-        """With ``agg.lock`` held: if every member is in, finish the sum; the UpdateReady to send."""
-        if agg.state != "collecting" or agg.missing() or agg.acc is None:
+    def _complete_if_in(self, agg: Aggregate) -> Any:
+        """With ``agg.lock`` held: if every member is in (begun, pipelined), the UpdateReady to send."""
+        if agg.state != "collecting":
+            return None
+        if agg.stream is not None:
+            if not all(agg.stream.begun(m) for m in agg.members):
+                return None
+        elif agg.missing() or agg.acc is None:
             return None
         agg.state = "ready"  # summed by forward(): a member may still join (re-issued directive)
         h = agg.header(self.host)
@@ -487,7 +528,7 @@ class AggregatorRole(Role):
                 self._abandon(agg, f"send directive while {state}", notify=False)
                 self._cannot_forward(send, f"it is {state}, not complete")
                 return
-            problem = summing.finish(agg, self._alloc)
+            problem = summing.finish(agg, self._alloc) if agg.stream is None else ""
             if problem:
                 self._abandon(
                     agg, f"aggregate {agg.aggregate_id} cannot be forwarded: {problem}", notify=True
@@ -508,17 +549,29 @@ class AggregatorRole(Role):
             bytes=agg.payload_bytes,
         )
         payload: Any = b""
-        if agg.payload_bytes and getattr(agg.buffer, "fd", -1) >= 0:
+        if agg.stream is not None:
+            stream, deadline = agg.stream, agg.deadline
+            payload = StreamedPayload(stream.out, lambda upto: stream.wait(upto, deadline))
+        elif agg.payload_bytes and getattr(agg.buffer, "fd", -1) >= 0:
             payload = FileSpan(agg.buffer.fd, 0, agg.payload_bytes)  # sendfile from the pooled memfd
         elif agg.payload_bytes:
             payload = memoryview(agg.buffer)[: agg.payload_bytes]
+        cut = ""
         try:
             assert self._deliver is not None
             delivery = self._deliver(address, header, payload)  # never resent once it may have arrived
+        except PayloadAborted as exc:  # cut off before its CRC trailer: its receiver discarded it
+            cut = (
+                f"the pipelined forward of aggregate {agg.aggregate_id} was cut off (nothing applied): {exc}"
+            )
         finally:
             if isinstance(payload, memoryview):
                 payload.release()
-        failure = aggregate_tree.fill_forward_report(report, delivery, header.members, parent)
+        if cut:
+            report.ok, report.error = False, cut
+            failure = cut
+        else:
+            failure = aggregate_tree.fill_forward_report(report, delivery, header.members, parent)
         with agg.lock:
             agg.state = "abandoned"
             self._release(agg)

@@ -10,7 +10,7 @@ fewer bytes); mixed or non-summable members are decoded, summed densely and forw
 are. An encoded member of an aggregate whose
 first member was raw is decoded and summed as the raw ones are.
 
-``agg`` is the role's ``_Aggregate`` (its lock held by the caller): ``acc``, ``buffer``,
+``agg`` is the role's :class:`~.state.Aggregate` (its lock held by the caller): ``acc``, ``buffer``,
 ``tensors`` (the ``TensorLayout`` messages the forward's header carries), ``payload_bytes``.
 """
 

@@ -60,6 +60,11 @@ class AggregateBook:
         Seconds an aggregator waits for the members (restarted by every re-issue).
     forward_timeout : float
         Seconds the scheduler waits for a forwarded aggregate's report.
+    pipelined : bool
+        Aggregates are pipelined (``AggregateDirective.pipelined``, docs/aggregation-trees.md):
+        an aggregator announces one as soon as every member has begun to arrive, and the
+        members sent to it count as in from then on (its forward may be released while they
+        land).
 
     Examples
     --------
@@ -81,13 +86,14 @@ class AggregateBook:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         forward_timeout: float = DEFAULT_FORWARD_TIMEOUT,
+        pipelined: bool = False,
     ) -> None:
         self.state = state
         self.runner = runner
         self.timeout = timeout
         self.forward_timeout = forward_timeout
         #: the aggregates on their way and how each ends
-        self.ledger = Ledger(state, runner, timeout)
+        self.ledger = Ledger(state, runner, timeout, pipelined=pipelined)
         self._can_aggregate: dict[str, bool] = {}
 
     @property
@@ -269,13 +275,15 @@ class AggregateBook:
             return out
         e.ready = True
         e.deadline = math.inf  # released once its ``after`` transfers are done
+        # a member its source reported in (summed); the others (a member that joined after an
+        # earlier announcement) once their sources report. Pipelined: every member sent, as
+        # the aggregator announces once all have begun to arrive and sums them as they land
+        arrived = (Stage.IN, Stage.SENT) if self.ledger.pipelined else (Stage.IN,)
         for m, stage in e.stage.items():
-            # a member its source reported in (summed); the others (a member that joined after
-            # an earlier announcement) once their sources report
-            if stage is Stage.IN:
+            if stage in arrived:
                 self.runner.arrived(m)
-        for m, stage in e.nested.items():  # member aggregates reported summed here
-            if stage is Stage.IN:
+        for m, stage in e.nested.items():  # member aggregates reported summed (or sent) here
+            if stage in arrived:
                 self.runner.arrived(m)
         return out
 

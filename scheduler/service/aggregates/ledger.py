@@ -78,10 +78,15 @@ class Ledger:
     ([('x', 'agg:ps:1')], 1, {})
     """
 
-    def __init__(self, state: SchedulerState, runner: DecisionRunner, timeout: float) -> None:
+    def __init__(
+        self, state: SchedulerState, runner: DecisionRunner, timeout: float, *, pipelined: bool = False
+    ) -> None:
         self.state = state
         self.runner = runner
         self.timeout = timeout
+        #: the aggregates are pipelined (``AggregateDirective.pipelined``): announced while
+        #: their members land, forwarded piece by piece
+        self.pipelined = pipelined
         self.executions: dict[str, Execution] = {}
         self._sent: dict[str, str] = {}  # member id -> aggregate id, while its source has not reported
         self._orphans: dict[str, PendingUpdate] = {}  # sent to an aggregate that failed
@@ -199,6 +204,7 @@ class Ledger:
             timeout_seconds=self.timeout,
             allow_non_finite=job is not None and job.params.allow_non_finite,
             dst_aggregate_id=e.parent,
+            pipelined=self.pipelined,
         )
         e.issued = e.listed()
         e.deadline = now + self.timeout + GRACE
