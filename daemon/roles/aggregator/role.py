@@ -131,6 +131,7 @@ class AggregatorRole(Role):
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why
         self._stopping = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self._pipelines = False  # a pipelined aggregate was directed here: members are watched
 
     def routes(self) -> Routes:
         return Routes(
@@ -201,6 +202,7 @@ class AggregatorRole(Role):
                     dst_aggregate_id=d.dst_aggregate_id,
                     pipelined=d.pipelined,
                 )
+                self._pipelines = self._pipelines or d.pipelined
                 self._gone.pop(d.aggregate_id, None)
                 self._changed.notify_all()
                 return
@@ -362,8 +364,8 @@ class AggregatorRole(Role):
         None: the frame is handled whole by :meth:`on_frame` (:func:`.pipelined.begin_member`
         says when). Once every member has begun, the aggregate is announced (``UpdateReady``).
         """
-        if not self.enabled or not header.aggregate_id:
-            return None
+        if not self.enabled or not self._pipelines or not header.aggregate_id:
+            return None  # (before any pipelined directive: the member is not held up waiting)
         agg, _ = self._wait_for(header.aggregate_id, header.update_id)
         if agg is None:
             return None
