@@ -73,11 +73,13 @@ def model_args(args: argparse.Namespace) -> list[str]:
 
 
 def parse_system(system: str) -> tuple[str, list[str]]:
-    """``POLICY[@CODEC[+ef]][@hH[kK]]`` as the policy and the workers' push options.
+    """``POLICY[@CODEC[+ef]][@hH[kK]][@opt]`` as the policy and the workers' push options.
 
     ``CODEC`` is passed to ``push(codec=...)`` as written (any spec it accepts: ``fp16``,
     ``int8:bound=6``, ...); ``+ef`` adds error feedback; ``hH`` is local SGD with H local
-    steps a push, ``kK`` post-local SGD's K steps pushed one by one first.
+    steps a push, ``kK`` post-local SGD's K steps pushed one by one first; ``opt``: the
+    workers train through ``mlfabric.torch.DistributedOptimizer`` and the server serves
+    ``GroupServers`` (``--optimizer``, :mod:`mlfabric.examples.charlm_optimizer`).
 
     Examples
     --------
@@ -85,12 +87,16 @@ def parse_system(system: str) -> tuple[str, list[str]]:
     ('stf+agg', ['--codec', 'int8+ef', '--local-period', '4', '--local-warmup', '10'])
     >>> parse_system("fair")
     ('fair', [])
+    >>> parse_system("stf+agg@opt")
+    ('stf+agg', ['--optimizer'])
     """
     policy, *parts = system.split("@")
     argv: list[str] = []
     for part in parts:
         local = re.fullmatch(r"h(\d+)(?:k(\d+))?", part)
-        if local:
+        if part == "opt":
+            argv.append("--optimizer")
+        elif local:
             argv += ["--local-period", local[1]] + (["--local-warmup", local[2]] if local[2] else [])
         elif part:
             argv += ["--codec", part]
@@ -125,6 +131,11 @@ def run_cluster(
         ready_timeout=120.0,
     )
     began = time.monotonic()
+    optimizer = "--optimizer" in push_argv  # both roles: the optimizer's servers are its groups
+    if optimizer:
+        push_argv = [a for a in push_argv if a != "--optimizer"]
+        server_argv = [*server_argv, "--optimizer"]
+        worker_argv = [*worker_argv, "--optimizer", *(["--sync"] if sync else [])]
     with cluster:
         sargv = [*example, "server", "--status-file", str(status_file), *server_argv]
         sargv += ["--sync-workers", str(args.workers if sync else 0)]

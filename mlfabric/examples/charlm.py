@@ -421,6 +421,17 @@ def run_server(args: argparse.Namespace) -> int:
     _torch().set_num_threads(1)  # several training processes share this machine's cores
     stop = _stop_on_signals()
     model = {k: v.numpy() for k, v in init_model(_config(args), args.seed).items()}
+    if args.optimizer:
+        from mlfabric.examples.charlm_optimizer import serve_groups
+
+        def write(counts: dict[str, Any], final: bool) -> None:
+            if args.status_file:
+                _write_json(Path(args.status_file), {**counts, "final": final})
+
+        final = serve_groups(args, model, stop, write)
+        if args.model_file:
+            np.savez(args.model_file, **final)
+        return 0
     server = mlfabric.register_as_server(
         args.job,
         args.name,
@@ -479,6 +490,13 @@ def run_worker(args: argparse.Namespace) -> int:
     torch = _torch()
     torch.set_num_threads(1)
     stop = _stop_on_signals()
+    if args.optimizer:
+        from mlfabric.examples.charlm_optimizer import train_with_optimizer
+
+        records = train_with_optimizer(args, stop)
+        if args.stats_file:
+            _write_json(Path(args.stats_file), {"rank": args.rank, "pushes": records})
+        return 0
     config = _config(args)
     train, _ = load_data(args.budget)
     mine = shard(train, args.rank, args.world)
@@ -534,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--sync-workers", type=int, default=0, help="synchronous: N workers a round")
     server.add_argument("--status-file", help="JSON counts (payloads, worker updates, delays)")
     server.add_argument("--model-file", help="write the final model here (.npz) when stopped")
+    server.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="serve it as mlfabric.torch.GroupServers, one server per group '<name>.<i>' "
+        "(for workers with --optimizer)",
+    )
     server.set_defaults(run=run_server)
     worker = sub.add_parser("worker", help="compute and push updates")
     worker.add_argument("--server", default="ps0")
@@ -552,6 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_push_options(worker)
     add_launch_options(worker)
+    worker.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="train through mlfabric.torch.DistributedOptimizer (servers '<server>.<i>'; "
+        "mlfabric.examples.charlm_optimizer)",
+    )
+    worker.add_argument("--sync", action="store_true", help="with --optimizer: synchronous rounds")
     worker.set_defaults(run=run_worker)
     return parser
 

@@ -109,6 +109,14 @@ class GroupServers:
         Worker updates applied (a synchronous round counts its members).
     update_ids : list of str
         The ids of the worker updates applied, in order (exactly once: no id twice).
+    payloads : int
+        Payloads applied over all groups (an aggregate or a synchronous round is one).
+    aggregated : int
+        Worker updates applied as members of an aggregate or a round (more than one a payload).
+    partial_rounds : int
+        Synchronous rounds applied without every member (``UpdateMeta.partial_round``).
+    delays : list of int
+        Each applied worker update's delay (its version lag), over all groups.
     """
 
     def __init__(
@@ -136,8 +144,9 @@ class GroupServers:
         self._errors: list[BaseException] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.worker_updates = 0
+        self.worker_updates = self.payloads = self.aggregated = self.partial_rounds = 0
         self.update_ids: list[str] = []
+        self.delays: list[int] = []
 
     def start(self) -> GroupServers:
         """Register the servers and serve each on a thread of its own (once: again, nothing)."""
@@ -167,6 +176,10 @@ class GroupServers:
             with self._lock:
                 self.worker_updates += meta.num_updates
                 self.update_ids.extend(meta.member_ids)
+                self.payloads += 1
+                self.aggregated += meta.num_updates if meta.num_updates > 1 else 0
+                self.partial_rounds += int(meta.partial_round)
+                self.delays.extend(meta.member_delays or (meta.delay,))
 
         return apply
 
