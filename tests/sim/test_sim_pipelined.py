@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import networkx as nx
 import pytest
 
 from mlfabric.scheduler.core.checker import check_schedule
@@ -17,12 +18,12 @@ MB = 1_000_000
 
 
 def run(
-    graph: object, workers: list[str], pipelined: bool, jitter: float = 0.0
+    graph: nx.DiGraph, workers: list[str], pipelined: bool, jitter: float = 0.0
 ) -> tuple[list[float], Simulator]:
     setup = make_policy("stf+tree", sync=True, pipelined_aggregates=pipelined)
     it = SyncSGD(ComputeModel(dict.fromkeys(workers, 0.05), jitter=jitter, seed=1), iterations=3)
     sim = Simulator(
-        graph,  # type: ignore[arg-type]
+        graph,
         setup.policy,
         it,
         server_host="ps",
