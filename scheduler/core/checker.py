@@ -9,7 +9,9 @@ its bandwidth graph and updates:
 3. every update is delivered, dropped (Fig. 5) or aggregated (Fig. 6) exactly once, and
    every aggregate is delivered exactly once;
 4. an aggregate leaves its aggregator only after all its members arrived, and is one
-   update's size;
+   update's size; a *pipelined* aggregate (``pipelined=``, cut-through:
+   :mod:`~mlfabric.scheduler.policies.pipelined`) may leave while they arrive, but at no
+   time has it forwarded a larger share of its bytes than any member has delivered to it;
 5. no update is applied with a delay above ``tau_max`` (paper §5, DESIGN §4).
 
 Violations raise :class:`ScheduleError` naming the update, link and time.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -87,6 +89,36 @@ def _check_transfer(graph: nx.DiGraph, t: Transfer, payload_bytes: float, rtol: 
             raise ScheduleError(f"{who}: link {link} carries {moved:g} of its {t.bytes:g} bytes")
 
 
+def _share(t: Transfer, link: Link | None, at: float) -> float:
+    """The share of ``t``'s bytes through ``link`` by time ``at`` (no link: all at ``t.end``)."""
+    if link is None or t.bytes <= 0:
+        return 1.0 if at >= t.end else 0.0
+    moved = sum(
+        r.rate * (min(at, r.end) - r.start) for r in t.reservations if r.link == link and at > r.start
+    )
+    return moved / t.bytes
+
+
+def _check_streamed(out: Transfer, member: Transfer, rtol: float) -> None:
+    """A pipelined aggregate's ``out`` never forwarded more of its bytes than ``member`` delivered.
+
+    Both shares are piecewise linear in time, so comparing them at every breakpoint of either
+    (a reservation's start or end) compares them everywhere.
+    """
+    first = out.links[0] if out.links else None
+    last = member.links[-1] if member.links else None
+    times = {out.start, out.end, member.start, member.end}
+    times.update(x for r in out.reservations if r.link == first for x in (r.start, r.end))
+    times.update(x for r in member.reservations if r.link == last for x in (r.start, r.end))
+    for at in sorted(times):
+        sent, got = _share(out, first, at), _share(member, last, at)
+        if sent > got + rtol * max(1.0, abs(at)):
+            raise ScheduleError(
+                f"pipelined aggregate '{out.payload_id}' has forwarded {sent:.6g} of its bytes at t={at:g}, "
+                f"member '{member.payload_id}' delivered {got:.6g}"
+            )
+
+
 def _check_capacity(
     graph: nx.DiGraph,
     transfers: Sequence[Transfer],
@@ -130,6 +162,7 @@ def check_schedule(
     server_version: int | Mapping[str, int] = 0,
     capacity_profiles: Mapping[Link, Sequence[tuple[float, float]]] | None = None,
     rtol: float = 1e-6,
+    pipelined: Collection[str] = (),
 ) -> CheckResult:
     """Verify ``schedule`` for ``updates`` on ``graph``; raise on the first violation.
 
@@ -150,6 +183,9 @@ def check_schedule(
         first breakpoint the graph's capacity applies.
     rtol : float
         Relative tolerance for byte counts, rates and times.
+    pipelined : collection of str
+        Aggregates forwarded cut-through (their bytes leave as their members' arrive): each
+        is checked by the share rule of 4. instead of waiting for its members.
 
     Returns
     -------
@@ -259,6 +295,10 @@ def check_schedule(
             a = by_aggregate[pid]
             if t.src != a.aggregator:
                 raise ScheduleError(f"aggregate '{pid}' leaves {t.src}, not its aggregator {a.aggregator}")
+            if pid in pipelined:
+                for m in a.members:
+                    _check_streamed(t, deliveries[m], rtol)
+                continue
             for m in a.members:
                 arrived = deliveries[m].end
                 if t.start < arrived - slack:

@@ -73,7 +73,9 @@ __all__ = [
     "DAEMONS",
     "PROCESS_GROUP",
     "AllreducePlan",
+    "Candidates",
     "Executor",
+    "candidate_trees",
     "plan_allreduce",
     "ring_chunk_seconds",
     "ring_seconds",
@@ -232,6 +234,104 @@ def _join(top: Mapping[str, str | None], inner: Sequence[Mapping[str, str | None
     return parent
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """Candidate reduction trees over participants (:func:`candidate_trees`).
+
+    Attributes
+    ----------
+    trees : dict
+        shape name -> parent of each host's first participant (None at the tree's root).
+    local : dict
+        A host's other participants, each chained under the one before it (no network).
+    by_host : dict
+        host -> its participants, sorted by name.
+    host_order : list of str
+        The hosts, fastest NIC first (ties by name).
+    rate : dict
+        host -> its NIC rate (:func:`nic_rate`).
+    hosts : dict
+        participant -> host.
+    """
+
+    trees: dict[str, dict[str, str | None]]
+    local: dict[str, str | None]
+    by_host: dict[str, list[str]]
+    host_order: list[str]
+    rate: dict[str, float]
+    hosts: dict[str, str]
+
+    def host_rate(self, p: str) -> float:
+        """The NIC rate of participant ``p``'s host."""
+        return self.rate[self.hosts[p]]
+
+
+def candidate_trees(graph: nx.DiGraph, hosts: Mapping[str, str], pc: PathCache) -> Candidates:
+    """The candidate trees the planners score (the module docstring's list), over ``hosts``.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        The bandwidth graph.
+    hosts : mapping
+        participant -> host (each host in ``graph``).
+    pc : PathCache
+        Paths of ``graph``.
+
+    Returns
+    -------
+    Candidates
+        The trees over each host's first participant (full tree: ``{**tree, **local}``).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.core.graph import star
+    >>> g = star(["a", "b", "c"], 8e9)
+    >>> c = candidate_trees(g, {"p": "a", "q": "b", "r": "c"}, PathCache(g))
+    >>> c.trees["flat-heap1"]
+    {'p': None, 'q': 'p', 'r': 'q'}
+    """
+    # participants of one host: the first (by name) stands for the host, the others chain under it
+    by_host: dict[str, list[str]] = {}
+    for p in sorted(hosts):
+        by_host.setdefault(hosts[p], []).append(p)
+    local: dict[str, str | None] = {}
+    for members in by_host.values():
+        for i, p in enumerate(members[1:]):
+            local[p] = members[i]
+    rep = {h: members[0] for h, members in by_host.items()}
+    rate = {h: nic_rate(graph, h) for h in by_host}
+    host_order = sorted(by_host, key=lambda h: (-rate[h], h))
+
+    def host_rate(p: str) -> float:
+        return rate[hosts[p]]
+
+    candidates: dict[str, dict[str, str | None]] = {}
+    reps = [rep[h] for h in host_order]
+    if len(reps) == 1:
+        candidates["single"] = {reps[0]: None}
+    else:
+        for name, tree in _shapes(reps, host_rate).items():
+            candidates[f"flat-{name}"] = tree
+        racks: dict[str, list[str]] = {}
+        for h in host_order:
+            first = pc.path(h, next(x for x in host_order if x != h))[1]
+            racks.setdefault(first, []).append(rep[h])
+        if 1 < len(racks) < len(reps):
+            groups = list(racks.values())
+            for name in ("greedy", "heap1", "heap2"):
+                inner = [
+                    _shapes(g, host_rate).get(name, _heap(g, 1)) if len(g) > 1 else {g[0]: None}
+                    for g in groups
+                ]
+                roots = sorted((g[0] for g in groups), key=lambda p: (-host_rate(p), p))
+                top = _shapes(roots, host_rate).get(name, _heap(roots, 1))
+                candidates[f"rack-{name}"] = _join(top, inner)
+        for name, chain in _chain_orders(reps, hosts.__getitem__, pc, graph).items():
+            candidates[f"chain-{name}"] = _path_tree(chain)
+    return Candidates(candidates, local, by_host, host_order, rate, dict(hosts))
+
+
 def plan_allreduce(
     graph: nx.DiGraph,
     participants: Sequence[tuple[str, str]],
@@ -278,44 +378,10 @@ def plan_allreduce(
     if missing:
         raise ValueError(f"hosts not in the bandwidth graph: {missing}")
     pc = PathCache(graph)
-    # participants of one host: the first (by name) stands for the host, the others chain under it
-    by_host: dict[str, list[str]] = {}
-    for p in sorted(hosts):
-        by_host.setdefault(hosts[p], []).append(p)
-    local: dict[str, str | None] = {}
-    for members in by_host.values():
-        for i, p in enumerate(members[1:]):
-            local[p] = members[i]
-    rep = {h: members[0] for h, members in by_host.items()}
-    rate = {h: nic_rate(graph, h) for h in by_host}
-    host_order = sorted(by_host, key=lambda h: (-rate[h], h))
-
-    def host_rate(p: str) -> float:
-        return rate[hosts[p]]
-
-    candidates: dict[str, dict[str, str | None]] = {}
-    reps = [rep[h] for h in host_order]
-    if len(reps) == 1:
-        candidates["single"] = {reps[0]: None}
-    else:
-        for name, tree in _shapes(reps, host_rate).items():
-            candidates[f"flat-{name}"] = tree
-        racks: dict[str, list[str]] = {}
-        for h in host_order:
-            first = pc.path(h, next(x for x in host_order if x != h))[1]
-            racks.setdefault(first, []).append(rep[h])
-        if 1 < len(racks) < len(reps):
-            groups = list(racks.values())
-            for name in ("greedy", "heap1", "heap2"):
-                inner = [
-                    _shapes(g, host_rate).get(name, _heap(g, 1)) if len(g) > 1 else {g[0]: None}
-                    for g in groups
-                ]
-                roots = sorted((g[0] for g in groups), key=lambda p: (-host_rate(p), p))
-                top = _shapes(roots, host_rate).get(name, _heap(roots, 1))
-                candidates[f"rack-{name}"] = _join(top, inner)
-        for name, chain in _chain_orders(reps, hosts.__getitem__, pc, graph).items():
-            candidates[f"chain-{name}"] = _path_tree(chain)
+    cands = candidate_trees(graph, hosts, pc)
+    candidates, local, by_host = cands.trees, cands.local, cands.by_host
+    reps = [by_host[h][0] for h in cands.host_order]
+    host_rate = cands.host_rate
     chunks = [chunk_bytes] if chunk_bytes else chunk_candidates(nbytes)
     best: tuple[float, int, str, dict[str, str | None]] | None = None
     for name in sorted(candidates):

@@ -107,14 +107,14 @@ def nic_rate(graph: nx.DiGraph, host: str) -> float:
 
 
 def _link_loads(
-    pc: PathCache, edges: Sequence[tuple[str, str]], per_edge: float
+    pc: PathCache, edges: Sequence[tuple[str, str]], per_edge: float, down: bool = True
 ) -> dict[tuple[str, str], float]:
-    """Bytes on each directed link when every (a, b) host pair moves ``per_edge`` both ways."""
+    """Bytes on each directed link when every (a, b) host pair moves ``per_edge`` a to b (and b to a)."""
     load: dict[tuple[str, str], float] = {}
     for a, b in edges:
         if a == b:
             continue
-        for link in (*pc.links(a, b), *pc.links(b, a)):
+        for link in (*pc.links(a, b), *pc.links(b, a)) if down else pc.links(a, b):
             load[link] = load.get(link, 0.0) + per_edge
     return load
 
@@ -125,15 +125,20 @@ def tree_terms(
     hosts: Mapping[str, str],
     nbytes: int,
     pc: PathCache,
+    *,
+    reduce_only: bool = False,
 ) -> tuple[float, float, int]:
     """``(busiest seconds, fill seconds per chunk byte, busiest participant's tree edges)``.
 
     A chunk crossing a link shared by ``m`` tree edges' streams gets ``1/m`` of it, so one
     hop of a chunk of ``c`` bytes takes ``c * m / capacity`` on the hop's worst link; the fill
     is the slowest root-to-leaf path up plus the slowest down (store and forward per hop).
+    ``reduce_only``: the reduction up the tree alone (a pipelined aggregation tree whose root
+    is a parameter server, :mod:`~mlfabric.scheduler.policies.pipelined`): each tree edge
+    loads only its child-to-parent links, and the fill is the slowest path up.
     """
     edges = [(hosts[c], hosts[p]) for c, p in parent.items() if p is not None]
-    load = _link_loads(pc, edges, float(nbytes))
+    load = _link_loads(pc, edges, float(nbytes), down=not reduce_only)
     busiest = max((b / link_capacity(graph, link) for link, b in load.items()), default=0.0)
 
     def hop(a: str, b: str) -> float:
@@ -157,11 +162,13 @@ def tree_terms(
                 up[v] = down[v] = 0.0
             else:
                 up[v] = up[w] + hop(hosts[v], hosts[w])
-                down[v] = down[w] + hop(hosts[w], hosts[v])
+                down[v] = down[w] + (0.0 if reduce_only else hop(hosts[w], hosts[v]))
         return up[p], down[p]
 
     paths = [climb(p) for p in parent]
-    fill = max((u for u, _ in paths), default=0.0) + max((d for _, d in paths), default=0.0)
+    fill = max((u for u, _ in paths), default=0.0)
+    if not reduce_only:
+        fill += max((d for _, d in paths), default=0.0)
     edges_at: dict[str, int] = {p: int(q is not None) for p, q in parent.items()}
     for q in parent.values():
         if q is not None:
@@ -170,13 +177,22 @@ def tree_terms(
 
 
 def tree_time(
-    terms: tuple[float, float, int], nbytes: int, chunk_bytes: int, executor: Executor = DAEMONS
+    terms: tuple[float, float, int],
+    nbytes: int,
+    chunk_bytes: int,
+    executor: Executor = DAEMONS,
+    *,
+    reduce_only: bool = False,
 ) -> float:
-    """A tree's time from its :func:`tree_terms` for ``executor``."""
+    """A tree's time from its :func:`tree_terms` for ``executor``.
+
+    Each tree edge at the busiest participant costs a frame per chunk each way (one way
+    with ``reduce_only``, as for those terms).
+    """
     busiest, fill, degree = terms
     chunks = max(1, math.ceil(nbytes / max(1, chunk_bytes)))
     wire = (busiest + fill * min(chunk_bytes, nbytes)) / executor.efficiency
-    return wire + chunks * degree * 2 * executor.chunk_overhead
+    return wire + chunks * degree * (1 if reduce_only else 2) * executor.chunk_overhead
 
 
 def native_seconds(graph: nx.DiGraph, order: Sequence[str], nbytes: int, executor: Executor) -> float:

@@ -162,6 +162,11 @@ class PlannedAggregate:
     in ``after`` is (nearly) done, along ``path`` — and not before ``hold_until``: a
     synchronous round's aggregate waits that long for members expected later (listed
     again with them when they come), then leaves with those it has.
+
+    ``chunk_bytes > 0`` makes it *pipelined* (cut-through,
+    :mod:`~mlfabric.scheduler.policies.pipelined`): it may leave once every member has
+    started arriving, and forwards chunk ``i`` of its sum (``chunk_bytes`` each) as soon as
+    chunk ``i`` of every member is in; 0 (the default) is store-and-forward.
     """
 
     aggregate_id: str
@@ -172,6 +177,7 @@ class PlannedAggregate:
     after: tuple[str, ...] = ()
     path: tuple[str, ...] = ()
     hold_until: float = 0.0
+    chunk_bytes: int = 0
 
 
 @dataclass(frozen=True)

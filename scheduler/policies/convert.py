@@ -166,6 +166,7 @@ def _decision(
                 tuple(p for p in deps if p not in members),  # after
                 out.path if out is not None else (),  # path
                 0.0,  # hold_until
+                0,  # chunk_bytes: store-and-forward
             )
         )
     dropped = tuple(Drop(uid, reason) for uid, reason in sorted(drops.items()))

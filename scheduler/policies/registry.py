@@ -11,7 +11,9 @@ same object, horizon and re-plan trigger in both (DESIGN §4):
 * ``stf+agg`` — :class:`~mlfabric.scheduler.policies.aggregation.AggregationPolicy`
   (aggregation groups over the STF order, paper Fig. 6);
 * ``stf+tree`` — :class:`~mlfabric.scheduler.policies.tree_policy.TreePolicy` (multi-level
-  aggregation trees from the bandwidth graph: in-rack first, then across racks).
+  aggregation trees from the bandwidth graph: in-rack first, then across racks); with
+  ``pipelined_aggregates``, synchronous rounds as pipelined (cut-through) trees
+  (:mod:`~mlfabric.scheduler.policies.pipelined`).
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ class PolicyOptions:
     scope : str
         The run aggregate ids belong to (``stf+agg``, ``stf+tree``: ``agg:<server>.<scope>:<n>``;
         empty: ``agg:<server>:<n>``).
+    pipelined_aggregates : bool
+        ``stf+tree``: plan synchronous rounds as pipelined aggregation trees (for executors
+        that forward an aggregate's chunks as its members' arrive).
     """
 
     horizon: int | None = DEFAULT_STF_HORIZON
     aggregators: tuple[str, ...] | None = None
     sync: bool = True
     scope: str = ""
+    pipelined_aggregates: bool = False
 
 
 class PolicySetup(NamedTuple):
@@ -81,7 +87,10 @@ def _stf_agg(options: PolicyOptions) -> PolicySetup:
 def _stf_tree(options: PolicyOptions) -> PolicySetup:
     from mlfabric.scheduler.policies.tree_policy import TreePolicy
 
-    return PolicySetup(TreePolicy(aggregators=options.aggregators, scope=options.scope), ReplanTrigger())
+    policy = TreePolicy(
+        aggregators=options.aggregators, scope=options.scope, pipelined=options.pipelined_aggregates
+    )
+    return PolicySetup(policy, ReplanTrigger())
 
 
 #: policy name -> builder
@@ -100,6 +109,7 @@ def make_policy(
     aggregators: Sequence[str] | None = None,
     sync: bool = True,
     scope: str = "",
+    pipelined_aggregates: bool = False,
 ) -> PolicySetup:
     """A fresh policy by name, with its re-plan trigger.
 
@@ -118,6 +128,9 @@ def make_policy(
         (default empty: ``agg:<server>:<n>``, deterministic for the simulator). The scheduler
         service passes a random incarnation per run: aggregate ids then never repeat across
         scheduler restarts, which the server daemons' de-duplication by id relies on.
+    pipelined_aggregates : bool
+        ``stf+tree``: synchronous rounds as pipelined aggregation trees (default off:
+        store-and-forward; the simulator's ``--pipelined-aggregates``).
 
     Returns
     -------
@@ -155,5 +168,6 @@ def make_policy(
         aggregators=tuple(aggregators) if aggregators is not None else None,
         sync=sync,
         scope=scope,
+        pipelined_aggregates=pipelined_aggregates,
     )
     return build(options)

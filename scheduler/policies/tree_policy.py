@@ -12,6 +12,7 @@ The service executes its nested aggregates through the daemons
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import networkx as nx
 
@@ -21,6 +22,7 @@ from mlfabric.scheduler.policies.aggregation import _stale
 from mlfabric.scheduler.policies.arrivals import ArrivalModel
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
+from mlfabric.scheduler.policies.pipelined import pipelined_schedule, plan_pipelined_round
 from mlfabric.scheduler.policies.planning import (
     aggregator_pool,
     collector_paused,
@@ -58,6 +60,12 @@ class TreePolicy:
         is planned once, with the members still to come, and followed as they arrive
         (:class:`~mlfabric.scheduler.policies.round_plans.RoundBook`); default: learned
         from the rounds seen (:class:`~mlfabric.scheduler.policies.arrivals.LearnedArrivals`).
+    pipelined : bool
+        Plan each synchronous round (``Snapshot.rounds``) as a *pipelined* aggregation tree
+        (:func:`~mlfabric.scheduler.policies.pipelined.plan_pipelined_round`: aggregates that
+        forward their sums chunk by chunk as their members arrive, ``PlannedAggregate.chunk_bytes``)
+        instead of :func:`plan_tree`'s store-and-forward one; other updates are planned as before.
+        For executors that pipeline (the simulator's ``--pipelined-aggregates``); default off.
 
     Examples
     --------
@@ -79,8 +87,10 @@ class TreePolicy:
         aggregators: Sequence[str] | None = None,
         scope: str = "",
         arrivals: ArrivalModel | None = None,
+        pipelined: bool = False,
     ) -> None:
         self.aggregators = tuple(aggregators) if aggregators is not None else None
+        self.pipelined = pipelined
         self.scope = scope
         self.rounds = RoundBook(arrivals)
         self._committed: dict[str, PlannedAggregate] = {}
@@ -146,9 +156,24 @@ class TreePolicy:
         self, snapshot: Snapshot, updates: Sequence[Update], pc: PathCache
     ) -> tuple[Schedule, dict[str, str], Decision]:
         """A synchronous round's plan, its expected members included (the round book's planner)."""
+        if self.pipelined:
+            return self._plan_pipelined(snapshot, updates, pc)
         schedule, busy = self._plan(snapshot, updates, pc)
         ids = name_aggregates(schedule, self.scope, self._count)
         return schedule, ids, self._named(schedule, busy)
+
+    def _plan_pipelined(
+        self, snapshot: Snapshot, updates: Sequence[Update], pc: PathCache
+    ) -> tuple[Schedule, dict[str, str], Decision]:
+        """A synchronous round as a pipelined tree: its aggregates carry the plan's chunk size."""
+        graph = snapshot.graph
+        pool = aggregator_pool(graph, self.aggregators, {u.dst for u in updates}, snapshot.aggregators)
+        tree = plan_pipelined_round(graph, updates, aggregators=pool, paths=pc)
+        schedule = pipelined_schedule(tree, graph, updates, paths=pc)
+        ids = name_aggregates(schedule, self.scope, self._count)
+        decision = self._named(schedule, [])
+        chunked = tuple(replace(a, chunk_bytes=tree.chunk_bytes) for a in decision.aggregates)
+        return schedule, ids, replace(decision, aggregates=chunked)
 
     def _keep_started(
         self, snapshot: Snapshot, by_id: dict[str, PendingUpdate], everyone: set[str], pc: PathCache

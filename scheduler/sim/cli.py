@@ -16,6 +16,8 @@ examples:
       --aggregation --iterations 3 --trace sim.json      # open in ui.perfetto.dev
   mlfabric simulate --preset two-tier --workers 31 --hosts-per-rack 8 --mode sync \\
       --model-mb 20 --model-broadcast tree --policy stf+tree   # the model down a relay tree
+  mlfabric simulate --preset two-tier --workers 7 --hosts-per-rack 4 --nic-gbps 0.1 \\
+      --mode sync --update-mb 4.5 --policy fair,stf+tree --pipelined-aggregates
 
 bandwidth schedule file (TOML), for --bandwidth-schedule:
   [[change]]
@@ -28,6 +30,7 @@ bandwidth schedule file (TOML), for --bandwidth-schedule:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -90,6 +93,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "SGD: it does not drop on tau_max), stf+tree (multi-level aggregation trees) (default fair,stf)",
     )
     w.add_argument("--mode", choices=["async", "sync"], default="async", help="SGD iteration model")
+    w.add_argument(
+        "--pipelined-aggregates",
+        action="store_true",
+        help="stf+tree plans each synchronous round as a pipelined (cut-through) aggregation tree "
+        "(chains to stars, per-rack trees joined across racks, scored by the all-reduce planner's "
+        "model: the most loaded link's time plus a chunk per hop) and the simulator forwards its "
+        "aggregates chunk by chunk as their members arrive (docs/pipelined-aggregation.md); its "
+        "rows are labelled stf+tree/pipelined (default: store-and-forward, an aggregate leaves "
+        "once every member is in whole)",
+    )
     w.add_argument("--aggregation", action="store_true", help="also run stf+agg (aggregation groups)")
     stop = w.add_mutually_exclusive_group()
     stop.add_argument("--iterations", type=int, help="pushes per worker (async) or iterations (sync)")
@@ -259,7 +272,27 @@ def _policies(args: argparse.Namespace) -> list[str]:
 def _make_policy(name: str, args: argparse.Namespace) -> Any:
     from mlfabric.scheduler.policies.registry import make_policy
 
-    return make_policy(name, horizon=args.stf_horizon, sync=args.mode == "sync")
+    return make_policy(
+        name,
+        horizon=args.stf_horizon,
+        sync=args.mode == "sync",
+        pipelined_aggregates=getattr(args, "pipelined_aggregates", False),
+    )
+
+
+def label(name: str, args: argparse.Namespace) -> str:
+    """A policy's row label: ``stf+tree/pipelined`` under ``--pipelined-aggregates``.
+
+    Examples
+    --------
+    >>> label("stf+tree", argparse.Namespace(pipelined_aggregates=True))
+    'stf+tree/pipelined'
+    >>> label("fair", argparse.Namespace(pipelined_aggregates=True))
+    'fair'
+    """
+    return (
+        f"{name}/pipelined" if name == "stf+tree" and getattr(args, "pipelined_aggregates", False) else name
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -325,9 +358,9 @@ def run(args: argparse.Namespace) -> int:
                 f"({s.decide_s:.1f} s deciding)",
                 file=sys.stderr,
             )
-        stats.append(s)
+        stats.append(dataclasses.replace(s, policy=label(name, args)))
         if args.trace is not None:
-            events += _trace(sim, name, i + 1)
+            events += _trace(sim, label(name, args), i + 1)
     print(format_table(stats))
     if args.trace is not None:
         from mlfabric.scheduler.core.trace import write_trace

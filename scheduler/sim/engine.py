@@ -17,7 +17,8 @@ system (DESIGN §3):
 * **aggregator hops** (paper Fig. 6): a send whose next hop is not the server carries
   its update to the aggregator named by one of the decision's ``aggregates``; once all
   members are in (and its ``after`` are done), the runner releases the aggregate (one
-  update's size) and it goes on to the server;
+  update's size) and it goes on to the server; a pipelined one (``chunk_bytes``) once all
+  have started arriving, as they arrive (:mod:`~mlfabric.scheduler.sim.pipelines`);
 * **the server**: applies payloads in arrival order; the model version goes up by one
   per applied update or aggregate (or once per iteration, for synchronous SGD); an
   update whose delay (version at apply - base version) exceeds ``tau_max`` is dropped
@@ -54,9 +55,11 @@ from mlfabric.scheduler.policies.dispatch import BatchWindow, Dispatcher, Replan
 from mlfabric.scheduler.policies.runner import DecisionError, DecisionRunner
 from mlfabric.scheduler.sim.broadcast import TreeBroadcast
 from mlfabric.scheduler.sim.fluid import FluidNetwork
+from mlfabric.scheduler.sim.pipelines import Pipelines
+from mlfabric.scheduler.sim.tracing import FlowRecord
 from mlfabric.scheduler.sim.workload import BandwidthChange
 
-__all__ = ["FlowRecord", "IterationModel", "SimulationError", "Simulator", "UpdateRecord"]
+__all__ = ["IterationModel", "SimulationError", "Simulator", "UpdateRecord"]
 
 APPLIED = "applied"
 DROPPED = "dropped"
@@ -84,19 +87,6 @@ class UpdateRecord:
     def completion_time(self) -> float:
         """Ready to arrival at the server (NaN unless it arrived)."""
         return self.arrived_at - self.ready_at
-
-
-@dataclass(frozen=True)
-class FlowRecord:
-    """One finished transfer: its links and its rate over time (for traces and checks)."""
-
-    flow_id: str
-    kind: str  # "update", "aggregate" or "model"
-    path: tuple[str, ...]
-    bytes: float
-    start: float
-    end: float
-    rates: tuple[tuple[float, float], ...]  # (from time, rate) steps
 
 
 class IterationModel(Protocol):
@@ -329,6 +319,7 @@ class Simulator:
         self.iteration.start(self)
         net, heap = self._net, self._heap
         while True:
+            self._pipes.refresh()  # pipelined aggregates' caps from their members' rates
             t_net = net.next_completion()
             t_ev = heap[0][0] if heap else math.inf
             t = min(t_net, t_ev)
@@ -368,6 +359,7 @@ class Simulator:
         self._now = 0.0
         on_rate = self._log_rate if self.record_flows else None
         self._net: FluidNetwork[tuple[str, str], str] = FluidNetwork(capacity, on_rate=on_rate)
+        self._pipes: Pipelines = Pipelines(self._net, on_rate)
         self._heap: list[tuple[float, int, int, Callable[[], object]]] = []
         self._seq = 0
         self._policy_graph = self.graph
@@ -502,9 +494,17 @@ class Simulator:
         self._made[agg.aggregate_id] = agg
         self.aggregates.append(Aggregate(agg.aggregate_id, agg.aggregator, agg.members, nbytes, agg.dst))
         path = agg.path or self._path(agg.aggregator, agg.dst)
-        if self.runner.aggregate_of(agg.aggregate_id) is not None:  # summed into another aggregate
-            self._to_aggregator.add(agg.aggregate_id)
-        self._start_flow(agg.aggregate_id, "aggregate", path, nbytes)
+        self._towards(agg.aggregate_id)  # summed into another aggregate?
+        self._start_flow(agg.aggregate_id, "aggregate", path, nbytes, agg)
+
+    def _towards(self, pid: str) -> None:
+        """Payload ``pid`` leaves now; into a pipelined aggregate, it counts in once it starts."""
+        of = self.runner.aggregate_of(pid)
+        if of is not None:
+            self._to_aggregator.add(pid)
+            if of.chunk_bytes:
+                self.runner.arrived(pid)
+                self._schedule(self._now, 0, self._release)
 
     def _start_update(self, send: Send) -> None:
         uid = send.update_id
@@ -514,16 +514,17 @@ class Simulator:
             raise SimulationError(
                 f"send of '{uid}': path {path} does not run {update.src_host}->{send.next_hop}"
             )
-        if self.runner.aggregate_of(uid) is not None:
-            self._to_aggregator.add(uid)
-        elif send.next_hop != update.dst_host:
+        self._towards(uid)
+        if uid not in self._to_aggregator and send.next_hop != update.dst_host:
             raise SimulationError(
                 f"send of '{uid}' goes to '{send.next_hop}', which aggregates nothing for it"
             )
         self._rec[uid].released_at = self._now
         self._start_flow(uid, "update", path, float(update.bytes))
 
-    def _start_flow(self, fid: str, kind: str, path: tuple[str, ...], nbytes: float) -> None:
+    def _start_flow(
+        self, fid: str, kind: str, path: tuple[str, ...], nbytes: float, agg: PlannedAggregate | None = None
+    ) -> None:
         links = list(itertools.pairwise(path))
         for link in links:
             if not self.graph.has_edge(*link):
@@ -531,7 +532,10 @@ class Simulator:
         self._inflight[fid] = (kind, path, nbytes, self._now)
         if kind != "model":
             self._moving[fid] = InFlight(fid, self.job, self.server, path, int(nbytes), self._now, math.inf)
-        self._net.add(fid, links, nbytes)
+        if agg is not None and agg.chunk_bytes:
+            self._pipes.start(fid, agg.members, links, nbytes, agg.chunk_bytes)
+        else:
+            self._net.add(fid, links, nbytes)
         if self.record_flows:
             self._rate_log[fid] = []
 
@@ -543,6 +547,8 @@ class Simulator:
     # -- internals: the network and the server ---------------------------------------
     def _flow_done(self, fid: str) -> bool:
         """Transfer ``fid`` left its last link; True if it was an update or an aggregate."""
+        if self._pipes and self._pipes.ended(fid):  # a pipelined aggregate's body: its tail waits
+            return False
         kind, path, nbytes, t0 = self._inflight.pop(fid)
         if self.record_flows:
             self.flows.append(

@@ -31,6 +31,11 @@ component; model transfers from the server (its egress) are another.
 Each flow's expected end (at its current rate) is kept per flow and updated when its rate
 changes, and the earliest of them is cached until a flow starts, ends or changes rate, so
 an event that touches no transfer costs no work over the flows.
+
+A flow may have a rate *cap* (:meth:`FluidNetwork.set_cap`: a pipelined aggregate moves no
+faster than its members' bytes arrive, :mod:`~mlfabric.scheduler.sim.pipelines`): the filling
+sees it as a private link of that capacity crossed by the flow alone. Without caps the
+filling is the same arithmetic as before.
 """
 
 from __future__ import annotations
@@ -156,6 +161,8 @@ class FluidNetwork(Generic[Link, FlowId]):
         self._links_at: list[tuple[int, ...]] = [()] * size
         self._hops = np.full((size, 4), -1, dtype=np.int64)  # link numbers per slot, -1 padded
         self._end = np.full(size, math.inf)  # expected end at the current rate
+        self._cap = np.full(size, math.inf)  # rate caps (inf: none)
+        self._capped = 0  # active flows with a finite cap
         self._free: list[int] = list(range(size - 1, -1, -1))
         self._started = 0
         self._dirty: set[int] = set()  # links whose flows or capacity changed since the last refill
@@ -210,8 +217,8 @@ class FluidNetwork(Generic[Link, FlowId]):
         return float(sum(self._rate[s] for s in self._slot_of.values() if i in self._links_at[s]))
 
     # -- changes -----------------------------------------------------------------------
-    def add(self, flow: FlowId, links: Iterable[Link], nbytes: float) -> None:
-        """Start ``flow`` of ``nbytes`` over ``links`` at :attr:`now`.
+    def add(self, flow: FlowId, links: Iterable[Link], nbytes: float, cap: float = math.inf) -> None:
+        """Start ``flow`` of ``nbytes`` over ``links`` at :attr:`now` (at most ``cap`` bytes/s).
 
         Raises
         ------
@@ -247,12 +254,34 @@ class FluidNetwork(Generic[Link, FlowId]):
         if path:
             self._dirty.update(path)
             self._union(path)
+        if cap != math.inf:
+            self.set_cap(flow, cap)
 
     def remove(self, flow: FlowId) -> float:
         """Stop ``flow`` now; returns the bytes it had left."""
         left = self.remaining(flow)
         self._release(self._slot_of[flow])
         return left
+
+    def set_cap(self, flow: FlowId, cap: float) -> None:
+        """Limit ``flow``'s rate to ``cap`` bytes/s from :attr:`now` on (``inf``: no limit).
+
+        Examples
+        --------
+        >>> net = FluidNetwork({"l": 1.0})
+        >>> net.add("a", ["l"], 1.0); net.add("b", ["l"], 1.0); net.set_cap("a", 0.25)
+        >>> net.rate("a"), net.rate("b")
+        (0.25, 0.75)
+        """
+        if cap < 0:
+            raise ValueError(f"flow {flow!r}: cap must be >= 0, got {cap}")
+        i = self._slot_of[flow]
+        old = float(self._cap[i])
+        if old == cap:
+            return
+        self._capped += int(cap != math.inf) - int(old != math.inf)
+        self._cap[i] = cap
+        self._dirty.update(self._links_at[i])
 
     def set_capacity(self, link: Link, capacity: float) -> None:
         """Change ``link``'s capacity from :attr:`now` on (a dynamic cluster)."""
@@ -325,6 +354,9 @@ class FluidNetwork(Generic[Link, FlowId]):
         self._flow_at[i] = None
         self._active[i] = False
         self._end[i] = math.inf
+        if self._cap[i] != math.inf:
+            self._cap[i] = math.inf
+            self._capped -= 1
         self._next = None
         if self._links_at[i]:
             self._dirty.update(self._links_at[i])
@@ -335,9 +367,9 @@ class FluidNetwork(Generic[Link, FlowId]):
     def _grow(self) -> None:
         old = len(self._active)
         new = 2 * old
-        for name in ("_remaining", "_rate", "_since", "_order", "_active", "_end"):
+        for name in ("_remaining", "_rate", "_since", "_order", "_active", "_end", "_cap"):
             arr = getattr(self, name)
-            grown = np.full(new, math.inf) if name == "_end" else np.zeros(new, dtype=arr.dtype)
+            grown = np.full(new, math.inf) if name in ("_end", "_cap") else np.zeros(new, dtype=arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
         hops = np.full((new, self._hops.shape[1]), -1, dtype=np.int64)
@@ -404,7 +436,13 @@ class FluidNetwork(Generic[Link, FlowId]):
         in_use = np.zeros(len(self._capacity), dtype=bool)
         in_use[links] = True
         number = np.cumsum(in_use) - 1  # the links in use, renumbered 0.. (no sort)
-        new = water_fill(self._capacity[in_use], flow_of, number[links], len(slots))
+        capacity, link_of = self._capacity[in_use], number[links]
+        if self._capped:  # each capped flow: a private link of its cap, after the links in use
+            capped = np.flatnonzero(np.isfinite(self._cap[slots]))
+            flow_of = np.concatenate([flow_of, capped])
+            link_of = np.concatenate([link_of, len(capacity) + np.arange(len(capped))])
+            capacity = np.concatenate([capacity, self._cap[slots][capped]])
+        new = water_fill(capacity, flow_of, link_of, len(slots))
         idx = slots
         old = self._rate[idx]
         changed = new != old

@@ -1,8 +1,8 @@
 """A simulated run as a :class:`~mlfabric.scheduler.core.schedule.Schedule` (traces and checks).
 
-The fluid network records every transfer's rate over time
-(:class:`~mlfabric.scheduler.sim.engine.FlowRecord`). :func:`flows_to_schedule` turns the
-records into a schedule whose reservations are those rates on every link of each path:
+The fluid network records every transfer's rate over time (:class:`FlowRecord`, kept by
+:class:`~mlfabric.scheduler.sim.engine.Simulator`). :func:`flows_to_schedule` turns the records
+into a schedule whose reservations are those rates on every link of each path:
 the same shape every planner produces, so the invariant checker
 (:func:`~mlfabric.scheduler.core.checker.check_schedule`) can verify a simulation and the trace
 writer (:mod:`mlfabric.scheduler.core.trace`) can draw it, one track per link.
@@ -12,11 +12,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mlfabric.scheduler.core.schedule import Aggregate, Reservation, Schedule, Transfer
-from mlfabric.scheduler.sim.engine import FlowRecord
 
-__all__ = ["flows_to_schedule"]
+__all__ = ["FlowRecord", "flows_to_schedule"]
+
+
+@dataclass(frozen=True)
+class FlowRecord:
+    """One finished transfer: its links and its rate over time (for traces and checks)."""
+
+    flow_id: str
+    kind: str  # "update", "aggregate" or "model"
+    path: tuple[str, ...]
+    bytes: float
+    start: float
+    end: float
+    rates: tuple[tuple[float, float], ...]  # (from time, rate) steps
 
 
 def flows_to_schedule(

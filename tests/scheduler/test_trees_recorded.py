@@ -45,7 +45,9 @@ FIXTURE = Path(__file__).with_name("tree_plans.json")
 
 
 def digest(obj: object) -> str:
-    return hashlib.sha256(repr(obj).encode()).hexdigest()[:16]
+    # decisions' aggregates gained ``chunk_bytes`` after the recording (pipelined aggregates):
+    # 0, store-and-forward, is what the code recorded did, so it is left out of the repr
+    return hashlib.sha256(repr(obj).replace(", chunk_bytes=0)", ")").encode()).hexdigest()[:16]
 
 
 def nics(n: int, rng: random.Random) -> dict[str, float]:
