@@ -157,7 +157,10 @@ class TreePolicy:
     ) -> tuple[Schedule, dict[str, str], Decision]:
         """A synchronous round's plan, its expected members included (the round book's planner)."""
         if self.pipelined:
-            return self._plan_pipelined(snapshot, updates, pc)
+            try:
+                return self._plan_pipelined(snapshot, updates, pc)
+            except ValueError:  # no pipelined tree (a host with several updates may not sum them)
+                pass  # the round goes store-and-forward
         schedule, busy = self._plan(snapshot, updates, pc)
         ids = name_aggregates(schedule, self.scope, self._count)
         return schedule, ids, self._named(schedule, busy)

@@ -107,8 +107,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--pipelined-aggregates",
         action="store_true",
         help="stf+agg, stf+tree: the daemons forward each piece of an aggregate's sum as soon as that "
-        "piece of every member is in (cut-through), instead of once the members are whole; raw "
-        "float32 updates only, others are summed store-and-forward (docs/aggregation-trees.md)",
+        "piece of every member is in (cut-through), instead of once the members are whole (raw "
+        "float32 updates; others are summed store-and-forward); stf+tree plans synchronous rounds "
+        "as pipelined trees for it (docs/pipelined-aggregation.md)",
     )
     parser.add_argument(
         "--replica-grace",
@@ -192,7 +193,12 @@ def _fail(message: str) -> int:
 
 
 def build_policy(
-    name: str, stf_horizon: int = DEFAULT_STF_HORIZON, *, sync: bool = False, incarnation: str = ""
+    name: str,
+    stf_horizon: int = DEFAULT_STF_HORIZON,
+    *,
+    sync: bool = False,
+    incarnation: str = "",
+    pipelined: bool = False,
 ) -> PolicySetup:
     """The policy named ``name`` and its re-plan trigger, from the one policy factory.
 
@@ -208,6 +214,8 @@ def build_policy(
         This scheduler run's id (``run`` draws a random one): the scope of its aggregate ids
         (``agg:<server>.<incarnation>:<n>``), so a restarted scheduler never reuses an id a
         server daemon already answered.
+    pipelined : bool
+        For ``stf+tree``: synchronous rounds planned as pipelined trees (``--pipelined-aggregates``).
 
     Returns
     -------
@@ -240,7 +248,9 @@ def build_policy(
             f"policy '{name}' plans aggregates, which the service does not execute yet "
             f"(service policies: {', '.join(SERVICE_POLICIES)})"
         )
-    return make_policy(name, horizon=stf_horizon, sync=sync, scope=incarnation)
+    return make_policy(
+        name, horizon=stf_horizon, sync=sync, scope=incarnation, pipelined_aggregates=pipelined
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,7 +259,11 @@ def run(args: argparse.Namespace) -> int:
         graph = _graph(args)
         incarnation = secrets.token_hex(4)  # this run's aggregate ids: never reused after a restart
         setup = build_policy(
-            args.policy, args.stf_horizon, sync=args.aggregate_plan == "sync", incarnation=incarnation
+            args.policy,
+            args.stf_horizon,
+            sync=args.aggregate_plan == "sync",
+            incarnation=incarnation,
+            pipelined=args.pipelined_aggregates,
         )
     except ValueError as exc:  # TopologyError and ConfigError are ValueErrors
         return _fail(str(exc))

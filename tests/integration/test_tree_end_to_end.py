@@ -208,6 +208,7 @@ def test_pipelined_trees_resolve_exactly_once(sync: int, scheduler_args: list[st
         cluster.stop()
 
     results, _served, members = read_outcome(out, WORKERS, PUSHES_PER_WORKER)
+    assert "scheduler core failed" not in (tmp_path / "run" / "logs" / "scheduler.log").read_text()
     assert any(r["ok"] for r in summed), "no aggregate was made at ax or bx"
     roles = _roles_module()
     expected = {k: v.astype(np.float32) for k, v in roles.initial_model().items()}

@@ -17,7 +17,10 @@ from mlfabric.scheduler.core.checker import ScheduleError, check_schedule
 from mlfabric.scheduler.core.graph import PathCache, star, two_tier
 from mlfabric.scheduler.core.schedule import Aggregate, Schedule, Transfer, Update
 from mlfabric.scheduler.policies.allreduce_model import tree_terms, tree_time
+from mlfabric.scheduler.policies.base import Snapshot
 from mlfabric.scheduler.policies.pipelined import pipelined_schedule, plan_pipelined_round
+from mlfabric.scheduler.policies.registry import make_policy
+from mlfabric.scheduler.policies.tree_policy import TreePolicy
 
 MB = 1_000_000
 
@@ -121,3 +124,17 @@ def test_bad_rounds_are_refused() -> None:
         plan_pipelined_round(g, [*ups, Update("v", "h1", "h0", MB)])
     with pytest.raises(ValueError, match="at least one"):
         plan_pipelined_round(g, [])
+
+
+def test_a_round_without_a_pipelined_tree_is_planned_store_and_forward() -> None:
+    """Two updates at a host that may not sum them: no pipelined tree, the round still gets a plan."""
+    policy = make_policy("stf+tree", sync=True, pipelined_aggregates=True).policy
+    assert isinstance(policy, TreePolicy)
+    g = star(["ps", "a", "b"], 1e6)
+    ups = [Update("a/1", "a", "ps", MB), Update("a/2", "a", "ps", MB), Update("b/1", "b", "ps", MB)]
+    with pytest.raises(ValueError, match="may not aggregate"):
+        plan_pipelined_round(g, ups, aggregators=())
+    snap = Snapshot(0.0, g, aggregators=frozenset())
+    schedule, _, decision = policy._plan_round(snap, ups, PathCache(g))
+    assert {"a/1", "a/2", "b/1"} <= {t.payload_id for t in schedule.transfers}
+    assert all(a.chunk_bytes == 0 for a in decision.aggregates)

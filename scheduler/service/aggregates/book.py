@@ -278,7 +278,8 @@ class AggregateBook:
         # a member its source reported in (summed); the others (a member that joined after an
         # earlier announcement) once their sources report. Pipelined: every member sent, as
         # the aggregator announces once all have begun to arrive and sums them as they land
-        arrived = (Stage.IN, Stage.SENT) if self.ledger.pipelined else (Stage.IN,)
+        pipelined = self.ledger.pipelined or e.planned.chunk_bytes > 0
+        arrived = (Stage.IN, Stage.SENT) if pipelined else (Stage.IN,)
         for m, stage in e.stage.items():
             if stage in arrived:
                 self.runner.arrived(m)

@@ -204,7 +204,7 @@ class Ledger:
             timeout_seconds=self.timeout,
             allow_non_finite=job is not None and job.params.allow_non_finite,
             dst_aggregate_id=e.parent,
-            pipelined=self.pipelined,
+            pipelined=self.pipelined or e.planned.chunk_bytes > 0,
         )
         e.issued = e.listed()
         e.deadline = now + self.timeout + GRACE
