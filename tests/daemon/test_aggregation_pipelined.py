@@ -181,3 +181,25 @@ def test_members_that_are_not_float32_are_summed_store_and_forward(
     assert scheduler.ready_for(agg_id) is None  # member 1 is not whole yet
     _finish(socks[1], members[1][1], half)
     wait_until(lambda: scheduler.ready_for(agg_id))
+
+
+def test_a_member_joins_a_pipelined_aggregate_before_its_sum_begins(
+    cluster: dict[str, Any], scheduler: AggScheduler
+) -> None:
+    """A round re-issues its aggregate with one more member while the first two land."""
+    members = [_member(i) for i in range(3)]
+    agg_id = "agg:job:p3"
+    _directive(scheduler, agg_id, [h for h, _ in members[:2]])
+    half = (N * 4) // 2
+    socks = [_begin(scheduler, h, p, agg_id, half) for h, p in members[:2]]
+    wait_until(lambda: scheduler.ready_for(agg_id))  # both listed members have begun
+    _directive(scheduler, agg_id, [h for h, _ in members])  # the third joins: open again
+    socks.append(_begin(scheduler, members[2][0], members[2][1], agg_id, half))
+    wait_until(lambda: len([r for r in scheduler.ready if r.update_id == agg_id]) == 2)
+    assert scheduler.ready[-1].norm == 6.0
+    _forward(scheduler, agg_id)
+    for s, (_, p) in zip(socks, members, strict=True):
+        _finish(s, p, half)
+    report = wait_until(lambda: scheduler.report_for(agg_id))[0]
+    assert report.ok and report.outcome == APPLIED and len(report.member_verdicts) == 3
+    np.testing.assert_array_equal(cluster["server"].model["w"], np.full(N, -6.0, dtype=np.float32))

@@ -209,14 +209,12 @@ class AggregatorRole(Role):
         ready = None
         with agg.lock:
             if agg.stream is not None and members and set(members) != set(agg.members):
-                # the sum is under way over the listed members: it cannot take or lose one
-                self._abandon(
-                    agg,
-                    f"aggregate {agg.aggregate_id} re-issued with other members "
-                    "while its pipelined sum was under way",
-                    notify=True,
-                )
-                return
+                # members still to come may join or leave until the first piece of the sum is made
+                begun = [m for m in agg.members if m not in members and agg.stream.begun(m)]
+                if begun or agg.state == "forwarding" or not agg.stream.relist(members):
+                    why = f"without {begun}, which began to arrive" if begun else "once its sum had begun"
+                    self._abandon(agg, f"aggregate {agg.aggregate_id} re-issued {why}", notify=True)
+                    return
             if agg.state == "ready" and members and set(members) > set(agg.members):
                 agg.state = "collecting"  # a member joins before the aggregate leaves: open again
             if agg.state != "collecting":

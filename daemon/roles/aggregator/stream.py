@@ -113,6 +113,19 @@ class SumStream:
             self._changed.notify_all()
             return all(m in self._views for m in self.members)
 
+    def relist(self, members: Iterable[str]) -> bool:
+        """Wait for ``members`` instead (a re-issued directive); False once any of the sum was computed.
+
+        Those that have begun must stay listed (the caller checks): only members still to come
+        may join or leave.
+        """
+        with self._changed:
+            if self._done:
+                return False
+            self.members = tuple(members)
+            self._changed.notify_all()
+            return True
+
     def begun(self, member: str) -> bool:
         """Whether ``member`` has begun to arrive."""
         with self._changed:
