@@ -156,7 +156,7 @@ class UnregisterRole(_message.Message):
     def __init__(self, job: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
-    __slots__ = ("update_id", "job", "server", "worker", "bytes", "norm", "base_version", "ready_at", "resent", "codec", "cpu_load")
+    __slots__ = ("update_id", "job", "server", "worker", "bytes", "norm", "base_version", "ready_at", "resent", "codec", "cpu_load", "members")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class UpdateReady(_message.Message):
     RESENT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CPU_LOAD_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     job: str
     server: str
@@ -179,7 +180,8 @@ class UpdateReady(_message.Message):
     resent: bool
     codec: str
     cpu_load: float
-    def __init__(self, update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., ready_at: _Optional[float] = ..., resent: _Optional[bool] = ..., codec: _Optional[str] = ..., cpu_load: _Optional[float] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, update_id: _Optional[str] = ..., job: _Optional[str] = ..., server: _Optional[str] = ..., worker: _Optional[str] = ..., bytes: _Optional[int] = ..., norm: _Optional[float] = ..., base_version: _Optional[int] = ..., ready_at: _Optional[float] = ..., resent: _Optional[bool] = ..., codec: _Optional[str] = ..., cpu_load: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TransferReport(_message.Message):
     __slots__ = ("update_id", "src_host", "dst_host", "bytes", "start", "end", "throughput", "ok", "error", "outcome", "delay", "server_version", "reason", "member_verdicts")

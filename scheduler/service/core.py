@@ -398,7 +398,7 @@ class SchedulerCore:
 
     def _update_ready(self, session: DaemonSession, m: pb.UpdateReady) -> None:
         if not m.worker and is_aggregate_id(m.update_id):  # an aggregator: all members in
-            self._execute(self.aggregates.ready(session.host, m.update_id))
+            self._execute(self.aggregates.ready(session.host, m.update_id, tuple(m.members)))
             self.release()
             return
         self.recorder.updates_ready += 1

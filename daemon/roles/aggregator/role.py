@@ -496,6 +496,7 @@ class AggregatorRole(Role):
             base_version=h.base_version,
             ready_at=self._clock(),
             codec=agg.acc.codec if isinstance(agg.acc, EncodedSum) else "",
+            members=list(agg.members) if agg.stream is not None else [],
         )
 
     def _announce_ready(self, ready: Any) -> None:

@@ -262,8 +262,11 @@ class AggregateBook:
         """Whether a report on ``update_id`` is about a send to an aggregator."""
         return self.ledger.is_member_send(update_id)
 
-    def ready(self, host: str, aggregate_id: str) -> Effects:
-        """The aggregator on ``host`` announced ``aggregate_id``: every member is in."""
+    def ready(self, host: str, aggregate_id: str, begun: tuple[str, ...] = ()) -> Effects:
+        """The aggregator on ``host`` announced ``aggregate_id``: every member is in.
+
+        Pipelined, every member in ``begun`` has begun to arrive (and counts as in from now).
+        """
         out = Effects()
         e = self.executions.get(aggregate_id)
         if e is not None and e.planned.aggregator == host and e.forwarded:
@@ -276,15 +279,12 @@ class AggregateBook:
         e.ready = True
         e.deadline = math.inf  # released once its ``after`` transfers are done
         # a member its source reported in (summed); the others (a member that joined after an
-        # earlier announcement) once their sources report. Pipelined: every member sent, as
-        # the aggregator announces once all have begun to arrive and sums them as they land
+        # earlier announcement) once their sources report. Pipelined: also every member the
+        # announcement says has begun to arrive (it sums them as they land)
         pipelined = self.ledger.pipelined or e.planned.chunk_bytes > 0
-        arrived = (Stage.IN, Stage.SENT) if pipelined else (Stage.IN,)
-        for m, stage in e.stage.items():
-            if stage in arrived:
-                self.runner.arrived(m)
-        for m, stage in e.nested.items():  # member aggregates reported summed (or sent) here
-            if stage in arrived:
+        landing = set(begun) if pipelined else set()
+        for m, stage in [*e.stage.items(), *e.nested.items()]:  # nested: member aggregates
+            if stage is Stage.IN or (stage is Stage.SENT and m in landing):
                 self.runner.arrived(m)
         return out
 
