@@ -439,12 +439,14 @@ class SchedulerCore:
         shared = self.state.sharing(result.update_id, now)
         book = self.aggregates
         if is_aggregate_id(m.update_id) or book.is_member_send(m.update_id):
+            # a pipelined forward moves as its members land: its time measures them, not its path
+            streamed = is_aggregate_id(m.update_id) and book.pipelined(m.update_id)
             if is_aggregate_id(m.update_id):
                 effects = book.aggregate_report(m, host, now)
             else:
                 effects = book.member_report(result, now)
             f = effects.closed
-            if f is not None and result.end > result.start:
+            if f is not None and result.end > result.start and not streamed:
                 self._measured(f.path, result.bytes, result.end - result.start, now, shared)
             self._execute(effects)
             self.release()

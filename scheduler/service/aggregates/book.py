@@ -258,6 +258,11 @@ class AggregateBook:
 
     # ----------------------------------------------------------------- events
 
+    def pipelined(self, aggregate_id: str) -> bool:
+        """Whether ``aggregate_id`` (on its way) is pipelined: its forward streams as its members land."""
+        e = self.executions.get(aggregate_id)
+        return e is not None and (self.ledger.pipelined or e.planned.chunk_bytes > 0)
+
     def is_member_send(self, update_id: str) -> bool:
         """Whether a report on ``update_id`` is about a send to an aggregator."""
         return self.ledger.is_member_send(update_id)
@@ -281,8 +286,7 @@ class AggregateBook:
         # a member its source reported in (summed); the others (a member that joined after an
         # earlier announcement) once their sources report. Pipelined: also every member the
         # announcement says has begun to arrive (it sums them as they land)
-        pipelined = self.ledger.pipelined or e.planned.chunk_bytes > 0
-        landing = set(begun) if pipelined else set()
+        landing = set(begun) if self.pipelined(aggregate_id) else set()
         for m, stage in [*e.stage.items(), *e.nested.items()]:  # nested: member aggregates
             if stage is Stage.IN or (stage is Stage.SENT and m in landing):
                 self.runner.arrived(m)
