@@ -100,6 +100,12 @@ def _directive(sched: AggScheduler, agg_id: str, headers: list[Any], pipelined: 
     sched.send("agg", control_pb2.Directive(aggregate=directive))
 
 
+def _directed(c: dict[str, Any], sched: AggScheduler, agg_id: str, headers: list[Any], **kw: Any) -> None:
+    """:func:`_directive`, waiting until the aggregator has it (frames may overtake it otherwise)."""
+    _directive(sched, agg_id, headers, **kw)
+    wait_until(lambda: c["daemons"]["agg"].aggregator.owns(agg_id))
+
+
 def _begin(sched: AggScheduler, header: Any, payload: bytes, agg_id: str, upto: int) -> socket.socket:
     """Connect to the aggregator and send ``header`` and the first ``upto`` payload bytes."""
     header.aggregate_id = agg_id
@@ -129,7 +135,7 @@ def test_pipelined_aggregate_is_announced_as_members_begin_and_applied_once_with
 ) -> None:
     members = [_member(i) for i in range(3)]
     agg_id = "agg:job:p0"
-    _directive(scheduler, agg_id, [h for h, _ in members])
+    _directed(cluster, scheduler, agg_id, [h for h, _ in members])
     half = (N * 4) // 2
     socks = [_begin(scheduler, h, p, agg_id, half) for h, p in members]
     ready = wait_until(lambda: scheduler.ready_for(agg_id))  # every member has begun, none is whole
@@ -150,7 +156,7 @@ def test_member_breaking_off_fails_the_aggregate_and_nothing_is_applied(
 ) -> None:
     members = [_member(i) for i in range(2)]
     agg_id = "agg:job:p1"
-    _directive(scheduler, agg_id, [h for h, _ in members])
+    _directed(cluster, scheduler, agg_id, [h for h, _ in members])
     half = (N * 4) // 2
     socks = [_begin(scheduler, h, p, agg_id, half) for h, p in members]
     wait_until(lambda: scheduler.ready_for(agg_id))
@@ -174,7 +180,7 @@ def test_members_that_are_not_float32_are_summed_store_and_forward(
     """A float64 member is not summed on the fly: the aggregate is announced once both are whole."""
     members = [_member(i, "float64") for i in range(2)]
     agg_id = "agg:job:p2"
-    _directive(scheduler, agg_id, [h for h, _ in members])
+    _directed(cluster, scheduler, agg_id, [h for h, _ in members])
     half = (N * 8) // 2
     socks = [_begin(scheduler, h, p, agg_id, half) for h, p in members]
     _finish(socks[0], members[0][1], half)
@@ -189,7 +195,7 @@ def test_a_member_joins_a_pipelined_aggregate_before_its_sum_begins(
     """A round re-issues its aggregate with one more member while the first two land."""
     members = [_member(i) for i in range(3)]
     agg_id = "agg:job:p3"
-    _directive(scheduler, agg_id, [h for h, _ in members[:2]])
+    _directed(cluster, scheduler, agg_id, [h for h, _ in members[:2]])
     half = (N * 4) // 2
     socks = [_begin(scheduler, h, p, agg_id, half) for h, p in members[:2]]
     wait_until(lambda: scheduler.ready_for(agg_id))  # both listed members have begun
@@ -203,3 +209,22 @@ def test_a_member_joins_a_pipelined_aggregate_before_its_sum_begins(
     report = wait_until(lambda: scheduler.report_for(agg_id))[0]
     assert report.ok and report.outcome == APPLIED and len(report.member_verdicts) == 3
     np.testing.assert_array_equal(cluster["server"].model["w"], np.full(N, -6.0, dtype=np.float32))
+
+
+def test_a_forward_directed_before_its_members_begin_waits_for_them(
+    cluster: dict[str, Any], scheduler: AggScheduler
+) -> None:
+    """The scheduler releases a pipelined aggregate with its members' sends: it goes once they began."""
+    members = [_member(i) for i in range(2)]
+    agg_id = "agg:job:p4"
+    _directed(cluster, scheduler, agg_id, [h for h, _ in members])
+    _forward(scheduler, agg_id)
+    role = cluster["daemons"]["agg"].aggregator
+    wait_until(lambda: role._aggregates[agg_id].pending_send is not None)  # held, not refused
+    half = (N * 4) // 2
+    socks = [_begin(scheduler, h, p, agg_id, half) for h, p in members]
+    for s, (_, p) in zip(socks, members, strict=True):
+        _finish(s, p, half)
+    report = wait_until(lambda: scheduler.report_for(agg_id))[0]
+    assert report.ok and report.outcome == APPLIED and len(report.member_verdicts) == 2
+    np.testing.assert_array_equal(cluster["server"].model["w"], np.full(N, -3.0, dtype=np.float32))

@@ -27,9 +27,13 @@ sends one update's worth of bytes on to the server. The scheduler plans it; this
    (their sources still hold the payloads). A forward whose frame may have reached the server's
    daemon (it went away before answering) is never resent: the report says UNKNOWN, for the
    aggregate and each member.
+6. ``AggregateDirective.pipelined`` (docs/pipelined-aggregation.md): raw float32 members are
+   summed as they land (:mod:`.pipelined`, :mod:`.stream`), the aggregate is announced once
+   every member has begun, a send directive that comes earlier waits for that, and the
+   forward sends each piece of the sum once every member delivered it; a member that breaks
+   off fails the aggregate and cuts its forward off before the CRC trailer.
 
-All state is in memory; the scheduler stream ending abandons every aggregate (the scheduler
-forgets them too).
+All state is in memory; the scheduler stream ending abandons every aggregate.
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ from mlfabric.aggregators.codecs.payloadsum import EncodedSum
 from mlfabric.daemon.channels.frames import (
     FileSpan,
     Frame,
-    FrameHeader,
     PayloadWatch,
     error_header,
     non_finite_reason,
@@ -318,11 +321,7 @@ class AggregatorRole(Role):
     # ------------------------------------------------------------------ members
 
     def on_frame(self, frame: Frame) -> Response:
-        """A member's UPDATE frame (``header.aggregate_id`` set): sum it, ACK it; ERROR if it cannot be.
-
-        A pipelined aggregate's member is summed by its stream and its frame kept until the
-        aggregate's forward ends (:mod:`.stream`); any other frame is released here.
-        """
+        """A member's UPDATE frame: sum it (pipelined: keep it for the stream), ACK it; or ERROR."""
         response, kept = self._on_member(frame)
         if not kept:
             frame.release()
@@ -461,19 +460,7 @@ class AggregatorRole(Role):
 
     def _ack(self, h: Any, frame: Frame, refused: str = "") -> Response:
         """ACK a member: received (no outcome), or ``refused`` (DROPPED with that reason, not summed)."""
-        return Response(
-            FrameHeader(
-                kind=_ACK,
-                update_id=h.update_id,
-                aggregate_id=h.aggregate_id,
-                job=h.job,
-                server=h.server,
-                src_host=self.host,
-                receive_seconds=frame.stats.seconds,
-                outcome=_DROPPED if refused else control_pb2.OUTCOME_UNSPECIFIED,
-                reason=refused,
-            )
-        )
+        return Response(aggregate_tree.member_ack(h, self.host, frame.stats.seconds, refused))
 
     def _complete_if_in(self, agg: Aggregate) -> Any:
         """With ``agg.lock`` held: if every member is in (begun, pipelined), the UpdateReady to send."""
@@ -500,14 +487,17 @@ class AggregatorRole(Role):
         )
 
     def _announce_ready(self, ready: Any) -> None:
-        if not self._announce(ready):
-            with self._lock:
-                agg = self._aggregates.get(ready.update_id)
-            if agg is not None:
-                with agg.lock:
-                    self._abandon(
-                        agg, "scheduler not connected when the aggregate was complete", notify=False
-                    )
+        announced = self._announce(ready)
+        with self._lock:
+            agg = self._aggregates.get(ready.update_id)
+        if agg is None:
+            return
+        with agg.lock:
+            if not announced:
+                self._abandon(agg, "scheduler not connected when the aggregate was complete", notify=False)
+            send, agg.pending_send = agg.pending_send, None
+        if send is not None and announced:
+            self._submit(self.forward, send)  # directed before its members began: it goes now
 
     # ------------------------------------------------------------------ forwarding
 
@@ -524,6 +514,9 @@ class AggregatorRole(Role):
         with agg.lock:
             if agg.state == "forwarding":
                 return  # a repeated directive: the forward under way reports
+            if agg.pipelined and agg.state == "collecting":
+                agg.pending_send = send  # released with its members: it goes once they have begun
+                return
             if agg.state != "ready":
                 state = agg.state
                 self._abandon(agg, f"send directive while {state}", notify=False)

@@ -42,9 +42,9 @@ class Aggregate:
     summed: dict[str, list[Any]] = field(default_factory=dict)  # member id -> worker updates it brought
     pipelined: bool = False  # the directive's: forward the sum while the members land
     stream: SumStream | None = None  # pipelined, once its first member began (raw float32 members)
-    frames: list[Frame] = field(
-        default_factory=list
-    )  # a stream's members, received whole: kept until it ends
+    #: a stream's members, received whole: kept until it ends
+    frames: list[Frame] = field(default_factory=list)
+    pending_send: Any = None  # pipelined: a SendDirective that came before every member began
 
     def missing(self) -> list[str]:
         arrived = set(self.arrived)

@@ -35,7 +35,15 @@ from mlfabric.proto.v1 import control_pb2, dataplane_pb2
 if TYPE_CHECKING:
     from mlfabric.daemon.channels.peers import Delivery, Reply
 
-__all__ = ["carried", "fill_forward_report", "fill_parent_report", "fill_server_report", "flatten", "overlap"]
+__all__ = [
+    "carried",
+    "fill_forward_report",
+    "fill_parent_report",
+    "fill_server_report",
+    "flatten",
+    "member_ack",
+    "overlap",
+]
 
 _ACK = dataplane_pb2.FRAME_KIND_ACK
 _DROPPED = control_pb2.OUTCOME_DROPPED
@@ -231,3 +239,25 @@ def fill_forward_report(report: Any, delivery: Delivery, members: Iterable[Any],
     failure = delivery.failed_reason(f"forwarding {what}", host)
     report.ok, report.error = False, failure
     return failure
+
+
+def member_ack(h: Any, host: str, seconds: float, refused: str = "") -> Any:
+    """The ACK header for member frame ``h`` at ``host``: received, or ``refused`` (DROPPED, not summed).
+
+    Examples
+    --------
+    >>> from mlfabric.daemon.channels.frames import FrameHeader
+    >>> member_ack(FrameHeader(update_id="u", aggregate_id="agg:0"), "a0", 0.1, "NaN").outcome
+    2
+    """
+    return dataplane_pb2.FrameHeader(
+        kind=_ACK,
+        update_id=h.update_id,
+        aggregate_id=h.aggregate_id,
+        job=h.job,
+        server=h.server,
+        src_host=host,
+        receive_seconds=seconds,
+        outcome=_DROPPED if refused else control_pb2.OUTCOME_UNSPECIFIED,
+        reason=refused,
+    )

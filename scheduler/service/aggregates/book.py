@@ -203,6 +203,10 @@ class AggregateBook:
             return out
         self.state.release(uid, r.send.path, r.started_at, r.expected_end)
         self.ledger.member_sent(e, uid)
+        if self.pipelined(e.aggregate_id):
+            # its aggregator forwards each piece as the members land (a send directed before
+            # they began waits for them there): it may leave once every member is on its way
+            self.runner.arrived(uid)
         send = pb.SendDirective(
             update_id=uid,
             next_hop_host=planned.aggregator,
@@ -233,6 +237,8 @@ class AggregateBook:
             out += self.ledger.issue(pe, now)
             if pe.aggregate_id not in self.executions:  # issuing failed: e failed with it
                 return out
+            if self.pipelined(pe.aggregate_id):
+                self.runner.arrived(e.aggregate_id)  # as a member sent (send_member)
             next_hop = pe.planned.aggregator
         try:
             address = self.state.address(next_hop)
