@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
@@ -252,6 +252,9 @@ class Candidates:
         host -> its NIC rate (:func:`nic_rate`).
     hosts : dict
         participant -> host.
+    chains : dict
+        chain name (``"local"``, ``"rate"``) -> its order of the hosts' first participants (the
+        ``chain-*`` trees are paths over them).
     """
 
     trees: dict[str, dict[str, str | None]]
@@ -260,6 +263,7 @@ class Candidates:
     host_order: list[str]
     rate: dict[str, float]
     hosts: dict[str, str]
+    chains: dict[str, list[str]] = field(default_factory=dict)
 
     def host_rate(self, p: str) -> float:
         """The NIC rate of participant ``p``'s host."""
@@ -307,6 +311,7 @@ def candidate_trees(graph: nx.DiGraph, hosts: Mapping[str, str], pc: PathCache) 
         return rate[hosts[p]]
 
     candidates: dict[str, dict[str, str | None]] = {}
+    chains: dict[str, list[str]] = {}
     reps = [rep[h] for h in host_order]
     if len(reps) == 1:
         candidates["single"] = {reps[0]: None}
@@ -327,9 +332,10 @@ def candidate_trees(graph: nx.DiGraph, hosts: Mapping[str, str], pc: PathCache) 
                 roots = sorted((g[0] for g in groups), key=lambda p: (-host_rate(p), p))
                 top = _shapes(roots, host_rate).get(name, _heap(roots, 1))
                 candidates[f"rack-{name}"] = _join(top, inner)
-        for name, chain in _chain_orders(reps, hosts.__getitem__, pc, graph).items():
+        chains = _chain_orders(reps, hosts.__getitem__, pc, graph)
+        for name, chain in chains.items():
             candidates[f"chain-{name}"] = _path_tree(chain)
-    return Candidates(candidates, local, by_host, host_order, rate, dict(hosts))
+    return Candidates(candidates, local, by_host, host_order, rate, dict(hosts), chains)
 
 
 def plan_allreduce(

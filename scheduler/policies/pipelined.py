@@ -173,9 +173,16 @@ def plan_pipelined_round(
     hosts = {**workers, _ROOT: server}
     trees: dict[str, dict[str, str | None]] = {"direct": {_ROOT: None, **dict.fromkeys(workers, _ROOT)}}
     if workers:
-        for name, tree in candidate_trees(graph, workers, pc).trees.items():
+        candidates = candidate_trees(graph, workers, pc)
+        for name, tree in candidates.trees.items():
             top = next(p for p, q in tree.items() if q is None)
             trees[f"to-server:{name}"] = {_ROOT: None, **tree, top: _ROOT}
+        for name, order in candidates.chains.items():  # a chain into the server from either end
+            for end, chain in (("head", order), ("tail", order[::-1])):
+                trees[f"chain-{name}-{end}"] = {
+                    _ROOT: None,
+                    **dict(zip(chain, [_ROOT, *chain[:-1]], strict=True)),
+                }
         for name, tree in candidate_trees(graph, hosts, pc).trees.items():
             trees[f"rooted:{name}"] = _rerooted(tree, _ROOT)
     may = set(workers) if aggregators is None else set(aggregators)

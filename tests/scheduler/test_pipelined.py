@@ -10,6 +10,7 @@ direction once.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -75,6 +76,17 @@ def test_two_racks_each_uplink_direction_crossed_once() -> None:
     assert t.busiest == pytest.approx(1.0)
     # store-and-forward's optimum for 8 leaves + a summing server: 4 update times
     assert t.seconds < 0.5 * math.ceil(math.log2(9))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_two_racks_with_uneven_estimates_still_get_one_chain(seed: int) -> None:
+    """Estimated rates a few percent apart reorder the hosts: the chain keeps each rack together."""
+    g, ups = racks(per_rack=4)
+    rng = random.Random(seed)
+    for _, _, d in g.edges(data=True):
+        d["capacity"] *= rng.uniform(0.9, 1.0)
+    loads = link_payloads(plan_pipelined_round(g, ups), g, "ps")
+    assert max(loads.values()) == 1 and loads[("core", "ps")] == 1
 
 
 def test_schedule_passes_the_pipelined_checker_only() -> None:
