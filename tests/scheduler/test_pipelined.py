@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 
+import networkx as nx
 import pytest
 
 from mlfabric.scheduler.core.checker import ScheduleError, check_schedule
@@ -26,7 +27,7 @@ from mlfabric.scheduler.policies.tree_policy import TreePolicy
 MB = 1_000_000
 
 
-def racks(per_rack: int = 2, nic: float = 8e6) -> tuple[object, list[Update]]:
+def racks(per_rack: int = 2, nic: float = 8e6) -> tuple[nx.DiGraph, list[Update]]:
     """Two racks of ``per_rack`` hosts, uplinks at one NIC's rate, the server ``ps`` on the core."""
     g = two_tier(2, per_rack, nic, oversubscription=per_rack)
     g.add_node("ps", kind="host")
