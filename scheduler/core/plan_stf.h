@@ -59,6 +59,7 @@ typedef struct {
        taken into m so far: the rest are taken as the head reaches them (stf_take) */
     PyObject *pm;
     Py_ssize_t pq, pn;
+    char checked;    /* pm's members checked by set_up (else each as it is taken) */
     Py_ssize_t gate; /* the link whose group holds its head, -1: none */
     char ex_ok;      /* the head's latest computed ten: uid, stamp, end, rate pieces */
     Py_ssize_t ex_uid;
