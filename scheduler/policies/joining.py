@@ -27,6 +27,7 @@ bound does not grow with the joins.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -34,8 +35,9 @@ from dataclasses import replace
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
+from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import PendingUpdate, PlannedAggregate, Send, Snapshot
-from mlfabric.scheduler.policies.planning import reserve_in_flight, server_key
+from mlfabric.scheduler.policies.planning import reserve_in_flight, reserves_nothing, server_key
 
 __all__ = ["join_open"]
 
@@ -46,6 +48,7 @@ def join_open(
     server_of: Mapping[str, str],
     paths: PathCache,
     slack: float = 0.25,
+    timelines: Timelines | None = None,
 ) -> tuple[list[Send], dict[str, PlannedAggregate]]:
     """Let pending updates join the aggregates being gathered (see the module notes).
 
@@ -65,6 +68,11 @@ def join_open(
         ingress free of what is ahead of it) an update may still reach the aggregator (0:
         join only when the aggregate would wait anyway, work-conserving; default 0.25; 1:
         joining never costs more than sending directly).
+    timelines : Timelines, optional
+        :func:`~mlfabric.scheduler.policies.planning.reserve_in_flight` of
+        ``snapshot.in_flight`` (the caller's, left as it is): used, copied before a join is
+        reserved on it, where the aggregates joined reserve nothing there (the placeholders
+        of the aggregates being gathered), instead of reserving the transfers in flight again.
 
     Returns
     -------
@@ -116,7 +124,11 @@ def join_open(
     graph, now = snapshot.graph, snapshot.now
     open_ids = {a.aggregate_id for a in open_aggs}
     others = [f for f in snapshot.in_flight if f.update_id not in open_ids]
-    tls, _, _ = reserve_in_flight(graph, others, now)
+    gathered = (f for f in snapshot.in_flight if f.update_id in open_ids)
+    if timelines is not None and reserves_nothing(graph, gathered, now):
+        tls, mine = timelines, False
+    else:
+        tls, mine = reserve_in_flight(graph, others, now)[0], True
     free: dict[str, float] = {}
     ends: dict[str, float] = {}
     for f in others:
@@ -124,7 +136,11 @@ def join_open(
             continue
         free[f.path[-1]] = max(free.get(f.path[-1], now), f.expected_end)
         ends[f.update_id] = f.expected_end
-    members_in = {a.aggregate_id: max((ends.get(m, now) for m in a.members), default=now) for a in open_aggs}
+    # ends.get(m, now) per member, called by map (an aggregate gathers hundreds, issue 24)
+    members_in = {
+        a.aggregate_id: max(map(ends.get, a.members, itertools.repeat(now, len(a.members))), default=now)
+        for a in open_aggs
+    }
     ready_at = _ready_times(open_aggs, graph, paths, free, members_in, now)
     sends: list[Send] = []
     joined: dict[str, PlannedAggregate] = {}
@@ -155,6 +171,8 @@ def join_open(
         if best is None:
             continue
         _, aid, path = best
+        if not mine:  # (the caller's: a copy takes the joins)
+            tls, mine = tls.copy(), True
         t = tls.transfer(p.update_id, path, p.bytes, max(p.ready_at, now))
         agg = joined.get(aid) or next(a for a in open_aggs if a.aggregate_id == aid)
         joined[aid] = replace(agg, members=(*agg.members, p.update_id))

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import itertools
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 import networkx as nx
 
@@ -30,6 +30,7 @@ __all__ = [
     "core_updates",
     "name_aggregates",
     "reserve_in_flight",
+    "reserves_nothing",
     "run_scope",
     "server_key",
 ]
@@ -157,26 +158,55 @@ def reserve_in_flight(
     until: dict[str, float] = {}
     succ = graph._succ  # u -> {v: attributes}: graph.has_edge(u, v) without a call per link (issue 24)
     for f in sorted(in_flight, key=lambda f: (f.expected_end, f.update_id)):
-        end = f.expected_end
-        if now > end:  # max(expected_end, now)
-            end = now
-        if math.isinf(end):
+        got = _reservation(f, now, succ)
+        if got is None:
             continue
-        links = tuple(itertools.pairwise(f.path))
-        if not links:
-            continue
-        gone = False  # a link the graph no longer has
-        for a, b in links:
-            if b not in succ.get(a, ()):
-                gone = True
-                break
-        if gone:
-            continue
+        links, end = got
         tls.reserve_until(links, now, end, who=f.update_id)
         busy.append((f.update_id, links, end))
         if f.path[-1] in servers:
             until[f.path[-1]] = max(until.get(f.path[-1], now), end)
     return tls, busy, until
+
+
+def reserves_nothing(graph: nx.DiGraph, in_flight: Iterable[InFlight], now: float) -> bool:
+    """Whether :func:`reserve_in_flight` reserves nothing for any of ``in_flight``.
+
+    Leaving such transfers out of :func:`reserve_in_flight` makes the same timelines (e.g.
+    the placeholders of the aggregates being gathered: no path, no known end).
+
+    Examples
+    --------
+    >>> from mlfabric.scheduler.policies.base import InFlight
+    >>> g = nx.DiGraph([("h1", "h0", {"capacity": 1e9})])
+    >>> placeholder = InFlight("agg", "", "", (), 10, math.inf, math.inf)
+    >>> f = InFlight("u1", "j", "ps0", ("h1", "h0"), 10, 0.0, 2.0)
+    >>> reserves_nothing(g, [placeholder], 1.0), reserves_nothing(g, [placeholder, f], 1.0)
+    (True, False)
+    """
+    succ = graph._succ
+    return all(_reservation(f, now, succ) is None for f in in_flight)
+
+
+def _reservation(
+    f: InFlight, now: float, succ: Mapping[str, Mapping[str, object]]
+) -> tuple[tuple[Link, ...], float] | None:
+    """The links and end :func:`reserve_in_flight` reserves for ``f`` (None: nothing).
+
+    Nothing for a transfer with no finite end, no links, or a link the graph no longer has.
+    """
+    end = f.expected_end
+    if now > end:  # max(expected_end, now)
+        end = now
+    if math.isinf(end):
+        return None
+    links = tuple(itertools.pairwise(f.path))
+    if not links:
+        return None
+    for a, b in links:
+        if b not in succ.get(a, ()):
+            return None  # a link the graph no longer has
+    return links, end
 
 
 def run_scope(server: str, scope: str) -> str:
