@@ -313,7 +313,7 @@ static void release(STF *st) {
         Py_XDECREF(st->u[i].row);
     }
     for (Py_ssize_t i = 0; i < st->nl; i++) {
-        Py_XDECREF(st->l[i].key); /* NULL: a book link number not used */
+        Py_XDECREF(st->l[i].key);
         if (st->l[i].own) {
             Py_DECREF(st->l[i].times);
             Py_DECREF(st->l[i].residual);
@@ -338,6 +338,7 @@ static void release(STF *st) {
     PyMem_Free(st->heap);
     PyMem_Free(st->scratch);
     PyMem_Free(st->made);
+    PyMem_Free(st->slot_of);
     Py_XDECREF(st->uid_ix);
     Py_XDECREF(st->link_ix);
     Py_XDECREF(st->srv_ix);
@@ -511,14 +512,14 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
         release(&st);
         return NULL;
     }
-    if (st.ix_of != NULL) { /* a slot per book link number, made on first use */
-        Py_ssize_t n = PyList_GET_SIZE(st.link_list);
-        if (stf_grow((void **)&st.l, &st.lcap, n, sizeof(Lnk)) < 0) {
+    if (st.ix_of != NULL) { /* no slot yet for any book link number */
+        st.nbook = PyList_GET_SIZE(st.link_list);
+        st.slot_of = PyMem_Calloc((size_t)(st.nbook ? st.nbook : 1), sizeof(int32_t));
+        if (st.slot_of == NULL) {
+            PyErr_NoMemory();
             release(&st);
             return NULL;
         }
-        if (n) memset(st.l, 0, (size_t)n * sizeof(Lnk));
-        st.nl = n;
     }
     ok = set_up(&st, classes, shared == Py_None ? NULL : shared);
     if (ok <= 0) {
