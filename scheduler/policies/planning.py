@@ -14,6 +14,7 @@ import contextlib
 import gc
 import itertools
 import math
+import operator
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 import networkx as nx
@@ -156,13 +157,10 @@ def reserve_in_flight(
     tls = Timelines(graph, start=now)
     busy: list[Busy] = []
     until: dict[str, float] = {}
-    succ = graph._succ  # u -> {v: attributes}: graph.has_edge(u, v) without a call per link (issue 24)
-    for f in sorted(in_flight, key=lambda f: (f.expected_end, f.update_id)):
-        got = _reservation(f, now, succ)
-        if got is None:
-            continue
-        links, end = got
-        tls.reserve_until(links, now, end, who=f.update_id)
+    reserve = tls.reserve_until
+    in_order = sorted(in_flight, key=_BY_END)
+    for f, links, end in _reservations(in_order, now, graph._succ):
+        reserve(links, now, end, who=f.update_id)
         busy.append((f.update_id, links, end))
         if f.path[-1] in servers:
             until[f.path[-1]] = max(until.get(f.path[-1], now), end)
@@ -184,29 +182,35 @@ def reserves_nothing(graph: nx.DiGraph, in_flight: Iterable[InFlight], now: floa
     >>> reserves_nothing(g, [placeholder], 1.0), reserves_nothing(g, [placeholder, f], 1.0)
     (True, False)
     """
-    succ = graph._succ
-    return all(_reservation(f, now, succ) is None for f in in_flight)
+    return next(_reservations(in_flight, now, graph._succ), None) is None
 
 
-def _reservation(
-    f: InFlight, now: float, succ: Mapping[str, Mapping[str, object]]
-) -> tuple[tuple[Link, ...], float] | None:
-    """The links and end :func:`reserve_in_flight` reserves for ``f`` (None: nothing).
+#: reserve_in_flight's order: (expected end, update id)
+_BY_END = operator.attrgetter("expected_end", "update_id")
 
-    Nothing for a transfer with no finite end, no links, or a link the graph no longer has.
+
+def _reservations(
+    in_flight: Iterable[InFlight], now: float, succ: Mapping[str, Mapping[str, object]]
+) -> Iterator[tuple[InFlight, tuple[Link, ...], float]]:
+    """Each transfer :func:`reserve_in_flight` reserves, with its links and end, in turn.
+
+    Nothing for a transfer with no finite end, no links, or a link the graph no longer has
+    (``succ``: the graph's adjacency, ``graph.has_edge`` without a call per link, issue 24).
     """
-    end = f.expected_end
-    if now > end:  # max(expected_end, now)
-        end = now
-    if math.isinf(end):
-        return None
-    links = tuple(itertools.pairwise(f.path))
-    if not links:
-        return None
-    for a, b in links:
-        if b not in succ.get(a, ()):
-            return None  # a link the graph no longer has
-    return links, end
+    for f in in_flight:
+        end = f.expected_end
+        if now > end:  # max(expected_end, now)
+            end = now
+        if math.isinf(end):
+            continue
+        links = tuple(itertools.pairwise(f.path))
+        if not links:
+            continue
+        for a, b in links:
+            if b not in succ.get(a, ()):
+                break  # a link the graph no longer has
+        else:
+            yield f, links, end
 
 
 def run_scope(server: str, scope: str) -> str:
