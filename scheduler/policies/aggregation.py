@@ -527,11 +527,13 @@ class AggregationPolicy:
         if self.join and not self.sync and by_id:
             live = {a.aggregate_id for a in snapshot.gathering}
             self._server_of = {a: k for a, k in self._server_of.items() if a in live}
-            # the transfers in flight reserved once for the joins and the plan (issue 24)
+            # the transfers in flight reserved once for the joins and, where none joins, the plan
             hosts = {p.dst_host for p in by_id.values()}
             reserved = reserve_in_flight(snapshot.graph, snapshot.in_flight, snapshot.now, hosts)
             pc, slack = self._pc(snapshot), self.join_slack
             joins, joined = join_open(snapshot, list(by_id.values()), self._server_of, pc, slack, reserved[0])
+            if joins:  # (reserved on those timelines: the plan reserves anew)
+                reserved = None
             for j in joins:
                 del by_id[j.update_id]
             sends.extend(joins)

@@ -70,9 +70,10 @@ def join_open(
         joining never costs more than sending directly).
     timelines : Timelines, optional
         :func:`~mlfabric.scheduler.policies.planning.reserve_in_flight` of
-        ``snapshot.in_flight`` (the caller's, left as it is): used, copied before a join is
-        reserved on it, where the aggregates joined reserve nothing there (the placeholders
-        of the aggregates being gathered), instead of reserving the transfers in flight again.
+        ``snapshot.in_flight``: planned on, the joins reserved on it in place, where the
+        aggregates joined reserve nothing there (the placeholders of the aggregates being
+        gathered), instead of reserving the transfers in flight again. Default (or where
+        they reserve something): the transfers in flight are reserved here.
 
     Returns
     -------
@@ -126,9 +127,9 @@ def join_open(
     others = [f for f in snapshot.in_flight if f.update_id not in open_ids]
     gathered = (f for f in snapshot.in_flight if f.update_id in open_ids)
     if timelines is not None and reserves_nothing(graph, gathered, now):
-        tls, mine = timelines, False
+        tls = timelines
     else:
-        tls, mine = reserve_in_flight(graph, others, now)[0], True
+        tls = reserve_in_flight(graph, others, now)[0]
     free: dict[str, float] = {}
     ends: dict[str, float] = {}
     for f in others:
@@ -171,8 +172,6 @@ def join_open(
         if best is None:
             continue
         _, aid, path = best
-        if not mine:  # (the caller's: a copy takes the joins)
-            tls, mine = tls.copy(), True
         t = tls.transfer(p.update_id, path, p.bytes, max(p.ready_at, now))
         agg = joined.get(aid) or next(a for a in open_aggs if a.aggregate_id == aid)
         joined[aid] = replace(agg, members=(*agg.members, p.update_id))
