@@ -51,7 +51,6 @@ from mlfabric.scheduler.policies.base import Decision, Drop, PendingUpdate, Plan
 from mlfabric.scheduler.policies.convert import schedule_to_decision
 from mlfabric.scheduler.policies.joining import join_open
 from mlfabric.scheduler.policies.planning import (
-    Busy,
     aggregator_pool,
     collector_paused,
     core_updates,
@@ -523,23 +522,18 @@ class AggregationPolicy:
                 sends.append(Send(m, agg.aggregator, self._path(snapshot, p.src_host, agg.aggregator)))
         self._committed = kept
         joined: dict[str, PlannedAggregate] = {}
-        reserved: tuple[Timelines, list[Busy], dict[str, float]] | None = None
         if self.join and not self.sync and by_id:
             live = {a.aggregate_id for a in snapshot.gathering}
             self._server_of = {a: k for a, k in self._server_of.items() if a in live}
-            # the transfers in flight reserved once for the joins and, where none joins, the plan
-            hosts = {p.dst_host for p in by_id.values()}
-            reserved = reserve_in_flight(snapshot.graph, snapshot.in_flight, snapshot.now, hosts)
-            pc, slack = self._pc(snapshot), self.join_slack
-            joins, joined = join_open(snapshot, list(by_id.values()), self._server_of, pc, slack, reserved[0])
-            if joins:  # (reserved on those timelines: the plan reserves anew)
-                reserved = None
+            joins, joined = join_open(
+                snapshot, list(by_id.values()), self._server_of, self._pc(snapshot), self.join_slack
+            )
             for j in joins:
                 del by_id[j.update_id]
             sends.extend(joins)
         if not by_id:
             return Decision(sends=tuple(sends), drops=drops, aggregates=tuple(joined.values()))
-        schedule, busy = self._plan(snapshot, list(by_id.values()), reserved)
+        schedule, busy = self._plan(snapshot, list(by_id.values()))
         ids = name_aggregates(schedule, self.scope, self._count)
         self._count += len(schedule.aggregates)
         planned = schedule_to_decision(schedule, aggregate_ids=ids, busy=busy)
@@ -567,12 +561,8 @@ class AggregationPolicy:
         return self._pc(snapshot).path(src, dst)
 
     def _plan(
-        self,
-        snapshot: Snapshot,
-        pending: Sequence[PendingUpdate],
-        reserved: tuple[Timelines, list[Busy], dict[str, float]] | None = None,
-    ) -> tuple[Schedule, list[Busy]]:
-        """Plan ``pending`` (``reserved``: the snapshot's :func:`reserve_in_flight`, else made here)."""
+        self, snapshot: Snapshot, pending: Sequence[PendingUpdate]
+    ) -> tuple[Schedule, list[tuple[str, tuple[Link, ...], float]]]:
         graph = snapshot.graph
         updates = core_updates(pending)
         servers = {p.dst_host for p in pending}
@@ -582,7 +572,7 @@ class AggregationPolicy:
         # online: transfers in flight keep their links until their expected end, and a server
         # whose ingress is busy may have its next group gathered at an aggregator meanwhile
         now = snapshot.now
-        tls, busy, until = reserved or reserve_in_flight(graph, snapshot.in_flight, now, servers)
+        tls, busy, until = reserve_in_flight(graph, snapshot.in_flight, now, servers)
         schedule = plan_aggregation(
             graph,
             updates,

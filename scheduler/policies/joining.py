@@ -35,9 +35,8 @@ from dataclasses import replace
 import networkx as nx
 
 from mlfabric.scheduler.core.graph import PathCache
-from mlfabric.scheduler.core.timeline import Timelines
 from mlfabric.scheduler.policies.base import PendingUpdate, PlannedAggregate, Send, Snapshot
-from mlfabric.scheduler.policies.planning import reserve_in_flight, reserves_nothing, server_key
+from mlfabric.scheduler.policies.planning import reserve_in_flight, server_key
 
 __all__ = ["join_open"]
 
@@ -48,7 +47,6 @@ def join_open(
     server_of: Mapping[str, str],
     paths: PathCache,
     slack: float = 0.25,
-    timelines: Timelines | None = None,
 ) -> tuple[list[Send], dict[str, PlannedAggregate]]:
     """Let pending updates join the aggregates being gathered (see the module notes).
 
@@ -68,12 +66,6 @@ def join_open(
         ingress free of what is ahead of it) an update may still reach the aggregator (0:
         join only when the aggregate would wait anyway, work-conserving; default 0.25; 1:
         joining never costs more than sending directly).
-    timelines : Timelines, optional
-        :func:`~mlfabric.scheduler.policies.planning.reserve_in_flight` of
-        ``snapshot.in_flight``: planned on, the joins reserved on it in place, where the
-        aggregates joined reserve nothing there (the placeholders of the aggregates being
-        gathered), instead of reserving the transfers in flight again. Default (or where
-        they reserve something): the transfers in flight are reserved here.
 
     Returns
     -------
@@ -125,11 +117,7 @@ def join_open(
     graph, now = snapshot.graph, snapshot.now
     open_ids = {a.aggregate_id for a in open_aggs}
     others = [f for f in snapshot.in_flight if f.update_id not in open_ids]
-    gathered = (f for f in snapshot.in_flight if f.update_id in open_ids)
-    if timelines is not None and reserves_nothing(graph, gathered, now):
-        tls = timelines
-    else:
-        tls = reserve_in_flight(graph, others, now)[0]
+    tls, _, _ = reserve_in_flight(graph, others, now)
     free: dict[str, float] = {}
     ends: dict[str, float] = {}
     for f in others:

@@ -31,7 +31,6 @@ __all__ = [
     "core_updates",
     "name_aggregates",
     "reserve_in_flight",
-    "reserves_nothing",
     "run_scope",
     "server_key",
 ]
@@ -165,24 +164,6 @@ def reserve_in_flight(
         if f.path[-1] in servers:
             until[f.path[-1]] = max(until.get(f.path[-1], now), end)
     return tls, busy, until
-
-
-def reserves_nothing(graph: nx.DiGraph, in_flight: Iterable[InFlight], now: float) -> bool:
-    """Whether :func:`reserve_in_flight` reserves nothing for any of ``in_flight``.
-
-    Leaving such transfers out of :func:`reserve_in_flight` makes the same timelines (e.g.
-    the placeholders of the aggregates being gathered: no path, no known end).
-
-    Examples
-    --------
-    >>> from mlfabric.scheduler.policies.base import InFlight
-    >>> g = nx.DiGraph([("h1", "h0", {"capacity": 1e9})])
-    >>> placeholder = InFlight("agg", "", "", (), 10, math.inf, math.inf)
-    >>> f = InFlight("u1", "j", "ps0", ("h1", "h0"), 10, 0.0, 2.0)
-    >>> reserves_nothing(g, [placeholder], 1.0), reserves_nothing(g, [placeholder, f], 1.0)
-    (True, False)
-    """
-    return next(_reservations(in_flight, now, graph._succ), None) is None
 
 
 #: reserve_in_flight's order: (expected end, update id)
