@@ -60,9 +60,11 @@
  *
  *   stf_run(classes, class_of, class_of_key, on_first_link, book_on_link, popped, by_id, links_of,
  *           names, now, tau_max, server_version, ahead, limit, tls, tls._links, succ, start,
- *           profiles, Transfer, fields, Reservation, LinkTimeline, EPS, drop_reason, drops)
- *           -> list of Transfer | None
+ *           profiles, Transfer, fields, Reservation, LinkTimeline, EPS, drop_reason, drops
+ *           [, ix_of, link_list, cap_cache, class_index, keep, shared]) -> list of Transfer | None
  *       stf_planner.Planner.run, the STF loop (plan_stf.c, plan_stf_run.c, plan_stf_links.c).
+ *       `shared`: member lists of the first classes, each from `now` with head 0, before
+ *       `classes`' (start, members, head).
  *       With Reservation None, the timelines are reserved all the same but no reservation
  *       records are made, and each transfer is a row of the tuple class passed as Transfer
  *       (schedule.TransferTimes: payload id, src, dst, path, start, end, bytes, False),

@@ -113,6 +113,7 @@ def stf_run(
     cap_cache: list[Any] | None = None,
     class_index: Any = None,
     keep: bool = True,
+    shared: list[list[tuple[float, str]]] | None = None,
     /,
 ) -> list[Any] | None: ...
 def dispatch_index(

@@ -187,15 +187,26 @@ static int links_by_number(STF *st, Py_ssize_t ui) {
     if (stf_grow((void **)&st->pool, &st->poolcap, st->npool + k, sizeof(Py_ssize_t)) < 0) return -1;
     Py_ssize_t l0 = st->npool;
     for (Py_ssize_t i = 0; i < k; i++) {
-        Py_ssize_t li = PyLong_AsSsize_t(PyTuple_GET_ITEM(nums, i));
-        if (li == -1 && PyErr_Occurred()) return -1;
-        if (li < 0 || li >= st->nl) {
+        Py_ssize_t num = PyLong_AsSsize_t(PyTuple_GET_ITEM(nums, i));
+        if (num == -1 && PyErr_Occurred()) return -1;
+        if (num < 0 || num >= st->nbook) {
             PyErr_SetString(PyExc_IndexError, "stf_run: a link number out of range");
             return -1;
         }
-        if (st->l[li].key == NULL && init_link(st, &st->l[li], PyList_GET_ITEM(st->link_list, li), li) < 0) {
-            Py_CLEAR(st->l[li].key);
-            return -1;
+        Py_ssize_t li = (Py_ssize_t)st->slot_of[num] - 1;
+        if (li < 0) { /* its slot made now, after the others */
+            if (st->nl >= INT32_MAX) {
+                PyErr_SetString(PyExc_OverflowError, "stf_run: too many links");
+                return -1;
+            }
+            if (stf_grow((void **)&st->l, &st->lcap, st->nl + 1, sizeof(Lnk)) < 0) return -1;
+            li = st->nl++;
+            if (init_link(st, &st->l[li], PyList_GET_ITEM(st->link_list, num), num) < 0) {
+                st->nl--;
+                Py_CLEAR(st->l[li].key);
+                return -1;
+            }
+            st->slot_of[num] = (int32_t)(li + 1);
         }
         st->pool[l0 + i] = li;
     }

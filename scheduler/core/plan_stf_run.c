@@ -313,7 +313,7 @@ static void release(STF *st) {
         Py_XDECREF(st->u[i].row);
     }
     for (Py_ssize_t i = 0; i < st->nl; i++) {
-        Py_XDECREF(st->l[i].key); /* NULL: a book link number not used */
+        Py_XDECREF(st->l[i].key);
         if (st->l[i].own) {
             Py_DECREF(st->l[i].times);
             Py_DECREF(st->l[i].residual);
@@ -338,6 +338,7 @@ static void release(STF *st) {
     PyMem_Free(st->heap);
     PyMem_Free(st->scratch);
     PyMem_Free(st->made);
+    PyMem_Free(st->slot_of);
     Py_XDECREF(st->uid_ix);
     Py_XDECREF(st->link_ix);
     Py_XDECREF(st->srv_ix);
@@ -361,9 +362,23 @@ static int float_timelines(PyObject *tls_links) {
     return 1;
 }
 
+/* whether a listed member is (float nbytes, str uid), as the C reads it */
+static inline int member_ok(PyObject *m) {
+    return PyTuple_CheckExact(m) && PyTuple_GET_SIZE(m) == 2 && PyFloat_CheckExact(PyTuple_GET_ITEM(m, 0)) &&
+           PyUnicode_CheckExact(PyTuple_GET_ITEM(m, 1));
+}
+
 int stf_take(STF *st, Py_ssize_t ci) {
     Cls *c = &st->c[ci];
-    PyObject *m = PyList_GET_ITEM(c->pm, c->pq); /* (nbytes, uid), checked by set_up */
+    if (c->pq >= PyList_GET_SIZE(c->pm)) { /* (the list shrank under us: it must not change) */
+        PyErr_SetString(PyExc_RuntimeError, "stf_run: a class's member list changed during the run");
+        return -1;
+    }
+    PyObject *m = PyList_GET_ITEM(c->pm, c->pq); /* (nbytes, uid): checked here unless by set_up */
+    if (!c->checked && !member_ok(m)) {
+        PyErr_SetString(PyExc_TypeError, "stf_run: a class's members must be (float bytes, str id) tuples");
+        return -1;
+    }
     PyObject *uid = PyTuple_GET_ITEM(m, 1);
     c->pq++;
     int fresh;
@@ -382,35 +397,40 @@ int stf_take_all(STF *st, Py_ssize_t ci) {
     return 0;
 }
 
-/* the classes as the planner holds them: 1, 0 (not as the C expects: the Python loop), -1.
-   With the planner's class_index, a class's members are taken as its head reaches them (a
-   decision plans the head of ~1,000 pending updates: most are never looked at, issue 24); a
-   member is indexed as it would have been here, in the class listing it unless class_of
-   says otherwise (the planner lists an update in two classes only after class_of has it). */
-static int set_up(STF *st, PyObject *classes) {
+/* the classes as the planner holds them: `shared`'s member lists (NULL: none) from `now_o`
+   with head 0, then `classes`' (start, members, head); 1, 0 (not as the C expects: the Python
+   loop), -1. With the planner's class_index, a class's members are taken as its head reaches
+   them (a decision plans the head of ~1,000 pending updates: most are never looked at, issue
+   24), and checked then (a member not as the C reads it raises TypeError there); a member is
+   indexed as it would have been here, in the class listing it unless class_of says otherwise
+   (the planner lists an update in two classes only after class_of has it). */
+static int set_up(STF *st, PyObject *classes, PyObject *shared) {
+    Py_ssize_t ns = shared ? PyList_GET_SIZE(shared) : 0;
+    for (Py_ssize_t ci = 0; ci < ns; ci++)
+        if (!PyList_CheckExact(PyList_GET_ITEM(shared, ci))) return 0;
     for (Py_ssize_t ci = 0; ci < PyList_GET_SIZE(classes); ci++) {
         PyObject *cls = PyList_GET_ITEM(classes, ci); /* (start, members, head) */
         if (!PyTuple_CheckExact(cls) || PyTuple_GET_SIZE(cls) != 3) return 0;
         PyObject *start = PyTuple_GET_ITEM(cls, 0), *members = PyTuple_GET_ITEM(cls, 1);
-        if (!PyFloat_CheckExact(start) || !PyList_CheckExact(members)) return 0;
-        for (Py_ssize_t q = 0; q < PyList_GET_SIZE(members); q++) {
-            PyObject *m = PyList_GET_ITEM(members, q);
-            if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2 || !PyFloat_CheckExact(PyTuple_GET_ITEM(m, 0)) ||
-                !PyUnicode_CheckExact(PyTuple_GET_ITEM(m, 1)))
-                return 0;
-        }
+        if (!PyFloat_CheckExact(start) || !PyList_CheckExact(members) || !PyLong_CheckExact(PyTuple_GET_ITEM(cls, 2)))
+            return 0;
     }
-    for (Py_ssize_t ci = 0; ci < PyList_GET_SIZE(classes); ci++) {
-        PyObject *cls = PyList_GET_ITEM(classes, ci);
-        if (stf_new_class(st, PyTuple_GET_ITEM(cls, 0)) != ci) return -1;
-        Py_ssize_t head = PyLong_AsSsize_t(PyTuple_GET_ITEM(cls, 2));
+    for (Py_ssize_t ci = 0; ci < ns + PyList_GET_SIZE(classes); ci++) {
+        PyObject *cls = ci < ns ? NULL : PyList_GET_ITEM(classes, ci - ns);
+        PyObject *members = cls ? PyTuple_GET_ITEM(cls, 1) : PyList_GET_ITEM(shared, ci);
+        Py_ssize_t head = cls ? PyLong_AsSsize_t(PyTuple_GET_ITEM(cls, 2)) : 0;
         if (head == -1 && PyErr_Occurred()) return -1;
+        int lazy = st->class_index != NULL && head == 0;
+        if (!lazy) /* (a head moved on: what is before it is taken too; the Python loop if not as expected) */
+            for (Py_ssize_t q = 0; q < PyList_GET_SIZE(members); q++)
+                if (!member_ok(PyList_GET_ITEM(members, q))) return 0;
+        if (stf_new_class(st, cls ? PyTuple_GET_ITEM(cls, 0) : st->now_o) != ci) return -1;
         Cls *c = &st->c[ci];
         c->head = head;
-        c->pm = PyTuple_GET_ITEM(cls, 1); /* the planner keeps its lists for the whole run */
+        c->pm = members; /* the planner keeps its lists for the whole run */
         c->pn = PyList_GET_SIZE(c->pm);
-        if (st->class_index == NULL || head > 0) /* (a head moved on: what is before it is taken too) */
-            if (stf_take_all(st, ci) < 0) return -1;
+        c->checked = (char)!lazy;
+        if (!lazy && stf_take_all(st, ci) < 0) return -1;
     }
     return 1;
 }
@@ -419,16 +439,22 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
     STF st;
     memset(&st, 0, sizeof(st));
     PyObject *classes, *ix_of = Py_None, *link_list = Py_None, *cap_cache = Py_None, *class_index = Py_None;
+    PyObject *shared = Py_None;
     int keep = 1;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOOOp", &PyList_Type, &classes, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!OOOOO!nOO!O!dOOOOOdOO!|OOOOpO", &PyList_Type, &classes, &PyDict_Type,
                           &st.class_of, &PyDict_Type, &st.class_of_key, &PyDict_Type, &st.on_first_link,
                           &st.book_on_link, &st.popped, &PyDict_Type, &st.by_id, &PyDict_Type, &st.links_of,
                           &st.names, &st.now_o, &st.tau_max, &st.server_version, &PyDict_Type, &st.ahead, &limit,
                           &st.tls, &PyDict_Type, &st.tls_links, &PyDict_Type, &st.succ, &st.t0, &st.profiles,
                           &st.transfer_cls, &st.fields, &st.reservation_cls, &st.timeline_cls, &st.eps,
-                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache, &class_index, &keep))
+                          &st.drop_reason, &PyDict_Type, &st.drops, &ix_of, &link_list, &cap_cache, &class_index, &keep,
+                          &shared))
         return NULL;
+    if (shared != Py_None && !PyList_CheckExact(shared)) {
+        PyErr_SetString(PyExc_TypeError, "stf_run: shared must be a list of member lists");
+        return NULL;
+    }
     st.keep = (char)keep;
     if (class_index != Py_None) {
         if (!PyCallable_Check(class_index)) {
@@ -486,16 +512,16 @@ PyObject *py_stf_run(PyObject *self, PyObject *args) {
         release(&st);
         return NULL;
     }
-    if (st.ix_of != NULL) { /* a slot per book link number, made on first use */
-        Py_ssize_t n = PyList_GET_SIZE(st.link_list);
-        if (stf_grow((void **)&st.l, &st.lcap, n, sizeof(Lnk)) < 0) {
+    if (st.ix_of != NULL) { /* no slot yet for any book link number */
+        st.nbook = PyList_GET_SIZE(st.link_list);
+        st.slot_of = PyMem_Calloc((size_t)(st.nbook ? st.nbook : 1), sizeof(int32_t));
+        if (st.slot_of == NULL) {
+            PyErr_NoMemory();
             release(&st);
             return NULL;
         }
-        if (n) memset(st.l, 0, (size_t)n * sizeof(Lnk));
-        st.nl = n;
     }
-    ok = set_up(&st, classes);
+    ok = set_up(&st, classes, shared == Py_None ? NULL : shared);
     if (ok <= 0) {
         release(&st);
         return ok < 0 ? NULL : Py_NewRef(Py_None);

@@ -27,6 +27,7 @@ bound does not grow with the joins.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -124,7 +125,11 @@ def join_open(
             continue
         free[f.path[-1]] = max(free.get(f.path[-1], now), f.expected_end)
         ends[f.update_id] = f.expected_end
-    members_in = {a.aggregate_id: max((ends.get(m, now) for m in a.members), default=now) for a in open_aggs}
+    # ends.get(m, now) per member, called by map (an aggregate gathers hundreds, issue 24)
+    members_in = {
+        a.aggregate_id: max(map(ends.get, a.members, itertools.repeat(now, len(a.members))), default=now)
+        for a in open_aggs
+    }
     ready_at = _ready_times(open_aggs, graph, paths, free, members_in, now)
     sends: list[Send] = []
     joined: dict[str, PlannedAggregate] = {}

@@ -14,7 +14,8 @@ import contextlib
 import gc
 import itertools
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
+import operator
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 import networkx as nx
 
@@ -155,8 +156,29 @@ def reserve_in_flight(
     tls = Timelines(graph, start=now)
     busy: list[Busy] = []
     until: dict[str, float] = {}
-    succ = graph._succ  # u -> {v: attributes}: graph.has_edge(u, v) without a call per link (issue 24)
-    for f in sorted(in_flight, key=lambda f: (f.expected_end, f.update_id)):
+    reserve = tls.reserve_until
+    in_order = sorted(in_flight, key=_BY_END)
+    for f, links, end in _reservations(in_order, now, graph._succ):
+        reserve(links, now, end, who=f.update_id)
+        busy.append((f.update_id, links, end))
+        if f.path[-1] in servers:
+            until[f.path[-1]] = max(until.get(f.path[-1], now), end)
+    return tls, busy, until
+
+
+#: reserve_in_flight's order: (expected end, update id)
+_BY_END = operator.attrgetter("expected_end", "update_id")
+
+
+def _reservations(
+    in_flight: Iterable[InFlight], now: float, succ: Mapping[str, Mapping[str, object]]
+) -> Iterator[tuple[InFlight, tuple[Link, ...], float]]:
+    """Each transfer :func:`reserve_in_flight` reserves, with its links and end, in turn.
+
+    Nothing for a transfer with no finite end, no links, or a link the graph no longer has
+    (``succ``: the graph's adjacency, ``graph.has_edge`` without a call per link, issue 24).
+    """
+    for f in in_flight:
         end = f.expected_end
         if now > end:  # max(expected_end, now)
             end = now
@@ -165,18 +187,11 @@ def reserve_in_flight(
         links = tuple(itertools.pairwise(f.path))
         if not links:
             continue
-        gone = False  # a link the graph no longer has
         for a, b in links:
             if b not in succ.get(a, ()):
-                gone = True
-                break
-        if gone:
-            continue
-        tls.reserve_until(links, now, end, who=f.update_id)
-        busy.append((f.update_id, links, end))
-        if f.path[-1] in servers:
-            until[f.path[-1]] = max(until.get(f.path[-1], now), end)
-    return tls, busy, until
+                break  # a link the graph no longer has
+        else:
+            yield f, links, end
 
 
 def run_scope(server: str, scope: str) -> str:

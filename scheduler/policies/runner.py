@@ -51,6 +51,7 @@ __all__ = ["DecisionError", "DecisionRunner", "Released"]
 
 _resent = operator.attrgetter("resent")
 _update_id = operator.attrgetter("update_id")
+_SEQ = operator.itemgetter(1)  # (aggregate id, seq) -> seq: the order the aggregates were adopted in
 
 
 class DecisionError(ValueError):
@@ -127,7 +128,7 @@ class DecisionRunner:
         self._member_of: dict[str, str] = {}
         # the aggregates all of whose members are in (the only ones a release or a wake-up looks
         # at: kept as members come and go, issue 24), and the adoption counter of their order
-        self._complete: set[str] = set()
+        self._complete: dict[str, int] = {}  # aggregate id -> its seq: those with every member in
         self._seq = itertools.count()
         self._replanned = False  # the plan or an aggregate's members changed since wakeup_changed()
         # the last decision's pending list, its update ids (how many times each is listed) and how
@@ -313,13 +314,13 @@ class DecisionRunner:
         """Whether aggregate ``aid``, being gathered, has all its members in (:attr:`_complete`)."""
         g = self._gathering.get(aid)
         if g is not None and len(g.arrived) >= len(g.members):
-            self._complete.add(aid)
+            self._complete[aid] = g.seq
         else:
-            self._complete.discard(aid)
+            self._complete.pop(aid, None)
 
     def _drop_aggregate(self, aid: str) -> None:
         g = self._gathering.pop(aid)
-        self._complete.discard(aid)
+        self._complete.pop(aid, None)
         for m in g.members:
             if self._member_of.get(m) == aid:
                 del self._member_of[m]
@@ -378,7 +379,7 @@ class DecisionRunner:
         forwarded: list[_Gathering] = []
         # those with every member in, in the order they were adopted (a member's arrival is rare
         # beside a release: no pass over every aggregate being gathered)
-        for aid in sorted(self._complete, key=lambda a: gathered[a].seq):
+        for aid, _ in sorted(self._complete.items(), key=_SEQ):
             g = gathered[aid]
             if g.planned.hold_until > now:  # a synchronous round's members still expected
                 continue
@@ -389,7 +390,7 @@ class DecisionRunner:
                 continue
             forwarded.append(gathered.pop(aid))
             gone.add(aid)
-            self._complete.discard(aid)
+            self._complete.pop(aid, None)
             up = self._gathering.get(self._member_of.get(aid, ""))
             if up is not None:  # an aggregate summed into another one: that one has started
                 up.started = True

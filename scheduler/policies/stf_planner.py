@@ -384,15 +384,12 @@ class Planner:
         Without :attr:`reservations` the C makes :class:`TransferTimes` rows, no reservation
         records (:meth:`times`; :attr:`transfers` stays empty).
         """
-        tls, now, n = self.tls, self.now, len(self.shared)
+        tls, n = self.tls, len(self.shared)
         light = not self.reservations
         on_link, popped = self.book_links()
         ix_of, link_list, cap_cache = self.link_numbers() or (None, None, None)
         got = _plan_native.stf_run(
-            [
-                *((now, members, 0) for members in self.shared),
-                *((c.start, c.members, c.head) for c in itertools.islice(self.classes, n, None)),
-            ],
+            [(c.start, c.members, c.head) for c in itertools.islice(self.classes, n, None)],
             self.class_of,
             self.class_of_key,
             self.on_first_link,
@@ -423,6 +420,7 @@ class Planner:
             cap_cache,
             self.class_index,  # (the C takes each class's members as its head reaches them)
             self.keep_timelines,
+            self.shared,  # (classes 0 .. n - 1, from now; their lists as they are, no tuple each)
         )
         if got is None:
             return False

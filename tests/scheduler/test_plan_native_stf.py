@@ -235,3 +235,19 @@ def test_a_plan_that_drops_its_timelines_is_the_same_plan(seed: int) -> None:
     assert kept == dropped == python and kept_state == python_state
     assert "no residual bandwidth" in repr(kept)
     assert len(dropped_state) < len(kept_state)  # (the timelines of the transfers it planned: left out)
+
+
+def test_a_book_member_not_as_the_c_reads_it_raises_when_its_head_is_reached() -> None:
+    # the book's classes are taken lazily (only their heads are read), so a member is checked
+    # as it is taken, not in a pass over every member of every class before the loop
+    g = star(["ps", "a", "b"], 8e6)
+    mk = lambda uid, host, size: PendingUpdate(uid, "j", "s", host, host, "ps", size, 1.0, 0, 0.0)  # noqa: E731
+    book = STFBook()
+    book.sync(g, 0.0, [mk("x", "a", 1e6), mk("y", "b", 2e6)])
+    times, _ = book.plan_times(Timelines(g), 0.0, {}, {})
+    assert [t.payload_id for t in times] == ["x", "y"]
+    members = next(iter(book._groups.values()))
+    nbytes, key = members[0]
+    members[0] = (int(nbytes), key)
+    with pytest.raises(TypeError, match="members must be"):
+        book.plan_times(Timelines(g), 0.0, {}, {})
