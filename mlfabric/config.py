@@ -122,6 +122,12 @@ SCHEDULER_KEYS: tuple[Key, ...] = (
         minimum=0.0,
     ),
     Key(
+        "pipelined_aggregates",
+        bool,
+        False,
+        "stf+agg, stf+tree: aggregators forward each piece of a sum as its float32 members land",
+    ),
+    Key(
         "replica_grace",
         float,
         10.0,

@@ -151,7 +151,7 @@ def plan_pipelined_round(
     >>> ups = [Update(f"u{h}", h, "ps", 1e6) for h in "abcd"]
     >>> t = plan_pipelined_round(g, ups, chunk_bytes=50_000)
     >>> t.shape, t.busiest, sorted(t.parent.values()).count("ps")
-    ('rooted:chain-local', 1.0, 1)
+    ('chain-local-head', 1.0, 1)
     >>> round(t.seconds, 3) < 1.3
     True
     """
@@ -252,7 +252,7 @@ def pipelined_schedule(
     >>> t = plan_pipelined_round(g, ups, chunk_bytes=50_000)
     >>> s = pipelined_schedule(t, g, ups)
     >>> [(a.aggregator, a.members) for a in s.aggregates]
-    [('c', ('uc', 'ud')), ('b', ('ub', 'agg:pipelined:0')), ('a', ('ua', 'agg:pipelined:1'))]
+    [('b', ('ub', 'uc')), ('a', ('ua', 'agg:pipelined:0')), ('d', ('ud', 'agg:pipelined:1'))]
     >>> round(max(x.end for x in s.transfers), 3)
     1.15
     >>> _ = check_schedule(g, s, updates=ups, pipelined={a.aggregate_id for a in s.aggregates})
