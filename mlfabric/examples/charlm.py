@@ -61,6 +61,7 @@ from mlfabric.examples.digits import (
     push_record,
     run_role,
     sgd_steps,
+    start_together,
 )
 
 __all__ = [
@@ -507,10 +508,7 @@ def run_worker(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     with worker:
         worker.get(args.server)  # warm up (imports, connections) before the clock starts
-        if args.ready_file:
-            Path(args.ready_file).touch()
-        while args.go_file and not Path(args.go_file).exists() and not stop.is_set():
-            time.sleep(0.01)
+        start_together(args, stop)
         local.fetch()
         while not stop.is_set() and local.steps < args.steps:
             version = local.version

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -94,6 +92,7 @@ def train_with_optimizer(args: argparse.Namespace, stop: Any) -> list[dict[str, 
 
     import mlfabric
     from mlfabric.examples.charlm import _config, batches, init_model, load_data, shard
+    from mlfabric.examples.digits import start_together
     from mlfabric.torch import DistributedOptimizer
 
     torch.set_num_threads(1)
@@ -116,10 +115,7 @@ def train_with_optimizer(args: argparse.Namespace, stop: Any) -> list[dict[str, 
     )
     with worker:
         opt.pull()  # warm up (imports, connections) before the clock starts
-        if args.ready_file:
-            Path(args.ready_file).touch()
-        while args.go_file and not Path(args.go_file).exists() and not stop.is_set():
-            time.sleep(0.01)
+        start_together(args, stop)
         opt.pull()
         while not stop.is_set() and opt.steps < args.steps:
             x, y = batches(mine, config.context, args.batch, rng)

@@ -332,11 +332,7 @@ def run_worker(args: argparse.Namespace) -> int:
     local = local_sgd(worker, args)
     with worker:
         worker.get(args.server)  # warm up (imports, connections) before the clock starts
-        if args.ready_file:
-            Path(args.ready_file).touch()
-        if args.go_file:
-            while not Path(args.go_file).exists() and not stop.is_set():
-                time.sleep(0.01)
+        start_together(args, stop)
         local.fetch()
         while not stop.is_set() and (stop_file is None or not stop_file.exists()):
             if args.steps is not None and local.steps >= args.steps:
@@ -425,6 +421,14 @@ def add_launch_options(worker: argparse.ArgumentParser) -> None:
     worker.add_argument("--ready-file", help="create this file once registered and warmed up")
     worker.add_argument("--go-file", help="start pushing only once this file exists")
     worker.add_argument("--stats-file", help="write the push results here as JSON")
+
+
+def start_together(args: argparse.Namespace, stop: threading.Event) -> None:
+    """Touch ``--ready-file``, then wait for ``--go-file`` or ``stop`` (:func:`add_launch_options`)."""
+    if args.ready_file:
+        Path(args.ready_file).touch()
+    while args.go_file and not Path(args.go_file).exists() and not stop.is_set():
+        time.sleep(0.01)
 
 
 def build_parser() -> argparse.ArgumentParser:
