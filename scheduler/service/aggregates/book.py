@@ -267,7 +267,7 @@ class AggregateBook:
     def pipelined(self, aggregate_id: str) -> bool:
         """Whether ``aggregate_id`` (on its way) is pipelined: its forward streams as its members land."""
         e = self.executions.get(aggregate_id)
-        return e is not None and (self.ledger.pipelined or e.planned.chunk_bytes > 0)
+        return e is not None and self.ledger.streams(e)
 
     def is_member_send(self, update_id: str) -> bool:
         """Whether a report on ``update_id`` is about a send to an aggregator."""

@@ -94,6 +94,10 @@ class Ledger:
         self.failures = 0
         self.requeued = 0
 
+    def streams(self, e: Execution) -> bool:
+        """Whether ``e`` is pipelined: every aggregate under the option, or one planned with a chunk size."""
+        return self.pipelined or e.planned.chunk_bytes > 0
+
     # ----------------------------------------------------------- member sends
 
     def is_member_send(self, update_id: str) -> bool:
@@ -204,7 +208,7 @@ class Ledger:
             timeout_seconds=self.timeout,
             allow_non_finite=job is not None and job.params.allow_non_finite,
             dst_aggregate_id=e.parent,
-            pipelined=self.pipelined or e.planned.chunk_bytes > 0,
+            pipelined=self.streams(e),
         )
         e.issued = e.listed()
         e.deadline = now + self.timeout + GRACE
