@@ -47,7 +47,12 @@ from mlfabric.scheduler.policies.allreduce_model import (
     tree_time,
 )
 
-__all__ = ["PipelinedTree", "pipelined_schedule", "plan_pipelined_round"]
+__all__ = ["NoPipelinedTree", "PipelinedTree", "pipelined_schedule", "plan_pipelined_round"]
+
+
+class NoPipelinedTree(ValueError):
+    """No candidate tree fits the round: a host with several updates may not sum them."""
+
 
 _ROOT = "\x00server"  # the server's participant id (never an update id)
 
@@ -199,7 +204,7 @@ def plan_pipelined_round(
             if best is None or seconds < best[0] - 1e-12:
                 best = (seconds, chunk, name, parent, terms[0])
     if best is None:
-        raise ValueError("no tree: a host with several updates may not aggregate")
+        raise NoPipelinedTree("no tree: a host with several updates may not aggregate")
     seconds, chunk, name, parent, busiest = best
     up = {h: (server if q == _ROOT or q is None else str(q)) for h, q in parent.items() if h != _ROOT}
     # updates at the server's own host (no parent): no network, straight in

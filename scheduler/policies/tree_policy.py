@@ -22,7 +22,7 @@ from mlfabric.scheduler.policies.aggregation import _stale
 from mlfabric.scheduler.policies.arrivals import ArrivalModel
 from mlfabric.scheduler.policies.base import Decision, PendingUpdate, PlannedAggregate, Send, Snapshot
 from mlfabric.scheduler.policies.convert import schedule_to_decision
-from mlfabric.scheduler.policies.pipelined import pipelined_schedule, plan_pipelined_round
+from mlfabric.scheduler.policies.pipelined import NoPipelinedTree, pipelined_schedule, plan_pipelined_round
 from mlfabric.scheduler.policies.planning import (
     aggregator_pool,
     collector_paused,
@@ -65,7 +65,8 @@ class TreePolicy:
         (:func:`~mlfabric.scheduler.policies.pipelined.plan_pipelined_round`: aggregates that
         forward their sums chunk by chunk as their members arrive, ``PlannedAggregate.chunk_bytes``)
         instead of :func:`plan_tree`'s store-and-forward one; other updates are planned as before.
-        For executors that pipeline (the simulator's ``--pipelined-aggregates``); default off.
+        For executors that pipeline (``--pipelined-aggregates`` of the simulator and the
+        service); default off.
 
     Examples
     --------
@@ -159,7 +160,7 @@ class TreePolicy:
         if self.pipelined:
             try:
                 return self._plan_pipelined(snapshot, updates, pc)
-            except ValueError:  # no pipelined tree (a host with several updates may not sum them)
+            except NoPipelinedTree:  # a host with several updates may not sum them
                 pass  # the round goes store-and-forward
         schedule, busy = self._plan(snapshot, updates, pc)
         ids = name_aggregates(schedule, self.scope, self._count)
